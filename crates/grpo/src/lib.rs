@@ -1,0 +1,22 @@
+//! grpo: fine-tune causal language models with Group Relative Policy Optimization.
+//!
+//! This crate is the library behind the `grpo` binary. Layers, bottom up:
+//! - [`models`]: Llama / Qwen2 / Qwen3 / GPT-2 with HF weight names, a differentiable all-position
+//!   forward for training and a cached incremental forward for sampling.
+//! - [`weights`]: loading HF directories (safetensors) and GGUF files into those models.
+//! - [`tokenizer`]: HF-exact tokenization from tokenizer.json or GGUF metadata, chat templates.
+//! - [`hub`]: resolving `--model` (local dir, .gguf, hub id, the embedded default) with a cache.
+//! - [`sampler`]: batched, KV-cached, group-aware sampling.
+//! - [`logprobs`]: per-token log-probs for training, chunked over the vocabulary.
+
+pub mod error;
+pub mod hub;
+pub mod kv_cache;
+pub mod logprobs;
+pub mod models;
+pub mod sampler;
+pub mod threads;
+pub mod tokenizer;
+pub mod weights;
+
+pub use error::{Error, Result};

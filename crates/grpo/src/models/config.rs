@@ -1,0 +1,483 @@
+//! One model configuration for every supported architecture, read either from an HF `config.json`
+//! or from GGUF metadata. Architecture differences are resolved here, once, into plain fields
+//! (`attention_bias`, `qk_norm`, `tie_word_embeddings`, ...) so the model code never compares strings.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::quantized::gguf_file;
+use serde::Deserialize;
+
+use crate::{Error, Result};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    /// Llama 2/3.x, SmolLM2, TinyLlama, Mistral-style decoders.
+    Llama,
+    /// Qwen2 / Qwen2.5: Llama plus q/k/v biases.
+    Qwen2,
+    /// Qwen3: Llama plus RMSNorm on q and k per head, explicit head_dim.
+    Qwen3,
+    /// GPT-2: learned positions, LayerNorm, GELU, fused c_attn.
+    Gpt2,
+}
+
+impl Arch {
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
+            Arch::Gpt2 => "gpt2",
+        }
+    }
+
+    fn from_model_type(model_type: &str) -> Option<Arch> {
+        match model_type {
+            "llama" | "mistral" | "smollm" | "smollm2" => Some(Arch::Llama),
+            "qwen2" => Some(Arch::Qwen2),
+            "qwen3" => Some(Arch::Qwen3),
+            "gpt2" => Some(Arch::Gpt2),
+            _ => None,
+        }
+    }
+}
+
+pub const SUPPORTED_ARCHS: &str = "llama (Llama 2/3.x, SmolLM2, TinyLlama), qwen2, qwen3, gpt2";
+
+/// Llama 3.x RoPE frequency scaling (`rope_scaling.rope_type = "llama3"`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Llama3RopeScaling {
+    pub factor: f64,
+    pub low_freq_factor: f64,
+    pub high_freq_factor: f64,
+    pub original_max_position_embeddings: usize,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    /// RMSNorm eps (Llama family) or LayerNorm eps (GPT-2).
+    pub norm_eps: f64,
+    pub rope_theta: f64,
+    pub rope_scaling: Option<Llama3RopeScaling>,
+    /// Per-frequency divisors from a GGUF `rope_freqs.weight` (Llama 3.1 GGUFs store the Llama 3
+    /// scaling this way instead of in metadata).
+    pub rope_freq_factors: Option<Vec<f64>>,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    /// q/k/v projections carry a bias (Qwen2, or Llama with `attention_bias`).
+    pub attention_bias: bool,
+    /// o_proj and MLP projections carry a bias (Llama `mlp_bias` only).
+    pub mlp_bias: bool,
+    /// Per-head RMSNorm on q and k before RoPE (Qwen3).
+    pub qk_norm: bool,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// The raw `config.json` keys we read. Unknown keys are ignored: HF configs carry many that do not
+/// matter for the forward pass.
+#[derive(Debug, Deserialize)]
+struct RawHfConfig {
+    model_type: Option<String>,
+    architectures: Option<Vec<String>>,
+    vocab_size: Option<usize>,
+    hidden_size: Option<usize>,
+    intermediate_size: Option<usize>,
+    num_hidden_layers: Option<usize>,
+    num_attention_heads: Option<usize>,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    rms_norm_eps: Option<f64>,
+    rope_theta: Option<f64>,
+    rope_scaling: Option<serde_json::Value>,
+    rope_parameters: Option<serde_json::Value>,
+    max_position_embeddings: Option<usize>,
+    tie_word_embeddings: Option<bool>,
+    attention_bias: Option<bool>,
+    mlp_bias: Option<bool>,
+    bos_token_id: Option<serde_json::Value>,
+    eos_token_id: Option<serde_json::Value>,
+    hidden_act: Option<String>,
+    // GPT-2 names.
+    n_embd: Option<usize>,
+    n_layer: Option<usize>,
+    n_head: Option<usize>,
+    n_inner: Option<usize>,
+    n_positions: Option<usize>,
+    layer_norm_epsilon: Option<f64>,
+    activation_function: Option<String>,
+}
+
+/// `eos_token_id` may be an int, a list of ints or null.
+pub fn token_ids_from_json(v: Option<&serde_json::Value>) -> Vec<u32> {
+    match v {
+        Some(serde_json::Value::Number(n)) => {
+            n.as_u64().map(|x| vec![x as u32]).unwrap_or_default()
+        }
+        Some(serde_json::Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64().map(|x| x as u32))
+            .collect(),
+        _ => vec![],
+    }
+}
+
+fn need<T>(v: Option<T>, key: &str, path: &Path) -> Result<T> {
+    v.ok_or_else(|| Error::file(path, format!("missing key `{key}` in config.json")))
+}
+
+impl ModelConfig {
+    /// Reads an HF `config.json`.
+    pub fn from_hf_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::file(path, format!("cannot read: {e}")))?;
+        Self::from_hf_json(&text, path)
+    }
+
+    /// Parses the text of an HF `config.json`; `path` is used in error messages only.
+    pub fn from_hf_json(text: &str, path: &Path) -> Result<Self> {
+        let raw: RawHfConfig = serde_json::from_str(text)
+            .map_err(|e| Error::file(path, format!("invalid JSON: {e}")))?;
+        let model_type = raw.model_type.clone().unwrap_or_default();
+        let arch = Arch::from_model_type(&model_type)
+            .or_else(|| {
+                let first = raw.architectures.as_ref()?.first()?.to_lowercase();
+                [
+                    ("qwen3", Arch::Qwen3),
+                    ("qwen2", Arch::Qwen2),
+                    ("gpt2", Arch::Gpt2),
+                    ("llama", Arch::Llama),
+                    ("mistral", Arch::Llama),
+                ]
+                .into_iter()
+                .find(|(k, _)| first.starts_with(k))
+                .map(|(_, a)| a)
+            })
+            .ok_or_else(|| {
+                Error::file(
+                    path,
+                    format!(
+                        "unsupported architecture: model_type `{model_type}`, architectures {:?}. \
+                         Supported: {SUPPORTED_ARCHS}",
+                        raw.architectures.clone().unwrap_or_default()
+                    ),
+                )
+            })?;
+        let eos_token_ids = token_ids_from_json(raw.eos_token_id.as_ref());
+        let bos_token_id = token_ids_from_json(raw.bos_token_id.as_ref())
+            .first()
+            .copied();
+        if arch == Arch::Gpt2 {
+            let act = raw
+                .activation_function
+                .clone()
+                .unwrap_or_else(|| "gelu_new".into());
+            if !matches!(act.as_str(), "gelu_new" | "gelu_pytorch_tanh" | "gelu") {
+                return Err(Error::file(
+                    path,
+                    format!("activation_function `{act}` is not supported for gpt2 (use gelu_new)"),
+                ));
+            }
+            let hidden = need(raw.n_embd, "n_embd", path)?;
+            let heads = need(raw.n_head, "n_head", path)?;
+            if heads == 0 || hidden % heads != 0 {
+                return Err(Error::file(
+                    path,
+                    format!("n_embd ({hidden}) must be a multiple of n_head ({heads})"),
+                ));
+            }
+            return Ok(ModelConfig {
+                arch,
+                vocab_size: need(raw.vocab_size, "vocab_size", path)?,
+                hidden_size: hidden,
+                intermediate_size: raw.n_inner.unwrap_or(4 * hidden),
+                num_layers: need(raw.n_layer, "n_layer", path)?,
+                num_heads: heads,
+                num_kv_heads: heads,
+                head_dim: hidden / heads,
+                norm_eps: raw.layer_norm_epsilon.unwrap_or(1e-5),
+                rope_theta: 0.0,
+                rope_scaling: None,
+                rope_freq_factors: None,
+                max_position_embeddings: raw.n_positions.unwrap_or(1024),
+                tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(true),
+                attention_bias: true,
+                mlp_bias: true,
+                qk_norm: false,
+                bos_token_id,
+                eos_token_ids,
+            });
+        }
+        if let Some(act) = &raw.hidden_act {
+            if act != "silu" {
+                return Err(Error::file(
+                    path,
+                    format!("hidden_act `{act}` is not supported (only silu)"),
+                ));
+            }
+        }
+        let hidden = need(raw.hidden_size, "hidden_size", path)?;
+        let heads = need(raw.num_attention_heads, "num_attention_heads", path)?;
+        let kv_heads = raw.num_key_value_heads.unwrap_or(heads);
+        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+            return Err(Error::file(
+                path,
+                format!(
+                    "num_attention_heads ({heads}) must be a positive multiple of num_key_value_heads ({kv_heads})"
+                ),
+            ));
+        }
+        let head_dim = match raw.head_dim {
+            Some(d) => d,
+            None if hidden % heads == 0 => hidden / heads,
+            None => {
+                return Err(Error::file(
+                    path,
+                    format!("hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads}) and head_dim is not set"),
+                ))
+            }
+        };
+        // transformers 5 moved rope_theta/rope_scaling into `rope_parameters`.
+        let rope_params = raw.rope_parameters.as_ref();
+        let rope_theta = raw
+            .rope_theta
+            .or_else(|| rope_params?.get("rope_theta")?.as_f64())
+            .unwrap_or(10000.0);
+        let scaling = raw.rope_scaling.as_ref().or(rope_params);
+        let rope_scaling = parse_rope_scaling(scaling, path)?;
+        Ok(ModelConfig {
+            arch,
+            vocab_size: need(raw.vocab_size, "vocab_size", path)?,
+            hidden_size: hidden,
+            intermediate_size: need(raw.intermediate_size, "intermediate_size", path)?,
+            num_layers: need(raw.num_hidden_layers, "num_hidden_layers", path)?,
+            num_heads: heads,
+            num_kv_heads: kv_heads,
+            head_dim,
+            norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
+            rope_theta,
+            rope_scaling,
+            rope_freq_factors: None,
+            max_position_embeddings: raw.max_position_embeddings.unwrap_or(2048),
+            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            attention_bias: arch == Arch::Qwen2 || raw.attention_bias.unwrap_or(false),
+            mlp_bias: raw.mlp_bias.unwrap_or(false),
+            qk_norm: arch == Arch::Qwen3,
+            bos_token_id,
+            eos_token_ids,
+        })
+    }
+
+    /// Reads the model hyper-parameters from GGUF metadata (`<arch>.block_count`, ...).
+    pub fn from_gguf(md: &HashMap<String, gguf_file::Value>, path: &Path) -> Result<Self> {
+        let arch_name = gguf_str(md, "general.architecture", path)?;
+        let arch = match arch_name.as_str() {
+            "llama" => Arch::Llama,
+            "qwen2" => Arch::Qwen2,
+            "qwen3" => Arch::Qwen3,
+            "gpt2" => Arch::Gpt2,
+            other => {
+                return Err(Error::file(
+                    path,
+                    format!(
+                        "unsupported GGUF architecture `{other}`. Supported: {SUPPORTED_ARCHS}"
+                    ),
+                ))
+            }
+        };
+        let key = |k: &str| format!("{arch_name}.{k}");
+        let hidden = gguf_usize(md, &key("embedding_length"), path)?;
+        let heads = gguf_usize(md, &key("attention.head_count"), path)?;
+        let kv_heads = gguf_usize_opt(md, &key("attention.head_count_kv"))?.unwrap_or(heads);
+        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+            return Err(Error::file(
+                path,
+                format!("head_count ({heads}) must be a positive multiple of head_count_kv ({kv_heads})"),
+            ));
+        }
+        let head_dim = match gguf_usize_opt(md, &key("attention.key_length"))? {
+            Some(d) => d,
+            None => hidden / heads,
+        };
+        let vocab_size = match gguf_usize_opt(md, &key("vocab_size"))? {
+            Some(v) => v,
+            None => match md.get("tokenizer.ggml.tokens") {
+                Some(v) => v.to_vec().map(|v| v.len()).map_err(|e| {
+                    Error::file(path, format!("tokenizer.ggml.tokens is not an array: {e}"))
+                })?,
+                None => {
+                    return Err(Error::file(
+                        path,
+                        format!(
+                            "missing `{}` and `tokenizer.ggml.tokens`",
+                            key("vocab_size")
+                        ),
+                    ))
+                }
+            },
+        };
+        let eos = gguf_usize_opt(md, "tokenizer.ggml.eos_token_id")?.map(|x| x as u32);
+        let bos = gguf_usize_opt(md, "tokenizer.ggml.bos_token_id")?.map(|x| x as u32);
+        let is_gpt2 = arch == Arch::Gpt2;
+        let norm_key = if is_gpt2 {
+            "attention.layer_norm_epsilon"
+        } else {
+            "attention.layer_norm_rms_epsilon"
+        };
+        Ok(ModelConfig {
+            arch,
+            vocab_size,
+            hidden_size: hidden,
+            intermediate_size: gguf_usize(md, &key("feed_forward_length"), path)?,
+            num_layers: gguf_usize(md, &key("block_count"), path)?,
+            num_heads: heads,
+            num_kv_heads: kv_heads,
+            head_dim,
+            norm_eps: gguf_f64_opt(md, &key(norm_key))?.unwrap_or(1e-5),
+            rope_theta: gguf_f64_opt(md, &key("rope.freq_base"))?.unwrap_or(10000.0),
+            rope_scaling: None,
+            rope_freq_factors: None,
+            max_position_embeddings: gguf_usize_opt(md, &key("context_length"))?.unwrap_or(2048),
+            // Decided by the presence of `output.weight` when the tensors are loaded.
+            tie_word_embeddings: true,
+            attention_bias: is_gpt2 || arch == Arch::Qwen2,
+            mlp_bias: is_gpt2,
+            qk_norm: arch == Arch::Qwen3,
+            bos_token_id: bos,
+            eos_token_ids: eos.into_iter().collect(),
+        })
+    }
+
+    /// Number of query heads sharing one key/value head.
+    pub fn kv_groups(&self) -> usize {
+        self.num_heads / self.num_kv_heads
+    }
+}
+
+fn parse_rope_scaling(
+    v: Option<&serde_json::Value>,
+    path: &Path,
+) -> Result<Option<Llama3RopeScaling>> {
+    let Some(v) = v else { return Ok(None) };
+    if v.is_null() {
+        return Ok(None);
+    }
+    let kind = v
+        .get("rope_type")
+        .or_else(|| v.get("type"))
+        .and_then(|x| x.as_str())
+        .unwrap_or("default");
+    match kind {
+        "default" => Ok(None),
+        "llama3" => {
+            let f = |k: &str| {
+                v.get(k).and_then(|x| x.as_f64()).ok_or_else(|| {
+                    Error::file(path, format!("rope_scaling of type llama3 needs `{k}`"))
+                })
+            };
+            Ok(Some(Llama3RopeScaling {
+                factor: f("factor")?,
+                low_freq_factor: f("low_freq_factor")?,
+                high_freq_factor: f("high_freq_factor")?,
+                original_max_position_embeddings: f("original_max_position_embeddings")? as usize,
+            }))
+        }
+        other => Err(Error::file(
+            path,
+            format!("rope_scaling type `{other}` is not supported (supported: default, llama3)"),
+        )),
+    }
+}
+
+fn gguf_str(md: &HashMap<String, gguf_file::Value>, key: &str, path: &Path) -> Result<String> {
+    match md.get(key) {
+        Some(gguf_file::Value::String(s)) => Ok(s.clone()),
+        Some(v) => Err(Error::file(
+            path,
+            format!("metadata `{key}` should be a string, found {v:?}"),
+        )),
+        None => Err(Error::file(path, format!("missing metadata key `{key}`"))),
+    }
+}
+
+/// Any integer-typed GGUF value as usize.
+pub fn gguf_value_usize(v: &gguf_file::Value) -> Option<usize> {
+    use gguf_file::Value as V;
+    match *v {
+        V::U8(x) => Some(x as usize),
+        V::U16(x) => Some(x as usize),
+        V::U32(x) => Some(x as usize),
+        V::U64(x) => Some(x as usize),
+        V::I8(x) if x >= 0 => Some(x as usize),
+        V::I16(x) if x >= 0 => Some(x as usize),
+        V::I32(x) if x >= 0 => Some(x as usize),
+        V::I64(x) if x >= 0 => Some(x as usize),
+        _ => None,
+    }
+}
+
+fn gguf_usize_opt(md: &HashMap<String, gguf_file::Value>, key: &str) -> Result<Option<usize>> {
+    match md.get(key) {
+        None => Ok(None),
+        Some(v) => gguf_value_usize(v)
+            .map(Some)
+            .ok_or_else(|| Error::Model(format!("GGUF metadata `{key}` is not an integer: {v:?}"))),
+    }
+}
+
+fn gguf_usize(md: &HashMap<String, gguf_file::Value>, key: &str, path: &Path) -> Result<usize> {
+    gguf_usize_opt(md, key)?
+        .ok_or_else(|| Error::file(path, format!("missing metadata key `{key}`")))
+}
+
+fn gguf_f64_opt(md: &HashMap<String, gguf_file::Value>, key: &str) -> Result<Option<f64>> {
+    use gguf_file::Value as V;
+    match md.get(key) {
+        None => Ok(None),
+        Some(V::F32(x)) => Ok(Some(*x as f64)),
+        Some(V::F64(x)) => Ok(Some(*x)),
+        Some(v) => Err(Error::Model(format!(
+            "GGUF metadata `{key}` is not a float: {v:?}"
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_llama_and_rejects_unknown_arch() {
+        let p = Path::new("config.json");
+        let c = ModelConfig::from_hf_json(
+            r#"{"model_type":"llama","vocab_size":10,"hidden_size":8,"intermediate_size":16,
+                "num_hidden_layers":1,"num_attention_heads":2,"num_key_value_heads":1,
+                "eos_token_id":[2,3]}"#,
+            p,
+        )
+        .unwrap();
+        assert_eq!(c.arch, Arch::Llama);
+        assert_eq!(c.head_dim, 4);
+        assert_eq!(c.kv_groups(), 2);
+        assert_eq!(c.eos_token_ids, vec![2, 3]);
+        let err = ModelConfig::from_hf_json(r#"{"model_type":"mamba"}"#, p).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("config.json") && msg.contains("mamba"),
+            "{msg}"
+        );
+        let err = ModelConfig::from_hf_json(r#"{"model_type":"llama","vocab_size":10}"#, p)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("hidden_size"), "{err}");
+    }
+}

@@ -1,0 +1,181 @@
+//! GPT-2 (`GPT2LMHeadModel`) with HF weight names: `transformer.h.N.attn.c_attn.weight`, ...
+//! HF stores GPT-2's projections as `Conv1D` weights `[in, out]`; they are used through a
+//! transposed view so the checkpoint tensors (and their gradients) keep HF's layout.
+
+use candle_core::{Module, Result, Tensor};
+use candle_nn::VarBuilder;
+
+use super::config::ModelConfig;
+use super::layers::{attention, Embedding, LayerNorm, Linear, Mode};
+use crate::kv_cache::KvCache;
+
+/// HF `Conv1D`: weight `[in, out]`, bias `[out]`.
+fn conv1d(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<Linear> {
+    let w = vb.get((in_dim, out_dim), "weight")?;
+    let b = vb.get(out_dim, "bias")?;
+    Ok(Linear::new(w.t()?, Some(b)))
+}
+
+#[derive(Debug, Clone)]
+pub struct Attention {
+    c_attn: Linear,
+    c_proj: Linear,
+    num_heads: usize,
+    head_dim: usize,
+}
+
+impl Attention {
+    fn load(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+        let h = cfg.hidden_size;
+        Ok(Self {
+            c_attn: conv1d(h, 3 * h, vb.pp("c_attn"))?,
+            c_proj: conv1d(h, h, vb.pp("c_proj"))?,
+            num_heads: cfg.num_heads,
+            head_dim: cfg.head_dim,
+        })
+    }
+
+    fn forward(
+        &self,
+        x: &Tensor,
+        mask: &Tensor,
+        cache: Option<(&KvCache, usize)>,
+        mode: Mode,
+    ) -> Result<Tensor> {
+        let (b, s, h) = x.dims3()?;
+        let (nh, hd) = (self.num_heads, self.head_dim);
+        let qkv = self.c_attn.forward(x)?; // [B, S, 3H]
+        let split = |i: usize| -> Result<Tensor> {
+            qkv.narrow(2, i * h, h)?
+                .reshape((b, s, nh, hd))?
+                .transpose(1, 2) // [B, nh, S, hd]
+        };
+        let (q, k, v) = (split(0)?, split(1)?, split(2)?);
+        let (k, v) = match cache {
+            Some((c, layer)) => c.append(layer, &k, &v)?,
+            None => (k, v),
+        };
+        let y = attention(&q, &k, &v, mask, mode)?; // [B, S, H]
+        self.c_proj.forward(&y)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Mlp {
+    c_fc: Linear,
+    c_proj: Linear,
+}
+
+impl Mlp {
+    fn load(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            c_fc: conv1d(cfg.hidden_size, cfg.intermediate_size, vb.pp("c_fc"))?,
+            c_proj: conv1d(cfg.intermediate_size, cfg.hidden_size, vb.pp("c_proj"))?,
+        })
+    }
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        // candle's `gelu` is the tanh approximation, i.e. HF's `gelu_new`.
+        self.c_proj.forward(&self.c_fc.forward(x)?.gelu()?)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Block {
+    ln_1: LayerNorm,
+    attn: Attention,
+    ln_2: LayerNorm,
+    mlp: Mlp,
+}
+
+impl Block {
+    fn load(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            ln_1: LayerNorm::load(cfg.hidden_size, cfg.norm_eps, vb.pp("ln_1"))?,
+            attn: Attention::load(cfg, vb.pp("attn"))?,
+            ln_2: LayerNorm::load(cfg.hidden_size, cfg.norm_eps, vb.pp("ln_2"))?,
+            mlp: Mlp::load(cfg, vb.pp("mlp"))?,
+        })
+    }
+
+    fn forward(
+        &self,
+        x: &Tensor,
+        mask: &Tensor,
+        cache: Option<(&KvCache, usize)>,
+        mode: Mode,
+    ) -> Result<Tensor> {
+        let x = (x + self
+            .attn
+            .forward(&self.ln_1.forward(x, mode)?, mask, cache, mode)?)?;
+        &x + self.mlp.forward(&self.ln_2.forward(&x, mode)?)?
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Model {
+    wte: Embedding,
+    wpe: Embedding,
+    h: Vec<Block>,
+    ln_f: LayerNorm,
+    lm_head: Tensor,
+    n_positions: usize,
+}
+
+impl Model {
+    /// `vb` is rooted at the checkpoint root (keys `transformer.*`, optional `lm_head.weight`).
+    pub fn load(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+        let t = vb.pp("transformer");
+        let wte = t
+            .pp("wte")
+            .get((cfg.vocab_size, cfg.hidden_size), "weight")?;
+        let wpe = t
+            .pp("wpe")
+            .get((cfg.max_position_embeddings, cfg.hidden_size), "weight")?;
+        let h = (0..cfg.num_layers)
+            .map(|i| Block::load(cfg, t.pp("h").pp(i)))
+            .collect::<Result<Vec<_>>>()?;
+        let lm_head = if cfg.tie_word_embeddings {
+            wte.clone()
+        } else {
+            vb.pp("lm_head")
+                .get((cfg.vocab_size, cfg.hidden_size), "weight")?
+        };
+        Ok(Self {
+            wte: Embedding::new(wte),
+            wpe: Embedding::new(wpe),
+            h,
+            ln_f: LayerNorm::load(cfg.hidden_size, cfg.norm_eps, t.pp("ln_f"))?,
+            lm_head,
+            n_positions: cfg.max_position_embeddings,
+        })
+    }
+
+    pub fn lm_head(&self) -> &Tensor {
+        &self.lm_head
+    }
+
+    pub fn max_positions(&self) -> usize {
+        self.n_positions
+    }
+
+    /// Same contract as [`super::llama::Model::forward_hidden`].
+    pub fn forward_hidden(
+        &self,
+        ids: &Tensor,
+        positions: &Tensor,
+        mask: &Tensor,
+        mut cache: Option<&mut KvCache>,
+        mode: Mode,
+    ) -> Result<Tensor> {
+        let mut x = (self.wte.forward(ids)? + self.wpe.forward(positions)?)?; // [B, S, H]
+        let s = ids.dim(1)?;
+        for (i, block) in self.h.iter().enumerate() {
+            let c = cache.as_deref().map(|c| (c, i));
+            x = block.forward(&x, mask, c, mode)?;
+        }
+        if let Some(c) = cache.as_deref_mut() {
+            c.advance(s);
+        }
+        self.ln_f.forward(&x, mode)
+    }
+}

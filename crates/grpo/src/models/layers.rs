@@ -1,0 +1,479 @@
+//! Building blocks shared by the model files, each with two implementations picked by [`Mode`]:
+//! differentiable (composed of candle ops that all record a backward) and fused (candle's fast
+//! kernels, which record no backward and silently drop gradients). Training uses `Mode::Train`;
+//! sampling and reference/old log-probs use `Mode::Infer`. Tests check the two agree.
+
+use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_nn::VarBuilder;
+
+use super::config::{Llama3RopeScaling, ModelConfig};
+
+/// Which kernels a forward pass uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Only ops with a backward: gradients reach every parameter.
+    Train,
+    /// Fused kernels without backward: faster, for tensors that need no gradient.
+    Infer,
+}
+
+/// Additive mask value for disallowed attention positions. Finite, so a row that is entirely
+/// masked (a padding query) gives a uniform softmax instead of NaN, which would poison gradients.
+pub const MASK_VALUE: f32 = -1e30;
+
+/// `y = x W^T + b` with HF's `[out, in]` weight layout.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
+        Self { weight, bias }
+    }
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+}
+
+impl Module for Linear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims();
+        let in_dim = dims[dims.len() - 1];
+        let rows = x.elem_count() / in_dim;
+        let out_dim = self.weight.dim(0)?;
+        let x2 = x.reshape((rows, in_dim))?; // [N, in]
+        let y = x2.matmul(&self.weight.t()?)?; // [N, out]
+        let y = match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        };
+        let mut out_shape = dims.to_vec();
+        *out_shape.last_mut().expect("non-empty dims") = out_dim;
+        y.reshape(out_shape)
+    }
+}
+
+/// Loads `<prefix>.weight` ([out, in]) and, when `bias`, `<prefix>.bias` ([out]).
+pub fn linear(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> Result<Linear> {
+    let weight = vb.get((out_dim, in_dim), "weight")?;
+    let bias = if bias {
+        Some(vb.get(out_dim, "bias")?)
+    } else {
+        None
+    };
+    Ok(Linear::new(weight, bias))
+}
+
+/// Token embedding table `[vocab, hidden]`.
+#[derive(Debug, Clone)]
+pub struct Embedding {
+    weight: Tensor,
+}
+
+impl Embedding {
+    pub fn new(weight: Tensor) -> Self {
+        Self { weight }
+    }
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+    /// `ids` [B, T] u32 -> [B, T, H].
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        let h = self.weight.dim(1)?;
+        self.weight
+            .index_select(&ids.flatten_all()?, 0)? // [B*T, H]
+            .reshape((b, t, h))
+    }
+}
+
+/// RMSNorm as in HF Llama: `w * x / sqrt(mean(x^2) + eps)`.
+#[derive(Debug, Clone)]
+pub struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    pub fn new(weight: Tensor, eps: f64) -> Self {
+        Self { weight, eps }
+    }
+    pub fn load(size: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
+        Ok(Self::new(vb.get(size, "weight")?, eps))
+    }
+    pub fn forward(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
+        match mode {
+            Mode::Infer => {
+                candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps as f32)
+            }
+            Mode::Train => rms_norm_diff(x, &self.weight, self.eps),
+        }
+    }
+}
+
+/// Differentiable RMSNorm over the last dim, computed in f32 like HF.
+pub fn rms_norm_diff(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let xf = x.to_dtype(reduce_dtype(dtype))?;
+    let inv = (xf.sqr()?.mean_keepdim(D::Minus1)? + eps)?
+        .sqrt()?
+        .recip()?; // [.., 1]
+    let normed = xf.broadcast_mul(&inv)?.to_dtype(dtype)?;
+    normed.broadcast_mul(w)
+}
+
+/// LayerNorm with weight and bias (GPT-2).
+#[derive(Debug, Clone)]
+pub struct LayerNorm {
+    weight: Tensor,
+    bias: Tensor,
+    eps: f64,
+}
+
+impl LayerNorm {
+    pub fn load(size: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            weight: vb.get(size, "weight")?,
+            bias: vb.get(size, "bias")?,
+            eps,
+        })
+    }
+    pub fn forward(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
+        match mode {
+            Mode::Infer => candle_nn::ops::layer_norm(
+                &x.contiguous()?,
+                &self.weight,
+                &self.bias,
+                self.eps as f32,
+            ),
+            Mode::Train => layer_norm_diff(x, &self.weight, &self.bias, self.eps),
+        }
+    }
+}
+
+/// Differentiable LayerNorm over the last dim (biased variance, like torch).
+pub fn layer_norm_diff(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let xf = x.to_dtype(reduce_dtype(dtype))?;
+    let mean = xf.mean_keepdim(D::Minus1)?;
+    let centered = xf.broadcast_sub(&mean)?;
+    let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
+    let normed = centered.broadcast_div(&(var + eps)?.sqrt()?)?;
+    normed.to_dtype(dtype)?.broadcast_mul(w)?.broadcast_add(b)
+}
+
+/// Softmax over the last dim.
+pub fn softmax(x: &Tensor, mode: Mode) -> Result<Tensor> {
+    match mode {
+        Mode::Infer => candle_nn::ops::softmax_last_dim(&x.contiguous()?),
+        Mode::Train => {
+            // The max is a constant shift: detaching it leaves the gradient exact.
+            let max = x.max_keepdim(D::Minus1)?.detach();
+            let e = x.broadcast_sub(&max)?.exp()?;
+            e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
+        }
+    }
+}
+
+/// Rotary position embedding tables, `[max_pos, head_dim / 2]` each, f32 (HF computes RoPE in f32).
+#[derive(Debug, Clone)]
+pub struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+/// HF's inverse frequencies, with Llama 3 scaling when configured.
+pub fn rope_inv_freq(head_dim: usize, theta: f64, scaling: Option<Llama3RopeScaling>) -> Vec<f64> {
+    let inv: Vec<f64> = (0..head_dim / 2)
+        .map(|i| 1.0 / theta.powf((2 * i) as f64 / head_dim as f64))
+        .collect();
+    let Some(s) = scaling else { return inv };
+    let old = s.original_max_position_embeddings as f64;
+    let low_wavelen = old / s.low_freq_factor;
+    let high_wavelen = old / s.high_freq_factor;
+    inv.into_iter()
+        .map(|f| {
+            let wavelen = 2.0 * std::f64::consts::PI / f;
+            if wavelen < high_wavelen {
+                f
+            } else if wavelen > low_wavelen {
+                f / s.factor
+            } else {
+                let smooth =
+                    (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+                (1.0 - smooth) * f / s.factor + smooth * f
+            }
+        })
+        .collect()
+}
+
+impl Rope {
+    pub fn new(cfg: &ModelConfig, device: &Device) -> Result<Self> {
+        let half = cfg.head_dim / 2;
+        let mut inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling);
+        if let Some(factors) = &cfg.rope_freq_factors {
+            if factors.len() != inv.len() {
+                candle_core::bail!(
+                    "rope_freqs has {} factors, expected head_dim / 2 = {}",
+                    factors.len(),
+                    inv.len()
+                );
+            }
+            inv.iter_mut().zip(factors).for_each(|(f, d)| *f /= d);
+        }
+        // HF multiplies f32 positions by f32 inverse frequencies.
+        let inv32: Vec<f32> = inv.iter().map(|&x| x as f32).collect();
+        let n = cfg.max_position_embeddings;
+        let mut cos = Vec::with_capacity(n * half);
+        let mut sin = Vec::with_capacity(n * half);
+        for p in 0..n {
+            for &f in &inv32 {
+                let a = p as f32 * f;
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+        Ok(Self {
+            cos: Tensor::from_vec(cos, (n, half), device)?,
+            sin: Tensor::from_vec(sin, (n, half), device)?,
+        })
+    }
+
+    pub fn max_positions(&self) -> usize {
+        self.cos.dims()[0]
+    }
+
+    /// cos and sin for `positions` [B, T] u32: each [B, T, head_dim / 2] in `dtype`.
+    pub fn tables(&self, positions: &Tensor, dtype: DType) -> Result<(Tensor, Tensor)> {
+        let (b, t) = positions.dims2()?;
+        let flat = positions.flatten_all()?;
+        let half = self.cos.dim(1)?;
+        let cos = self.cos.index_select(&flat, 0)?.reshape((b, t, half))?;
+        let sin = self.sin.index_select(&flat, 0)?.reshape((b, t, half))?;
+        Ok((cos.to_dtype(dtype)?, sin.to_dtype(dtype)?))
+    }
+}
+
+/// Applies rotate-half RoPE (HF / GPT-NeoX layout) to `x` [B, H, T, D] with tables [B, T, D/2].
+pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor, mode: Mode) -> Result<Tensor> {
+    match mode {
+        Mode::Infer => candle_nn::rotary_emb::rope(&x.contiguous()?, cos, sin),
+        Mode::Train => {
+            let d = x.dim(D::Minus1)?;
+            let half = d / 2;
+            let cos = cos.unsqueeze(1)?; // [B, 1, T, D/2]
+            let sin = sin.unsqueeze(1)?;
+            let x1 = x.narrow(D::Minus1, 0, half)?;
+            let x2 = x.narrow(D::Minus1, half, half)?;
+            let a = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
+            let b = (x2.broadcast_mul(&cos)? + x1.broadcast_mul(&sin)?)?;
+            Tensor::cat(&[a, b], D::Minus1)
+        }
+    }
+}
+
+/// The dtype to do softmax-like reductions in: half types are upcast to f32, others kept.
+pub fn reduce_dtype(d: DType) -> DType {
+    match d {
+        DType::BF16 | DType::F16 => DType::F32,
+        d => d,
+    }
+}
+
+/// `t` [B, H, M, N] as a matmul operand: returned as is when candle's CPU matmul accepts its
+/// strides (rows contiguous and batch dims mergeable, e.g. a prefix view of the KV cache), else
+/// made contiguous. Avoids copying the cache at every decoding step.
+pub fn matmul_operand(t: &Tensor) -> Result<Tensor> {
+    let d = t.dims();
+    let s = t.stride();
+    let ok = d.len() == 4
+        && (s[3] == 1 || d[3] == 1)
+        && (s[2] == d[3] || d[2] == 1)
+        && (s[0] == s[1] * d[1] || d[0] == 1 || d[1] == 1);
+    if ok {
+        Ok(t.clone())
+    } else {
+        t.contiguous()
+    }
+}
+
+/// Scaled dot-product attention with grouped KV heads, without copying K/V per group.
+///
+/// `q` [B, H, S, D], `k`/`v` [B, Hkv, Tk, D], `mask` additive [B, 1, S, Tk] (f32, 0 or
+/// [`MASK_VALUE`]). Returns [B, S, H*D].
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, mode: Mode) -> Result<Tensor> {
+    let (b, h, s, d) = q.dims4()?;
+    let hkv = k.dim(1)?;
+    let g = h / hkv;
+    let tk = k.dim(2)?;
+    let scale = 1.0 / (d as f64).sqrt();
+    // Query heads h = j*g + i all read kv head j: fold the group into the query axis.
+    let q = q.contiguous()?.reshape((b, hkv, g * s, d))?; // [B, Hkv, g*S, D]
+    let k = matmul_operand(k)?;
+    let scores = (q.matmul(&k.t()?)? * scale)?; // [B, Hkv, g*S, Tk]
+    let scores = scores.to_dtype(reduce_dtype(scores.dtype()))?;
+    let mask = mask.to_dtype(scores.dtype())?;
+    let mask = if g == 1 {
+        mask
+    } else {
+        mask.unsqueeze(2)?
+            .broadcast_as((b, 1, g, s, tk))?
+            .reshape((b, 1, g * s, tk))?
+    };
+    let scores = scores.broadcast_add(&mask)?;
+    let probs = softmax(&scores, mode)?.to_dtype(v.dtype())?;
+    let out = probs.matmul(&matmul_operand(v)?)?; // [B, Hkv, g*S, D]
+    out.reshape((b, h, s, d))?
+        .transpose(1, 2)? // [B, S, H, D]
+        .reshape((b, s, h * d))
+}
+
+/// Additive attention mask [B, 1, S, Tk] for queries at key slots `q_slots[b][s]` attending to key
+/// slots `0..Tk` that are valid (`key_valid[b][j]`) and not after the query (causal by slot).
+pub fn build_mask(
+    key_valid: &[Vec<bool>],
+    q_slot_start: usize,
+    s: usize,
+    tk: usize,
+    device: &Device,
+) -> Result<Tensor> {
+    let b = key_valid.len();
+    let mut m = vec![0f32; b * s * tk];
+    for (bi, valid) in key_valid.iter().enumerate() {
+        for si in 0..s {
+            let q_slot = q_slot_start + si;
+            let row = &mut m[(bi * s + si) * tk..(bi * s + si + 1) * tk];
+            for (j, x) in row.iter_mut().enumerate() {
+                let ok = j <= q_slot && valid.get(j).copied().unwrap_or(false);
+                if !ok {
+                    *x = MASK_VALUE;
+                }
+            }
+        }
+    }
+    Tensor::from_vec(m, (b, 1, s, tk), device)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
+    #[test]
+    fn fused_and_differentiable_kernels_agree() {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1.0, (2, 3, 5, 8), &dev).unwrap();
+        let w = Tensor::randn(1f32, 0.1, 8, &dev).unwrap();
+        let b = Tensor::randn(0f32, 0.1, 8, &dev).unwrap();
+        let rms = RmsNorm::new(w.clone(), 1e-5);
+        assert!(
+            max_abs_diff(
+                &rms.forward(&x, Mode::Train).unwrap(),
+                &rms.forward(&x, Mode::Infer).unwrap()
+            ) < 1e-5
+        );
+        let ln = LayerNorm {
+            weight: w,
+            bias: b,
+            eps: 1e-5,
+        };
+        assert!(
+            max_abs_diff(
+                &ln.forward(&x, Mode::Train).unwrap(),
+                &ln.forward(&x, Mode::Infer).unwrap()
+            ) < 1e-5
+        );
+        assert!(
+            max_abs_diff(
+                &softmax(&x, Mode::Train).unwrap(),
+                &softmax(&x, Mode::Infer).unwrap()
+            ) < 1e-6
+        );
+        let pos = Tensor::new(&[[0u32, 1, 2, 3, 4], [7, 8, 9, 10, 11]], &dev).unwrap();
+        let cfg = ModelConfig {
+            arch: super::super::config::Arch::Llama,
+            vocab_size: 4,
+            hidden_size: 24,
+            intermediate_size: 4,
+            num_layers: 1,
+            num_heads: 3,
+            num_kv_heads: 3,
+            head_dim: 8,
+            norm_eps: 1e-5,
+            rope_theta: 10000.0,
+            rope_scaling: None,
+            rope_freq_factors: None,
+            max_position_embeddings: 32,
+            tie_word_embeddings: true,
+            attention_bias: false,
+            mlp_bias: false,
+            qk_norm: false,
+            bos_token_id: None,
+            eos_token_ids: vec![],
+        };
+        let rope = Rope::new(&cfg, &dev).unwrap();
+        let (c, s) = rope.tables(&pos, DType::F32).unwrap();
+        let a = apply_rope(&x, &c, &s, Mode::Train).unwrap();
+        let f = apply_rope(&x, &c, &s, Mode::Infer).unwrap();
+        assert!(max_abs_diff(&a, &f) < 1e-5);
+    }
+
+    /// Plain-f32 twin of RMSNorm for one row.
+    fn rms_norm_slow(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+        let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+        let r = 1.0 / (ms + eps).sqrt();
+        x.iter().zip(w).map(|(v, w)| v * r * w).collect()
+    }
+
+    #[test]
+    fn rms_norm_matches_plain_twin() {
+        let dev = Device::Cpu;
+        let x = vec![0.5f32, -1.0, 2.0, 0.25];
+        let w = vec![1.0f32, 0.5, -1.0, 2.0];
+        let t = rms_norm_diff(
+            &Tensor::new(x.as_slice(), &dev)
+                .unwrap()
+                .unsqueeze(0)
+                .unwrap(),
+            &Tensor::new(w.as_slice(), &dev).unwrap(),
+            1e-5,
+        )
+        .unwrap()
+        .squeeze(0)
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+        for (a, b) in t.iter().zip(rms_norm_slow(&x, &w, 1e-5)) {
+            assert!((a - b).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn llama3_scaling_changes_only_low_frequencies() {
+        let s = Llama3RopeScaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 32,
+        };
+        let plain = rope_inv_freq(16, 500000.0, None);
+        let scaled = rope_inv_freq(16, 500000.0, Some(s));
+        assert_eq!(plain[0], scaled[0]); // highest frequency untouched
+        let last = plain.len() - 1;
+        assert!((scaled[last] - plain[last] / 8.0).abs() < 1e-15); // lowest divided by factor
+    }
+}

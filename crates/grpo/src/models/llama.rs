@@ -1,0 +1,221 @@
+//! Llama-family decoder (Llama 2/3.x, SmolLM2, TinyLlama, Qwen2/2.5, Qwen3), one struct per HF
+//! module with HF weight names: `model.layers.N.self_attn.q_proj.weight`, ... Qwen2's q/k/v biases
+//! and Qwen3's per-head q/k RMSNorm are flags on the config, not separate code paths.
+
+use candle_core::{Module, Result, Tensor};
+use candle_nn::VarBuilder;
+
+use super::config::ModelConfig;
+use super::layers::{apply_rope, attention, linear, Embedding, Linear, Mode, RmsNorm, Rope};
+use crate::kv_cache::KvCache;
+
+#[derive(Debug, Clone)]
+pub struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+}
+
+impl Attention {
+    fn load(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+        let (h, nh, nkv, hd) = (
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        );
+        let (q_norm, k_norm) = if cfg.qk_norm {
+            (
+                Some(RmsNorm::load(hd, cfg.norm_eps, vb.pp("q_norm"))?),
+                Some(RmsNorm::load(hd, cfg.norm_eps, vb.pp("k_norm"))?),
+            )
+        } else {
+            (None, None)
+        };
+        Ok(Self {
+            q_proj: linear(h, nh * hd, cfg.attention_bias, vb.pp("q_proj"))?,
+            k_proj: linear(h, nkv * hd, cfg.attention_bias, vb.pp("k_proj"))?,
+            v_proj: linear(h, nkv * hd, cfg.attention_bias, vb.pp("v_proj"))?,
+            o_proj: linear(nh * hd, h, cfg.mlp_bias, vb.pp("o_proj"))?,
+            q_norm,
+            k_norm,
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: hd,
+        })
+    }
+
+    /// `x` [B, S, H]; `cos`/`sin` [B, S, D/2]; `mask` [B, 1, S, Tk]. With a cache, the new keys
+    /// are written into it and attention reads all cached slots; without, Tk = S.
+    fn forward(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: &Tensor,
+        cache: Option<(&KvCache, usize)>,
+        mode: Mode,
+    ) -> Result<Tensor> {
+        let (b, s, _) = x.dims3()?;
+        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let q = self.q_proj.forward(x)?.reshape((b, s, nh, hd))?; // [B, S, H, D]
+        let k = self.k_proj.forward(x)?.reshape((b, s, nkv, hd))?; // [B, S, Hkv, D]
+        let v = self.v_proj.forward(x)?.reshape((b, s, nkv, hd))?;
+        let q = match &self.q_norm {
+            Some(n) => n.forward(&q, mode)?,
+            None => q,
+        };
+        let k = match &self.k_norm {
+            Some(n) => n.forward(&k, mode)?,
+            None => k,
+        };
+        let q = apply_rope(&q.transpose(1, 2)?, cos, sin, mode)?; // [B, H, S, D]
+        let k = apply_rope(&k.transpose(1, 2)?, cos, sin, mode)?; // [B, Hkv, S, D]
+        let v = v.transpose(1, 2)?; // [B, Hkv, S, D]
+        let (k, v) = match cache {
+            Some((c, layer)) => c.append(layer, &k, &v)?, // [B, Hkv, Tk, D]
+            None => (k, v),
+        };
+        let y = attention(&q, &k, &v, mask, mode)?; // [B, S, H*D]
+        self.o_proj.forward(&y)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+impl Mlp {
+    fn load(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+        let (h, i, b) = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
+        Ok(Self {
+            gate_proj: linear(h, i, b, vb.pp("gate_proj"))?,
+            up_proj: linear(h, i, b, vb.pp("up_proj"))?,
+            down_proj: linear(i, h, b, vb.pp("down_proj"))?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let gate = self.gate_proj.forward(x)?.silu()?;
+        self.down_proj.forward(&(gate * self.up_proj.forward(x)?)?)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct DecoderLayer {
+    self_attn: Attention,
+    mlp: Mlp,
+    input_layernorm: RmsNorm,
+    post_attention_layernorm: RmsNorm,
+}
+
+impl DecoderLayer {
+    fn load(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            self_attn: Attention::load(cfg, vb.pp("self_attn"))?,
+            mlp: Mlp::load(cfg, vb.pp("mlp"))?,
+            input_layernorm: RmsNorm::load(
+                cfg.hidden_size,
+                cfg.norm_eps,
+                vb.pp("input_layernorm"),
+            )?,
+            post_attention_layernorm: RmsNorm::load(
+                cfg.hidden_size,
+                cfg.norm_eps,
+                vb.pp("post_attention_layernorm"),
+            )?,
+        })
+    }
+
+    fn forward(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: &Tensor,
+        cache: Option<(&KvCache, usize)>,
+        mode: Mode,
+    ) -> Result<Tensor> {
+        let h = self.input_layernorm.forward(x, mode)?;
+        let x = (x + self.self_attn.forward(&h, cos, sin, mask, cache, mode)?)?;
+        let h = self.post_attention_layernorm.forward(&x, mode)?;
+        x + self.mlp.forward(&h)?
+    }
+}
+
+/// `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM`.
+#[derive(Debug, Clone)]
+pub struct Model {
+    embed_tokens: Embedding,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Tensor,
+    rope: Rope,
+}
+
+impl Model {
+    /// `vb` is rooted at the checkpoint root (keys `model.*`, `lm_head.weight`).
+    pub fn load(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+        let m = vb.pp("model");
+        let embed = m
+            .pp("embed_tokens")
+            .get((cfg.vocab_size, cfg.hidden_size), "weight")?;
+        let layers = (0..cfg.num_layers)
+            .map(|i| DecoderLayer::load(cfg, m.pp("layers").pp(i)))
+            .collect::<Result<Vec<_>>>()?;
+        let lm_head = if cfg.tie_word_embeddings {
+            embed.clone()
+        } else {
+            vb.pp("lm_head")
+                .get((cfg.vocab_size, cfg.hidden_size), "weight")?
+        };
+        Ok(Self {
+            embed_tokens: Embedding::new(embed),
+            layers,
+            norm: RmsNorm::load(cfg.hidden_size, cfg.norm_eps, m.pp("norm"))?,
+            lm_head,
+            rope: Rope::new(cfg, vb.device())?,
+        })
+    }
+
+    pub fn lm_head(&self) -> &Tensor {
+        &self.lm_head
+    }
+
+    pub fn max_positions(&self) -> usize {
+        self.rope.max_positions()
+    }
+
+    /// Final hidden states [B, S, H] for `ids` [B, S] at `positions` [B, S] with `mask`
+    /// [B, 1, S, Tk]. Without a cache this is the all-position training forward (Tk = S); with one
+    /// it is the incremental decoding forward and the cache is advanced by S.
+    pub fn forward_hidden(
+        &self,
+        ids: &Tensor,
+        positions: &Tensor,
+        mask: &Tensor,
+        mut cache: Option<&mut KvCache>,
+        mode: Mode,
+    ) -> Result<Tensor> {
+        let mut x = self.embed_tokens.forward(ids)?; // [B, S, H]
+        let (cos, sin) = self.rope.tables(positions, x.dtype())?; // [B, S, D/2]
+        let s = ids.dim(1)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let c = cache.as_deref().map(|c| (c, i));
+            x = layer.forward(&x, &cos, &sin, mask, c, mode)?;
+        }
+        if let Some(c) = cache.as_deref_mut() {
+            c.advance(s);
+        }
+        self.norm.forward(&x, mode)
+    }
+}

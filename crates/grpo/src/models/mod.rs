@@ -1,0 +1,237 @@
+//! Causal language models with two explicit forwards:
+//! - [`CausalLm::forward_hidden`]: all positions of a [`SeqBatch`], differentiable in
+//!   [`Mode::Train`] (training), or with fused kernels in [`Mode::Infer`] (reference log-probs);
+//! - [`CausalLm::forward_cached`]: an incremental step over an external [`KvCache`] (sampling).
+//!
+//! Both return final hidden states; the LM head is applied separately ([`CausalLm::logits`]) so
+//! callers can apply it only where they need logits (the last position when sampling, completion
+//! positions when training).
+
+pub mod config;
+pub mod gpt2;
+pub mod layers;
+pub mod llama;
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+
+pub use config::{Arch, ModelConfig};
+pub use layers::Mode;
+
+use crate::kv_cache::KvCache;
+use crate::{Error, Result};
+
+#[derive(Debug, Clone)]
+enum Inner {
+    Llama(llama::Model),
+    Gpt2(gpt2::Model),
+}
+
+/// A loaded causal LM: configuration plus weights.
+#[derive(Debug, Clone)]
+pub struct CausalLm {
+    cfg: ModelConfig,
+    inner: Inner,
+    dtype: DType,
+    device: Device,
+}
+
+impl CausalLm {
+    /// Builds the model from HF-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...).
+    /// Tensors that are candle `Var`s stay tracked, so the same map serves training.
+    pub fn from_tensors(
+        cfg: &ModelConfig,
+        tensors: HashMap<String, Tensor>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let vb = VarBuilder::from_tensors(tensors, dtype, device);
+        Self::load(cfg, vb)
+    }
+
+    /// Builds the model from a `VarBuilder` rooted at the checkpoint root.
+    pub fn load(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+        let dtype = vb.dtype();
+        let device = vb.device().clone();
+        let built = match cfg.arch {
+            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => {
+                llama::Model::load(cfg, vb).map(Inner::Llama)
+            }
+            Arch::Gpt2 => gpt2::Model::load(cfg, vb).map(Inner::Gpt2),
+        };
+        let inner = built
+            .map_err(|e| Error::Model(format!("cannot build {} model: {e}", cfg.arch.name())))?;
+        Ok(Self {
+            cfg: cfg.clone(),
+            inner,
+            dtype,
+            device,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+    /// The longest sequence the model's positions allow.
+    pub fn max_positions(&self) -> usize {
+        match &self.inner {
+            Inner::Llama(m) => m.max_positions(),
+            Inner::Gpt2(m) => m.max_positions(),
+        }
+    }
+
+    /// The LM head weight `[vocab, hidden]` (the embedding when tied).
+    pub fn lm_head(&self) -> &Tensor {
+        match &self.inner {
+            Inner::Llama(m) => m.lm_head(),
+            Inner::Gpt2(m) => m.lm_head(),
+        }
+    }
+
+    /// All-position forward: final hidden states [B, T, H].
+    pub fn forward_hidden(&self, batch: &SeqBatch, mode: Mode) -> Result<Tensor> {
+        Ok(self.hidden(&batch.ids, &batch.positions, &batch.mask, None, mode)?)
+    }
+
+    /// Incremental forward over `cache`: `ids`/`positions` [B, S], `mask` [B, 1, S, cache.len()+S].
+    /// Writes the new keys and values into the cache and advances it. Returns [B, S, H].
+    pub fn forward_cached(
+        &self,
+        ids: &Tensor,
+        positions: &Tensor,
+        mask: &Tensor,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        Ok(self.hidden(ids, positions, mask, Some(cache), Mode::Infer)?)
+    }
+
+    fn hidden(
+        &self,
+        ids: &Tensor,
+        positions: &Tensor,
+        mask: &Tensor,
+        cache: Option<&mut KvCache>,
+        mode: Mode,
+    ) -> candle_core::Result<Tensor> {
+        match &self.inner {
+            Inner::Llama(m) => m.forward_hidden(ids, positions, mask, cache, mode),
+            Inner::Gpt2(m) => m.forward_hidden(ids, positions, mask, cache, mode),
+        }
+    }
+
+    /// LM head: hidden [..., H] -> logits [..., V] (f32; f64 stays f64).
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        let dims = hidden.dims();
+        let h = dims[dims.len() - 1];
+        let n = hidden.elem_count() / h;
+        let logits = hidden.reshape((n, h))?.matmul(&self.lm_head().t()?)?; // [N, V]
+        let mut shape = dims.to_vec();
+        *shape.last_mut().expect("non-empty dims") = self.lm_head().dim(0)?;
+        let logits = logits.reshape(shape)?;
+        Ok(logits.to_dtype(layers::reduce_dtype(logits.dtype()))?)
+    }
+
+    /// A zeroed decoding cache for `batch` rows of up to `max_len` tokens.
+    pub fn new_cache(&self, batch: usize, max_len: usize) -> Result<KvCache> {
+        Ok(KvCache::new(
+            self.cfg.num_layers,
+            batch,
+            self.cfg.num_kv_heads,
+            max_len,
+            self.cfg.head_dim,
+            self.dtype,
+            &self.device,
+        )?)
+    }
+}
+
+/// A padded batch of token sequences for the all-position forward.
+#[derive(Debug, Clone)]
+pub struct SeqBatch {
+    /// [B, T] u32
+    pub ids: Tensor,
+    /// [B, T] u32: position of each token within its own sequence.
+    pub positions: Tensor,
+    /// [B, 1, T, T] f32 additive: causal, padding keys masked.
+    pub mask: Tensor,
+    /// Which slots hold real tokens.
+    pub valid: Vec<Vec<bool>>,
+}
+
+impl SeqBatch {
+    /// Left-pads `seqs` to a common length with `pad_id`; each sequence's positions start at 0.
+    pub fn left_padded(seqs: &[Vec<u32>], pad_id: u32, device: &Device) -> Result<Self> {
+        let t = seqs.iter().map(|s| s.len()).max().unwrap_or(0);
+        let mut ids = Vec::with_capacity(seqs.len());
+        let mut pos = Vec::with_capacity(seqs.len());
+        let mut valid = Vec::with_capacity(seqs.len());
+        for s in seqs {
+            let pad = t - s.len();
+            ids.push([vec![pad_id; pad], s.clone()].concat());
+            pos.push([vec![0; pad], (0..s.len() as u32).collect()].concat());
+            valid.push([vec![false; pad], vec![true; s.len()]].concat());
+        }
+        Self::from_parts(ids, pos, valid, device)
+    }
+
+    /// Right-pads `seqs` to a common length with `pad_id`.
+    pub fn right_padded(seqs: &[Vec<u32>], pad_id: u32, device: &Device) -> Result<Self> {
+        let t = seqs.iter().map(|s| s.len()).max().unwrap_or(0);
+        let mut ids = Vec::with_capacity(seqs.len());
+        let mut pos = Vec::with_capacity(seqs.len());
+        let mut valid = Vec::with_capacity(seqs.len());
+        for s in seqs {
+            let pad = t - s.len();
+            ids.push([s.clone(), vec![pad_id; pad]].concat());
+            pos.push([(0..s.len() as u32).collect(), vec![0; pad]].concat());
+            valid.push([vec![true; s.len()], vec![false; pad]].concat());
+        }
+        Self::from_parts(ids, pos, valid, device)
+    }
+
+    /// From explicit ids, positions and validity, all `[B][T]`.
+    pub fn from_parts(
+        ids: Vec<Vec<u32>>,
+        positions: Vec<Vec<u32>>,
+        valid: Vec<Vec<bool>>,
+        device: &Device,
+    ) -> Result<Self> {
+        let b = ids.len();
+        let t = ids.first().map(|r| r.len()).unwrap_or(0);
+        if b == 0 || t == 0 {
+            return Err(Error::Generate("empty batch".into()));
+        }
+        let rect = |n: usize| n == t;
+        if !ids.iter().all(|r| rect(r.len()))
+            || positions.len() != b
+            || !positions.iter().all(|r| rect(r.len()))
+            || valid.len() != b
+            || !valid.iter().all(|r| rect(r.len()))
+        {
+            return Err(Error::Generate(
+                "ids, positions and valid must all be [B][T]".into(),
+            ));
+        }
+        let mask = layers::build_mask(&valid, 0, t, t, device)?;
+        let flat = |v: Vec<Vec<u32>>| v.into_iter().flatten().collect::<Vec<u32>>();
+        Ok(Self {
+            ids: Tensor::from_vec(flat(ids), (b, t), device)?,
+            positions: Tensor::from_vec(flat(positions), (b, t), device)?,
+            mask,
+            valid,
+        })
+    }
+
+    pub fn dims(&self) -> (usize, usize) {
+        let d = self.ids.dims();
+        (d[0], d[1])
+    }
+}

@@ -1,0 +1,685 @@
+//! Batched, KV-cached, group-aware sampling.
+//!
+//! For P prompts and G samples each: every prompt is prefilled once (batch 1, exact length) and its
+//! keys/values are copied into the G rows of one batched cache, left-padded to the longest prompt so
+//! that every decoding step writes all rows at the same slot with one in-place copy. Each row has its
+//! own RNG seeded from (prompt seed, sample index), so a completion does not depend on what else is
+//! in the batch. Finished rows are dropped from the cache once enough of them have finished.
+//!
+//! Log-probs: each sampled token's log-prob is `log softmax(logits / T)` of the model's raw logits,
+//! i.e. under the sampling temperature but *before* the repetition penalty and top-k / top-p / min-p
+//! truncation. This is the quantity the trainer's forward computes (same temperature), so the two can
+//! be compared directly. With T = 0 (greedy) the log-prob is taken at T = 1.
+
+use std::time::Instant;
+
+use candle_core::Tensor;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
+
+use crate::kv_cache::KvCache;
+use crate::models::layers::build_mask;
+use crate::models::CausalLm;
+use crate::tokenizer::Tokenizer;
+use crate::{Error, Result};
+
+/// How to sample. Defaults follow HF `generate` / TRL where they have the option.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    pub max_new_tokens: usize,
+    /// EOS is suppressed until this many tokens were generated (HF `min_new_tokens`).
+    pub min_new_tokens: usize,
+    /// 0 means greedy.
+    pub temperature: f64,
+    /// 0 disables.
+    pub top_k: usize,
+    /// 1 disables.
+    pub top_p: f64,
+    /// 0 disables.
+    pub min_p: f64,
+    /// 1 disables (HF / CTRL semantics: divide positive logits, multiply negative ones).
+    pub repetition_penalty: f64,
+    /// Generation stops once the completion text contains one of these (kept in the output).
+    pub stop_strings: Vec<String>,
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            max_new_tokens: 256,
+            min_new_tokens: 0,
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            stop_strings: vec![],
+            eos_token_ids: vec![],
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Checks ranges; the key names are the CLI's / TRL's.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |k: &str, m: &str| Err(Error::config(k, m));
+        if self.max_new_tokens == 0 {
+            return bad("max_new_tokens", "must be at least 1");
+        }
+        if self.min_new_tokens > self.max_new_tokens {
+            return bad("min_new_tokens", "must not exceed max_new_tokens");
+        }
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return bad("temperature", "must be >= 0 (0 = greedy)");
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad("top_p", "must be in (0, 1]");
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad("min_p", "must be in [0, 1]");
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+            return bad("repetition_penalty", "must be > 0 (1 = off)");
+        }
+        if self.stop_strings.iter().any(|s| s.is_empty()) {
+            return bad("stop_strings", "must not contain an empty string");
+        }
+        Ok(())
+    }
+}
+
+/// Why a completion ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    /// An EOS token was sampled (it is the last id of the completion).
+    Eos,
+    /// The text contains a stop string.
+    StopString,
+    /// `max_new_tokens` reached.
+    Length,
+}
+
+/// One prompt to sample from.
+#[derive(Debug, Clone)]
+pub struct PromptInput {
+    pub ids: Vec<u32>,
+    /// Seed of this prompt's group; sample g uses a seed derived from (seed, g).
+    pub seed: u64,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Completion {
+    pub ids: Vec<u32>,
+    /// Decoded without special tokens (empty when no tokenizer was given).
+    pub text: String,
+    /// Log-prob of each sampled token (see the module docs for which distribution).
+    pub logprobs: Vec<f32>,
+    pub stop_reason: StopReason,
+}
+
+/// Where the time went.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct GenStats {
+    pub prefill_s: f64,
+    pub decode_s: f64,
+    /// Part of decode_s spent choosing tokens on the CPU (logit processing, sampling).
+    pub sample_s: f64,
+    pub prompt_tokens: usize,
+    pub generated_tokens: usize,
+    pub decode_steps: usize,
+    pub compactions: usize,
+}
+
+/// SplitMix64: a well-mixed seed from a seed and an index.
+pub fn mix_seed(seed: u64, index: u64) -> u64 {
+    let mut z = seed
+        .wrapping_add(0x9E37_79B9_7F4A_7C15)
+        .wrapping_add(index.wrapping_mul(0xBF58_476D_1CE4_E5B9));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+struct Row {
+    prompt: usize,
+    rng: ChaCha8Rng,
+    /// Prompt ids followed by generated ids (for the repetition penalty).
+    seen: Vec<u32>,
+    tokens: Vec<u32>,
+    logprobs: Vec<f32>,
+    done: Option<StopReason>,
+    /// Scratch buffer for logit processing.
+    scratch: Vec<f32>,
+    text_len: usize,
+}
+
+/// Samples `n` completions for each prompt. Returns them grouped by prompt, in sample order.
+pub fn generate(
+    model: &CausalLm,
+    tokenizer: Option<&Tokenizer>,
+    prompts: &[PromptInput],
+    n: usize,
+    params: &SamplingParams,
+) -> Result<(Vec<Vec<Completion>>, GenStats)> {
+    params.validate()?;
+    if n == 0 {
+        return Err(Error::config("num_generations", "must be at least 1"));
+    }
+    if !params.stop_strings.is_empty() && tokenizer.is_none() {
+        return Err(Error::config("stop_strings", "need a tokenizer"));
+    }
+    let vocab = model.config().vocab_size;
+    let ctx = model.max_positions();
+    for (i, p) in prompts.iter().enumerate() {
+        if p.ids.is_empty() {
+            return Err(Error::Generate(format!("prompt {i} is empty")));
+        }
+        if p.ids.len() + params.max_new_tokens > ctx {
+            return Err(Error::Generate(format!(
+                "prompt {i} has {} tokens; with max_new_tokens {} that exceeds the model's context of {ctx} positions: shorten the prompt or lower max_new_tokens",
+                p.ids.len(),
+                params.max_new_tokens
+            )));
+        }
+        if let Some(&bad) = p.ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::Generate(format!(
+                "prompt {i} contains token id {bad}, outside the model's vocabulary of {vocab}"
+            )));
+        }
+    }
+    let mut stats = GenStats::default();
+    if prompts.is_empty() {
+        return Ok((vec![], stats));
+    }
+    let device = model.device().clone();
+
+    // 1. Prefill each prompt once.
+    let t0 = Instant::now();
+    let mut prompt_caches = Vec::with_capacity(prompts.len());
+    let mut first_logits = Vec::with_capacity(prompts.len());
+    for p in prompts {
+        let l = p.ids.len();
+        let mut cache = model.new_cache(1, l)?;
+        let ids = Tensor::from_slice(&p.ids, (1, l), &device)?;
+        let pos = Tensor::from_vec((0..l as u32).collect::<Vec<_>>(), (1, l), &device)?;
+        let mask = build_mask(&[vec![true; l]], 0, l, l, &device)?;
+        let h = model.forward_cached(&ids, &pos, &mask, &mut cache)?; // [1, L, H]
+        let last = h.narrow(1, l - 1, 1)?.squeeze(1)?; // [1, H]
+        let logits: Vec<f32> = model.logits(&last)?.flatten_all()?.to_vec1()?; // [V]
+        prompt_caches.push(cache);
+        first_logits.push(logits);
+        stats.prompt_tokens += l;
+    }
+    stats.prefill_s = t0.elapsed().as_secs_f64();
+
+    // 2. Rows: prompt-major, G per prompt; first tokens from the prompt's last logits.
+    let t1 = Instant::now();
+    let mut rows: Vec<Row> = Vec::with_capacity(prompts.len() * n);
+    for (pi, p) in prompts.iter().enumerate() {
+        for g in 0..n {
+            rows.push(Row {
+                prompt: pi,
+                rng: ChaCha8Rng::seed_from_u64(mix_seed(p.seed, g as u64)),
+                seen: p.ids.clone(),
+                tokens: Vec::with_capacity(params.max_new_tokens),
+                logprobs: Vec::with_capacity(params.max_new_tokens),
+                done: None,
+                scratch: Vec::new(),
+                text_len: 0,
+            });
+        }
+    }
+    let ts = Instant::now();
+    rows.par_iter_mut()
+        .try_for_each(|row| step_row(row, &first_logits[row.prompt], params, tokenizer))?;
+    stats.sample_s += ts.elapsed().as_secs_f64();
+    drop(first_logits);
+
+    // 3. Batched cache: left-pad every prompt to the longest and reserve room for generation.
+    let lmax = prompts.iter().map(|p| p.ids.len()).max().unwrap_or(0);
+    let mut batch: Vec<usize> = (0..rows.len())
+        .filter(|&r| rows[r].done.is_none())
+        .collect();
+    if !batch.is_empty() {
+        let mut cache = batch_cache(model, &prompt_caches, &rows, &batch, lmax, params)?;
+        drop(prompt_caches);
+        // 4. Decode until every row is done.
+        let max_steps = params.max_new_tokens - 1;
+        for _step in 0..max_steps {
+            let slot = cache.len();
+            let b = batch.len();
+            let ids: Vec<u32> = batch
+                .iter()
+                .map(|&r| *rows[r].tokens.last().unwrap_or(&0))
+                .collect();
+            let pos: Vec<u32> = batch
+                .iter()
+                .map(|&r| (prompts[rows[r].prompt].ids.len() + rows[r].tokens.len() - 1) as u32)
+                .collect();
+            let valid: Vec<Vec<bool>> = batch
+                .iter()
+                .map(|&r| {
+                    let pad = lmax - prompts[rows[r].prompt].ids.len();
+                    let mut v = vec![true; slot + 1];
+                    v[..pad].iter_mut().for_each(|x| *x = false);
+                    v
+                })
+                .collect();
+            let mask = build_mask(&valid, slot, 1, slot + 1, &device)?; // [b, 1, 1, slot+1]
+            let ids = Tensor::from_vec(ids, (b, 1), &device)?;
+            let pos = Tensor::from_vec(pos, (b, 1), &device)?;
+            let h = model.forward_cached(&ids, &pos, &mask, &mut cache)?; // [b, 1, H]
+            let logits: Vec<f32> = model.logits(&h.squeeze(1)?)?.flatten_all()?.to_vec1()?; // [b*V]
+            stats.decode_steps += 1;
+            let ts = Instant::now();
+            let v = logits.len() / b;
+            let mut slot_of = vec![usize::MAX; rows.len()];
+            batch.iter().enumerate().for_each(|(i, &r)| slot_of[r] = i);
+            rows.par_iter_mut()
+                .enumerate()
+                .filter(|(r, row)| row.done.is_none() && slot_of[*r] != usize::MAX)
+                .try_for_each(|(r, row)| {
+                    let i = slot_of[r];
+                    step_row(row, &logits[i * v..(i + 1) * v], params, tokenizer)
+                })?;
+            stats.sample_s += ts.elapsed().as_secs_f64();
+            let finished = batch.iter().filter(|&&r| rows[r].done.is_some()).count();
+            if finished == batch.len() {
+                break;
+            }
+            // Drop finished rows once they are a quarter of the batch: the copy costs about as much
+            // as a few steps of decoding the dead rows would.
+            if finished > 0 && finished * 4 >= batch.len() {
+                let keep: Vec<u32> = batch
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, &r)| rows[r].done.is_none())
+                    .map(|(i, _)| i as u32)
+                    .collect();
+                cache = cache.select_rows(&keep)?;
+                batch.retain(|&r| rows[r].done.is_none());
+                stats.compactions += 1;
+            }
+        }
+    }
+    stats.decode_s = t1.elapsed().as_secs_f64();
+
+    // 5. Collect.
+    let mut out: Vec<Vec<Completion>> = (0..prompts.len()).map(|_| Vec::with_capacity(n)).collect();
+    for row in rows {
+        stats.generated_tokens += row.tokens.len();
+        let text = match tokenizer {
+            Some(t) => t.decode(&row.tokens, true)?,
+            None => String::new(),
+        };
+        out[row.prompt].push(Completion {
+            ids: row.tokens,
+            text,
+            logprobs: row.logprobs,
+            stop_reason: row.done.unwrap_or(StopReason::Length),
+        });
+    }
+    Ok((out, stats))
+}
+
+/// The batched cache for `batch` rows: each prompt's prefilled keys/values, left-padded to `lmax`,
+/// repeated for its rows, followed by room for the generated tokens.
+fn batch_cache(
+    model: &CausalLm,
+    prompt_caches: &[KvCache],
+    rows: &[Row],
+    batch: &[usize],
+    lmax: usize,
+    params: &SamplingParams,
+) -> Result<KvCache> {
+    let cfg = model.config();
+    let device = model.device();
+    let (hkv, d) = (cfg.num_kv_heads, cfg.head_dim);
+    let rows_idx: Vec<u32> = batch.iter().map(|&r| rows[r].prompt as u32).collect();
+    let rows_idx = Tensor::new(rows_idx.as_slice(), device)?;
+    let b = batch.len();
+    let room = Tensor::zeros((b, hkv, params.max_new_tokens, d), model.dtype(), device)?;
+    let mut ks = Vec::with_capacity(cfg.num_layers);
+    let mut vs = Vec::with_capacity(cfg.num_layers);
+    for layer in 0..cfg.num_layers {
+        let mut pk = Vec::with_capacity(prompt_caches.len());
+        let mut pv = Vec::with_capacity(prompt_caches.len());
+        for c in prompt_caches {
+            let (k, v) = c.layer(layer)?; // [1, Hkv, L, D]
+            let pad = lmax - c.len();
+            if pad > 0 {
+                let z = Tensor::zeros((1, hkv, pad, d), model.dtype(), device)?;
+                pk.push(Tensor::cat(&[&z, &k], 2)?);
+                pv.push(Tensor::cat(&[&z, &v], 2)?);
+            } else {
+                pk.push(k);
+                pv.push(v);
+            }
+        }
+        let k = Tensor::cat(&pk, 0)?.index_select(&rows_idx, 0)?; // [b, Hkv, Lmax, D]
+        let v = Tensor::cat(&pv, 0)?.index_select(&rows_idx, 0)?;
+        ks.push(Tensor::cat(&[&k, &room], 2)?.contiguous()?);
+        vs.push(Tensor::cat(&[&v, &room], 2)?.contiguous()?);
+    }
+    Ok(KvCache::from_parts(ks, vs, lmax)?)
+}
+
+/// Chooses the next token of `row` from its raw `logits` and updates its stop state.
+fn step_row(
+    row: &mut Row,
+    logits: &[f32],
+    params: &SamplingParams,
+    tokenizer: Option<&Tokenizer>,
+) -> Result<()> {
+    let suppress_eos = row.tokens.len() < params.min_new_tokens;
+    let (tok, lp) = choose_token(
+        logits,
+        &row.seen,
+        suppress_eos,
+        params,
+        &mut row.rng,
+        &mut row.scratch,
+    );
+    row.tokens.push(tok);
+    row.logprobs.push(lp);
+    row.seen.push(tok);
+    if !suppress_eos && params.eos_token_ids.contains(&tok) {
+        row.done = Some(StopReason::Eos);
+    } else if let (false, Some(t)) = (params.stop_strings.is_empty(), tokenizer) {
+        let text = t.decode(&row.tokens, false)?;
+        let longest = params
+            .stop_strings
+            .iter()
+            .map(|s| s.len())
+            .max()
+            .unwrap_or(0);
+        let mut from = row.text_len.saturating_sub(longest);
+        while !text.is_char_boundary(from) {
+            from -= 1;
+        }
+        if params
+            .stop_strings
+            .iter()
+            .any(|s| text[from..].contains(s.as_str()))
+        {
+            row.done = Some(StopReason::StopString);
+        }
+        row.text_len = text.len();
+    }
+    if row.done.is_none() && row.tokens.len() >= params.max_new_tokens {
+        row.done = Some(StopReason::Length);
+    }
+    Ok(())
+}
+
+/// `log softmax(logits / t)[tok]` over raw logits.
+pub fn logprob_at(logits: &[f32], tok: usize, t: f32) -> f32 {
+    let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f32 = logits.iter().map(|&x| ((x - m) / t).exp()).sum();
+    (logits[tok] - m) / t - sum.ln()
+}
+
+/// One token from raw logits: repetition penalty, EOS suppression, temperature, top-k, top-p,
+/// min-p (HF's order), then a draw from `rng`. Returns the token and its log-prob (module docs).
+pub fn choose_token(
+    logits: &[f32],
+    seen: &[u32],
+    suppress_eos: bool,
+    params: &SamplingParams,
+    rng: &mut impl Rng,
+    scratch: &mut Vec<f32>,
+) -> (u32, f32) {
+    let t = if params.temperature > 0.0 {
+        params.temperature as f32
+    } else {
+        1.0
+    };
+    scratch.clear();
+    scratch.extend_from_slice(logits);
+    let x = scratch;
+    if params.repetition_penalty != 1.0 {
+        let p = params.repetition_penalty as f32;
+        let mut done = std::collections::HashSet::with_capacity(seen.len());
+        for &s in seen {
+            if let Some(v) = x.get_mut(s as usize) {
+                if done.insert(s) {
+                    *v = if *v < 0.0 { *v * p } else { *v / p };
+                }
+            }
+        }
+    }
+    if suppress_eos {
+        for &e in &params.eos_token_ids {
+            if let Some(v) = x.get_mut(e as usize) {
+                *v = f32::NEG_INFINITY;
+            }
+        }
+    }
+    let argmax = |x: &[f32]| {
+        x.iter()
+            .enumerate()
+            .fold((0usize, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {
+                if v > bv {
+                    (i, v)
+                } else {
+                    (bi, bv)
+                }
+            })
+            .0
+    };
+    let tok = if params.temperature == 0.0 {
+        argmax(x)
+    } else {
+        // Unnormalised probabilities at temperature t.
+        let m = x.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        x.iter_mut().for_each(|v| *v = ((*v - m) / t).exp());
+        let truncated = params.top_k > 0 || params.top_p < 1.0 || params.min_p > 0.0;
+        if truncated {
+            sample_truncated(x, params, rng)
+        } else {
+            sample_full(x, rng)
+        }
+    };
+    (tok as u32, logprob_at(logits, tok, t))
+}
+
+/// Inverse-CDF draw from unnormalised probabilities.
+fn sample_full(p: &[f32], rng: &mut impl Rng) -> usize {
+    let total: f64 = p.iter().map(|&v| v as f64).sum();
+    let mut u = rng.random::<f64>() * total;
+    let mut last = 0;
+    for (i, &v) in p.iter().enumerate() {
+        if v > 0.0 {
+            last = i;
+            u -= v as f64;
+            if u < 0.0 {
+                return i;
+            }
+        }
+    }
+    last
+}
+
+/// top-k, then top-p on the renormalised rest, then min-p, then a draw.
+fn sample_truncated(p: &[f32], params: &SamplingParams, rng: &mut impl Rng) -> usize {
+    let v = p.len();
+    let mut idx: Vec<u32> = (0..v as u32).collect();
+    let by_prob_desc = |a: &u32, b: &u32| p[*b as usize].total_cmp(&p[*a as usize]);
+    // Candidates sorted by probability, descending: only as many as needed.
+    let k = if params.top_k > 0 {
+        params.top_k.min(v)
+    } else {
+        v
+    };
+    let want = if params.top_p < 1.0 || k < v {
+        k.min(1024)
+    } else {
+        v
+    };
+    if want < v {
+        idx.select_nth_unstable_by(want - 1, by_prob_desc);
+        idx.truncate(want);
+    }
+    idx.sort_unstable_by(by_prob_desc);
+    if idx.len() < k && params.top_p < 1.0 {
+        // The nucleus might need more than the partial sort kept: check its mass, else sort all.
+        let kept: f64 = idx.iter().map(|&i| p[i as usize] as f64).sum();
+        let all: f64 = p.iter().map(|&x| x as f64).sum();
+        if kept < params.top_p * all {
+            idx = (0..v as u32).collect();
+            idx.sort_unstable_by(by_prob_desc);
+        }
+    }
+    idx.truncate(k);
+    if params.top_p < 1.0 {
+        let mass: f64 = idx.iter().map(|&i| p[i as usize] as f64).sum();
+        let mut acc = 0.0;
+        let mut keep = idx.len();
+        for (j, &i) in idx.iter().enumerate() {
+            acc += p[i as usize] as f64;
+            // HF keeps the smallest set whose mass reaches top_p (at least one token).
+            if acc >= params.top_p * mass {
+                keep = j + 1;
+                break;
+            }
+        }
+        idx.truncate(keep.max(1));
+    }
+    if params.min_p > 0.0 {
+        let top = p[idx[0] as usize];
+        let floor = params.min_p as f32 * top;
+        idx.retain(|&i| p[i as usize] >= floor);
+    }
+    let total: f64 = idx.iter().map(|&i| p[i as usize] as f64).sum();
+    let mut u = rng.random::<f64>() * total;
+    for &i in &idx {
+        u -= p[i as usize] as f64;
+        if u < 0.0 {
+            return i as usize;
+        }
+    }
+    idx[idx.len() - 1] as usize
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params() -> SamplingParams {
+        SamplingParams {
+            eos_token_ids: vec![0],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn greedy_picks_argmax_and_reports_t1_logprob() {
+        let p = SamplingParams {
+            temperature: 0.0,
+            ..params()
+        };
+        let logits = [1.0f32, 3.0, 2.0];
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        let (tok, lp) = choose_token(&logits, &[], false, &p, &mut rng, &mut vec![]);
+        assert_eq!(tok, 1);
+        let z: f32 = logits.iter().map(|x| x.exp()).sum();
+        assert!((lp - (3.0f32.exp() / z).ln()).abs() < 1e-6);
+    }
+
+    #[test]
+    fn top_k_and_top_p_and_min_p_restrict_support() {
+        let logits: Vec<f32> = vec![0.0, 5.0, 4.9, 1.0, -2.0, 4.0];
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        let check = |p: SamplingParams, allowed: &[u32], rng: &mut ChaCha8Rng| {
+            for _ in 0..300 {
+                let (tok, _) = choose_token(&logits, &[], false, &p, rng, &mut vec![]);
+                assert!(allowed.contains(&tok), "{tok} not in {allowed:?} for {p:?}");
+            }
+        };
+        check(
+            SamplingParams {
+                top_k: 2,
+                ..params()
+            },
+            &[1, 2],
+            &mut rng,
+        );
+        // probs ~ [.., .41, .37, .., .., .15]: 0.7 needs the top two.
+        check(
+            SamplingParams {
+                top_p: 0.7,
+                ..params()
+            },
+            &[1, 2],
+            &mut rng,
+        );
+        check(
+            SamplingParams {
+                min_p: 0.5,
+                ..params()
+            },
+            &[1, 2],
+            &mut rng,
+        );
+        check(
+            SamplingParams {
+                min_p: 0.3,
+                ..params()
+            },
+            &[1, 2, 5],
+            &mut rng,
+        );
+    }
+
+    #[test]
+    fn sampling_follows_the_distribution() {
+        let logits = [0.0f32, (3.0f32).ln()]; // p = [0.25, 0.75]
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let p = params();
+        let ones = (0..4000)
+            .filter(|_| choose_token(&logits, &[], false, &p, &mut rng, &mut vec![]).0 == 1)
+            .count();
+        assert!((2850..3150).contains(&ones), "{ones}");
+    }
+
+    #[test]
+    fn repetition_penalty_and_eos_suppression() {
+        let p = SamplingParams {
+            temperature: 0.0,
+            repetition_penalty: 4.0,
+            ..params()
+        };
+        let logits = [10.0f32, 3.0, 2.0];
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        // EOS (id 0) suppressed: token 1 wins; seen token 1 is penalised 3 -> 0.75: token 2 wins.
+        assert_eq!(
+            choose_token(&logits, &[], true, &p, &mut rng, &mut vec![]).0,
+            1
+        );
+        assert_eq!(
+            choose_token(&logits, &[1], true, &p, &mut rng, &mut vec![]).0,
+            2
+        );
+    }
+
+    #[test]
+    fn validate_names_the_option() {
+        let e = SamplingParams {
+            top_p: 0.0,
+            ..params()
+        }
+        .validate()
+        .unwrap_err();
+        assert!(e.to_string().contains("top_p"));
+        let e = SamplingParams {
+            max_new_tokens: 0,
+            ..params()
+        }
+        .validate()
+        .unwrap_err();
+        assert!(e.to_string().contains("max_new_tokens"));
+    }
+}

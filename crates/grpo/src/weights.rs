@@ -1,0 +1,389 @@
+//! Loading checkpoints into HF-named tensors: HF directories (config.json + safetensors, single or
+//! sharded) and single GGUF files (every tensor type candle reads, dequantized; names mapped to HF's;
+//! Q/K un-permuted where llama.cpp permutes them; GPT-2 projections back in HF's Conv1D layout).
+//! Whatever the source, the result is the same [`LoadedModel`]: a config, HF-named tensors, a
+//! tokenizer and the EOS ids, so everything downstream (training, export) sees one layout.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file;
+use candle_core::{DType, Device, Tensor};
+
+use crate::hub::ModelSource;
+use crate::models::config::token_ids_from_json;
+use crate::models::{Arch, CausalLm, ModelConfig};
+use crate::tokenizer::Tokenizer;
+use crate::{Error, Result};
+
+/// A checkpoint in memory, in HF layout.
+#[derive(Debug, Clone)]
+pub struct LoadedModel {
+    pub config: ModelConfig,
+    /// HF names -> tensors in the requested dtype.
+    pub tensors: HashMap<String, Tensor>,
+    pub tokenizer: Option<Tokenizer>,
+    /// EOS ids: generation_config.json / config.json / the tokenizer's, deduplicated.
+    pub eos_token_ids: Vec<u32>,
+    /// Where it came from, for messages.
+    pub origin: PathBuf,
+    pub dtype: DType,
+    pub device: Device,
+}
+
+impl LoadedModel {
+    /// Builds a model over these tensors (shared storage, no copy).
+    pub fn build(&self) -> Result<CausalLm> {
+        CausalLm::from_tensors(&self.config, self.tensors.clone(), self.dtype, &self.device)
+    }
+
+    /// The tokenizer, or an error saying how to provide one.
+    pub fn tokenizer(&self) -> Result<&Tokenizer> {
+        self.tokenizer.as_ref().ok_or_else(|| {
+            Error::file(
+                &self.origin,
+                "no tokenizer found (expected tokenizer.json in the model directory, or tokenizer metadata in the GGUF file)",
+            )
+        })
+    }
+}
+
+/// Loads `source` with weights in `dtype` on `device`.
+pub fn load_model(source: &ModelSource, dtype: DType, device: &Device) -> Result<LoadedModel> {
+    let mut m = match source {
+        ModelSource::HfDir(dir) => load_hf_dir(dir, dtype, device)?,
+        ModelSource::Gguf(path) => load_gguf(path, dtype, device)?,
+    };
+    if let Some(tok) = &m.tokenizer {
+        if tok.vocab_size() > m.config.vocab_size {
+            return Err(Error::file(
+                &m.origin,
+                format!(
+                    "the tokenizer has {} tokens but the model's vocabulary has only {}: they do not belong together",
+                    tok.vocab_size(),
+                    m.config.vocab_size
+                ),
+            ));
+        }
+        for id in [tok.eos_token_id()].into_iter().flatten() {
+            if !m.eos_token_ids.contains(&id) {
+                m.eos_token_ids.push(id);
+            }
+        }
+    }
+    if let Some(&bad) = m
+        .eos_token_ids
+        .iter()
+        .find(|&&id| id as usize >= m.config.vocab_size)
+    {
+        return Err(Error::file(
+            &m.origin,
+            format!(
+                "eos token id {bad} is outside the vocabulary ({})",
+                m.config.vocab_size
+            ),
+        ));
+    }
+    Ok(m)
+}
+
+fn read_json(path: &Path) -> Result<serde_json::Value> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| Error::file(path, format!("cannot read: {e}")))?;
+    serde_json::from_str(&text).map_err(|e| Error::file(path, format!("invalid JSON: {e}")))
+}
+
+/// The safetensors files of an HF directory: `model.safetensors`, or the shards listed in
+/// `model.safetensors.index.json`.
+fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let single = dir.join("model.safetensors");
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
+    let index = dir.join("model.safetensors.index.json");
+    if index.is_file() {
+        let v = read_json(&index)?;
+        let map = v
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| Error::file(&index, "missing object `weight_map`"))?;
+        let mut files: Vec<PathBuf> = map
+            .values()
+            .filter_map(|f| f.as_str())
+            .map(|f| dir.join(f))
+            .collect();
+        files.sort();
+        files.dedup();
+        for f in &files {
+            if !f.is_file() {
+                return Err(Error::file(
+                    f,
+                    "shard listed in model.safetensors.index.json is missing",
+                ));
+            }
+        }
+        return Ok(files);
+    }
+    let hint = if dir.join("pytorch_model.bin").exists() {
+        " (found pytorch_model.bin: convert it to safetensors, e.g. with transformers' save_pretrained(safe_serialization=True))"
+    } else {
+        ""
+    };
+    Err(Error::file(
+        dir,
+        format!("no model.safetensors or model.safetensors.index.json{hint}"),
+    ))
+}
+
+fn load_hf_dir(dir: &Path, dtype: DType, device: &Device) -> Result<LoadedModel> {
+    let config_path = dir.join("config.json");
+    let mut config = ModelConfig::from_hf_file(&config_path)?;
+    let mut tensors = HashMap::new();
+    for file in safetensors_files(dir)? {
+        // SAFETY: the file is only read; a concurrent writer could change what we read, as with any
+        // other reader, but cannot cause memory unsafety beyond that of reading a changing file.
+        let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(&file) }
+            .map_err(|e| Error::file(&file, format!("not a valid safetensors file: {e}")))?;
+        for (name, _) in st.tensors() {
+            let t = st
+                .load(&name, device)
+                .map_err(|e| Error::file(&file, format!("cannot read tensor `{name}`: {e}")))?;
+            tensors.insert(name, t.to_dtype(dtype)?);
+        }
+    }
+    if config.arch == Arch::Gpt2 {
+        tensors = normalize_gpt2_names(tensors);
+    }
+    if !tensors.contains_key("lm_head.weight") && !config.tie_word_embeddings {
+        return Err(Error::file(
+            dir,
+            "config.json says tie_word_embeddings = false but the checkpoint has no lm_head.weight",
+        ));
+    }
+    let gen_path = dir.join("generation_config.json");
+    let mut eos = config.eos_token_ids.clone();
+    if gen_path.is_file() {
+        let g = read_json(&gen_path)?;
+        for id in token_ids_from_json(g.get("eos_token_id")) {
+            if !eos.contains(&id) {
+                eos.push(id);
+            }
+        }
+    }
+    config.eos_token_ids = eos.clone();
+    let tokenizer = if dir.join("tokenizer.json").is_file() {
+        Some(Tokenizer::from_hf_dir(dir)?)
+    } else {
+        None
+    };
+    Ok(LoadedModel {
+        config,
+        tensors,
+        tokenizer,
+        eos_token_ids: eos,
+        origin: dir.to_path_buf(),
+        dtype,
+        device: device.clone(),
+    })
+}
+
+/// Old GPT-2 checkpoints have no `transformer.` prefix and carry attention-mask buffers.
+fn normalize_gpt2_names(tensors: HashMap<String, Tensor>) -> HashMap<String, Tensor> {
+    let prefixed = tensors.contains_key("transformer.wte.weight");
+    tensors
+        .into_iter()
+        .filter(|(k, _)| !(k.ends_with(".attn.bias") || k.ends_with(".attn.masked_bias")))
+        .map(|(k, v)| {
+            if prefixed || k == "lm_head.weight" {
+                (k, v)
+            } else {
+                (format!("transformer.{k}"), v)
+            }
+        })
+        .collect()
+}
+
+/// HF name for a GGUF tensor name, and whether the tensor is a GPT-2 Conv1D weight stored
+/// transposed in GGUF.
+fn hf_name(arch: Arch, gguf: &str) -> Option<(String, bool)> {
+    let (suffix, ext) = match gguf.rsplit_once('.') {
+        Some((s, e)) if e == "weight" || e == "bias" => (s, e),
+        _ => return None,
+    };
+    if arch == Arch::Gpt2 {
+        let top = match suffix {
+            "token_embd" => Some("transformer.wte"),
+            "position_embd" => Some("transformer.wpe"),
+            "output_norm" => Some("transformer.ln_f"),
+            "output" => Some("lm_head"),
+            _ => None,
+        };
+        if let Some(t) = top {
+            return Some((format!("{t}.{ext}"), false));
+        }
+        let (layer, part) = suffix.strip_prefix("blk.")?.split_once('.')?;
+        let (hf, conv) = match part {
+            "attn_norm" => ("ln_1", false),
+            "attn_qkv" => ("attn.c_attn", true),
+            "attn_output" => ("attn.c_proj", true),
+            "ffn_norm" => ("ln_2", false),
+            "ffn_up" => ("mlp.c_fc", true),
+            "ffn_down" => ("mlp.c_proj", true),
+            _ => return None,
+        };
+        return Some((
+            format!("transformer.h.{layer}.{hf}.{ext}"),
+            conv && ext == "weight",
+        ));
+    }
+    let top = match suffix {
+        "token_embd" => Some("model.embed_tokens"),
+        "output_norm" => Some("model.norm"),
+        "output" => Some("lm_head"),
+        _ => None,
+    };
+    if let Some(t) = top {
+        return Some((format!("{t}.{ext}"), false));
+    }
+    let (layer, part) = suffix.strip_prefix("blk.")?.split_once('.')?;
+    let hf = match part {
+        "attn_norm" => "input_layernorm",
+        "ffn_norm" => "post_attention_layernorm",
+        "attn_q" => "self_attn.q_proj",
+        "attn_k" => "self_attn.k_proj",
+        "attn_v" => "self_attn.v_proj",
+        "attn_output" => "self_attn.o_proj",
+        "attn_q_norm" => "self_attn.q_norm",
+        "attn_k_norm" => "self_attn.k_norm",
+        "ffn_gate" => "mlp.gate_proj",
+        "ffn_up" => "mlp.up_proj",
+        "ffn_down" => "mlp.down_proj",
+        _ => return None,
+    };
+    Some((format!("model.layers.{layer}.{hf}.{ext}"), false))
+}
+
+/// Undoes llama.cpp's Q/K row permutation (`[h, 2, d/2] -> [h, d/2, 2]` per head) so RoPE can use
+/// HF's rotate-half layout. Works for weights `[h*d, in]` and biases `[h*d]`.
+pub fn unpermute_qk(t: &Tensor, heads: usize) -> Result<Tensor> {
+    let dims = t.dims().to_vec();
+    let rows = dims[0];
+    if heads == 0 || rows % (2 * heads) != 0 {
+        return Err(Error::Model(format!(
+            "cannot un-permute a tensor of shape {dims:?} for {heads} heads"
+        )));
+    }
+    let half = rows / heads / 2;
+    let rest: usize = dims[1..].iter().product();
+    Ok(t.reshape((heads, half, 2, rest))?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape(dims)?)
+}
+
+fn load_gguf(path: &Path, dtype: DType, device: &Device) -> Result<LoadedModel> {
+    let mut file = File::open(path).map_err(|e| Error::file(path, format!("cannot open: {e}")))?;
+    let content = gguf_file::Content::read(&mut file)
+        .map_err(|e| Error::file(path, format!("not a valid GGUF file: {e}")))?;
+    let mut config = ModelConfig::from_gguf(&content.metadata, path)?;
+    let mut tensors = HashMap::new();
+    let mut names: Vec<&String> = content.tensor_infos.keys().collect();
+    names.sort();
+    for name in names {
+        if name == "rope_freqs.weight" {
+            let q = content
+                .tensor(&mut file, name, device)
+                .map_err(|e| Error::file(path, format!("cannot read tensor `{name}`: {e}")))?;
+            let f: Vec<f32> = q.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1()?;
+            config.rope_freq_factors = Some(f.into_iter().map(f64::from).collect());
+            continue;
+        }
+        let Some((hf, conv1d)) = hf_name(config.arch, name) else {
+            return Err(Error::file(
+                path,
+                format!(
+                    "unexpected tensor `{name}` for architecture {}",
+                    config.arch.name()
+                ),
+            ));
+        };
+        let q = content
+            .tensor(&mut file, name, device)
+            .map_err(|e| Error::file(path, format!("cannot read tensor `{name}`: {e}")))?;
+        let mut t = q
+            .dequantize(device)
+            .map_err(|e| Error::file(path, format!("cannot dequantize `{name}`: {e}")))?;
+        if config.arch == Arch::Llama {
+            if hf.contains("self_attn.q_proj.") {
+                t = unpermute_qk(&t, config.num_heads)?;
+            } else if hf.contains("self_attn.k_proj.") {
+                t = unpermute_qk(&t, config.num_kv_heads)?;
+            }
+        }
+        if conv1d {
+            t = t.t()?.contiguous()?;
+        }
+        tensors.insert(hf, t.to_dtype(dtype)?);
+    }
+    config.tie_word_embeddings = !tensors.contains_key("lm_head.weight");
+    let tokenizer = if content.metadata.contains_key("tokenizer.ggml.tokens") {
+        Some(Tokenizer::from_gguf(&content, path)?)
+    } else {
+        None
+    };
+    let eos = config.eos_token_ids.clone();
+    Ok(LoadedModel {
+        config,
+        tensors,
+        tokenizer,
+        eos_token_ids: eos,
+        origin: path.to_path_buf(),
+        dtype,
+        device: device.clone(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unpermute_inverts_llama_cpp_permutation() {
+        // llama.cpp: w.reshape(h, 2, d/2, in).swapaxes(1, 2).reshape(...)
+        let dev = Device::Cpu;
+        let (h, d, inp) = (3, 4, 5);
+        let w = Tensor::arange(0f32, (h * d * inp) as f32, &dev)
+            .unwrap()
+            .reshape((h * d, inp))
+            .unwrap();
+        let permuted = w
+            .reshape((h, 2, d / 2, inp))
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+            .reshape((h * d, inp))
+            .unwrap();
+        let back = unpermute_qk(&permuted, h).unwrap();
+        assert_eq!(back.to_vec2::<f32>().unwrap(), w.to_vec2::<f32>().unwrap());
+    }
+
+    #[test]
+    fn gguf_names_map_to_hf() {
+        assert_eq!(
+            hf_name(Arch::Llama, "blk.3.attn_q.weight"),
+            Some(("model.layers.3.self_attn.q_proj.weight".into(), false))
+        );
+        assert_eq!(
+            hf_name(Arch::Gpt2, "blk.0.attn_qkv.weight"),
+            Some(("transformer.h.0.attn.c_attn.weight".into(), true))
+        );
+        assert_eq!(
+            hf_name(Arch::Gpt2, "blk.0.attn_qkv.bias"),
+            Some(("transformer.h.0.attn.c_attn.bias".into(), false))
+        );
+        assert_eq!(hf_name(Arch::Llama, "blk.0.unknown.weight"), None);
+    }
+}

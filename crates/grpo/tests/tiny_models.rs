@@ -1,0 +1,350 @@
+//! Tiny random Llama / Llama-3 / Qwen2 / Qwen3 / GPT-2 checkpoints made by
+//! `scripts/make_fixtures.py` with transformers: our logits, log-probs and greedy decoding must match
+//! theirs; every parameter must receive a gradient; analytic gradients must match finite differences.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use candle_core::{DType, Device, Tensor, Var};
+use grpo::hub::ModelSource;
+use grpo::logprobs::next_token_logprobs;
+use grpo::models::{CausalLm, Mode, SeqBatch};
+use grpo::sampler::{generate, PromptInput, SamplingParams};
+use grpo::weights::{load_model, LoadedModel};
+use serde_json::Value;
+
+const ARCHS: [&str; 5] = ["llama", "llama3", "qwen2", "qwen3", "gpt2"];
+
+fn fixture_dir(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/tiny")
+        .join(name)
+}
+
+fn load(name: &str, dtype: DType) -> (LoadedModel, Value) {
+    let dir = fixture_dir(name);
+    let m = load_model(&ModelSource::HfDir(dir.clone()), dtype, &Device::Cpu).unwrap();
+    let text = std::fs::read_to_string(dir.join("expected.json")).unwrap();
+    (m, serde_json::from_str(&text).unwrap())
+}
+
+fn ids2(v: &Value) -> Vec<Vec<u32>> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            r.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect()
+        })
+        .collect()
+}
+
+fn f32_rows(v: &Value) -> Vec<Option<Vec<f32>>> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            r.as_array()
+                .map(|r| r.iter().map(|x| x.as_f64().unwrap() as f32).collect())
+        })
+        .collect()
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn logits_and_logprobs_match_transformers() {
+    for name in ARCHS {
+        let (m, exp) = load(name, DType::F32);
+        let model = m.build().unwrap();
+        let ids = ids2(&exp["input_ids"]);
+        let batch = SeqBatch::right_padded(&ids, 0, &Device::Cpu).unwrap();
+        for mode in [Mode::Train, Mode::Infer] {
+            let h = model.forward_hidden(&batch, mode).unwrap();
+            let logits = model.logits(&h).unwrap().to_vec3::<f32>().unwrap();
+            let want: Vec<&Value> = exp["logits"].as_array().unwrap().iter().collect();
+            for (b, row) in logits.iter().enumerate() {
+                let want_rows = f32_rows(want[b]);
+                for (t, l) in row.iter().enumerate() {
+                    let d = max_diff(l, want_rows[t].as_ref().unwrap());
+                    assert!(d < 1e-4, "{name} {mode:?} logits [{b},{t}] differ by {d}");
+                }
+            }
+        }
+        for temp in ["1.0", "0.7"] {
+            let t: f64 = temp.parse().unwrap();
+            let lp = next_token_logprobs(&model, &batch, t, Mode::Train).unwrap();
+            let got = lp.to_vec2::<f32>().unwrap();
+            for (b, want) in f32_rows(&exp["logprobs"][temp]).into_iter().enumerate() {
+                let d = max_diff(&got[b], &want.unwrap());
+                assert!(d < 1e-4, "{name} logprobs T={temp} row {b} differ by {d}");
+            }
+        }
+    }
+}
+
+#[test]
+fn left_padded_batch_with_positions_matches_transformers() {
+    for name in ARCHS {
+        let (m, exp) = load(name, DType::F32);
+        let model = m.build().unwrap();
+        let p = &exp["padded"];
+        let ids = ids2(&p["input_ids"]);
+        let pos = ids2(&p["position_ids"]);
+        let valid: Vec<Vec<bool>> = ids2(&p["attention_mask"])
+            .into_iter()
+            .map(|r| r.into_iter().map(|x| x == 1).collect())
+            .collect();
+        let batch = SeqBatch::from_parts(ids, pos, valid.clone(), &Device::Cpu).unwrap();
+        for mode in [Mode::Train, Mode::Infer] {
+            let h = model.forward_hidden(&batch, mode).unwrap();
+            let logits = model.logits(&h).unwrap().to_vec3::<f32>().unwrap();
+            for (b, want) in p["logits"].as_array().unwrap().iter().enumerate() {
+                for (t, w) in f32_rows(want).into_iter().enumerate() {
+                    match w {
+                        Some(w) => {
+                            assert!(valid[b][t]);
+                            let d = max_diff(&logits[b][t], &w);
+                            assert!(d < 1e-4, "{name} {mode:?} padded [{b},{t}] differ by {d}");
+                            assert!(logits[b][t].iter().all(|x| x.is_finite()));
+                        }
+                        None => assert!(!valid[b][t]),
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn cached_greedy_decoding_matches_transformers_and_is_batch_independent() {
+    for name in ARCHS {
+        let (m, exp) = load(name, DType::F32);
+        let model = m.build().unwrap();
+        let g = &exp["greedy"];
+        let prompt: Vec<u32> = ids2(&Value::Array(vec![g["prompt_ids"].clone()])).remove(0);
+        let want: Vec<u32> = ids2(&Value::Array(vec![g["new_tokens"].clone()])).remove(0);
+        let params = SamplingParams {
+            max_new_tokens: want.len(),
+            min_new_tokens: want.len(),
+            temperature: 0.0,
+            eos_token_ids: m.eos_token_ids.clone(),
+            ..Default::default()
+        };
+        let alone = [PromptInput {
+            ids: prompt.clone(),
+            seed: 1,
+        }];
+        let (out, _) = generate(&model, None, &alone, 1, &params).unwrap();
+        assert_eq!(
+            out[0][0].ids, want,
+            "{name}: greedy tokens differ from transformers"
+        );
+        // The same prompt in a batch with a longer and a shorter one (left padding, compaction).
+        let other_long: Vec<u32> = (3..40).map(|i| (i * 7 % 250 + 3) as u32).collect();
+        let batch = [
+            PromptInput {
+                ids: other_long,
+                seed: 5,
+            },
+            PromptInput {
+                ids: prompt.clone(),
+                seed: 1,
+            },
+            PromptInput {
+                ids: vec![9, 8],
+                seed: 6,
+            },
+        ];
+        let (out_b, _) = generate(&model, None, &batch, 2, &params).unwrap();
+        assert_eq!(
+            out_b[1][0].ids, want,
+            "{name}: greedy tokens depend on the batch"
+        );
+        assert_eq!(out_b[1][1].ids, want);
+        // Seeded sampling: a row's completion does not depend on its batch either.
+        let sp = SamplingParams {
+            temperature: 1.0,
+            min_new_tokens: 0,
+            max_new_tokens: 12,
+            ..params.clone()
+        };
+        let (a, _) = generate(&model, None, &alone, 3, &sp).unwrap();
+        let (b, _) = generate(&model, None, &batch, 3, &sp).unwrap();
+        for s in 0..3 {
+            assert_eq!(
+                a[0][s].ids, b[1][s].ids,
+                "{name}: sample {s} depends on the batch"
+            );
+            let d = max_diff(&a[0][s].logprobs, &b[1][s].logprobs);
+            assert!(d < 1e-4, "{name}: sample {s} logprobs differ by {d}");
+        }
+    }
+}
+
+#[test]
+fn sampler_logprobs_equal_training_forward_logprobs() {
+    for name in ARCHS {
+        let (m, _) = load(name, DType::F32);
+        let model = m.build().unwrap();
+        let prompt = vec![5u32, 17, 33, 2, 90];
+        let params = SamplingParams {
+            max_new_tokens: 10,
+            min_new_tokens: 10,
+            temperature: 0.7,
+            eos_token_ids: m.eos_token_ids.clone(),
+            ..Default::default()
+        };
+        let (out, _) = generate(
+            &model,
+            None,
+            &[PromptInput {
+                ids: prompt.clone(),
+                seed: 3,
+            }],
+            2,
+            &params,
+        )
+        .unwrap();
+        for c in &out[0] {
+            let seq = [prompt.clone(), c.ids.clone()].concat();
+            let batch = SeqBatch::right_padded(&[seq], 0, &Device::Cpu).unwrap();
+            let lp = next_token_logprobs(&model, &batch, 0.7, Mode::Infer).unwrap();
+            let lp = lp.to_vec2::<f32>().unwrap().remove(0);
+            let d = max_diff(&lp[prompt.len() - 1..], &c.logprobs);
+            assert!(
+                d < 1e-4,
+                "{name}: sampler vs forward logprobs differ by {d}"
+            );
+        }
+    }
+}
+
+/// Variables for every checkpoint tensor, and a model over them.
+fn trainable(m: &LoadedModel, dtype: DType) -> (CausalLm, HashMap<String, Var>) {
+    let vars: HashMap<String, Var> = m
+        .tensors
+        .iter()
+        .map(|(k, t)| {
+            (
+                k.clone(),
+                Var::from_tensor(&t.to_dtype(dtype).unwrap()).unwrap(),
+            )
+        })
+        .collect();
+    let tensors = vars
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+        .collect();
+    let model = CausalLm::from_tensors(&m.config, tensors, dtype, &Device::Cpu).unwrap();
+    (model, vars)
+}
+
+fn padded_batch() -> SeqBatch {
+    SeqBatch::from_parts(
+        vec![vec![0, 0, 11, 200, 47, 3, 99], vec![5, 6, 7, 8, 9, 10, 250]],
+        vec![vec![0, 0, 0, 1, 2, 3, 4], vec![0, 1, 2, 3, 4, 5, 6]],
+        vec![
+            vec![false, false, true, true, true, true, true],
+            vec![true; 7],
+        ],
+        &Device::Cpu,
+    )
+    .unwrap()
+}
+
+/// A scalar loss touching every position: weighted sum of valid next-token log-probs.
+fn loss(model: &CausalLm, batch: &SeqBatch) -> Tensor {
+    let lp = next_token_logprobs(model, batch, 0.7, Mode::Train).unwrap(); // [B, T-1]
+    let (b, t) = lp.dims2().unwrap();
+    let w: Vec<f64> = (0..b * t)
+        .map(|i| {
+            let (r, c) = (i / t, i % t);
+            if batch.valid[r][c + 1] && batch.valid[r][c] {
+                1.0 + 0.1 * i as f64
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let w = Tensor::from_vec(w, (b, t), &Device::Cpu)
+        .unwrap()
+        .to_dtype(lp.dtype())
+        .unwrap();
+    (lp * w).unwrap().sum_all().unwrap()
+}
+
+#[test]
+fn every_parameter_receives_a_nonzero_gradient() {
+    for name in ARCHS {
+        let (m, _) = load(name, DType::F32);
+        let (model, vars) = trainable(&m, DType::F32);
+        let grads = loss(&model, &padded_batch()).backward().unwrap();
+        for (k, v) in &vars {
+            let g = grads
+                .get(v)
+                .unwrap_or_else(|| panic!("{name}: no gradient for {k}"));
+            let n = g
+                .sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(n > 0.0 && n.is_finite(), "{name}: gradient of {k} is {n}");
+        }
+    }
+}
+
+#[test]
+fn gradients_match_finite_differences() {
+    // f64 so central differences are accurate; a few entries of every tensor of every block type.
+    for name in ARCHS {
+        let (m, _) = load(name, DType::F64);
+        let (model, vars) = trainable(&m, DType::F64);
+        let batch = padded_batch();
+        let grads = loss(&model, &batch).backward().unwrap();
+        let mut names: Vec<&String> = vars.keys().collect();
+        names.sort();
+        for k in names {
+            let v = &vars[k];
+            let g: Vec<f64> = grads
+                .get(v)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let orig: Vec<f64> = v.flatten_all().unwrap().to_vec1().unwrap();
+            let n = orig.len();
+            for &idx in &[0, n / 2 + 1, n - 1] {
+                let eps = 1e-5;
+                let mut eval = |delta: f64| {
+                    let mut p = orig.clone();
+                    p[idx] += delta;
+                    v.set(&Tensor::from_vec(p, v.shape(), &Device::Cpu).unwrap())
+                        .unwrap();
+                    loss(&model, &batch).to_scalar::<f64>().unwrap()
+                };
+                let num = (eval(eps) - eval(-eps)) / (2.0 * eps);
+                v.set(&Tensor::from_vec(orig.clone(), v.shape(), &Device::Cpu).unwrap())
+                    .unwrap();
+                let tol = 1e-5 + 1e-4 * num.abs().max(g[idx].abs());
+                assert!(
+                    (num - g[idx]).abs() < tol,
+                    "{name} {k}[{idx}]: analytic {} vs numeric {num}",
+                    g[idx]
+                );
+            }
+        }
+    }
+}
