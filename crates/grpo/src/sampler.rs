@@ -415,15 +415,11 @@ fn step_row(
     Ok(())
 }
 
-/// `log softmax(logits / t)[tok]` over raw logits.
-pub fn logprob_at(logits: &[f32], tok: usize, t: f32) -> f32 {
-    let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f32 = logits.iter().map(|&x| ((x - m) / t).exp()).sum();
-    (logits[tok] - m) / t - sum.ln()
-}
-
 /// One token from raw logits: repetition penalty, EOS suppression, temperature, top-k, top-p,
 /// min-p (HF's order), then a draw from `rng`. Returns the token and its log-prob (module docs).
+///
+/// In the common case (no repetition penalty) one exp pass over the vocabulary serves both the
+/// log-prob normaliser and the draw.
 pub fn choose_token(
     logits: &[f32],
     seen: &[u32],
@@ -432,58 +428,85 @@ pub fn choose_token(
     rng: &mut impl Rng,
     scratch: &mut Vec<f32>,
 ) -> (u32, f32) {
-    let t = if params.temperature > 0.0 {
-        params.temperature as f32
-    } else {
+    let greedy = params.temperature <= 0.0;
+    let t = if greedy {
         1.0
+    } else {
+        params.temperature as f32
     };
+    let penalised = params.repetition_penalty != 1.0;
+    // Raw probabilities (unnormalised) at temperature t, and their sum for the log-prob.
+    let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
     scratch.clear();
-    scratch.extend_from_slice(logits);
-    let x = scratch;
-    if params.repetition_penalty != 1.0 {
+    scratch.extend(logits.iter().map(|&x| ((x - m) / t).exp()));
+    let raw_sum: f64 = scratch.iter().map(|&p| p as f64).sum();
+    let logprob = |tok: usize| (logits[tok] - m) / t - raw_sum.ln() as f32;
+    if penalised {
+        // Penalised logits, then their probabilities (a second pass, only in this case).
+        scratch.clear();
+        scratch.extend_from_slice(logits);
         let p = params.repetition_penalty as f32;
         let mut done = std::collections::HashSet::with_capacity(seen.len());
         for &s in seen {
-            if let Some(v) = x.get_mut(s as usize) {
+            if let Some(v) = scratch.get_mut(s as usize) {
                 if done.insert(s) {
                     *v = if *v < 0.0 { *v * p } else { *v / p };
                 }
             }
         }
+        let m2 = scratch.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        scratch.iter_mut().for_each(|v| *v = ((*v - m2) / t).exp());
     }
     if suppress_eos {
         for &e in &params.eos_token_ids {
-            if let Some(v) = x.get_mut(e as usize) {
-                *v = f32::NEG_INFINITY;
+            if let Some(v) = scratch.get_mut(e as usize) {
+                *v = 0.0;
             }
         }
     }
-    let argmax = |x: &[f32]| {
-        x.iter()
-            .enumerate()
-            .fold((0usize, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {
-                if v > bv {
-                    (i, v)
-                } else {
-                    (bi, bv)
-                }
-            })
-            .0
-    };
-    let tok = if params.temperature == 0.0 {
-        argmax(x)
+    let tok = if greedy {
+        greedy_token(logits, seen, suppress_eos, params)
+    } else if params.top_k > 0 || params.top_p < 1.0 || params.min_p > 0.0 {
+        sample_truncated(scratch, params, rng)
     } else {
-        // Unnormalised probabilities at temperature t.
-        let m = x.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-        x.iter_mut().for_each(|v| *v = ((*v - m) / t).exp());
-        let truncated = params.top_k > 0 || params.top_p < 1.0 || params.min_p > 0.0;
-        if truncated {
-            sample_truncated(x, params, rng)
-        } else {
-            sample_full(x, rng)
-        }
+        sample_full(scratch, rng)
     };
-    (tok as u32, logprob_at(logits, tok, t))
+    (tok as u32, logprob(tok))
+}
+
+/// Argmax of the processed logits (penalty applied, suppressed EOS excluded), compared as logits
+/// so that near-ties are not merged by exp underflow.
+fn greedy_token(
+    logits: &[f32],
+    seen: &[u32],
+    suppress_eos: bool,
+    params: &SamplingParams,
+) -> usize {
+    let p = params.repetition_penalty as f32;
+    let seen: std::collections::HashSet<u32> = if p != 1.0 {
+        seen.iter().copied().collect()
+    } else {
+        Default::default()
+    };
+    let mut best = (0usize, f32::NEG_INFINITY);
+    for (i, &x) in logits.iter().enumerate() {
+        if suppress_eos && params.eos_token_ids.contains(&(i as u32)) {
+            continue;
+        }
+        let v = if seen.contains(&(i as u32)) {
+            if x < 0.0 {
+                x * p
+            } else {
+                x / p
+            }
+        } else {
+            x
+        };
+        if v > best.1 {
+            best = (i, v);
+        }
+    }
+    best.0
 }
 
 /// Inverse-CDF draw from unnormalised probabilities.

@@ -206,7 +206,7 @@ fn normalize_gpt2_names(tensors: HashMap<String, Tensor>) -> HashMap<String, Ten
 
 /// HF name for a GGUF tensor name, and whether the tensor is a GPT-2 Conv1D weight stored
 /// transposed in GGUF.
-fn hf_name(arch: Arch, gguf: &str) -> Option<(String, bool)> {
+pub fn hf_name(arch: Arch, gguf: &str) -> Option<(String, bool)> {
     let (suffix, ext) = match gguf.rsplit_once('.') {
         Some((s, e)) if e == "weight" || e == "bias" => (s, e),
         _ => return None,

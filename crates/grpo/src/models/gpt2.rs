@@ -164,7 +164,7 @@ impl Model {
         ids: &Tensor,
         positions: &Tensor,
         mask: &Tensor,
-        mut cache: Option<&mut KvCache>,
+        cache: Option<&mut KvCache>,
         mode: Mode,
     ) -> Result<Tensor> {
         let mut x = (self.wte.forward(ids)? + self.wpe.forward(positions)?)?; // [B, S, H]
@@ -173,7 +173,7 @@ impl Model {
             let c = cache.as_deref().map(|c| (c, i));
             x = block.forward(&x, mask, c, mode)?;
         }
-        if let Some(c) = cache.as_deref_mut() {
+        if let Some(c) = cache {
             c.advance(s);
         }
         self.ln_f.forward(&x, mode)

@@ -203,7 +203,7 @@ impl Model {
         ids: &Tensor,
         positions: &Tensor,
         mask: &Tensor,
-        mut cache: Option<&mut KvCache>,
+        cache: Option<&mut KvCache>,
         mode: Mode,
     ) -> Result<Tensor> {
         let mut x = self.embed_tokens.forward(ids)?; // [B, S, H]
@@ -213,7 +213,7 @@ impl Model {
             let c = cache.as_deref().map(|c| (c, i));
             x = layer.forward(&x, &cos, &sin, mask, c, mode)?;
         }
-        if let Some(c) = cache.as_deref_mut() {
+        if let Some(c) = cache {
             c.advance(s);
         }
         self.norm.forward(&x, mode)

@@ -8,13 +8,11 @@
 //!   `chat_template.jinja`, with transformers' precedence.
 //! - [`Tokenizer::from_gguf`] rebuilds the HF tokenizer from `tokenizer.ggml.*`: the vocabulary and
 //!   merges, with the normalizer and pre-tokenizer chosen by `tokenizer.ggml.pre` (see
-//!   [`gguf`](self) for the supported values). It never adds a prefix space unless
+//!   [`Tokenizer::from_gguf`] for the supported values). It never adds a prefix space unless
 //!   `tokenizer.ggml.add_space_prefix` says so, and adds BOS only when `tokenizer.ggml.add_bos_token`
 //!   is set.
 
 mod chat;
-#[cfg(test)]
-mod fuzz_tmp;
 mod gguf;
 #[cfg(test)]
 mod tests;

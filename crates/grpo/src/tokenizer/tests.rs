@@ -538,3 +538,11 @@ fn gguf_chat_template_compiles_at_load() {
         vec![0, id(&tok, "ab")]
     );
 }
+
+#[test]
+fn tokenizer_is_send_and_sync() {
+    fn check<T: Send + Sync + Clone + std::fmt::Debug>() {}
+    check::<Tokenizer>();
+    let dbg = format!("{:?}", hf());
+    assert!(dbg.contains("vocab_size: 49152"), "{dbg}");
+}
