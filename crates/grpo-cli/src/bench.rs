@@ -252,11 +252,21 @@ fn bench_gemm(a: GemmArgs) -> Result<()> {
             best = best.min(t0.elapsed().as_secs_f64());
         }
         let gflops = 2.0 * (m * k * nn) as f64 / best / 1e9;
+        // The same product with the weight stored transposed ([in, out], row-major).
+        let wt = w.t()?.contiguous()?;
+        let mut best_t = f64::INFINITY;
+        for _ in 0..a.reps {
+            let t0 = Instant::now();
+            let _y = x.matmul(&wt)?;
+            best_t = best_t.min(t0.elapsed().as_secs_f64());
+        }
+        let gflops_t = 2.0 * (m * k * nn) as f64 / best_t / 1e9;
         let line = serde_json::json!({
             "bench": "gemm_f32",
             "m": m, "k": k, "n": nn,
             "best_s": best,
             "gflops": (gflops * 10.0).round() / 10.0,
+            "gflops_weight_in_out": (gflops_t * 10.0).round() / 10.0,
             "total_s": t_all.elapsed().as_secs_f64(),
         });
         println!("{line}");

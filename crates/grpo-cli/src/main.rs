@@ -4,6 +4,11 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+/// mimalloc keeps freed pages: the sampler's large per-step buffers (logits, activations) would
+/// otherwise be unmapped and zero-filled again by the kernel at every step.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod bench;
 mod common;
 mod generate;

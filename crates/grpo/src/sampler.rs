@@ -1,7 +1,7 @@
 //! Batched, KV-cached, group-aware sampling.
 //!
-//! For P prompts and G samples each: every prompt is prefilled once (batch 1, exact length) and its
-//! keys/values are copied into the G rows of one batched cache, left-padded to the longest prompt so
+//! For P prompts and G samples each: all prompts are prefilled once, in one forward, left-padded to
+//! the longest; each prompt's keys/values are then copied into its G rows of one batched cache, so
 //! that every decoding step writes all rows at the same slot with one in-place copy. Each row has its
 //! own RNG seeded from (prompt seed, sample index), so a completion does not depend on what else is
 //! in the batch. Finished rows are dropped from the cache once enough of them have finished.
@@ -19,8 +19,7 @@ use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
 use crate::kv_cache::KvCache;
-use crate::models::layers::build_mask;
-use crate::models::CausalLm;
+use crate::models::{AttnMask, CausalLm, SeqBatch};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 
@@ -196,23 +195,24 @@ pub fn generate(
     }
     let device = model.device().clone();
 
-    // 1. Prefill each prompt once.
+    // 1. Prefill every prompt once, all in one forward, left-padded to the longest.
     let t0 = Instant::now();
-    let mut prompt_caches = Vec::with_capacity(prompts.len());
-    let mut first_logits = Vec::with_capacity(prompts.len());
-    for p in prompts {
-        let l = p.ids.len();
-        let mut cache = model.new_cache(1, l)?;
-        let ids = Tensor::from_slice(&p.ids, (1, l), &device)?;
-        let pos = Tensor::from_vec((0..l as u32).collect::<Vec<_>>(), (1, l), &device)?;
-        let mask = build_mask(&[vec![true; l]], 0, l, l, &device)?;
-        let h = model.forward_cached(&ids, &pos, &mask, &mut cache)?; // [1, L, H]
-        let last = h.narrow(1, l - 1, 1)?.squeeze(1)?; // [1, H]
-        let logits: Vec<f32> = model.logits(&last)?.flatten_all()?.to_vec1()?; // [V]
-        prompt_caches.push(cache);
-        first_logits.push(logits);
-        stats.prompt_tokens += l;
-    }
+    let lmax = prompts.iter().map(|p| p.ids.len()).max().unwrap_or(0);
+    let seqs: Vec<Vec<u32>> = prompts.iter().map(|p| p.ids.clone()).collect();
+    let pre = SeqBatch::left_padded(&seqs, 0, &device)?;
+    let mut prompt_cache = model.new_cache(prompts.len(), lmax)?;
+    let h = model.forward_cached(
+        &pre.ids,
+        &pre.positions,
+        &AttnMask::Dense(pre.mask.clone()),
+        &mut prompt_cache,
+    )?; // [P, Lmax, H]
+    let last = h.narrow(1, lmax - 1, 1)?.squeeze(1)?; // [P, H]
+    let all_logits: Vec<f32> = model.logits(&last)?.flatten_all()?.to_vec1()?; // [P*V]
+    let v = all_logits.len() / prompts.len();
+    let first_logits: Vec<&[f32]> = all_logits.chunks(v).collect();
+    stats.prompt_tokens = seqs.iter().map(|s| s.len()).sum();
+    drop(h);
     stats.prefill_s = t0.elapsed().as_secs_f64();
 
     // 2. Rows: prompt-major, G per prompt; first tokens from the prompt's last logits.
@@ -234,22 +234,21 @@ pub fn generate(
     }
     let ts = Instant::now();
     rows.par_iter_mut()
-        .try_for_each(|row| step_row(row, &first_logits[row.prompt], params, tokenizer))?;
+        .try_for_each(|row| step_row(row, first_logits[row.prompt], params, tokenizer))?;
     stats.sample_s += ts.elapsed().as_secs_f64();
     drop(first_logits);
+    drop(all_logits);
 
-    // 3. Batched cache: left-pad every prompt to the longest and reserve room for generation.
-    let lmax = prompts.iter().map(|p| p.ids.len()).max().unwrap_or(0);
+    // 3. Batched cache: each row gets its prompt's (left-padded) keys and values, plus room.
     let mut batch: Vec<usize> = (0..rows.len())
         .filter(|&r| rows[r].done.is_none())
         .collect();
     if !batch.is_empty() {
-        let mut cache = batch_cache(model, &prompt_caches, &rows, &batch, lmax, params)?;
-        drop(prompt_caches);
+        let mut cache = batch_cache(model, &prompt_cache, &rows, &batch, params)?;
+        drop(prompt_cache);
         // 4. Decode until every row is done.
         let max_steps = params.max_new_tokens - 1;
         for _step in 0..max_steps {
-            let slot = cache.len();
             let b = batch.len();
             let ids: Vec<u32> = batch
                 .iter()
@@ -259,19 +258,13 @@ pub fn generate(
                 .iter()
                 .map(|&r| (prompts[rows[r].prompt].ids.len() + rows[r].tokens.len() - 1) as u32)
                 .collect();
-            let valid: Vec<Vec<bool>> = batch
+            let pads: Vec<usize> = batch
                 .iter()
-                .map(|&r| {
-                    let pad = lmax - prompts[rows[r].prompt].ids.len();
-                    let mut v = vec![true; slot + 1];
-                    v[..pad].iter_mut().for_each(|x| *x = false);
-                    v
-                })
+                .map(|&r| lmax - prompts[rows[r].prompt].ids.len())
                 .collect();
-            let mask = build_mask(&valid, slot, 1, slot + 1, &device)?; // [b, 1, 1, slot+1]
             let ids = Tensor::from_vec(ids, (b, 1), &device)?;
             let pos = Tensor::from_vec(pos, (b, 1), &device)?;
-            let h = model.forward_cached(&ids, &pos, &mask, &mut cache)?; // [b, 1, H]
+            let h = model.forward_cached(&ids, &pos, &AttnMask::LeftPad(pads), &mut cache)?; // [b, 1, H]
             let logits: Vec<f32> = model.logits(&h.squeeze(1)?)?.flatten_all()?.to_vec1()?; // [b*V]
             stats.decode_steps += 1;
             let ts = Instant::now();
@@ -325,46 +318,37 @@ pub fn generate(
     Ok((out, stats))
 }
 
-/// The batched cache for `batch` rows: each prompt's prefilled keys/values, left-padded to `lmax`,
-/// repeated for its rows, followed by room for the generated tokens.
+/// The batched cache for `batch` rows: each row's prompt keys/values (already left-padded by the
+/// prefill), followed by room for the generated tokens.
 fn batch_cache(
     model: &CausalLm,
-    prompt_caches: &[KvCache],
+    prompt_cache: &KvCache,
     rows: &[Row],
     batch: &[usize],
-    lmax: usize,
     params: &SamplingParams,
 ) -> Result<KvCache> {
     let cfg = model.config();
     let device = model.device();
-    let (hkv, d) = (cfg.num_kv_heads, cfg.head_dim);
-    let rows_idx: Vec<u32> = batch.iter().map(|&r| rows[r].prompt as u32).collect();
-    let rows_idx = Tensor::new(rows_idx.as_slice(), device)?;
-    let b = batch.len();
-    let room = Tensor::zeros((b, hkv, params.max_new_tokens, d), model.dtype(), device)?;
+    let idx: Vec<u32> = batch.iter().map(|&r| rows[r].prompt as u32).collect();
+    let idx = Tensor::new(idx.as_slice(), device)?;
+    let room = Tensor::zeros(
+        (
+            batch.len(),
+            cfg.num_kv_heads,
+            params.max_new_tokens,
+            cfg.head_dim,
+        ),
+        model.dtype(),
+        device,
+    )?;
     let mut ks = Vec::with_capacity(cfg.num_layers);
     let mut vs = Vec::with_capacity(cfg.num_layers);
     for layer in 0..cfg.num_layers {
-        let mut pk = Vec::with_capacity(prompt_caches.len());
-        let mut pv = Vec::with_capacity(prompt_caches.len());
-        for c in prompt_caches {
-            let (k, v) = c.layer(layer)?; // [1, Hkv, L, D]
-            let pad = lmax - c.len();
-            if pad > 0 {
-                let z = Tensor::zeros((1, hkv, pad, d), model.dtype(), device)?;
-                pk.push(Tensor::cat(&[&z, &k], 2)?);
-                pv.push(Tensor::cat(&[&z, &v], 2)?);
-            } else {
-                pk.push(k);
-                pv.push(v);
-            }
-        }
-        let k = Tensor::cat(&pk, 0)?.index_select(&rows_idx, 0)?; // [b, Hkv, Lmax, D]
-        let v = Tensor::cat(&pv, 0)?.index_select(&rows_idx, 0)?;
-        ks.push(Tensor::cat(&[&k, &room], 2)?.contiguous()?);
-        vs.push(Tensor::cat(&[&v, &room], 2)?.contiguous()?);
+        let (k, v) = prompt_cache.layer(layer)?; // [P, Hkv, Lmax, D]
+        ks.push(Tensor::cat(&[&k.index_select(&idx, 0)?, &room], 2)?); // [b, Hkv, Lmax+N, D]
+        vs.push(Tensor::cat(&[&v.index_select(&idx, 0)?, &room], 2)?);
     }
-    Ok(KvCache::from_parts(ks, vs, lmax)?)
+    Ok(KvCache::from_parts(ks, vs, prompt_cache.len())?)
 }
 
 /// Chooses the next token of `row` from its raw `logits` and updates its stop state.

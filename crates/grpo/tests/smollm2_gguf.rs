@@ -51,7 +51,8 @@ fn gguf_greedy_decoding_matches_transformers() {
     }
     // Prompt logits: the top-20 of the last prompt position.
     for (p, input) in fx["prompts"].as_array().unwrap().iter().zip(&inputs) {
-        let batch = SeqBatch::right_padded(&[input.ids.clone()], 0, &Device::Cpu).unwrap();
+        let batch =
+            SeqBatch::right_padded(std::slice::from_ref(&input.ids), 0, &Device::Cpu).unwrap();
         let h = model.forward_hidden(&batch, Mode::Infer).unwrap();
         let last = h.narrow(1, input.ids.len() - 1, 1).unwrap();
         let logits: Vec<f32> = model

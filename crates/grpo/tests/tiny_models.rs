@@ -241,12 +241,16 @@ fn trainable(m: &LoadedModel, dtype: DType) -> (CausalLm, HashMap<String, Var>) 
             )
         })
         .collect();
+    (build(m, &vars, dtype), vars)
+}
+
+/// A model over the current values of `vars` (a built model holds a snapshot of its weights).
+fn build(m: &LoadedModel, vars: &HashMap<String, Var>, dtype: DType) -> CausalLm {
     let tensors = vars
         .iter()
         .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
         .collect();
-    let model = CausalLm::from_tensors(&m.config, tensors, dtype, &Device::Cpu).unwrap();
-    (model, vars)
+    CausalLm::from_tensors(&m.config, tensors, dtype, &Device::Cpu).unwrap()
 }
 
 fn padded_batch() -> SeqBatch {
@@ -328,12 +332,14 @@ fn gradients_match_finite_differences() {
             let n = orig.len();
             for &idx in &[0, n / 2 + 1, n - 1] {
                 let eps = 1e-5;
-                let mut eval = |delta: f64| {
+                let eval = |delta: f64| {
                     let mut p = orig.clone();
                     p[idx] += delta;
                     v.set(&Tensor::from_vec(p, v.shape(), &Device::Cpu).unwrap())
                         .unwrap();
-                    loss(&model, &batch).to_scalar::<f64>().unwrap()
+                    loss(&build(&m, &vars, DType::F64), &batch)
+                        .to_scalar::<f64>()
+                        .unwrap()
                 };
                 let num = (eval(eps) - eval(-eps)) / (2.0 * eps);
                 v.set(&Tensor::from_vec(orig.clone(), v.shape(), &Device::Cpu).unwrap())

@@ -1,19 +1,19 @@
 //! GPT-2 (`GPT2LMHeadModel`) with HF weight names: `transformer.h.N.attn.c_attn.weight`, ...
-//! HF stores GPT-2's projections as `Conv1D` weights `[in, out]`; they are used through a
-//! transposed view so the checkpoint tensors (and their gradients) keep HF's layout.
+//! HF stores GPT-2's projections as `Conv1D` weights `[in, out]`, which is already the layout
+//! [`Linear`] computes with: the checkpoint tensors are used as they are.
 
 use candle_core::{Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use super::config::ModelConfig;
-use super::layers::{attention, Embedding, LayerNorm, Linear, Mode};
+use super::layers::{attention, AttnMask, Embedding, LayerNorm, Linear, Mode};
 use crate::kv_cache::KvCache;
 
 /// HF `Conv1D`: weight `[in, out]`, bias `[out]`.
 fn conv1d(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<Linear> {
     let w = vb.get((in_dim, out_dim), "weight")?;
     let b = vb.get(out_dim, "bias")?;
-    Ok(Linear::new(w.t()?, Some(b)))
+    Linear::new(w.t()?, Some(b))
 }
 
 #[derive(Debug, Clone)]
@@ -38,7 +38,7 @@ impl Attention {
     fn forward(
         &self,
         x: &Tensor,
-        mask: &Tensor,
+        mask: &AttnMask,
         cache: Option<(&KvCache, usize)>,
         mode: Mode,
     ) -> Result<Tensor> {
@@ -100,7 +100,7 @@ impl Block {
     fn forward(
         &self,
         x: &Tensor,
-        mask: &Tensor,
+        mask: &AttnMask,
         cache: Option<(&KvCache, usize)>,
         mode: Mode,
     ) -> Result<Tensor> {
@@ -163,7 +163,7 @@ impl Model {
         &self,
         ids: &Tensor,
         positions: &Tensor,
-        mask: &Tensor,
+        mask: &AttnMask,
         cache: Option<&mut KvCache>,
         mode: Mode,
     ) -> Result<Tensor> {

@@ -21,19 +21,30 @@ pub enum Mode {
 /// masked (a padding query) gives a uniform softmax instead of NaN, which would poison gradients.
 pub const MASK_VALUE: f32 = -1e30;
 
-/// `y = x W^T + b` with HF's `[out, in]` weight layout.
+/// `y = x W^T + b`. The weight arrives in HF's `[out, in]` layout and is kept as a contiguous
+/// `[in, out]` tensor: candle's CPU GEMM then streams it without repacking it on every call (the
+/// repacking was a quarter of decoding time). GPT-2's Conv1D weights are already `[in, out]`, so
+/// for them this is free; for others it is one copy when the model is built. With `Var` weights
+/// the copy is a tracked op, so gradients reach the `Var`; but a built model holds a snapshot:
+/// rebuild it after changing the parameters.
 #[derive(Debug, Clone)]
 pub struct Linear {
-    weight: Tensor,
+    /// [in, out]
+    weight_t: Tensor,
     bias: Option<Tensor>,
 }
 
 impl Linear {
-    pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
-        Self { weight, bias }
+    /// `weight` [out, in] (HF layout), `bias` [out].
+    pub fn new(weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
+        Ok(Self {
+            weight_t: weight.t()?.contiguous()?,
+            bias,
+        })
     }
-    pub fn weight(&self) -> &Tensor {
-        &self.weight
+    /// The weight in HF layout `[out, in]` (a view).
+    pub fn weight(&self) -> Result<Tensor> {
+        self.weight_t.t()
     }
 }
 
@@ -42,9 +53,9 @@ impl Module for Linear {
         let dims = x.dims();
         let in_dim = dims[dims.len() - 1];
         let rows = x.elem_count() / in_dim;
-        let out_dim = self.weight.dim(0)?;
+        let out_dim = self.weight_t.dim(1)?;
         let x2 = x.reshape((rows, in_dim))?; // [N, in]
-        let y = x2.matmul(&self.weight.t()?)?; // [N, out]
+        let y = x2.matmul(&self.weight_t)?; // [N, out]
         let y = match &self.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
@@ -63,7 +74,7 @@ pub fn linear(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> Resu
     } else {
         None
     };
-    Ok(Linear::new(weight, bias))
+    Linear::new(weight, bias)
 }
 
 /// Token embedding table `[vocab, hidden]`.
@@ -299,22 +310,52 @@ pub fn matmul_operand(t: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// How attention is masked.
+#[derive(Debug, Clone)]
+pub enum AttnMask {
+    /// Additive `[B, 1, S, Tk]` f32 (0 or [`MASK_VALUE`]).
+    Dense(Tensor),
+    /// One query per row (decoding): row `b` attends key slots `pad[b]..Tk` (left padding).
+    LeftPad(Vec<usize>),
+}
+
 /// Scaled dot-product attention with grouped KV heads, without copying K/V per group.
 ///
-/// `q` [B, H, S, D], `k`/`v` [B, Hkv, Tk, D], `mask` additive [B, 1, S, Tk] (f32, 0 or
-/// [`MASK_VALUE`]). Returns [B, S, H*D].
-pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, mode: Mode) -> Result<Tensor> {
+/// `q` [B, H, S, D], `k`/`v` [B, Hkv, Tk, D]. Returns [B, S, H*D]. Single-query decoding on CPU
+/// f32 takes a fused kernel ([`decode_attention_cpu`]); everything else goes through matmuls.
+pub fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttnMask,
+    mode: Mode,
+) -> Result<Tensor> {
     let (b, h, s, d) = q.dims4()?;
+    let tk = k.dim(2)?;
+    let dense = match mask {
+        AttnMask::Dense(m) => m.clone(),
+        AttnMask::LeftPad(pad) => {
+            if mode == Mode::Infer && s == 1 {
+                if let Some(out) = decode_attention_cpu(q, k, v, pad)? {
+                    return Ok(out);
+                }
+            }
+            let valid: Vec<Vec<bool>> = pad
+                .iter()
+                .map(|&p| (0..tk).map(|j| j >= p).collect())
+                .collect();
+            build_mask(&valid, tk - 1, 1, tk, q.device())?
+        }
+    };
     let hkv = k.dim(1)?;
     let g = h / hkv;
-    let tk = k.dim(2)?;
     let scale = 1.0 / (d as f64).sqrt();
     // Query heads h = j*g + i all read kv head j: fold the group into the query axis.
     let q = q.contiguous()?.reshape((b, hkv, g * s, d))?; // [B, Hkv, g*S, D]
     let k = matmul_operand(k)?;
     let scores = (q.matmul(&k.t()?)? * scale)?; // [B, Hkv, g*S, Tk]
     let scores = scores.to_dtype(reduce_dtype(scores.dtype()))?;
-    let mask = mask.to_dtype(scores.dtype())?;
+    let mask = dense.to_dtype(scores.dtype())?;
     let mask = if g == 1 {
         mask
     } else {
@@ -328,6 +369,100 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, mode: Mode) 
     out.reshape((b, h, s, d))?
         .transpose(1, 2)? // [B, S, H, D]
         .reshape((b, s, h * d))
+}
+
+/// Dot product with 8 independent accumulators, so the compiler can vectorise it.
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let n = a.len() / 8 * 8;
+    for (ca, cb) in a[..n].chunks_exact(8).zip(b[..n].chunks_exact(8)) {
+        for l in 0..8 {
+            acc[l] += ca[l] * cb[l];
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for i in n..a.len() {
+        s += a[i] * b[i];
+    }
+    s
+}
+
+/// Fused single-query attention for decoding, reading the KV cache views in place: for each row
+/// and kv head, the g query heads score the unmasked key slots, softmax, and weight the values.
+/// `q` [B, H, 1, D]; `k`/`v` [B, Hkv, Tk, D] with unit last stride. Returns `None` (caller falls
+/// back to matmuls) unless everything is f32 on the CPU.
+pub fn decode_attention_cpu(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    pad: &[usize],
+) -> Result<Option<Tensor>> {
+    use candle_core::{CpuStorage, Storage};
+    use rayon::prelude::*;
+    if !q.device().is_cpu() || q.dtype() != DType::F32 || k.dtype() != DType::F32 {
+        return Ok(None);
+    }
+    let (b, h, _, d) = q.dims4()?;
+    let (_, hkv, tk, _) = k.dims4()?;
+    if k.stride()[3] != 1 || v.stride()[3] != 1 || k.stride() != v.stride() || pad.len() != b {
+        return Ok(None);
+    }
+    let g = h / hkv;
+    let scale = 1.0 / (d as f32).sqrt();
+    let q = q.contiguous()?;
+    let (qs, ql) = q.storage_and_layout();
+    let (ks, kl) = k.storage_and_layout();
+    let (vs, vl) = v.storage_and_layout();
+    let (
+        Storage::Cpu(CpuStorage::F32(qd)),
+        Storage::Cpu(CpuStorage::F32(kd)),
+        Storage::Cpu(CpuStorage::F32(vd)),
+    ) = (&*qs, &*ks, &*vs)
+    else {
+        return Ok(None);
+    };
+    let qd = &qd[ql.start_offset()..];
+    let (kd, vd) = (&kd[kl.start_offset()..], &vd[vl.start_offset()..]);
+    let st = kl.stride();
+    let (sb, sh, stt) = (st[0], st[1], st[2]);
+    let mut out = vec![0f32; b * h * d];
+    out.par_chunks_mut(g * d).enumerate().for_each(|(bj, o)| {
+        let (bi, j) = (bj / hkv, bj % hkv);
+        let p0 = pad[bi].min(tk);
+        let n = tk - p0;
+        let mut scores = vec![0f32; g * n];
+        for t in 0..n {
+            let ko = bi * sb + j * sh + (p0 + t) * stt;
+            let krow = &kd[ko..ko + d];
+            for i in 0..g {
+                let qo = (bi * h + j * g + i) * d;
+                scores[i * n + t] = dot(&qd[qo..qo + d], krow) * scale;
+            }
+        }
+        for i in 0..g {
+            let sc = &mut scores[i * n..(i + 1) * n];
+            let m = sc.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f32;
+            sc.iter_mut().for_each(|x| {
+                *x = (*x - m).exp();
+                sum += *x;
+            });
+            let inv = 1.0 / sum;
+            sc.iter_mut().for_each(|x| *x *= inv);
+        }
+        for t in 0..n {
+            let vo = bi * sb + j * sh + (p0 + t) * stt;
+            let vrow = &vd[vo..vo + d];
+            for i in 0..g {
+                let p = scores[i * n + t];
+                let oi = &mut o[i * d..(i + 1) * d];
+                oi.iter_mut().zip(vrow).for_each(|(a, &x)| *a += p * x);
+            }
+        }
+    });
+    drop((qs, ks, vs));
+    Ok(Some(Tensor::from_vec(out, (b, 1, h * d), q.device())?))
 }
 
 /// Additive attention mask [B, 1, S, Tk] for queries at key slots `q_slots[b][s]` attending to key

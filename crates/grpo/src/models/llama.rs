@@ -6,7 +6,9 @@ use candle_core::{Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use super::config::ModelConfig;
-use super::layers::{apply_rope, attention, linear, Embedding, Linear, Mode, RmsNorm, Rope};
+use super::layers::{
+    apply_rope, attention, linear, AttnMask, Embedding, Linear, Mode, RmsNorm, Rope,
+};
 use crate::kv_cache::KvCache;
 
 #[derive(Debug, Clone)]
@@ -51,14 +53,14 @@ impl Attention {
         })
     }
 
-    /// `x` [B, S, H]; `cos`/`sin` [B, S, D/2]; `mask` [B, 1, S, Tk]. With a cache, the new keys
+    /// `x` [B, S, H]; `cos`/`sin` [B, S, D/2]; `mask` over Tk key slots. With a cache, the new keys
     /// are written into it and attention reads all cached slots; without, Tk = S.
     fn forward(
         &self,
         x: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
-        mask: &Tensor,
+        mask: &AttnMask,
         cache: Option<(&KvCache, usize)>,
         mode: Mode,
     ) -> Result<Tensor> {
@@ -141,7 +143,7 @@ impl DecoderLayer {
         x: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
-        mask: &Tensor,
+        mask: &AttnMask,
         cache: Option<(&KvCache, usize)>,
         mode: Mode,
     ) -> Result<Tensor> {
@@ -196,13 +198,13 @@ impl Model {
     }
 
     /// Final hidden states [B, S, H] for `ids` [B, S] at `positions` [B, S] with `mask`
-    /// [B, 1, S, Tk]. Without a cache this is the all-position training forward (Tk = S); with one
+    /// over Tk key slots. Without a cache this is the all-position training forward (Tk = S); with one
     /// it is the incremental decoding forward and the cache is advanced by S.
     pub fn forward_hidden(
         &self,
         ids: &Tensor,
         positions: &Tensor,
-        mask: &Tensor,
+        mask: &AttnMask,
         cache: Option<&mut KvCache>,
         mode: Mode,
     ) -> Result<Tensor> {

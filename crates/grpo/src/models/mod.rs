@@ -18,7 +18,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 
 pub use config::{Arch, ModelConfig};
-pub use layers::Mode;
+pub use layers::{AttnMask, Mode};
 
 use crate::kv_cache::KvCache;
 use crate::{Error, Result};
@@ -98,16 +98,18 @@ impl CausalLm {
 
     /// All-position forward: final hidden states [B, T, H].
     pub fn forward_hidden(&self, batch: &SeqBatch, mode: Mode) -> Result<Tensor> {
-        Ok(self.hidden(&batch.ids, &batch.positions, &batch.mask, None, mode)?)
+        let mask = AttnMask::Dense(batch.mask.clone());
+        Ok(self.hidden(&batch.ids, &batch.positions, &mask, None, mode)?)
     }
 
-    /// Incremental forward over `cache`: `ids`/`positions` [B, S], `mask` [B, 1, S, cache.len()+S].
+    /// Incremental forward over `cache`: `ids`/`positions` [B, S]; `mask` covers the
+    /// `cache.len() + S` key slots (dense `[B, 1, S, Tk]`, or left-padding counts when S = 1).
     /// Writes the new keys and values into the cache and advances it. Returns [B, S, H].
     pub fn forward_cached(
         &self,
         ids: &Tensor,
         positions: &Tensor,
-        mask: &Tensor,
+        mask: &AttnMask,
         cache: &mut KvCache,
     ) -> Result<Tensor> {
         Ok(self.hidden(ids, positions, mask, Some(cache), Mode::Infer)?)
@@ -117,7 +119,7 @@ impl CausalLm {
         &self,
         ids: &Tensor,
         positions: &Tensor,
-        mask: &Tensor,
+        mask: &AttnMask,
         cache: Option<&mut KvCache>,
         mode: Mode,
     ) -> candle_core::Result<Tensor> {
