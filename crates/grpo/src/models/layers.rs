@@ -66,6 +66,65 @@ impl Module for Linear {
     }
 }
 
+/// Several HF projections of the same input computed as one GEMM (q/k/v, gate/up): the weights
+/// are concatenated along `out` when the model is built (the same single copy [`Linear`] makes
+/// anyway), and the output is split back into views. Gradients reach each original tensor.
+#[derive(Debug, Clone)]
+pub struct FusedLinear {
+    inner: Linear,
+    outs: Vec<usize>,
+}
+
+impl FusedLinear {
+    /// `parts`: (weight [out_i, in], bias [out_i]) in output order; biases all present or all absent.
+    pub fn new(parts: Vec<(Tensor, Option<Tensor>)>) -> Result<Self> {
+        let outs = parts
+            .iter()
+            .map(|(w, _)| w.dim(0))
+            .collect::<Result<Vec<_>>>()?;
+        let ws: Vec<&Tensor> = parts.iter().map(|(w, _)| w).collect();
+        let bias = if parts.iter().all(|(_, b)| b.is_some()) {
+            let bs: Vec<&Tensor> = parts.iter().filter_map(|(_, b)| b.as_ref()).collect();
+            Some(Tensor::cat(&bs, 0)?)
+        } else {
+            None
+        };
+        Ok(Self {
+            inner: Linear::new(Tensor::cat(&ws, 0)?, bias)?,
+            outs,
+        })
+    }
+
+    /// `x` [.., in] -> one view [.., out_i] per part.
+    pub fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        let y = self.inner.forward(x)?;
+        let last = y.rank() - 1;
+        let mut start = 0;
+        let mut out = Vec::with_capacity(self.outs.len());
+        for &n in &self.outs {
+            out.push(y.narrow(last, start, n)?);
+            start += n;
+        }
+        Ok(out)
+    }
+}
+
+/// Loads `<prefix>.weight` ([out, in]) and, when `bias`, `<prefix>.bias` ([out]) as raw tensors.
+pub fn linear_parts(
+    in_dim: usize,
+    out_dim: usize,
+    bias: bool,
+    vb: VarBuilder,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let weight = vb.get((out_dim, in_dim), "weight")?;
+    let bias = if bias {
+        Some(vb.get(out_dim, "bias")?)
+    } else {
+        None
+    };
+    Ok((weight, bias))
+}
+
 /// Loads `<prefix>.weight` ([out, in]) and, when `bias`, `<prefix>.bias` ([out]).
 pub fn linear(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> Result<Linear> {
     let weight = vb.get((out_dim, in_dim), "weight")?;

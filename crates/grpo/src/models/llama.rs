@@ -7,15 +7,15 @@ use candle_nn::VarBuilder;
 
 use super::config::ModelConfig;
 use super::layers::{
-    apply_rope, attention, linear, AttnMask, Embedding, Linear, Mode, RmsNorm, Rope,
+    apply_rope, attention, linear, linear_parts, AttnMask, Embedding, FusedLinear, Linear, Mode,
+    RmsNorm, Rope,
 };
 use crate::kv_cache::KvCache;
 
 #[derive(Debug, Clone)]
 pub struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    /// q_proj, k_proj, v_proj as one GEMM.
+    qkv_proj: FusedLinear,
     o_proj: Linear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
@@ -41,9 +41,11 @@ impl Attention {
             (None, None)
         };
         Ok(Self {
-            q_proj: linear(h, nh * hd, cfg.attention_bias, vb.pp("q_proj"))?,
-            k_proj: linear(h, nkv * hd, cfg.attention_bias, vb.pp("k_proj"))?,
-            v_proj: linear(h, nkv * hd, cfg.attention_bias, vb.pp("v_proj"))?,
+            qkv_proj: FusedLinear::new(vec![
+                linear_parts(h, nh * hd, cfg.attention_bias, vb.pp("q_proj"))?,
+                linear_parts(h, nkv * hd, cfg.attention_bias, vb.pp("k_proj"))?,
+                linear_parts(h, nkv * hd, cfg.attention_bias, vb.pp("v_proj"))?,
+            ])?,
             o_proj: linear(nh * hd, h, cfg.mlp_bias, vb.pp("o_proj"))?,
             q_norm,
             k_norm,
@@ -66,9 +68,10 @@ impl Attention {
     ) -> Result<Tensor> {
         let (b, s, _) = x.dims3()?;
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let q = self.q_proj.forward(x)?.reshape((b, s, nh, hd))?; // [B, S, H, D]
-        let k = self.k_proj.forward(x)?.reshape((b, s, nkv, hd))?; // [B, S, Hkv, D]
-        let v = self.v_proj.forward(x)?.reshape((b, s, nkv, hd))?;
+        let qkv = self.qkv_proj.forward(x)?;
+        let q = qkv[0].reshape((b, s, nh, hd))?; // [B, S, H, D]
+        let k = qkv[1].reshape((b, s, nkv, hd))?; // [B, S, Hkv, D]
+        let v = qkv[2].reshape((b, s, nkv, hd))?;
         let q = match &self.q_norm {
             Some(n) => n.forward(&q, mode)?,
             None => q,
@@ -91,8 +94,8 @@ impl Attention {
 
 #[derive(Debug, Clone)]
 pub struct Mlp {
-    gate_proj: Linear,
-    up_proj: Linear,
+    /// gate_proj and up_proj as one GEMM.
+    gate_up_proj: FusedLinear,
     down_proj: Linear,
 }
 
@@ -100,15 +103,17 @@ impl Mlp {
     fn load(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
         let (h, i, b) = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
         Ok(Self {
-            gate_proj: linear(h, i, b, vb.pp("gate_proj"))?,
-            up_proj: linear(h, i, b, vb.pp("up_proj"))?,
+            gate_up_proj: FusedLinear::new(vec![
+                linear_parts(h, i, b, vb.pp("gate_proj"))?,
+                linear_parts(h, i, b, vb.pp("up_proj"))?,
+            ])?,
             down_proj: linear(i, h, b, vb.pp("down_proj"))?,
         })
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let gate = self.gate_proj.forward(x)?.silu()?;
-        self.down_proj.forward(&(gate * self.up_proj.forward(x)?)?)
+        let gu = self.gate_up_proj.forward(x)?;
+        self.down_proj.forward(&(gu[0].silu()? * &gu[1])?)
     }
 }
 
