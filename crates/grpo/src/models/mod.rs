@@ -171,30 +171,32 @@ pub struct SeqBatch {
 impl SeqBatch {
     /// Left-pads `seqs` to a common length with `pad_id`; each sequence's positions start at 0.
     pub fn left_padded(seqs: &[Vec<u32>], pad_id: u32, device: &Device) -> Result<Self> {
-        let t = seqs.iter().map(|s| s.len()).max().unwrap_or(0);
-        let mut ids = Vec::with_capacity(seqs.len());
-        let mut pos = Vec::with_capacity(seqs.len());
-        let mut valid = Vec::with_capacity(seqs.len());
-        for s in seqs {
-            let pad = t - s.len();
-            ids.push([vec![pad_id; pad], s.clone()].concat());
-            pos.push([vec![0; pad], (0..s.len() as u32).collect()].concat());
-            valid.push([vec![false; pad], vec![true; s.len()]].concat());
-        }
-        Self::from_parts(ids, pos, valid, device)
+        Self::padded(seqs, pad_id, true, device)
     }
 
     /// Right-pads `seqs` to a common length with `pad_id`.
     pub fn right_padded(seqs: &[Vec<u32>], pad_id: u32, device: &Device) -> Result<Self> {
+        Self::padded(seqs, pad_id, false, device)
+    }
+
+    fn padded(seqs: &[Vec<u32>], pad_id: u32, left: bool, device: &Device) -> Result<Self> {
         let t = seqs.iter().map(|s| s.len()).max().unwrap_or(0);
         let mut ids = Vec::with_capacity(seqs.len());
         let mut pos = Vec::with_capacity(seqs.len());
         let mut valid = Vec::with_capacity(seqs.len());
         for s in seqs {
             let pad = t - s.len();
-            ids.push([s.clone(), vec![pad_id; pad]].concat());
-            pos.push([(0..s.len() as u32).collect(), vec![0; pad]].concat());
-            valid.push([vec![true; s.len()], vec![false; pad]].concat());
+            let real_pos: Vec<u32> = (0..s.len() as u32).collect();
+            let (i, p, v) = (vec![pad_id; pad], vec![0; pad], vec![false; pad]);
+            if left {
+                ids.push([i, s.clone()].concat());
+                pos.push([p, real_pos].concat());
+                valid.push([v, vec![true; s.len()]].concat());
+            } else {
+                ids.push([s.clone(), i].concat());
+                pos.push([real_pos, p].concat());
+                valid.push([vec![true; s.len()], v].concat());
+            }
         }
         Self::from_parts(ids, pos, valid, device)
     }
