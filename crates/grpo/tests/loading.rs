@@ -223,6 +223,15 @@ fn gguf_files_of_every_architecture_load_like_hf() {
     }
 }
 
+/// Overwrites one key of `dir/config.json`.
+fn set_config_key(dir: &Path, key: &str, value: serde_json::Value) {
+    let cfg = dir.join("config.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    v[key] = value;
+    std::fs::write(&cfg, v.to_string()).unwrap();
+}
+
 fn err_of(r: grpo::Result<LoadedModel>) -> String {
     match r {
         Ok(_) => panic!("expected an error"),
@@ -266,21 +275,13 @@ fn broken_checkpoints_give_clear_errors() {
 
     // Config and weights disagree: the error names the tensor.
     let tmp = copy_fixture("llama");
-    let cfg = tmp.path().join("config.json");
-    let mut v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
-    v["intermediate_size"] = serde_json::json!(96);
-    std::fs::write(&cfg, v.to_string()).unwrap();
+    set_config_key(tmp.path(), "intermediate_size", serde_json::json!(96));
     let e = err_of(load_dir(tmp.path(), DType::F32).and_then(|m| m.build().map(|_| m)));
     assert!(e.contains("mlp") && e.contains("96"), "{e}");
 
     // Untied config without lm_head.
     let tmp = copy_fixture("qwen2");
-    let cfg = tmp.path().join("config.json");
-    let mut v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
-    v["tie_word_embeddings"] = serde_json::json!(false);
-    std::fs::write(&cfg, v.to_string()).unwrap();
+    set_config_key(tmp.path(), "tie_word_embeddings", serde_json::json!(false));
     let e = err_of(load_dir(tmp.path(), DType::F32));
     assert!(e.contains("lm_head"), "{e}");
 
