@@ -12,6 +12,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 mod bench;
 mod common;
 mod generate;
+mod train;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -32,6 +33,8 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Fine-tune a model with GRPO (no arguments: the embedded default run).
+    Train(train::TrainArgs),
     /// Sample completions from a model.
     Generate(generate::GenerateArgs),
     /// Benchmarks (throughput numbers, not tests).
@@ -39,7 +42,15 @@ enum Command {
     Bench(bench::BenchCommand),
 }
 
+/// mimalloc's `purge_delay` option (its index in `mi_option_t`, mimalloc v2 and v3).
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+
 fn main() -> ExitCode {
+    // Never hand freed memory back to the OS: training frees and re-allocates the same large
+    // activation buffers every step, and re-faulting them (the kernel zeroing fresh pages) took a
+    // third of the time of a forward+backward pass. Peak RSS is unchanged; it just stays there.
+    // SAFETY: sets a process-wide allocator option before any other thread exists.
+    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
     let cli = Cli::parse();
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cli.log_level));
@@ -49,6 +60,7 @@ fn main() -> ExitCode {
         .with_target(false)
         .init();
     let result = match cli.command {
+        Command::Train(args) => train::run(args),
         Command::Generate(args) => generate::run(args),
         Command::Bench(cmd) => bench::run(cmd),
     };

@@ -8,15 +8,32 @@
 //! - [`hub`]: resolving `--model` (local dir, .gguf, hub id, the embedded default) with a cache.
 //! - [`sampler`]: batched, KV-cached, group-aware sampling.
 //! - [`logprobs`]: per-token log-probs for training, chunked over the vocabulary.
+//! - [`config`]: the training configuration (TOML/YAML with TRL's option names), validated once.
+//! - [`data`]: prompt datasets (JSONL, CSV, Parquet) and the built-in arithmetic task.
+//! - [`rewards`]: reward functions scoring completions.
+//! - [`advantages`], [`loss`]: GRPO's group-relative advantages and clipped policy-gradient loss.
+//! - [`optim`]: AdamW with saveable state, gradient clipping, learning-rate schedules.
+//! - [`metrics`], [`checkpoint`]: metrics.jsonl + TensorBoard, atomic checkpoints in HF layout.
+//! - [`train`]: the training loop.
 
+pub mod advantages;
+pub mod checkpoint;
+pub mod config;
+pub mod data;
 pub mod error;
 pub mod hub;
 pub mod kv_cache;
 pub mod logprobs;
+pub mod loss;
+pub mod metrics;
 pub mod models;
+pub mod optim;
+pub mod rewards;
+pub mod rollout;
 pub mod sampler;
 pub mod threads;
 pub mod tokenizer;
+pub mod train;
 pub mod weights;
 
 pub use error::{Error, Result};

@@ -357,6 +357,83 @@ impl ModelConfig {
         })
     }
 
+    /// The HF `config.json` for this model (transformers 5 layout), so that a checkpoint written
+    /// from any source (a GGUF included) loads in transformers and back here.
+    pub fn to_hf_json(&self) -> Result<serde_json::Value> {
+        use serde_json::json;
+        let eos = match self.eos_token_ids.as_slice() {
+            [] => serde_json::Value::Null,
+            [one] => json!(one),
+            many => json!(many),
+        };
+        if self.rope_freq_factors.is_some() && self.rope_scaling.is_none() {
+            return Err(Error::Model(
+                "this model's per-frequency RoPE factors (GGUF rope_freqs) have no config.json form".into(),
+            ));
+        }
+        Ok(match self.arch {
+            Arch::Gpt2 => json!({
+                "architectures": ["GPT2LMHeadModel"],
+                "model_type": "gpt2",
+                "vocab_size": self.vocab_size,
+                "n_embd": self.hidden_size,
+                "n_layer": self.num_layers,
+                "n_head": self.num_heads,
+                "n_inner": self.intermediate_size,
+                "n_positions": self.max_position_embeddings,
+                "layer_norm_epsilon": self.norm_eps,
+                "activation_function": "gelu_new",
+                "tie_word_embeddings": self.tie_word_embeddings,
+                "bos_token_id": self.bos_token_id,
+                "eos_token_id": eos,
+                "dtype": "float32",
+            }),
+            arch => {
+                let mut rope = json!({"rope_type": "default", "rope_theta": self.rope_theta});
+                if let Some(r) = &self.rope_scaling {
+                    rope = json!({
+                        "rope_type": "llama3",
+                        "rope_theta": self.rope_theta,
+                        "factor": r.factor,
+                        "low_freq_factor": r.low_freq_factor,
+                        "high_freq_factor": r.high_freq_factor,
+                        "original_max_position_embeddings": r.original_max_position_embeddings,
+                    });
+                }
+                let (class, model_type) = match arch {
+                    Arch::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
+                    Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
+                    _ => ("LlamaForCausalLM", "llama"),
+                };
+                let mut v = json!({
+                    "architectures": [class],
+                    "model_type": model_type,
+                    "vocab_size": self.vocab_size,
+                    "hidden_size": self.hidden_size,
+                    "intermediate_size": self.intermediate_size,
+                    "num_hidden_layers": self.num_layers,
+                    "num_attention_heads": self.num_heads,
+                    "num_key_value_heads": self.num_kv_heads,
+                    "head_dim": self.head_dim,
+                    "hidden_act": "silu",
+                    "rms_norm_eps": self.norm_eps,
+                    "rope_theta": self.rope_theta,
+                    "rope_parameters": rope,
+                    "max_position_embeddings": self.max_position_embeddings,
+                    "tie_word_embeddings": self.tie_word_embeddings,
+                    "bos_token_id": self.bos_token_id,
+                    "eos_token_id": eos,
+                    "dtype": "float32",
+                });
+                if arch == Arch::Llama {
+                    v["attention_bias"] = json!(self.attention_bias);
+                    v["mlp_bias"] = json!(self.mlp_bias);
+                }
+                v
+            }
+        })
+    }
+
     /// Number of query heads sharing one key/value head.
     pub fn kv_groups(&self) -> usize {
         self.num_heads / self.num_kv_heads

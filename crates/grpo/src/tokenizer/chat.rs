@@ -25,6 +25,8 @@ pub(crate) struct ChatTemplate {
     env: Environment<'static>,
     /// Where the template came from, for error messages.
     origin: String,
+    /// The template text as given (saved with checkpoints).
+    source: String,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -36,6 +38,11 @@ impl std::fmt::Debug for ChatTemplate {
 }
 
 impl ChatTemplate {
+    /// The template text as given.
+    pub(crate) fn source(&self) -> &str {
+        &self.source
+    }
+
     /// Compiles `source`; `origin` names where it came from (a file, a GGUF key).
     pub(crate) fn compile(source: &str, origin: impl Into<String>) -> Result<Self> {
         let origin = origin.into();
@@ -56,7 +63,11 @@ impl ChatTemplate {
                     describe(&e)
                 ))
             })?;
-        Ok(Self { env, origin })
+        Ok(Self {
+            env,
+            origin,
+            source: source.to_string(),
+        })
     }
 
     pub(crate) fn origin(&self) -> &str {

@@ -385,6 +385,51 @@ impl Tokenizer {
         self.chat.is_some()
     }
 
+    /// Writes `tokenizer.json` and `tokenizer_config.json` (special tokens, chat template) into
+    /// `dir`, so that [`Tokenizer::from_hf_dir`] and transformers' `AutoTokenizer` load it back.
+    pub fn save_hf_dir(&self, dir: &Path) -> Result<()> {
+        let json = self
+            .inner
+            .to_string(false)
+            .map_err(|e| Error::Tokenizer(format!("cannot serialise the tokenizer: {e}")))?;
+        let write = |name: &str, text: &str| {
+            std::fs::write(dir.join(name), text)
+                .map_err(|e| Error::file(dir.join(name), format!("cannot write: {e}")))
+        };
+        write("tokenizer.json", &json)?;
+        let tok = |id: Option<u32>| {
+            id.and_then(|i| self.id_to_token(i))
+                .map(serde_json::Value::String)
+        };
+        let mut cfg = serde_json::Map::new();
+        cfg.insert("tokenizer_class".into(), "PreTrainedTokenizerFast".into());
+        for (k, id) in [
+            ("bos_token", self.bos_id),
+            ("eos_token", self.eos_id),
+            ("pad_token", self.pad_id),
+        ] {
+            if let Some(v) = tok(id) {
+                cfg.insert(k.into(), v);
+            }
+        }
+        cfg.insert("add_bos_token".into(), self.prepend.is_some().into());
+        cfg.insert("add_eos_token".into(), self.append.is_some().into());
+        cfg.insert(
+            "clean_up_tokenization_spaces".into(),
+            self.clean_up_spaces.into(),
+        );
+        cfg.insert(
+            "model_max_length".into(),
+            serde_json::json!(1_000_000_000_000_000_000u64),
+        );
+        if let Some(t) = &self.chat {
+            cfg.insert("chat_template".into(), t.source().into());
+        }
+        let text = serde_json::to_string_pretty(&serde_json::Value::Object(cfg))
+            .map_err(|e| Error::Tokenizer(e.to_string()))?;
+        write("tokenizer_config.json", &text)
+    }
+
     /// Renders `messages` with the chat template, like transformers'
     /// `apply_chat_template(messages, tokenize=False, add_generation_prompt=...)`.
     pub fn apply_chat_template(

@@ -1,0 +1,70 @@
+//! `grpo train`: the main job. Config file + `--key=value` overrides -> one validated config ->
+//! the training loop. Ctrl-C stops after the current step with a checkpoint.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use clap::Args;
+
+use grpo::config::TrainConfig;
+use grpo::train::{train, RunControl};
+
+#[derive(Args, Debug)]
+#[command(
+    after_help = "Any config key can be overridden on the command line as --key=value \
+    (TRL's GRPOConfig names: --num_generations=8 --beta=0.04 --learning_rate=5e-6). \
+    `grpo config --print` lists every key with its default.\n\n\
+    With no --config, grpo trains SmolLM2-135M-Instruct on the built-in arithmetic task."
+)]
+pub struct TrainArgs {
+    /// Config file (.toml, .yaml or .yml). Without it, the embedded default run.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Continue from the newest checkpoint in output_dir.
+    #[arg(long)]
+    resume: bool,
+    /// Overrides, `--key=value` (e.g. --num_generations=8 --task.train_size=500).
+    #[arg(value_name = "--KEY=VALUE", allow_hyphen_values = true, trailing_var_arg = true, num_args = 0..)]
+    overrides: Vec<String>,
+}
+
+pub fn run(a: TrainArgs) -> Result<()> {
+    let cfg =
+        TrainConfig::load(a.config.as_deref(), &a.overrides).context("invalid configuration")?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    ctrlc::set_handler(move || {
+        if flag.swap(true, Ordering::SeqCst) {
+            eprintln!("\nsecond Ctrl-C: exiting without a checkpoint");
+            std::process::exit(130);
+        }
+        eprintln!("\nCtrl-C: finishing the current step, then saving a checkpoint (Ctrl-C again to quit now)");
+    })
+    .context("cannot install the Ctrl-C handler")?;
+    let outcome = train(
+        &cfg,
+        &RunControl {
+            resume: a.resume,
+            stop,
+            max_rounds_this_run: None,
+        },
+    )?;
+    if let Some(dir) = &outcome.last_checkpoint {
+        println!(
+            "{} steps; last checkpoint: {}",
+            outcome.steps,
+            dir.display()
+        );
+    }
+    if let Some(ev) = &outcome.last_eval {
+        for (k, v) in ev {
+            println!("{k}: {v:.4}");
+        }
+    }
+    if outcome.interrupted {
+        println!("interrupted: continue with `grpo train --resume` and the same config");
+    }
+    Ok(())
+}

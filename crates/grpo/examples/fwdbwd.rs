@@ -1,0 +1,66 @@
+//! Rough timing of the training forward+backward on SmolLM2 (not a benchmark of record).
+use std::time::Instant;
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+use candle_core::{DType, Device, Tensor, Var};
+use grpo::hub::ModelSource;
+use grpo::logprobs::{completion_logprobs, Entropy};
+use grpo::models::{CausalLm, Mode};
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let n: usize = args.get(1).map_or(32, |s| s.parse().unwrap());
+    let lp: usize = args.get(2).map_or(46, |s| s.parse().unwrap());
+    let lc: usize = args.get(3).map_or(20, |s| s.parse().unwrap());
+    let dir = std::path::PathBuf::from("/opt/peers/smollm2-135m-instruct-f32");
+    let m = grpo::weights::load_model(&ModelSource::HfDir(dir), DType::F32, &Device::Cpu)?;
+    let vars: Vec<(String, Var)> = m
+        .tensors
+        .iter()
+        .map(|(k, t)| (k.clone(), Var::from_tensor(t).unwrap()))
+        .collect();
+    let prompts: Vec<Vec<u32>> = (0..n)
+        .map(|i| {
+            (0..lp)
+                .map(|j| ((i * 7 + j * 13) % 4000 + 10) as u32)
+                .collect()
+        })
+        .collect();
+    let comps: Vec<Vec<u32>> = (0..n)
+        .map(|i| {
+            (0..lc)
+                .map(|j| ((i * 11 + j * 3) % 4000 + 10) as u32)
+                .collect()
+        })
+        .collect();
+    let pr: Vec<&[u32]> = prompts.iter().map(|v| v.as_slice()).collect();
+    let cr: Vec<&[u32]> = comps.iter().map(|v| v.as_slice()).collect();
+    for it in 0..3 {
+        let t0 = Instant::now();
+        let tensors = vars
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+            .collect();
+        let model = CausalLm::from_tensors(&m.config, tensors, DType::F32, &Device::Cpu)?;
+        let t_build = t0.elapsed().as_secs_f64();
+        let t1 = Instant::now();
+        let (lps, _) = completion_logprobs(&model, &pr, &cr, 2, 1.0, Mode::Train, Entropy::Skip)?;
+        let loss = lps.sum_all()?;
+        let _ = loss.to_scalar::<f32>()?;
+        let t_fwd = t1.elapsed().as_secs_f64();
+        let t2 = Instant::now();
+        let g = loss.backward()?;
+        let t_bwd = t2.elapsed().as_secs_f64();
+        let t3 = Instant::now();
+        let (lps, _) = completion_logprobs(&model, &pr, &cr, 2, 1.0, Mode::Infer, Entropy::Skip)?;
+        let _ = lps.sum_all()?.to_scalar::<f32>()?;
+        let t_inf = t3.elapsed().as_secs_f64();
+        let ng = vars.iter().filter(|(_, v)| g.get(v).is_some()).count();
+        println!("it {it}: build {t_build:.2}s fwd {t_fwd:.2}s bwd {t_bwd:.2}s infer-fwd {t_inf:.2}s grads {ng}/{} tokens {}", vars.len(), n * (lp + lc));
+        drop(g);
+        let _ = Tensor::zeros(1, DType::F32, &Device::Cpu)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,246 @@
+//! Group-relative advantages: each completion's reward compared with the other completions of
+//! its prompt. Rewards are a handful of scalars per step, so this is plain `f32` math on slices
+//! laid out `[P * G]` (group-major: completions `g = 0..G` of prompt `p` at `p * G + g`).
+//!
+//! Semantics follow TRL's `GRPOTrainer`:
+//! - the reward of a completion is the weighted sum of its reward functions, ignoring functions
+//!   that returned "missing" (NaN); when every function is missing the completion is unscorable;
+//! - unscorable completions are left out of the group's mean and std, and get advantage 0;
+//! - std is the unbiased (Bessel) standard deviation; a group with fewer than 2 scorable
+//!   completions has no std and its advantages are 0;
+//! - `scale_rewards`: `group` divides by the group's std + 1e-4, `batch` by the whole batch's
+//!   std + 1e-4 (still centred on the group mean), `none` only centres (Dr. GRPO).
+//!
+//! Additions of ours, off by default: a floor on the std (`reward_std_floor`), re-normalizing
+//! all advantages of the batch to mean 0 / std 1, and dropping groups whose rewards are all equal.
+
+use crate::config::ScaleRewards;
+use crate::{Error, Result};
+
+/// Added to the std before dividing, as in TRL.
+pub const STD_EPS: f32 = 1e-4;
+
+/// How advantages are computed; resolved from the config once.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdvantageOptions {
+    pub scale: ScaleRewards,
+    /// Clamp the std used for scaling from below (e.g. 0.1), so near-identical rewards do not
+    /// turn into huge advantages.
+    pub std_floor: Option<f32>,
+    /// Re-normalize all advantages of the batch to mean 0 and std 1 at the end.
+    pub normalize_batch: bool,
+}
+
+/// Advantages and the statistics logged with them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Advantages {
+    /// [P * G] advantage of each completion (0 for unscorable ones).
+    pub advantages: Vec<f32>,
+    /// [P * G] combined reward (NaN when unscorable).
+    pub rewards: Vec<f32>,
+    /// [P] whether the group's rewards all equal (std = 0): such a group gives no signal.
+    pub zero_std: Vec<bool>,
+}
+
+impl Advantages {
+    /// Share of groups whose rewards all equal (TRL's `frac_reward_zero_std`).
+    pub fn frac_zero_std(&self) -> f32 {
+        if self.zero_std.is_empty() {
+            return 0.0;
+        }
+        self.zero_std.iter().filter(|&&z| z).count() as f32 / self.zero_std.len() as f32
+    }
+}
+
+/// Weighted sum over reward functions: `per_func` [N, F] row-major, `weights` [F] -> [N].
+/// NaN entries are skipped; a row with only NaN stays NaN (unscorable).
+pub fn combine_rewards(per_func: &[f32], weights: &[f32]) -> Result<Vec<f32>> {
+    let f = weights.len();
+    if f == 0 || per_func.len() % f != 0 {
+        return Err(Error::Generate(format!(
+            "rewards: {} scores is not a multiple of {} reward functions",
+            per_func.len(),
+            f
+        )));
+    }
+    Ok(per_func
+        .chunks(f)
+        .map(|row| {
+            let mut sum = 0.0f32;
+            let mut any = false;
+            for (r, w) in row.iter().zip(weights) {
+                if !r.is_nan() {
+                    sum += r * w;
+                    any = true;
+                }
+            }
+            if any {
+                sum
+            } else {
+                f32::NAN
+            }
+        })
+        .collect())
+}
+
+/// Mean of the non-NaN values (NaN when there are none).
+pub fn nan_mean(xs: &[f32]) -> f32 {
+    let (s, n) = xs
+        .iter()
+        .filter(|x| !x.is_nan())
+        .fold((0.0f64, 0usize), |(s, n), &x| (s + x as f64, n + 1));
+    if n == 0 {
+        f32::NAN
+    } else {
+        (s / n as f64) as f32
+    }
+}
+
+/// Unbiased std of the non-NaN values (NaN with fewer than 2).
+pub fn nan_std(xs: &[f32]) -> f32 {
+    let m = nan_mean(xs) as f64;
+    let (s, n) = xs
+        .iter()
+        .filter(|x| !x.is_nan())
+        .fold((0.0f64, 0usize), |(s, n), &x| {
+            (s + (x as f64 - m).powi(2), n + 1)
+        });
+    if n < 2 {
+        f32::NAN
+    } else {
+        (s / (n - 1) as f64).sqrt() as f32
+    }
+}
+
+/// Group-relative advantages of `rewards` [P * G] (combined rewards, NaN = unscorable).
+pub fn group_advantages(
+    rewards: &[f32],
+    group_size: usize,
+    opts: &AdvantageOptions,
+) -> Result<Advantages> {
+    if group_size == 0 || rewards.len() % group_size != 0 {
+        return Err(Error::Generate(format!(
+            "advantages: {} rewards do not form whole groups of {group_size}",
+            rewards.len()
+        )));
+    }
+    let batch_std = nan_std(rewards);
+    let mut advantages = Vec::with_capacity(rewards.len());
+    let mut zero_std = Vec::with_capacity(rewards.len() / group_size);
+    for group in rewards.chunks(group_size) {
+        let mean = nan_mean(group);
+        let group_std = nan_std(group);
+        // TRL's isclose(std, 0): |std| <= 1e-8 (NaN is never close).
+        zero_std.push(group_std.abs() <= 1e-8);
+        let std = match opts.scale {
+            ScaleRewards::Batch => batch_std,
+            ScaleRewards::Group | ScaleRewards::None => group_std,
+        };
+        let std = match opts.std_floor {
+            Some(floor) if !std.is_nan() => std.max(floor),
+            _ => std,
+        };
+        for &r in group {
+            let a = match opts.scale {
+                ScaleRewards::None => r - mean,
+                _ => (r - mean) / (std + STD_EPS),
+            };
+            advantages.push(if a.is_finite() { a } else { 0.0 });
+        }
+    }
+    if opts.normalize_batch {
+        let m = nan_mean(&advantages);
+        let s = nan_std(&advantages);
+        if s.is_finite() {
+            for a in &mut advantages {
+                *a = (*a - m) / (s + STD_EPS);
+            }
+        }
+    }
+    Ok(Advantages {
+        advantages,
+        rewards: rewards.to_vec(),
+        zero_std,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(scale: ScaleRewards) -> AdvantageOptions {
+        AdvantageOptions {
+            scale,
+            std_floor: None,
+            normalize_batch: false,
+        }
+    }
+
+    #[test]
+    fn combine_skips_missing_and_keeps_all_missing_nan() {
+        let r =
+            combine_rewards(&[1.0, 0.1, f32::NAN, 0.1, f32::NAN, f32::NAN], &[1.0, 0.5]).unwrap();
+        assert_eq!(r[0], 1.05);
+        assert_eq!(r[1], 0.05);
+        assert!(r[2].is_nan());
+        assert!(combine_rewards(&[1.0, 2.0, 3.0], &[1.0, 1.0]).is_err());
+    }
+
+    #[test]
+    fn group_scaling_matches_hand_computation() {
+        // Group 0: rewards 1, 0, 0, 1 -> mean 0.5, unbiased std sqrt(1/3).
+        let r = [1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0];
+        let a = group_advantages(&r, 4, &opts(ScaleRewards::Group)).unwrap();
+        let s = (1.0f32 / 3.0).sqrt();
+        let want = 0.5 / (s + STD_EPS);
+        assert!((a.advantages[0] - want).abs() < 1e-6);
+        assert!((a.advantages[1] + want).abs() < 1e-6);
+        assert_eq!(&a.advantages[4..], &[0.0; 4]);
+        assert_eq!(a.zero_std, vec![false, true]);
+        assert_eq!(a.frac_zero_std(), 0.5);
+        let sum: f32 = a.advantages[..4].iter().sum();
+        assert!(sum.abs() < 1e-6);
+    }
+
+    #[test]
+    fn batch_and_none_scaling() {
+        let r = [1.0, 0.0, 3.0, 3.0];
+        let batch = group_advantages(&r, 2, &opts(ScaleRewards::Batch)).unwrap();
+        let s = nan_std(&r);
+        assert!((batch.advantages[0] - 0.5 / (s + STD_EPS)).abs() < 1e-6);
+        assert_eq!(batch.advantages[2], 0.0);
+        let none = group_advantages(&r, 2, &opts(ScaleRewards::None)).unwrap();
+        assert_eq!(none.advantages, vec![0.5, -0.5, 0.0, 0.0]);
+    }
+
+    #[test]
+    fn missing_rewards_are_left_out_and_get_zero() {
+        let r = [1.0, f32::NAN, 0.0, 0.5];
+        let a = group_advantages(&r, 4, &opts(ScaleRewards::Group)).unwrap();
+        let m = 0.5f32;
+        let s = nan_std(&[1.0, 0.0, 0.5]);
+        assert_eq!(a.advantages[1], 0.0);
+        assert!((a.advantages[0] - (1.0 - m) / (s + STD_EPS)).abs() < 1e-6);
+        // One scorable completion: no std, no signal.
+        let a = group_advantages(&[1.0, f32::NAN], 2, &opts(ScaleRewards::Group)).unwrap();
+        assert_eq!(a.advantages, vec![0.0, 0.0]);
+    }
+
+    #[test]
+    fn std_floor_and_batch_normalization() {
+        let r = [0.01, 0.0, 1.0, 0.0];
+        let mut o = opts(ScaleRewards::Group);
+        o.std_floor = Some(0.1);
+        let a = group_advantages(&r, 2, &o).unwrap();
+        assert!((a.advantages[0] - 0.005 / (0.1 + STD_EPS)).abs() < 1e-5);
+        o.normalize_batch = true;
+        let a = group_advantages(&r, 2, &o).unwrap();
+        assert!(nan_mean(&a.advantages).abs() < 1e-6);
+        assert!((nan_std(&a.advantages) - 1.0).abs() < 1e-3);
+    }
+
+    #[test]
+    fn partial_groups_are_rejected() {
+        assert!(group_advantages(&[1.0, 2.0, 3.0], 2, &opts(ScaleRewards::Group)).is_err());
+    }
+}

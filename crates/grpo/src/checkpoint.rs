@@ -1,0 +1,401 @@
+//! Checkpoints: `output_dir/checkpoint-<step>/` holds an HF model directory (config.json,
+//! model.safetensors, generation_config.json, tokenizer files: transformers loads it as is) plus
+//! the optimizer moments, the trainer state and the resolved run config.
+//!
+//! A checkpoint is written into a temporary directory, synced, then renamed into place, so a
+//! crash or a full disk never leaves a half-written `checkpoint-N` and never touches the previous
+//! ones. Only then are checkpoints beyond `save_total_limit` deleted, oldest first.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+
+use crate::models::ModelConfig;
+use crate::tokenizer::Tokenizer;
+use crate::{Error, Result};
+
+/// What an HF model directory is written from.
+pub struct HfExport<'a> {
+    pub config: &'a ModelConfig,
+    /// HF names -> tensors (HF layout), saved in their dtype.
+    pub tensors: &'a [(String, Tensor)],
+    pub tokenizer: Option<&'a Tokenizer>,
+    pub eos_token_ids: &'a [u32],
+}
+
+/// Everything a checkpoint holds.
+pub struct CheckpointData<'a> {
+    pub step: u64,
+    pub model: HfExport<'a>,
+    pub optimizer: &'a [(String, Tensor)],
+    pub trainer_state: &'a serde_json::Value,
+    pub config_toml: &'a str,
+}
+
+/// A checkpoint read back (weights are loaded by the caller through `weights::load_model`).
+pub struct LoadedCheckpoint {
+    pub step: u64,
+    pub dir: PathBuf,
+    pub optimizer: HashMap<String, Tensor>,
+    pub trainer_state: serde_json::Value,
+    pub config_toml: String,
+}
+
+fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let mut f =
+        std::fs::File::create(path).map_err(|e| Error::file(path, format!("cannot write: {e}")))?;
+    f.write_all(bytes)
+        .and_then(|_| f.sync_all())
+        .map_err(|e| Error::file(path, format!("cannot write: {e}")))
+}
+
+fn save_tensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
+    let map: HashMap<String, Tensor> = tensors
+        .iter()
+        .map(|(n, t)| Ok((n.clone(), t.to_device(&Device::Cpu)?.contiguous()?)))
+        .collect::<candle_core::Result<_>>()?;
+    candle_core::safetensors::save(&map, path)
+        .map_err(|e| Error::file(path, format!("cannot write: {e}")))?;
+    std::fs::File::open(path)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| Error::file(path, format!("cannot sync: {e}")))
+}
+
+/// Writes an HF model directory into `dir` (created; must not hold a model already).
+pub fn write_hf_model(dir: &Path, export: &HfExport) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::file(dir, format!("cannot create: {e}")))?;
+    if dir.join("model.safetensors").exists() {
+        return Err(Error::file(
+            dir,
+            "already holds a model; choose an empty directory",
+        ));
+    }
+    let cfg = export.config.to_hf_json()?;
+    let pretty = |v: &serde_json::Value| serde_json::to_vec_pretty(v).unwrap_or_default();
+    write_file(&dir.join("config.json"), &pretty(&cfg))?;
+    let mut gen = serde_json::json!({ "eos_token_id": export.eos_token_ids });
+    if let Some(b) = export.config.bos_token_id {
+        gen["bos_token_id"] = b.into();
+    }
+    write_file(&dir.join("generation_config.json"), &pretty(&gen))?;
+    let tensors: Vec<(String, Tensor)> = export
+        .tensors
+        .iter()
+        .filter(|(n, _)| !(export.config.tie_word_embeddings && n == "lm_head.weight"))
+        .cloned()
+        .collect();
+    save_tensors(&dir.join("model.safetensors"), &tensors)?;
+    if let Some(tok) = export.tokenizer {
+        tok.save_hf_dir(dir)?;
+    }
+    Ok(())
+}
+
+fn step_of(name: &str) -> Option<u64> {
+    name.strip_prefix("checkpoint-")?.parse().ok()
+}
+
+/// `checkpoint-<step>` directories, sorted by step.
+pub fn list_checkpoints(output_dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
+    let rd = match std::fs::read_dir(output_dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(vec![]),
+        Err(e) => return Err(Error::file(output_dir, format!("cannot list: {e}"))),
+    };
+    let mut out: Vec<(u64, PathBuf)> = rd
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().is_dir())
+        .filter_map(|e| step_of(&e.file_name().to_string_lossy()).map(|s| (s, e.path())))
+        .collect();
+    out.sort();
+    Ok(out)
+}
+
+pub fn latest_checkpoint(output_dir: &Path) -> Result<Option<PathBuf>> {
+    Ok(list_checkpoints(output_dir)?.pop().map(|(_, p)| p))
+}
+
+/// Writes `checkpoint-<step>` atomically and applies `save_total_limit`.
+pub fn save_checkpoint(
+    output_dir: &Path,
+    data: &CheckpointData,
+    save_total_limit: Option<usize>,
+) -> Result<PathBuf> {
+    let final_dir = output_dir.join(format!("checkpoint-{}", data.step));
+    let tmp = output_dir.join(format!(
+        ".tmp-checkpoint-{}-{}",
+        data.step,
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let write_all = || -> Result<()> {
+        write_hf_model(&tmp, &data.model)?;
+        save_tensors(&tmp.join("optimizer.safetensors"), data.optimizer)?;
+        let state = serde_json::to_vec_pretty(data.trainer_state).unwrap_or_default();
+        write_file(&tmp.join("trainer_state.json"), &state)?;
+        write_file(&tmp.join("config.toml"), data.config_toml.as_bytes())
+    };
+    if let Err(e) = write_all() {
+        let _ = std::fs::remove_dir_all(&tmp);
+        let last = latest_checkpoint(output_dir).ok().flatten();
+        let hint = match last {
+            Some(p) => format!("; the last good checkpoint is {}", p.display()),
+            None => String::new(),
+        };
+        return Err(Error::Generate(format!(
+            "checkpoint {} not saved: {e}{hint}",
+            final_dir.display()
+        )));
+    }
+    // Replace an existing checkpoint of the same step: move it aside first.
+    let aside = output_dir.join(format!(
+        ".old-checkpoint-{}-{}",
+        data.step,
+        std::process::id()
+    ));
+    let had_old = final_dir.exists();
+    if had_old {
+        std::fs::rename(&final_dir, &aside)
+            .map_err(|e| Error::file(&final_dir, format!("cannot replace: {e}")))?;
+    }
+    std::fs::rename(&tmp, &final_dir).map_err(|e| {
+        let _ = std::fs::remove_dir_all(&tmp);
+        if had_old {
+            let _ = std::fs::rename(&aside, &final_dir);
+        }
+        Error::file(
+            &final_dir,
+            format!("cannot rename the finished checkpoint into place: {e}"),
+        )
+    })?;
+    if had_old {
+        let _ = std::fs::remove_dir_all(&aside);
+    }
+    if let Ok(d) = std::fs::File::open(output_dir) {
+        let _ = d.sync_all();
+    }
+    if let Some(limit) = save_total_limit {
+        let all = list_checkpoints(output_dir)?;
+        let excess = all.len().saturating_sub(limit.max(1));
+        for (_, p) in all.into_iter().take(excess) {
+            if p != final_dir {
+                std::fs::remove_dir_all(&p)
+                    .map_err(|e| Error::file(&p, format!("cannot delete old checkpoint: {e}")))?;
+            }
+        }
+    }
+    Ok(final_dir)
+}
+
+/// Reads a checkpoint's optimizer state, trainer state and config.
+pub fn load_checkpoint(dir: &Path, device: &Device) -> Result<LoadedCheckpoint> {
+    let step = dir
+        .file_name()
+        .and_then(|n| step_of(&n.to_string_lossy()))
+        .ok_or_else(|| Error::file(dir, "not a checkpoint-<step> directory"))?;
+    let opt_path = dir.join("optimizer.safetensors");
+    let optimizer = candle_core::safetensors::load(&opt_path, device).map_err(|e| {
+        Error::file(
+            &opt_path,
+            format!("missing or corrupt optimizer state: {e}"),
+        )
+    })?;
+    let ts_path = dir.join("trainer_state.json");
+    let text = std::fs::read_to_string(&ts_path)
+        .map_err(|e| Error::file(&ts_path, format!("cannot read: {e}")))?;
+    let trainer_state =
+        serde_json::from_str(&text).map_err(|e| Error::file(&ts_path, format!("corrupt: {e}")))?;
+    let cfg_path = dir.join("config.toml");
+    let config_toml = std::fs::read_to_string(&cfg_path)
+        .map_err(|e| Error::file(&cfg_path, format!("cannot read: {e}")))?;
+    Ok(LoadedCheckpoint {
+        step,
+        dir: dir.to_path_buf(),
+        optimizer,
+        trainer_state,
+        config_toml,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hub::ModelSource;
+    use crate::weights::load_model;
+    use candle_core::DType;
+
+    fn fixture(name: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures")
+            .join(name)
+    }
+
+    #[test]
+    fn hf_export_round_trips_every_tiny_model() {
+        for name in ["llama", "llama3", "qwen2", "qwen3", "gpt2"] {
+            let m = load_model(
+                &ModelSource::HfDir(fixture(&format!("tiny/{name}"))),
+                DType::F32,
+                &Device::Cpu,
+            )
+            .unwrap();
+            let dir = tempfile::tempdir().unwrap();
+            let out = dir.path().join("m");
+            let tensors: Vec<(String, Tensor)> = m
+                .tensors
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            write_hf_model(
+                &out,
+                &HfExport {
+                    config: &m.config,
+                    tensors: &tensors,
+                    tokenizer: None,
+                    eos_token_ids: &m.eos_token_ids,
+                },
+            )
+            .unwrap();
+            let back =
+                load_model(&ModelSource::HfDir(out.clone()), DType::F32, &Device::Cpu).unwrap();
+            assert_eq!(back.config, m.config, "{name}");
+            assert_eq!(back.eos_token_ids, m.eos_token_ids, "{name}");
+            for (k, v) in &m.tensors {
+                let w = &back.tensors[k];
+                let d = (v - w)
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap();
+                assert_eq!(d, 0.0, "{name} {k}");
+            }
+            assert!(write_hf_model(
+                &out,
+                &HfExport {
+                    config: &m.config,
+                    tensors: &tensors,
+                    tokenizer: None,
+                    eos_token_ids: &[]
+                }
+            )
+            .is_err());
+        }
+    }
+
+    #[test]
+    fn tokenizer_round_trips() {
+        let tok = Tokenizer::from_hf_dir(&fixture("smollm2")).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        tok.save_hf_dir(dir.path()).unwrap();
+        let back = Tokenizer::from_hf_dir(dir.path()).unwrap();
+        let msgs = [crate::tokenizer::ChatMessage::user(
+            "What is 12 + 30?  Answer:\n ok",
+        )];
+        assert_eq!(
+            back.encode_chat(&msgs, true).unwrap(),
+            tok.encode_chat(&msgs, true).unwrap()
+        );
+        assert_eq!(
+            back.encode("héllo  world 123", true).unwrap(),
+            tok.encode("héllo  world 123", true).unwrap()
+        );
+        assert_eq!(back.eos_token_id(), tok.eos_token_id());
+    }
+
+    fn data<'a>(
+        step: u64,
+        cfg: &'a ModelConfig,
+        t: &'a [(String, Tensor)],
+        opt: &'a [(String, Tensor)],
+        st: &'a serde_json::Value,
+    ) -> CheckpointData<'a> {
+        CheckpointData {
+            step,
+            model: HfExport {
+                config: cfg,
+                tensors: t,
+                tokenizer: None,
+                eos_token_ids: &[2],
+            },
+            optimizer: opt,
+            trainer_state: st,
+            config_toml: "seed = 1\n",
+        }
+    }
+
+    #[test]
+    fn atomic_save_rotation_and_failure_leave_good_checkpoints() {
+        let m = load_model(
+            &ModelSource::HfDir(fixture("tiny/llama")),
+            DType::F32,
+            &Device::Cpu,
+        )
+        .unwrap();
+        let t: Vec<(String, Tensor)> = m
+            .tensors
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let opt = vec![(
+            "exp_avg.x".to_string(),
+            Tensor::new(&[1f32, 2.0], &Device::Cpu).unwrap(),
+        )];
+        let st = serde_json::json!({"step": 1});
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("junk")).unwrap();
+        for s in [10, 20, 30] {
+            save_checkpoint(dir.path(), &data(s, &m.config, &t, &opt, &st), Some(2)).unwrap();
+        }
+        let steps: Vec<u64> = list_checkpoints(dir.path())
+            .unwrap()
+            .iter()
+            .map(|x| x.0)
+            .collect();
+        assert_eq!(steps, vec![20, 30]);
+        let c = load_checkpoint(&dir.path().join("checkpoint-30"), &Device::Cpu).unwrap();
+        assert_eq!(c.step, 30);
+        assert_eq!(
+            c.optimizer["exp_avg.x"].to_vec1::<f32>().unwrap(),
+            vec![1.0, 2.0]
+        );
+        assert_eq!(c.trainer_state, st);
+        // A failing save (a tensor name safetensors rejects is hard to make; an unwritable
+        // model config is not): a model whose RoPE cannot be expressed fails mid-write.
+        let mut bad = m.config.clone();
+        bad.rope_freq_factors = Some(vec![1.0]);
+        let e = save_checkpoint(dir.path(), &data(40, &bad, &t, &opt, &st), Some(2))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("checkpoint-40") && e.contains("checkpoint-30"),
+            "{e}"
+        );
+        let names: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(names.iter().all(|n| !n.starts_with(".tmp")), "{names:?}");
+        assert_eq!(
+            latest_checkpoint(dir.path()).unwrap().unwrap(),
+            dir.path().join("checkpoint-30")
+        );
+        // Re-saving the same step replaces it.
+        save_checkpoint(
+            dir.path(),
+            &data(30, &m.config, &t, &opt, &serde_json::json!({"step": 2})),
+            None,
+        )
+        .unwrap();
+        assert_eq!(
+            load_checkpoint(&dir.path().join("checkpoint-30"), &Device::Cpu)
+                .unwrap()
+                .trainer_state["step"],
+            2
+        );
+    }
+}

@@ -1,0 +1,617 @@
+//! Prompt datasets: rows from JSONL or CSV files (field names configurable) or the built-in
+//! arithmetic task; the chat template applied to each prompt; a seeded, resumable prompt order.
+
+use std::path::Path;
+
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use serde_json::{Map, Value};
+
+use crate::tokenizer::{ChatMessage, Tokenizer};
+use crate::{Error, Result};
+
+/// A prompt: plain text (sent as one user message when the model has a chat template) or a
+/// conversation.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    Text(String),
+    Messages(Vec<ChatMessage>),
+}
+
+/// One dataset row.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Example {
+    pub prompt: Prompt,
+    /// Reference answer (numbers converted to text), passed to rewards.
+    pub answer: Option<String>,
+    /// Every other field of the row, passed to rewards.
+    pub metadata: Map<String, Value>,
+    /// Where the row came from (`file.jsonl:17`, `arithmetic:train:5`), for messages.
+    pub origin: String,
+}
+
+/// Which fields hold what.
+#[derive(Debug, Clone)]
+pub struct DataFields {
+    pub prompt_field: String,
+    pub answer_field: String,
+    pub skip_bad_rows: bool,
+}
+
+/// Rows read from a file, and the ones skipped (with `skip_bad_rows`).
+#[derive(Debug, Clone)]
+pub struct Loaded {
+    pub examples: Vec<Example>,
+    /// One reason per skipped row: `file:line: why`.
+    pub skipped: Vec<String>,
+}
+
+/// The prompt as readable text (messages joined as `role: content`), for logs.
+pub fn prompt_text(ex: &Example) -> String {
+    match &ex.prompt {
+        Prompt::Text(t) => t.clone(),
+        Prompt::Messages(ms) => ms
+            .iter()
+            .map(|m| format!("{}: {}", m.role, m.content))
+            .collect::<Vec<_>>()
+            .join("\n"),
+    }
+}
+
+/// Converts one row (a JSON object) into an example; `Err` holds the reason.
+fn row_to_example(
+    row: Map<String, Value>,
+    f: &DataFields,
+    origin: String,
+) -> std::result::Result<Example, String> {
+    let mut row = row;
+    let prompt = match row.remove(&f.prompt_field) {
+        None => {
+            return Err(format!(
+                "no `{}` field (set prompt_field to the field holding the prompt)",
+                f.prompt_field
+            ))
+        }
+        Some(Value::String(s)) if s.trim().is_empty() => {
+            return Err(format!("`{}` is empty", f.prompt_field))
+        }
+        Some(Value::String(s)) => {
+            // A CSV cell may hold a JSON list of messages.
+            match serde_json::from_str::<Value>(&s) {
+                Ok(v @ Value::Array(_)) => messages(&v, &f.prompt_field)?,
+                _ => Prompt::Text(s),
+            }
+        }
+        Some(v @ Value::Array(_)) => messages(&v, &f.prompt_field)?,
+        Some(v) => {
+            return Err(format!(
+                "`{}` must be a string or a list of {{role, content}} messages, got {v}",
+                f.prompt_field
+            ))
+        }
+    };
+    let answer = match row.remove(&f.answer_field) {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s),
+        Some(v @ (Value::Number(_) | Value::Bool(_))) => Some(v.to_string()),
+        Some(v) => {
+            return Err(format!(
+                "`{}` must be a string or a number, got {v}",
+                f.answer_field
+            ))
+        }
+    };
+    Ok(Example {
+        prompt,
+        answer,
+        metadata: row,
+        origin,
+    })
+}
+
+fn messages(v: &Value, field: &str) -> std::result::Result<Prompt, String> {
+    let items = v.as_array().map(Vec::as_slice).unwrap_or_default();
+    if items.is_empty() {
+        return Err(format!("`{field}` is an empty list of messages"));
+    }
+    let mut out = Vec::with_capacity(items.len());
+    for (i, m) in items.iter().enumerate() {
+        let role = m.get("role").and_then(Value::as_str);
+        let content = m.get("content").and_then(Value::as_str);
+        match (role, content) {
+            (Some(r), Some(c)) => out.push(ChatMessage::new(r, c)),
+            _ => {
+                return Err(format!(
+                    "message {i} of `{field}` needs string `role` and `content`"
+                ))
+            }
+        }
+    }
+    Ok(Prompt::Messages(out))
+}
+
+/// Reads a JSONL or CSV file (by extension) into examples.
+pub fn load_examples(path: &Path, fields: &DataFields) -> Result<Loaded> {
+    let ext = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .unwrap_or("")
+        .to_ascii_lowercase();
+    let name = path.display().to_string();
+    let rows: Vec<(usize, std::result::Result<Map<String, Value>, String>)> = match ext.as_str() {
+        "jsonl" | "json" | "ndjson" => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| Error::file(path, format!("cannot read: {e}")))?;
+            text.lines()
+                .enumerate()
+                .filter(|(_, l)| !l.trim().is_empty())
+                .map(|(i, l)| {
+                    let r = match serde_json::from_str::<Value>(l) {
+                        Ok(Value::Object(m)) => Ok(m),
+                        Ok(_) => Err("expected a JSON object".to_string()),
+                        Err(e) => Err(format!("invalid JSON: {e}")),
+                    };
+                    (i + 1, r)
+                })
+                .collect()
+        }
+        "csv" => {
+            let mut rdr = csv::Reader::from_path(path)
+                .map_err(|e| Error::file(path, format!("cannot read CSV: {e}")))?;
+            let headers = rdr
+                .headers()
+                .map_err(|e| Error::file(path, format!("cannot read the CSV header: {e}")))?
+                .clone();
+            rdr.records()
+                .enumerate()
+                .map(|(i, rec)| {
+                    let r = rec.map_err(|e| format!("bad CSV row: {e}")).map(|rec| {
+                        headers
+                            .iter()
+                            .zip(rec.iter())
+                            .map(|(h, v)| (h.to_string(), Value::String(v.to_string())))
+                            .collect()
+                    });
+                    (i + 2, r)
+                })
+                .collect()
+        }
+        "parquet" => parquet_rows(path)?,
+        _ => {
+            return Err(Error::file(
+                path,
+                "unknown dataset format: use .jsonl, .csv or .parquet",
+            ));
+        }
+    };
+    let mut out = Loaded {
+        examples: Vec::with_capacity(rows.len()),
+        skipped: vec![],
+    };
+    for (line, r) in rows {
+        let origin = format!("{name}:{line}");
+        match r.and_then(|m| row_to_example(m, fields, origin.clone())) {
+            Ok(ex) => out.examples.push(ex),
+            Err(why) if fields.skip_bad_rows => out.skipped.push(format!("{origin}: {why}")),
+            Err(why) => {
+                return Err(Error::file(
+                    path,
+                    format!("line {line}: {why} (or set skip_bad_rows = true to skip such rows)"),
+                ))
+            }
+        }
+    }
+    if out.examples.is_empty() {
+        return Err(Error::file(path, "no usable rows"));
+    }
+    Ok(out)
+}
+
+/// Parquet support is not built yet; the error says what to use instead.
+fn parquet_rows(
+    path: &Path,
+) -> Result<Vec<(usize, std::result::Result<Map<String, Value>, String>)>> {
+    Err(Error::file(path, "Parquet files are not supported yet: convert to JSONL (e.g. pandas.read_parquet(f).to_json(out, orient='records', lines=True))"))
+}
+
+/// Token ids of the prompt as the model sees it. With a chat template: the messages (a text
+/// prompt is one user message; `system_prompt` first unless there is a system message) rendered
+/// with the generation prompt. Without one: the text as is. Truncated from the left to
+/// `max_len` tokens.
+pub fn prompt_ids(
+    tok: &Tokenizer,
+    ex: &Example,
+    system_prompt: Option<&str>,
+    max_len: Option<usize>,
+) -> Result<Vec<u32>> {
+    let ids = if tok.has_chat_template() {
+        let mut msgs = match &ex.prompt {
+            Prompt::Text(t) => vec![ChatMessage::user(t.clone())],
+            Prompt::Messages(m) => m.clone(),
+        };
+        if let Some(s) = system_prompt {
+            if !msgs.iter().any(|m| m.role == "system") {
+                msgs.insert(0, ChatMessage::system(s));
+            }
+        }
+        tok.encode_chat(&msgs, true)
+            .map_err(|e| Error::Generate(format!("{}: {e}", ex.origin)))?
+    } else {
+        match &ex.prompt {
+            Prompt::Text(t) => tok.encode(t, true)?,
+            Prompt::Messages(_) => {
+                return Err(Error::Generate(format!(
+                    "{}: a messages prompt needs a chat template, and this tokenizer has none",
+                    ex.origin
+                )))
+            }
+        }
+    };
+    if ids.is_empty() {
+        return Err(Error::Generate(format!(
+            "{}: the prompt is empty after tokenization",
+            ex.origin
+        )));
+    }
+    Ok(match max_len {
+        Some(n) if ids.len() > n && n > 0 => ids[ids.len() - n..].to_vec(),
+        _ => ids,
+    })
+}
+
+/// The order prompts are drawn in: epochs over `0..n`, each a permutation seeded by
+/// `(seed, epoch)` (or `0..n` without shuffling). The state is `(epoch, pos)`, so a resumed run
+/// draws exactly the prompts the uninterrupted one would.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PromptOrder {
+    n: usize,
+    seed: u64,
+    shuffle: bool,
+    epoch: usize,
+    pos: usize,
+    #[serde(skip)]
+    perm: Vec<usize>,
+}
+
+impl PromptOrder {
+    pub fn new(n: usize, seed: u64, shuffle: bool) -> Self {
+        Self::restore(n, seed, shuffle, 0, 0)
+    }
+    pub fn restore(n: usize, seed: u64, shuffle: bool, epoch: usize, pos: usize) -> Self {
+        let mut o = Self {
+            n,
+            seed,
+            shuffle,
+            epoch,
+            pos,
+            perm: vec![],
+        };
+        o.perm = o.permutation(epoch);
+        o
+    }
+    fn permutation(&self, epoch: usize) -> Vec<usize> {
+        let mut p: Vec<usize> = (0..self.n).collect();
+        if self.shuffle {
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(crate::sampler::mix_seed(
+                self.seed,
+                epoch as u64,
+            ));
+            p.shuffle(&mut rng);
+        }
+        p
+    }
+    /// The next `k` prompt indices, crossing into the next epoch as needed.
+    pub fn next_batch(&mut self, k: usize) -> Vec<usize> {
+        if self.perm.len() != self.n {
+            self.perm = self.permutation(self.epoch);
+        }
+        let mut out = Vec::with_capacity(k);
+        while out.len() < k && self.n > 0 {
+            if self.pos >= self.n {
+                self.epoch += 1;
+                self.pos = 0;
+                self.perm = self.permutation(self.epoch);
+            }
+            out.push(self.perm[self.pos]);
+            self.pos += 1;
+        }
+        out
+    }
+    pub fn epoch(&self) -> usize {
+        self.epoch
+    }
+    pub fn position(&self) -> (usize, usize) {
+        (self.epoch, self.pos)
+    }
+}
+
+/// The built-in task: arithmetic word problems from a seed, split into disjoint train and
+/// held-out sets.
+pub mod arithmetic {
+    use std::collections::HashSet;
+
+    use rand::{Rng, SeedableRng};
+    use serde_json::{json, Map};
+
+    use super::{Example, Prompt};
+    use crate::{Error, Result};
+
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct TaskParams {
+        pub train_size: usize,
+        pub eval_size: usize,
+        pub min_operand: i64,
+        pub max_operand: i64,
+        /// '+', '-', '*'
+        pub ops: Vec<char>,
+        pub seed: u64,
+    }
+
+    /// Every phrasing asks for just the number.
+    fn phrase(a: i64, b: i64, op: char, k: usize) -> String {
+        let sym = match op {
+            '*' => "*",
+            '-' => "-",
+            _ => "+",
+        };
+        let plain = [
+            format!("What is {a} {sym} {b}? Answer with just the number."),
+            format!("Compute {a} {sym} {b}. Reply with only the number."),
+            format!("Calculate {a} {sym} {b}. Give only the final number."),
+            format!("{a} {sym} {b} = ? Answer with just the number."),
+        ];
+        let word = match op {
+            '+' => [
+                format!("Sam has {a} marbles and finds {b} more. How many marbles does Sam have now? Answer with just the number."),
+                format!("A shop sold {a} apples in the morning and {b} in the afternoon. How many apples did it sell in total? Answer with just the number."),
+                format!("There are {a} birds on a tree and {b} more arrive. How many birds are on the tree? Reply with only the number."),
+                format!("Mia read {a} pages on Monday and {b} pages on Tuesday. How many pages did she read? Give only the number."),
+            ],
+            '-' => [
+                format!("Sam has {a} marbles and loses {b}. How many marbles does Sam have left? Answer with just the number."),
+                format!("A shop had {a} apples and sold {b}. How many apples are left? Answer with just the number."),
+                format!("There are {a} birds on a tree and {b} fly away. How many birds are left? Reply with only the number."),
+                format!("A book has {a} pages and Mia has read {b}. How many pages are left? Give only the number."),
+            ],
+            _ => [
+                format!("A box holds {b} pencils. How many pencils are in {a} boxes? Answer with just the number."),
+                format!("Each of {a} students brings {b} cookies. How many cookies are there? Answer with just the number."),
+                format!("A bus has {a} rows of {b} seats. How many seats are there? Reply with only the number."),
+                format!("Mia saves {b} coins a day for {a} days. How many coins does she save? Give only the number."),
+            ],
+        };
+        if k < 4 {
+            plain[k].clone()
+        } else {
+            word[k - 4].clone()
+        }
+    }
+
+    /// `(train, eval)`; no (a, op, b) appears in both.
+    pub fn make_task(p: &TaskParams) -> Result<(Vec<Example>, Vec<Example>)> {
+        if p.ops.is_empty() || p.min_operand > p.max_operand {
+            return Err(Error::config(
+                "task",
+                "needs at least one op and min_operand <= max_operand",
+            ));
+        }
+        let span = (p.max_operand - p.min_operand + 1) as u128;
+        let distinct = span * span * p.ops.len() as u128;
+        let want = (p.train_size + p.eval_size) as u128;
+        if want > distinct / 2 {
+            return Err(Error::config(
+                "task.train_size",
+                format!("{want} problems from {distinct} possible: widen the operand range or ask for fewer"),
+            ));
+        }
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(p.seed);
+        let mut seen = HashSet::new();
+        let mut all = Vec::with_capacity(want as usize);
+        while all.len() < want as usize {
+            let op = p.ops[rng.random_range(0..p.ops.len())];
+            let (mut a, mut b) = (
+                rng.random_range(p.min_operand..=p.max_operand),
+                rng.random_range(p.min_operand..=p.max_operand),
+            );
+            if op == '-' && a < b {
+                std::mem::swap(&mut a, &mut b);
+            }
+            if !seen.insert((a, op, b)) {
+                continue;
+            }
+            let k = rng.random_range(0..8);
+            let answer = match op {
+                '+' => a + b,
+                '-' => a - b,
+                _ => a * b,
+            };
+            let mut meta = Map::new();
+            meta.insert("a".into(), json!(a));
+            meta.insert("b".into(), json!(b));
+            meta.insert("op".into(), json!(op.to_string()));
+            all.push((phrase(a, b, op, k), answer, meta));
+        }
+        let mk =
+            |split: &str,
+             i: usize,
+             (q, ans, meta): (String, i64, Map<String, serde_json::Value>)| Example {
+                prompt: Prompt::Text(q),
+                answer: Some(ans.to_string()),
+                metadata: meta,
+                origin: format!("arithmetic:{split}:{i}"),
+            };
+        let eval: Vec<Example> = all
+            .drain(..p.eval_size)
+            .enumerate()
+            .map(|(i, x)| mk("eval", i, x))
+            .collect();
+        let train: Vec<Example> = all
+            .into_iter()
+            .enumerate()
+            .map(|(i, x)| mk("train", i, x))
+            .collect();
+        Ok((train, eval))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fields(skip: bool) -> DataFields {
+        DataFields {
+            prompt_field: "prompt".into(),
+            answer_field: "answer".into(),
+            skip_bad_rows: skip,
+        }
+    }
+
+    #[test]
+    fn jsonl_rows_messages_and_errors_with_line_numbers() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("d.jsonl");
+        std::fs::write(
+            &p,
+            "{\"prompt\": \"What is 1+1?\", \"answer\": 2, \"level\": \"easy\"}\n\n\
+             {\"prompt\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"answer\": \"x\"}\n\
+             {\"question\": \"no prompt\"}\n",
+        )
+        .unwrap();
+        let e = load_examples(&p, &fields(false)).unwrap_err().to_string();
+        assert!(
+            e.contains("d.jsonl") && e.contains("line 4") && e.contains("prompt_field"),
+            "{e}"
+        );
+        let l = load_examples(&p, &fields(true)).unwrap();
+        assert_eq!(l.examples.len(), 2);
+        assert_eq!(l.skipped.len(), 1);
+        assert_eq!(l.examples[0].answer.as_deref(), Some("2"));
+        assert_eq!(l.examples[0].metadata["level"], "easy");
+        assert_eq!(
+            l.examples[1].prompt,
+            Prompt::Messages(vec![ChatMessage::user("Hi")])
+        );
+        std::fs::write(&p, "{\"prompt\": [{\"role\": \"user\"}]}\n").unwrap();
+        let e = load_examples(&p, &fields(false)).unwrap_err().to_string();
+        assert!(e.contains("line 1") && e.contains("content"), "{e}");
+        std::fs::write(&p, "not json\n").unwrap();
+        assert!(load_examples(&p, &fields(false))
+            .unwrap_err()
+            .to_string()
+            .contains("invalid JSON"));
+    }
+
+    #[test]
+    fn csv_rows_and_unknown_formats() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("d.csv");
+        std::fs::write(&p, "prompt,answer\n\"What is 2+3?\",5\n,7\n").unwrap();
+        let e = load_examples(&p, &fields(false)).unwrap_err().to_string();
+        assert!(e.contains("line 3") && e.contains("empty"), "{e}");
+        let l = load_examples(&p, &fields(true)).unwrap();
+        assert_eq!(l.examples[0].answer.as_deref(), Some("5"));
+        let q = dir.path().join("d.txt");
+        std::fs::write(&q, "x").unwrap();
+        assert!(load_examples(&q, &fields(false))
+            .unwrap_err()
+            .to_string()
+            .contains(".jsonl"));
+    }
+
+    #[test]
+    fn prompt_order_is_deterministic_crosses_epochs_and_restores() {
+        let mut a = PromptOrder::new(5, 7, true);
+        let first: Vec<usize> = a.next_batch(3);
+        let second = a.next_batch(4); // crosses into epoch 1
+        assert_eq!(a.epoch(), 1);
+        let mut e0: Vec<usize> = first.iter().chain(&second[..2]).copied().collect();
+        e0.sort();
+        assert_eq!(e0, vec![0, 1, 2, 3, 4]);
+        let (ep, pos) = a.position();
+        let json = serde_json::to_string(&a).unwrap();
+        let mut b: PromptOrder = serde_json::from_str(&json).unwrap();
+        let mut c = PromptOrder::restore(5, 7, true, ep, pos);
+        let next = a.next_batch(6);
+        assert_eq!(b.next_batch(6), next);
+        assert_eq!(c.next_batch(6), next);
+        let mut d = PromptOrder::new(5, 7, false);
+        assert_eq!(d.next_batch(7), vec![0, 1, 2, 3, 4, 0, 1]);
+    }
+
+    #[test]
+    fn arithmetic_task_is_deterministic_disjoint_and_correct() {
+        let p = arithmetic::TaskParams {
+            train_size: 300,
+            eval_size: 50,
+            min_operand: 10,
+            max_operand: 99,
+            ops: vec!['+', '-', '*'],
+            seed: 3,
+        };
+        let (tr, ev) = arithmetic::make_task(&p).unwrap();
+        assert_eq!((tr.len(), ev.len()), (300, 50));
+        assert_eq!(arithmetic::make_task(&p).unwrap().0, tr);
+        let key = |e: &Example| {
+            (
+                e.metadata["a"].clone(),
+                e.metadata["op"].clone(),
+                e.metadata["b"].clone(),
+            )
+        };
+        let train_keys: std::collections::HashSet<_> =
+            tr.iter().map(|e| format!("{:?}", key(e))).collect();
+        assert!(ev
+            .iter()
+            .all(|e| !train_keys.contains(&format!("{:?}", key(e)))));
+        for e in tr.iter().chain(&ev) {
+            let (a, b) = (
+                e.metadata["a"].as_i64().unwrap(),
+                e.metadata["b"].as_i64().unwrap(),
+            );
+            let want = match e.metadata["op"].as_str().unwrap() {
+                "+" => a + b,
+                "-" => a - b,
+                _ => a * b,
+            };
+            assert_eq!(e.answer.as_deref(), Some(want.to_string().as_str()));
+            assert!(want >= 0);
+            let Prompt::Text(t) = &e.prompt else { panic!() };
+            assert!(t.contains("number"), "{t}");
+        }
+        let too_many = arithmetic::TaskParams {
+            train_size: 5000,
+            eval_size: 10,
+            min_operand: 1,
+            max_operand: 9,
+            ops: vec!['+'],
+            seed: 1,
+        };
+        assert!(arithmetic::make_task(&too_many).is_err());
+    }
+
+    #[test]
+    fn prompt_ids_apply_the_chat_template_and_truncate_left() {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/smollm2");
+        let tok = Tokenizer::from_hf_dir(&dir).unwrap();
+        let ex = Example {
+            prompt: Prompt::Text("What is 2 + 2?".into()),
+            answer: None,
+            metadata: Map::new(),
+            origin: "t".into(),
+        };
+        let ids = prompt_ids(&tok, &ex, Some("Be brief."), None).unwrap();
+        let want = tok
+            .encode_chat(
+                &[
+                    ChatMessage::system("Be brief."),
+                    ChatMessage::user("What is 2 + 2?"),
+                ],
+                true,
+            )
+            .unwrap();
+        assert_eq!(ids, want);
+        let short = prompt_ids(&tok, &ex, Some("Be brief."), Some(5)).unwrap();
+        assert_eq!(short, want[want.len() - 5..]);
+    }
+}

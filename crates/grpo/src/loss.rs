@@ -1,0 +1,459 @@
+//! The GRPO objective on per-token log-probs: importance ratios, the clipped surrogate, the k3 KL
+//! penalty, the entropy bonus and the `loss_type` reductions, with TRL's normalizations.
+//!
+//! Every function takes tensors laid out `[N, T]` (N completions of one micro-batch, T completion
+//! positions, right-padded) plus a `[N, T]` f32 mask of real completion tokens, and returns
+//! tensors; the tests check each against a plain-`f32` twin.
+
+use candle_core::{Tensor, D};
+
+use crate::config::{IsLevel, LossType};
+use crate::Result;
+
+/// Loss options, resolved from the config once.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LossOptions {
+    pub loss_type: LossType,
+    pub importance_sampling_level: IsLevel,
+    /// Lower clip: ratios below `1 - epsilon_low` stop contributing for negative advantages.
+    pub epsilon_low: f64,
+    /// Upper clip: ratios above `1 + epsilon_high` stop contributing for positive advantages.
+    pub epsilon_high: f64,
+    /// Two-sided clipping: cap the unclipped ratio at `delta` as well.
+    pub delta: Option<f64>,
+    /// Weight of the k3 KL penalty to the reference model in the loss (0 = none).
+    pub beta: f64,
+    /// Weight of the entropy bonus (0 = none).
+    pub entropy_coef: f64,
+}
+
+/// How a micro-batch's summed token losses are normalized. All but `dapo` also divide by the
+/// number of micro-batches accumulated into one optimizer step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Reduction {
+    /// Micro-batches accumulated into one optimizer step.
+    pub accumulation_steps: usize,
+    /// `max_completion_length`, for `dr_grpo`'s constant normalizer.
+    pub max_completion_length: usize,
+    /// `dapo`: active completion tokens per accumulation window (TRL: tokens in the generation
+    /// batch x accumulation steps / steps per generation).
+    pub dapo_tokens: f64,
+}
+
+/// The loss of a micro-batch and its detached statistics.
+#[derive(Debug)]
+pub struct LossOutput {
+    /// Scalar loss to differentiate.
+    pub loss: Tensor,
+    /// The policy part (before KL and entropy are added, after reduction), for logging.
+    pub policy_loss: f32,
+    /// Mean k3 KL over active tokens (0 when beta = 0).
+    pub kl: f32,
+    /// Share of active tokens whose ratio was clipped from below (negative advantage).
+    pub clip_low: f32,
+    /// Share of active tokens whose ratio was clipped from above (positive advantage).
+    pub clip_high: f32,
+    /// Share clipped either way.
+    pub clip_region: f32,
+    /// Mean entropy over active tokens (when entropies were given).
+    pub entropy: Option<f32>,
+}
+
+/// Inputs of one micro-batch.
+#[derive(Debug)]
+pub struct LossInputs<'a> {
+    /// [N, T] f32 log-probs of the completion tokens under the policy (with graph).
+    pub logps: &'a Tensor,
+    /// [N, T] f32 log-probs under the policy that sampled the completions; `None` when on-policy
+    /// (then the current log-probs, detached, are used: ratio 1 with the right gradient).
+    pub old_logps: Option<&'a Tensor>,
+    /// [N, T] f32 log-probs under the reference model (needed when beta > 0).
+    pub ref_logps: Option<&'a Tensor>,
+    /// [N] f32 advantages.
+    pub advantages: &'a Tensor,
+    /// [N, T] f32, 1 for tokens that count.
+    pub mask: &'a Tensor,
+    /// [N, T] f32 per-token entropies (with graph when `entropy_coef` > 0).
+    pub entropies: Option<&'a Tensor>,
+}
+
+/// k3 estimator of KL(policy || ref) per token: `exp(ref - logp) - (ref - logp) - 1` (>= 0).
+pub fn k3_kl(logps: &Tensor, ref_logps: &Tensor) -> Result<Tensor> {
+    let d = (ref_logps - logps)?; // [N, T]
+    Ok(((d.exp()? - &d)? - 1.0)?)
+}
+
+/// Log importance weights: per token (`[N, T]`), or per sequence as the masked mean of the token
+/// log-ratios (`[N, 1]`, GSPO).
+pub fn log_importance_weights(
+    logps: &Tensor,
+    old_logps: &Tensor,
+    mask: &Tensor,
+    level: IsLevel,
+) -> Result<Tensor> {
+    let log_ratio = (logps - old_logps)?; // [N, T]
+    Ok(match level {
+        IsLevel::Token => log_ratio,
+        IsLevel::Sequence => {
+            let num = (log_ratio * mask)?.sum_keepdim(D::Minus1)?; // [N, 1]
+            let den = mask.sum_keepdim(D::Minus1)?.clamp(1.0, f64::INFINITY)?; // [N, 1]
+            (num / den)?
+        }
+    })
+}
+
+/// The clipped surrogate per token: `-min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)`, with
+/// `r` optionally capped at `delta` first. `log_w` [N, T] or [N, 1], `adv` [N] -> [N, T or 1].
+pub fn clipped_surrogate(log_w: &Tensor, adv: &Tensor, opts: &LossOptions) -> Result<Tensor> {
+    let coef1 = log_w.exp()?;
+    let coef2 = coef1.clamp(1.0 - opts.epsilon_low, 1.0 + opts.epsilon_high)?;
+    let coef1 = match opts.delta {
+        Some(d) => coef1.clamp(f64::NEG_INFINITY, d)?,
+        None => coef1,
+    };
+    let adv = adv.unsqueeze(1)?; // [N, 1]
+    let l1 = coef1.broadcast_mul(&adv)?;
+    let l2 = coef2.broadcast_mul(&adv)?;
+    Ok(l1.minimum(&l2)?.neg()?)
+}
+
+/// Reduces masked per-token losses [N, T] to the scalar of `loss_type`.
+pub fn reduce(
+    per_token: &Tensor,
+    mask: &Tensor,
+    loss_type: LossType,
+    r: &Reduction,
+) -> Result<Tensor> {
+    let masked = (per_token * mask)?; // [N, T]
+    let accum = r.accumulation_steps.max(1) as f64;
+    Ok(match loss_type {
+        LossType::Grpo => {
+            let per_seq =
+                (masked.sum(D::Minus1)? / mask.sum(D::Minus1)?.clamp(1.0, f64::INFINITY)?)?; // [N]
+            (per_seq.mean_all()? / accum)?
+        }
+        LossType::Bnpo => {
+            let den = mask.sum_all()?.clamp(1.0, f64::INFINITY)?;
+            (masked.sum_all()?.div(&den)? / accum)?
+        }
+        LossType::DrGrpo => {
+            let n = per_token.dim(0)? as f64;
+            (masked.sum_all()? / (n * r.max_completion_length as f64 * accum))?
+        }
+        LossType::Dapo => (masked.sum_all()? / r.dapo_tokens.max(1.0))?,
+    })
+}
+
+/// Masked mean of a [N, T] tensor as an f32 (detached).
+fn masked_mean(x: &Tensor, mask: &Tensor) -> Result<f32> {
+    let num = (x.detach() * mask)?.sum_all()?.to_scalar::<f32>()?;
+    let den = mask.sum_all()?.to_scalar::<f32>()?;
+    Ok(if den > 0.0 { num / den } else { 0.0 })
+}
+
+/// The GRPO loss of one micro-batch (TRL's `_compute_loss` for grpo/bnpo/dr_grpo/dapo).
+pub fn grpo_loss(inp: &LossInputs, opts: &LossOptions, red: &Reduction) -> Result<LossOutput> {
+    let detached;
+    let old = match inp.old_logps {
+        Some(o) => o,
+        None => {
+            detached = inp.logps.detach();
+            &detached
+        }
+    };
+    let log_w = log_importance_weights(inp.logps, old, inp.mask, opts.importance_sampling_level)?;
+    let surrogate = clipped_surrogate(&log_w, inp.advantages, opts)?; // [N, T] or [N, 1]
+    let (n, t) = inp.logps.dims2()?;
+    let surrogate = surrogate.broadcast_as((n, t))?;
+
+    // Clip statistics (TRL's clip_ratio/low_mean, high_mean, region_mean).
+    let coef = log_w.detach().exp()?.broadcast_as((n, t))?.contiguous()?;
+    let adv = inp
+        .advantages
+        .unsqueeze(1)?
+        .broadcast_as((n, t))?
+        .contiguous()?;
+    let low = coef
+        .lt(1.0 - opts.epsilon_low)?
+        .mul(&adv.lt(0f32)?)?
+        .to_dtype(candle_core::DType::F32)?;
+    let high = coef
+        .gt(1.0 + opts.epsilon_high)?
+        .mul(&adv.gt(0f32)?)?
+        .to_dtype(candle_core::DType::F32)?;
+    let clip_low = masked_mean(&low, inp.mask)?;
+    let clip_high = masked_mean(&high, inp.mask)?;
+    let clip_region = masked_mean(&(low + high)?, inp.mask)?;
+
+    let policy = reduce(&surrogate, inp.mask, opts.loss_type, red)?;
+    let policy_loss = policy.to_scalar::<f32>()?;
+    let (mut per_token, mut kl) = (surrogate, 0.0);
+    if opts.beta != 0.0 {
+        let ref_logps = inp
+            .ref_logps
+            .ok_or_else(|| crate::Error::config("beta", "beta > 0 needs reference log-probs"))?;
+        let k3 = k3_kl(inp.logps, ref_logps)?;
+        kl = masked_mean(&k3, inp.mask)?;
+        per_token = (per_token + (k3 * opts.beta)?)?;
+    }
+    let mut loss = if opts.beta != 0.0 {
+        reduce(&per_token, inp.mask, opts.loss_type, red)?
+    } else {
+        policy
+    };
+    let mut entropy = None;
+    if let Some(ent) = inp.entropies {
+        entropy = Some(masked_mean(ent, inp.mask)?);
+        if opts.entropy_coef != 0.0 {
+            let accum = red.accumulation_steps.max(1) as f64;
+            let den = inp.mask.sum_all()?.clamp(1.0, f64::INFINITY)?;
+            let mean_ent = ((ent * inp.mask)?.sum_all()?.div(&den)? / accum)?;
+            loss = (loss - (mean_ent * opts.entropy_coef)?)?;
+        }
+    }
+    Ok(LossOutput {
+        loss,
+        policy_loss,
+        kl,
+        clip_low,
+        clip_high,
+        clip_region,
+        entropy,
+    })
+}
+
+/// Adaptive KL coefficient (Ziegler et al.): moves `coef` so the observed KL approaches `target`,
+/// by at most ±20% per `horizon` samples.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct AdaptiveKl {
+    pub coef: f64,
+    pub target: f64,
+    pub horizon: f64,
+}
+
+impl AdaptiveKl {
+    /// Updates the coefficient after a batch of `n_samples` completions with mean KL `kl`.
+    pub fn update(&mut self, kl: f64, n_samples: usize) {
+        let err = (kl / self.target - 1.0).clamp(-0.2, 0.2);
+        self.coef *= 1.0 + err * n_samples as f64 / self.horizon;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    fn opts(loss_type: LossType, level: IsLevel, beta: f64) -> LossOptions {
+        LossOptions {
+            loss_type,
+            importance_sampling_level: level,
+            epsilon_low: 0.2,
+            epsilon_high: 0.28,
+            delta: None,
+            beta,
+            entropy_coef: 0.0,
+        }
+    }
+
+    /// Plain-f32 twin of `grpo_loss` (loss value only).
+    #[allow(clippy::too_many_arguments)]
+    fn loss_slow(
+        logp: &[Vec<f32>],
+        old: &[Vec<f32>],
+        refp: &[Vec<f32>],
+        adv: &[f32],
+        mask: &[Vec<f32>],
+        o: &LossOptions,
+        r: &Reduction,
+    ) -> f32 {
+        let n = logp.len();
+        let t = logp[0].len();
+        let mut per_tok = vec![vec![0f32; t]; n];
+        for i in 0..n {
+            let seq_w = {
+                let (mut s, mut c) = (0f32, 0f32);
+                for j in 0..t {
+                    s += (logp[i][j] - old[i][j]) * mask[i][j];
+                    c += mask[i][j];
+                }
+                s / c.max(1.0)
+            };
+            for j in 0..t {
+                let lw = match o.importance_sampling_level {
+                    IsLevel::Token => logp[i][j] - old[i][j],
+                    IsLevel::Sequence => seq_w,
+                };
+                let c1 = lw.exp();
+                let c2 = c1.clamp(1.0 - o.epsilon_low as f32, 1.0 + o.epsilon_high as f32);
+                let mut l = -(c1 * adv[i]).min(c2 * adv[i]);
+                if o.beta != 0.0 {
+                    let d = refp[i][j] - logp[i][j];
+                    l += o.beta as f32 * (d.exp() - d - 1.0);
+                }
+                per_tok[i][j] = l * mask[i][j];
+            }
+        }
+        let total: f32 = per_tok.iter().flatten().sum();
+        let active: f32 = mask.iter().flatten().sum();
+        let accum = r.accumulation_steps as f32;
+        match o.loss_type {
+            LossType::Grpo => {
+                let s: f32 = (0..n)
+                    .map(|i| per_tok[i].iter().sum::<f32>() / mask[i].iter().sum::<f32>().max(1.0))
+                    .sum();
+                s / n as f32 / accum
+            }
+            LossType::Bnpo => total / active.max(1.0) / accum,
+            LossType::DrGrpo => total / (n * r.max_completion_length) as f32 / accum,
+            LossType::Dapo => total / r.dapo_tokens as f32,
+        }
+    }
+
+    fn t2(v: &[Vec<f32>]) -> Tensor {
+        Tensor::new(v.to_vec(), &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn loss_matches_plain_twin_for_every_variant() {
+        let logp = vec![
+            vec![-1.0, -0.5, -2.0, -0.1],
+            vec![-0.3, -1.2, -0.7, -3.0],
+            vec![-2.2, -0.9, -0.4, -0.6],
+        ];
+        let old = vec![
+            vec![-1.3, -0.5, -1.5, -0.1],
+            vec![-0.3, -0.9, -0.7, -2.0],
+            vec![-2.0, -1.1, -0.4, -0.7],
+        ];
+        let refp = vec![
+            vec![-1.1, -0.6, -2.5, -0.2],
+            vec![-0.2, -1.0, -0.9, -2.5],
+            vec![-2.1, -1.0, -0.3, -0.5],
+        ];
+        let mask = vec![
+            vec![1.0, 1.0, 1.0, 0.0],
+            vec![1.0, 1.0, 1.0, 1.0],
+            vec![1.0, 1.0, 0.0, 0.0],
+        ];
+        let adv = [0.8f32, -1.1, 0.3];
+        let red = Reduction {
+            accumulation_steps: 2,
+            max_completion_length: 6,
+            dapo_tokens: 13.0,
+        };
+        for lt in [
+            LossType::Grpo,
+            LossType::Bnpo,
+            LossType::DrGrpo,
+            LossType::Dapo,
+        ] {
+            for level in [IsLevel::Token, IsLevel::Sequence] {
+                for beta in [0.0, 0.04] {
+                    let o = opts(lt, level, beta);
+                    let lp = Var::from_tensor(&t2(&logp)).unwrap();
+                    let (oldt, reft, maskt) = (t2(&old), t2(&refp), t2(&mask));
+                    let advt = Tensor::new(&adv, &Device::Cpu).unwrap();
+                    let out = grpo_loss(
+                        &LossInputs {
+                            logps: lp.as_tensor(),
+                            old_logps: Some(&oldt),
+                            ref_logps: Some(&reft),
+                            advantages: &advt,
+                            mask: &maskt,
+                            entropies: None,
+                        },
+                        &o,
+                        &red,
+                    )
+                    .unwrap();
+                    let got = out.loss.to_scalar::<f32>().unwrap();
+                    let want = loss_slow(&logp, &old, &refp, &adv, &mask, &o, &red);
+                    assert!(
+                        (got - want).abs() < 1e-6,
+                        "{lt:?} {level:?} {beta}: {got} vs {want}"
+                    );
+                    // Gradient by central differences on one active entry.
+                    let g = out.loss.backward().unwrap();
+                    let g = g.get(&lp).unwrap().to_vec2::<f32>().unwrap();
+                    let h = 1e-3f32;
+                    let (mut up, mut dn) = (logp.clone(), logp.clone());
+                    up[1][2] += h;
+                    dn[1][2] -= h;
+                    let fd = (loss_slow(&up, &old, &refp, &adv, &mask, &o, &red)
+                        - loss_slow(&dn, &old, &refp, &adv, &mask, &o, &red))
+                        / (2.0 * h);
+                    assert!(
+                        (g[1][2] - fd).abs() < 2e-3,
+                        "{lt:?} {level:?} {beta}: grad {} vs {fd}",
+                        g[1][2]
+                    );
+                    assert_eq!(g[0][3], 0.0, "masked tokens get no gradient");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn on_policy_ratio_is_one_and_gradient_is_advantage_weighted() {
+        // With old = current (detached), the loss is -mean(A) per token and d/dlogp = -A / norm.
+        let lp = Var::new(&[[-1.0f32, -2.0], [-0.5, -0.25]], &Device::Cpu).unwrap();
+        let mask = Tensor::new(&[[1f32, 1.0], [1.0, 0.0]], &Device::Cpu).unwrap();
+        let adv = Tensor::new(&[1.0f32, -2.0], &Device::Cpu).unwrap();
+        let red = Reduction {
+            accumulation_steps: 1,
+            max_completion_length: 2,
+            dapo_tokens: 3.0,
+        };
+        let out = grpo_loss(
+            &LossInputs {
+                logps: lp.as_tensor(),
+                old_logps: None,
+                ref_logps: None,
+                advantages: &adv,
+                mask: &mask,
+                entropies: None,
+            },
+            &opts(LossType::Dapo, IsLevel::Token, 0.0),
+            &red,
+        )
+        .unwrap();
+        assert!((out.loss.to_scalar::<f32>().unwrap() - 0.0).abs() < 1e-6); // -(1 + 1 - 2) / 3
+        let g = out
+            .loss
+            .backward()
+            .unwrap()
+            .get(&lp)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        assert_eq!(g, vec![vec![-1.0 / 3.0, -1.0 / 3.0], vec![2.0 / 3.0, 0.0]]);
+        assert_eq!(out.clip_region, 0.0);
+    }
+
+    #[test]
+    fn k3_is_nonnegative_and_zero_at_equality() {
+        let a = Tensor::new(&[-1.0f32, -2.0, -0.1], &Device::Cpu).unwrap();
+        let b = Tensor::new(&[-1.0f32, -1.0, -3.0], &Device::Cpu).unwrap();
+        let k = k3_kl(&a, &b).unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(k[0], 0.0);
+        for (i, (x, y)) in [(-2.0f32, -1.0f32), (-0.1, -3.0)].iter().enumerate() {
+            let d = y - x;
+            assert!((k[i + 1] - (d.exp() - d - 1.0)).abs() < 1e-6);
+            assert!(k[i + 1] > 0.0);
+        }
+    }
+
+    #[test]
+    fn adaptive_kl_moves_towards_target() {
+        let mut c = AdaptiveKl {
+            coef: 0.1,
+            target: 6.0,
+            horizon: 10000.0,
+        };
+        c.update(12.0, 1000);
+        assert!((c.coef - 0.1 * 1.02).abs() < 1e-12);
+        c.update(0.0, 1000);
+        assert!(c.coef < 0.102);
+    }
+}

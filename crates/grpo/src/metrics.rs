@@ -1,0 +1,324 @@
+//! Metrics sinks: `metrics.jsonl` (one JSON object per logged step), TensorBoard event files, and
+//! free-form JSON-lines files (completions, eval answers).
+//!
+//! The TensorBoard writer is hand-written (about 60 lines): an event file is TFRecord framing
+//! (length, masked CRC-32C of the length, payload, masked CRC-32C of the payload) around `Event`
+//! protobufs, and a scalar needs only four protobuf fields. The available crates pull in a whole
+//! protobuf stack for this.
+
+use std::fs::{File, OpenOptions};
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use crate::{Error, Result};
+
+/// Writes metrics of a run directory.
+pub struct MetricsWriter {
+    dir: PathBuf,
+    jsonl: File,
+    tb: Option<File>,
+}
+
+fn open_append(path: &Path) -> Result<File> {
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)
+            .map_err(|e| Error::io(format!("cannot create {}", parent.display()), e))?;
+    }
+    OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| Error::io(format!("cannot open {}", path.display()), e))
+}
+
+fn now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+impl MetricsWriter {
+    /// Opens (appending) `dir/metrics.jsonl` and, when `tensorboard`, a new event file in `dir/tb/`.
+    pub fn open(dir: &Path, tensorboard: bool) -> Result<Self> {
+        let jsonl = open_append(&dir.join("metrics.jsonl"))?;
+        let tb = if tensorboard {
+            let host =
+                std::fs::read_to_string("/etc/hostname").unwrap_or_else(|_| "localhost".into());
+            let name = format!("events.out.tfevents.{}.{}.grpo", now() as u64, host.trim());
+            let mut f = open_append(&dir.join("tb").join(name))?;
+            let first = tb::event(now(), 0, Some("brain.Event:2"), &[]);
+            tb::write_record(&mut f, &first)
+                .map_err(|e| Error::io("cannot write the TensorBoard file", e))?;
+            Some(f)
+        } else {
+            None
+        };
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            jsonl,
+            tb,
+        })
+    }
+
+    /// One line of `metrics.jsonl` and one TensorBoard scalar per metric (non-finite values are
+    /// written as null to the JSON and skipped in TensorBoard).
+    pub fn log(&mut self, step: u64, metrics: &[(String, f64)]) -> Result<()> {
+        let mut obj = serde_json::Map::new();
+        obj.insert("step".into(), step.into());
+        obj.insert("time".into(), now().into());
+        for (k, v) in metrics {
+            obj.insert(
+                k.clone(),
+                serde_json::Number::from_f64(*v).map_or(Value::Null, Value::Number),
+            );
+        }
+        let line = Value::Object(obj).to_string();
+        writeln!(self.jsonl, "{line}").map_err(|e| {
+            Error::io(
+                format!("cannot write {}", self.dir.join("metrics.jsonl").display()),
+                e,
+            )
+        })?;
+        if let Some(f) = &mut self.tb {
+            let scalars: Vec<(&str, f32)> = metrics
+                .iter()
+                .filter(|(_, v)| v.is_finite())
+                .map(|(k, v)| (k.as_str(), *v as f32))
+                .collect();
+            let ev = tb::event(now(), step as i64, None, &scalars);
+            tb::write_record(f, &ev)
+                .map_err(|e| Error::io("cannot write the TensorBoard file", e))?;
+        }
+        Ok(())
+    }
+
+    /// Appends a JSON line to `dir/<file>`.
+    pub fn log_json(&mut self, file: &str, value: &Value) -> Result<()> {
+        let path = self.dir.join(file);
+        let mut f = open_append(&path)?;
+        writeln!(f, "{value}").map_err(|e| Error::io(format!("cannot write {}", path.display()), e))
+    }
+}
+
+/// For resume: drops lines of `metrics.jsonl` and `completions.jsonl` with `step` > `step`, so a
+/// resumed run does not log the same steps twice. Written via a temp file and a rename.
+pub fn truncate_after(dir: &Path, step: u64) -> Result<()> {
+    for name in ["metrics.jsonl", "completions.jsonl"] {
+        let path = dir.join(name);
+        let Ok(f) = File::open(&path) else { continue };
+        let mut kept = String::new();
+        for line in BufReader::new(f).lines() {
+            let line = line.map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
+            let s = serde_json::from_str::<Value>(&line)
+                .ok()
+                .and_then(|v| v.get("step").and_then(Value::as_u64));
+            if s.is_none_or(|s| s <= step) {
+                kept.push_str(&line);
+                kept.push('\n');
+            }
+        }
+        let tmp = dir.join(format!(".{name}.tmp"));
+        std::fs::write(&tmp, kept)
+            .map_err(|e| Error::io(format!("cannot write {}", tmp.display()), e))?;
+        std::fs::rename(&tmp, &path)
+            .map_err(|e| Error::io(format!("cannot replace {}", path.display()), e))?;
+    }
+    Ok(())
+}
+
+/// TensorBoard event encoding.
+pub mod tb {
+    use std::io::Write;
+
+    fn varint(mut v: u64, out: &mut Vec<u8>) {
+        while v >= 0x80 {
+            out.push((v as u8) | 0x80);
+            v >>= 7;
+        }
+        out.push(v as u8);
+    }
+    fn tag(field: u32, wire: u32, out: &mut Vec<u8>) {
+        varint(((field << 3) | wire) as u64, out);
+    }
+    fn bytes(field: u32, b: &[u8], out: &mut Vec<u8>) {
+        tag(field, 2, out);
+        varint(b.len() as u64, out);
+        out.extend_from_slice(b);
+    }
+
+    /// `Event { wall_time = 1 (double), step = 2 (int64), file_version = 3 (string),
+    /// summary = 5 (Summary { repeated Value value = 1 { tag = 1, simple_value = 2 (float) } }) }`.
+    pub fn event(
+        wall_time: f64,
+        step: i64,
+        file_version: Option<&str>,
+        scalars: &[(&str, f32)],
+    ) -> Vec<u8> {
+        let mut out = Vec::new();
+        tag(1, 1, &mut out);
+        out.extend_from_slice(&wall_time.to_le_bytes());
+        tag(2, 0, &mut out);
+        varint(step as u64, &mut out);
+        if let Some(v) = file_version {
+            bytes(3, v.as_bytes(), &mut out);
+        }
+        if !scalars.is_empty() {
+            let mut summary = Vec::new();
+            for (name, x) in scalars {
+                let mut value = Vec::new();
+                bytes(1, name.as_bytes(), &mut value);
+                tag(2, 5, &mut value);
+                value.extend_from_slice(&x.to_le_bytes());
+                bytes(1, &value, &mut summary);
+            }
+            bytes(5, &summary, &mut out);
+        }
+        out
+    }
+
+    pub fn masked_crc(data: &[u8]) -> u32 {
+        let c = crc32c::crc32c(data);
+        (c.rotate_right(15)).wrapping_add(0xa282_ead8)
+    }
+
+    /// TFRecord framing.
+    pub fn write_record(w: &mut impl Write, data: &[u8]) -> std::io::Result<()> {
+        let len = (data.len() as u64).to_le_bytes();
+        w.write_all(&len)?;
+        w.write_all(&masked_crc(&len).to_le_bytes())?;
+        w.write_all(data)?;
+        w.write_all(&masked_crc(data).to_le_bytes())?;
+        w.flush()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Minimal reader: records (checking both CRCs) -> (step, [(tag, value)]).
+    fn read_events(bytes: &[u8]) -> Vec<(i64, Vec<(String, f32)>)> {
+        fn varint(b: &[u8], i: &mut usize) -> u64 {
+            let (mut v, mut s) = (0u64, 0);
+            loop {
+                let x = b[*i];
+                *i += 1;
+                v |= ((x & 0x7f) as u64) << s;
+                s += 7;
+                if x < 0x80 {
+                    return v;
+                }
+            }
+        }
+        fn fields(b: &[u8]) -> Vec<(u32, Vec<u8>)> {
+            let mut i = 0;
+            let mut out = vec![];
+            while i < b.len() {
+                let k = varint(b, &mut i);
+                let (f, w) = ((k >> 3) as u32, k & 7);
+                let v = match w {
+                    0 => {
+                        let s = i;
+                        varint(b, &mut i);
+                        b[s..i].to_vec()
+                    }
+                    1 => {
+                        i += 8;
+                        b[i - 8..i].to_vec()
+                    }
+                    5 => {
+                        i += 4;
+                        b[i - 4..i].to_vec()
+                    }
+                    2 => {
+                        let n = varint(b, &mut i) as usize;
+                        i += n;
+                        b[i - n..i].to_vec()
+                    }
+                    _ => panic!("wire type {w}"),
+                };
+                out.push((f, v));
+            }
+            out
+        }
+        let mut i = 0;
+        let mut out = vec![];
+        while i < bytes.len() {
+            let len_b = &bytes[i..i + 8];
+            let len = u64::from_le_bytes(len_b.try_into().unwrap()) as usize;
+            assert_eq!(
+                u32::from_le_bytes(bytes[i + 8..i + 12].try_into().unwrap()),
+                tb::masked_crc(len_b)
+            );
+            let data = &bytes[i + 12..i + 12 + len];
+            assert_eq!(
+                u32::from_le_bytes(bytes[i + 12 + len..i + 16 + len].try_into().unwrap()),
+                tb::masked_crc(data)
+            );
+            i += 16 + len;
+            let mut step = 0;
+            let mut scalars = vec![];
+            for (f, v) in fields(data) {
+                if f == 2 {
+                    step = varint(&v, &mut 0) as i64;
+                }
+                if f == 5 {
+                    for (_, val) in fields(&v) {
+                        let fs = fields(&val);
+                        let name = String::from_utf8(fs[0].1.clone()).unwrap();
+                        let x = f32::from_le_bytes(fs[1].1.clone().try_into().unwrap());
+                        scalars.push((name, x));
+                    }
+                }
+            }
+            out.push((step, scalars));
+        }
+        out
+    }
+
+    #[test]
+    fn jsonl_tensorboard_and_truncation() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = MetricsWriter::open(dir.path(), true).unwrap();
+        w.log(1, &[("reward".into(), 0.5), ("loss".into(), f64::NAN)])
+            .unwrap();
+        w.log(2, &[("reward".into(), 0.75), ("time/generate".into(), 3.0)])
+            .unwrap();
+        w.log_json(
+            "completions.jsonl",
+            &serde_json::json!({"step": 2, "completion": "x"}),
+        )
+        .unwrap();
+        let lines: Vec<Value> = std::fs::read_to_string(dir.path().join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(lines.len(), 2);
+        assert_eq!(lines[0]["reward"], 0.5);
+        assert!(lines[0]["loss"].is_null());
+        let tbdir = dir.path().join("tb");
+        let f = std::fs::read_dir(&tbdir)
+            .unwrap()
+            .next()
+            .unwrap()
+            .unwrap()
+            .path();
+        let events = read_events(&std::fs::read(f).unwrap());
+        assert_eq!(events.len(), 3);
+        assert_eq!(events[1], (1, vec![("reward".to_string(), 0.5)]));
+        assert_eq!(events[2].1[1], ("time/generate".to_string(), 3.0));
+        truncate_after(dir.path(), 1).unwrap();
+        let n = std::fs::read_to_string(dir.path().join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .count();
+        assert_eq!(n, 1);
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("completions.jsonl")).unwrap(),
+            ""
+        );
+    }
+}

@@ -1,0 +1,366 @@
+//! Reward functions: each scores a completion (given its example) with a number, or NaN when it
+//! cannot ("missing": left out of the group's statistics).
+//!
+//! This first set covers answer checking and format; configurable in `[[rewards]]` tables.
+
+use serde_json::Value;
+
+use crate::data::Example;
+use crate::{Error, Result};
+
+/// How an answer is found in a completion.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MatchMode {
+    /// The last number in the text (`1,234` and `-5` and `12.0` understood) equals the answer.
+    LastNumber,
+    /// The answer appears anywhere as a standalone integer (the peer benchmark's rule).
+    Contains,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum RewardFn {
+    /// 1 if the completion's answer equals the example's, else 0; NaN without a reference answer.
+    AnswerMatch { mode: MatchMode },
+    /// `value` if the whole completion is just an integer (optionally followed by a period).
+    IntegerOnly { value: f32 },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reward {
+    pub name: String,
+    pub func: RewardFn,
+    pub weight: f32,
+}
+
+impl Reward {
+    pub fn score(&self, completion: &str, example: &Example) -> f32 {
+        match &self.func {
+            RewardFn::AnswerMatch { mode } => match &example.answer {
+                None => f32::NAN,
+                Some(ans) => {
+                    let ok = match mode {
+                        MatchMode::LastNumber => last_number_matches(completion, ans),
+                        MatchMode::Contains => standalone_integers(completion)
+                            .iter()
+                            .any(|n| n == ans.trim()),
+                    };
+                    if ok {
+                        1.0
+                    } else {
+                        0.0
+                    }
+                }
+            },
+            RewardFn::IntegerOnly { value } => {
+                if is_integer_only(completion) {
+                    *value
+                } else {
+                    0.0
+                }
+            }
+        }
+    }
+
+    /// Whether this reward measures correctness (its mean is reported as accuracy).
+    pub fn is_accuracy(&self) -> bool {
+        matches!(self.func, RewardFn::AnswerMatch { .. })
+    }
+}
+
+/// Integers as Python's `re.findall(r"(?<![\d.])-?\d+(?![\d])", text.replace(",", ""))` finds them.
+pub fn standalone_integers(text: &str) -> Vec<String> {
+    let c: Vec<char> = text.chars().filter(|&ch| ch != ',').collect();
+    let mut out = vec![];
+    let mut i = 0;
+    while i < c.len() {
+        let prev_ok = i == 0 || !(c[i - 1].is_ascii_digit() || c[i - 1] == '.');
+        let mut j = i;
+        if c[j] == '-' {
+            j += 1;
+        }
+        if prev_ok && j < c.len() && c[j].is_ascii_digit() {
+            let mut k = j;
+            while k < c.len() && c[k].is_ascii_digit() {
+                k += 1;
+            }
+            out.push(c[i..k].iter().collect());
+            i = k;
+        } else {
+            i += 1;
+        }
+    }
+    out
+}
+
+/// Numbers in reading order: optional `-`, digits with `,` separators, optional decimals.
+pub fn numbers(text: &str) -> Vec<f64> {
+    let c: Vec<char> = text.chars().collect();
+    let mut out = vec![];
+    let mut i = 0;
+    while i < c.len() {
+        if c[i].is_ascii_digit() {
+            let neg = i > 0 && c[i - 1] == '-' && (i < 2 || !c[i - 2].is_ascii_alphanumeric());
+            let word = i > 0 && c[i - 1].is_ascii_alphabetic();
+            let mut s = String::new();
+            let mut k = i;
+            while k < c.len()
+                && (c[k].is_ascii_digit()
+                    || (c[k] == ',' && k + 1 < c.len() && c[k + 1].is_ascii_digit()))
+            {
+                if c[k] != ',' {
+                    s.push(c[k]);
+                }
+                k += 1;
+            }
+            if k + 1 < c.len() && c[k] == '.' && c[k + 1].is_ascii_digit() {
+                s.push('.');
+                k += 1;
+                while k < c.len() && c[k].is_ascii_digit() {
+                    s.push(c[k]);
+                    k += 1;
+                }
+            }
+            if !word {
+                if let Ok(v) = s.parse::<f64>() {
+                    out.push(if neg { -v } else { v });
+                }
+            }
+            i = k;
+        } else {
+            i += 1;
+        }
+    }
+    out
+}
+
+fn last_number_matches(text: &str, answer: &str) -> bool {
+    let last = numbers(text).last().copied();
+    match (last, numbers(answer).first().copied()) {
+        (Some(got), Some(want))
+            if answer.trim().parse::<f64>().is_ok() || numbers(answer).len() == 1 =>
+        {
+            (got - want).abs() <= 1e-9 * want.abs().max(1.0)
+        }
+        _ => text
+            .trim()
+            .trim_end_matches('.')
+            .eq_ignore_ascii_case(answer.trim()),
+    }
+}
+
+/// Python's `re.match(r"^\s*-?\d+\s*\.?\s*$", text)`.
+pub fn is_integer_only(text: &str) -> bool {
+    let t = text.trim();
+    let t = t.strip_suffix('.').map_or(t, str::trim_end);
+    let t = t.strip_prefix('-').unwrap_or(t);
+    !t.is_empty() && t.chars().all(|c| c.is_ascii_digit())
+}
+
+/// The built-in task's rewards: correctness of the last number, and a small bonus for answering
+/// with the number alone.
+pub fn builtin_task_rewards() -> Vec<Reward> {
+    vec![
+        Reward {
+            name: "correct".into(),
+            func: RewardFn::AnswerMatch {
+                mode: MatchMode::LastNumber,
+            },
+            weight: 1.0,
+        },
+        Reward {
+            name: "format".into(),
+            func: RewardFn::IntegerOnly { value: 0.1 },
+            weight: 1.0,
+        },
+    ]
+}
+
+/// The peer benchmark's rewards (`bench/peers/addition_task.py`), exactly.
+pub fn peer_addition_rewards() -> Vec<Reward> {
+    vec![
+        Reward {
+            name: "correctness".into(),
+            func: RewardFn::AnswerMatch {
+                mode: MatchMode::Contains,
+            },
+            weight: 1.0,
+        },
+        Reward {
+            name: "format".into(),
+            func: RewardFn::IntegerOnly { value: 0.1 },
+            weight: 1.0,
+        },
+    ]
+}
+
+/// `[[rewards]]` tables -> rewards.
+pub fn parse_rewards(tables: &[Value]) -> Result<Vec<Reward>> {
+    tables
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let key = |k: &str| format!("rewards[{i}].{k}");
+            let obj = t
+                .as_object()
+                .ok_or_else(|| Error::config(format!("rewards[{i}]"), "must be a table"))?;
+            let kind = obj.get("kind").and_then(Value::as_str).ok_or_else(|| {
+                Error::config(key("kind"), "missing: one of answer_match, integer_only")
+            })?;
+            let allowed: &[&str] = match kind {
+                "answer_match" => &["kind", "mode", "weight", "name"],
+                "integer_only" => &["kind", "value", "weight", "name"],
+                other => {
+                    return Err(Error::config(
+                        key("kind"),
+                        format!("`{other}` is not a reward kind; use answer_match or integer_only"),
+                    ))
+                }
+            };
+            if let Some(k) = obj.keys().find(|k| !allowed.contains(&k.as_str())) {
+                return Err(Error::config(
+                    key(k),
+                    format!(
+                        "unknown key for kind {kind}; allowed: {}",
+                        allowed.join(", ")
+                    ),
+                ));
+            }
+            let num = |k: &str, d: f64| -> Result<f64> {
+                match obj.get(k) {
+                    None => Ok(d),
+                    Some(v) => v.as_f64().ok_or_else(|| {
+                        Error::config(key(k), format!("expected a number, got {v}"))
+                    }),
+                }
+            };
+            let func = if kind == "answer_match" {
+                let mode = match obj
+                    .get("mode")
+                    .and_then(Value::as_str)
+                    .unwrap_or("last_number")
+                {
+                    "last_number" => MatchMode::LastNumber,
+                    "contains" => MatchMode::Contains,
+                    other => {
+                        return Err(Error::config(
+                            key("mode"),
+                            format!("`{other}`: use last_number or contains"),
+                        ))
+                    }
+                };
+                RewardFn::AnswerMatch { mode }
+            } else {
+                RewardFn::IntegerOnly {
+                    value: num("value", 0.1)? as f32,
+                }
+            };
+            let name = obj
+                .get("name")
+                .and_then(Value::as_str)
+                .unwrap_or(kind)
+                .to_string();
+            Ok(Reward {
+                name,
+                func,
+                weight: num("weight", 1.0)? as f32,
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ex(ans: Option<&str>) -> Example {
+        Example {
+            prompt: crate::data::Prompt::Text("q".into()),
+            answer: ans.map(str::to_owned),
+            metadata: Default::default(),
+            origin: "t".into(),
+        }
+    }
+
+    #[test]
+    fn standalone_integers_match_the_python_regex() {
+        // Expected values from re.findall(r"(?<![\d.])-?\d+(?![\d])", s.replace(",", "")).
+        let cases: &[(&str, &[&str])] = &[
+            ("The answer is 122.", &["122"]),
+            ("59 + 63 = 122", &["59", "63", "122"]),
+            ("1,234 apples", &["1234"]),
+            ("12.5 and 3", &["12", "3"]),
+            ("-5 or 5-3", &["-5", "5", "3"]),
+            ("x2 y", &["2"]),
+            ("no numbers", &[]),
+            ("v1.2.3", &["1"]),
+        ];
+        for (s, want) in cases {
+            assert_eq!(
+                standalone_integers(s),
+                want.iter().map(|x| x.to_string()).collect::<Vec<_>>(),
+                "{s}"
+            );
+        }
+    }
+
+    #[test]
+    fn answer_match_modes() {
+        let last = &builtin_task_rewards()[0];
+        let contains = &peer_addition_rewards()[0];
+        let e = ex(Some("122"));
+        assert_eq!(last.score("59 + 63 = 122", &e), 1.0);
+        assert_eq!(last.score("122 is wrong, it is 121", &e), 0.0);
+        assert_eq!(contains.score("122 is wrong, it is 121", &e), 1.0);
+        assert_eq!(last.score("The answer is 122.0.", &e), 1.0);
+        assert_eq!(last.score("1,234", &ex(Some("1234"))), 1.0);
+        assert_eq!(last.score("It is -5.", &ex(Some("-5"))), 1.0);
+        assert_eq!(last.score("nothing", &e), 0.0);
+        assert!(last.score("122", &ex(None)).is_nan());
+        assert!(last.is_accuracy() && !builtin_task_rewards()[1].is_accuracy());
+    }
+
+    #[test]
+    fn integer_only_matches_the_python_regex() {
+        let f = &peer_addition_rewards()[1];
+        for (s, ok) in [
+            ("122", true),
+            (" 122 \n", true),
+            ("122.", true),
+            ("-7 .", true),
+            ("122!", false),
+            ("The answer is 122", false),
+            ("", false),
+            ("12 3", false),
+            ("1.5", false),
+        ] {
+            assert_eq!(f.score(s, &ex(None)), if ok { 0.1 } else { 0.0 }, "{s:?}");
+        }
+    }
+
+    #[test]
+    fn parse_reward_tables() {
+        let t: Vec<Value> = serde_json::from_str(
+            r#"[{"kind": "answer_match", "mode": "contains", "weight": 2.0}, {"kind": "integer_only", "value": 0.5, "name": "fmt"}]"#,
+        )
+        .unwrap();
+        let r = parse_rewards(&t).unwrap();
+        assert_eq!(
+            r[0].func,
+            RewardFn::AnswerMatch {
+                mode: MatchMode::Contains
+            }
+        );
+        assert_eq!(r[0].weight, 2.0);
+        assert_eq!(r[1].name, "fmt");
+        for bad in [
+            r#"[{"kind": "bogus"}]"#,
+            r#"[{"kind": "answer_match", "mode": "x"}]"#,
+            r#"[{"kind": "integer_only", "pattern": "x"}]"#,
+            r#"[{}]"#,
+        ] {
+            let t: Vec<Value> = serde_json::from_str(bad).unwrap();
+            let e = parse_rewards(&t).unwrap_err().to_string();
+            assert!(e.contains("rewards[0]"), "{e}");
+        }
+    }
+}
