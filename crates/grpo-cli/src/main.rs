@@ -11,6 +11,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod bench;
 mod common;
+mod config_cmd;
 mod generate;
 mod train;
 
@@ -35,6 +36,8 @@ struct Cli {
 enum Command {
     /// Fine-tune a model with GRPO (no arguments: the embedded default run).
     Train(train::TrainArgs),
+    /// Show the training configuration keys (--print) or a resolved config (--resolve).
+    Config(config_cmd::ConfigArgs),
     /// Sample completions from a model.
     Generate(generate::GenerateArgs),
     /// Benchmarks (throughput numbers, not tests).
@@ -61,6 +64,7 @@ fn main() -> ExitCode {
         .init();
     let result = match cli.command {
         Command::Train(args) => train::run(args),
+        Command::Config(args) => config_cmd::run(args),
         Command::Generate(args) => generate::run(args),
         Command::Bench(cmd) => bench::run(cmd),
     };

@@ -10,6 +10,9 @@ use grpo::logprobs::{completion_logprobs, Entropy};
 use grpo::models::{CausalLm, Mode};
 
 fn main() -> anyhow::Result<()> {
+    if std::env::var("SETOPT").is_ok() {
+        unsafe { libmimalloc_sys::mi_option_set(15, -1) };
+    }
     let args: Vec<String> = std::env::args().collect();
     let n: usize = args.get(1).map_or(32, |s| s.parse().unwrap());
     let lp: usize = args.get(2).map_or(46, |s| s.parse().unwrap());

@@ -648,6 +648,17 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
             .step_by(mb.max(1))
             .map(|s| s..(s + mb).min(batch.rows.len()))
             .collect();
+        if batch.rows.is_empty() {
+            // Every group had equal rewards and drop_zero_std_groups left nothing to learn from.
+            say(
+                &bar,
+                format!(
+                    "step {}: every group had equal rewards; no update this round",
+                    state.step + 1
+                ),
+            );
+            state.step = (state.step + updates_per_round).min(total_steps);
+        }
         'passes: for _ in 0..cfg.num_iterations {
             let windows: Vec<Vec<std::ops::Range<usize>>> =
                 micro.chunks(accum.max(1)).map(|w| w.to_vec()).collect();
