@@ -162,6 +162,7 @@ pub struct TrainConfig {
     pub scale_rewards: ScaleRewards,
     pub mask_truncated_completions: bool,
     pub entropy_coef: f64,
+    pub use_bias_correction_kl: bool,
     pub reward_std_floor: Option<f64>,
     pub normalize_advantages_batch: bool,
     pub drop_zero_std_groups: bool,
@@ -270,6 +271,7 @@ const KEYS: &[KeyDoc] = keys! {
         "scale_rewards": "group|batch|none" = "\"group\"", "std used to scale advantages (none: Dr. GRPO)";
         "mask_truncated_completions": "bool" = "false", "leave completions that hit max_completion_length out of the loss";
         "entropy_coef": "float" = "0.0", "entropy bonus weight";
+        "use_bias_correction_kl": "bool" = "true", "multiply the KL term by the importance ratio (unbiased reverse-KL gradient, TRL's default)";
         "reward_std_floor": "float" = "", "clamp each group's reward std from below before scaling";
         "normalize_advantages_batch": "bool" = "false", "re-normalize all advantages of a batch to mean 0, std 1";
         "drop_zero_std_groups": "bool" = "false", "leave groups whose rewards all equal out of the update";
@@ -944,6 +946,7 @@ impl TrainConfig {
             scale_rewards,
             mask_truncated_completions: v.bool("mask_truncated_completions")?,
             entropy_coef: v.f64("entropy_coef")?,
+            use_bias_correction_kl: v.bool("use_bias_correction_kl")?,
             reward_std_floor: v.opt_f64("reward_std_floor")?,
             normalize_advantages_batch: v.bool("normalize_advantages_batch")?,
             drop_zero_std_groups: v.bool("drop_zero_std_groups")?,

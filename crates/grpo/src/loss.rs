@@ -25,6 +25,10 @@ pub struct LossOptions {
     pub beta: f64,
     /// Weight of the entropy bonus (0 = none).
     pub entropy_coef: f64,
+    /// Multiply the per-token KL by the (differentiable) importance ratio, which makes its
+    /// gradient the unbiased reverse-KL gradient (TRL's default; changes the gradient even
+    /// on-policy, where the ratio's value is 1).
+    pub use_bias_correction_kl: bool,
 }
 
 /// How a micro-batch's summed token losses are normalized. All but `dapo` also divide by the
@@ -194,6 +198,11 @@ pub fn grpo_loss(inp: &LossInputs, opts: &LossOptions, red: &Reduction) -> Resul
             .ok_or_else(|| crate::Error::config("beta", "beta > 0 needs reference log-probs"))?;
         let k3 = k3_kl(inp.logps, ref_logps)?;
         kl = masked_mean(&k3, inp.mask)?;
+        let k3 = if opts.use_bias_correction_kl {
+            k3.broadcast_mul(&log_w.exp()?)?
+        } else {
+            k3
+        };
         per_token = (per_token + (k3 * opts.beta)?)?;
     }
     let mut loss = if opts.beta != 0.0 {
@@ -253,6 +262,7 @@ mod tests {
             delta: None,
             beta,
             entropy_coef: 0.0,
+            use_bias_correction_kl: false,
         }
     }
 

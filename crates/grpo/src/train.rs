@@ -465,6 +465,7 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
             _ => 0.0,
         },
         entropy_coef: cfg.entropy_coef,
+        use_bias_correction_kl: cfg.use_bias_correction_kl,
     };
     let adv_opts = AdvantageOptions {
         scale: cfg.scale_rewards,
