@@ -144,3 +144,48 @@ fn bad_input_gives_a_clear_error_and_exit_code() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("--dtype"), "{}", stderr(&o));
 }
+
+#[test]
+fn config_print_lists_every_key_and_bad_configs_name_the_key() {
+    let o = grpo(&["config", "--print"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    for key in [
+        "num_generations",
+        "beta",
+        "loss_type",
+        "scale_rewards",
+        "learning_rate",
+        "task.train_size",
+    ] {
+        assert!(out.contains(key), "{key} missing from:\n{out}");
+    }
+    let o = grpo(&[
+        "config",
+        "--resolve",
+        "--num_generations=4",
+        "--per_device_train_batch_size=8",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("num_generations = 4"));
+
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("run.toml");
+    std::fs::write(&cfg, "num_generation = 4\n").unwrap();
+    let o = grpo(&["train", "--config", cfg.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(
+        e.contains("num_generation") && e.contains("did you mean `num_generations`"),
+        "{e}"
+    );
+    let o = grpo(&["train", "--num_generations=3"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("whole groups"), "{}", stderr(&o));
+    let o = grpo(&[
+        "train",
+        "--config",
+        dir.path().join("missing.toml").to_str().unwrap(),
+    ]);
+    assert!(stderr(&o).contains("missing.toml"), "{}", stderr(&o));
+}

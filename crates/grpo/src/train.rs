@@ -290,6 +290,11 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
         tracing::warn!("config key `{k}` is accepted for TRL compatibility and ignored");
     }
     let device = Device::Cpu;
+    if cfg.dtype != crate::config::DTypeOpt::F32 {
+        tracing::warn!(
+            "dtype = bf16 is not used by training yet: sampling, reference and training run in f32"
+        );
+    }
     let out_dir = cfg.output_dir.clone();
     std::fs::create_dir_all(&out_dir)
         .map_err(|e| Error::io(format!("cannot create output_dir {}", out_dir.display()), e))?;
