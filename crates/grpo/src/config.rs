@@ -743,7 +743,7 @@ impl TrainConfig {
         let epsilon = v.f64("epsilon")?;
         let epsilon_high = v.opt_f64("epsilon_high")?.unwrap_or(epsilon);
         for (k, x) in [("epsilon", epsilon), ("epsilon_high", epsilon_high)] {
-            if !(x >= 0.0) {
+            if x.is_nan() || x < 0.0 {
                 return bad(k, format!("must be >= 0, got {x}"));
             }
         }

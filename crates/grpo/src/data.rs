@@ -10,6 +10,9 @@ use serde_json::{Map, Value};
 use crate::tokenizer::{ChatMessage, Tokenizer};
 use crate::{Error, Result};
 
+/// Raw rows of a file: (line number, the row's fields or why it is unusable).
+type RawRows = Vec<(usize, std::result::Result<Map<String, Value>, String>)>;
+
 /// A prompt: plain text (sent as one user message when the model has a chat template) or a
 /// conversation.
 #[derive(Debug, Clone, PartialEq)]
@@ -138,7 +141,7 @@ pub fn load_examples(path: &Path, fields: &DataFields) -> Result<Loaded> {
         .unwrap_or("")
         .to_ascii_lowercase();
     let name = path.display().to_string();
-    let rows: Vec<(usize, std::result::Result<Map<String, Value>, String>)> = match ext.as_str() {
+    let rows: RawRows = match ext.as_str() {
         "jsonl" | "json" | "ndjson" => {
             let text = std::fs::read_to_string(path)
                 .map_err(|e| Error::file(path, format!("cannot read: {e}")))?;
@@ -208,9 +211,7 @@ pub fn load_examples(path: &Path, fields: &DataFields) -> Result<Loaded> {
 }
 
 /// Parquet support is not built yet; the error says what to use instead.
-fn parquet_rows(
-    path: &Path,
-) -> Result<Vec<(usize, std::result::Result<Map<String, Value>, String>)>> {
+fn parquet_rows(path: &Path) -> Result<RawRows> {
     Err(Error::file(path, "Parquet files are not supported yet: convert to JSONL (e.g. pandas.read_parquet(f).to_json(out, orient='records', lines=True))"))
 }
 

@@ -24,30 +24,15 @@ pub fn token_logprobs(
     temperature: f64,
     chunk_rows: usize,
 ) -> Result<Tensor> {
-    let n = hidden.dim(0)?;
-    let t = if temperature > 0.0 { temperature } else { 1.0 };
-    let chunk = chunk_rows.max(1);
-    let w_t = lm_head.t()?; // [H, V]
-    let mut parts = Vec::with_capacity(n.div_ceil(chunk));
-    let mut start = 0;
-    while start < n {
-        let len = chunk.min(n - start);
-        let h = hidden.narrow(0, start, len)?; // [c, H]
-        let y = targets.narrow(0, start, len)?; // [c]
-        let logits = h.matmul(&w_t)?;
-        let logits = (logits.to_dtype(reduce_dtype(logits.dtype()))? / t)?; // [c, V] f32 (f64 stays)
-        let max = logits.max_keepdim(D::Minus1)?.detach(); // [c, 1]
-        let lse = (logits
-            .broadcast_sub(&max)?
-            .exp()?
-            .sum_keepdim(D::Minus1)?
-            .log()?
-            + &max)?; // [c, 1]
-        let picked = logits.gather(&y.unsqueeze(1)?, 1)?; // [c, 1]
-        parts.push((picked - lse)?.squeeze(1)?); // [c]
-        start += len;
-    }
-    Ok(Tensor::cat(&parts, 0)?)
+    let (lp, _) = token_logprobs_entropy(
+        hidden,
+        lm_head,
+        targets,
+        temperature,
+        chunk_rows,
+        Entropy::Skip,
+    )?;
+    Ok(lp)
 }
 
 /// Log-prob of every next token of `batch`: entry `[b, t]` is `log p(ids[b, t+1] | ids[b, ..=t])`.
@@ -94,12 +79,6 @@ pub fn token_logprobs_entropy(
     chunk_rows: usize,
     entropy: Entropy,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    if entropy == Entropy::Skip {
-        return Ok((
-            token_logprobs(hidden, lm_head, targets, temperature, chunk_rows)?,
-            None,
-        ));
-    }
     let n = hidden.dim(0)?;
     let t = if temperature > 0.0 { temperature } else { 1.0 };
     let chunk = chunk_rows.max(1);
@@ -110,6 +89,7 @@ pub fn token_logprobs_entropy(
         let len = chunk.min(n - start);
         let h = hidden.narrow(0, start, len)?; // [c, H]
         let y = targets.narrow(0, start, len)?; // [c]
+        start += len;
         let logits = h.matmul(&w_t)?;
         let z = (logits.to_dtype(reduce_dtype(logits.dtype()))? / t)?; // [c, V] f32
         let max = z.max_keepdim(D::Minus1)?.detach(); // [c, 1]
@@ -119,6 +99,9 @@ pub fn token_logprobs_entropy(
         let lse_shifted = sum.log()?; // [c, 1]
         let picked = shifted.gather(&y.unsqueeze(1)?, 1)?; // [c, 1]
         lps.push((picked - &lse_shifted)?.squeeze(1)?);
+        if entropy == Entropy::Skip {
+            continue;
+        }
         // H = lse - sum(p z) = log(sum e) - sum(e * shifted) / sum(e)   (shift-invariant)
         let (e, shifted, sum, lse_shifted) = match entropy {
             Entropy::WithGrad => (e, shifted, sum, lse_shifted),
@@ -131,9 +114,13 @@ pub fn token_logprobs_entropy(
         };
         let pz = ((e * shifted)?.sum_keepdim(D::Minus1)? / sum)?; // [c, 1]
         ents.push((lse_shifted - pz)?.squeeze(1)?);
-        start += len;
     }
-    Ok((Tensor::cat(&lps, 0)?, Some(Tensor::cat(&ents, 0)?)))
+    let ents = if entropy == Entropy::Skip {
+        None
+    } else {
+        Some(Tensor::cat(&ents, 0)?)
+    };
+    Ok((Tensor::cat(&lps, 0)?, ents))
 }
 
 /// Log-probs (and optionally entropies) of completion tokens, `[N, Tc]` right-padded with zeros.

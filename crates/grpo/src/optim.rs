@@ -345,7 +345,7 @@ mod tests {
         let mut opt2 = AdamW::new(vec![("w".into(), var2.clone())], cfg).unwrap();
         opt2.load_state(&state, 3).unwrap();
         let g = Tensor::new(&[0.1f32, 0.2, -0.3, 0.4, 0.0], &Device::Cpu).unwrap();
-        opt.step(&[g.clone()], 1e-2, 0.5).unwrap();
+        opt.step(std::slice::from_ref(&g), 1e-2, 0.5).unwrap();
         opt2.step(&[g], 1e-2, 0.5).unwrap();
         assert_eq!(
             var.to_vec1::<f32>().unwrap(),
