@@ -21,8 +21,9 @@ pub enum MatchMode {
 pub enum RewardFn {
     /// 1 if the completion's answer equals the example's, else 0; NaN without a reference answer.
     AnswerMatch { mode: MatchMode },
-    /// `value` if the whole completion is just an integer (optionally followed by a period).
-    IntegerOnly { value: f32 },
+    /// `value` if the whole completion is just an integer (optionally followed by a period);
+    /// with `only_if_correct`, only when that integer is also the right answer.
+    IntegerOnly { value: f32, only_if_correct: bool },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -51,8 +52,17 @@ impl Reward {
                     }
                 }
             },
-            RewardFn::IntegerOnly { value } => {
-                if is_integer_only(completion) {
+            RewardFn::IntegerOnly {
+                value,
+                only_if_correct,
+            } => {
+                let correct = || {
+                    example
+                        .answer
+                        .as_deref()
+                        .is_some_and(|a| last_number_matches(completion, a))
+                };
+                if is_integer_only(completion) && (!only_if_correct || correct()) {
                     *value
                 } else {
                     0.0
@@ -157,7 +167,8 @@ pub fn is_integer_only(text: &str) -> bool {
 }
 
 /// The built-in task's rewards: correctness of the last number, and a small bonus for answering
-/// with the number alone.
+/// with the right number alone. (An unconditional format bonus was hacked within 10 steps: the
+/// policy learned to print a bare, wrong integer for a sure 0.1 and stopped computing.)
 pub fn builtin_task_rewards() -> Vec<Reward> {
     vec![
         Reward {
@@ -169,7 +180,10 @@ pub fn builtin_task_rewards() -> Vec<Reward> {
         },
         Reward {
             name: "format".into(),
-            func: RewardFn::IntegerOnly { value: 0.1 },
+            func: RewardFn::IntegerOnly {
+                value: 0.1,
+                only_if_correct: true,
+            },
             weight: 1.0,
         },
     ]
@@ -187,7 +201,10 @@ pub fn peer_addition_rewards() -> Vec<Reward> {
         },
         Reward {
             name: "format".into(),
-            func: RewardFn::IntegerOnly { value: 0.1 },
+            func: RewardFn::IntegerOnly {
+                value: 0.1,
+                only_if_correct: false,
+            },
             weight: 1.0,
         },
     ]
@@ -208,7 +225,7 @@ pub fn parse_rewards(tables: &[Value]) -> Result<Vec<Reward>> {
             })?;
             let allowed: &[&str] = match kind {
                 "answer_match" => &["kind", "mode", "weight", "name"],
-                "integer_only" => &["kind", "value", "weight", "name"],
+                "integer_only" => &["kind", "value", "only_if_correct", "weight", "name"],
                 other => {
                     return Err(Error::config(
                         key("kind"),
@@ -250,8 +267,19 @@ pub fn parse_rewards(tables: &[Value]) -> Result<Vec<Reward>> {
                 };
                 RewardFn::AnswerMatch { mode }
             } else {
+                let only_if_correct = match obj.get("only_if_correct") {
+                    None => false,
+                    Some(Value::Bool(b)) => *b,
+                    Some(v) => {
+                        return Err(Error::config(
+                            key("only_if_correct"),
+                            format!("expected true or false, got {v}"),
+                        ))
+                    }
+                };
                 RewardFn::IntegerOnly {
                     value: num("value", 0.1)? as f32,
+                    only_if_correct,
                 }
             };
             let name = obj
@@ -335,6 +363,16 @@ mod tests {
         ] {
             assert_eq!(f.score(s, &ex(None)), if ok { 0.1 } else { 0.0 }, "{s:?}");
         }
+    }
+
+    #[test]
+    fn builtin_format_bonus_needs_the_right_answer() {
+        let f = &builtin_task_rewards()[1];
+        let e = ex(Some("122"));
+        assert_eq!(f.score("122", &e), 0.1);
+        assert_eq!(f.score("121", &e), 0.0);
+        assert_eq!(f.score("59 + 63 = 122", &e), 0.0);
+        assert_eq!(peer_addition_rewards()[1].score("121", &e), 0.1);
     }
 
     #[test]
