@@ -6,7 +6,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use candle_core::{DType, Device, Tensor, Var};
 use grpo::hub::ModelSource;
-use grpo::logprobs::{completion_logprobs, Entropy};
+use grpo::logprobs::{completion_logprobs, Entropy, Packing};
 use grpo::models::{CausalLm, Mode};
 
 fn main() -> anyhow::Result<()> {
@@ -17,6 +17,13 @@ fn main() -> anyhow::Result<()> {
     let n: usize = args.get(1).map_or(32, |s| s.parse().unwrap());
     let lp: usize = args.get(2).map_or(46, |s| s.parse().unwrap());
     let lc: usize = args.get(3).map_or(20, |s| s.parse().unwrap());
+    // Completions per prompt (rows sharing a prompt are packed) ; 1 = every row its own prompt.
+    let group: usize = args.get(4).map_or(1, |s| s.parse().unwrap());
+    let packing = if std::env::var("PER_ROW").is_ok() {
+        Packing::PerRow
+    } else {
+        Packing::SharedPrompt
+    };
     let dir = std::path::PathBuf::from("/opt/peers/smollm2-135m-instruct-f32");
     let m = grpo::weights::load_model(&ModelSource::HfDir(dir), DType::F32, &Device::Cpu)?;
     let vars: Vec<(String, Var)> = m
@@ -25,6 +32,7 @@ fn main() -> anyhow::Result<()> {
         .map(|(k, t)| (k.clone(), Var::from_tensor(t).unwrap()))
         .collect();
     let prompts: Vec<Vec<u32>> = (0..n)
+        .map(|i| i / group)
         .map(|i| {
             (0..lp)
                 .map(|j| ((i * 7 + j * 13) % 4000 + 10) as u32)
@@ -40,7 +48,11 @@ fn main() -> anyhow::Result<()> {
         .collect();
     let pr: Vec<&[u32]> = prompts.iter().map(|v| v.as_slice()).collect();
     let cr: Vec<&[u32]> = comps.iter().map(|v| v.as_slice()).collect();
-    for it in 0..3 {
+    let iters: usize = std::env::var("ITERS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3);
+    for it in 0..iters {
         let t0 = Instant::now();
         let tensors = vars
             .iter()
@@ -49,7 +61,16 @@ fn main() -> anyhow::Result<()> {
         let model = CausalLm::from_tensors(&m.config, tensors, DType::F32, &Device::Cpu)?;
         let t_build = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
-        let (lps, _) = completion_logprobs(&model, &pr, &cr, 2, 1.0, Mode::Train, Entropy::Skip)?;
+        let (lps, _) = completion_logprobs(
+            &model,
+            &pr,
+            &cr,
+            2,
+            1.0,
+            Mode::Train,
+            Entropy::Skip,
+            packing,
+        )?;
         let loss = lps.sum_all()?;
         let _ = loss.to_scalar::<f32>()?;
         let t_fwd = t1.elapsed().as_secs_f64();
@@ -57,7 +78,16 @@ fn main() -> anyhow::Result<()> {
         let g = loss.backward()?;
         let t_bwd = t2.elapsed().as_secs_f64();
         let t3 = Instant::now();
-        let (lps, _) = completion_logprobs(&model, &pr, &cr, 2, 1.0, Mode::Infer, Entropy::Skip)?;
+        let (lps, _) = completion_logprobs(
+            &model,
+            &pr,
+            &cr,
+            2,
+            1.0,
+            Mode::Infer,
+            Entropy::Skip,
+            packing,
+        )?;
         let _ = lps.sum_all()?.to_scalar::<f32>()?;
         let t_inf = t3.elapsed().as_secs_f64();
         let ng = vars.iter().filter(|(_, v)| g.get(v).is_some()).count();

@@ -140,6 +140,7 @@ pub struct TrainConfig {
     pub steps_per_generation: usize,
     // update
     pub per_device_train_batch_size: usize,
+    pub forward_chunk_tokens: usize,
     pub gradient_accumulation_steps: usize,
     pub num_iterations: usize,
     pub learning_rate: f64,
@@ -249,6 +250,7 @@ const KEYS: &[KeyDoc] = keys! {
     "update" {
         "per_device_train_batch_size": "int" = "8", "completions per micro-batch";
         "gradient_accumulation_steps": "int" = "1", "micro-batches per optimizer step";
+        "forward_chunk_tokens": "int" = "1024", "tokens per forward/backward pass: a micro-batch is split into chunks of whole groups (the math is unchanged; lower it to save memory, raise it for fewer, larger passes)";
         "num_iterations": "int" = "1", "updates per generation batch (mu in the paper); > 1 uses clipped ratios";
         "learning_rate": "float" = "1e-6", "AdamW learning rate";
         "adam_beta1": "float" = "0.9", "AdamW beta1";
@@ -688,6 +690,10 @@ impl TrainConfig {
         let bad = |k: &str, msg: String| Err(Error::config(k, msg));
         let per_device = v.usize("per_device_train_batch_size")?;
         let accum = v.usize("gradient_accumulation_steps")?;
+        let forward_chunk_tokens = v.usize("forward_chunk_tokens")?;
+        if forward_chunk_tokens == 0 {
+            return bad("forward_chunk_tokens", "must be at least 1".into());
+        }
         let g = v.usize("num_generations")?;
         if per_device == 0 {
             return bad("per_device_train_batch_size", "must be at least 1".into());
@@ -906,6 +912,7 @@ impl TrainConfig {
             generation_batch_size: gbs,
             steps_per_generation: spg,
             per_device_train_batch_size: per_device,
+            forward_chunk_tokens,
             gradient_accumulation_steps: accum,
             num_iterations,
             learning_rate: lr,

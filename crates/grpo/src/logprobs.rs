@@ -7,6 +7,7 @@
 
 use candle_core::{Tensor, D};
 
+use crate::models::fused;
 use crate::models::layers::reduce_dtype;
 
 use crate::models::{CausalLm, Mode, SeqBatch};
@@ -90,7 +91,17 @@ pub fn token_logprobs_entropy(
         let h = hidden.narrow(0, start, len)?; // [c, H]
         let y = targets.narrow(0, start, len)?; // [c]
         start += len;
-        let logits = h.matmul(&w_t)?;
+        let logits = h.matmul(&w_t)?; // [c, V]
+        if fused::applies(&logits) {
+            let both = fused::logprob_entropy(&logits, &y, t)?; // [c, 2]: log-prob, entropy
+            lps.push(both.narrow(1, 0, 1)?.squeeze(1)?);
+            match entropy {
+                Entropy::Skip => {}
+                Entropy::Detached => ents.push(both.narrow(1, 1, 1)?.squeeze(1)?.detach()),
+                Entropy::WithGrad => ents.push(both.narrow(1, 1, 1)?.squeeze(1)?),
+            }
+            continue;
+        }
         let z = (logits.to_dtype(reduce_dtype(logits.dtype()))? / t)?; // [c, V] f32
         let max = z.max_keepdim(D::Minus1)?.detach(); // [c, 1]
         let shifted = z.broadcast_sub(&max)?;
@@ -123,9 +134,73 @@ pub fn token_logprobs_entropy(
     Ok((Tensor::cat(&lps, 0)?, ents))
 }
 
+/// Splits rows (`prompts[i] ++ completions[i]`, consecutive rows of a group sharing their prompt)
+/// into consecutive ranges whose packed length (each group's prompt once, plus its completions) is
+/// at most `budget` tokens. Whole groups stay together when they fit; a group longer than the
+/// budget is split between completions (its prompt then counts in each part). A single row longer
+/// than the budget gets a range of its own.
+pub fn forward_chunks(
+    prompts: &[&[u32]],
+    completions: &[&[u32]],
+    budget: usize,
+) -> Vec<std::ops::Range<usize>> {
+    let n = prompts.len().min(completions.len());
+    let mut out: Vec<std::ops::Range<usize>> = Vec::new();
+    let (mut start, mut used) = (0, 0);
+    let mut g = 0;
+    while g < n {
+        let mut end = g + 1;
+        while end < n && prompts[end] == prompts[g] {
+            end += 1;
+        }
+        let lp = prompts[g].len();
+        let group: usize = lp + (g..end).map(|i| completions[i].len()).sum::<usize>();
+        if used + group <= budget {
+            used += group;
+        } else {
+            if start < g {
+                out.push(start..g);
+            }
+            start = g;
+            used = 0;
+            if group <= budget {
+                used = group;
+            } else {
+                // Completion by completion, the prompt counted once per part.
+                for (i, comp) in completions.iter().enumerate().take(end).skip(g) {
+                    let c = comp.len();
+                    if used > 0 && used + c > budget {
+                        out.push(start..i);
+                        start = i;
+                        used = 0;
+                    }
+                    used += if used == 0 { lp + c } else { c };
+                }
+            }
+        }
+        g = end;
+    }
+    if start < n {
+        out.push(start..n);
+    }
+    out
+}
+
+/// How [`completion_logprobs`] lays rows out for the forward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Packing {
+    /// Consecutive rows with the same prompt (a group) share one sequence: the prompt once, then
+    /// each completion behind it with a mask that keeps completions apart. The prompt is computed
+    /// once per group instead of once per completion, and there is no padding inside a group.
+    SharedPrompt,
+    /// One right-padded sequence per row (`prompt ++ completion`).
+    PerRow,
+}
+
 /// Log-probs (and optionally entropies) of completion tokens, `[N, Tc]` right-padded with zeros.
 /// Row `i` is `prompts[i] ++ completions[i]`; the LM head is applied only at the positions that
 /// predict completion tokens, so no logits are computed for prompt or padding positions.
+#[allow(clippy::too_many_arguments)]
 pub fn completion_logprobs(
     model: &CausalLm,
     prompts: &[&[u32]],
@@ -134,26 +209,57 @@ pub fn completion_logprobs(
     temperature: f64,
     mode: Mode,
     entropy: Entropy,
+    packing: Packing,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let n = prompts.len();
     let tc = completions.iter().map(|c| c.len()).max().unwrap_or(0);
-    let seqs: Vec<Vec<u32>> = prompts
-        .iter()
-        .zip(completions)
-        .map(|(p, c)| [*p, *c].concat())
-        .collect();
-    let dev = model.device().clone();
-    let batch = SeqBatch::right_padded(&seqs, pad_id, &dev)?;
-    let (_, t) = batch.dims();
-    // Row of the flattened hidden states that predicts each completion token, and the scatter
-    // index back into [N, Tc] (padding slots point at an extra zero entry, M).
-    let mut rows = Vec::new();
-    let mut targets = Vec::new();
-    for (i, (p, c)) in prompts.iter().zip(completions).enumerate() {
-        for (j, &tok) in c.iter().enumerate() {
-            rows.push((i * t + p.len() - 1 + j) as u32);
-            targets.push(tok);
+    // Packs: runs of consecutive rows with the same prompt (or single rows).
+    let mut packs: Vec<std::ops::Range<usize>> = Vec::new();
+    for i in 0..n {
+        match packs.last_mut() {
+            Some(r) if packing == Packing::SharedPrompt && prompts[r.start] == prompts[i] => {
+                r.end = i + 1
+            }
+            _ => packs.push(i..i + 1),
         }
+    }
+    let t = packs
+        .iter()
+        .map(|r| prompts[r.start].len() + r.clone().map(|i| completions[i].len()).sum::<usize>())
+        .max()
+        .unwrap_or(0);
+    let (mut ids, mut pos, mut seg) = (Vec::new(), Vec::new(), Vec::new());
+    // Row of the flattened [packs * T] hidden states that predicts each completion token, in
+    // row-major completion order, and each completion token's target.
+    let (mut rows, mut targets) = (Vec::new(), Vec::new());
+    for (b, r) in packs.iter().enumerate() {
+        let p = prompts[r.start];
+        let lp = p.len();
+        if lp == 0 {
+            return Err(crate::Error::Generate(
+                "a completion needs a non-empty prompt".into(),
+            ));
+        }
+        let (mut i_row, mut p_row, mut s_row) = (
+            p.to_vec(),
+            (0..lp as u32).collect::<Vec<_>>(),
+            vec![0u32; lp],
+        );
+        for (k, i) in r.clone().enumerate() {
+            let c = completions[i];
+            let off = i_row.len();
+            for (j, &tok) in c.iter().enumerate() {
+                let from = if j == 0 { lp - 1 } else { off + j - 1 };
+                rows.push((b * t + from) as u32);
+                targets.push(tok);
+            }
+            i_row.extend_from_slice(c);
+            p_row.extend((lp..lp + c.len()).map(|x| x as u32));
+            s_row.extend(std::iter::repeat_n(k as u32 + 1, c.len()));
+        }
+        ids.push(i_row);
+        pos.push(p_row);
+        seg.push(s_row);
     }
     let m = rows.len();
     let mut scatter = vec![m as u32; n * tc];
@@ -164,10 +270,12 @@ pub fn completion_logprobs(
             k += 1;
         }
     }
-    let hidden = model.forward_hidden(&batch, mode)?; // [N, T, H]
+    let dev = model.device().clone();
+    let batch = SeqBatch::prefix_shared(ids, pos, seg, pad_id, &dev)?;
+    let hidden = model.forward_hidden(&batch, mode)?; // [packs, T, H]
     let h = hidden.dim(2)?;
     let picked = hidden
-        .reshape((n * t, h))?
+        .reshape((packs.len() * t, h))?
         .index_select(&Tensor::from_vec(rows, m, &dev)?, 0)?; // [M, H]
     let targets = Tensor::from_vec(targets, m, &dev)?;
     let (lp, ent) = token_logprobs_entropy(
@@ -199,6 +307,25 @@ mod tests {
         let m = z.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
         let lse = z.iter().map(|x| (x - m).exp()).sum::<f32>().ln() + m;
         z[target] - lse
+    }
+
+    #[test]
+    fn forward_chunks_keep_groups_whole_and_respect_the_budget() {
+        let p1 = [1u32, 2, 3, 4];
+        let p2 = [5u32, 6];
+        let c: Vec<Vec<u32>> = [3, 2, 5, 1, 4, 4].iter().map(|&l| vec![9; l]).collect();
+        let prompts: Vec<&[u32]> = vec![&p1, &p1, &p1, &p2, &p2, &p2];
+        let comps: Vec<&[u32]> = c.iter().map(|v| v.as_slice()).collect();
+        // Groups cost 4+3+2+5 = 14 and 2+1+4+4 = 11.
+        assert_eq!(forward_chunks(&prompts, &comps, 100), vec![0..6]);
+        assert_eq!(forward_chunks(&prompts, &comps, 14), vec![0..3, 3..6]);
+        // A group over budget splits between completions: [4+3+2], [4+5], then group 2 whole.
+        assert_eq!(forward_chunks(&prompts, &comps, 11), vec![0..2, 2..3, 3..6]);
+        assert_eq!(
+            forward_chunks(&prompts, &comps, 1),
+            (0..6).map(|i| i..i + 1).collect::<Vec<_>>()
+        );
+        assert!(forward_chunks(&[], &[], 10).is_empty());
     }
 
     #[test]

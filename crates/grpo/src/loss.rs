@@ -42,6 +42,32 @@ pub struct Reduction {
     /// `dapo`: active completion tokens per accumulation window (TRL: tokens in the generation
     /// batch x accumulation steps / steps per generation).
     pub dapo_tokens: f64,
+    /// When the loss is computed on a part of a micro-batch (a forward chunk), the whole
+    /// micro-batch's sizes, so that the parts' losses sum to the micro-batch's. `None`: the
+    /// tensors given are the whole micro-batch.
+    pub micro: Option<MicroTotals>,
+}
+
+/// Sizes of a whole micro-batch, for the normalizers of its parts.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MicroTotals {
+    /// Completions in the micro-batch.
+    pub rows: usize,
+    /// Completion tokens that count in the loss.
+    pub active_tokens: f64,
+}
+
+impl Reduction {
+    /// Completions and active tokens of the micro-batch that `mask` [N, T] belongs to.
+    fn totals(&self, mask: &Tensor) -> Result<MicroTotals> {
+        Ok(match self.micro {
+            Some(t) => t,
+            None => MicroTotals {
+                rows: mask.dim(0)?,
+                active_tokens: mask.sum_all()?.to_scalar::<f32>()? as f64,
+            },
+        })
+    }
 }
 
 /// The loss of a micro-batch and its detached statistics.
@@ -130,20 +156,16 @@ pub fn reduce(
 ) -> Result<Tensor> {
     let masked = (per_token * mask)?; // [N, T]
     let accum = r.accumulation_steps.max(1) as f64;
+    let micro = r.totals(mask)?;
+    let rows = micro.rows.max(1) as f64;
     Ok(match loss_type {
         LossType::Grpo => {
             let per_seq =
                 (masked.sum(D::Minus1)? / mask.sum(D::Minus1)?.clamp(1.0, f64::INFINITY)?)?; // [N]
-            (per_seq.mean_all()? / accum)?
+            (per_seq.sum_all()? / (rows * accum))?
         }
-        LossType::Bnpo => {
-            let den = mask.sum_all()?.clamp(1.0, f64::INFINITY)?;
-            (masked.sum_all()?.div(&den)? / accum)?
-        }
-        LossType::DrGrpo => {
-            let n = per_token.dim(0)? as f64;
-            (masked.sum_all()? / (n * r.max_completion_length as f64 * accum))?
-        }
+        LossType::Bnpo => (masked.sum_all()? / (micro.active_tokens.max(1.0) * accum))?,
+        LossType::DrGrpo => (masked.sum_all()? / (rows * r.max_completion_length as f64 * accum))?,
         LossType::Dapo => (masked.sum_all()? / r.dapo_tokens.max(1.0))?,
     })
 }
@@ -215,8 +237,8 @@ pub fn grpo_loss(inp: &LossInputs, opts: &LossOptions, red: &Reduction) -> Resul
         entropy = Some(masked_mean(ent, inp.mask)?);
         if opts.entropy_coef != 0.0 {
             let accum = red.accumulation_steps.max(1) as f64;
-            let den = inp.mask.sum_all()?.clamp(1.0, f64::INFINITY)?;
-            let mean_ent = ((ent * inp.mask)?.sum_all()?.div(&den)? / accum)?;
+            let den = red.totals(inp.mask)?.active_tokens.max(1.0);
+            let mean_ent = ((ent * inp.mask)?.sum_all()? / (den * accum))?;
             loss = (loss - (mean_ent * opts.entropy_coef)?)?;
         }
     }
@@ -351,6 +373,7 @@ mod tests {
             accumulation_steps: 2,
             max_completion_length: 6,
             dapo_tokens: 13.0,
+            micro: None,
         };
         for lt in [
             LossType::Grpo,
@@ -405,6 +428,77 @@ mod tests {
     }
 
     #[test]
+    fn parts_with_micro_totals_sum_to_the_whole_micro_batch() {
+        let logp = [
+            [-1.0f32, -0.5, -2.0],
+            [-0.3, -1.2, -0.7],
+            [-2.2, -0.9, -0.4],
+        ];
+        let old = [
+            [-1.3f32, -0.5, -1.5],
+            [-0.3, -0.9, -0.7],
+            [-2.0, -1.1, -0.4],
+        ];
+        let refp = [
+            [-1.1f32, -0.6, -2.5],
+            [-0.2, -1.0, -0.9],
+            [-2.1, -1.0, -0.3],
+        ];
+        let ent = [[1.0f32, 2.0, 0.5], [0.3, 0.2, 0.1], [2.0, 1.5, 1.0]];
+        let mask = [[1.0f32, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0]];
+        let adv = [0.8f32, -1.1, 0.3];
+        let dev = Device::Cpu;
+        let rows = |x: &[[f32; 3]], r: std::ops::Range<usize>| {
+            let n = r.len();
+            Tensor::from_vec(x[r].concat(), (n, 3), &dev).unwrap()
+        };
+        for lt in [
+            LossType::Grpo,
+            LossType::Bnpo,
+            LossType::DrGrpo,
+            LossType::Dapo,
+        ] {
+            let mut o = opts(lt, IsLevel::Sequence, 0.04);
+            o.entropy_coef = 0.01;
+            let loss_of = |r: std::ops::Range<usize>, micro| {
+                let (lp, oldt, reft) = (
+                    rows(&logp, r.clone()),
+                    rows(&old, r.clone()),
+                    rows(&refp, r.clone()),
+                );
+                let (mt, et) = (rows(&mask, r.clone()), rows(&ent, r.clone()));
+                let advt = Tensor::new(&adv[r], &dev).unwrap();
+                let red = Reduction {
+                    accumulation_steps: 2,
+                    max_completion_length: 3,
+                    dapo_tokens: 11.0,
+                    micro,
+                };
+                let inp = LossInputs {
+                    logps: &lp,
+                    old_logps: Some(&oldt),
+                    ref_logps: Some(&reft),
+                    advantages: &advt,
+                    mask: &mt,
+                    entropies: Some(&et),
+                };
+                grpo_loss(&inp, &o, &red)
+                    .unwrap()
+                    .loss
+                    .to_scalar::<f32>()
+                    .unwrap()
+            };
+            let whole = loss_of(0..3, None);
+            let totals = Some(MicroTotals {
+                rows: 3,
+                active_tokens: 6.0,
+            });
+            let parts = loss_of(0..1, totals) + loss_of(1..3, totals);
+            assert!((whole - parts).abs() < 1e-6, "{lt:?}: {whole} vs {parts}");
+        }
+    }
+
+    #[test]
     fn on_policy_ratio_is_one_and_gradient_is_advantage_weighted() {
         // With old = current (detached), the loss is -mean(A) per token and d/dlogp = -A / norm.
         let lp = Var::new(&[[-1.0f32, -2.0], [-0.5, -0.25]], &Device::Cpu).unwrap();
@@ -414,6 +508,7 @@ mod tests {
             accumulation_steps: 1,
             max_completion_length: 2,
             dapo_tokens: 3.0,
+            micro: None,
         };
         let out = grpo_loss(
             &LossInputs {

@@ -20,8 +20,8 @@ use crate::checkpoint::{self, CheckpointData, HfExport};
 use crate::config::{KlMode, TrainConfig};
 use crate::data::{self, Example, PromptOrder};
 use crate::hub::{self, ModelSource};
-use crate::logprobs::{completion_logprobs, Entropy};
-use crate::loss::{grpo_loss, AdaptiveKl, LossInputs, LossOptions, Reduction};
+use crate::logprobs::{completion_logprobs, forward_chunks, Entropy, Packing};
+use crate::loss::{grpo_loss, AdaptiveKl, LossInputs, LossOptions, MicroTotals, Reduction};
 use crate::metrics::MetricsWriter;
 use crate::models::{CausalLm, Mode, ModelConfig};
 use crate::optim::{clip_factor, lr_lambda, AdamW, AdamWConfig};
@@ -152,28 +152,30 @@ impl Policy {
     }
 }
 
-/// Per-token log-probs `[N][len]` of `episodes` under `model`, without a graph.
+/// Per-token log-probs `[N][len]` of `rows` (prompt, completion) under `model`, without a graph,
+/// in packed forward chunks of at most `chunk_tokens` tokens.
 fn logprobs_of(
     model: &CausalLm,
     rows: &[(&[u32], &[u32])],
     pad: u32,
     temperature: f64,
-    chunk: usize,
+    chunk_tokens: usize,
 ) -> Result<Vec<Vec<f32>>> {
+    let prompts: Vec<&[u32]> = rows.iter().map(|r| r.0).collect();
+    let comps: Vec<&[u32]> = rows.iter().map(|r| r.1).collect();
     let mut out = Vec::with_capacity(rows.len());
-    for part in rows.chunks(chunk.max(1)) {
-        let prompts: Vec<&[u32]> = part.iter().map(|r| r.0).collect();
-        let comps: Vec<&[u32]> = part.iter().map(|r| r.1).collect();
+    for part in forward_chunks(&prompts, &comps, chunk_tokens) {
         let (lp, _) = completion_logprobs(
             model,
-            &prompts,
-            &comps,
+            &prompts[part.clone()],
+            &comps[part.clone()],
             pad,
             temperature,
             Mode::Infer,
             Entropy::Skip,
-        )?;
-        let lens: Vec<usize> = comps.iter().map(|c| c.len()).collect();
+            Packing::SharedPrompt,
+        )?; // [n, Tc]
+        let lens: Vec<usize> = comps[part].iter().map(|c| c.len()).collect();
         out.extend(rollout::unpad_rows(&lp, &lens)?);
     }
     Ok(out)
@@ -568,7 +570,7 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
                 &pairs,
                 pad,
                 cfg.temperature,
-                cfg.per_device_train_batch_size,
+                cfg.forward_chunk_tokens,
             )?)
         } else {
             None
@@ -580,7 +582,7 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
                 &pairs,
                 pad,
                 cfg.temperature,
-                cfg.per_device_train_batch_size,
+                cfg.forward_chunk_tokens,
             )?),
             None => None,
         };
@@ -647,6 +649,7 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
             accumulation_steps: accum,
             max_completion_length: cfg.max_completion_length,
             dapo_tokens,
+            micro: None,
         };
         let mut step_stats: Vec<StepStats> = Vec::new();
         // Micro-batches of `mb` rows in order; `accum` of them make one optimizer step.
@@ -1028,52 +1031,70 @@ fn optimizer_step(
     };
     let k = window.len() as f64;
     for range in window {
-        let mb = batch.micro(range.clone(), &policy.device)?;
-        let (logps, ents) = completion_logprobs(
-            &model,
-            &mb.prompts,
-            &mb.completions,
-            pad,
-            cfg.temperature,
-            Mode::Train,
-            entropy_mode,
-        )?; // [N, Tc] f32
-        let out = grpo_loss(
-            &LossInputs {
-                logps: &logps,
-                old_logps: mb.old_logps.as_ref(),
-                ref_logps: mb.ref_logps.as_ref(),
-                advantages: &mb.advantages,
-                mask: &mb.mask,
-                entropies: ents.as_ref(),
-            },
-            loss_opts,
-            red,
-        )?;
-        let loss_v = out.loss.to_scalar::<f32>()? as f64;
-        st.loss += loss_v;
-        st.policy_loss += out.policy_loss as f64;
-        st.kl += out.kl as f64 / k;
-        st.entropy += out.entropy.unwrap_or(f32::NAN) as f64 / k;
-        st.clip_low += out.clip_low as f64 / k;
-        st.clip_high += out.clip_high as f64 / k;
-        st.clip_region += out.clip_region as f64 / k;
-        let active = mb.mask.sum_all()?.to_scalar::<f32>()? as f64;
-        st.mean_logp += (logps.detach() * &mb.mask)?.sum_all()?.to_scalar::<f32>()? as f64
-            / active.max(1.0)
-            / k;
-        let g = out.loss.backward()?;
-        for (i, v) in policy.vars.iter().enumerate() {
-            let Some(gi) = g.get(v) else {
-                return Err(Error::Generate(format!(
-                    "invariant: parameter {} received no gradient (a forward op without backward?)",
-                    policy.names[i]
-                )));
-            };
-            grads[i] = Some(match grads[i].take() {
-                Some(acc) => (acc + gi)?,
-                None => gi.clone(),
-            });
+        let whole = batch.micro(range.clone(), &policy.device)?;
+        let totals = MicroTotals {
+            rows: range.len(),
+            active_tokens: whole.mask.sum_all()?.to_scalar::<f32>()? as f64,
+        };
+        let red = Reduction {
+            micro: Some(totals),
+            ..*red
+        };
+        // Token-weighted means of this micro-batch's chunk statistics.
+        let w_of = |mask: &Tensor| -> Result<f64> {
+            Ok(mask.sum_all()?.to_scalar::<f32>()? as f64 / totals.active_tokens.max(1.0) / k)
+        };
+        let chunks = forward_chunks(&whole.prompts, &whole.completions, cfg.forward_chunk_tokens);
+        for part in chunks {
+            let part = range.start + part.start..range.start + part.end;
+            let mb = batch.micro(part, &policy.device)?;
+            let (logps, ents) = completion_logprobs(
+                &model,
+                &mb.prompts,
+                &mb.completions,
+                pad,
+                cfg.temperature,
+                Mode::Train,
+                entropy_mode,
+                Packing::SharedPrompt,
+            )?; // [n, Tc] f32
+            let out = grpo_loss(
+                &LossInputs {
+                    logps: &logps,
+                    old_logps: mb.old_logps.as_ref(),
+                    ref_logps: mb.ref_logps.as_ref(),
+                    advantages: &mb.advantages,
+                    mask: &mb.mask,
+                    entropies: ents.as_ref(),
+                },
+                loss_opts,
+                &red,
+            )?;
+            let w = w_of(&mb.mask)?;
+            st.loss += out.loss.to_scalar::<f32>()? as f64;
+            st.policy_loss += out.policy_loss as f64;
+            st.kl += out.kl as f64 * w;
+            st.entropy += out.entropy.unwrap_or(f32::NAN) as f64 * w;
+            st.clip_low += out.clip_low as f64 * w;
+            st.clip_high += out.clip_high as f64 * w;
+            st.clip_region += out.clip_region as f64 * w;
+            let active = mb.mask.sum_all()?.to_scalar::<f32>()? as f64;
+            st.mean_logp += (logps.detach() * &mb.mask)?.sum_all()?.to_scalar::<f32>()? as f64
+                / active.max(1.0)
+                * w;
+            let g = out.loss.backward()?;
+            for (i, v) in policy.vars.iter().enumerate() {
+                let Some(gi) = g.get(v) else {
+                    return Err(Error::Generate(format!(
+                        "invariant: parameter {} received no gradient (a forward op without backward?)",
+                        policy.names[i]
+                    )));
+                };
+                grads[i] = Some(match grads[i].take() {
+                    Some(acc) => (acc + gi)?,
+                    None => gi.clone(),
+                });
+            }
         }
     }
     let grads: Vec<Tensor> = grads.into_iter().flatten().collect();

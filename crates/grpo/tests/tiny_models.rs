@@ -354,3 +354,73 @@ fn gradients_match_finite_differences() {
         }
     }
 }
+
+#[test]
+fn shared_prompt_packing_equals_one_row_per_completion() {
+    use grpo::logprobs::{completion_logprobs, Entropy, Packing};
+    let p1 = vec![5u32, 17, 33, 2, 90];
+    let p2 = vec![7u32, 8];
+    let comps: Vec<Vec<u32>> = vec![
+        vec![4, 9, 1],
+        vec![12],
+        vec![3, 3, 3, 3, 8],
+        vec![6, 2],
+        vec![40, 41, 42],
+    ];
+    let prompts: Vec<&[u32]> = vec![&p1, &p1, &p1, &p2, &p2];
+    let cs: Vec<&[u32]> = comps.iter().map(|c| c.as_slice()).collect();
+    for name in ARCHS {
+        let (m, _) = load(name, DType::F32);
+        let (model, vars) = trainable(&m, DType::F32);
+        let run = |packing| {
+            let (lp, ent) = completion_logprobs(
+                &model,
+                &prompts,
+                &cs,
+                0,
+                0.7,
+                Mode::Train,
+                Entropy::WithGrad,
+                packing,
+            )
+            .unwrap();
+            let w = Tensor::arange(0f32, lp.elem_count() as f32, &Device::Cpu)
+                .unwrap()
+                .reshape(lp.dims())
+                .unwrap();
+            let loss =
+                ((&lp * &w).unwrap().sum_all().unwrap() + ent.unwrap().sum_all().unwrap()).unwrap();
+            let grads = loss.backward().unwrap();
+            (lp.to_vec2::<f32>().unwrap(), grads)
+        };
+        let (packed, gp) = run(Packing::SharedPrompt);
+        let (rows, gr) = run(Packing::PerRow);
+        for (a, b) in packed.iter().zip(&rows) {
+            assert!(
+                max_diff(a, b) < 1e-5,
+                "{name}: log-probs differ: {a:?} vs {b:?}"
+            );
+        }
+        for (k, v) in &vars {
+            let a = gp
+                .get(v)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            let b = gr
+                .get(v)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            let scale = b.iter().fold(1e-3f32, |m, x| m.max(x.abs()));
+            assert!(
+                max_diff(&a, &b) < 1e-4 * scale,
+                "{name}: gradient of {k} differs"
+            );
+        }
+    }
+}

@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use grpo::advantages::{combine_rewards, group_advantages, AdvantageOptions};
 use grpo::config::{IsLevel, LossType, LrSchedule, ScaleRewards};
 use grpo::hub::ModelSource;
-use grpo::logprobs::{completion_logprobs, Entropy};
+use grpo::logprobs::{completion_logprobs, Entropy, Packing};
 use grpo::loss::{grpo_loss, LossInputs, LossOptions, Reduction};
 use grpo::models::{CausalLm, Mode};
 use grpo::optim::{clip_factor, lr_lambda, AdamW, AdamWConfig};
@@ -108,8 +108,14 @@ fn loss_and_every_gradient_equal_trl() {
     let c_of: Vec<&[u32]> = comps.iter().map(|x| x.as_slice()).collect();
     let cases = c["cases"].as_array().unwrap();
     assert_eq!(cases.len(), 34);
-    for case in cases {
+    for (ci, case) in cases.iter().enumerate() {
         let name = case["name"].as_str().unwrap();
+        // Both layouts are pinned to TRL: groups packed behind one prompt, and one row each.
+        let packing = if ci % 2 == 0 {
+            Packing::SharedPrompt
+        } else {
+            Packing::PerRow
+        };
         let vars: HashMap<String, Var> = m
             .tensors
             .iter()
@@ -125,8 +131,17 @@ fn loss_and_every_gradient_equal_trl() {
         )
         .unwrap();
         let t = case["temperature"].as_f64().unwrap();
-        let (logps, _) =
-            completion_logprobs(&model, &p_of, &c_of, 0, t, Mode::Train, Entropy::Skip).unwrap();
+        let (logps, _) = completion_logprobs(
+            &model,
+            &p_of,
+            &c_of,
+            0,
+            t,
+            Mode::Train,
+            Entropy::Skip,
+            packing,
+        )
+        .unwrap();
         assert_eq!(logps.dims(), &[8, lc]);
         let mask = grid(&case["completion_mask"]);
         // Our forward equals transformers' at every completion token that counts. (TRL masks
@@ -167,6 +182,7 @@ fn loss_and_every_gradient_equal_trl() {
             accumulation_steps: 1,
             max_completion_length: lc,
             dapo_tokens: case["num_items_in_batch"].as_f64().unwrap(),
+            micro: None,
         };
         let out = grpo_loss(
             &LossInputs {

@@ -95,6 +95,11 @@ impl FusedLinear {
         })
     }
 
+    /// `x` [.., in] -> [.., sum of out_i], the parts side by side.
+    pub fn forward_joined(&self, x: &Tensor) -> Result<Tensor> {
+        self.inner.forward(x)
+    }
+
     /// `x` [.., in] -> one view [.., out_i] per part.
     pub fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
         let y = self.inner.forward(x)?;
@@ -177,6 +182,9 @@ impl RmsNorm {
         match mode {
             Mode::Infer => {
                 candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps as f32)
+            }
+            Mode::Train if super::fused::applies(x) => {
+                super::fused::rms_norm(x, &self.weight, self.eps)
             }
             Mode::Train => rms_norm_diff(x, &self.weight, self.eps),
         }
@@ -344,6 +352,23 @@ pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor, mode: Mode) -> Result<
     }
 }
 
+/// RoPE on `x` [B, T, H*D] (a narrow of the fused q/k/v projection), returning [B, H, T, D]
+/// contiguous: the fused kernel for f32 on the CPU, else a reshape, transpose and [`apply_rope`].
+pub fn rope_heads(
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    heads: usize,
+    mode: Mode,
+) -> Result<Tensor> {
+    if super::fused::applies(x) {
+        return super::fused::rope_heads(x, cos, sin, heads);
+    }
+    let (b, t, hd) = x.dims3()?;
+    let x = x.reshape((b, t, heads, hd / heads))?.transpose(1, 2)?; // [B, H, T, D]
+    apply_rope(&x, cos, sin, mode)
+}
+
 /// The dtype to do softmax-like reductions in: half types are upcast to f32, others kept.
 pub fn reduce_dtype(d: DType) -> DType {
     match d {
@@ -412,18 +437,23 @@ pub fn attention(
     // Query heads h = j*g + i all read kv head j: fold the group into the query axis.
     let q = q.contiguous()?.reshape((b, hkv, g * s, d))?; // [B, Hkv, g*S, D]
     let k = matmul_operand(k)?;
-    let scores = (q.matmul(&k.t()?)? * scale)?; // [B, Hkv, g*S, Tk]
-    let scores = scores.to_dtype(reduce_dtype(scores.dtype()))?;
-    let mask = dense.to_dtype(scores.dtype())?;
-    let mask = if g == 1 {
-        mask
+    let probs = if super::fused::applies(&q) {
+        let raw = q.matmul(&k.t()?)?; // [B, Hkv, g*S, Tk]
+        super::fused::masked_softmax(&raw, &dense, scale, s)?
     } else {
-        mask.unsqueeze(2)?
-            .broadcast_as((b, 1, g, s, tk))?
-            .reshape((b, 1, g * s, tk))?
+        let scores = (q.matmul(&k.t()?)? * scale)?; // [B, Hkv, g*S, Tk]
+        let scores = scores.to_dtype(reduce_dtype(scores.dtype()))?;
+        let mask = dense.to_dtype(scores.dtype())?;
+        let mask = if g == 1 {
+            mask
+        } else {
+            mask.unsqueeze(2)?
+                .broadcast_as((b, 1, g, s, tk))?
+                .reshape((b, 1, g * s, tk))?
+        };
+        let scores = scores.broadcast_add(&mask)?;
+        softmax(&scores, mode)?.to_dtype(v.dtype())?
     };
-    let scores = scores.broadcast_add(&mask)?;
-    let probs = softmax(&scores, mode)?.to_dtype(v.dtype())?;
     let out = probs.matmul(&matmul_operand(v)?)?; // [B, Hkv, g*S, D]
     out.reshape((b, h, s, d))?
         .transpose(1, 2)? // [B, S, H, D]

@@ -7,7 +7,7 @@ use candle_nn::VarBuilder;
 
 use super::config::ModelConfig;
 use super::layers::{
-    apply_rope, attention, linear, linear_parts, AttnMask, Embedding, FusedLinear, Linear, Mode,
+    attention, linear, linear_parts, rope_heads, AttnMask, Embedding, FusedLinear, Linear, Mode,
     RmsNorm, Rope,
 };
 use crate::kv_cache::KvCache;
@@ -68,21 +68,21 @@ impl Attention {
     ) -> Result<Tensor> {
         let (b, s, _) = x.dims3()?;
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let qkv = self.qkv_proj.forward(x)?;
-        let q = qkv[0].reshape((b, s, nh, hd))?; // [B, S, H, D]
-        let k = qkv[1].reshape((b, s, nkv, hd))?; // [B, S, Hkv, D]
-        let v = qkv[2].reshape((b, s, nkv, hd))?;
-        let q = match &self.q_norm {
-            Some(n) => n.forward(&q, mode)?,
-            None => q,
+        let qkv = self.qkv_proj.forward(x)?; // views [B, S, H*D], [B, S, Hkv*D] x 2
+        let normed = |t: &Tensor, n: &Option<RmsNorm>, heads: usize| -> Result<Tensor> {
+            match n {
+                Some(n) => {
+                    n.forward(&t.reshape((b, s, heads, hd))?, mode)?
+                        .reshape((b, s, heads * hd))
+                }
+                None => Ok(t.clone()),
+            }
         };
-        let k = match &self.k_norm {
-            Some(n) => n.forward(&k, mode)?,
-            None => k,
-        };
-        let q = apply_rope(&q.transpose(1, 2)?, cos, sin, mode)?; // [B, H, S, D]
-        let k = apply_rope(&k.transpose(1, 2)?, cos, sin, mode)?; // [B, Hkv, S, D]
-        let v = v.transpose(1, 2)?; // [B, Hkv, S, D]
+        let q = normed(&qkv[0], &self.q_norm, nh)?;
+        let k = normed(&qkv[1], &self.k_norm, nkv)?;
+        let q = rope_heads(&q, cos, sin, nh, mode)?; // [B, H, S, D]
+        let k = rope_heads(&k, cos, sin, nkv, mode)?; // [B, Hkv, S, D]
+        let v = qkv[2].reshape((b, s, nkv, hd))?.transpose(1, 2)?; // [B, Hkv, S, D]
         let (k, v) = match cache {
             Some((c, layer)) => c.append(layer, &k, &v)?, // [B, Hkv, Tk, D]
             None => (k, v),
@@ -112,6 +112,10 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if super::fused::applies(x) {
+            let gu = self.gate_up_proj.forward_joined(x)?; // [B, S, 2I]
+            return self.down_proj.forward(&super::fused::silu_mul(&gu)?);
+        }
         let gu = self.gate_up_proj.forward(x)?;
         self.down_proj.forward(&(gu[0].silu()? * &gu[1])?)
     }

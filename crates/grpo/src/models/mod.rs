@@ -8,6 +8,7 @@
 //! positions when training).
 
 pub mod config;
+pub mod fused;
 pub mod gpt2;
 pub mod layers;
 pub mod llama;
@@ -230,6 +231,69 @@ impl SeqBatch {
             ids: Tensor::from_vec(flat(ids), (b, t), device)?,
             positions: Tensor::from_vec(flat(positions), (b, t), device)?,
             mask,
+            valid,
+        })
+    }
+
+    /// Rows that each hold one shared prefix followed by several independent continuations
+    /// (a prompt and its group's completions): `segments[b][t]` is 0 for prefix tokens and
+    /// `i + 1` for continuation `i`. A token attends causally to the prefix and to the earlier
+    /// tokens of its own segment, never to another continuation, so each continuation sees exactly
+    /// what it would see alone behind the prefix (give it the positions it would have there).
+    /// Rows are right-padded with `pad_id`; padding queries attend only to slot 0.
+    pub fn prefix_shared(
+        ids: Vec<Vec<u32>>,
+        positions: Vec<Vec<u32>>,
+        segments: Vec<Vec<u32>>,
+        pad_id: u32,
+        device: &Device,
+    ) -> Result<Self> {
+        let b = ids.len();
+        let t = ids.iter().map(|r| r.len()).max().unwrap_or(0);
+        if b == 0 || t == 0 {
+            return Err(Error::Generate("empty batch".into()));
+        }
+        if positions.len() != b
+            || segments.len() != b
+            || ids
+                .iter()
+                .zip(positions.iter().zip(&segments))
+                .any(|(i, (p, s))| p.len() != i.len() || s.len() != i.len())
+        {
+            return Err(Error::Generate(
+                "ids, positions and segments must have the same shape".into(),
+            ));
+        }
+        let mut mask = vec![layers::MASK_VALUE; b * t * t];
+        for (bi, seg) in segments.iter().enumerate() {
+            let n = seg.len();
+            for q in 0..t {
+                let row = &mut mask[(bi * t + q) * t..(bi * t + q + 1) * t];
+                if q >= n {
+                    row[0] = 0.0;
+                    continue;
+                }
+                for k in 0..=q {
+                    if seg[k] == 0 || seg[k] == seg[q] {
+                        row[k] = 0.0;
+                    }
+                }
+            }
+        }
+        let pad = |mut r: Vec<u32>, v: u32| {
+            r.resize(t, v);
+            r
+        };
+        let valid = ids
+            .iter()
+            .map(|r| (0..t).map(|j| j < r.len()).collect())
+            .collect();
+        let ids: Vec<u32> = ids.into_iter().flat_map(|r| pad(r, pad_id)).collect();
+        let positions: Vec<u32> = positions.into_iter().flat_map(|r| pad(r, 0)).collect();
+        Ok(Self {
+            ids: Tensor::from_vec(ids, (b, t), device)?,
+            positions: Tensor::from_vec(positions, (b, t), device)?,
+            mask: Tensor::from_vec(mask, (b, 1, t, t), device)?,
             valid,
         })
     }
