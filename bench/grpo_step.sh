@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One GRPO step, grpo vs TRL GRPOTrainer, side by side in one run (same model, prompts, rewards,
 # 8 prompts x 4 generations x 64 tokens, beta 0.04, dapo, lr 2e-5, f32, 2 threads).
-#   bench/grpo_step.sh [STEPS]     # default 8 steps each; results in bench/results/grpo-step-<date>.*
+#   bench/grpo_step.sh [STEPS [PEER_STEPS]]   # default 8 steps each; results in bench/results/grpo-step-<date>.*
 # Needs ../shared/bench/peers/setup.sh once (venv, f32 SmolLM2). Run on a quiet machine.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 peers=${PEERS_SRC:-$root/../shared/bench/peers}
 PEERS_DIR=${PEERS_DIR:-/opt/peers}
 steps=${1:-8}
+peer_steps=${2:-$steps}
 stamp=$(date +%Y%m%d-%H%M%S)
 res="$root/bench/results"
 mkdir -p "$res"
@@ -25,14 +26,16 @@ python3 - "$res/grpo-step-$stamp.metrics.jsonl" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]
 med = lambda k: statistics.median(r[k] for r in rows)
+kl = [r["kl"] for r in rows]
 print(json.dumps({"bench": "grpo_step", "steps": len(rows), "s_per_step_median": med("time/step"),
                   "generate": med("time/generate"), "reference": med("time/reference"),
                   "update": med("time/update"),
                   "reward_first5": statistics.mean(r["rewards/correctness/mean"] for r in rows[:5]),
-                  "reward_last5": statistics.mean(r["rewards/correctness/mean"] for r in rows[-5:])}))
+                  "reward_last5": statistics.mean(r["rewards/correctness/mean"] for r in rows[-5:]),
+                  "kl_last5": statistics.mean(kl[-5:]), "elapsed_s": sum(r["time/step"] for r in rows)}))
 PY
 if [ -x "$PEERS_DIR/venv/bin/python" ]; then
-  /usr/bin/time -v "$PEERS_DIR/venv/bin/python" "$peers/trl_grpo_bench.py" --steps "$steps" --prompts 8 \
+  /usr/bin/time -v "$PEERS_DIR/venv/bin/python" "$peers/trl_grpo_bench.py" --steps "$peer_steps" --prompts 8 \
       --generations 4 --max-tokens 64 --seed 0 --lr 2e-5 --beta 0.04 \
       2> "$res/trl-step-$stamp.time" | tee "$res/trl-step-$stamp.jsonl" | tail -2
   grep "Maximum resident" "$res/trl-step-$stamp.time"

@@ -210,3 +210,46 @@ fn every_loss_type_and_kl_mode_trains() {
         );
     }
 }
+
+#[test]
+fn forward_chunks_leave_the_update_unchanged() {
+    // Splitting micro-batches into small forward chunks (here: a group split between chunks too)
+    // must give the same loss, statistics and gradient as one forward per micro-batch.
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    tiny_model(&model);
+    for (i, extra) in [
+        "loss_type = \"grpo\"\nbeta = 0.04\nentropy_coef = 0.01",
+        "loss_type = \"bnpo\"\nimportance_sampling_level = \"sequence\"",
+        "loss_type = \"dr_grpo\"",
+        "loss_type = \"dapo\"\nbeta = 0.04",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let run = |chunk: usize| {
+            let out_dir = tmp.path().join(format!("c{i}-{chunk}"));
+            let mut cfg = config(&model, &out_dir, extra);
+            cfg.max_steps = Some(1);
+            cfg.eval_steps = 0;
+            cfg.forward_chunk_tokens = chunk;
+            train(&cfg, &RunControl::default()).unwrap_or_else(|e| panic!("{extra}: {e}"));
+            metrics(&out_dir)
+                .into_iter()
+                .find(|l| l.get("loss").is_some())
+                .unwrap()
+        };
+        let (whole, chunked) = (run(100_000), run(12));
+        for key in ["loss", "grad_norm", "kl", "entropy", "mean_log_prob"] {
+            let (a, b) = (whole[key].as_f64(), chunked[key].as_f64());
+            let (Some(a), Some(b)) = (a, b) else {
+                assert_eq!(a, b, "{extra}: {key}");
+                continue;
+            };
+            assert!(
+                (a - b).abs() <= 1e-4 * a.abs().max(1e-3),
+                "{extra}: {key} {a} (one forward) vs {b} (chunked)"
+            );
+        }
+    }
+}
