@@ -401,21 +401,16 @@ fn shared_prompt_packing_equals_one_row_per_completion() {
                 "{name}: log-probs differ: {a:?} vs {b:?}"
             );
         }
+        let flat = |g: &candle_core::backprop::GradStore, v: &Var| {
+            g.get(v)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        };
         for (k, v) in &vars {
-            let a = gp
-                .get(v)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap();
-            let b = gr
-                .get(v)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap();
+            let (a, b) = (flat(&gp, v), flat(&gr, v));
             let scale = b.iter().fold(1e-3f32, |m, x| m.max(x.abs()));
             assert!(
                 max_diff(&a, &b) < 1e-4 * scale,

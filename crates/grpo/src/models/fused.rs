@@ -626,28 +626,21 @@ mod tests {
     use crate::models::layers::{apply_rope, rms_norm_diff, Mode};
     use candle_core::{Device, Var, D};
 
+    fn max_abs(t: &Tensor) -> f32 {
+        t.abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
     fn close(a: &Tensor, b: &Tensor, tol: f32) {
         assert_eq!(a.dims(), b.dims());
-        let d = (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
-        let s = b
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-            .max(1.0);
+        let d = max_abs(&(a - b).unwrap());
+        let s = max_abs(b).max(1.0);
         assert!(d <= tol * s, "max diff {d} (scale {s})");
     }
 
