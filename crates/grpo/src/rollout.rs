@@ -138,7 +138,12 @@ pub struct MicroBatch<'a> {
 impl TrainBatch {
     /// Completion tokens that count in the loss (TRL's `num_items_in_batch`).
     pub fn active_tokens(&self) -> usize {
-        self.rows
+        self.active_tokens_in(0..self.rows.len())
+    }
+
+    /// Active completion tokens of rows `range`.
+    pub fn active_tokens_in(&self, range: std::ops::Range<usize>) -> usize {
+        self.rows[range]
             .iter()
             .filter(|r| r.active)
             .map(|r| r.completion_ids.len())

@@ -1031,20 +1031,18 @@ fn optimizer_step(
     };
     let k = window.len() as f64;
     for range in window {
-        let whole = batch.micro(range.clone(), &policy.device)?;
         let totals = MicroTotals {
             rows: range.len(),
-            active_tokens: whole.mask.sum_all()?.to_scalar::<f32>()? as f64,
+            active_tokens: batch.active_tokens_in(range.clone()) as f64,
         };
         let red = Reduction {
             micro: Some(totals),
             ..*red
         };
-        // Token-weighted means of this micro-batch's chunk statistics.
-        let w_of = |mask: &Tensor| -> Result<f64> {
-            Ok(mask.sum_all()?.to_scalar::<f32>()? as f64 / totals.active_tokens.max(1.0) / k)
-        };
-        let chunks = forward_chunks(&whole.prompts, &whole.completions, cfg.forward_chunk_tokens);
+        let rows = &batch.rows[range.clone()];
+        let prompts: Vec<&[u32]> = rows.iter().map(|r| r.prompt_ids.as_slice()).collect();
+        let comps: Vec<&[u32]> = rows.iter().map(|r| r.completion_ids.as_slice()).collect();
+        let chunks = forward_chunks(&prompts, &comps, cfg.forward_chunk_tokens);
         for part in chunks {
             let part = range.start + part.start..range.start + part.end;
             let mb = batch.micro(part, &policy.device)?;
@@ -1070,7 +1068,10 @@ fn optimizer_step(
                 loss_opts,
                 &red,
             )?;
-            let w = w_of(&mb.mask)?;
+            // Chunk statistics are masked means; weight them by the chunk's share of the
+            // micro-batch's active tokens, and the micro-batch by 1/k.
+            let active = mb.mask.sum_all()?.to_scalar::<f32>()? as f64;
+            let w = active / totals.active_tokens.max(1.0) / k;
             st.loss += out.loss.to_scalar::<f32>()? as f64;
             st.policy_loss += out.policy_loss as f64;
             st.kl += out.kl as f64 * w;
@@ -1078,10 +1079,9 @@ fn optimizer_step(
             st.clip_low += out.clip_low as f64 * w;
             st.clip_high += out.clip_high as f64 * w;
             st.clip_region += out.clip_region as f64 * w;
-            let active = mb.mask.sum_all()?.to_scalar::<f32>()? as f64;
             st.mean_logp += (logps.detach() * &mb.mask)?.sum_all()?.to_scalar::<f32>()? as f64
-                / active.max(1.0)
-                * w;
+                / totals.active_tokens.max(1.0)
+                / k;
             let g = out.loss.backward()?;
             for (i, v) in policy.vars.iter().enumerate() {
                 let Some(gi) = g.get(v) else {

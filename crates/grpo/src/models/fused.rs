@@ -357,7 +357,9 @@ impl CustomOp1 for SiluMulOp {
             }
         });
         let mut dims = l.dims().to_vec();
-        *dims.last_mut().expect("rank >= 1") = i;
+        if let Some(last) = dims.last_mut() {
+            *last = i;
+        }
         Ok((CpuStorage::F32(out), Shape::from(dims)))
     }
 
