@@ -250,6 +250,55 @@ impl AdamW {
     }
 }
 
+/// `acc += g` in place for contiguous f32 tensors on the CPU, otherwise `acc + g` (a new tensor).
+/// Gradient accumulation over forward chunks: the in-place add keeps one accumulator per
+/// parameter instead of allocating a third model-sized buffer at every chunk.
+pub fn accumulate(acc: Tensor, g: &Tensor) -> Result<Tensor> {
+    struct AddAssign;
+    impl candle_core::InplaceOp2 for AddAssign {
+        fn name(&self) -> &'static str {
+            "add-assign"
+        }
+        fn cpu_fwd(
+            &self,
+            s1: &mut CpuStorage,
+            l1: &Layout,
+            s2: &CpuStorage,
+            l2: &Layout,
+        ) -> candle_core::Result<()> {
+            let (CpuStorage::F32(a), CpuStorage::F32(b)) = (s1, s2) else {
+                candle_core::bail!("add-assign: f32 only");
+            };
+            let (Some((a0, a1)), Some((b0, b1))) =
+                (l1.contiguous_offsets(), l2.contiguous_offsets())
+            else {
+                candle_core::bail!("add-assign: contiguous tensors only");
+            };
+            if a1 - a0 != b1 - b0 {
+                candle_core::bail!("add-assign: {} vs {} elements", a1 - a0, b1 - b0);
+            }
+            a[a0..a1]
+                .par_chunks_mut(1 << 16)
+                .zip(b[b0..b1].par_chunks(1 << 16))
+                .for_each(|(x, y)| x.iter_mut().zip(y).for_each(|(x, y)| *x += y));
+            Ok(())
+        }
+    }
+    let in_place = acc.device().is_cpu()
+        && acc.dtype() == candle_core::DType::F32
+        && g.dtype() == candle_core::DType::F32
+        && acc.is_contiguous()
+        && g.is_contiguous()
+        && acc.shape() == g.shape()
+        && !acc.track_op();
+    if in_place {
+        acc.inplace_op2(g, &AddAssign)?;
+        Ok(acc)
+    } else {
+        Ok((acc + g)?)
+    }
+}
+
 /// Global L2 norm of `grads` (as torch's `clip_grad_norm_` computes it) and the factor to scale
 /// them by so the norm is at most `max_norm` (1 when already below, or when `max_norm` <= 0).
 pub fn clip_factor(grads: &[Tensor], max_norm: f64) -> Result<(f64, f32)> {
@@ -350,6 +399,24 @@ mod tests {
         assert_eq!(
             var.to_vec1::<f32>().unwrap(),
             var2.to_vec1::<f32>().unwrap()
+        );
+    }
+
+    #[test]
+    fn accumulate_adds_in_place_and_falls_back_for_views() {
+        let dev = candle_core::Device::Cpu;
+        let a = Tensor::new(&[[1f32, 2.], [3., 4.]], &dev).unwrap();
+        let b = Tensor::new(&[[10f32, 20.], [30., 40.]], &dev).unwrap();
+        let sum = accumulate(a.copy().unwrap(), &b).unwrap();
+        assert_eq!(
+            sum.to_vec2::<f32>().unwrap(),
+            vec![vec![11., 22.], vec![33., 44.]]
+        );
+        // A transposed view is not added in place (that would add in the wrong order).
+        let sum = accumulate(a.t().unwrap(), &b).unwrap();
+        assert_eq!(
+            sum.to_vec2::<f32>().unwrap(),
+            vec![vec![11., 23.], vec![32., 44.]]
         );
     }
 

@@ -7,3 +7,29 @@ pub fn set_global_threads(n: usize) -> Result<(), rayon::ThreadPoolBuildError> {
         .num_threads(n.max(1))
         .build_global()
 }
+
+/// Resident memory of this process in GB: (current, peak so far), from `/proc/self/status`
+/// (`VmRSS`, `VmHWM`). `None` where that file does not exist (not Linux).
+pub fn rss_gb() -> Option<(f64, f64)> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb = |key: &str| -> Option<f64> {
+        let line = s.lines().find(|l| l.starts_with(key))?;
+        line[key.len()..]
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse::<f64>()
+            .ok()
+    };
+    Some((kb("VmRSS:")? / 1e6 * 1.024, kb("VmHWM:")? / 1e6 * 1.024))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn rss_is_positive_and_peak_at_least_current() {
+        if let Some((cur, peak)) = super::rss_gb() {
+            assert!(cur > 0.0 && peak >= cur, "rss {cur} peak {peak}");
+        }
+    }
+}

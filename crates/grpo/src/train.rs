@@ -23,6 +23,7 @@ use crate::hub::{self, ModelSource};
 use crate::logprobs::{completion_logprobs, forward_chunks, Entropy, Packing};
 use crate::loss::{grpo_loss, AdaptiveKl, LossInputs, LossOptions, MicroTotals, Reduction};
 use crate::metrics::MetricsWriter;
+use crate::models::grad_sink::GradSink;
 use crate::models::{CausalLm, Mode, ModelConfig};
 use crate::optim::{clip_factor, lr_lambda, AdamW, AdamWConfig};
 use crate::rewards::{self, Reward};
@@ -379,18 +380,22 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
 
     // The frozen reference: the base weights (never the resumed ones), only when a KL needs it.
     let needs_ref = !matches!(cfg.kl, KlMode::None);
-    let mut ref_tensors: Option<HashMap<String, Tensor>> = needs_ref.then(|| base.tensors.clone());
-    let mut ref_model = match &ref_tensors {
-        Some(t) => Some(CausalLm::from_tensors(
+    // Its HF-layout tensors are kept only when they are mixed with the policy's later
+    // (`sync_ref_model`); otherwise the built model's own layout is the only copy.
+    let mut ref_model = match needs_ref {
+        true => Some(CausalLm::from_tensors(
             &base.config,
-            t.clone(),
+            base.tensors.clone(),
             DType::F32,
             &device,
         )?),
-        None => None,
+        false => None,
     };
+    let mut ref_tensors: Option<HashMap<String, Tensor>> =
+        (needs_ref && cfg.sync_ref_model).then(|| base.tensors.clone());
     let eos_ids = base.eos_token_ids.clone();
     drop(base);
+    trace_memory("loading the policy, optimizer and reference");
 
     // Run state.
     let p = cfg.prompts_per_step();
@@ -551,6 +556,7 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
             &sampling,
         )?;
         let t_generate = t0.elapsed().as_secs_f64();
+        trace_memory("rollout");
 
         // 2. Score.
         let t0 = Instant::now();
@@ -587,6 +593,7 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
             None => None,
         };
         let t_reference = t0.elapsed().as_secs_f64();
+        trace_memory("old/reference log-probs");
 
         // 4. Rewards -> advantages (KL in the reward when so configured).
         let per_func: Vec<f32> = episodes
@@ -714,6 +721,7 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
             }
         }
         let t_update = t0.elapsed().as_secs_f64();
+        trace_memory("update");
         state.round += 1;
         rounds_this_run += 1;
 
@@ -846,6 +854,9 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
             gen_stats.generated_tokens as f64 / t_total.max(1e-9),
         );
         push(&mut m, "epoch", state.order.epoch() as f64);
+        if let Some((_, peak)) = crate::threads::rss_gb() {
+            push(&mut m, "memory/rss_peak_gb", peak);
+        }
 
         // 7. Periodic eval.
         if cfg.eval_steps > 0
@@ -947,6 +958,13 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
 }
 
 /// A console line above the progress bar (plain stderr when there is no terminal).
+/// Current and peak RSS at `phase`, at debug level (`--log-level debug`).
+fn trace_memory(phase: &str) {
+    if let Some((cur, peak)) = crate::threads::rss_gb() {
+        tracing::debug!("memory after {phase}: rss {cur:.2} GB, peak {peak:.2} GB");
+    }
+}
+
 fn say(bar: &indicatif::ProgressBar, line: impl AsRef<str>) {
     if bar.is_hidden() {
         eprintln!("{}", line.as_ref());
@@ -1023,7 +1041,12 @@ fn optimizer_step(
     pad: u32,
     entropy_mode: Entropy,
 ) -> Result<StepStats> {
-    let model = policy.build(true)?;
+    let mut model = policy.build(true)?;
+    // Projection weights' gradients go straight into accumulators (CPU, f32); the rest (embedding,
+    // norms, biases) through candle's autograd.
+    let sink = GradSink::new(&policy.vars);
+    model.attach_grad_sink(&sink)?;
+    trace_memory("building the training model");
     let mut grads: Vec<Option<Tensor>> = vec![None; policy.vars.len()];
     let mut st = StepStats {
         lr,
@@ -1082,22 +1105,34 @@ fn optimizer_step(
             st.mean_logp += (logps.detach() * &mb.mask)?.sum_all()?.to_scalar::<f32>()? as f64
                 / totals.active_tokens.max(1.0)
                 / k;
-            let g = out.loss.backward()?;
+            let mut g = out.loss.backward()?;
+            trace_memory("a chunk's backward");
+            // Take each gradient out of the store as it is added, so that at most one
+            // parameter's chunk gradient is alive beside the accumulators. Every stored gradient
+            // is a fresh sum made by the backward, so adding into it in place aliases nothing.
             for (i, v) in policy.vars.iter().enumerate() {
-                let Some(gi) = g.get(v) else {
-                    return Err(Error::Generate(format!(
-                        "invariant: parameter {} received no gradient (a forward op without backward?)",
-                        policy.names[i]
-                    )));
-                };
-                grads[i] = Some(match grads[i].take() {
-                    Some(acc) => (acc + gi)?,
-                    None => gi.clone(),
-                });
+                if let Some(gi) = g.remove(v) {
+                    grads[i] = Some(match grads[i].take() {
+                        Some(acc) => crate::optim::accumulate(acc, &gi)?,
+                        None => gi,
+                    });
+                }
             }
         }
     }
-    let grads: Vec<Tensor> = grads.into_iter().flatten().collect();
+    let mut all = Vec::with_capacity(grads.len());
+    for ((v, name), graph) in policy.vars.iter().zip(&policy.names).zip(grads) {
+        all.push(match (graph, sink.take(v)?) {
+            (Some(a), Some(b)) => crate::optim::accumulate(a, &b)?,
+            (Some(a), None) | (None, Some(a)) => a,
+            (None, None) => {
+                return Err(Error::Generate(format!(
+                "invariant: parameter {name} received no gradient (a forward op without backward?)"
+            )))
+            }
+        });
+    }
+    let grads = all;
     let (norm, scale) = clip_factor(&grads, cfg.max_grad_norm)?;
     st.grad_norm = norm;
     st.finite = st.loss.is_finite() && norm.is_finite();

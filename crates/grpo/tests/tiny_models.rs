@@ -419,3 +419,68 @@ fn shared_prompt_packing_equals_one_row_per_completion() {
         }
     }
 }
+
+#[test]
+fn gradient_sink_equals_autograd_and_accumulates() {
+    use grpo::models::grad_sink::GradSink;
+    for name in ARCHS {
+        let (m, _) = load(name, DType::F32);
+        let (model, vars) = trainable(&m, DType::F32);
+        let batch = padded_batch();
+        let plain = loss(&model, &batch).backward().unwrap();
+        let list: Vec<Var> = vars.values().cloned().collect();
+        let sink = GradSink::new(&list);
+        let mut sunk = build(&m, &vars, DType::F32);
+        let attached = sunk.attach_grad_sink(&sink).unwrap();
+        assert_eq!(
+            attached,
+            4 * m.config.num_layers,
+            "{name}: projections attached"
+        );
+        // Two backward passes: the sink must add the second into the first.
+        let l1 = loss(&sunk, &batch);
+        let d = (l1.to_scalar::<f32>().unwrap() - loss(&model, &batch).to_scalar::<f32>().unwrap())
+            .abs();
+        assert!(
+            d < 1e-4,
+            "{name}: loss differs by {d} with the sink attached"
+        );
+        let g1 = l1.backward().unwrap();
+        let g2 = loss(&sunk, &batch).backward().unwrap();
+        let (mut in_sink, mut in_graph) = (0, 0);
+        for (k, v) in &vars {
+            let want: Vec<f32> = (plain.get(v).unwrap() * 2.0)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let got = match sink.take(v).unwrap() {
+                Some(g) => {
+                    in_sink += 1;
+                    assert!(g1.get(v).is_none(), "{name}: {k} has a graph gradient too");
+                    g
+                }
+                None => {
+                    in_graph += 1;
+                    (g1.get(v).unwrap() + g2.get(v).unwrap()).unwrap()
+                }
+            };
+            let got: Vec<f32> = got.flatten_all().unwrap().to_vec1().unwrap();
+            let scale = want.iter().fold(1e-3f32, |m, x| m.max(x.abs()));
+            let diff = max_diff(&got, &want);
+            assert!(
+                diff < 1e-5 * scale.max(1.0),
+                "{name}: gradient of {k} differs by {diff}"
+            );
+        }
+        assert!(
+            in_sink > 0 && in_graph > 0,
+            "{name}: {in_sink} sunk, {in_graph} through the graph"
+        );
+        assert!(
+            sink.take(&list[0]).unwrap().is_none(),
+            "take leaves the accumulator empty"
+        );
+    }
+}

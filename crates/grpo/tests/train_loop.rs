@@ -88,7 +88,9 @@ fn metrics(dir: &Path) -> Vec<serde_json::Value> {
         .map(|l| {
             let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
             let o = v.as_object_mut().unwrap();
-            o.retain(|k, _| !k.starts_with("time") && k != "tokens_per_second");
+            o.retain(|k, _| {
+                !k.starts_with("time") && !k.starts_with("memory/") && k != "tokens_per_second"
+            });
             v
         })
         .collect()

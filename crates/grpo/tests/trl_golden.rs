@@ -13,6 +13,7 @@ use grpo::config::{IsLevel, LossType, LrSchedule, ScaleRewards};
 use grpo::hub::ModelSource;
 use grpo::logprobs::{completion_logprobs, Entropy, Packing};
 use grpo::loss::{grpo_loss, LossInputs, LossOptions, Reduction};
+use grpo::models::grad_sink::GradSink;
 use grpo::models::{CausalLm, Mode};
 use grpo::optim::{clip_factor, lr_lambda, AdamW, AdamWConfig};
 use serde_json::Value;
@@ -121,7 +122,7 @@ fn loss_and_every_gradient_equal_trl() {
             .iter()
             .map(|(k, t)| (k.clone(), Var::from_tensor(t).unwrap()))
             .collect();
-        let model = CausalLm::from_tensors(
+        let mut model = CausalLm::from_tensors(
             &m.config,
             vars.iter()
                 .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
@@ -130,6 +131,13 @@ fn loss_and_every_gradient_equal_trl() {
             &Device::Cpu,
         )
         .unwrap();
+        // The trainer's projection-gradient sink, pinned too (every other pair of cases, so that
+        // it meets both packings).
+        let list: Vec<Var> = vars.values().cloned().collect();
+        let sink = GradSink::new(&list);
+        if ci % 4 >= 2 {
+            assert!(model.attach_grad_sink(&sink).unwrap() > 0);
+        }
         let t = case["temperature"].as_f64().unwrap();
         let (logps, _) = completion_logprobs(
             &model,
@@ -205,8 +213,10 @@ fn loss_and_every_gradient_equal_trl() {
         );
         let g = out.loss.backward().unwrap();
         for (k, v) in &vars {
-            let got = g
-                .get(v)
+            let sunk = sink.take(v).unwrap();
+            let got = sunk
+                .as_ref()
+                .or_else(|| g.get(v))
                 .unwrap_or_else(|| panic!("{name}: no gradient for {k}"));
             let want = &grads_want[&format!("{name}/{k}")];
             let d = (got - want)

@@ -6,6 +6,7 @@ use candle_core::{Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use super::config::ModelConfig;
+use super::grad_sink::GradSink;
 use super::layers::{attention, AttnMask, Embedding, LayerNorm, Linear, Mode};
 use crate::kv_cache::KvCache;
 
@@ -13,7 +14,7 @@ use crate::kv_cache::KvCache;
 fn conv1d(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<Linear> {
     let w = vb.get((in_dim, out_dim), "weight")?;
     let b = vb.get(out_dim, "bias")?;
-    Linear::new(w.t()?, Some(b))
+    Linear::from_in_out(w, Some(b))
 }
 
 #[derive(Debug, Clone)]
@@ -122,6 +123,18 @@ pub struct Model {
 }
 
 impl Model {
+    /// Attaches `sink` to every projection whose parameters it holds; returns how many.
+    pub fn attach_grad_sink(&mut self, sink: &GradSink) -> Result<usize> {
+        let mut n = 0;
+        for b in &mut self.h {
+            n += b.attn.c_attn.attach_grad_sink(sink)? as usize;
+            n += b.attn.c_proj.attach_grad_sink(sink)? as usize;
+            n += b.mlp.c_fc.attach_grad_sink(sink)? as usize;
+            n += b.mlp.c_proj.attach_grad_sink(sink)? as usize;
+        }
+        Ok(n)
+    }
+
     /// `vb` is rooted at the checkpoint root (keys `transformer.*`, optional `lm_head.weight`).
     pub fn load(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
         let t = vb.pp("transformer");

@@ -7,6 +7,7 @@ use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::VarBuilder;
 
 use super::config::{Llama3RopeScaling, ModelConfig};
+use super::grad_sink::{GradSink, SinkProj};
 
 /// Which kernels a forward pass uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,57 +22,103 @@ pub enum Mode {
 /// masked (a padding query) gives a uniform softmax instead of NaN, which would poison gradients.
 pub const MASK_VALUE: f32 = -1e30;
 
-/// `y = x W^T + b`. The weight arrives in HF's `[out, in]` layout and is kept as a contiguous
-/// `[in, out]` tensor: candle's CPU GEMM then streams it without repacking it on every call (the
-/// repacking was a quarter of decoding time). GPT-2's Conv1D weights are already `[in, out]`, so
-/// for them this is free; for others it is one copy when the model is built. With `Var` weights
-/// the copy is a tracked op, so gradients reach the `Var`; but a built model holds a snapshot:
-/// rebuild it after changing the parameters.
+/// `y = x W^T + b`. The weight arrives in HF's `[out, in]` layout.
+///
+/// A detached weight (sampling, reference and old log-probs) is kept as a contiguous `[in, out]`
+/// copy: candle's CPU GEMM then streams it without repacking it on every call (the repacking was a
+/// quarter of decoding time). GPT-2's Conv1D weights are already `[in, out]`, so for them this is
+/// free; for others it is one copy when the model is built.
+///
+/// A weight that tracks gradients (a `Var`, or ops on `Var`s) is kept as the transposed view: the
+/// training forward's GEMMs have hundreds of rows, so repacking is cheap there, and a copy would
+/// cost the size of the model again for as long as the graph lives. Either way a built model
+/// holds a snapshot of its weights' layout: rebuild it after changing the parameters.
 #[derive(Debug, Clone)]
 pub struct Linear {
-    /// [in, out]
+    /// [in, out], contiguous or a transposed view
     weight_t: Tensor,
     bias: Option<Tensor>,
+    /// The parameter as stored ([out, in], or [in, out] for GPT-2's Conv1D, `from_in_out`),
+    /// kept only when it tracks gradients (a detached model holds just `weight_t`).
+    param: Option<Tensor>,
+    /// Set by [`Linear::attach_grad_sink`]: the forward's weight gradient goes to the sink.
+    sink: Option<SinkProj>,
 }
 
 impl Linear {
     /// `weight` [out, in] (HF layout), `bias` [out].
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
+        let (weight_t, param) = if weight.track_op() {
+            (weight.t()?, Some(weight))
+        } else {
+            (weight.t()?.contiguous()?, None)
+        };
         Ok(Self {
-            weight_t: weight.t()?.contiguous()?,
+            weight_t,
             bias,
+            param,
+            sink: None,
+        })
+    }
+    /// `weight` [in, out] (GPT-2's Conv1D layout, already what the GEMM wants), `bias` [out].
+    pub fn from_in_out(weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
+        Ok(Self {
+            weight_t: weight.contiguous()?,
+            bias,
+            param: weight.track_op().then(|| weight.clone()),
+            sink: None,
         })
     }
     /// The weight in HF layout `[out, in]` (a view).
     pub fn weight(&self) -> Result<Tensor> {
         self.weight_t.t()
     }
+    /// Sends the weight's gradient to `sink` from now on, when the sink holds its parameter.
+    /// Returns whether it does. The bias keeps candle's autograd.
+    pub fn attach_grad_sink(&mut self, sink: &GradSink) -> Result<bool> {
+        self.sink = match &self.param {
+            Some(p) => SinkProj::new(sink, &[(p, &self.weight_t.t()?)])?,
+            None => None,
+        };
+        Ok(self.sink.is_some())
+    }
 }
 
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let dims = x.dims();
-        let in_dim = dims[dims.len() - 1];
-        let rows = x.elem_count() / in_dim;
-        let out_dim = self.weight_t.dim(1)?;
-        let x2 = x.reshape((rows, in_dim))?; // [N, in]
-        let y = x2.matmul(&self.weight_t)?; // [N, out]
-        let y = match &self.bias {
-            Some(b) => y.broadcast_add(b)?,
-            None => y,
+        let y = match &self.sink {
+            Some(op) => op.forward(x)?, // [.., out]
+            None => {
+                let dims = x.dims();
+                let in_dim = dims[dims.len() - 1];
+                let rows = x.elem_count() / in_dim;
+                let out_dim = self.weight_t.dim(1)?;
+                let y = x.reshape((rows, in_dim))?.matmul(&self.weight_t)?; // [N, out]
+                let mut out_shape = dims.to_vec();
+                *out_shape.last_mut().expect("non-empty dims") = out_dim;
+                y.reshape(out_shape)?
+            }
         };
-        let mut out_shape = dims.to_vec();
-        *out_shape.last_mut().expect("non-empty dims") = out_dim;
-        y.reshape(out_shape)
+        match &self.bias {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
     }
 }
 
-/// Several HF projections of the same input computed as one GEMM (q/k/v, gate/up): the weights
-/// are concatenated along `out` when the model is built (the same single copy [`Linear`] makes
-/// anyway), and the output is split back into views. Gradients reach each original tensor.
+/// Several HF projections of the same input computed as one GEMM (q/k/v, gate/up), the output
+/// split back into views. Detached weights are concatenated along `out` when the model is built
+/// (the same single copy [`Linear`] makes anyway); weights that track gradients are concatenated
+/// at each forward (the graph needs the joined tensor), or, with a [`GradSink`] attached, never:
+/// the sink's op multiplies by each part in place. Gradients reach each original tensor.
 #[derive(Debug, Clone)]
 pub struct FusedLinear {
-    inner: Linear,
+    /// (weight [out_i, in], bias [out_i]) per part; kept only for weights that track gradients
+    /// (detached ones live in `joined` alone, so that the model holds one copy of them).
+    parts: Vec<(Tensor, Option<Tensor>)>,
+    /// The joined projection, prebuilt for detached weights.
+    joined: Option<Linear>,
+    sink: Option<SinkProj>,
     outs: Vec<usize>,
 }
 
@@ -82,27 +129,61 @@ impl FusedLinear {
             .iter()
             .map(|(w, _)| w.dim(0))
             .collect::<Result<Vec<_>>>()?;
-        let ws: Vec<&Tensor> = parts.iter().map(|(w, _)| w).collect();
-        let bias = if parts.iter().all(|(_, b)| b.is_some()) {
-            let bs: Vec<&Tensor> = parts.iter().filter_map(|(_, b)| b.as_ref()).collect();
-            Some(Tensor::cat(&bs, 0)?)
+        let tracked = parts
+            .iter()
+            .any(|(w, b)| w.track_op() || b.as_ref().is_some_and(|b| b.track_op()));
+        let (parts, joined) = if tracked {
+            (parts, None)
         } else {
-            None
+            (vec![], Some(Self::join(&parts)?))
         };
         Ok(Self {
-            inner: Linear::new(Tensor::cat(&ws, 0)?, bias)?,
+            parts,
+            joined,
+            sink: None,
             outs,
         })
     }
 
+    fn joined_bias(parts: &[(Tensor, Option<Tensor>)]) -> Result<Option<Tensor>> {
+        if parts.iter().all(|(_, b)| b.is_some()) {
+            let bs: Vec<&Tensor> = parts.iter().filter_map(|(_, b)| b.as_ref()).collect();
+            Ok(Some(Tensor::cat(&bs, 0)?))
+        } else {
+            Ok(None)
+        }
+    }
+
+    fn join(parts: &[(Tensor, Option<Tensor>)]) -> Result<Linear> {
+        let ws: Vec<&Tensor> = parts.iter().map(|(w, _)| w).collect();
+        Linear::new(Tensor::cat(&ws, 0)?, Self::joined_bias(parts)?)
+    }
+
+    /// Sends the weights' gradients to `sink` from now on, when it holds every part's parameter.
+    pub fn attach_grad_sink(&mut self, sink: &GradSink) -> Result<bool> {
+        let pairs: Vec<(&Tensor, &Tensor)> = self.parts.iter().map(|(w, _)| (w, w)).collect();
+        self.sink = SinkProj::new(sink, &pairs)?;
+        Ok(self.sink.is_some())
+    }
+
     /// `x` [.., in] -> [.., sum of out_i], the parts side by side.
     pub fn forward_joined(&self, x: &Tensor) -> Result<Tensor> {
-        self.inner.forward(x)
+        match (&self.sink, &self.joined) {
+            (Some(op), _) => {
+                let y = op.forward(x)?;
+                match Self::joined_bias(&self.parts)? {
+                    Some(b) => y.broadcast_add(&b),
+                    None => Ok(y),
+                }
+            }
+            (None, Some(j)) => j.forward(x),
+            (None, None) => Self::join(&self.parts)?.forward(x),
+        }
     }
 
     /// `x` [.., in] -> one view [.., out_i] per part.
     pub fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
-        let y = self.inner.forward(x)?;
+        let y = self.forward_joined(x)?;
         let last = y.rank() - 1;
         let mut start = 0;
         let mut out = Vec::with_capacity(self.outs.len());

@@ -6,6 +6,7 @@ use candle_core::{Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use super::config::ModelConfig;
+use super::grad_sink::GradSink;
 use super::layers::{
     attention, linear, linear_parts, rope_heads, AttnMask, Embedding, FusedLinear, Linear, Mode,
     RmsNorm, Rope,
@@ -200,6 +201,18 @@ impl Model {
 
     pub fn lm_head(&self) -> &Tensor {
         &self.lm_head
+    }
+
+    /// Attaches `sink` to every projection whose parameters it holds; returns how many.
+    pub fn attach_grad_sink(&mut self, sink: &GradSink) -> Result<usize> {
+        let mut n = 0;
+        for l in &mut self.layers {
+            n += l.self_attn.qkv_proj.attach_grad_sink(sink)? as usize;
+            n += l.self_attn.o_proj.attach_grad_sink(sink)? as usize;
+            n += l.mlp.gate_up_proj.attach_grad_sink(sink)? as usize;
+            n += l.mlp.down_proj.attach_grad_sink(sink)? as usize;
+        }
+        Ok(n)
     }
 
     pub fn max_positions(&self) -> usize {

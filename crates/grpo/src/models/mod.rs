@@ -10,6 +10,7 @@
 pub mod config;
 pub mod fused;
 pub mod gpt2;
+pub mod grad_sink;
 pub mod layers;
 pub mod llama;
 
@@ -70,6 +71,17 @@ impl CausalLm {
             dtype,
             device,
         })
+    }
+
+    /// Sends the weight gradients of every projection whose parameter `sink` holds to the sink
+    /// (see [`grad_sink`]); returns how many projections were attached. For training forwards
+    /// on the CPU in f32; other projections keep candle's autograd.
+    pub fn attach_grad_sink(&mut self, sink: &grad_sink::GradSink) -> Result<usize> {
+        let n = match &mut self.inner {
+            Inner::Llama(m) => m.attach_grad_sink(sink),
+            Inner::Gpt2(m) => m.attach_grad_sink(sink),
+        };
+        n.map_err(|e| Error::Model(format!("cannot attach the gradient sink: {e}")))
     }
 
     pub fn config(&self) -> &ModelConfig {

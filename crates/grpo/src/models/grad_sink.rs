@@ -1,0 +1,298 @@
+//! Projections whose weight gradients go straight into per-parameter accumulators (CPU, f32).
+//!
+//! Through candle's autograd, the gradient of a projection weight is made three times per backward
+//! pass: the GEMM's result, then a zero-filled buffer plus that result (candle accumulates every
+//! gradient that way), then again through the transpose view and the concatenation of fused q/k/v
+//! or gate/up weights, each a fresh model-sized buffer. With forward chunks this repeats per chunk,
+//! and the buffers cost as much memory as the parameters.
+//!
+//! A projection with a [`GradSink`] attached is one custom op over its input only: the forward is
+//! one GEMM per weight straight into the joined output (no concatenated weight copy), and the
+//! backward returns the input's gradient and adds `dY^T X` into the parameter's accumulator with
+//! one GEMM that reads and writes the accumulator in place, in the parameter's own layout. After
+//! the last chunk, [`GradSink::take`] hands each accumulator over as the parameter's gradient.
+//!
+//! The op records a backward only when its input tracks gradients (in training the embedding is
+//! trainable, so every projection's input does); a parameter whose accumulator is never written
+//! is reported by the trainer's every-parameter-gets-a-gradient check, not dropped silently.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use candle_core::{
+    CpuStorage, CustomOp1, DType, Layout, Result, Shape, Storage, Tensor, TensorId, Var,
+};
+
+/// The gradient accumulator of one parameter, laid out like the parameter (contiguous).
+#[derive(Debug)]
+pub struct GradAcc {
+    shape: Shape,
+    /// `None` until a backward writes to it.
+    data: Mutex<Option<Vec<f32>>>,
+}
+
+/// Accumulators for a set of trainable parameters, by tensor id.
+#[derive(Debug, Default)]
+pub struct GradSink {
+    accs: HashMap<TensorId, Arc<GradAcc>>,
+}
+
+impl GradSink {
+    /// Accumulators for the f32, contiguous CPU parameters among `vars` (others keep candle's
+    /// autograd).
+    pub fn new(vars: &[Var]) -> Self {
+        let accs = vars
+            .iter()
+            .filter(|v| v.device().is_cpu() && v.dtype() == DType::F32 && v.is_contiguous())
+            .map(|v| {
+                let acc = GradAcc {
+                    shape: v.shape().clone(),
+                    data: Mutex::new(None),
+                };
+                (v.id(), Arc::new(acc))
+            })
+            .collect();
+        Self { accs }
+    }
+
+    fn get(&self, param: &Tensor) -> Option<Arc<GradAcc>> {
+        self.accs.get(&param.id()).cloned()
+    }
+
+    /// The gradient accumulated for `var` since the last `take`, or `None` if no backward wrote
+    /// one. Leaves the accumulator empty.
+    pub fn take(&self, var: &Var) -> Result<Option<Tensor>> {
+        let Some(acc) = self.accs.get(&var.id()) else {
+            return Ok(None);
+        };
+        let data = acc
+            .data
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("gradient accumulator poisoned".into()))?
+            .take();
+        data.map(|d| Tensor::from_vec(d, acc.shape.clone(), var.device()))
+            .transpose()
+    }
+}
+
+/// One weight of a (possibly fused) projection: the `[out_i, in]` view the forward multiplies
+/// by, and the accumulator of the parameter it is a view of.
+#[derive(Debug, Clone)]
+struct Part {
+    weight: Tensor,
+    acc: Arc<GradAcc>,
+}
+
+/// `y = x [W_1; W_2; ...]^T` (no bias) with gradients of the `W_i` into a [`GradSink`].
+#[derive(Debug, Clone)]
+pub struct SinkProj {
+    parts: Vec<Part>,
+    in_dim: usize,
+    out_dim: usize,
+}
+
+impl SinkProj {
+    /// `parts`: (`param`, `weight`) pairs where `weight` [out_i, in] is `param` itself or a view
+    /// of it (GPT-2's `[in, out]` Conv1D weights, transposed). `None` unless every `param` has an
+    /// accumulator in `sink` and every weight is f32 on the CPU.
+    pub fn new(sink: &GradSink, parts: &[(&Tensor, &Tensor)]) -> Result<Option<Self>> {
+        let mut out = Vec::with_capacity(parts.len());
+        let mut in_dim = None;
+        for (param, weight) in parts {
+            let Some(acc) = sink.get(param) else {
+                return Ok(None);
+            };
+            let (_, i) = weight.dims2()?;
+            if weight.dtype() != DType::F32 || !weight.device().is_cpu() {
+                return Ok(None);
+            }
+            if *in_dim.get_or_insert(i) != i || weight.elem_count() != acc.shape.elem_count() {
+                return Ok(None);
+            }
+            out.push(Part {
+                weight: (*weight).clone(),
+                acc,
+            });
+        }
+        let Some(in_dim) = in_dim else {
+            return Ok(None);
+        };
+        let out_dim = out.iter().map(|p| p.weight.dim(0)).sum::<Result<usize>>()?;
+        Ok(Some(Self {
+            parts: out,
+            in_dim,
+            out_dim,
+        }))
+    }
+
+    /// `x` [.., in] -> [.., sum of out_i].
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let rows = x.elem_count() / self.in_dim;
+        let x2 = x.reshape((rows, self.in_dim))?.contiguous()?; // [N, in]
+        let y = x2.apply_op1(self.clone())?; // [N, out]
+        let mut shape = dims;
+        if let Some(last) = shape.last_mut() {
+            *last = self.out_dim;
+        }
+        y.reshape(shape)
+    }
+}
+
+fn f32_slice(s: &CpuStorage) -> Result<&[f32]> {
+    match s {
+        CpuStorage::F32(v) => Ok(v),
+        _ => candle_core::bail!("sink projection: f32 only"),
+    }
+}
+
+fn threads() -> gemm::Parallelism {
+    match candle_core::utils::get_num_threads() {
+        0 | 1 => gemm::Parallelism::None,
+        n => gemm::Parallelism::Rayon(n),
+    }
+}
+
+impl CustomOp1 for SinkProj {
+    fn name(&self) -> &'static str {
+        "sink-proj"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (n, k) = l.shape().dims2()?;
+        let Some((x0, x1)) = l.contiguous_offsets() else {
+            candle_core::bail!("sink projection: input must be contiguous");
+        };
+        let x = &f32_slice(s)?[x0..x1];
+        let mut y = vec![0f32; n * self.out_dim];
+        let mut col = 0;
+        for p in &self.parts {
+            let (ws, wl) = p.weight.storage_and_layout();
+            let Storage::Cpu(ws) = &*ws else {
+                candle_core::bail!("sink projection: CPU only");
+            };
+            let w = f32_slice(ws)?;
+            let (o, _) = wl.shape().dims2()?;
+            let (s0, s1) = (wl.stride()[0] as isize, wl.stride()[1] as isize);
+            // SAFETY: y is [n, out_dim] and columns col..col+o < out_dim; x is [n, k] contiguous;
+            // the weight view [o, k] with strides (s0, s1) from its start offset lies inside its
+            // storage (candle's layout invariant).
+            unsafe {
+                gemm::gemm(
+                    n,
+                    o,
+                    k,
+                    y.as_mut_ptr().add(col),
+                    1,
+                    self.out_dim as isize,
+                    false,
+                    x.as_ptr(),
+                    1,
+                    k as isize,
+                    w.as_ptr().add(wl.start_offset()),
+                    s0, // rhs[kk, j] = W[j, kk]: moving along j (a column of rhs) steps a row of W
+                    s1,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    threads(),
+                );
+            }
+            col += o;
+        }
+        Ok((CpuStorage::F32(y), Shape::from((n, self.out_dim))))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        let (n, k) = arg.dims2()?;
+        let gy = grad_res.contiguous()?; // [N, out]
+        let x = arg.contiguous()?; // [N, in]
+        let (gs, gl) = gy.storage_and_layout();
+        let (xs, xl) = x.storage_and_layout();
+        let (Storage::Cpu(gs), Storage::Cpu(xs)) = (&*gs, &*xs) else {
+            candle_core::bail!("sink projection: CPU only");
+        };
+        let g = &f32_slice(gs)?[gl.start_offset()..];
+        let xv = &f32_slice(xs)?[xl.start_offset()..];
+        let mut gx = vec![0f32; n * k];
+        let od = self.out_dim as isize;
+        let mut col = 0;
+        for (i, p) in self.parts.iter().enumerate() {
+            let (ws, wl) = p.weight.storage_and_layout();
+            let Storage::Cpu(ws) = &*ws else {
+                candle_core::bail!("sink projection: CPU only");
+            };
+            let w = f32_slice(ws)?;
+            let (o, _) = wl.shape().dims2()?;
+            let (s0, s1) = (wl.stride()[0] as isize, wl.stride()[1] as isize);
+            let off = wl.start_offset();
+            // dX += dY[:, part] W_i   (m = n, n = k, k = o)
+            // SAFETY: as in the forward; gx is [n, k], dY is [n, out_dim] contiguous.
+            unsafe {
+                gemm::gemm(
+                    n,
+                    k,
+                    o,
+                    gx.as_mut_ptr(),
+                    1,
+                    k as isize,
+                    i > 0,
+                    g.as_ptr().add(col),
+                    1,
+                    od,
+                    w.as_ptr().add(off),
+                    s1,
+                    s0,
+                    1.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    threads(),
+                );
+            }
+            // dW_i += dY[:, part]^T X, written where W_i's elements live in the parameter.
+            let mut guard = p
+                .acc
+                .data
+                .lock()
+                .map_err(|_| candle_core::Error::Msg("gradient accumulator poisoned".into()))?;
+            let first = guard.is_none();
+            let acc = guard.get_or_insert_with(|| vec![0f32; p.acc.shape.elem_count()]);
+            let max = off as isize + (o as isize - 1) * s0 + (k as isize - 1) * s1;
+            if s0 < 0 || s1 < 0 || max as usize >= acc.len() {
+                candle_core::bail!("sink projection: weight view outside its parameter");
+            }
+            // SAFETY: every index off + r*s0 + c*s1 (r < o, c < k) is within acc (checked above);
+            // dY[:, part] is read as its transpose [o, n] and X as [n, k].
+            unsafe {
+                gemm::gemm(
+                    o,
+                    k,
+                    n,
+                    acc.as_mut_ptr().add(off),
+                    s1,
+                    s0,
+                    !first,
+                    g.as_ptr().add(col),
+                    od,
+                    1,
+                    xv.as_ptr(),
+                    1,
+                    k as isize,
+                    1.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    threads(),
+                );
+            }
+            col += o;
+        }
+        let gx = Tensor::from_vec(gx, (n, k), arg.device())?;
+        Ok(Some(gx))
+    }
+}
