@@ -58,7 +58,13 @@ fn main() -> anyhow::Result<()> {
             .iter()
             .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
             .collect();
-        let model = CausalLm::from_tensors(&m.config, tensors, DType::F32, &Device::Cpu)?;
+        let mut model = CausalLm::from_tensors(&m.config, tensors, DType::F32, &Device::Cpu)?;
+        // SINK=1: projection weight gradients through the trainer's gradient sink.
+        let list: Vec<Var> = vars.iter().map(|(_, v)| v.clone()).collect();
+        let sink = grpo::models::grad_sink::GradSink::new(&list);
+        if std::env::var("SINK").is_ok() {
+            model.attach_grad_sink(&sink)?;
+        }
         let t_build = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
         let (lps, _) = completion_logprobs(
@@ -90,7 +96,10 @@ fn main() -> anyhow::Result<()> {
         )?;
         let _ = lps.sum_all()?.to_scalar::<f32>()?;
         let t_inf = t3.elapsed().as_secs_f64();
-        let ng = vars.iter().filter(|(_, v)| g.get(v).is_some()).count();
+        let mut ng = 0;
+        for (_, v) in &vars {
+            ng += (g.get(v).is_some() || sink.take(v)?.is_some()) as usize;
+        }
         println!("it {it}: build {t_build:.2}s fwd {t_fwd:.2}s bwd {t_bwd:.2}s infer-fwd {t_inf:.2}s grads {ng}/{} tokens {}", vars.len(), n * (lp + lc));
         drop(g);
         let _ = Tensor::zeros(1, DType::F32, &Device::Cpu)?;
