@@ -88,6 +88,24 @@ impl FusedStep<'_> {
     }
 }
 
+/// The f32 slices of an in-place op's two contiguous CPU operands, or an error naming `op`.
+fn f32_pair<'a>(
+    op: &str,
+    s1: &'a mut CpuStorage,
+    l1: &Layout,
+    s2: &'a CpuStorage,
+    l2: &Layout,
+) -> candle_core::Result<(&'a mut [f32], &'a [f32])> {
+    let (CpuStorage::F32(a), CpuStorage::F32(b)) = (s1, s2) else {
+        candle_core::bail!("{op}: f32 tensors only");
+    };
+    let (Some((a0, a1)), Some((b0, b1))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
+    else {
+        candle_core::bail!("{op}: contiguous tensors only");
+    };
+    Ok((&mut a[a0..a1], &b[b0..b1]))
+}
+
 impl candle_core::InplaceOp2 for FusedStep<'_> {
     fn name(&self) -> &'static str {
         "adamw-step"
@@ -99,14 +117,8 @@ impl candle_core::InplaceOp2 for FusedStep<'_> {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<()> {
-        let (CpuStorage::F32(p), CpuStorage::F32(g)) = (s1, s2) else {
-            candle_core::bail!("adamw: parameters and gradients must be f32");
-        };
-        let (Some((p0, p1)), Some((g0, g1))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
-        else {
-            candle_core::bail!("adamw: parameters and gradients must be contiguous");
-        };
-        self.apply(&mut p[p0..p1], &g[g0..g1]);
+        let (p, g) = f32_pair("adamw", s1, l1, s2, l2)?;
+        self.apply(p, g);
         Ok(())
     }
 }
@@ -266,20 +278,12 @@ pub fn accumulate(acc: Tensor, g: &Tensor) -> Result<Tensor> {
             s2: &CpuStorage,
             l2: &Layout,
         ) -> candle_core::Result<()> {
-            let (CpuStorage::F32(a), CpuStorage::F32(b)) = (s1, s2) else {
-                candle_core::bail!("add-assign: f32 only");
-            };
-            let (Some((a0, a1)), Some((b0, b1))) =
-                (l1.contiguous_offsets(), l2.contiguous_offsets())
-            else {
-                candle_core::bail!("add-assign: contiguous tensors only");
-            };
-            if a1 - a0 != b1 - b0 {
-                candle_core::bail!("add-assign: {} vs {} elements", a1 - a0, b1 - b0);
+            let (a, b) = f32_pair("add-assign", s1, l1, s2, l2)?;
+            if a.len() != b.len() {
+                candle_core::bail!("add-assign: {} vs {} elements", a.len(), b.len());
             }
-            a[a0..a1]
-                .par_chunks_mut(1 << 16)
-                .zip(b[b0..b1].par_chunks(1 << 16))
+            a.par_chunks_mut(1 << 16)
+                .zip(b.par_chunks(1 << 16))
                 .for_each(|(x, y)| x.iter_mut().zip(y).for_each(|(x, y)| *x += y));
             Ok(())
         }

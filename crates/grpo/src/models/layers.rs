@@ -95,7 +95,9 @@ impl Module for Linear {
                 let out_dim = self.weight_t.dim(1)?;
                 let y = x.reshape((rows, in_dim))?.matmul(&self.weight_t)?; // [N, out]
                 let mut out_shape = dims.to_vec();
-                *out_shape.last_mut().expect("non-empty dims") = out_dim;
+                if let Some(last) = out_shape.last_mut() {
+                    *last = out_dim;
+                }
                 y.reshape(out_shape)?
             }
         };
