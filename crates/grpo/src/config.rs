@@ -373,14 +373,21 @@ fn edit_distance(a: &str, b: &str) -> usize {
     prev[b.len()]
 }
 
-fn suggest(key: &str) -> String {
-    let best = KEYS
+/// The candidate closest to `key` when it is close enough to be a typo.
+pub fn nearest<'a>(key: &str, candidates: &[&'a str]) -> Option<&'a str> {
+    candidates
         .iter()
-        .map(|k| (edit_distance(key, k.key), k.key))
-        .min();
-    match best {
-        Some((d, k)) if d <= 3 || k.contains(key) => format!("; did you mean `{k}`?"),
-        _ => "; `grpo config --print` lists every key".into(),
+        .map(|k| (edit_distance(key, k), *k))
+        .min()
+        .filter(|(d, k)| *d <= 3 || k.contains(key))
+        .map(|(_, k)| k)
+}
+
+fn suggest(key: &str) -> String {
+    let keys: Vec<&str> = KEYS.iter().map(|k| k.key).collect();
+    match nearest(key, &keys) {
+        Some(k) => format!("; did you mean `{k}`?"),
+        None => "; `grpo config --print` lists every key".into(),
     }
 }
 

@@ -1,12 +1,76 @@
-//! Reward functions: each scores a completion (given its example) with a number, or NaN when it
-//! cannot ("missing": left out of the group's statistics).
+//! Reward functions: each scores a batch of completions (with their prompts, reference answers
+//! and metadata) with one number each, or NaN when it cannot ("missing": left out of the group's
+//! statistics).
 //!
-//! This first set covers answer checking and format; configurable in `[[rewards]]` tables.
+//! Configured as `[[rewards]]` tables (see [`parse_rewards`]); each kind's options are read by its
+//! own module through [`table::Table`], which names `rewards[i].key` in every error.
 
-use serde_json::Value;
+pub mod table;
 
-use crate::data::Example;
+use serde_json::{Map, Value};
+
+use crate::data::{Example, Prompt};
 use crate::{Error, Result};
+
+/// One completion to score, with everything a reward may look at. The items of one group
+/// (same prompt) are contiguous and share `group`.
+#[derive(Debug, Clone, Copy)]
+pub struct ScoreItem<'a> {
+    /// The prompt as the dataset gave it: text or chat messages.
+    pub prompt: &'a Prompt,
+    pub completion: &'a str,
+    /// The example's reference answer.
+    pub answer: Option<&'a str>,
+    /// The example's other fields.
+    pub metadata: &'a Map<String, Value>,
+    /// Index of the item's group within the batch.
+    pub group: usize,
+    /// Number of completion tokens (for length rewards).
+    pub completion_tokens: usize,
+    /// The reference model's mean per-token log-prob of the completion, when the trainer computed
+    /// it (rewards that ask for it through `needs_ref_logp`).
+    pub ref_mean_logp: Option<f32>,
+}
+
+impl<'a> ScoreItem<'a> {
+    /// An item for `completion` of `ex` (group 0, no token count, no reference log-prob).
+    pub fn new(ex: &'a Example, completion: &'a str) -> Self {
+        ScoreItem {
+            prompt: &ex.prompt,
+            completion,
+            answer: ex.answer.as_deref(),
+            metadata: &ex.metadata,
+            group: 0,
+            completion_tokens: 0,
+            ref_mean_logp: None,
+        }
+    }
+
+    /// The prompt as one string: the text, or the last user message of a conversation.
+    pub fn prompt_text(&self) -> &'a str {
+        match self.prompt {
+            Prompt::Text(t) => t,
+            Prompt::Messages(ms) => ms
+                .iter()
+                .rev()
+                .find(|m| m.role == "user")
+                .or(ms.last())
+                .map_or("", |m| m.content.as_str()),
+        }
+    }
+
+    /// The prompt as JSON: a string, or a list of `{role, content}` messages (TRL's formats).
+    pub fn prompt_json(&self) -> Value {
+        match self.prompt {
+            Prompt::Text(t) => Value::String(t.clone()),
+            Prompt::Messages(ms) => Value::Array(
+                ms.iter()
+                    .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
+                    .collect(),
+            ),
+        }
+    }
+}
 
 /// How an answer is found in a completion.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
