@@ -18,7 +18,9 @@ How each number is obtained:
   * advantages: TRL computes them inline in `_generate_and_score_completions`, which also samples;
     the script applies the same steps with TRL's own `nanstd` helper (weighted `nansum` of reward
     functions, unscorable rows NaN, group `nanmean`, group or batch `nanstd`, `/ (std + 1e-4)`
-    unless scale_rewards == "none", then `nan_to_num`).
+    unless scale_rewards == "none", then `nan_to_num`); likewise TRL's
+    `multi_objective_aggregation = "normalize_then_sum"` branch (per-function group normalization,
+    weighted nansum, batch normalization).
 """
 
 import argparse
@@ -114,6 +116,23 @@ def trl_advantages(scale):
     return torch.nan_to_num(adv, nan=0.0), rewards
 
 
+def trl_normalize_then_sum():
+    """TRL's multi_objective_aggregation == "normalize_then_sum" steps (GDPO), with TRL's nanstd."""
+    r = torch.tensor(REWARDS, dtype=torch.float32)
+    w = torch.tensor(WEIGHTS)
+    g, f = 4, r.shape[1]
+    unscorable = torch.isnan(r).all(dim=1)
+    grouped = r.view(-1, g, f)
+    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+    std_k = nanstd(grouped, dim=1, keepdim=True)
+    reward_k = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, f)
+    rewards = (reward_k * w.unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable] = torch.nan
+    std = nanstd(rewards).expand_as(rewards)
+    adv = (rewards - torch.nanmean(rewards)) / (std + 1e-4)
+    return torch.nan_to_num(adv, nan=0.0)
+
+
 def make_trainer(model, tok, tmp, **kw):
     args = GRPOConfig(
         output_dir=tmp, per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
@@ -146,6 +165,7 @@ def main():
         "reward_weights": WEIGHTS,
         "rewards": [None if x != x else x for x in rewards.tolist()],
         "advantages": {s: trl_advantages(s)[0].tolist() for s in ("group", "batch", "none")},
+        "advantages_normalize_then_sum": trl_normalize_then_sum().tolist(),
         "cases": [],
     }
     # A reference model: the same architecture with perturbed weights.

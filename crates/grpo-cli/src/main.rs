@@ -13,6 +13,7 @@ mod bench;
 mod common;
 mod config_cmd;
 mod generate;
+mod rewards_cmd;
 mod train;
 
 #[derive(Parser, Debug)]
@@ -40,6 +41,9 @@ enum Command {
     Config(config_cmd::ConfigArgs),
     /// Sample completions from a model.
     Generate(generate::GenerateArgs),
+    /// Test reward functions on a file of completions (`grpo rewards check`).
+    #[command(subcommand)]
+    Rewards(rewards_cmd::RewardsCommand),
     /// Benchmarks (throughput numbers, not tests).
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -66,6 +70,7 @@ fn main() -> ExitCode {
         Command::Train(args) => train::run(args),
         Command::Config(args) => config_cmd::run(args),
         Command::Generate(args) => generate::run(args),
+        Command::Rewards(cmd) => rewards_cmd::run(cmd),
         Command::Bench(cmd) => bench::run(cmd),
     };
     match result {

@@ -164,6 +164,68 @@ pub fn group_advantages(
     })
 }
 
+/// TRL's `multi_objective_aggregation = "normalize_then_sum"` (GDPO): each reward function is
+/// normalized within its group first, `(r - mean_k) / (std_k + 1e-4)`, the normalized scores are
+/// summed with `weights` (missing ones skipped; all missing: unscorable), and the sums are
+/// normalized over the whole batch. `per_func` is `[N, F]` row-major, group-major rows.
+/// `scale_rewards`, the std floor and batch re-normalization do not apply in this mode (as in
+/// TRL); `zero_std` marks groups whose normalized sums all equal.
+pub fn decoupled_advantages(
+    per_func: &[f32],
+    weights: &[f32],
+    group_size: usize,
+) -> Result<Advantages> {
+    let f = weights.len();
+    if f == 0 || group_size == 0 || per_func.len() % (f * group_size) != 0 {
+        return Err(Error::Generate(format!(
+            "advantages: {} scores do not form whole groups of {group_size} x {f} reward functions",
+            per_func.len()
+        )));
+    }
+    let n = per_func.len() / f;
+    let mut normalized = vec![f32::NAN; per_func.len()];
+    for (gi, group) in per_func.chunks(f * group_size).enumerate() {
+        for k in 0..f {
+            let col: Vec<f32> = group.iter().skip(k).step_by(f).copied().collect();
+            let mean = nan_mean(&col);
+            let std = if group_size > 1 { nan_std(&col) } else { 0.0 };
+            for (j, r) in col.iter().enumerate() {
+                normalized[(gi * group_size + j) * f + k] = (r - mean) / (std + STD_EPS);
+            }
+        }
+    }
+    let mut rewards = combine_rewards(&normalized, weights)?;
+    // A row whose functions all returned something but normalized to NaN (a group with one
+    // scorable completion) sums to 0, as TRL's nansum does; only all-missing rows stay NaN.
+    for (i, r) in rewards.iter_mut().enumerate() {
+        if r.is_nan() && per_func[i * f..(i + 1) * f].iter().any(|x| !x.is_nan()) {
+            *r = 0.0;
+        }
+    }
+    let mean = nan_mean(&rewards);
+    let std = if n > 1 { nan_std(&rewards) } else { 0.0 };
+    let advantages = rewards
+        .iter()
+        .map(|r| {
+            let a = (r - mean) / (std + STD_EPS);
+            if a.is_finite() {
+                a
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let zero_std = rewards
+        .chunks(group_size)
+        .map(|g| nan_std(g).abs() <= 1e-8)
+        .collect();
+    Ok(Advantages {
+        advantages,
+        rewards,
+        zero_std,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -242,5 +304,32 @@ mod tests {
     #[test]
     fn partial_groups_are_rejected() {
         assert!(group_advantages(&[1.0, 2.0, 3.0], 2, &opts(ScaleRewards::Group)).is_err());
+    }
+
+    #[test]
+    fn normalize_then_sum_decouples_the_functions() {
+        // Group 0: the two functions disagree and cancel; group 1: they agree.
+        let per_func = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0];
+        let a = decoupled_advantages(&per_func, &[1.0, 1.0], 2).unwrap();
+        let z = 0.5 / (0.5f32.sqrt() + STD_EPS); // one function's normalized score
+        assert_eq!(a.rewards, vec![0.0, 0.0, 2.0 * z, -2.0 * z]);
+        let std = ((2.0 * (2.0 * z).powi(2)) / 3.0).sqrt();
+        let want = [
+            0.0,
+            0.0,
+            2.0 * z / (std + STD_EPS),
+            -2.0 * z / (std + STD_EPS),
+        ];
+        for (g, w) in a.advantages.iter().zip(want) {
+            assert!((g - w).abs() < 1e-6, "{g} vs {w}");
+        }
+        assert_eq!(a.zero_std, vec![true, false]);
+        // All missing: unscorable (NaN reward, advantage 0); a lone scorable one sums to 0.
+        let nan = f32::NAN;
+        let b = decoupled_advantages(&[nan, nan, 1.0, nan], &[1.0, 1.0], 2).unwrap();
+        assert!(b.rewards[0].is_nan());
+        assert_eq!(b.rewards[1], 0.0);
+        assert_eq!(b.advantages, vec![0.0, 0.0]);
+        assert!(decoupled_advantages(&[1.0, 2.0, 3.0], &[1.0], 2).is_err());
     }
 }

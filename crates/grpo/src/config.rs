@@ -63,6 +63,15 @@ pub enum ScaleRewards {
     None,
 }
 
+/// How several reward functions become one reward (TRL's `multi_objective_aggregation`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RewardAggregation {
+    /// Weighted sum, then group-relative advantages as `scale_rewards` says.
+    SumThenNormalize,
+    /// GDPO: each function normalized within its group, then summed, then normalized over the batch.
+    NormalizeThenSum,
+}
+
 /// HF learning-rate schedules.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LrSchedule {
@@ -165,6 +174,7 @@ pub struct TrainConfig {
     pub entropy_coef: f64,
     pub use_bias_correction_kl: bool,
     pub reward_std_floor: Option<f64>,
+    pub multi_objective_aggregation: RewardAggregation,
     pub normalize_advantages_batch: bool,
     pub drop_zero_std_groups: bool,
     pub kl_coef: f64,
@@ -275,6 +285,7 @@ const KEYS: &[KeyDoc] = keys! {
         "entropy_coef": "float" = "0.0", "entropy bonus weight";
         "use_bias_correction_kl": "bool" = "true", "multiply the KL term by the importance ratio (unbiased reverse-KL gradient, TRL's default)";
         "reward_std_floor": "float" = "", "clamp each group's reward std from below before scaling";
+        "multi_objective_aggregation": "sum_then_normalize|normalize_then_sum" = "\"sum_then_normalize\"", "several rewards: weighted sum then advantages, or each normalized in its group, summed, normalized over the batch (GDPO)";
         "normalize_advantages_batch": "bool" = "false", "re-normalize all advantages of a batch to mean 0, std 1";
         "drop_zero_std_groups": "bool" = "false", "leave groups whose rewards all equal out of the update";
         "kl_coef": "float" = "0.0", "KL in the reward: reward - kl_coef x sum_t(logp - ref_logp)";
@@ -889,6 +900,23 @@ impl TrainConfig {
             }
             Some(n) => Some(n as u64),
         };
+        let multi_objective_aggregation = v.choice(
+            "multi_objective_aggregation",
+            &[
+                ("sum_then_normalize", RewardAggregation::SumThenNormalize),
+                ("normalize_then_sum", RewardAggregation::NormalizeThenSum),
+            ],
+        )?;
+        if multi_objective_aggregation == RewardAggregation::NormalizeThenSum
+            && matches!(kl, KlMode::Reward { .. })
+        {
+            return bad(
+                "multi_objective_aggregation",
+                "normalize_then_sum cannot be combined with kl_coef (KL in the reward); use beta \
+                 (KL in the loss) instead"
+                    .into(),
+            );
+        }
         Ok(TrainConfig {
             model: v.opt_string("model")?,
             dtype,
@@ -962,6 +990,7 @@ impl TrainConfig {
             entropy_coef: v.f64("entropy_coef")?,
             use_bias_correction_kl: v.bool("use_bias_correction_kl")?,
             reward_std_floor: v.opt_f64("reward_std_floor")?,
+            multi_objective_aggregation,
             normalize_advantages_batch: v.bool("normalize_advantages_batch")?,
             drop_zero_std_groups: v.bool("drop_zero_std_groups")?,
             kl_coef,

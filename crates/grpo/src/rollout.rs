@@ -2,13 +2,11 @@
 //! completion, grouped by prompt), rewards fill in their scores, and the update consumes a
 //! [`TrainBatch`] (token ids, masks, advantages, old and reference log-probs).
 
-use std::time::Instant;
-
 use candle_core::{Device, Tensor};
 
 use crate::data::Example;
 use crate::models::CausalLm;
-use crate::rewards::Reward;
+use crate::rewards::{Reward, ScoreItem};
 use crate::sampler::{self, Completion, GenStats, PromptInput, SamplingParams, StopReason};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
@@ -87,17 +85,28 @@ pub fn rollout(
 }
 
 /// Scores every episode with every reward function; returns seconds spent per function.
-pub fn score(episodes: &mut [Episode], data: &[Example], rewards: &[Reward]) -> Vec<f64> {
-    let mut secs = vec![0.0; rewards.len()];
-    for ep in episodes.iter_mut() {
-        ep.rewards = Vec::with_capacity(rewards.len());
-        for (k, r) in rewards.iter().enumerate() {
-            let t = Instant::now();
-            ep.rewards.push(r.score(&ep.text, &data[ep.example]));
-            secs[k] += t.elapsed().as_secs_f64();
-        }
+/// `ref_mean_logps[i]`, when given, is episode i's mean reference log-prob (coherence rewards).
+pub fn score(
+    episodes: &mut [Episode],
+    data: &[Example],
+    rewards: &[Reward],
+    ref_mean_logps: Option<&[f32]>,
+) -> Result<Vec<f64>> {
+    let items: Vec<ScoreItem> = episodes
+        .iter()
+        .enumerate()
+        .map(|(i, ep)| ScoreItem {
+            group: ep.group,
+            completion_tokens: ep.completion_ids.len(),
+            ref_mean_logp: ref_mean_logps.map(|m| m[i]),
+            ..ScoreItem::new(&data[ep.example], &ep.text)
+        })
+        .collect();
+    let (scores, secs) = crate::rewards::score_all(rewards, &items)?;
+    for (ep, s) in episodes.iter_mut().zip(scores) {
+        ep.rewards = s;
     }
-    secs
+    Ok(secs)
 }
 
 /// One completion as the loss sees it.

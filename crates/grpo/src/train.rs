@@ -15,9 +15,11 @@ use std::time::Instant;
 use candle_core::{DType, Device, Tensor, Var};
 use serde_json::json;
 
-use crate::advantages::{combine_rewards, group_advantages, AdvantageOptions};
+use crate::advantages::{
+    combine_rewards, decoupled_advantages, group_advantages, AdvantageOptions,
+};
 use crate::checkpoint::{self, CheckpointData, HfExport};
-use crate::config::{KlMode, TrainConfig};
+use crate::config::{KlMode, RewardAggregation, TrainConfig};
 use crate::data::{self, Example, PromptOrder};
 use crate::hub::{self, ModelSource};
 use crate::logprobs::{completion_logprobs, forward_chunks, Entropy, Packing};
@@ -74,7 +76,7 @@ struct Datasets {
     rewards: Vec<Reward>,
 }
 
-fn load_datasets(cfg: &TrainConfig) -> Result<Datasets> {
+fn load_datasets(cfg: &TrainConfig, device: &Device) -> Result<Datasets> {
     let fields = data::DataFields {
         prompt_field: cfg.prompt_field.clone(),
         answer_field: cfg.answer_field.clone(),
@@ -113,7 +115,11 @@ fn load_datasets(cfg: &TrainConfig) -> Result<Datasets> {
     let rewards = if cfg.rewards.is_empty() {
         rewards::builtin_task_rewards()
     } else {
-        rewards::parse_rewards(&cfg.rewards)?
+        let ctx = rewards::RewardContext {
+            max_completion_length: cfg.max_completion_length,
+            device: device.clone(),
+        };
+        rewards::parse_rewards(&cfg.rewards, &ctx)?
     };
     Ok(Datasets {
         train,
@@ -218,7 +224,7 @@ fn evaluate(
             .collect::<Result<Vec<_>>>()?;
         let seeds: Vec<u64> = chunk.iter().map(|&i| i as u64).collect();
         let (mut eps, _) = rollout::rollout(model, tok, chunk, ids, &seeds, 1, &greedy)?;
-        rollout::score(&mut eps, &ds.eval, &ds.rewards);
+        rollout::score(&mut eps, &ds.eval, &ds.rewards, None)?;
         for ep in &eps {
             for (k, r) in ep.rewards.iter().enumerate() {
                 if r.is_finite() {
@@ -318,7 +324,7 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
     let base = load_model(&source, DType::F32, &device)?;
     let tok = base.tokenizer()?.clone();
     let pad = tok.pad_token_id().or(tok.eos_token_id()).unwrap_or(0);
-    let ds = load_datasets(cfg)?;
+    let ds = load_datasets(cfg, &device)?;
     tracing::info!(
         "data: {} train prompts, {} eval prompts, rewards: {}",
         ds.train.len(),
@@ -378,8 +384,11 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
         },
     )?;
 
-    // The frozen reference: the base weights (never the resumed ones), only when a KL needs it.
-    let needs_ref = !matches!(cfg.kl, KlMode::None);
+    // The frozen reference: the base weights (never the resumed ones), only when a KL or a
+    // reward (coherence) needs it.
+    let kl_needs_ref = !matches!(cfg.kl, KlMode::None);
+    let rewards_need_ref = ds.rewards.iter().any(|r| r.needs_ref_logp());
+    let needs_ref = kl_needs_ref || rewards_need_ref;
     // Its HF-layout tensors are kept only when they are mixed with the policy's later
     // (`sync_ref_model`); otherwise the built model's own layout is the only copy.
     let mut ref_model = match needs_ref {
@@ -558,12 +567,7 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
         let t_generate = t0.elapsed().as_secs_f64();
         trace_memory("rollout");
 
-        // 2. Score.
-        let t0 = Instant::now();
-        let reward_secs = rollout::score(&mut episodes, &ds.train, &ds.rewards);
-        let t_score = t0.elapsed().as_secs_f64();
-
-        // 3. Old (sampling-policy) and reference log-probs, without a graph.
+        // 2. Old (sampling-policy) and reference log-probs, without a graph.
         let t0 = Instant::now();
         let pairs: Vec<(&[u32], &[u32])> = episodes
             .iter()
@@ -595,12 +599,29 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
         let t_reference = t0.elapsed().as_secs_f64();
         trace_memory("old/reference log-probs");
 
+        // 3. Score (coherence rewards read the reference's mean log-prob of each completion).
+        let t0 = Instant::now();
+        let ref_means: Option<Vec<f32>> =
+            ref_logps.as_ref().filter(|_| rewards_need_ref).map(|r| {
+                r.iter()
+                    .map(|l| l.iter().sum::<f32>() / l.len().max(1) as f32)
+                    .collect()
+            });
+        let reward_secs =
+            rollout::score(&mut episodes, &ds.train, &ds.rewards, ref_means.as_deref())?;
+        let t_score = t0.elapsed().as_secs_f64();
+
         // 4. Rewards -> advantages (KL in the reward when so configured).
         let per_func: Vec<f32> = episodes
             .iter()
             .flat_map(|e| e.rewards.iter().copied())
             .collect();
-        let mut combined = combine_rewards(&per_func, &weights)?;
+        let decoupled = cfg.multi_objective_aggregation == RewardAggregation::NormalizeThenSum;
+        let mut combined = if decoupled {
+            vec![]
+        } else {
+            combine_rewards(&per_func, &weights)?
+        };
         let mut seq_kl_mean = None;
         if let (KlMode::Reward { coef, .. }, Some(old), Some(refl)) =
             (&cfg.kl, &old_logps, &ref_logps)
@@ -620,7 +641,11 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
                 a.update(m, episodes.len());
             }
         }
-        let adv = group_advantages(&combined, g, &adv_opts)?;
+        let adv = if decoupled {
+            decoupled_advantages(&per_func, &weights, g)?
+        } else {
+            group_advantages(&combined, g, &adv_opts)?
+        };
         check_round_invariants(&episodes, p, g, &adv.advantages, &adv_opts)?;
         let keep: Vec<bool> = episodes
             .iter()
@@ -641,7 +666,10 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
                     } else {
                         None
                     },
-                    ref_logps: ref_logps.as_ref().map(|r| r[i].clone()),
+                    ref_logps: ref_logps
+                        .as_ref()
+                        .filter(|_| kl_needs_ref)
+                        .map(|r| r[i].clone()),
                 })
                 .collect(),
         };

@@ -49,6 +49,32 @@ impl LoadedModel {
     }
 }
 
+/// Only the tokenizer of `source` (no weights are read).
+pub fn load_tokenizer(source: &ModelSource) -> Result<Tokenizer> {
+    let missing = |p: &Path| {
+        Error::file(
+            p,
+            "no tokenizer found (expected tokenizer.json in the model directory, or tokenizer metadata in the GGUF file)",
+        )
+    };
+    match source {
+        ModelSource::HfDir(dir) if dir.join("tokenizer.json").is_file() => {
+            Tokenizer::from_hf_dir(dir)
+        }
+        ModelSource::HfDir(dir) => Err(missing(dir)),
+        ModelSource::Gguf(path) => {
+            let mut file =
+                File::open(path).map_err(|e| Error::file(path, format!("cannot open: {e}")))?;
+            let content = gguf_file::Content::read(&mut file)
+                .map_err(|e| Error::file(path, format!("not a valid GGUF file: {e}")))?;
+            if !content.metadata.contains_key("tokenizer.ggml.tokens") {
+                return Err(missing(path));
+            }
+            Tokenizer::from_gguf(&content, path)
+        }
+    }
+}
+
 /// Loads `source` with weights in `dtype` on `device`.
 pub fn load_model(source: &ModelSource, dtype: DType, device: &Device) -> Result<LoadedModel> {
     let mut m = match source {

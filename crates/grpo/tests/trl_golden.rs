@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, Var};
-use grpo::advantages::{combine_rewards, group_advantages, AdvantageOptions};
+use grpo::advantages::{combine_rewards, decoupled_advantages, group_advantages, AdvantageOptions};
 use grpo::config::{IsLevel, LossType, LrSchedule, ScaleRewards};
 use grpo::hub::ModelSource;
 use grpo::logprobs::{completion_logprobs, Entropy, Packing};
@@ -85,6 +85,25 @@ fn advantages_equal_trl() {
         for (i, (a, b)) in got.iter().zip(&want).enumerate() {
             assert!((a - b).abs() < 1e-5, "{name} [{i}]: {a} vs TRL {b}");
         }
+    }
+}
+
+#[test]
+fn normalize_then_sum_advantages_equal_trl() {
+    let c = json("cases.json");
+    let per_func: Vec<f32> = c["rewards_per_func"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(f32s)
+        .collect();
+    let got = decoupled_advantages(&per_func, &f32s(&c["reward_weights"]), 4)
+        .unwrap()
+        .advantages;
+    let want = f32s(&c["advantages_normalize_then_sum"]);
+    assert_eq!(got.len(), want.len());
+    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+        assert!((a - b).abs() < 1e-5, "[{i}]: {a} vs TRL {b}");
     }
 }
 

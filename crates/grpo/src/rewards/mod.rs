@@ -5,9 +5,17 @@
 //! Configured as `[[rewards]]` tables (see [`parse_rewards`]); each kind's options are read by its
 //! own module through [`table::Table`], which names `rewards[i].key` in every error.
 
+pub mod check;
+pub mod judge;
+pub mod rules;
 pub mod table;
 
+use std::time::Instant;
+
 use serde_json::{Map, Value};
+
+use self::rules::{AnswerMatch, Extract, Format, Length};
+use self::table::Table;
 
 use crate::data::{Example, Prompt};
 use crate::{Error, Result};
@@ -72,25 +80,42 @@ impl<'a> ScoreItem<'a> {
     }
 }
 
-/// How an answer is found in a completion.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MatchMode {
-    /// The last number in the text (`1,234` and `-5` and `12.0` understood) equals the answer.
-    LastNumber,
-    /// The answer appears anywhere as a standalone integer (the peer benchmark's rule).
-    Contains,
-}
-
-#[derive(Debug, Clone, PartialEq)]
+/// What a reward computes.
+#[derive(Debug)]
 pub enum RewardFn {
-    /// 1 if the completion's answer equals the example's, else 0; NaN without a reference answer.
-    AnswerMatch { mode: MatchMode },
+    AnswerMatch(AnswerMatch),
     /// `value` if the whole completion is just an integer (optionally followed by a period);
     /// with `only_if_correct`, only when that integer is also the right answer.
-    IntegerOnly { value: f32, only_if_correct: bool },
+    IntegerOnly {
+        value: f32,
+        only_if_correct: bool,
+    },
+    Format(Format),
+    Length(Length),
+    /// See [`rules::repetition_penalty`].
+    Repetition {
+        n: usize,
+        max_penalty: f32,
+    },
+    /// See [`rules::group_diversity`].
+    Diversity {
+        n: usize,
+    },
+    Composite(Box<Composite>),
+    Judge(Box<judge::Judge>),
 }
 
-#[derive(Debug, Clone, PartialEq)]
+/// `kind = "composite"`: a weighted sum of a quality, a safety and a diversity reward (each any
+/// reward table, its `weight` the term's weight) and coherence, the reference model's mean
+/// per-token log-prob of the completion, weighted by `coherence`. Missing terms are left out;
+/// NaN when every term is missing.
+#[derive(Debug)]
+pub struct Composite {
+    pub terms: Vec<Reward>,
+    pub coherence: f32,
+}
+
+#[derive(Debug)]
 pub struct Reward {
     pub name: String,
     pub func: RewardFn,
@@ -98,136 +123,240 @@ pub struct Reward {
 }
 
 impl Reward {
-    pub fn score(&self, completion: &str, example: &Example) -> f32 {
+    /// One score per item (NaN: missing).
+    pub fn score(&self, items: &[ScoreItem]) -> Result<Vec<f32>> {
+        let each = |f: &dyn Fn(&ScoreItem) -> f32| Ok(items.iter().map(f).collect());
         match &self.func {
-            RewardFn::AnswerMatch { mode } => match &example.answer {
-                None => f32::NAN,
-                Some(ans) => {
-                    let ok = match mode {
-                        MatchMode::LastNumber => last_number_matches(completion, ans),
-                        MatchMode::Contains => standalone_integers(completion)
-                            .iter()
-                            .any(|n| n == ans.trim()),
-                    };
-                    if ok {
-                        1.0
-                    } else {
-                        0.0
-                    }
-                }
-            },
+            RewardFn::AnswerMatch(m) => each(&|it| m.score(it.completion, it.answer)),
             RewardFn::IntegerOnly {
                 value,
                 only_if_correct,
             } => {
-                let correct = || {
-                    example
-                        .answer
-                        .as_deref()
-                        .is_some_and(|a| last_number_matches(completion, a))
-                };
-                if is_integer_only(completion) && (!only_if_correct || correct()) {
-                    *value
-                } else {
-                    0.0
-                }
+                let correct = AnswerMatch::new(Extract::LastNumber);
+                each(&|it| {
+                    let ok = rules::is_integer_only(it.completion)
+                        && (!only_if_correct || correct.score(it.completion, it.answer) == 1.0);
+                    if ok {
+                        *value
+                    } else {
+                        0.0
+                    }
+                })
             }
+            RewardFn::Format(f) => each(&|it| f.score(it.completion)),
+            RewardFn::Length(l) => each(&|it| l.score(it.completion_tokens)),
+            RewardFn::Repetition { n, max_penalty } => {
+                each(&|it| rules::repetition_penalty(it.completion, *n, *max_penalty))
+            }
+            RewardFn::Diversity { n } => {
+                let texts: Vec<&str> = items.iter().map(|it| it.completion).collect();
+                let groups: Vec<usize> = items.iter().map(|it| it.group).collect();
+                Ok(rules::group_diversity(&texts, &groups, *n))
+            }
+            RewardFn::Composite(c) => c.score(items),
+            RewardFn::Judge(j) => j.score(items),
         }
     }
 
     /// Whether this reward measures correctness (its mean is reported as accuracy).
     pub fn is_accuracy(&self) -> bool {
-        matches!(self.func, RewardFn::AnswerMatch { .. })
+        matches!(self.func, RewardFn::AnswerMatch(_))
     }
-}
 
-/// Integers as Python's `re.findall(r"(?<![\d.])-?\d+(?![\d])", text.replace(",", ""))` finds them.
-pub fn standalone_integers(text: &str) -> Vec<String> {
-    let c: Vec<char> = text.chars().filter(|&ch| ch != ',').collect();
-    let mut out = vec![];
-    let mut i = 0;
-    while i < c.len() {
-        let prev_ok = i == 0 || !(c[i - 1].is_ascii_digit() || c[i - 1] == '.');
-        let mut j = i;
-        if c[j] == '-' {
-            j += 1;
-        }
-        if prev_ok && j < c.len() && c[j].is_ascii_digit() {
-            let mut k = j;
-            while k < c.len() && c[k].is_ascii_digit() {
-                k += 1;
+    /// Whether the reward reads [`ScoreItem::ref_mean_logp`] (the trainer then computes the
+    /// reference log-probs before scoring).
+    pub fn needs_ref_logp(&self) -> bool {
+        match &self.func {
+            RewardFn::Composite(c) => {
+                c.coherence != 0.0 || c.terms.iter().any(Reward::needs_ref_logp)
             }
-            out.push(c[i..k].iter().collect());
-            i = k;
-        } else {
-            i += 1;
+            _ => false,
         }
     }
-    out
+
+    /// Whether the reward reads [`ScoreItem::completion_tokens`].
+    pub fn needs_token_counts(&self) -> bool {
+        match &self.func {
+            RewardFn::Length(_) => true,
+            RewardFn::Composite(c) => c.terms.iter().any(Reward::needs_token_counts),
+            _ => false,
+        }
+    }
 }
 
-/// Numbers in reading order: optional `-`, digits with `,` separators, optional decimals.
-pub fn numbers(text: &str) -> Vec<f64> {
-    let c: Vec<char> = text.chars().collect();
-    let mut out = vec![];
-    let mut i = 0;
-    while i < c.len() {
-        if c[i].is_ascii_digit() {
-            let neg = i > 0 && c[i - 1] == '-' && (i < 2 || !c[i - 2].is_ascii_alphanumeric());
-            let word = i > 0 && c[i - 1].is_ascii_alphabetic();
-            let mut s = String::new();
-            let mut k = i;
-            while k < c.len()
-                && (c[k].is_ascii_digit()
-                    || (c[k] == ',' && k + 1 < c.len() && c[k + 1].is_ascii_digit()))
-            {
-                if c[k] != ',' {
-                    s.push(c[k]);
+impl Composite {
+    fn score(&self, items: &[ScoreItem]) -> Result<Vec<f32>> {
+        let mut parts: Vec<(f32, Vec<f32>)> = self
+            .terms
+            .iter()
+            .map(|r| Ok((r.weight, r.score(items)?)))
+            .collect::<Result<_>>()?;
+        if self.coherence != 0.0 {
+            let coh = items
+                .iter()
+                .map(|it| it.ref_mean_logp.unwrap_or(f32::NAN))
+                .collect();
+            parts.push((self.coherence, coh));
+        }
+        let weights: Vec<f32> = parts.iter().map(|p| p.0).collect();
+        let per_item: Vec<f32> = (0..items.len())
+            .flat_map(|i| parts.iter().map(move |p| p.1[i]))
+            .collect();
+        crate::advantages::combine_rewards(&per_item, &weights)
+    }
+}
+
+/// What parsing a reward may need from the run.
+#[derive(Debug, Clone)]
+pub struct RewardContext {
+    /// The default `max_length` of length rewards.
+    pub max_completion_length: usize,
+    /// Where reward models run.
+    pub device: candle_core::Device,
+}
+
+/// Kinds and the keys each takes (besides `kind`, `name`, `weight`).
+const KINDS: &[(&str, &[&str])] = &[
+    ("answer_match", AnswerMatch::KEYS),
+    ("integer_only", &["value", "only_if_correct"]),
+    ("format", Format::KEYS),
+    ("length", Length::KEYS),
+    ("repetition", &["n", "max_penalty"]),
+    ("diversity", &["n"]),
+    (
+        "composite",
+        &["quality", "safety", "diversity", "coherence"],
+    ),
+    ("judge", judge::Judge::KEYS),
+];
+
+/// `[[rewards]]` tables -> rewards.
+pub fn parse_rewards(tables: &[Value], ctx: &RewardContext) -> Result<Vec<Reward>> {
+    let rewards = tables
+        .iter()
+        .enumerate()
+        .map(|(i, t)| parse_reward(t, format!("rewards[{i}]"), ctx))
+        .collect::<Result<Vec<_>>>()?;
+    let mut seen = std::collections::HashSet::new();
+    for (i, r) in rewards.iter().enumerate() {
+        if !seen.insert(r.name.as_str()) {
+            return Err(Error::config(
+                format!("rewards[{i}].name"),
+                format!(
+                    "two rewards are named `{}`; give each a distinct `name` (metrics use it)",
+                    r.name
+                ),
+            ));
+        }
+    }
+    Ok(rewards)
+}
+
+fn parse_reward(v: &Value, path: String, ctx: &RewardContext) -> Result<Reward> {
+    let obj = v
+        .as_object()
+        .ok_or_else(|| Error::config(&path, "must be a table"))?;
+    let kinds: Vec<&str> = KINDS.iter().map(|k| k.0).collect();
+    let kind = obj.get("kind").and_then(Value::as_str).ok_or_else(|| {
+        Error::config(
+            format!("{path}.kind"),
+            format!("missing: one of {}", kinds.join(", ")),
+        )
+    })?;
+    let Some((_, keys)) = KINDS.iter().find(|k| k.0 == kind) else {
+        let hint = crate::config::nearest(kind, &kinds)
+            .map(|n| format!(" (did you mean `{n}`?)"))
+            .unwrap_or_default();
+        return Err(Error::config(
+            format!("{path}.kind"),
+            format!(
+                "`{kind}` is not a reward kind{hint}; use one of {}",
+                kinds.join(", ")
+            ),
+        ));
+    };
+    let t = Table::new(obj, path.clone(), keys)?;
+    let func = match kind {
+        "answer_match" => RewardFn::AnswerMatch(AnswerMatch::from_table(&t)?),
+        "integer_only" => RewardFn::IntegerOnly {
+            value: t.f32("value", 0.1)?,
+            only_if_correct: t.bool("only_if_correct", false)?,
+        },
+        "format" => RewardFn::Format(Format::from_table(&t)?),
+        "length" => RewardFn::Length(Length::from_table(&t, ctx.max_completion_length)?),
+        "repetition" => {
+            let max_penalty = t.f32("max_penalty", -1.0)?;
+            if max_penalty > 0.0 {
+                return Err(t.err("max_penalty", "must be <= 0 (it is a penalty)"));
+            }
+            RewardFn::Repetition {
+                n: ngram_size(&t, 3)?,
+                max_penalty,
+            }
+        }
+        "diversity" => RewardFn::Diversity {
+            n: ngram_size(&t, 2)?,
+        },
+        "composite" => {
+            let mut terms = vec![];
+            for k in ["quality", "safety", "diversity"] {
+                if let Some(sub) = t.sub(k)? {
+                    let mut r = parse_reward(&Value::Object(sub.clone()), t.key(k), ctx)?;
+                    if !sub.contains_key("name") {
+                        r.name = k.to_string();
+                    }
+                    terms.push(r);
                 }
-                k += 1;
             }
-            if k + 1 < c.len() && c[k] == '.' && c[k + 1].is_ascii_digit() {
-                s.push('.');
-                k += 1;
-                while k < c.len() && c[k].is_ascii_digit() {
-                    s.push(c[k]);
-                    k += 1;
-                }
+            let coherence = t.f32("coherence", 0.0)?;
+            if terms.is_empty() && coherence == 0.0 {
+                return Err(t.err(
+                    "quality",
+                    "a composite reward needs at least one of the tables quality, safety, \
+                     diversity, or a `coherence` weight",
+                ));
             }
-            if !word {
-                if let Ok(v) = s.parse::<f64>() {
-                    out.push(if neg { -v } else { v });
-                }
-            }
-            i = k;
-        } else {
-            i += 1;
+            RewardFn::Composite(Box::new(Composite { terms, coherence }))
         }
-    }
-    out
+        "judge" => RewardFn::Judge(Box::new(judge::Judge::from_table(&t, &ctx.device)?)),
+        _ => unreachable!("kinds are checked above"),
+    };
+    Ok(Reward {
+        name: t.str("name", kind)?.to_string(),
+        func,
+        weight: t.f32("weight", 1.0)?,
+    })
 }
 
-fn last_number_matches(text: &str, answer: &str) -> bool {
-    let last = numbers(text).last().copied();
-    match (last, numbers(answer).first().copied()) {
-        (Some(got), Some(want))
-            if answer.trim().parse::<f64>().is_ok() || numbers(answer).len() == 1 =>
-        {
-            (got - want).abs() <= 1e-9 * want.abs().max(1.0)
-        }
-        _ => text
-            .trim()
-            .trim_end_matches('.')
-            .eq_ignore_ascii_case(answer.trim()),
+fn ngram_size(t: &Table, default: usize) -> Result<usize> {
+    let n = t.usize("n", default)?;
+    if n == 0 {
+        return Err(t.err("n", "the n-gram size must be >= 1"));
     }
+    Ok(n)
 }
 
-/// Python's `re.match(r"^\s*-?\d+\s*\.?\s*$", text)`.
-pub fn is_integer_only(text: &str) -> bool {
-    let t = text.trim();
-    let t = t.strip_suffix('.').map_or(t, str::trim_end);
-    let t = t.strip_prefix('-').unwrap_or(t);
-    !t.is_empty() && t.chars().all(|c| c.is_ascii_digit())
+/// Scores of every item under every reward: `[item][reward]`, and the seconds each reward took.
+pub fn score_all(rewards: &[Reward], items: &[ScoreItem]) -> Result<(Vec<Vec<f32>>, Vec<f64>)> {
+    let mut out = vec![Vec::with_capacity(rewards.len()); items.len()];
+    let mut secs = Vec::with_capacity(rewards.len());
+    for r in rewards {
+        let t = Instant::now();
+        let scores = r.score(items)?;
+        if scores.len() != items.len() {
+            return Err(Error::Generate(format!(
+                "reward `{}` returned {} scores for {} completions",
+                r.name,
+                scores.len(),
+                items.len()
+            )));
+        }
+        for (row, s) in out.iter_mut().zip(scores) {
+            row.push(s);
+        }
+        secs.push(t.elapsed().as_secs_f64());
+    }
+    Ok((out, secs))
 }
 
 /// The built-in task's rewards: correctness of the last number, and a small bonus for answering
@@ -237,9 +366,7 @@ pub fn builtin_task_rewards() -> Vec<Reward> {
     vec![
         Reward {
             name: "correct".into(),
-            func: RewardFn::AnswerMatch {
-                mode: MatchMode::LastNumber,
-            },
+            func: RewardFn::AnswerMatch(AnswerMatch::new(Extract::LastNumber)),
             weight: 1.0,
         },
         Reward {
@@ -258,9 +385,7 @@ pub fn peer_addition_rewards() -> Vec<Reward> {
     vec![
         Reward {
             name: "correctness".into(),
-            func: RewardFn::AnswerMatch {
-                mode: MatchMode::Contains,
-            },
+            func: RewardFn::AnswerMatch(AnswerMatch::new(Extract::Contains)),
             weight: 1.0,
         },
         Reward {
@@ -274,125 +399,34 @@ pub fn peer_addition_rewards() -> Vec<Reward> {
     ]
 }
 
-/// `[[rewards]]` tables -> rewards.
-pub fn parse_rewards(tables: &[Value]) -> Result<Vec<Reward>> {
-    tables
-        .iter()
-        .enumerate()
-        .map(|(i, t)| {
-            let key = |k: &str| format!("rewards[{i}].{k}");
-            let obj = t
-                .as_object()
-                .ok_or_else(|| Error::config(format!("rewards[{i}]"), "must be a table"))?;
-            let kind = obj.get("kind").and_then(Value::as_str).ok_or_else(|| {
-                Error::config(key("kind"), "missing: one of answer_match, integer_only")
-            })?;
-            let allowed: &[&str] = match kind {
-                "answer_match" => &["kind", "mode", "weight", "name"],
-                "integer_only" => &["kind", "value", "only_if_correct", "weight", "name"],
-                other => {
-                    return Err(Error::config(
-                        key("kind"),
-                        format!("`{other}` is not a reward kind; use answer_match or integer_only"),
-                    ))
-                }
-            };
-            if let Some(k) = obj.keys().find(|k| !allowed.contains(&k.as_str())) {
-                return Err(Error::config(
-                    key(k),
-                    format!(
-                        "unknown key for kind {kind}; allowed: {}",
-                        allowed.join(", ")
-                    ),
-                ));
-            }
-            let num = |k: &str, d: f64| -> Result<f64> {
-                match obj.get(k) {
-                    None => Ok(d),
-                    Some(v) => v.as_f64().ok_or_else(|| {
-                        Error::config(key(k), format!("expected a number, got {v}"))
-                    }),
-                }
-            };
-            let func = if kind == "answer_match" {
-                let mode = match obj
-                    .get("mode")
-                    .and_then(Value::as_str)
-                    .unwrap_or("last_number")
-                {
-                    "last_number" => MatchMode::LastNumber,
-                    "contains" => MatchMode::Contains,
-                    other => {
-                        return Err(Error::config(
-                            key("mode"),
-                            format!("`{other}`: use last_number or contains"),
-                        ))
-                    }
-                };
-                RewardFn::AnswerMatch { mode }
-            } else {
-                let only_if_correct = match obj.get("only_if_correct") {
-                    None => false,
-                    Some(Value::Bool(b)) => *b,
-                    Some(v) => {
-                        return Err(Error::config(
-                            key("only_if_correct"),
-                            format!("expected true or false, got {v}"),
-                        ))
-                    }
-                };
-                RewardFn::IntegerOnly {
-                    value: num("value", 0.1)? as f32,
-                    only_if_correct,
-                }
-            };
-            let name = obj
-                .get("name")
-                .and_then(Value::as_str)
-                .unwrap_or(kind)
-                .to_string();
-            Ok(Reward {
-                name,
-                func,
-                weight: num("weight", 1.0)? as f32,
-            })
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::data::Prompt;
 
     fn ex(ans: Option<&str>) -> Example {
         Example {
-            prompt: crate::data::Prompt::Text("q".into()),
+            prompt: Prompt::Text("q".into()),
             answer: ans.map(str::to_owned),
             metadata: Default::default(),
             origin: "t".into(),
         }
     }
 
-    #[test]
-    fn standalone_integers_match_the_python_regex() {
-        // Expected values from re.findall(r"(?<![\d.])-?\d+(?![\d])", s.replace(",", "")).
-        let cases: &[(&str, &[&str])] = &[
-            ("The answer is 122.", &["122"]),
-            ("59 + 63 = 122", &["59", "63", "122"]),
-            ("1,234 apples", &["1234"]),
-            ("12.5 and 3", &["12", "3"]),
-            ("-5 or 5-3", &["-5", "5", "3"]),
-            ("x2 y", &["2"]),
-            ("no numbers", &[]),
-            ("v1.2.3", &["1"]),
-        ];
-        for (s, want) in cases {
-            assert_eq!(
-                standalone_integers(s),
-                want.iter().map(|x| x.to_string()).collect::<Vec<_>>(),
-                "{s}"
-            );
+    fn one(r: &Reward, text: &str, e: &Example) -> f32 {
+        r.score(&[ScoreItem::new(e, text)]).unwrap()[0]
+    }
+
+    fn ctx() -> RewardContext {
+        RewardContext {
+            max_completion_length: 64,
+            device: candle_core::Device::Cpu,
         }
+    }
+
+    fn parse(json: &str) -> Result<Vec<Reward>> {
+        let t: Vec<Value> = serde_json::from_str(json).unwrap();
+        parse_rewards(&t, &ctx())
     }
 
     #[test]
@@ -400,14 +434,14 @@ mod tests {
         let last = &builtin_task_rewards()[0];
         let contains = &peer_addition_rewards()[0];
         let e = ex(Some("122"));
-        assert_eq!(last.score("59 + 63 = 122", &e), 1.0);
-        assert_eq!(last.score("122 is wrong, it is 121", &e), 0.0);
-        assert_eq!(contains.score("122 is wrong, it is 121", &e), 1.0);
-        assert_eq!(last.score("The answer is 122.0.", &e), 1.0);
-        assert_eq!(last.score("1,234", &ex(Some("1234"))), 1.0);
-        assert_eq!(last.score("It is -5.", &ex(Some("-5"))), 1.0);
-        assert_eq!(last.score("nothing", &e), 0.0);
-        assert!(last.score("122", &ex(None)).is_nan());
+        assert_eq!(one(last, "59 + 63 = 122", &e), 1.0);
+        assert_eq!(one(last, "122 is wrong, it is 121", &e), 0.0);
+        assert_eq!(one(contains, "122 is wrong, it is 121", &e), 1.0);
+        assert_eq!(one(last, "The answer is 122.0.", &e), 1.0);
+        assert_eq!(one(last, "1,234", &ex(Some("1234"))), 1.0);
+        assert_eq!(one(last, "It is -5.", &ex(Some("-5"))), 1.0);
+        assert_eq!(one(last, "nothing", &e), 0.0);
+        assert!(one(last, "122", &ex(None)).is_nan());
         assert!(last.is_accuracy() && !builtin_task_rewards()[1].is_accuracy());
     }
 
@@ -425,7 +459,7 @@ mod tests {
             ("12 3", false),
             ("1.5", false),
         ] {
-            assert_eq!(f.score(s, &ex(None)), if ok { 0.1 } else { 0.0 }, "{s:?}");
+            assert_eq!(one(f, s, &ex(None)), if ok { 0.1 } else { 0.0 }, "{s:?}");
         }
     }
 
@@ -433,36 +467,146 @@ mod tests {
     fn builtin_format_bonus_needs_the_right_answer() {
         let f = &builtin_task_rewards()[1];
         let e = ex(Some("122"));
-        assert_eq!(f.score("122", &e), 0.1);
-        assert_eq!(f.score("121", &e), 0.0);
-        assert_eq!(f.score("59 + 63 = 122", &e), 0.0);
-        assert_eq!(peer_addition_rewards()[1].score("121", &e), 0.1);
+        assert_eq!(one(f, "122", &e), 0.1);
+        assert_eq!(one(f, "121", &e), 0.0);
+        assert_eq!(one(f, "59 + 63 = 122", &e), 0.0);
+        assert_eq!(one(&peer_addition_rewards()[1], "121", &e), 0.1);
     }
 
     #[test]
     fn parse_reward_tables() {
-        let t: Vec<Value> = serde_json::from_str(
-            r#"[{"kind": "answer_match", "mode": "contains", "weight": 2.0}, {"kind": "integer_only", "value": 0.5, "name": "fmt"}]"#,
+        let r = parse(
+            r#"[{"kind": "answer_match", "mode": "contains", "weight": 2.0},
+                {"kind": "integer_only", "value": 0.5, "name": "fmt"},
+                {"kind": "answer_match", "extract": "boxed", "tolerance": 0.01, "name": "boxed"},
+                {"kind": "format", "pattern": "^<a>.*</a>$", "required_tags": ["a"]},
+                {"kind": "length", "max_length": 40, "cache_length": 10},
+                {"kind": "repetition", "n": 2, "max_penalty": -0.5},
+                {"kind": "diversity"}]"#,
         )
         .unwrap();
-        let r = parse_rewards(&t).unwrap();
-        assert_eq!(
-            r[0].func,
-            RewardFn::AnswerMatch {
-                mode: MatchMode::Contains
-            }
-        );
+        assert!(matches!(&r[0].func, RewardFn::AnswerMatch(m) if m.extract == Extract::Contains));
         assert_eq!(r[0].weight, 2.0);
         assert_eq!(r[1].name, "fmt");
-        for bad in [
-            r#"[{"kind": "bogus"}]"#,
-            r#"[{"kind": "answer_match", "mode": "x"}]"#,
-            r#"[{"kind": "integer_only", "pattern": "x"}]"#,
-            r#"[{}]"#,
+        assert!(
+            matches!(&r[2].func, RewardFn::AnswerMatch(m) if m.extract == Extract::Boxed && m.abs_tol == 0.01)
+        );
+        assert!(matches!(
+            r[4].func,
+            RewardFn::Length(Length::Overlong {
+                max_length: 40,
+                cache: 10
+            })
+        ));
+        assert!(r[4].needs_token_counts() && !r[0].needs_token_counts());
+        let default_len = parse(r#"[{"kind": "length"}]"#).unwrap();
+        assert!(matches!(
+            default_len[0].func,
+            RewardFn::Length(Length::Overlong {
+                max_length: 64,
+                cache: 16
+            })
+        ));
+        for (bad, key) in [
+            (r#"[{"kind": "bogus"}]"#, "rewards[0].kind"),
+            (
+                r#"[{"kind": "answer_matc"}]"#,
+                "did you mean `answer_match`",
+            ),
+            (
+                r#"[{"kind": "answer_match", "mode": "x"}]"#,
+                "rewards[0].mode",
+            ),
+            (
+                r#"[{"kind": "integer_only", "pattern": "x"}]"#,
+                "rewards[0].pattern",
+            ),
+            (
+                r#"[{"kind": "format", "patern": "x"}]"#,
+                "did you mean `pattern`",
+            ),
+            (r#"[{"kind": "format"}]"#, "rewards[0].pattern"),
+            (
+                r#"[{"kind": "format", "pattern": "(unclosed"}]"#,
+                "not a valid regular",
+            ),
+            (
+                r#"[{"kind": "format", "required_tags": ["<a>"]}]"#,
+                "without brackets",
+            ),
+            (
+                r#"[{"kind": "length", "cache_length": 0}]"#,
+                "rewards[0].cache_length",
+            ),
+            (
+                r#"[{"kind": "length", "mode": "target"}]"#,
+                "rewards[0].target",
+            ),
+            (
+                r#"[{"kind": "repetition", "max_penalty": 1}]"#,
+                "must be <= 0",
+            ),
+            (r#"[{"kind": "diversity", "n": 0}]"#, "rewards[0].n"),
+            (
+                r#"[{"kind": "answer_match", "weight": "x"}]"#,
+                "rewards[0].weight",
+            ),
+            (r#"[{}]"#, "rewards[0].kind"),
+            (r#"[1]"#, "rewards[0]"),
+            (
+                r#"[{"kind": "diversity"}, {"kind": "diversity"}]"#,
+                "rewards[1].name",
+            ),
+            (r#"[{"kind": "composite"}]"#, "rewards[0].quality"),
+            (
+                r#"[{"kind": "composite", "safety": {"kind": "format"}}]"#,
+                "rewards[0].safety.pattern",
+            ),
         ] {
-            let t: Vec<Value> = serde_json::from_str(bad).unwrap();
-            let e = parse_rewards(&t).unwrap_err().to_string();
-            assert!(e.contains("rewards[0]"), "{e}");
+            let e = match parse(bad) {
+                Ok(_) => panic!("{bad} parsed"),
+                Err(e) => e.to_string(),
+            };
+            assert!(e.contains(key), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn composite_sums_terms_and_coherence() {
+        let r = parse(
+            r#"[{"kind": "composite", "coherence": 0.5,
+                 "quality": {"kind": "answer_match"},
+                 "diversity": {"kind": "diversity", "n": 1, "weight": 0.25}}]"#,
+        )
+        .unwrap();
+        assert!(r[0].needs_ref_logp());
+        let e = ex(Some("7"));
+        let mut a = ScoreItem::new(&e, "x 7");
+        a.ref_mean_logp = Some(-2.0);
+        let mut b = ScoreItem::new(&e, "x 8");
+        b.ref_mean_logp = Some(-1.0);
+        let c = ScoreItem::new(&e, "y 8"); // no reference log-prob: that term is left out
+        let s = r[0].score(&[a, b, c]).unwrap();
+        // a: quality 1, diversity {x,7}: 7 is its own -> 0.5, coherence -2.
+        assert_eq!(s[0], 1.0 + 0.25 * 0.5 - 1.0);
+        // b: quality 0, diversity {x, 8}: x shared with a, 8 with c -> 0.
+        assert_eq!(s[1], -0.5);
+        // c: quality 0, diversity {y, 8}: y own -> 0.5; no coherence.
+        assert_eq!(s[2], 0.125);
+        let no_answer = ex(None);
+        let d = ScoreItem::new(&no_answer, "z");
+        let only_quality =
+            parse(r#"[{"kind": "composite", "quality": {"kind": "answer_match"}}]"#).unwrap();
+        assert!(only_quality[0].score(&[d]).unwrap()[0].is_nan());
+    }
+
+    #[test]
+    fn score_all_is_item_major_with_timings() {
+        let r = builtin_task_rewards();
+        let e = ex(Some("3"));
+        let items = [ScoreItem::new(&e, "3"), ScoreItem::new(&e, "1 + 2 = 4")];
+        let (s, secs) = score_all(&r, &items).unwrap();
+        assert_eq!(s, vec![vec![1.0, 0.1], vec![0.0, 0.0]]);
+        assert_eq!(secs.len(), 2);
     }
 }

@@ -7,14 +7,15 @@ use crate::{Error, Result};
 /// A reward table and its index; unknown keys are rejected when it is made.
 pub struct Table<'a> {
     obj: &'a Map<String, Value>,
-    index: usize,
+    /// How the table is named in errors: `rewards[2]`, `rewards[0].quality`.
+    path: String,
 }
 
 impl<'a> Table<'a> {
     /// Checks that every key of `obj` is in `allowed` (plus `kind`, `name` and `weight`, which
     /// every reward takes), suggesting the nearest allowed key for a typo.
-    pub fn new(obj: &'a Map<String, Value>, index: usize, allowed: &[&str]) -> Result<Self> {
-        let t = Table { obj, index };
+    pub fn new(obj: &'a Map<String, Value>, path: String, allowed: &[&str]) -> Result<Self> {
+        let t = Table { obj, path };
         let all: Vec<&str> = ["kind", "name", "weight"]
             .iter()
             .chain(allowed)
@@ -38,7 +39,19 @@ impl<'a> Table<'a> {
 
     /// `rewards[i].key`
     pub fn key(&self, k: &str) -> String {
-        format!("rewards[{}].{k}", self.index)
+        format!("{}.{k}", self.path)
+    }
+    /// The table's own name in errors (`rewards[i]`).
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+    /// A nested table (`[rewards.quality]`), if present.
+    pub fn sub(&self, k: &str) -> Result<Option<&'a Map<String, Value>>> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(Value::Object(m)) => Ok(Some(m)),
+            Some(v) => Err(self.err(k, format!("expected a table, got {v}"))),
+        }
     }
     pub fn err(&self, k: &str, msg: impl std::fmt::Display) -> Error {
         Error::config(self.key(k), msg)
@@ -100,8 +113,7 @@ impl<'a> Table<'a> {
         self.opt_str(k)?
             .ok_or_else(|| self.err(k, format!("missing: {what}")))
     }
-    /// A list of strings; a single string is a list of one; a comma-separated string is split
-    /// when `split_commas` (command-line overrides write lists that way).
+    /// A list of strings; a single string is a list of one.
     pub fn opt_strs(&self, k: &str) -> Result<Option<Vec<String>>> {
         match self.get(k) {
             None => Ok(None),

@@ -1,0 +1,263 @@
+//! `kind = "judge"`: a frozen causal LM asked a rubric question about each completion.
+//!
+//! The rubric is a template (minijinja, Jinja syntax) over `prompt`, `completion`, `answer` and
+//! `metadata`; it is rendered as one user message with the judge's chat template (or fed as plain
+//! text with `chat = false`), and the judge's next-token distribution gives the reward:
+//! - `mode = "yes_probability"`: the probability of the `yes` token(s); with `no` given, the
+//!   probability renormalized over yes and no, `P(yes) / (P(yes) + P(no))`;
+//! - `mode = "expected_score"`: the expected value over the `scores` tokens (renormalized over
+//!   them), each worth its `score_values` entry (default: 1, 2, 3, ...).
+
+use candle_core::{DType, Device, IndexOp, D};
+
+use super::table::Table;
+use super::ScoreItem;
+use crate::hub;
+use crate::models::{CausalLm, Mode, SeqBatch};
+use crate::tokenizer::{ChatMessage, Tokenizer};
+use crate::weights::load_model;
+use crate::{Error, Result};
+
+const DEFAULT_TEMPLATE: &str = "Question: {{ prompt }}\n\nResponse: {{ completion }}\n\
+{% if answer %}Reference answer: {{ answer }}\n\n{% endif %}\
+Is the response correct and helpful? Answer Yes or No.";
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum JudgeMode {
+    /// Token-id sets for yes and (optionally) no.
+    YesProbability { yes: Vec<u32>, no: Vec<u32> },
+    /// (token ids, value) per score.
+    ExpectedScore { scores: Vec<(u32, f32)> },
+}
+
+#[derive(Debug)]
+pub struct Judge {
+    model: CausalLm,
+    tok: Tokenizer,
+    template: String,
+    chat: bool,
+    mode: JudgeMode,
+    batch_size: usize,
+    pad: u32,
+}
+
+impl Judge {
+    pub const KEYS: &'static [&'static str] = &[
+        "model",
+        "template",
+        "chat",
+        "mode",
+        "yes",
+        "no",
+        "scores",
+        "score_values",
+        "batch_size",
+    ];
+
+    pub fn from_table(t: &Table, device: &Device) -> Result<Self> {
+        let template = t.str("template", DEFAULT_TEMPLATE)?.to_string();
+        // Check the template once with empty values, so a syntax error names the key now.
+        render(&template, &ScoreItemOwned::default())
+            .map_err(|e| t.err("template", format!("cannot render: {e}")))?;
+        let source = hub::resolve_model(t.opt_str("model")?)?;
+        let loaded = load_model(&source, DType::F32, device)?;
+        let tok = loaded.tokenizer()?.clone();
+        let model = loaded.build()?;
+        let chat = t.bool("chat", tok.has_chat_template())?;
+        if chat && !tok.has_chat_template() {
+            return Err(t.err(
+                "chat",
+                format!(
+                    "the judge {} has no chat template; set chat = false",
+                    source.path().display()
+                ),
+            ));
+        }
+        let ids_of = |k: &str, words: &[String]| -> Result<Vec<u32>> {
+            words
+                .iter()
+                .map(|w| {
+                    let ids = tok.encode(w, false)?;
+                    match ids.as_slice() {
+                        [id] => Ok(*id),
+                        _ => Err(t.err(
+                            k,
+                            format!(
+                                "`{w}` is {} tokens for the judge's tokenizer; give words that are \
+                                 one token each (e.g. \"Yes\" and \" Yes\")",
+                                ids.len()
+                            ),
+                        )),
+                    }
+                })
+                .collect()
+        };
+        #[derive(Clone, Copy)]
+        enum M {
+            Yes,
+            Expected,
+        }
+        let mode = match t.choice(
+            "mode",
+            M::Yes,
+            &[("yes_probability", M::Yes), ("expected_score", M::Expected)],
+        )? {
+            M::Yes => {
+                let yes = t.opt_strs("yes")?.unwrap_or_else(|| vec!["Yes".into()]);
+                let no = t.opt_strs("no")?.unwrap_or_default();
+                JudgeMode::YesProbability {
+                    yes: ids_of("yes", &yes)?,
+                    no: ids_of("no", &no)?,
+                }
+            }
+            M::Expected => {
+                let words = t.opt_strs("scores")?.ok_or_else(|| {
+                    t.err(
+                        "scores",
+                        "missing: the score tokens, e.g. [\"1\", \"2\", \"3\", \"4\", \"5\"]",
+                    )
+                })?;
+                let ids = ids_of("scores", &words)?;
+                let values: Vec<f32> = match t.get("score_values") {
+                    None => (1..=ids.len()).map(|v| v as f32).collect(),
+                    Some(v) => serde_json::from_value::<Vec<f32>>(v.clone()).map_err(|_| {
+                        t.err(
+                            "score_values",
+                            format!("expected a list of numbers, got {v}"),
+                        )
+                    })?,
+                };
+                if values.len() != ids.len() {
+                    return Err(t.err(
+                        "score_values",
+                        format!("{} values for {} score tokens", values.len(), ids.len()),
+                    ));
+                }
+                JudgeMode::ExpectedScore {
+                    scores: ids.into_iter().zip(values).collect(),
+                }
+            }
+        };
+        let batch_size = t.usize("batch_size", 8)?.max(1);
+        let pad = tok.pad_token_id().or(tok.eos_token_id()).unwrap_or(0);
+        Ok(Judge {
+            model,
+            tok,
+            template,
+            chat,
+            mode,
+            batch_size,
+            pad,
+        })
+    }
+
+    /// The judge's input ids for one item.
+    fn input_ids(&self, item: &ScoreItem) -> Result<Vec<u32>> {
+        let text = render(&self.template, &ScoreItemOwned::from(item))
+            .map_err(|e| Error::Generate(format!("judge template: {e}")))?;
+        let mut ids = if self.chat {
+            self.tok.encode_chat(&[ChatMessage::user(text)], true)?
+        } else {
+            self.tok.encode(&text, true)?
+        };
+        // Keep the end (the question) when the text is longer than the judge's context.
+        let max = self.model.max_positions();
+        if ids.len() > max {
+            ids.drain(..ids.len() - max);
+        }
+        Ok(ids)
+    }
+
+    pub fn score(&self, items: &[ScoreItem]) -> Result<Vec<f32>> {
+        let mut out = Vec::with_capacity(items.len());
+        for chunk in items.chunks(self.batch_size) {
+            let seqs = chunk
+                .iter()
+                .map(|it| self.input_ids(it))
+                .collect::<Result<Vec<_>>>()?;
+            let batch = SeqBatch::left_padded(&seqs, self.pad, self.model.device())?;
+            let (_, t) = batch.dims();
+            let hidden = self.model.forward_hidden(&batch, Mode::Infer)?; // [B, T, H]
+            let last = hidden.i((.., t - 1, ..))?.contiguous()?; // [B, H]
+            let logits = self.model.logits(&last)?; // [B, V] f32
+            let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?.to_vec2::<f32>()?;
+            out.extend(logp.iter().map(|row| self.reduce(row)));
+        }
+        Ok(out)
+    }
+
+    /// The reward from one next-token log-prob row.
+    fn reduce(&self, logp: &[f32]) -> f32 {
+        let p = |id: u32| logp.get(id as usize).map_or(0.0, |l| l.exp());
+        match &self.mode {
+            JudgeMode::YesProbability { yes, no } => {
+                let py: f32 = yes.iter().map(|&i| p(i)).sum();
+                if no.is_empty() {
+                    py
+                } else {
+                    let pn: f32 = no.iter().map(|&i| p(i)).sum();
+                    if py + pn > 0.0 {
+                        py / (py + pn)
+                    } else {
+                        f32::NAN
+                    }
+                }
+            }
+            JudgeMode::ExpectedScore { scores } => {
+                let total: f32 = scores.iter().map(|&(i, _)| p(i)).sum();
+                if total > 0.0 {
+                    scores.iter().map(|&(i, v)| p(i) * v).sum::<f32>() / total
+                } else {
+                    f32::NAN
+                }
+            }
+        }
+    }
+}
+
+/// What the rubric template sees.
+#[derive(Debug, Default, serde::Serialize)]
+struct ScoreItemOwned {
+    prompt: String,
+    completion: String,
+    answer: Option<String>,
+    metadata: serde_json::Map<String, serde_json::Value>,
+}
+
+impl From<&ScoreItem<'_>> for ScoreItemOwned {
+    fn from(it: &ScoreItem) -> Self {
+        ScoreItemOwned {
+            prompt: it.prompt_text().to_string(),
+            completion: it.completion.to_string(),
+            answer: it.answer.map(str::to_owned),
+            metadata: it.metadata.clone(),
+        }
+    }
+}
+
+fn render(template: &str, item: &ScoreItemOwned) -> std::result::Result<String, minijinja::Error> {
+    let env = minijinja::Environment::new();
+    env.render_str(template, item)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_template_renders_with_and_without_an_answer() {
+        let mut it = ScoreItemOwned {
+            prompt: "2+2?".into(),
+            completion: "4".into(),
+            ..Default::default()
+        };
+        let a = render(DEFAULT_TEMPLATE, &it).unwrap();
+        assert!(a.contains("Question: 2+2?") && a.contains("Response: 4"));
+        assert!(!a.contains("Reference"));
+        it.answer = Some("4".into());
+        assert!(render(DEFAULT_TEMPLATE, &it)
+            .unwrap()
+            .contains("Reference answer: 4"));
+        assert!(render("{{ x", &it).is_err());
+    }
+}
