@@ -616,12 +616,9 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
             .iter()
             .flat_map(|e| e.rewards.iter().copied())
             .collect();
+        // The weighted sum is what is logged as `reward` in both aggregation modes.
         let decoupled = cfg.multi_objective_aggregation == RewardAggregation::NormalizeThenSum;
-        let mut combined = if decoupled {
-            vec![]
-        } else {
-            combine_rewards(&per_func, &weights)?
-        };
+        let mut combined = combine_rewards(&per_func, &weights)?;
         let mut seq_kl_mean = None;
         if let (KlMode::Reward { coef, .. }, Some(old), Some(refl)) =
             (&cfg.kl, &old_logps, &ref_logps)
@@ -641,11 +638,12 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
                 a.update(m, episodes.len());
             }
         }
-        let adv = if decoupled {
+        let mut adv = if decoupled {
             decoupled_advantages(&per_func, &weights, g)?
         } else {
             group_advantages(&combined, g, &adv_opts)?
         };
+        adv.rewards = combined;
         check_round_invariants(&episodes, p, g, &adv.advantages, &adv_opts)?;
         let keep: Vec<bool> = episodes
             .iter()

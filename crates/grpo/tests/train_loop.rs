@@ -195,6 +195,14 @@ fn every_loss_type_and_kl_mode_trains() {
         "loss_type = \"dr_grpo\"\nscale_rewards = \"none\"\nmask_truncated_completions = true",
         "kl_coef = 0.05\nkl_target = 0.1\nentropy_coef = 0.01\ndrop_zero_std_groups = true",
         "sync_ref_model = true\nref_model_sync_steps = 1\nbeta = 0.1\nreward_std_floor = 0.1\nnormalize_advantages_batch = true",
+        // GDPO aggregation over rule rewards, and a composite whose coherence term needs the
+        // reference model although no KL is configured.
+        "multi_objective_aggregation = \"normalize_then_sum\"\n\
+         [[rewards]]\nkind = \"answer_match\"\nextract = \"auto\"\n\
+         [[rewards]]\nkind = \"composite\"\ncoherence = 0.1\n\
+         [rewards.diversity]\nkind = \"diversity\"\n\
+         [[rewards]]\nkind = \"length\"\ncache_length = 3\n\
+         [[rewards]]\nkind = \"repetition\"\nn = 2",
     ]
     .iter()
     .enumerate()
@@ -210,7 +218,79 @@ fn every_loss_type_and_kl_mode_trains() {
             m.iter().all(|l| l.get("loss").is_none_or(|v| v.as_f64().is_some_and(f64::is_finite))),
             "{extra}: {m:?}"
         );
+        if extra.contains("composite") {
+            // The coherence term was computed: the composite is never missing.
+            let train_lines: Vec<_> = m.iter().filter(|l| l.get("loss").is_some()).collect();
+            assert!(!train_lines.is_empty());
+            for l in train_lines {
+                assert_eq!(l["rewards/composite/missing"].as_f64(), Some(0.0), "{l}");
+            }
+        }
     }
+}
+
+/// The judge reward on the tiny model: batched (left-padded) scoring equals one-at-a-time
+/// scoring, yes/no renormalization is complementary, and expected scores stay in range.
+#[test]
+fn judge_reward_is_consistent() {
+    use grpo::data::{Example, Prompt};
+    use grpo::rewards::{parse_rewards, RewardContext, ScoreItem};
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    tiny_model(&model);
+    let m = model.display();
+    let tables: Vec<serde_json::Value> = serde_json::from_str(&format!(
+        r#"[{{"kind": "judge", "model": "{m}", "yes": "Yes", "no": "No", "batch_size": 1, "name": "b1"}},
+            {{"kind": "judge", "model": "{m}", "yes": "Yes", "no": "No", "batch_size": 3, "name": "b3"}},
+            {{"kind": "judge", "model": "{m}", "yes": "No", "no": "Yes", "name": "flip"}},
+            {{"kind": "judge", "model": "{m}", "yes": "Yes", "name": "raw"}},
+            {{"kind": "judge", "model": "{m}", "mode": "expected_score", "scores": ["1", "2", "3"], "name": "ev"}}]"#
+    ))
+    .unwrap();
+    let ctx = RewardContext {
+        max_completion_length: 8,
+        device: Device::Cpu,
+    };
+    let rewards = parse_rewards(&tables, &ctx).unwrap();
+    let ex = |p: &str, a: Option<&str>| Example {
+        prompt: Prompt::Text(p.into()),
+        answer: a.map(str::to_owned),
+        metadata: Default::default(),
+        origin: "t".into(),
+    };
+    let exs = [
+        ex("What is 2 + 2?", Some("4")),
+        ex("Name a colour, please, in one word.", None),
+        ex("Hi", Some("hello")),
+    ];
+    let comps = ["4", "Blue, I think, is a fine colour.", "Hello there"];
+    let items: Vec<ScoreItem> = exs
+        .iter()
+        .zip(comps)
+        .map(|(e, c)| ScoreItem::new(e, c))
+        .collect();
+    let s: Vec<Vec<f32>> = rewards.iter().map(|r| r.score(&items).unwrap()).collect();
+    for i in 0..3 {
+        assert!(
+            (s[0][i] - s[1][i]).abs() < 1e-5,
+            "batched {} vs {}",
+            s[1][i],
+            s[0][i]
+        );
+        assert!((s[0][i] + s[2][i] - 1.0).abs() < 1e-5);
+        assert!(s[0][i] > 0.0 && s[0][i] < 1.0);
+        assert!(s[3][i] > 0.0 && s[3][i] < 1.0);
+        assert!((1.0..=3.0).contains(&s[4][i]), "{}", s[4][i]);
+    }
+    // Different inputs give different judgements.
+    assert!((s[0][0] - s[0][1]).abs() > 1e-6);
+    // A word that is several tokens is named in the error.
+    let bad: Vec<serde_json::Value> = serde_json::from_str(&format!(
+        r#"[{{"kind": "judge", "model": "{m}", "yes": "Yes indeed, certainly"}}]"#
+    ))
+    .unwrap();
+    let e = parse_rewards(&bad, &ctx).unwrap_err().to_string();
+    assert!(e.contains("rewards[0].yes") && e.contains("tokens"), "{e}");
 }
 
 #[test]
