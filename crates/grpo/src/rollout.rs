@@ -2,6 +2,8 @@
 //! completion, grouped by prompt), rewards fill in their scores, and the update consumes a
 //! [`TrainBatch`] (token ids, masks, advantages, old and reference log-probs).
 
+use std::time::Instant;
+
 use candle_core::{Device, Tensor};
 
 use crate::data::Example;
@@ -35,7 +37,7 @@ impl Episode {
 
 /// Samples `g` completions for each prompt. `seeds[i]` seeds prompt i's group, so a
 /// completion depends only on (seed, prompt, sample index), never on the rest of the batch.
-/// Returns `P * G` episodes, group-major.
+/// Returns `P * G` episodes, group-major, with every reward NaN (not scored yet).
 pub fn rollout(
     model: &CausalLm,
     tok: &Tokenizer,
@@ -45,51 +47,182 @@ pub fn rollout(
     g: usize,
     params: &SamplingParams,
 ) -> Result<(Vec<Episode>, GenStats)> {
-    let inputs: Vec<PromptInput> = prompt_ids
-        .iter()
-        .zip(seeds)
-        .map(|(ids, &seed)| PromptInput {
-            ids: ids.clone(),
-            seed,
-        })
-        .collect();
-    let (groups, stats) = sampler::generate(model, Some(tok), &inputs, g, params)?;
-    if groups.len() != examples.len() || groups.iter().any(|c| c.len() != g) {
-        return Err(Error::Generate(format!(
-            "invariant: expected {} x {g} completions, got {:?}",
-            examples.len(),
-            groups.iter().map(Vec::len).collect::<Vec<_>>()
-        )));
-    }
-    let mut episodes = Vec::with_capacity(examples.len() * g);
-    for (group, (comps, ids)) in groups.into_iter().zip(prompt_ids).enumerate() {
-        for Completion {
-            ids: completion_ids,
-            text,
-            stop_reason,
-            ..
-        } in comps
-        {
-            episodes.push(Episode {
-                example: examples[group],
-                group,
-                prompt_ids: ids.clone(),
-                completion_ids,
-                text,
-                stop_reason,
-                rewards: vec![],
-            });
-        }
-    }
-    Ok((episodes, stats))
+    let sampler = Sampler {
+        model,
+        tok,
+        examples,
+        prompt_ids: &prompt_ids,
+        seeds,
+        g,
+        params,
+    };
+    sampler.run(&mut |_| Ok(()))
 }
 
-/// Scores every episode with every reward function; returns seconds spent per function.
-/// `ref_mean_logps[i]`, when given, is episode i's mean reference log-prob (coherence rewards).
+/// What [`rollout`] samples from.
+struct Sampler<'a> {
+    model: &'a CausalLm,
+    tok: &'a Tokenizer,
+    examples: &'a [usize],
+    prompt_ids: &'a [Vec<u32>],
+    seeds: &'a [u64],
+    g: usize,
+    params: &'a SamplingParams,
+}
+
+impl Sampler<'_> {
+    /// Samples; `on_group` receives each group's episodes as soon as the group has finished.
+    fn run(
+        &self,
+        on_group: &mut dyn FnMut(&[Episode]) -> Result<()>,
+    ) -> Result<(Vec<Episode>, GenStats)> {
+        let inputs: Vec<PromptInput> = self
+            .prompt_ids
+            .iter()
+            .zip(self.seeds)
+            .map(|(ids, &seed)| PromptInput {
+                ids: ids.clone(),
+                seed,
+            })
+            .collect();
+        let episodes_of = |group: usize, comps: &[Completion]| -> Vec<Episode> {
+            comps
+                .iter()
+                .map(|c| Episode {
+                    example: self.examples[group],
+                    group,
+                    prompt_ids: self.prompt_ids[group].clone(),
+                    completion_ids: c.ids.clone(),
+                    text: c.text.clone(),
+                    stop_reason: c.stop_reason,
+                    rewards: vec![],
+                })
+                .collect()
+        };
+        let (groups, stats) = sampler::generate_streaming(
+            self.model,
+            Some(self.tok),
+            &inputs,
+            self.g,
+            self.params,
+            &mut |group, comps| on_group(&episodes_of(group, comps)),
+        )?;
+        let (p, g) = (self.examples.len(), self.g);
+        if groups.len() != p || groups.iter().any(|c| c.len() != g) {
+            return Err(Error::Generate(format!(
+                "invariant: expected {p} x {g} completions, got {:?}",
+                groups.iter().map(Vec::len).collect::<Vec<_>>()
+            )));
+        }
+        let episodes = groups
+            .iter()
+            .enumerate()
+            .flat_map(|(group, comps)| episodes_of(group, comps))
+            .collect();
+        Ok((episodes, stats))
+    }
+}
+
+/// Rewards scored while sampling still runs.
+#[derive(Debug, Clone, Default)]
+pub struct EarlyScores {
+    /// `[episode][reward]`: the early rewards' scores, NaN for the others.
+    pub scores: Vec<Vec<f32>>,
+    /// Seconds each reward spent scoring (0 for the others).
+    pub secs: Vec<f64>,
+    /// Seconds between the end of sampling and the end of early scoring.
+    pub wait_s: f64,
+}
+
+/// [`rollout`], with the rewards marked in `early` scored on a second thread group by group, as
+/// each group finishes sampling (a scorer program then works while the model decodes).
+#[allow(clippy::too_many_arguments)]
+pub fn rollout_scoring_early(
+    model: &CausalLm,
+    tok: &Tokenizer,
+    examples: &[usize],
+    prompt_ids: Vec<Vec<u32>>,
+    seeds: &[u64],
+    g: usize,
+    params: &SamplingParams,
+    data: &[Example],
+    rewards: &[Reward],
+    early: &[bool],
+) -> Result<(Vec<Episode>, GenStats, EarlyScores)> {
+    let sampler = Sampler {
+        model,
+        tok,
+        examples,
+        prompt_ids: &prompt_ids,
+        seeds,
+        g,
+        params,
+    };
+    let nr = rewards.len();
+    if !early.iter().any(|&e| e) {
+        let (eps, stats) = sampler.run(&mut |_| Ok(()))?;
+        let early = EarlyScores {
+            scores: vec![vec![f32::NAN; nr]; eps.len()],
+            secs: vec![0.0; nr],
+            wait_s: 0.0,
+        };
+        return Ok((eps, stats, early));
+    }
+    let (tx, rx) = std::sync::mpsc::channel::<Vec<Episode>>();
+    std::thread::scope(|scope| {
+        let scorer = scope.spawn(move || -> Result<(Vec<Vec<f32>>, Vec<f64>)> {
+            let mut scores = vec![vec![f32::NAN; nr]; examples.len() * g];
+            let mut secs = vec![0.0; nr];
+            for group in rx {
+                let mut part = group;
+                let sel: Vec<usize> = (0..nr).filter(|&k| early[k]).collect();
+                let s = score(&mut part, data, rewards, &sel, None)?;
+                for (ep, i) in part.iter().zip(0..) {
+                    let row = &mut scores[ep.group * g + i];
+                    for &k in &sel {
+                        row[k] = ep.rewards[k];
+                    }
+                }
+                for k in sel {
+                    secs[k] += s[k];
+                }
+            }
+            Ok((scores, secs))
+        });
+        // A send fails only when the scorer has stopped with an error, which `join` reports.
+        let sampled = sampler.run(&mut |eps| {
+            let _ = tx.send(eps.to_vec());
+            Ok(())
+        });
+        drop(tx);
+        let t = Instant::now();
+        let joined = scorer
+            .join()
+            .map_err(|_| Error::Generate("the reward scoring thread panicked".into()))?;
+        let wait_s = t.elapsed().as_secs_f64();
+        let (eps, stats) = sampled?;
+        let (scores, secs) = joined?;
+        Ok((
+            eps,
+            stats,
+            EarlyScores {
+                scores,
+                secs,
+                wait_s,
+            },
+        ))
+    })
+}
+
+/// Scores `episodes` with the rewards `which` (indices into `rewards`), writing into each
+/// episode's `rewards` (sized to all rewards, NaN where not scored); returns seconds per reward
+/// (0 for the others). `ref_mean_logps[i]`, when given, is episode i's mean reference log-prob
+/// (coherence rewards).
 pub fn score(
     episodes: &mut [Episode],
     data: &[Example],
     rewards: &[Reward],
+    which: &[usize],
     ref_mean_logps: Option<&[f32]>,
 ) -> Result<Vec<f64>> {
     let items: Vec<ScoreItem> = episodes
@@ -102,11 +235,21 @@ pub fn score(
             ..ScoreItem::new(&data[ep.example], &ep.text)
         })
         .collect();
-    let (scores, secs) = crate::rewards::score_all(rewards, &items)?;
-    for (ep, s) in episodes.iter_mut().zip(scores) {
-        ep.rewards = s;
+    let chosen: Vec<&Reward> = which.iter().map(|&k| &rewards[k]).collect();
+    let (scores, secs) = crate::rewards::score_refs(&chosen, &items)?;
+    let mut all_secs = vec![0.0; rewards.len()];
+    for (&k, s) in which.iter().zip(secs) {
+        all_secs[k] = s;
     }
-    Ok(secs)
+    for (ep, s) in episodes.iter_mut().zip(scores) {
+        if ep.rewards.len() != rewards.len() {
+            ep.rewards = vec![f32::NAN; rewards.len()];
+        }
+        for (&k, v) in which.iter().zip(s) {
+            ep.rewards[k] = v;
+        }
+    }
+    Ok(all_secs)
 }
 
 /// One completion as the loss sees it.

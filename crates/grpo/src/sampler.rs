@@ -163,6 +163,20 @@ pub fn generate(
     n: usize,
     params: &SamplingParams,
 ) -> Result<(Vec<Vec<Completion>>, GenStats)> {
+    generate_streaming(model, tokenizer, prompts, n, params, &mut |_, _| Ok(()))
+}
+
+/// [`generate`], calling `on_group(prompt index, its completions)` as soon as every sample of a
+/// prompt has finished, while the other prompts are still being decoded (each prompt once; the
+/// ones that run to the end are reported after the last step).
+pub fn generate_streaming(
+    model: &CausalLm,
+    tokenizer: Option<&Tokenizer>,
+    prompts: &[PromptInput],
+    n: usize,
+    params: &SamplingParams,
+    on_group: &mut dyn FnMut(usize, &[Completion]) -> Result<()>,
+) -> Result<(Vec<Vec<Completion>>, GenStats)> {
     params.validate()?;
     if n == 0 {
         return Err(Error::config("num_generations", "must be at least 1"));
@@ -239,6 +253,25 @@ pub fn generate(
     drop(first_logits);
     drop(all_logits);
 
+    // Completions of prompts whose samples have all finished, reported once through `on_group`.
+    let mut out: Vec<Option<Vec<Completion>>> = (0..prompts.len()).map(|_| None).collect();
+    let mut report = |rows: &[Row], out: &mut [Option<Vec<Completion>>], all: bool| -> Result<()> {
+        for (pi, slot) in out.iter_mut().enumerate() {
+            let group = &rows[pi * n..(pi + 1) * n];
+            if slot.is_some() || !(all || group.iter().all(|r| r.done.is_some())) {
+                continue;
+            }
+            let comps = group
+                .iter()
+                .map(|r| completion_of(r, tokenizer))
+                .collect::<Result<Vec<_>>>()?;
+            on_group(pi, &comps)?;
+            *slot = Some(comps);
+        }
+        Ok(())
+    };
+    report(&rows, &mut out, false)?;
+
     // 3. Batched cache: each row gets its prompt's (left-padded) keys and values, plus room.
     let mut batch: Vec<usize> = (0..rows.len())
         .filter(|&r| rows[r].done.is_none())
@@ -279,6 +312,7 @@ pub fn generate(
                     step_row(row, &logits[i * v..(i + 1) * v], params, tokenizer)
                 })?;
             stats.sample_s += ts.elapsed().as_secs_f64();
+            report(&rows, &mut out, false)?;
             let finished = batch.iter().filter(|&&r| rows[r].done.is_some()).count();
             if finished == batch.len() {
                 break;
@@ -300,22 +334,26 @@ pub fn generate(
     }
     stats.decode_s = t1.elapsed().as_secs_f64();
 
-    // 5. Collect.
-    let mut out: Vec<Vec<Completion>> = (0..prompts.len()).map(|_| Vec::with_capacity(n)).collect();
-    for row in rows {
-        stats.generated_tokens += row.tokens.len();
-        let text = match tokenizer {
+    // 5. Collect (rows that ran to max_new_tokens are reported now).
+    report(&rows, &mut out, true)?;
+    stats.generated_tokens = rows.iter().map(|r| r.tokens.len()).sum();
+    Ok((
+        out.into_iter().map(Option::unwrap_or_default).collect(),
+        stats,
+    ))
+}
+
+/// The finished (or length-stopped) completion of `row`.
+fn completion_of(row: &Row, tokenizer: Option<&Tokenizer>) -> Result<Completion> {
+    Ok(Completion {
+        ids: row.tokens.clone(),
+        text: match tokenizer {
             Some(t) => t.decode(&row.tokens, true)?,
             None => String::new(),
-        };
-        out[row.prompt].push(Completion {
-            ids: row.tokens,
-            text,
-            logprobs: row.logprobs,
-            stop_reason: row.done.unwrap_or(StopReason::Length),
-        });
-    }
-    Ok((out, stats))
+        },
+        logprobs: row.logprobs.clone(),
+        stop_reason: row.done.unwrap_or(StopReason::Length),
+    })
 }
 
 /// The batched cache for `batch` rows: each row's prompt keys/values (already left-padded by the

@@ -224,7 +224,8 @@ fn evaluate(
             .collect::<Result<Vec<_>>>()?;
         let seeds: Vec<u64> = chunk.iter().map(|&i| i as u64).collect();
         let (mut eps, _) = rollout::rollout(model, tok, chunk, ids, &seeds, 1, &greedy)?;
-        rollout::score(&mut eps, &ds.eval, &ds.rewards, None)?;
+        let all: Vec<usize> = (0..ds.rewards.len()).collect();
+        rollout::score(&mut eps, &ds.eval, &ds.rewards, &all, None)?;
         for ep in &eps {
             for (k, r) in ep.rewards.iter().enumerate() {
                 if r.is_finite() {
@@ -388,6 +389,7 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
     // reward (coherence) needs it.
     let kl_needs_ref = !matches!(cfg.kl, KlMode::None);
     let rewards_need_ref = ds.rewards.iter().any(|r| r.needs_ref_logp());
+    let early_rewards: Vec<bool> = ds.rewards.iter().map(|r| r.overlaps_sampling()).collect();
     let needs_ref = kl_needs_ref || rewards_need_ref;
     // Its HF-layout tensors are kept only when they are mixed with the policy's later
     // (`sync_ref_model`); otherwise the built model's own layout is the only copy.
@@ -547,7 +549,8 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
     // ---------------------------------------------------------------- rounds
     while state.step < total_steps {
         let t_round = Instant::now();
-        // 1. Rollout with the current policy.
+        // 1. Rollout with the current policy; rewards that allow it score each group on a
+        //    second thread as soon as the group has finished sampling.
         let t0 = Instant::now();
         let sampler_model = policy.build(false)?;
         let batch_idx = state.order.next_batch(p);
@@ -555,7 +558,7 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
         let seeds: Vec<u64> = (0..p)
             .map(|i| mix_seed(cfg.seed, state.round * p as u64 + i as u64))
             .collect();
-        let (mut episodes, gen_stats) = rollout::rollout(
+        let (mut episodes, gen_stats, early) = rollout::rollout_scoring_early(
             &sampler_model,
             &tok,
             &batch_idx,
@@ -563,8 +566,14 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
             &seeds,
             g,
             &sampling,
+            &ds.train,
+            &ds.rewards,
+            &early_rewards,
         )?;
-        let t_generate = t0.elapsed().as_secs_f64();
+        for (ep, s) in episodes.iter_mut().zip(early.scores) {
+            ep.rewards = s;
+        }
+        let t_generate = t0.elapsed().as_secs_f64() - early.wait_s;
         trace_memory("rollout");
 
         // 2. Old (sampling-policy) and reference log-probs, without a graph.
@@ -607,9 +616,23 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
                     .map(|l| l.iter().sum::<f32>() / l.len().max(1) as f32)
                     .collect()
             });
-        let reward_secs =
-            rollout::score(&mut episodes, &ds.train, &ds.rewards, ref_means.as_deref())?;
-        let t_score = t0.elapsed().as_secs_f64();
+        let late: Vec<usize> = (0..ds.rewards.len())
+            .filter(|&k| !early_rewards[k])
+            .collect();
+        let late_secs = rollout::score(
+            &mut episodes,
+            &ds.train,
+            &ds.rewards,
+            &late,
+            ref_means.as_deref(),
+        )?;
+        let reward_secs: Vec<f64> = late_secs
+            .iter()
+            .zip(&early.secs)
+            .map(|(a, b)| a + b)
+            .collect();
+        // What scoring added to the step: waiting for the early scorer, then the late rewards.
+        let t_score = early.wait_s + t0.elapsed().as_secs_f64();
 
         // 4. Rewards -> advantages (KL in the reward when so configured).
         let per_func: Vec<f32> = episodes

@@ -335,3 +335,97 @@ fn forward_chunks_leave_the_update_unchanged() {
         }
     }
 }
+
+/// Rewards scored group by group on the scoring thread while sampling goes on give the same
+/// episodes and scores as sampling first and scoring after; every group is reported once.
+#[test]
+fn early_scoring_equals_scoring_after_sampling() {
+    use grpo::data::{Example, Prompt};
+    use grpo::rewards::{parse_rewards, RewardContext};
+    use grpo::rollout::{rollout, rollout_scoring_early, score};
+    use grpo::sampler::{generate, generate_streaming, PromptInput, SamplingParams};
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("model");
+    tiny_model(&dir);
+    let m = grpo::weights::load_model(&ModelSource::HfDir(dir), DType::F32, &Device::Cpu).unwrap();
+    let tok = m.tokenizer().unwrap().clone();
+    let model = m.build().unwrap();
+    let data: Vec<Example> = ["one", "two two", "three three three"]
+        .iter()
+        .map(|p| Example {
+            prompt: Prompt::Text(p.to_string()),
+            answer: Some("3".into()),
+            metadata: Default::default(),
+            origin: "t".into(),
+        })
+        .collect();
+    let ids: Vec<Vec<u32>> = data
+        .iter()
+        .map(|e| grpo::data::prompt_ids(&tok, e, None, None).unwrap())
+        .collect();
+    // Stop strings end some samples early, so groups finish at different steps.
+    let params = SamplingParams {
+        max_new_tokens: 10,
+        temperature: 1.0,
+        stop_strings: vec!["e".into(), "a".into()],
+        ..Default::default()
+    };
+    let inputs: Vec<PromptInput> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, p)| PromptInput {
+            ids: p.clone(),
+            seed: i as u64,
+        })
+        .collect();
+    let (plain, _) = generate(&model, Some(&tok), &inputs, 4, &params).unwrap();
+    let mut seen = vec![0usize; 3];
+    let (streamed, _) = generate_streaming(&model, Some(&tok), &inputs, 4, &params, &mut |p, c| {
+        seen[p] += 1;
+        assert_eq!(c.len(), 4);
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(seen, vec![1, 1, 1]);
+    let texts = |g: &Vec<Vec<grpo::sampler::Completion>>| -> Vec<String> {
+        g.iter().flatten().map(|c| c.text.clone()).collect()
+    };
+    assert_eq!(texts(&plain), texts(&streamed));
+
+    let tables: Vec<serde_json::Value> = serde_json::from_str(
+        r#"[{"kind": "answer_match"}, {"kind": "diversity", "n": 1}, {"kind": "length", "max_length": 10, "cache_length": 5}]"#,
+    )
+    .unwrap();
+    let ctx = RewardContext {
+        max_completion_length: 10,
+        device: Device::Cpu,
+    };
+    let rewards = parse_rewards(&tables, &ctx).unwrap();
+    let examples = [0usize, 1, 2];
+    let seeds = [0u64, 1, 2];
+    let (mut after, _) = rollout(&model, &tok, &examples, ids.clone(), &seeds, 4, &params).unwrap();
+    score(&mut after, &data, &rewards, &[0, 1, 2], None).unwrap();
+    let (early_eps, _, early) = rollout_scoring_early(
+        &model,
+        &tok,
+        &examples,
+        ids,
+        &seeds,
+        4,
+        &params,
+        &data,
+        &rewards,
+        &[true, true, false],
+    )
+    .unwrap();
+    assert_eq!(early_eps.len(), 12);
+    for (i, (a, e)) in after.iter().zip(&early_eps).enumerate() {
+        assert_eq!(a.text, e.text);
+        assert_eq!(early.scores[i][..2], a.rewards[..2], "episode {i}");
+        assert!(
+            early.scores[i][2].is_nan(),
+            "the late reward is left for later"
+        );
+    }
+    assert!(early.secs[2] == 0.0);
+}

@@ -174,6 +174,19 @@ impl Reward {
         }
     }
 
+    /// Whether the reward may score groups on a second thread while sampling goes on: scorer
+    /// programs and rule rewards; not model rewards (on the CPU they would only compete with the
+    /// sampler for cores) and not rewards that need the reference model's log-probs.
+    pub fn overlaps_sampling(&self) -> bool {
+        match &self.func {
+            RewardFn::Judge(_) => false,
+            RewardFn::Composite(c) => {
+                !self.needs_ref_logp() && c.terms.iter().all(Reward::overlaps_sampling)
+            }
+            _ => true,
+        }
+    }
+
     /// Whether the reward reads [`ScoreItem::completion_tokens`].
     pub fn needs_token_counts(&self) -> bool {
         match &self.func {
@@ -338,6 +351,11 @@ fn ngram_size(t: &Table, default: usize) -> Result<usize> {
 
 /// Scores of every item under every reward: `[item][reward]`, and the seconds each reward took.
 pub fn score_all(rewards: &[Reward], items: &[ScoreItem]) -> Result<(Vec<Vec<f32>>, Vec<f64>)> {
+    score_refs(&rewards.iter().collect::<Vec<_>>(), items)
+}
+
+/// [`score_all`] over borrowed rewards.
+pub fn score_refs(rewards: &[&Reward], items: &[ScoreItem]) -> Result<(Vec<Vec<f32>>, Vec<f64>)> {
     let mut out = vec![Vec::with_capacity(rewards.len()); items.len()];
     let mut secs = Vec::with_capacity(rewards.len());
     for r in rewards {
