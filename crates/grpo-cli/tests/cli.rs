@@ -189,3 +189,50 @@ fn config_print_lists_every_key_and_bad_configs_name_the_key() {
     ]);
     assert!(stderr(&o).contains("missing.toml"), "{}", stderr(&o));
 }
+
+#[test]
+fn rewards_check_prints_a_table_and_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("run.toml");
+    std::fs::write(
+        &cfg,
+        "[[rewards]]\nkind = \"answer_match\"\nextract = \"answer_tag\"\n\
+         [[rewards]]\nkind = \"format\"\nrequired_tags = [\"think\", \"answer\"]\nweight = 0.2\n",
+    )
+    .unwrap();
+    let samples = dir.path().join("samples.jsonl");
+    std::fs::write(
+        &samples,
+        "{\"prompt\": \"What is 6 x 7?\", \"answer\": 42, \"completion\": \"<think>6*7</think><answer>42</answer>\"}\n\
+         {\"prompt\": \"What is 6 x 7?\", \"answer\": 42, \"completion\": \"It is 41\"}\n\
+         {\"prompt\": \"Say hi\", \"completion\": \"<think>x</think><answer>hi</answer>\"}\n",
+    )
+    .unwrap();
+    let (c, s) = (cfg.display().to_string(), samples.display().to_string());
+    let o = grpo(&["rewards", "check", "--config", &c, "--samples", &s]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    for want in ["answer_match", "format", "samples.jsonl:1", "missing", "total"] {
+        assert!(out.contains(want), "{want} not in:\n{out}");
+    }
+    let o = grpo(&["rewards", "check", "--config", &c, "--samples", &s, "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 3);
+    assert_eq!(rows[0]["rewards"]["answer_match"], 1.0);
+    assert!((rows[0]["total"].as_f64().unwrap() - 1.2).abs() < 1e-6);
+    assert_eq!(rows[1]["total"], 0.0);
+    assert!(rows[2]["rewards"]["answer_match"].is_null());
+    // A bad reward table names its key; a sample without a completion names its line.
+    std::fs::write(&cfg, "[[rewards]]\nkind = \"format\"\npatern = \"x\"\n").unwrap();
+    let o = grpo(&["rewards", "check", "--config", &c, "--samples", &s]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("rewards[0].patern"), "{}", stderr(&o));
+    std::fs::write(&samples, "{\"prompt\": \"x\"}\n").unwrap();
+    let o = grpo(&["rewards", "check", "--samples", &s]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("samples.jsonl:1: missing `completion`"), "{}", stderr(&o));
+}
