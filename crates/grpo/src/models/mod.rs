@@ -8,11 +8,13 @@
 //! positions when training).
 
 pub mod config;
+pub mod encoder;
 pub mod fused;
 pub mod gpt2;
 pub mod grad_sink;
 pub mod layers;
 pub mod llama;
+mod seq_cls;
 
 use std::collections::HashMap;
 
