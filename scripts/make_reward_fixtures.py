@@ -57,7 +57,7 @@ from transformers import (  # noqa: E402
 transformers.logging.set_verbosity_error()
 
 INIT_STD = 0.2
-HIDDEN = 32
+HIDDEN = 16
 MAX_LEN = 64  # maximum number of tokens (special tokens included) of every tiny model
 
 # A small corpus for training the tokenizers (vocabulary only; not test data).
@@ -236,9 +236,9 @@ def llama_tokenizer():
 
 def specs():
     """(name, model class, config builder(tokenizer, specials), tokenizer builder, family)."""
-    enc = dict(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+    enc = dict(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32,
                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, layer_norm_eps=1e-12)
-    dec = dict(hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+    dec = dict(hidden_size=HIDDEN, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=MAX_LEN, hidden_act="silu")
     labels2 = {0: "negative", 1: "positive"}
     labels3 = {0: "entailment", 1: "neutral", 2: "contradiction"}
@@ -255,7 +255,7 @@ def specs():
                                        hidden_act="gelu", id2label=labels3, **ids(tok, sp), **enc), "encoder"),
         ("distilbert", DistilBertForSequenceClassification, wordpiece_tokenizer,
          lambda tok, sp: DistilBertConfig(vocab_size=tok.get_vocab_size(), max_position_embeddings=MAX_LEN, dim=HIDDEN, n_layers=2,
-                                          n_heads=4, hidden_dim=48, activation="relu", dropout=0.0, attention_dropout=0.0,
+                                          n_heads=4, hidden_dim=32, activation="relu", dropout=0.0, attention_dropout=0.0,
                                           seq_classif_dropout=0.0, id2label=labels2, pad_token_id=tok.token_to_id("[PAD]")), "encoder"),
         ("xlm_roberta", XLMRobertaForSequenceClassification, unigram_tokenizer,
          lambda tok, sp: XLMRobertaConfig(vocab_size=tok.get_vocab_size(), max_position_embeddings=MAX_LEN + 2, type_vocab_size=1,

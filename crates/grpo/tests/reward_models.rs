@@ -176,19 +176,19 @@ fn bad_directories_give_errors_naming_the_problem() {
         assert!(err.contains("model.safetensors"), "{name}: {err}");
     }
 
-    // Wrong shapes.
+    // Wrong shapes (the fixtures have hidden size 16, 4 heads, 2 kv heads).
     for (name, key, shape) in [
         (
             "bert",
             "bert.encoder.layer.1.attention.self.query.weight",
-            (32, 16),
+            (16, 8),
         ),
-        ("distilbert", "classifier.weight", (3, 32)),
-        ("qwen2_cls", "score.weight", (3, 32)),
+        ("distilbert", "classifier.weight", (3, 16)),
+        ("qwen2_cls", "score.weight", (3, 16)),
         (
             "llama_cls",
             "model.layers.0.self_attn.k_proj.weight",
-            (32, 32),
+            (16, 16),
         ),
     ] {
         let tmp = copy_fixture(name);
