@@ -6,6 +6,9 @@
 //! Both return final hidden states; the LM head is applied separately ([`CausalLm::logits`]) so
 //! callers can apply it only where they need logits (the last position when sampling, completion
 //! positions when training).
+//!
+//! [`encoder`] holds the frozen reward models: BERT-like sequence classifiers, decoder
+//! (Llama / Qwen2) sequence classifiers built on [`CausalLm`], and the sentence embedder.
 
 pub mod config;
 pub mod encoder;
