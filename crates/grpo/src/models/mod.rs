@@ -6,13 +6,18 @@
 //! Both return final hidden states; the LM head is applied separately ([`CausalLm::logits`]) so
 //! callers can apply it only where they need logits (the last position when sampling, completion
 //! positions when training).
+//!
+//! [`encoder`] holds the frozen reward models: BERT-like sequence classifiers, decoder
+//! (Llama / Qwen2) sequence classifiers built on [`CausalLm`], and the sentence embedder.
 
 pub mod config;
+pub mod encoder;
 pub mod fused;
 pub mod gpt2;
 pub mod grad_sink;
 pub mod layers;
 pub mod llama;
+mod seq_cls;
 
 use std::collections::HashMap;
 
