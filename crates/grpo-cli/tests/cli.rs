@@ -212,10 +212,24 @@ fn rewards_check_prints_a_table_and_json() {
     let o = grpo(&["rewards", "check", "--config", &c, "--samples", &s]);
     assert!(o.status.success(), "{}", stderr(&o));
     let out = String::from_utf8_lossy(&o.stdout);
-    for want in ["answer_match", "format", "samples.jsonl:1", "missing", "total"] {
+    for want in [
+        "answer_match",
+        "format",
+        "samples.jsonl:1",
+        "missing",
+        "total",
+    ] {
         assert!(out.contains(want), "{want} not in:\n{out}");
     }
-    let o = grpo(&["rewards", "check", "--config", &c, "--samples", &s, "--json"]);
+    let o = grpo(&[
+        "rewards",
+        "check",
+        "--config",
+        &c,
+        "--samples",
+        &s,
+        "--json",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
         .lines()
@@ -234,5 +248,9 @@ fn rewards_check_prints_a_table_and_json() {
     std::fs::write(&samples, "{\"prompt\": \"x\"}\n").unwrap();
     let o = grpo(&["rewards", "check", "--samples", &s]);
     assert!(!o.status.success());
-    assert!(stderr(&o).contains("samples.jsonl:1: missing `completion`"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("samples.jsonl:1: missing `completion`"),
+        "{}",
+        stderr(&o)
+    );
 }

@@ -284,3 +284,110 @@ fn resolve_encoder_model_rejects_unknown_names() {
         .to_string();
     assert!(err.contains("is a file"), "{err}");
 }
+
+/// `kind = "classifier"` and `kind = "embedding"` rewards as configured in `[[rewards]]`: the
+/// reward is the chosen label's logit or probability (transformers' numbers from the fixture),
+/// and the cosine similarity of sentence-transformers' embeddings.
+#[test]
+fn classifier_and_embedding_rewards_from_reward_tables() {
+    use grpo::data::{Example, Prompt};
+    use grpo::rewards::{parse_rewards, RewardContext, ScoreItem};
+    let bert = fixtures().join("bert");
+    let exp = read_json(&bert.join("expected.json"));
+    let case = |i: usize| &exp["cases"][i];
+    let ctx = RewardContext {
+        max_completion_length: 16,
+        device: Device::Cpu,
+    };
+    let d = bert.display();
+    let tables: Vec<Value> = serde_json::from_str(&format!(
+        r#"[{{"kind": "classifier", "model": "{d}", "label": "positive", "input": "completion", "name": "pos"}},
+            {{"kind": "classifier", "model": "{d}", "label": 0, "output": "probability", "input": "completion", "name": "p_neg"}},
+            {{"kind": "classifier", "model": "{d}", "label": "Positive", "name": "pair", "batch_size": 2}}]"#
+    ))
+    .unwrap();
+    let r = parse_rewards(&tables, &ctx).unwrap();
+    // Case 0 is a single text; case 2 a (text, pair) = (prompt, completion).
+    let ex0 = Example {
+        prompt: Prompt::Text("ignored".into()),
+        answer: None,
+        metadata: Default::default(),
+        origin: "t".into(),
+    };
+    let ex2 = Example {
+        prompt: Prompt::Text(case(2)["text"].as_str().unwrap().into()),
+        ..ex0.clone()
+    };
+    let t0 = case(0)["text"].as_str().unwrap();
+    let t2 = case(2)["pair"].as_str().unwrap();
+    let items = [ScoreItem::new(&ex0, t0), ScoreItem::new(&ex2, t2)];
+    let pos = r[0].score(&items).unwrap();
+    let l0 = f32s(&case(0)["logits"]);
+    assert!((pos[0] - l0[1]).abs() < TOL, "{} vs {}", pos[0], l0[1]);
+    let p_neg = r[1].score(&items[..1]).unwrap()[0];
+    let want = 1.0 / (1.0 + (l0[1] - l0[0]).exp());
+    assert!((p_neg - want).abs() < TOL, "{p_neg} vs {want}");
+    let pair = r[2].score(&items).unwrap();
+    let l2 = f32s(&case(2)["logits"]);
+    assert!((pair[1] - l2[1]).abs() < TOL, "{} vs {}", pair[1], l2[1]);
+    // Labels that the model does not have are named with the ones it has.
+    for (label, want) in [
+        (r#""toxic""#, "`toxic` is not a label"),
+        ("5", "5 is not a label index"),
+    ] {
+        let t: Vec<Value> = serde_json::from_str(&format!(
+            r#"[{{"kind": "classifier", "model": "{d}", "label": {label}}}]"#
+        ))
+        .unwrap();
+        let e = parse_rewards(&t, &ctx).unwrap_err().to_string();
+        assert!(
+            e.contains("rewards[0].label") && e.contains(want) && e.contains("1 = positive"),
+            "{e}"
+        );
+    }
+    let t: Vec<Value> =
+        serde_json::from_str(&format!(r#"[{{"kind": "classifier", "model": "{d}"}}]"#)).unwrap();
+    let e = parse_rewards(&t, &ctx).unwrap_err().to_string();
+    assert!(
+        e.contains("rewards[0].label") && e.contains("missing"),
+        "{e}"
+    );
+
+    // Embedding similarity against the answer, or another field; NaN without a reference.
+    let fx = read_json(&fixtures().join("minilm_expected.json"));
+    let s: Vec<String> = serde_json::from_value(fx["sentences"].clone()).unwrap();
+    let e: Vec<Vec<f32>> = fx["embeddings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(f32s)
+        .collect();
+    let t: Vec<Value> = serde_json::from_str(
+        r#"[{"kind": "embedding"}, {"kind": "embedding", "reference_field": "gold", "name": "gold"}]"#,
+    )
+    .unwrap();
+    let r = parse_rewards(&t, &ctx).unwrap();
+    let mut meta = serde_json::Map::new();
+    meta.insert("gold".into(), Value::String(s[2].clone()));
+    let ex = Example {
+        answer: Some(s[1].clone()),
+        metadata: meta,
+        ..ex0.clone()
+    };
+    let items = [ScoreItem::new(&ex, &s[0]), ScoreItem::new(&ex0, &s[0])];
+    let cos = |a: &[f32], b: &[f32]| -> f32 {
+        let dot: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+        let n = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>().sqrt();
+        dot / (n(a) * n(b))
+    };
+    let sim = r[0].score(&items).unwrap();
+    assert!(
+        (sim[0] - cos(&e[0], &e[1])).abs() < TOL,
+        "{} vs {}",
+        sim[0],
+        cos(&e[0], &e[1])
+    );
+    assert!(sim[1].is_nan());
+    let gold = r[1].score(&items).unwrap();
+    assert!((gold[0] - cos(&e[0], &e[2])).abs() < TOL);
+}

@@ -270,15 +270,10 @@ fn judge_reward_is_consistent() {
         .map(|(e, c)| ScoreItem::new(e, c))
         .collect();
     let s: Vec<Vec<f32>> = rewards.iter().map(|r| r.score(&items).unwrap()).collect();
-    for i in 0..3 {
-        assert!(
-            (s[0][i] - s[1][i]).abs() < 1e-5,
-            "batched {} vs {}",
-            s[1][i],
-            s[0][i]
-        );
-        assert!((s[0][i] + s[2][i] - 1.0).abs() < 1e-5);
-        assert!(s[0][i] > 0.0 && s[0][i] < 1.0);
+    for (i, &b1) in s[0].iter().enumerate() {
+        assert!((b1 - s[1][i]).abs() < 1e-5, "batched {} vs {b1}", s[1][i]);
+        assert!((b1 + s[2][i] - 1.0).abs() < 1e-5);
+        assert!(b1 > 0.0 && b1 < 1.0);
         assert!(s[3][i] > 0.0 && s[3][i] < 1.0);
         assert!((1.0..=3.0).contains(&s[4][i]), "{}", s[4][i]);
     }
@@ -428,4 +423,34 @@ fn early_scoring_equals_scoring_after_sampling() {
         );
     }
     assert!(early.secs[2] == 0.0);
+}
+
+/// A short run whose reward is a frozen sequence classifier (the tiny BERT fixture's
+/// "positive" probability of the completion).
+#[test]
+fn classifier_reward_trains() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    tiny_model(&model);
+    let bert = fixtures().join("rewards/bert");
+    let extra = format!(
+        "[[rewards]]\nkind = \"classifier\"\nmodel = \"{}\"\nlabel = \"positive\"\n\
+         output = \"probability\"\nname = \"positive\"",
+        bert.display()
+    );
+    let out_dir = tmp.path().join("run");
+    let mut cfg = config(&model, &out_dir, &extra);
+    cfg.max_steps = Some(2);
+    cfg.eval_steps = 0;
+    let out = train(&cfg, &RunControl::default()).unwrap();
+    assert_eq!(out.steps, 2);
+    let m = metrics(&out_dir);
+    let steps: Vec<_> = m.iter().filter(|l| l.get("loss").is_some()).collect();
+    assert_eq!(steps.len(), 2);
+    for l in steps {
+        let mean = l["rewards/positive/mean"].as_f64().unwrap();
+        assert!(mean > 0.0 && mean < 1.0, "{l}");
+        assert_eq!(l["rewards/positive/missing"].as_f64(), Some(0.0));
+        assert!(l["loss"].as_f64().unwrap().is_finite());
+    }
 }

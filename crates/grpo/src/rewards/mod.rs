@@ -7,6 +7,7 @@
 
 pub mod check;
 pub mod judge;
+pub mod models;
 pub mod rules;
 pub mod table;
 
@@ -103,6 +104,8 @@ pub enum RewardFn {
     },
     Composite(Box<Composite>),
     Judge(Box<judge::Judge>),
+    Classifier(Box<models::ClassifierReward>),
+    Embedding(Box<models::EmbeddingReward>),
 }
 
 /// `kind = "composite"`: a weighted sum of a quality, a safety and a diversity reward (each any
@@ -155,6 +158,8 @@ impl Reward {
             }
             RewardFn::Composite(c) => c.score(items),
             RewardFn::Judge(j) => j.score(items),
+            RewardFn::Classifier(c) => c.score(items),
+            RewardFn::Embedding(e) => e.score(items),
         }
     }
 
@@ -179,7 +184,7 @@ impl Reward {
     /// sampler for cores) and not rewards that need the reference model's log-probs.
     pub fn overlaps_sampling(&self) -> bool {
         match &self.func {
-            RewardFn::Judge(_) => false,
+            RewardFn::Judge(_) | RewardFn::Classifier(_) | RewardFn::Embedding(_) => false,
             RewardFn::Composite(c) => {
                 !self.needs_ref_logp() && c.terms.iter().all(Reward::overlaps_sampling)
             }
@@ -241,6 +246,8 @@ const KINDS: &[(&str, &[&str])] = &[
         &["quality", "safety", "diversity", "coherence"],
     ),
     ("judge", judge::Judge::KEYS),
+    ("classifier", models::ClassifierReward::KEYS),
+    ("embedding", models::EmbeddingReward::KEYS),
 ];
 
 /// `[[rewards]]` tables -> rewards.
@@ -332,6 +339,14 @@ fn parse_reward(v: &Value, path: String, ctx: &RewardContext) -> Result<Reward> 
             RewardFn::Composite(Box::new(Composite { terms, coherence }))
         }
         "judge" => RewardFn::Judge(Box::new(judge::Judge::from_table(&t, &ctx.device)?)),
+        "classifier" => RewardFn::Classifier(Box::new(models::ClassifierReward::from_table(
+            &t,
+            &ctx.device,
+        )?)),
+        "embedding" => RewardFn::Embedding(Box::new(models::EmbeddingReward::from_table(
+            &t,
+            &ctx.device,
+        )?)),
         _ => unreachable!("kinds are checked above"),
     };
     Ok(Reward {
