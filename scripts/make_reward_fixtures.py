@@ -214,6 +214,19 @@ def unigram_tokenizer():
     return tok, dict(bos_token="<s>", pad_token="<pad>", eos_token="</s>", unk_token="<unk>", cls_token="<s>", sep_token="</s>", mask_token="<mask>")
 
 
+# A ChatML template (Qwen's format), given to qwen2_cls so that chat reward-model inputs are
+# pinned too: transformers' apply_chat_template(conversation, tokenize=True).
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CHAT_CASES = [
+    ("What is 17 plus 25?", "42"),
+    ("Is this polite?", "That reply was rude, wrong and far too long."),
+    ("Hi", "Hello! How can I help you today?"),
+]
+
+
 def qwen_tokenizer():
     """Qwen2-style byte-level BPE that adds no special tokens."""
     tok = byte_bpe(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
@@ -277,6 +290,8 @@ def make_classifier(name, cls, make_tok, make_cfg, family, out_root, seed):
     os.makedirs(out_dir)
     raw_tok, sp = make_tok()
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=raw_tok, model_max_length=MAX_LEN, **sp)
+    if name == "qwen2_cls":
+        hf_tok.chat_template = CHATML
     hf_tok.save_pretrained(out_dir)
     config = make_cfg(raw_tok, sp)
     config._attn_implementation = "eager"
@@ -353,14 +368,24 @@ def make_classifier(name, cls, make_tok, make_cfg, family, out_root, seed):
             old_names[k] = v.clone().contiguous()
         torch.save(old_names, os.path.join(bin_dir, "pytorch_model.bin"))
     labels = [config.id2label[i] for i in range(config.num_labels)]
-    write_json(os.path.join(out_dir, "expected.json"), {
+    expected = {
         "name": name,
         "model_type": config.model_type,
         "max_length": MAX_LEN,
         "roberta_positions": roberta_like,
         "labels": labels,
         "cases": cases,
-    })
+    }
+    if tok.chat_template:
+        chat = []
+        for prompt, completion in CHAT_CASES:
+            conv = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+            ids = tok.apply_chat_template(conv, tokenize=True, return_dict=False)
+            ids = list(ids)[:MAX_LEN]
+            logits = model(input_ids=torch.tensor([ids])).logits[0]
+            chat.append({"prompt": prompt, "completion": completion, "input_ids": ids, "logits": f32_list(logits)})
+        expected["chat_cases"] = chat
+    write_json(os.path.join(out_dir, "expected.json"), expected)
 
 
 @torch.no_grad()

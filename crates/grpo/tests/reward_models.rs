@@ -391,3 +391,62 @@ fn classifier_and_embedding_rewards_from_reward_tables() {
     let gold = r[1].score(&items).unwrap();
     assert!((gold[0] - cos(&e[0], &e[2])).abs() < TOL);
 }
+
+/// A decoder reward model with a chat template scores the (user, assistant) conversation as
+/// transformers' `apply_chat_template(conversation, tokenize=True)` renders it, directly and as
+/// a `classifier` reward.
+#[test]
+fn chat_reward_model_scores_the_rendered_conversation() {
+    use grpo::data::{Example, Prompt};
+    use grpo::rewards::{parse_rewards, RewardContext, ScoreItem};
+    let dir = fixtures().join("qwen2_cls");
+    let exp = read_json(&dir.join("expected.json"));
+    let cases = exp["chat_cases"].as_array().unwrap();
+    let model = SequenceClassifier::load(&dir, &Device::Cpu).unwrap();
+    assert!(model.has_chat_template());
+    let convs: Vec<(&str, &str)> = cases
+        .iter()
+        .map(|c| {
+            (
+                c["prompt"].as_str().unwrap(),
+                c["completion"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    let want: Vec<Vec<f32>> = cases.iter().map(|c| f32s(&c["logits"])).collect();
+    for bs in [1, 3] {
+        let got = model.logits_chat(&convs, bs).unwrap();
+        assert!(
+            max_diff(&got, &want) < TOL,
+            "batch {bs}: {got:?} vs {want:?}"
+        );
+    }
+    let t: Vec<Value> = serde_json::from_str(&format!(
+        r#"[{{"kind": "classifier", "model": "{}", "label": "positive"}}]"#,
+        dir.display()
+    ))
+    .unwrap();
+    let ctx = RewardContext {
+        max_completion_length: 8,
+        device: Device::Cpu,
+    };
+    let r = parse_rewards(&t, &ctx).unwrap();
+    let exs: Vec<Example> = convs
+        .iter()
+        .map(|(p, _)| Example {
+            prompt: Prompt::Text(p.to_string()),
+            answer: None,
+            metadata: Default::default(),
+            origin: "t".into(),
+        })
+        .collect();
+    let items: Vec<ScoreItem> = exs
+        .iter()
+        .zip(&convs)
+        .map(|(e, (_, c))| ScoreItem::new(e, c))
+        .collect();
+    let s = r[0].score(&items).unwrap();
+    for (g, w) in s.iter().zip(&want) {
+        assert!((g - w[1]).abs() < TOL, "{g} vs {}", w[1]);
+    }
+}

@@ -839,6 +839,40 @@ impl SequenceClassifier {
         }
     }
 
+    /// Whether the model is a decoder whose tokenizer has a chat template.
+    pub fn has_chat_template(&self) -> bool {
+        matches!(&self.inner, Classifier::Decoder(m) if m.has_chat_template())
+    }
+
+    /// Logits [N][num_labels] of (prompt, completion) conversations: for a decoder with a chat
+    /// template, the user prompt and the assistant completion rendered with it (how chat reward
+    /// models are trained); otherwise the (prompt, completion) text pair of
+    /// [`SequenceClassifier::logits`].
+    pub fn logits_chat(&self, convs: &[(&str, &str)], batch_size: usize) -> Result<Vec<Vec<f32>>> {
+        match &self.inner {
+            Classifier::Decoder(m) if m.has_chat_template() => {
+                if batch_size == 0 {
+                    return Err(Error::config("batch_size", "must be at least 1"));
+                }
+                let mut out = Vec::with_capacity(convs.len());
+                for chunk in convs.chunks(batch_size) {
+                    let seqs = chunk
+                        .iter()
+                        .map(|(p, c)| m.encode_chat(p, c))
+                        .collect::<Result<Vec<_>>>()?;
+                    let logits = m.logits_of_ids(seqs)?; // [B, L]
+                    out.extend(logits.to_dtype(DType::F32)?.to_vec2::<f32>()?);
+                }
+                Ok(out)
+            }
+            _ => {
+                let pairs: Vec<(&str, Option<&str>)> =
+                    convs.iter().map(|(p, c)| (*p, Some(*c))).collect();
+                self.logits(&pairs, batch_size)
+            }
+        }
+    }
+
     /// Logits [N][num_labels] for texts or (text, text_pair) pairs, in batches of `batch_size`
     /// (padded per batch, truncated to the model's maximum length).
     ///

@@ -10,7 +10,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::encoder::{read_weights, require_tokenizer_json};
 use super::{CausalLm, Mode, ModelConfig, SeqBatch};
-use crate::tokenizer::Tokenizer;
+use crate::tokenizer::{ChatMessage, Tokenizer};
 use crate::{Error, Result};
 
 #[derive(Debug, Clone)]
@@ -99,12 +99,35 @@ impl DecoderClassifier {
         Ok(ids)
     }
 
+    /// Whether the tokenizer has a chat template ([`DecoderClassifier::encode_chat`]).
+    pub(crate) fn has_chat_template(&self) -> bool {
+        self.tokenizer.has_chat_template()
+    }
+
+    /// Token ids of a (user prompt, assistant completion) conversation rendered with the chat
+    /// template, as transformers' `apply_chat_template(conversation, tokenize=True)` gives them
+    /// (reward models are trained on such conversations); cut to the first `max_len` tokens.
+    pub(crate) fn encode_chat(&self, prompt: &str, completion: &str) -> Result<Vec<u32>> {
+        let conv = [
+            ChatMessage::user(prompt),
+            ChatMessage::assistant(completion),
+        ];
+        let mut ids = self.tokenizer.encode_chat(&conv, false)?;
+        ids.truncate(self.max_len);
+        Ok(ids)
+    }
+
     /// Logits [B, L] for a batch of inputs.
     pub(crate) fn logits(&self, inputs: &[(&str, Option<&str>)]) -> Result<Tensor> {
         let seqs = inputs
             .iter()
             .map(|(t, p)| self.encode(t, *p))
             .collect::<Result<Vec<_>>>()?;
+        self.logits_of_ids(seqs)
+    }
+
+    /// Logits [B, L] for a batch of token sequences.
+    pub(crate) fn logits_of_ids(&self, seqs: Vec<Vec<u32>>) -> Result<Tensor> {
         // transformers scores the rightmost token that is not the pad token (index 0 when all
         // are); without a pad token, the last one.
         let scored: Vec<usize> = seqs

@@ -15,7 +15,8 @@ use crate::Result;
 /// What the classifier reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ClassifierInput {
-    /// The prompt and the completion as a text pair.
+    /// The prompt and the completion: a text pair for encoders; for a decoder reward model with
+    /// a chat template, the (user, assistant) conversation rendered with it.
     PromptCompletion,
     /// The completion alone.
     Completion,
@@ -119,7 +120,16 @@ impl ClassifierReward {
                 ClassifierInput::Completion => (it.completion, None),
             })
             .collect();
-        let logits = self.model.logits(&inputs, self.batch_size)?; // [N][labels]
+        let logits = match self.input {
+            ClassifierInput::PromptCompletion if self.model.has_chat_template() => {
+                let convs: Vec<(&str, &str)> = items
+                    .iter()
+                    .map(|it| (it.prompt_text(), it.completion))
+                    .collect();
+                self.model.logits_chat(&convs, self.batch_size)?
+            }
+            _ => self.model.logits(&inputs, self.batch_size)?,
+        }; // [N][labels]
         Ok(logits
             .iter()
             .map(|row| label_score(row, self.label, self.output))
