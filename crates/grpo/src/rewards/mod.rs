@@ -5,6 +5,7 @@
 //! Configured as `[[rewards]]` tables (see [`parse_rewards`]); each kind's options are read by its
 //! own module through [`table::Table`], which names `rewards[i].key` in every error.
 
+pub mod command;
 pub mod table;
 
 use serde_json::{Map, Value};
