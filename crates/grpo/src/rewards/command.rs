@@ -1339,7 +1339,9 @@ pub struct HttpScorer {
 impl HttpScorer {
     /// Prepares the client; nothing is sent until `score`.
     pub fn start(spec: HttpSpec, name: &str) -> Result<Self> {
+        // A scorer endpoint is usually local: proxy variables meant for downloads are not used.
         let agent = ureq::AgentBuilder::new()
+            .try_proxy_from_env(false)
             .timeout(spec.timeout)
             .max_idle_connections_per_host(spec.max_in_flight)
             .user_agent(concat!("grpo/", env!("CARGO_PKG_VERSION")))
