@@ -954,6 +954,9 @@ struct Proc {
     /// Disconnects when the stderr thread has read everything.
     stderr_done: Receiver<()>,
     reaped: Option<ExitStatus>,
+    /// The process group was sent SIGKILL. Done once: later, after the scorer is reaped and its
+    /// group empty, its id may be given to another process.
+    group_killed: bool,
     /// Failures (crash, hang, exit while idle) since the last answer.
     failures_in_a_row: usize,
 }
@@ -1074,6 +1077,7 @@ impl Proc {
             stderr: tail,
             stderr_done: done_rx,
             reaped: None,
+            group_killed: false,
             failures_in_a_row: 0,
         })
     }
@@ -1134,7 +1138,10 @@ impl Proc {
     /// Kills the scorer and every process it started (its process group), and reaps it.
     fn kill(&mut self) {
         self.input = None;
-        sandbox::kill_group(&self.child);
+        if !self.group_killed {
+            sandbox::kill_group(&self.child);
+            self.group_killed = true;
+        }
         let _ = self.child.kill();
         if let Ok(s) = self.child.wait() {
             self.reaped = Some(s);
@@ -1311,8 +1318,9 @@ mod sandbox {
     }
 
     /// SIGKILL to the scorer's process group: the scorer and whatever it started that is still
-    /// running. (Linux does not hand out a process id again while a group of that id has
-    /// members, so after the scorer was reaped this still reaches only its leftovers.)
+    /// running. Linux does not hand out a process id again while a group of that id has
+    /// members, so right after the scorer was reaped this still reaches only its leftovers; the
+    /// caller sends it once, at the first kill.
     pub(super) fn kill_group(child: &Child) {
         let pid = child.id() as libc::pid_t;
         if pid > 0 {
@@ -1715,6 +1723,13 @@ mod tests {
         let (a, arr) = parse_answers(r#"[{"id": 1, "reward": 1}, {"id": 0, "reward": 0}, 5]"#);
         assert!(arr && a.len() == 3);
         assert!(matches!(a[2], Answer::Bad(_)));
+    }
+
+    #[test]
+    fn scorers_can_be_shared_between_threads() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<CommandScorer>();
+        send_sync::<HttpScorer>();
     }
 
     #[test]
