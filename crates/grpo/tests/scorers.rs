@@ -5,7 +5,7 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use grpo::data::{Example, Prompt};
@@ -39,6 +39,64 @@ macro_rules! need_python {
     };
 }
 
+/// Every log event of this test binary, as `LEVEL field=value ... message` (a global subscriber:
+/// the scorer's stderr is logged from its own thread).
+fn logs() -> &'static Mutex<Vec<String>> {
+    static LOGS: OnceLock<&'static Mutex<Vec<String>>> = OnceLock::new();
+    LOGS.get_or_init(|| {
+        let logs: &'static Mutex<Vec<String>> = Box::leak(Box::new(Mutex::new(vec![])));
+        let _ = tracing::subscriber::set_global_default(Recorder(logs));
+        logs
+    })
+}
+
+fn log_lines() -> Vec<String> {
+    logs().lock().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+fn logged(needle: &str) -> bool {
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(2) {
+        if log_lines().iter().any(|l| l.contains(needle)) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    false
+}
+
+struct Recorder(&'static Mutex<Vec<String>>);
+
+struct Fields(String);
+
+impl tracing::field::Visit for Fields {
+    fn record_debug(&mut self, f: &tracing::field::Field, v: &dyn std::fmt::Debug) {
+        if f.name() == "message" {
+            self.0 += &format!(" {v:?}");
+        } else {
+            self.0 += &format!(" {}={v:?}", f.name());
+        }
+    }
+}
+
+impl tracing::Subscriber for Recorder {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, e: &tracing::Event<'_>) {
+        let mut f = Fields(e.metadata().level().to_string());
+        e.record(&mut f);
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(f.0);
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
 /// Helpers every test scorer starts with.
 const PRELUDE: &str = r#"
 import json, os, sys, time
@@ -57,6 +115,7 @@ struct Scorer {
 
 /// A scorer program `PRELUDE + body` in a fresh temp dir, with `timeout_s = 5`.
 fn scorer(py: &str, body: &str) -> Scorer {
+    logs();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("scorer.py");
     std::fs::write(&path, format!("{PRELUDE}\n{body}")).unwrap();
@@ -184,6 +243,14 @@ fn null_garbage_and_unknown_ids_are_missing_and_counted() {
     assert_eq!((st.null, st.garbage, st.garbage_lines), (1, 1, 2), "{st:?}");
     assert_eq!((st.timeout, st.crash, st.restarts), (0, 0, 0), "{st:?}");
     accounted(&st);
+    assert!(logged(
+        "reward `mixed`: 2 of 5 rewards missing (null 1, timeout 0, crash 0, garbage 1"
+    ));
+    assert!(
+        logged("not JSON: \"debug: looking at chatty\""),
+        "{:?}",
+        log_lines()
+    );
 }
 
 #[test]
@@ -228,6 +295,14 @@ fn a_crash_makes_pending_requests_missing_and_the_scorer_is_restarted() {
     let st = s.stats();
     assert_eq!((st.crash, st.restarts, st.scored), (3, 1, 3), "{st:?}");
     accounted(&st);
+    assert!(
+        logged("INFO scorer: segfault, sort of reward=crashy"),
+        "stderr is logged with the reward's name: {:?}",
+        log_lines()
+    );
+    assert!(logged(
+        "exited (exit status 3) with 3 request(s) unanswered"
+    ));
 
     // One request in flight at a time: only the crashing one is lost.
     let mut spec = sc.spec.clone();
