@@ -29,6 +29,11 @@ pub enum Error {
     #[error("generate: {0}")]
     Generate(String),
 
+    /// A reward's scorer (a program or an HTTP endpoint) cannot be started or keeps failing;
+    /// `name` is the reward's name.
+    #[error("reward `{name}`: {msg}")]
+    Reward { name: String, msg: String },
+
     #[error("io: {context}: {source}")]
     Io {
         context: String,
@@ -53,6 +58,12 @@ impl Error {
         Error::Io {
             context: context.to_string(),
             source,
+        }
+    }
+    pub fn reward(name: impl Into<String>, msg: impl std::fmt::Display) -> Self {
+        Error::Reward {
+            name: name.into(),
+            msg: msg.to_string(),
         }
     }
     pub fn config(key: impl Into<String>, msg: impl std::fmt::Display) -> Self {

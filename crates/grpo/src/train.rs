@@ -835,6 +835,18 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
                 (n_eps - vals.len()) as f64,
             );
             push(&mut m, &format!("time/reward/{}", r.name), reward_secs[k]);
+            if let Some(st) = r.scorer_stats() {
+                // Running totals since the scorer started: why completions went missing.
+                for (what, n) in [
+                    ("timeouts", st.timeout),
+                    ("crashes", st.crash),
+                    ("garbage", st.garbage + st.garbage_lines),
+                    ("http_errors", st.http_error),
+                    ("restarts", st.restarts),
+                ] {
+                    push(&mut m, &format!("scorer/{}/{what}", r.name), n as f64);
+                }
+            }
         }
         push(&mut m, "frac_reward_zero_std", adv.frac_zero_std() as f64);
         push(

@@ -454,3 +454,44 @@ fn classifier_reward_trains() {
         assert!(l["loss"].as_f64().unwrap().is_finite());
     }
 }
+
+/// A short run whose reward comes from the user's scorer program (the repository's example
+/// Python scorer, speaking JSON lines), overlapped with sampling.
+#[test]
+fn command_reward_trains() {
+    if std::process::Command::new("python3")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        eprintln!("skipped: no python3 on this machine");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    tiny_model(&model);
+    let scorer =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/scorers/answer_scorer.py");
+    let extra = format!(
+        "[[rewards]]\nkind = \"command\"\ncommand = [\"python3\", \"{}\"]\nname = \"scored\"\ntimeout_s = 30\n\
+         [[rewards]]\nkind = \"length\"",
+        scorer.display()
+    );
+    let out_dir = tmp.path().join("run");
+    let mut cfg = config(&model, &out_dir, &extra);
+    cfg.max_steps = Some(2);
+    cfg.eval_steps = 0;
+    let out = train(&cfg, &RunControl::default()).unwrap();
+    assert_eq!(out.steps, 2);
+    let m = metrics(&out_dir);
+    let steps: Vec<_> = m.iter().filter(|l| l.get("loss").is_some()).collect();
+    assert_eq!(steps.len(), 2);
+    for l in steps {
+        // Every built-in task example has an answer: the scorer answered every completion.
+        assert_eq!(l["rewards/scored/missing"].as_f64(), Some(0.0), "{l}");
+        let mean = l["rewards/scored/mean"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&mean), "{l}");
+        assert_eq!(l["scorer/scored/timeouts"].as_f64(), Some(0.0));
+        assert_eq!(l["scorer/scored/restarts"].as_f64(), Some(0.0));
+    }
+}

@@ -6,6 +6,7 @@
 //! own module through [`table::Table`], which names `rewards[i].key` in every error.
 
 pub mod check;
+pub mod command;
 pub mod judge;
 pub mod models;
 pub mod rules;
@@ -106,6 +107,10 @@ pub enum RewardFn {
     Judge(Box<judge::Judge>),
     Classifier(Box<models::ClassifierReward>),
     Embedding(Box<models::EmbeddingReward>),
+    /// The user's scorer program (JSON lines over stdin/stdout).
+    Command(Box<command::CommandScorer>),
+    /// The user's scorer behind an HTTP endpoint.
+    Http(Box<command::HttpScorer>),
 }
 
 /// `kind = "composite"`: a weighted sum of a quality, a safety and a diversity reward (each any
@@ -160,6 +165,8 @@ impl Reward {
             RewardFn::Judge(j) => j.score(items),
             RewardFn::Classifier(c) => c.score(items),
             RewardFn::Embedding(e) => e.score(items),
+            RewardFn::Command(c) => c.score(items),
+            RewardFn::Http(h) => h.score(items),
         }
     }
 
@@ -189,6 +196,15 @@ impl Reward {
                 !self.needs_ref_logp() && c.terms.iter().all(Reward::overlaps_sampling)
             }
             _ => true,
+        }
+    }
+
+    /// Counts of a scorer program's or endpoint's answers by outcome, since it started.
+    pub fn scorer_stats(&self) -> Option<command::ScorerStats> {
+        match &self.func {
+            RewardFn::Command(c) => Some(c.stats()),
+            RewardFn::Http(h) => Some(h.stats()),
+            _ => None,
         }
     }
 
@@ -248,6 +264,8 @@ const KINDS: &[(&str, &[&str])] = &[
     ("judge", judge::Judge::KEYS),
     ("classifier", models::ClassifierReward::KEYS),
     ("embedding", models::EmbeddingReward::KEYS),
+    ("command", command::CommandSpec::KEYS),
+    ("http", command::HttpSpec::KEYS),
 ];
 
 /// `[[rewards]]` tables -> rewards.
@@ -346,6 +364,14 @@ fn parse_reward(v: &Value, path: String, ctx: &RewardContext) -> Result<Reward> 
         "embedding" => RewardFn::Embedding(Box::new(models::EmbeddingReward::from_table(
             &t,
             &ctx.device,
+        )?)),
+        "command" => RewardFn::Command(Box::new(command::CommandScorer::start(
+            command::CommandSpec::from_table(&t)?,
+            t.str("name", kind)?,
+        )?)),
+        "http" => RewardFn::Http(Box::new(command::HttpScorer::start(
+            command::HttpSpec::from_table(&t)?,
+            t.str("name", kind)?,
         )?)),
         _ => unreachable!("kinds are checked above"),
     };

@@ -1,0 +1,134 @@
+//! Times a `command` or `http` reward over a file of completions (used by
+//! bench/reward_throughput.sh; not a benchmark of record by itself).
+//!
+//!     cargo run --release -p grpo --example reward_bench -- completions.jsonl reward.toml CASE [REPS]
+//!
+//! `completions.jsonl`: `{"prompt": ..., "completion": ..., "answer": ...}` per line;
+//! `reward.toml`: the body of one `[[rewards]]` table. Prints one JSON line: start-up time, the time
+//! of each `score()` over all completions, the best, completions per second, the mean reward and the
+//! scorer's counters.
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use grpo::data::{Example, Prompt};
+use grpo::rewards::command::{CommandScorer, CommandSpec, HttpScorer, HttpSpec, ScorerStats};
+use grpo::rewards::table::Table;
+use grpo::rewards::ScoreItem;
+use serde_json::{Map, Value};
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let [completions, config, case, rest @ ..] = args.as_slice() else {
+        bail!("usage: reward_bench COMPLETIONS.jsonl REWARD.toml CASE [REPS]");
+    };
+    let reps: usize = match rest.first() {
+        Some(r) => r
+            .parse()
+            .with_context(|| format!("REPS `{r}` is not a number"))?,
+        None => 3,
+    };
+
+    let text = std::fs::read_to_string(completions).with_context(|| completions.clone())?;
+    let mut examples = vec![];
+    let mut outputs = vec![];
+    for (i, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let row: Map<String, Value> =
+            serde_json::from_str(line).with_context(|| format!("{completions}:{}", i + 1))?;
+        let field = |k: &str| row.get(k).and_then(Value::as_str).map(str::to_owned);
+        let (Some(prompt), Some(completion)) = (field("prompt"), field("completion")) else {
+            bail!(
+                "{completions}:{}: needs \"prompt\" and \"completion\" strings",
+                i + 1
+            );
+        };
+        examples.push(Example {
+            prompt: Prompt::Text(prompt),
+            answer: field("answer"),
+            metadata: Map::new(),
+            origin: format!("{completions}:{}", i + 1),
+        });
+        outputs.push(completion);
+    }
+    let items: Vec<ScoreItem> = examples
+        .iter()
+        .zip(&outputs)
+        .map(|(e, c)| ScoreItem::new(e, c))
+        .collect();
+
+    let toml_text = std::fs::read_to_string(config).with_context(|| config.clone())?;
+    let table: toml::Table = toml::from_str(&toml_text).with_context(|| config.clone())?;
+    let obj: Map<String, Value> = serde_json::from_value(serde_json::to_value(table)?)?;
+    let kind = obj.get("kind").and_then(Value::as_str).unwrap_or("");
+
+    let t0 = Instant::now();
+    let scorer = match kind {
+        "command" => {
+            let spec = CommandSpec::from_table(&Table::new(
+                &obj,
+                "rewards[0]".into(),
+                CommandSpec::KEYS,
+            )?)?;
+            Scorer::Command(CommandScorer::start(spec, case)?)
+        }
+        "http" => {
+            let spec =
+                HttpSpec::from_table(&Table::new(&obj, "rewards[0]".into(), HttpSpec::KEYS)?)?;
+            Scorer::Http(HttpScorer::start(spec, case)?)
+        }
+        other => bail!("{config}: kind `{other}`: use command or http"),
+    };
+    let start_s = t0.elapsed().as_secs_f64();
+
+    let mut times = vec![];
+    let mut rewards = vec![];
+    for _ in 0..reps.max(1) {
+        let t = Instant::now();
+        rewards = scorer.score(&items)?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    let best = times.iter().copied().fold(f64::INFINITY, f64::min);
+    let scored: Vec<f32> = rewards.iter().copied().filter(|x| !x.is_nan()).collect();
+    let mean = scored.iter().sum::<f32>() / scored.len().max(1) as f32;
+    let out = serde_json::json!({
+        "bench": "reward",
+        "case": case,
+        "n": items.len(),
+        "start_s": round(start_s),
+        "score_s": times.iter().map(|&t| round(t)).collect::<Vec<_>>(),
+        "best_s": round(best),
+        "per_s": (items.len() as f64 / best * 10.0).round() / 10.0,
+        "mean_reward": mean,
+        "missing": rewards.len() - scored.len(),
+        "stats": format!("{:?}", scorer.stats()),
+    });
+    println!("{out}");
+    Ok(())
+}
+
+fn round(x: f64) -> f64 {
+    (x * 1e6).round() / 1e6
+}
+
+enum Scorer {
+    Command(CommandScorer),
+    Http(HttpScorer),
+}
+
+impl Scorer {
+    fn score(&self, items: &[ScoreItem]) -> grpo::Result<Vec<f32>> {
+        match self {
+            Scorer::Command(s) => s.score(items),
+            Scorer::Http(s) => s.score(items),
+        }
+    }
+    fn stats(&self) -> ScorerStats {
+        match self {
+            Scorer::Command(s) => s.stats(),
+            Scorer::Http(s) => s.stats(),
+        }
+    }
+}
