@@ -38,7 +38,9 @@ use tracing::{info, warn};
 
 pub use http::{HttpScorer, HttpSpec};
 pub use protocol::ScorerStats;
-use protocol::{excerpt, lock, parse_answers, request_json, unit_line, units, Answer, Miss, Tally};
+use protocol::{
+    excerpt, lock, numbered_requests, parse_answers, unit_line, units, Answer, Miss, Tally,
+};
 
 use super::table::Table;
 use super::ScoreItem;
@@ -288,14 +290,7 @@ impl CommandScorer {
         if items.is_empty() {
             return Ok(vec![]);
         }
-        let base = self
-            .next_id
-            .fetch_add(items.len() as u64, Ordering::Relaxed);
-        let requests: Vec<String> = items
-            .iter()
-            .enumerate()
-            .map(|(i, it)| request_json(base + i as u64, it))
-            .collect();
+        let (base, requests) = numbered_requests(&self.next_id, items);
         // Each process starts with at most its share, so that a small call is spread over all.
         let share = items.len().div_ceil(self.procs.len());
         let call = Call {

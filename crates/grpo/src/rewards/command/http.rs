@@ -1,11 +1,12 @@
 //! `kind = "http"`: the scorer as an HTTP endpoint that each request (or batch) is POSTed to.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::Mutex;
 use std::time::Duration;
 
 use super::protocol::{
-    excerpt, lock, parse_answers, request_json, unit_line, units, Answer, Miss, ScorerStats, Tally,
+    excerpt, lock, numbered_requests, parse_answers, unit_line, units, Answer, Miss, ScorerStats,
+    Tally,
 };
 use super::{at_least_one, string_table, timeout};
 use crate::rewards::table::Table;
@@ -108,14 +109,7 @@ impl HttpScorer {
         if items.is_empty() {
             return Ok(vec![]);
         }
-        let base = self
-            .next_id
-            .fetch_add(items.len() as u64, Ordering::Relaxed);
-        let requests: Vec<String> = items
-            .iter()
-            .enumerate()
-            .map(|(i, it)| request_json(base + i as u64, it))
-            .collect();
+        let (base, requests) = numbered_requests(&self.next_id, items);
         let queue = Mutex::new(units(items.len(), self.spec.batch_size));
         let tally = Mutex::new(Tally::new(items.len()));
         let workers = self.spec.max_in_flight.min(lock(&queue).len());

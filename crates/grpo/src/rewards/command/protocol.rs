@@ -64,6 +64,21 @@ pub(super) enum Miss {
 
 pub(super) type Outcome = std::result::Result<f32, Miss>;
 
+/// Requests for `items` with fresh ids from `next_id` (unique over the scorer's lifetime); returns
+/// the first id and the request lines.
+pub(super) fn numbered_requests(
+    next_id: &std::sync::atomic::AtomicU64,
+    items: &[ScoreItem],
+) -> (u64, Vec<String>) {
+    let base = next_id.fetch_add(items.len() as u64, std::sync::atomic::Ordering::Relaxed);
+    let lines = items
+        .iter()
+        .enumerate()
+        .map(|(i, it)| request_json(base + i as u64, it))
+        .collect();
+    (base, lines)
+}
+
 /// One request as a JSON object (one line, no newline).
 pub(super) fn request_json(id: u64, item: &ScoreItem) -> String {
     serde_json::json!({
