@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Reward throughput: the same 1,024 completions scored (a) through grpo's `kind = "command"` with a
-# Python scorer (processes = 1 and 2, one request per line; and batch_size = 64), and (b) TRL's way,
+# Python scorer (processes = 1 and 2, one request per line; batch_size = 64; 8 processes for the slow
+# one), and (b) TRL's way,
 # one in-process call of the same reward function f(prompts, completions, **kwargs). Two functions:
-# a cheap rule (last number == answer) and a slow one (2 ms per completion). One JSON line per case.
+# a cheap rule (last number == answer) and a slow one (2 ms per completion), plus grpo's built-in
+# answer_match rule for scale. One JSON line per case.
 #   bench/reward_throughput.sh            # writes bench/results/reward-throughput-<date>.jsonl
 #   N=16 REPS=1 bench/reward_throughput.sh  # a quick check that it works
 # Run it on a quiet machine; the scorers use one core per process.
@@ -36,8 +38,15 @@ PY
 head -n "$n" "$work/completions.jsonl" > "$work/c.jsonl"
 
 {
+  # grpo's built-in rule (Rust, in process): the same last-number check.
+  printf 'kind = "answer_match"\nextract = "last_number"\n' > "$work/builtin.toml"
+  "$bench" "$work/c.jsonl" "$work/builtin.toml" "grpo_builtin:answer_match" "$reps"
   for fn in last_number_reward slow_reward; do
-    for case in "1 1" "2 1" "1 64"; do
+    cases="1 1|2 1|1 64"
+    # The slow reward waits (I/O), so more scorer processes than cores still help.
+    [ "$fn" = slow_reward ] && cases="$cases|8 1"
+    IFS='|' read -ra case_list <<< "$cases"
+    for case in "${case_list[@]}"; do
       set -- $case
       cat > "$work/reward.toml" <<TOML
 kind = "command"

@@ -1,5 +1,6 @@
-//! Times a `command` or `http` reward over a file of completions (used by
-//! bench/reward_throughput.sh; not a benchmark of record by itself).
+//! Times one reward (any `[[rewards]]` kind: a scorer program, an HTTP endpoint, a built-in rule)
+//! over a file of completions (used by bench/reward_throughput.sh; not a benchmark of record by
+//! itself).
 //!
 //!     cargo run --release -p grpo --example reward_bench -- completions.jsonl reward.toml CASE [REPS]
 //!
@@ -11,9 +12,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use grpo::data::{Example, Prompt};
-use grpo::rewards::command::{CommandScorer, CommandSpec, HttpScorer, HttpSpec, ScorerStats};
-use grpo::rewards::table::Table;
-use grpo::rewards::ScoreItem;
+use grpo::rewards::{parse_rewards, RewardContext, ScoreItem};
 use serde_json::{Map, Value};
 
 fn main() -> anyhow::Result<()> {
@@ -62,25 +61,16 @@ fn main() -> anyhow::Result<()> {
     let toml_text = std::fs::read_to_string(config).with_context(|| config.clone())?;
     let table: toml::Table = toml::from_str(&toml_text).with_context(|| config.clone())?;
     let obj: Map<String, Value> = serde_json::from_value(serde_json::to_value(table)?)?;
-    let kind = obj.get("kind").and_then(Value::as_str).unwrap_or("");
-
-    let t0 = Instant::now();
-    let scorer = match kind {
-        "command" => {
-            let spec = CommandSpec::from_table(&Table::new(
-                &obj,
-                "rewards[0]".into(),
-                CommandSpec::KEYS,
-            )?)?;
-            Scorer::Command(CommandScorer::start(spec, case)?)
-        }
-        "http" => {
-            let spec =
-                HttpSpec::from_table(&Table::new(&obj, "rewards[0]".into(), HttpSpec::KEYS)?)?;
-            Scorer::Http(HttpScorer::start(spec, case)?)
-        }
-        other => bail!("{config}: kind `{other}`: use command or http"),
+    let mut obj = obj;
+    obj.entry("name")
+        .or_insert_with(|| Value::String(case.clone()));
+    let ctx = RewardContext {
+        max_completion_length: 256,
+        device: candle_core::Device::Cpu,
     };
+    let t0 = Instant::now();
+    let mut parsed = parse_rewards(&[Value::Object(obj)], &ctx)?;
+    let scorer = parsed.pop().context("no reward")?;
     let start_s = t0.elapsed().as_secs_f64();
 
     let mut times = vec![];
@@ -103,7 +93,7 @@ fn main() -> anyhow::Result<()> {
         "per_s": (items.len() as f64 / best * 10.0).round() / 10.0,
         "mean_reward": mean,
         "missing": rewards.len() - scored.len(),
-        "stats": format!("{:?}", scorer.stats()),
+        "stats": scorer.scorer_stats().map(|s| format!("{s:?}")),
     });
     println!("{out}");
     Ok(())
@@ -111,24 +101,4 @@ fn main() -> anyhow::Result<()> {
 
 fn round(x: f64) -> f64 {
     (x * 1e6).round() / 1e6
-}
-
-enum Scorer {
-    Command(CommandScorer),
-    Http(HttpScorer),
-}
-
-impl Scorer {
-    fn score(&self, items: &[ScoreItem]) -> grpo::Result<Vec<f32>> {
-        match self {
-            Scorer::Command(s) => s.score(items),
-            Scorer::Http(s) => s.score(items),
-        }
-    }
-    fn stats(&self) -> ScorerStats {
-        match self {
-            Scorer::Command(s) => s.stats(),
-            Scorer::Http(s) => s.stats(),
-        }
-    }
 }
