@@ -56,7 +56,7 @@ pub fn rollout(
         g,
         params,
     };
-    sampler.run(&mut |_| Ok(()))
+    sampler.run(&mut |_, _| Ok(()))
 }
 
 /// What [`rollout`] samples from.
@@ -71,10 +71,11 @@ struct Sampler<'a> {
 }
 
 impl Sampler<'_> {
-    /// Samples; `on_group` receives each group's episodes as soon as the group has finished.
+    /// Samples; `on_done` receives each episode (group-major index, episode) as soon as its
+    /// sample has finished.
     fn run(
         &self,
-        on_group: &mut dyn FnMut(&[Episode]) -> Result<()>,
+        on_done: &mut dyn FnMut(usize, Episode) -> Result<()>,
     ) -> Result<(Vec<Episode>, GenStats)> {
         let inputs: Vec<PromptInput> = self
             .prompt_ids
@@ -85,29 +86,25 @@ impl Sampler<'_> {
                 seed,
             })
             .collect();
-        let episodes_of = |group: usize, comps: &[Completion]| -> Vec<Episode> {
-            comps
-                .iter()
-                .map(|c| Episode {
-                    example: self.examples[group],
-                    group,
-                    prompt_ids: self.prompt_ids[group].clone(),
-                    completion_ids: c.ids.clone(),
-                    text: c.text.clone(),
-                    stop_reason: c.stop_reason,
-                    rewards: vec![],
-                })
-                .collect()
+        let episode_of = |group: usize, c: &Completion| Episode {
+            example: self.examples[group],
+            group,
+            prompt_ids: self.prompt_ids[group].clone(),
+            completion_ids: c.ids.clone(),
+            text: c.text.clone(),
+            stop_reason: c.stop_reason,
+            rewards: vec![],
         };
+        let g = self.g;
         let (groups, stats) = sampler::generate_streaming(
             self.model,
             Some(self.tok),
             &inputs,
-            self.g,
+            g,
             self.params,
-            &mut |group, comps| on_group(&episodes_of(group, comps)),
+            &mut |group, sample, c| on_done(group * g + sample, episode_of(group, c)),
         )?;
-        let (p, g) = (self.examples.len(), self.g);
+        let p = self.examples.len();
         if groups.len() != p || groups.iter().any(|c| c.len() != g) {
             return Err(Error::Generate(format!(
                 "invariant: expected {p} x {g} completions, got {:?}",
@@ -117,7 +114,8 @@ impl Sampler<'_> {
         let episodes = groups
             .iter()
             .enumerate()
-            .flat_map(|(group, comps)| episodes_of(group, comps))
+            .flat_map(|(group, comps)| comps.iter().map(move |c| (group, c)))
+            .map(|(group, c)| episode_of(group, c))
             .collect();
         Ok((episodes, stats))
     }
@@ -134,8 +132,10 @@ pub struct EarlyScores {
     pub wait_s: f64,
 }
 
-/// [`rollout`], with the rewards marked in `early` scored on a second thread group by group, as
-/// each group finishes sampling (a scorer program then works while the model decodes).
+/// [`rollout`], with the rewards marked in `early` scored on a second thread while sampling goes
+/// on: per-completion rewards as soon as each completion has finished (several at once when they
+/// queue up), group rewards (diversity) as soon as the whole group has. A scorer program then
+/// works while the model decodes.
 #[allow(clippy::too_many_arguments)]
 pub fn rollout_scoring_early(
     model: &CausalLm,
@@ -159,8 +159,9 @@ pub fn rollout_scoring_early(
         params,
     };
     let nr = rewards.len();
+    let n = examples.len() * g;
     if !early.iter().any(|&e| e) {
-        let (eps, stats) = sampler.run(&mut |_| Ok(()))?;
+        let (eps, stats) = sampler.run(&mut |_, _| Ok(()))?;
         let early = EarlyScores {
             scores: vec![vec![f32::NAN; nr]; eps.len()],
             secs: vec![0.0; nr],
@@ -168,30 +169,60 @@ pub fn rollout_scoring_early(
         };
         return Ok((eps, stats, early));
     }
-    let (tx, rx) = std::sync::mpsc::channel::<Vec<Episode>>();
+    let per_item: Vec<usize> = (0..nr)
+        .filter(|&k| early[k] && !rewards[k].is_group_reward())
+        .collect();
+    let per_group: Vec<usize> = (0..nr)
+        .filter(|&k| early[k] && rewards[k].is_group_reward())
+        .collect();
+    let (tx, rx) = std::sync::mpsc::channel::<(usize, Episode)>();
     std::thread::scope(|scope| {
         let scorer = scope.spawn(move || -> Result<(Vec<Vec<f32>>, Vec<f64>)> {
-            let mut scores = vec![vec![f32::NAN; nr]; examples.len() * g];
+            let mut scores = vec![vec![f32::NAN; nr]; n];
             let mut secs = vec![0.0; nr];
-            for group in rx {
-                let mut part = group;
-                let sel: Vec<usize> = (0..nr).filter(|&k| early[k]).collect();
-                let s = score(&mut part, data, rewards, &sel, None)?;
-                for (ep, i) in part.iter().zip(0..) {
-                    let row = &mut scores[ep.group * g + i];
-                    for &k in &sel {
-                        row[k] = ep.rewards[k];
+            let mut groups: Vec<Vec<(usize, Episode)>> = vec![vec![]; examples.len()];
+            let mut run =
+                |which: &[usize], part: Vec<(usize, Episode)>, scores: &mut Vec<Vec<f32>>| {
+                    let (idx, mut eps): (Vec<usize>, Vec<Episode>) = part.into_iter().unzip();
+                    let s = score(&mut eps, data, rewards, which, None)?;
+                    for (i, ep) in idx.iter().zip(&eps) {
+                        for &k in which {
+                            scores[*i][k] = ep.rewards[k];
+                        }
                     }
+                    for &k in which {
+                        secs[k] += s[k];
+                    }
+                    Ok::<_, Error>(eps)
+                };
+            while let Ok(first) = rx.recv() {
+                // Everything that finished meanwhile goes in one call (one batch for a scorer).
+                let mut batch = vec![first];
+                batch.extend(rx.try_iter());
+                let done: Vec<(usize, Episode)> = if per_item.is_empty() {
+                    batch
+                } else {
+                    let idx: Vec<usize> = batch.iter().map(|b| b.0).collect();
+                    let eps = run(&per_item, batch, &mut scores)?;
+                    idx.into_iter().zip(eps).collect()
+                };
+                if per_group.is_empty() {
+                    continue;
                 }
-                for k in sel {
-                    secs[k] += s[k];
+                for (i, ep) in done {
+                    let gi = ep.group;
+                    groups[gi].push((i, ep));
+                    if groups[gi].len() == g {
+                        let whole = std::mem::take(&mut groups[gi]);
+                        run(&per_group, whole, &mut scores)?;
+                    }
                 }
             }
             Ok((scores, secs))
         });
         // A send fails only when the scorer has stopped with an error, which `join` reports.
-        let sampled = sampler.run(&mut |eps| {
-            let _ = tx.send(eps.to_vec());
+        let sampled = sampler.run(&mut |i, ep| {
+            let _ = tx.send((i, ep));
             Ok(())
         });
         drop(tx);

@@ -163,19 +163,19 @@ pub fn generate(
     n: usize,
     params: &SamplingParams,
 ) -> Result<(Vec<Vec<Completion>>, GenStats)> {
-    generate_streaming(model, tokenizer, prompts, n, params, &mut |_, _| Ok(()))
+    generate_streaming(model, tokenizer, prompts, n, params, &mut |_, _, _| Ok(()))
 }
 
-/// [`generate`], calling `on_group(prompt index, its completions)` as soon as every sample of a
-/// prompt has finished, while the other prompts are still being decoded (each prompt once; the
-/// ones that run to the end are reported after the last step).
+/// [`generate`], calling `on_done(prompt index, sample index, completion)` as soon as a sample
+/// has finished, while the others are still being decoded (each sample once; the ones that run
+/// to `max_new_tokens` are reported after the last step).
 pub fn generate_streaming(
     model: &CausalLm,
     tokenizer: Option<&Tokenizer>,
     prompts: &[PromptInput],
     n: usize,
     params: &SamplingParams,
-    on_group: &mut dyn FnMut(usize, &[Completion]) -> Result<()>,
+    on_done: &mut dyn FnMut(usize, usize, &Completion) -> Result<()>,
 ) -> Result<(Vec<Vec<Completion>>, GenStats)> {
     params.validate()?;
     if n == 0 {
@@ -253,20 +253,16 @@ pub fn generate_streaming(
     drop(first_logits);
     drop(all_logits);
 
-    // Completions of prompts whose samples have all finished, reported once through `on_group`.
-    let mut out: Vec<Option<Vec<Completion>>> = (0..prompts.len()).map(|_| None).collect();
-    let mut report = |rows: &[Row], out: &mut [Option<Vec<Completion>>], all: bool| -> Result<()> {
-        for (pi, slot) in out.iter_mut().enumerate() {
-            let group = &rows[pi * n..(pi + 1) * n];
-            if slot.is_some() || !(all || group.iter().all(|r| r.done.is_some())) {
+    // Finished samples' completions, each reported once through `on_done`.
+    let mut out: Vec<Option<Completion>> = (0..rows.len()).map(|_| None).collect();
+    let mut report = |rows: &[Row], out: &mut [Option<Completion>], all: bool| -> Result<()> {
+        for (r, slot) in out.iter_mut().enumerate() {
+            if slot.is_some() || !(all || rows[r].done.is_some()) {
                 continue;
             }
-            let comps = group
-                .iter()
-                .map(|r| completion_of(r, tokenizer))
-                .collect::<Result<Vec<_>>>()?;
-            on_group(pi, &comps)?;
-            *slot = Some(comps);
+            let c = completion_of(&rows[r], tokenizer)?;
+            on_done(rows[r].prompt, r % n, &c)?;
+            *slot = Some(c);
         }
         Ok(())
     };
@@ -337,10 +333,11 @@ pub fn generate_streaming(
     // 5. Collect (rows that ran to max_new_tokens are reported now).
     report(&rows, &mut out, true)?;
     stats.generated_tokens = rows.iter().map(|r| r.tokens.len()).sum();
-    Ok((
-        out.into_iter().map(Option::unwrap_or_default).collect(),
-        stats,
-    ))
+    let mut all = out.into_iter().flatten();
+    let groups = (0..prompts.len())
+        .map(|_| all.by_ref().take(n).collect())
+        .collect();
+    Ok((groups, stats))
 }
 
 /// The finished (or length-stopped) completion of `row`.

@@ -374,21 +374,25 @@ fn early_scoring_equals_scoring_after_sampling() {
         })
         .collect();
     let (plain, _) = generate(&model, Some(&tok), &inputs, 4, &params).unwrap();
-    let mut seen = vec![0usize; 3];
-    let (streamed, _) = generate_streaming(&model, Some(&tok), &inputs, 4, &params, &mut |p, c| {
-        seen[p] += 1;
-        assert_eq!(c.len(), 4);
-        Ok(())
-    })
-    .unwrap();
-    assert_eq!(seen, vec![1, 1, 1]);
+    let mut seen = vec![0usize; 12];
+    let (streamed, _) =
+        generate_streaming(&model, Some(&tok), &inputs, 4, &params, &mut |p, g, c| {
+            seen[p * 4 + g] += 1;
+            assert_eq!(c.text, plain[p][g].text);
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(seen, vec![1; 12], "every sample is reported once");
     let texts = |g: &Vec<Vec<grpo::sampler::Completion>>| -> Vec<String> {
         g.iter().flatten().map(|c| c.text.clone()).collect()
     };
     assert_eq!(texts(&plain), texts(&streamed));
 
     let tables: Vec<serde_json::Value> = serde_json::from_str(
-        r#"[{"kind": "answer_match"}, {"kind": "diversity", "n": 1}, {"kind": "length", "max_length": 10, "cache_length": 5}]"#,
+        r#"[{"kind": "answer_match"}, {"kind": "diversity", "n": 1},
+            {"kind": "length", "max_length": 10, "cache_length": 5},
+            {"kind": "composite", "quality": {"kind": "length", "max_length": 10, "cache_length": 5},
+             "diversity": {"kind": "diversity"}}]"#,
     )
     .unwrap();
     let ctx = RewardContext {
@@ -399,7 +403,7 @@ fn early_scoring_equals_scoring_after_sampling() {
     let examples = [0usize, 1, 2];
     let seeds = [0u64, 1, 2];
     let (mut after, _) = rollout(&model, &tok, &examples, ids.clone(), &seeds, 4, &params).unwrap();
-    score(&mut after, &data, &rewards, &[0, 1, 2], None).unwrap();
+    score(&mut after, &data, &rewards, &[0, 1, 2, 3], None).unwrap();
     let (early_eps, _, early) = rollout_scoring_early(
         &model,
         &tok,
@@ -410,10 +414,14 @@ fn early_scoring_equals_scoring_after_sampling() {
         &params,
         &data,
         &rewards,
-        &[true, true, false],
+        &[true, true, false, true],
     )
     .unwrap();
     assert_eq!(early_eps.len(), 12);
+    // Some samples stopped early, others ran to the limit: completions finished at different steps.
+    let lens: std::collections::BTreeSet<usize> =
+        early_eps.iter().map(|e| e.completion_ids.len()).collect();
+    assert!(lens.len() > 2, "{lens:?}");
     for (i, (a, e)) in after.iter().zip(&early_eps).enumerate() {
         assert_eq!(a.text, e.text);
         assert_eq!(early.scores[i][..2], a.rewards[..2], "episode {i}");
@@ -421,6 +429,7 @@ fn early_scoring_equals_scoring_after_sampling() {
             early.scores[i][2].is_nan(),
             "the late reward is left for later"
         );
+        assert_eq!(early.scores[i][3], a.rewards[3], "episode {i}");
     }
     assert!(early.secs[2] == 0.0);
 }

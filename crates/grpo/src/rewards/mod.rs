@@ -208,6 +208,15 @@ impl Reward {
         }
     }
 
+    /// Whether the reward compares the completions of a group (it needs the whole group at once).
+    pub fn is_group_reward(&self) -> bool {
+        match &self.func {
+            RewardFn::Diversity { .. } => true,
+            RewardFn::Composite(c) => c.terms.iter().any(Reward::is_group_reward),
+            _ => false,
+        }
+    }
+
     /// Whether the reward reads [`ScoreItem::completion_tokens`].
     pub fn needs_token_counts(&self) -> bool {
         match &self.func {
