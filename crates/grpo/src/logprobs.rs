@@ -50,12 +50,14 @@ pub fn next_token_logprobs(
     let h = hidden.dim(2)?;
     let hidden = hidden.narrow(1, 0, t - 1)?.reshape((b * (t - 1), h))?; // [B*(T-1), H]
     let targets = batch.ids.narrow(1, 1, t - 1)?.flatten_all()?; // [B*(T-1)]
-    let lp = token_logprobs(
+    let head = |h: &Tensor| model.head_logits(h);
+    let (lp, _) = token_logprobs_entropy_with(
         &hidden,
-        model.lm_head(),
+        &head,
         &targets,
         temperature,
         DEFAULT_CHUNK_ROWS,
+        Entropy::Skip,
     )?;
     Ok(lp.reshape((b, t - 1))?)
 }
@@ -80,10 +82,24 @@ pub fn token_logprobs_entropy(
     chunk_rows: usize,
     entropy: Entropy,
 ) -> Result<(Tensor, Option<Tensor>)> {
+    let w_t = lm_head.t()?; // [H, V]
+    let head = |h: &Tensor| -> Result<Tensor> { Ok(h.matmul(&w_t)?) };
+    token_logprobs_entropy_with(hidden, &head, targets, temperature, chunk_rows, entropy)
+}
+
+/// [`token_logprobs_entropy`] with the LM head given as a function `[c, H] -> [c, V]` (the
+/// model's [`CausalLm::head_logits`], which may send its gradient to a sink).
+pub fn token_logprobs_entropy_with(
+    hidden: &Tensor,
+    head: &dyn Fn(&Tensor) -> Result<Tensor>,
+    targets: &Tensor,
+    temperature: f64,
+    chunk_rows: usize,
+    entropy: Entropy,
+) -> Result<(Tensor, Option<Tensor>)> {
     let n = hidden.dim(0)?;
     let t = if temperature > 0.0 { temperature } else { 1.0 };
     let chunk = chunk_rows.max(1);
-    let w_t = lm_head.t()?; // [H, V]
     let (mut lps, mut ents) = (Vec::new(), Vec::new());
     let mut start = 0;
     while start < n {
@@ -91,7 +107,7 @@ pub fn token_logprobs_entropy(
         let h = hidden.narrow(0, start, len)?; // [c, H]
         let y = targets.narrow(0, start, len)?; // [c]
         start += len;
-        let logits = h.matmul(&w_t)?; // [c, V]
+        let logits = head(&h)?; // [c, V]
         if fused::applies(&logits) {
             let both = fused::logprob_entropy(&logits, &y, t)?; // [c, 2]: log-prob, entropy
             lps.push(both.narrow(1, 0, 1)?.squeeze(1)?);
@@ -278,9 +294,10 @@ pub fn completion_logprobs(
         .reshape((packs.len() * t, h))?
         .index_select(&Tensor::from_vec(rows, m, &dev)?, 0)?; // [M, H]
     let targets = Tensor::from_vec(targets, m, &dev)?;
-    let (lp, ent) = token_logprobs_entropy(
+    let head = |h: &Tensor| model.head_logits(h);
+    let (lp, ent) = token_logprobs_entropy_with(
         &picked,
-        model.lm_head(),
+        &head,
         &targets,
         temperature,
         DEFAULT_CHUNK_ROWS,

@@ -125,7 +125,8 @@ pub struct Model {
 impl Model {
     /// Attaches `sink` to every projection whose parameters it holds; returns how many.
     pub fn attach_grad_sink(&mut self, sink: &GradSink) -> Result<usize> {
-        let mut n = 0;
+        let mut n = self.wte.attach_grad_sink(sink)? as usize;
+        n += self.wpe.attach_grad_sink(sink)? as usize;
         for b in &mut self.h {
             n += b.attn.c_attn.attach_grad_sink(sink)? as usize;
             n += b.attn.c_proj.attach_grad_sink(sink)? as usize;

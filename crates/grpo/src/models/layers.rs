@@ -228,22 +228,34 @@ pub fn linear(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> Resu
 #[derive(Debug, Clone)]
 pub struct Embedding {
     weight: Tensor,
+    /// Set when the weight's gradient goes to a [`GradSink`].
+    lookup: Option<crate::models::grad_sink::SinkLookup>,
 }
 
 impl Embedding {
     pub fn new(weight: Tensor) -> Self {
-        Self { weight }
+        Self {
+            weight,
+            lookup: None,
+        }
     }
     pub fn weight(&self) -> &Tensor {
         &self.weight
+    }
+    /// Sends the weight's gradient to `sink` when it holds the weight; returns whether it does.
+    pub fn attach_grad_sink(&mut self, sink: &GradSink) -> Result<bool> {
+        self.lookup = crate::models::grad_sink::SinkLookup::new(sink, &self.weight)?;
+        Ok(self.lookup.is_some())
     }
     /// `ids` [B, T] u32 -> [B, T, H].
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
         let h = self.weight.dim(1)?;
-        self.weight
-            .index_select(&ids.flatten_all()?, 0)? // [B*T, H]
-            .reshape((b, t, h))
+        let rows = match &self.lookup {
+            Some(l) => l.forward(&self.weight, ids)?,
+            None => self.weight.index_select(&ids.flatten_all()?, 0)?,
+        }; // [B*T, H]
+        rows.reshape((b, t, h))
     }
 }
 

@@ -205,7 +205,7 @@ impl Model {
 
     /// Attaches `sink` to every projection whose parameters it holds; returns how many.
     pub fn attach_grad_sink(&mut self, sink: &GradSink) -> Result<usize> {
-        let mut n = 0;
+        let mut n = self.embed_tokens.attach_grad_sink(sink)? as usize;
         for l in &mut self.layers {
             n += l.self_attn.qkv_proj.attach_grad_sink(sink)? as usize;
             n += l.self_attn.o_proj.attach_grad_sink(sink)? as usize;

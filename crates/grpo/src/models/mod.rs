@@ -43,6 +43,8 @@ pub struct CausalLm {
     inner: Inner,
     dtype: DType,
     device: Device,
+    /// The LM head with its weight's gradient into a [`grad_sink::GradSink`], once attached.
+    head: Option<grad_sink::SinkProj>,
 }
 
 impl CausalLm {
@@ -75,6 +77,7 @@ impl CausalLm {
             inner,
             dtype,
             device,
+            head: None,
         })
     }
 
@@ -86,7 +89,12 @@ impl CausalLm {
             Inner::Llama(m) => m.attach_grad_sink(sink),
             Inner::Gpt2(m) => m.attach_grad_sink(sink),
         };
-        n.map_err(|e| Error::Model(format!("cannot attach the gradient sink: {e}")))
+        let err =
+            |e: candle_core::Error| Error::Model(format!("cannot attach the gradient sink: {e}"));
+        let n = n.map_err(err)?;
+        let w = self.lm_head().clone();
+        self.head = grad_sink::SinkProj::new(sink, &[(&w, &w)]).map_err(err)?;
+        Ok(n + usize::from(self.head.is_some()))
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -145,6 +153,15 @@ impl CausalLm {
             Inner::Llama(m) => m.forward_hidden(ids, positions, mask, cache, mode),
             Inner::Gpt2(m) => m.forward_hidden(ids, positions, mask, cache, mode),
         }
+    }
+
+    /// LM head for training: `h` [N, H] -> logits [N, V], through the gradient sink when one is
+    /// attached (the weight's gradient then goes to its accumulator), else a plain matmul.
+    pub fn head_logits(&self, h: &Tensor) -> Result<Tensor> {
+        Ok(match &self.head {
+            Some(p) => p.forward(h)?,
+            None => h.matmul(&self.lm_head().t()?)?,
+        })
     }
 
     /// LM head: hidden [..., H] -> logits [..., V] (f32; f64 stays f64).
