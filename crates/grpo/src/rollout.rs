@@ -47,16 +47,19 @@ pub fn rollout(
     g: usize,
     params: &SamplingParams,
 ) -> Result<(Vec<Episode>, GenStats)> {
-    let sampler = Sampler {
+    let (eps, stats, _) = rollout_scoring_early(
         model,
         tok,
         examples,
-        prompt_ids: &prompt_ids,
+        prompt_ids,
         seeds,
         g,
         params,
-    };
-    sampler.run(&mut |_, _| Ok(()))
+        &[],
+        &[],
+        &[],
+    )?;
+    Ok((eps, stats))
 }
 
 /// What [`rollout`] samples from.

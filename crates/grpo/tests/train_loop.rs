@@ -434,28 +434,37 @@ fn early_scoring_equals_scoring_after_sampling() {
     assert!(early.secs[2] == 0.0);
 }
 
+/// Trains the tiny model for 2 steps (no eval) with `extra` config and returns the 2 training
+/// steps' metric lines.
+fn two_steps(extra: &str) -> Vec<serde_json::Value> {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    tiny_model(&model);
+    let out_dir = tmp.path().join("run");
+    let mut cfg = config(&model, &out_dir, extra);
+    cfg.max_steps = Some(2);
+    cfg.eval_steps = 0;
+    let out = train(&cfg, &RunControl::default()).unwrap();
+    assert_eq!(out.steps, 2);
+    let steps: Vec<_> = metrics(&out_dir)
+        .into_iter()
+        .filter(|l| l.get("loss").is_some())
+        .collect();
+    assert_eq!(steps.len(), 2);
+    steps
+}
+
 /// A short run whose reward is a frozen sequence classifier (the tiny BERT fixture's
 /// "positive" probability of the completion).
 #[test]
 fn classifier_reward_trains() {
-    let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("model");
-    tiny_model(&model);
     let bert = fixtures().join("rewards/bert");
     let extra = format!(
         "[[rewards]]\nkind = \"classifier\"\nmodel = \"{}\"\nlabel = \"positive\"\n\
          output = \"probability\"\nname = \"positive\"",
         bert.display()
     );
-    let out_dir = tmp.path().join("run");
-    let mut cfg = config(&model, &out_dir, &extra);
-    cfg.max_steps = Some(2);
-    cfg.eval_steps = 0;
-    let out = train(&cfg, &RunControl::default()).unwrap();
-    assert_eq!(out.steps, 2);
-    let m = metrics(&out_dir);
-    let steps: Vec<_> = m.iter().filter(|l| l.get("loss").is_some()).collect();
-    assert_eq!(steps.len(), 2);
+    let steps = two_steps(&extra);
     for l in steps {
         let mean = l["rewards/positive/mean"].as_f64().unwrap();
         assert!(mean > 0.0 && mean < 1.0, "{l}");
@@ -476,9 +485,6 @@ fn command_reward_trains() {
         eprintln!("skipped: no python3 on this machine");
         return;
     }
-    let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("model");
-    tiny_model(&model);
     let scorer =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/scorers/answer_scorer.py");
     let extra = format!(
@@ -486,15 +492,7 @@ fn command_reward_trains() {
          [[rewards]]\nkind = \"length\"",
         scorer.display()
     );
-    let out_dir = tmp.path().join("run");
-    let mut cfg = config(&model, &out_dir, &extra);
-    cfg.max_steps = Some(2);
-    cfg.eval_steps = 0;
-    let out = train(&cfg, &RunControl::default()).unwrap();
-    assert_eq!(out.steps, 2);
-    let m = metrics(&out_dir);
-    let steps: Vec<_> = m.iter().filter(|l| l.get("loss").is_some()).collect();
-    assert_eq!(steps.len(), 2);
+    let steps = two_steps(&extra);
     for l in steps {
         // Every built-in task example has an answer: the scorer answered every completion.
         assert_eq!(l["rewards/scored/missing"].as_f64(), Some(0.0), "{l}");
