@@ -1,5 +1,6 @@
 //! Checkpoints: `output_dir/checkpoint-<step>/` holds an HF model directory (config.json,
-//! model.safetensors, generation_config.json, tokenizer files: transformers loads it as is) plus
+//! model.safetensors, generation_config.json, tokenizer files: transformers loads it as is), or
+//! for LoRA runs a PEFT adapter directory (adapter_config.json, adapter_model.safetensors), plus
 //! the optimizer moments, the trainer state and the resolved run config.
 //!
 //! A checkpoint is written into a temporary directory, synced, then renamed into place, so a
@@ -24,10 +25,27 @@ pub struct HfExport<'a> {
     pub eos_token_ids: &'a [u32],
 }
 
+/// A PEFT adapter directory's contents (LoRA runs).
+pub struct AdapterExport<'a> {
+    pub config: &'a crate::lora::LoraConfig,
+    pub model_config: &'a ModelConfig,
+    /// `base_model_name_or_path`
+    pub base_model: &'a str,
+    /// PEFT-keyed adapter tensors.
+    pub tensors: &'a [(String, Tensor)],
+    pub tokenizer: Option<&'a Tokenizer>,
+}
+
+/// The model part of a checkpoint: full weights, or adapters over a frozen base.
+pub enum ModelFiles<'a> {
+    Full(HfExport<'a>),
+    Adapter(AdapterExport<'a>),
+}
+
 /// Everything a checkpoint holds.
 pub struct CheckpointData<'a> {
     pub step: u64,
-    pub model: HfExport<'a>,
+    pub model: ModelFiles<'a>,
     pub optimizer: &'a [(String, Tensor)],
     pub trainer_state: &'a serde_json::Value,
     pub config_toml: &'a str,
@@ -42,7 +60,7 @@ pub struct LoadedCheckpoint {
     pub config_toml: String,
 }
 
-fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
+pub(crate) fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
     use std::io::Write;
     let mut f =
         std::fs::File::create(path).map_err(|e| Error::file(path, format!("cannot write: {e}")))?;
@@ -51,7 +69,7 @@ fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
         .map_err(|e| Error::file(path, format!("cannot write: {e}")))
 }
 
-fn save_tensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
+pub(crate) fn save_tensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
     let map: HashMap<String, Tensor> = tensors
         .iter()
         .map(|(n, t)| Ok((n.clone(), t.to_device(&Device::Cpu)?.contiguous()?)))
@@ -131,7 +149,21 @@ pub fn save_checkpoint(
     ));
     let _ = std::fs::remove_dir_all(&tmp);
     let write_all = || -> Result<()> {
-        write_hf_model(&tmp, &data.model)?;
+        match &data.model {
+            ModelFiles::Full(m) => write_hf_model(&tmp, m)?,
+            ModelFiles::Adapter(a) => {
+                crate::lora::save_peft(
+                    &tmp,
+                    a.config,
+                    a.model_config.arch,
+                    a.base_model,
+                    a.tensors,
+                )?;
+                if let Some(tok) = a.tokenizer {
+                    tok.save_hf_dir(&tmp)?;
+                }
+            }
+        }
         save_tensors(&tmp.join("optimizer.safetensors"), data.optimizer)?;
         let state = serde_json::to_vec_pretty(data.trainer_state).unwrap_or_default();
         write_file(&tmp.join("trainer_state.json"), &state)?;

@@ -194,6 +194,13 @@ pub struct TrainConfig {
     pub eval_steps: usize,
     pub eval_num_prompts: Option<usize>,
     pub report_to: Vec<String>,
+    /// LoRA adapters instead of full fine-tuning (`lora.r` > 0). Empty `target_modules` means
+    /// the architecture's default (see [`crate::lora::default_targets`]).
+    pub lora: Option<crate::lora::LoraConfig>,
+    /// QLoRA: keep the frozen base's projections quantized.
+    pub base_quantization: Option<crate::models::QuantType>,
+    /// Recompute each block's activations in the backward instead of keeping them.
+    pub gradient_checkpointing: bool,
     /// TRL/HF keys that were given and are ignored here.
     pub ignored_keys: Vec<String>,
     /// The merged values of every key, for [`Self::to_toml`].
@@ -272,6 +279,15 @@ const KEYS: &[KeyDoc] = keys! {
         "warmup_ratio": "float" = "0.0", "share of steps spent warming up";
         "warmup_steps": "int" = "0", "warm-up steps (wins over warmup_ratio when > 0)";
         "max_consecutive_nonfinite": "int" = "3", "stop after this many skipped non-finite steps in a row";
+        "gradient_checkpointing": "bool" = "false", "keep only each block's input during the forward and recompute the block in the backward (less memory, one more forward)";
+    }
+    "lora" {
+        "lora.r": "int" = "0", "LoRA rank: train adapters on a frozen base (0: full fine-tuning; TRL: lora_r)";
+        "lora.alpha": "float" = "", "LoRA alpha; the adapter output is scaled by alpha / r (unset: 2 x r)";
+        "lora.dropout": "float" = "0.05", "dropout on the adapters' input during training";
+        "lora.target_modules": "list of string" = "", "projections that get adapters, by name (q_proj, v_proj, ...) or \"all-linear\" (unset: q_proj, v_proj; GPT-2: c_attn)";
+        "lora.use_rslora": "bool" = "false", "rank-stabilized LoRA: scale by alpha / sqrt(r)";
+        "base_quantization": "none|q4_0|q4_1|q8_0" = "\"none\"", "QLoRA: keep the frozen base quantized (needs lora.r > 0); a GGUF of the same type is used as is";
     }
     "loss" {
         "loss_type": "grpo|bnpo|dr_grpo|dapo" = "\"dapo\"", "token-loss reduction, with TRL's normalizations";
@@ -313,7 +329,6 @@ const IGNORED: &[&str] = &[
     "bf16",
     "fp16",
     "tf32",
-    "gradient_checkpointing",
     "gradient_checkpointing_kwargs",
     "use_vllm",
     "vllm_mode",
@@ -405,15 +420,15 @@ fn suggest(key: &str) -> String {
 /// Flattens nested tables into dotted keys (`task.train_size`); `rewards` stays a list.
 fn flatten(prefix: &str, v: Value, out: &mut BTreeMap<String, Value>) {
     match v {
-        Value::Object(m) if prefix.is_empty() || prefix == "task" => {
+        Value::Object(m) if prefix.is_empty() || prefix == "task" || prefix == "lora" => {
             for (k, v) in m {
                 let key = if prefix.is_empty() {
                     k
                 } else {
                     format!("{prefix}.{k}")
                 };
-                if key == "task" && v.is_object() {
-                    flatten("task", v, out);
+                if (key == "task" || key == "lora") && v.is_object() {
+                    flatten(&key, v, out);
                 } else {
                     out.insert(key, v);
                 }
@@ -651,8 +666,23 @@ impl TrainConfig {
         let mut apply = |k: String, v: Value, from: &str| -> Result<()> {
             let k = match k.as_str() {
                 "model_name_or_path" => "model".to_string(),
+                // TRL's ModelConfig names for PEFT.
+                "lora_r" => "lora.r".to_string(),
+                "lora_alpha" => "lora.alpha".to_string(),
+                "lora_dropout" => "lora.dropout".to_string(),
+                "lora_target_modules" => "lora.target_modules".to_string(),
+                "use_rslora" => "lora.use_rslora".to_string(),
                 _ => k,
             };
+            if k == "use_peft" {
+                // TRL's switch: LoRA with its default rank 16 unless lora_r says otherwise.
+                if v == Value::Bool(true)
+                    && !merged.get("lora.r").is_some_and(|r| r != &Value::from(0))
+                {
+                    merged.insert("lora.r".into(), Value::from(16));
+                }
+                return Ok(());
+            }
             if k == "rewards" {
                 rewards = match v {
                     Value::Array(a) => a,
@@ -868,6 +898,48 @@ impl TrainConfig {
             );
         }
         let report_to = v.strings("report_to")?;
+        let lora_r = v.usize("lora.r")?;
+        let lora = match lora_r {
+            0 => None,
+            r => {
+                let alpha = v.opt_f64("lora.alpha")?.unwrap_or(2.0 * r as f64);
+                if !(alpha > 0.0 && alpha.is_finite()) {
+                    return bad("lora.alpha", format!("must be > 0, got {alpha}"));
+                }
+                let dropout = v.f64("lora.dropout")?;
+                if !(0.0..1.0).contains(&dropout) {
+                    return bad("lora.dropout", format!("must be in [0, 1), got {dropout}"));
+                }
+                Some(crate::lora::LoraConfig {
+                    r,
+                    alpha,
+                    dropout,
+                    target_modules: v.strings("lora.target_modules")?,
+                    use_rslora: v.bool("lora.use_rslora")?,
+                })
+            }
+        };
+        let base_quantization = v.choice(
+            "base_quantization",
+            &[
+                ("none", None),
+                ("q4_0", Some(crate::models::QuantType::Q4_0)),
+                ("q4_1", Some(crate::models::QuantType::Q4_1)),
+                ("q8_0", Some(crate::models::QuantType::Q8_0)),
+            ],
+        )?;
+        if base_quantization.is_some() && lora.is_none() {
+            return bad(
+                "base_quantization",
+                "a quantized base is frozen, so it needs LoRA adapters to train: set lora.r (e.g. --lora.r=16)".into(),
+            );
+        }
+        if lora.is_some() && v.bool("sync_ref_model")? {
+            return bad(
+                "sync_ref_model",
+                "with LoRA the reference is the base model with adapters off; it cannot be synced: set sync_ref_model = false".into(),
+            );
+        }
         let dtype = v.choice(
             "dtype",
             &[
@@ -1009,6 +1081,9 @@ impl TrainConfig {
             eval_steps: v.usize("eval_steps")?,
             eval_num_prompts: v.opt_usize("eval_num_prompts")?,
             report_to,
+            lora,
+            base_quantization,
+            gradient_checkpointing: v.bool("gradient_checkpointing")?,
             ignored_keys: vec![],
             resolved: BTreeMap::new(),
         })
@@ -1023,21 +1098,22 @@ impl TrainConfig {
     pub fn to_toml(&self) -> String {
         let mut root = toml::Table::new();
         let mut task = toml::Table::new();
+        let mut lora = toml::Table::new();
         for (k, v) in &self.resolved {
             let Ok(tv) = serde_json::from_value::<toml::Value>(v.clone()) else {
                 continue;
             };
-            match k.strip_prefix("task.") {
-                Some(sub) => {
-                    task.insert(sub.to_string(), tv);
-                }
-                None => {
-                    root.insert(k.clone(), tv);
-                }
+            if let Some(sub) = k.strip_prefix("task.") {
+                task.insert(sub.to_string(), tv);
+            } else if let Some(sub) = k.strip_prefix("lora.") {
+                lora.insert(sub.to_string(), tv);
+            } else {
+                root.insert(k.clone(), tv);
             }
         }
         // Scalars first, then tables/arrays of tables, as TOML requires.
         root.insert("task".into(), toml::Value::Table(task));
+        root.insert("lora".into(), toml::Value::Table(lora));
         toml::to_string(&root).unwrap_or_default()
     }
 }

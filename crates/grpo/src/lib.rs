@@ -12,7 +12,9 @@
 //! - [`data`]: prompt datasets (JSONL, CSV, Parquet) and the built-in arithmetic task.
 //! - [`rewards`]: reward functions scoring completions.
 //! - [`advantages`], [`loss`]: GRPO's group-relative advantages and clipped policy-gradient loss.
+//! - [`lora`]: LoRA / QLoRA adapters in PEFT's format, merging.
 //! - [`optim`]: AdamW with saveable state, gradient clipping, learning-rate schedules.
+//! - [`export`]: loading checkpoints (LoRA ones over their base) and `grpo export`.
 //! - [`metrics`], [`checkpoint`]: metrics.jsonl + TensorBoard, atomic checkpoints in HF layout.
 //! - [`train`]: the training loop.
 
@@ -21,9 +23,11 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod error;
+pub mod export;
 pub mod hub;
 pub mod kv_cache;
 pub mod logprobs;
+pub mod lora;
 pub mod loss;
 pub mod metrics;
 pub mod models;

@@ -18,11 +18,12 @@ use serde_json::json;
 use crate::advantages::{
     combine_rewards, decoupled_advantages, group_advantages, AdvantageOptions,
 };
-use crate::checkpoint::{self, CheckpointData, HfExport};
+use crate::checkpoint::{self, AdapterExport, CheckpointData, HfExport, ModelFiles};
 use crate::config::{KlMode, RewardAggregation, TrainConfig};
 use crate::data::{self, Example, PromptOrder};
 use crate::hub::{self, ModelSource};
 use crate::logprobs::{completion_logprobs, forward_chunks, Entropy, Packing};
+use crate::lora::{self, LoraConfig};
 use crate::loss::{grpo_loss, AdaptiveKl, LossInputs, LossOptions, MicroTotals, Reduction};
 use crate::metrics::MetricsWriter;
 use crate::models::grad_sink::GradSink;
@@ -128,34 +129,55 @@ fn load_datasets(cfg: &TrainConfig, device: &Device) -> Result<Datasets> {
     })
 }
 
-/// The policy: trainable `Var`s by HF name, plus what is needed to rebuild models over them.
+/// The policy: trainable `Var`s by name, plus what is needed to rebuild models over them.
 struct Policy {
     cfg: ModelConfig,
+    /// HF tensor names (full fine-tuning) or PEFT adapter keys (LoRA).
     names: Vec<String>,
     vars: Vec<Var>,
     device: Device,
+    /// LoRA: the frozen base model (with adapters off it is also the reference) and the options.
+    lora: Option<(CausalLm, LoraConfig)>,
 }
 
 impl Policy {
-    /// A model over the current parameters: differentiable (`train`) or detached.
-    fn build(&self, track: bool) -> Result<CausalLm> {
-        let tensors: HashMap<String, Tensor> = self
-            .names
+    fn tensors(&self, track: bool) -> Vec<(String, Tensor)> {
+        self.names
             .iter()
             .zip(&self.vars)
             .map(|(n, v)| {
                 let t = v.as_tensor();
                 (n.clone(), if track { t.clone() } else { t.detach() })
             })
-            .collect();
-        CausalLm::from_tensors(&self.cfg, tensors, DType::F32, &self.device)
-    }
-    fn named_tensors(&self) -> Vec<(String, Tensor)> {
-        self.names
-            .iter()
-            .zip(&self.vars)
-            .map(|(n, v)| (n.clone(), v.as_tensor().detach()))
             .collect()
+    }
+
+    /// A detached model over the current parameters (sampling, old log-probs, evaluation).
+    fn build(&self) -> Result<CausalLm> {
+        self.build_with(false, None)
+    }
+
+    /// A differentiable model over the current parameters; `dropout_seed` seeds LoRA dropout.
+    fn build_train(&self, dropout_seed: u64) -> Result<CausalLm> {
+        self.build_with(true, Some(dropout_seed))
+    }
+
+    fn build_with(&self, track: bool, dropout_seed: Option<u64>) -> Result<CausalLm> {
+        match &self.lora {
+            None => {
+                let tensors: HashMap<String, Tensor> = self.tensors(track).into_iter().collect();
+                CausalLm::from_tensors(&self.cfg, tensors, DType::F32, &self.device)
+            }
+            Some((base, lcfg)) => {
+                let mut m = base.clone();
+                m.set_lora(&lora::adapters(&self.tensors(track), lcfg, dropout_seed)?)?;
+                Ok(m)
+            }
+        }
+    }
+
+    fn named_tensors(&self) -> Vec<(String, Tensor)> {
+        self.tensors(false)
     }
 }
 
@@ -322,6 +344,8 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
     };
     let source = hub::resolve_model(cfg.model.as_deref())?;
     tracing::info!("model: {}", source.path().display());
+    // What LoRA checkpoints name as their base (`base_model_name_or_path`).
+    let base_model_name = source.path().display().to_string();
     let base = load_model(&source, DType::F32, &device)?;
     let tok = base.tokenizer()?.clone();
     let pad = tok.pad_token_id().or(tok.eos_token_id()).unwrap_or(0);
@@ -350,26 +374,82 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
         })
         .collect::<Result<Vec<_>>>()?;
 
-    // Policy parameters: from the checkpoint when resuming, else the base model.
-    let (start_tensors, ckpt) = match &resume_from {
-        Some(dir) => {
-            let m = load_model(&ModelSource::HfDir(dir.clone()), DType::F32, &device)?;
-            (m.tensors, Some(checkpoint::load_checkpoint(dir, &device)?))
+    // Policy parameters: full fine-tuning trains every base tensor (from the checkpoint when
+    // resuming); LoRA trains adapters (fresh, or from the checkpoint) over a frozen base.
+    let (names, vars, frozen_base) = match &cfg.lora {
+        None => {
+            let start_tensors = match &resume_from {
+                Some(dir) => {
+                    load_model(&ModelSource::HfDir(dir.clone()), DType::F32, &device)?.tensors
+                }
+                None => base.tensors.clone(),
+            };
+            let mut names: Vec<String> = start_tensors.keys().cloned().collect();
+            names.sort();
+            let vars = names
+                .iter()
+                .map(|n| Var::from_tensor(&start_tensors[n]))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            (names, vars, None)
         }
-        None => (base.tensors.clone(), None),
+        Some(lcfg) => {
+            let mut lcfg = lcfg.clone();
+            if lcfg.target_modules.is_empty() {
+                lcfg.target_modules = lora::default_targets(base.config.arch);
+            }
+            let mut frozen =
+                CausalLm::from_tensors(&base.config, base.tensors.clone(), DType::F32, &device)?;
+            if let Some(q) = cfg.base_quantization {
+                let n = frozen.quantize_projections(q)?;
+                tracing::info!(
+                    "QLoRA: {n} projections of the base kept in {} ({:.0} MB)",
+                    q.name(),
+                    frozen.quantized_bytes() as f64 / 1e6
+                );
+            }
+            let tensors = match &resume_from {
+                Some(dir) => {
+                    let a = lora::load_peft(dir, &device)?;
+                    if a.config.r != lcfg.r || a.config.target_modules != lcfg.target_modules {
+                        return Err(Error::file(
+                            dir.join(lora::ADAPTER_CONFIG),
+                            format!(
+                                "the checkpoint's adapters (r = {}, targets {:?}) differ from this run's (r = {}, targets {:?}): resume with the same lora.* settings",
+                                a.config.r, a.config.target_modules, lcfg.r, lcfg.target_modules
+                            ),
+                        ));
+                    }
+                    a.tensors
+                }
+                None => lora::init_weights(&frozen, &lcfg, cfg.seed, &device)?,
+            };
+            let n_params: usize = tensors.iter().map(|(_, t)| t.elem_count()).sum();
+            tracing::info!(
+                "LoRA: r = {}, alpha = {}, {} adapted projections ({:?}), {:.2}M trainable parameters",
+                lcfg.r,
+                lcfg.alpha,
+                tensors.len() / 2,
+                lcfg.target_modules,
+                n_params as f64 / 1e6
+            );
+            let names = tensors.iter().map(|(n, _)| n.clone()).collect();
+            let vars = tensors
+                .iter()
+                .map(|(_, t)| Var::from_tensor(t))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            (names, vars, Some((frozen, lcfg)))
+        }
     };
-    let mut names: Vec<String> = start_tensors.keys().cloned().collect();
-    names.sort();
-    let vars = names
-        .iter()
-        .map(|n| Var::from_tensor(&start_tensors[n]))
-        .collect::<candle_core::Result<Vec<_>>>()?;
-    drop(start_tensors);
+    let ckpt = match &resume_from {
+        Some(dir) => Some(checkpoint::load_checkpoint(dir, &device)?),
+        None => None,
+    };
     let policy = Policy {
         cfg: base.config.clone(),
         names: names.clone(),
         vars,
         device: device.clone(),
+        lora: frozen_base,
     };
     let mut opt = AdamW::new(
         names
@@ -393,14 +473,16 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
     let needs_ref = kl_needs_ref || rewards_need_ref;
     // Its HF-layout tensors are kept only when they are mixed with the policy's later
     // (`sync_ref_model`); otherwise the built model's own layout is the only copy.
-    let mut ref_model = match needs_ref {
-        true => Some(CausalLm::from_tensors(
+    // With LoRA the reference is the frozen base itself, adapters off: no second copy.
+    let mut ref_model = match (needs_ref, &policy.lora) {
+        (false, _) => None,
+        (true, Some((frozen, _))) => Some(frozen.clone()),
+        (true, None) => Some(CausalLm::from_tensors(
             &base.config,
             base.tensors.clone(),
             DType::F32,
             &device,
         )?),
-        false => None,
     };
     let mut ref_tensors: Option<HashMap<String, Tensor>> =
         (needs_ref && cfg.sync_ref_model).then(|| base.tensors.clone());
@@ -529,7 +611,7 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
     let mut rounds_this_run = 0u64;
     let mut interrupted = false;
     if cfg.eval_steps > 0 && !ds.eval.is_empty() && state.step == 0 {
-        let model = policy.build(false)?;
+        let model = policy.build()?;
         let ev = evaluate(cfg, &model, &tok, &ds, &sampling, 0, &mut metrics)?;
         let acc = ev
             .iter()
@@ -552,7 +634,7 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
         // 1. Rollout with the current policy; rewards that allow it score each group on a
         //    second thread as soon as the group has finished sampling.
         let t0 = Instant::now();
-        let sampler_model = policy.build(false)?;
+        let sampler_model = policy.build()?;
         let batch_idx = state.order.next_batch(p);
         let prompt_ids: Vec<Vec<u32>> = batch_idx.iter().map(|&i| train_ids[i].clone()).collect();
         let seeds: Vec<u64> = (0..p)
@@ -744,6 +826,8 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
                     lr,
                     pad,
                     entropy_mode,
+                    // LoRA dropout masks: one stream per optimizer step (exact resume).
+                    0x4452_4f50 ^ state.step,
                 )?;
                 if st.finite {
                     state.consecutive_nonfinite = 0;
@@ -924,7 +1008,7 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
             && !ds.eval.is_empty()
             && (state.step % cfg.eval_steps as u64 == 0 || state.step >= total_steps)
         {
-            let model = policy.build(false)?;
+            let model = policy.build()?;
             let t0 = Instant::now();
             let ev = evaluate(cfg, &model, &tok, &ds, &sampling, state.step, &mut metrics)?;
             push(&mut m, "time/eval", t0.elapsed().as_secs_f64());
@@ -1000,7 +1084,15 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
         let periodic =
             cfg.save_steps > 0 && crossed(state.step, updates_per_round, cfg.save_steps as u64);
         if periodic || at_end || stop_now {
-            let dir = save(cfg, &policy, &opt, &state, &tok, &config_toml)?;
+            let dir = save(
+                cfg,
+                &base_model_name,
+                &policy,
+                &opt,
+                &state,
+                &tok,
+                &config_toml,
+            )?;
             say(&bar, format!("saved {}", dir.display()));
             last_ckpt = Some(dir);
         }
@@ -1042,6 +1134,7 @@ fn crossed(step: u64, per_round: u64, every: u64) -> bool {
 
 fn save(
     cfg: &TrainConfig,
+    base_model: &str,
     policy: &Policy,
     opt: &AdamW,
     state: &TrainerState,
@@ -1053,16 +1146,26 @@ fn save(
     let trainer_state = serde_json::to_value(state)
         .map_err(|e| Error::Generate(format!("cannot serialise trainer state: {e}")))?;
     let eos = policy.cfg.eos_token_ids.clone();
+    let model = match &policy.lora {
+        None => ModelFiles::Full(HfExport {
+            config: &policy.cfg,
+            tensors: &tensors,
+            tokenizer: Some(tok),
+            eos_token_ids: &eos,
+        }),
+        Some((_, lcfg)) => ModelFiles::Adapter(AdapterExport {
+            config: lcfg,
+            model_config: &policy.cfg,
+            base_model,
+            tensors: &tensors,
+            tokenizer: Some(tok),
+        }),
+    };
     checkpoint::save_checkpoint(
         &cfg.output_dir,
         &CheckpointData {
             step: state.step,
-            model: HfExport {
-                config: &policy.cfg,
-                tensors: &tensors,
-                tokenizer: Some(tok),
-                eos_token_ids: &eos,
-            },
+            model,
             optimizer: &optimizer,
             trainer_state: &trainer_state,
             config_toml,
@@ -1101,12 +1204,15 @@ fn optimizer_step(
     lr: f64,
     pad: u32,
     entropy_mode: Entropy,
+    dropout_stream: u64,
 ) -> Result<StepStats> {
-    let mut model = policy.build(true)?;
+    let mut model = policy.build_train(mix_seed(cfg.seed, dropout_stream))?;
     // Projection weights' gradients go straight into accumulators (CPU, f32); the rest (embedding,
-    // norms, biases) through candle's autograd.
+    // norms, biases, LoRA adapters) through candle's autograd.
     let sink = GradSink::new(&policy.vars);
-    model.attach_grad_sink(&sink)?;
+    if policy.lora.is_none() {
+        model.attach_grad_sink(&sink)?;
+    }
     trace_memory("building the training model");
     let mut grads: Vec<Option<Tensor>> = vec![None; policy.vars.len()];
     let mut st = StepStats {

@@ -7,7 +7,7 @@ use candle_nn::VarBuilder;
 
 use super::config::ModelConfig;
 use super::grad_sink::GradSink;
-use super::layers::{attention, AttnMask, Embedding, LayerNorm, Linear, Mode};
+use super::layers::{attention, AttnMask, Embedding, LayerNorm, Linear, Mode, ProjMut};
 use crate::kv_cache::KvCache;
 
 /// HF `Conv1D`: weight `[in, out]`, bias `[out]`.
@@ -166,6 +166,31 @@ impl Model {
 
     pub fn lm_head(&self) -> &Tensor {
         &self.lm_head
+    }
+
+    /// Every projection with its HF module path.
+    pub fn projections_mut(&mut self) -> Vec<(Vec<String>, ProjMut<'_>)> {
+        let mut out = Vec::with_capacity(self.h.len() * 4);
+        for (i, b) in self.h.iter_mut().enumerate() {
+            let p = format!("transformer.h.{i}");
+            out.push((
+                vec![format!("{p}.attn.c_attn")],
+                ProjMut::Single(&mut b.attn.c_attn),
+            ));
+            out.push((
+                vec![format!("{p}.attn.c_proj")],
+                ProjMut::Single(&mut b.attn.c_proj),
+            ));
+            out.push((
+                vec![format!("{p}.mlp.c_fc")],
+                ProjMut::Single(&mut b.mlp.c_fc),
+            ));
+            out.push((
+                vec![format!("{p}.mlp.c_proj")],
+                ProjMut::Single(&mut b.mlp.c_proj),
+            ));
+        }
+        out
     }
 
     pub fn max_positions(&self) -> usize {

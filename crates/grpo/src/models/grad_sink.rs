@@ -80,7 +80,8 @@ impl GradSink {
 #[derive(Debug, Clone)]
 struct Part {
     weight: Tensor,
-    acc: Arc<GradAcc>,
+    /// `None` for a frozen weight: the backward gives the input's gradient only.
+    acc: Option<Arc<GradAcc>>,
 }
 
 /// `y = x [W_1; W_2; ...]^T` (no bias) with gradients of the `W_i` into a [`GradSink`].
@@ -111,7 +112,7 @@ impl SinkProj {
             }
             out.push(Part {
                 weight: (*weight).clone(),
-                acc,
+                acc: Some(acc),
             });
         }
         let Some(in_dim) = in_dim else {
@@ -120,6 +121,38 @@ impl SinkProj {
         let out_dim = out.iter().map(|p| p.weight.dim(0)).sum::<Result<usize>>()?;
         Ok(Some(Self {
             parts: out,
+            in_dim,
+            out_dim,
+        }))
+    }
+
+    /// A projection by frozen weights `[out_i, in]` (views are fine): the backward computes the
+    /// input's gradient only. candle's matmul backward would also compute the weight's gradient
+    /// (as many FLOPs as the input's) and drop it. `None` unless every weight is f32 on the CPU.
+    pub fn frozen(weights: &[&Tensor]) -> Result<Option<Self>> {
+        let mut in_dim = None;
+        for w in weights {
+            let (_, i) = w.dims2()?;
+            if w.dtype() != DType::F32 || !w.device().is_cpu() || *in_dim.get_or_insert(i) != i {
+                return Ok(None);
+            }
+        }
+        let Some(in_dim) = in_dim else {
+            return Ok(None);
+        };
+        let parts: Vec<Part> = weights
+            .iter()
+            .map(|w| Part {
+                weight: (*w).clone(),
+                acc: None,
+            })
+            .collect();
+        let out_dim = parts
+            .iter()
+            .map(|p| p.weight.dim(0))
+            .sum::<Result<usize>>()?;
+        Ok(Some(Self {
+            parts,
             in_dim,
             out_dim,
         }))
@@ -146,7 +179,7 @@ fn f32_slice(s: &CpuStorage) -> Result<&[f32]> {
     }
 }
 
-fn threads() -> gemm::Parallelism {
+pub(crate) fn gemm_threads() -> gemm::Parallelism {
     match candle_core::utils::get_num_threads() {
         0 | 1 => gemm::Parallelism::None,
         n => gemm::Parallelism::Rayon(n),
@@ -197,7 +230,7 @@ impl CustomOp1 for SinkProj {
                     false,
                     false,
                     false,
-                    threads(),
+                    gemm_threads(),
                 );
             }
             col += o;
@@ -250,17 +283,20 @@ impl CustomOp1 for SinkProj {
                     false,
                     false,
                     false,
-                    threads(),
+                    gemm_threads(),
                 );
             }
             // dW_i += dY[:, part]^T X, written where W_i's elements live in the parameter.
-            let mut guard = p
-                .acc
+            let Some(pacc) = &p.acc else {
+                col += o;
+                continue;
+            };
+            let mut guard = pacc
                 .data
                 .lock()
                 .map_err(|_| candle_core::Error::Msg("gradient accumulator poisoned".into()))?;
             let first = guard.is_none();
-            let acc = guard.get_or_insert_with(|| vec![0f32; p.acc.shape.elem_count()]);
+            let acc = guard.get_or_insert_with(|| vec![0f32; pacc.shape.elem_count()]);
             let max = off as isize + (o as isize - 1) * s0 + (k as isize - 1) * s1;
             if s0 < 0 || s1 < 0 || max as usize >= acc.len() {
                 candle_core::bail!("sink projection: weight view outside its parameter");
@@ -287,7 +323,7 @@ impl CustomOp1 for SinkProj {
                     false,
                     false,
                     false,
-                    threads(),
+                    gemm_threads(),
                 );
             }
             col += o;

@@ -8,6 +8,8 @@ use candle_nn::VarBuilder;
 
 use super::config::{Llama3RopeScaling, ModelConfig};
 use super::grad_sink::{GradSink, SinkProj};
+use super::lora::LoraAdapter;
+use super::quant::{QuantProj, QuantType};
 
 /// Which kernels a forward pass uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,14 +37,24 @@ pub const MASK_VALUE: f32 = -1e30;
 /// holds a snapshot of its weights' layout: rebuild it after changing the parameters.
 #[derive(Debug, Clone)]
 pub struct Linear {
-    /// [in, out], contiguous or a transposed view
-    weight_t: Tensor,
+    base: Base,
     bias: Option<Tensor>,
     /// The parameter as stored ([out, in], or [in, out] for GPT-2's Conv1D, `from_in_out`),
-    /// kept only when it tracks gradients (a detached model holds just `weight_t`).
+    /// kept only when it tracks gradients (a detached model holds just the base).
     param: Option<Tensor>,
     /// Set by [`Linear::attach_grad_sink`]: the forward's weight gradient goes to the sink.
     sink: Option<SinkProj>,
+    /// A LoRA adapter added to the output ([`Linear::set_lora`]).
+    lora: Option<LoraAdapter>,
+}
+
+/// The weight a [`Linear`] multiplies by.
+#[derive(Debug, Clone)]
+enum Base {
+    /// [in, out], contiguous or a transposed view
+    Dense(Tensor),
+    /// Frozen and quantized (QLoRA).
+    Quant(QuantProj),
 }
 
 impl Linear {
@@ -54,51 +66,111 @@ impl Linear {
             (weight.t()?.contiguous()?, None)
         };
         Ok(Self {
-            weight_t,
+            base: Base::Dense(weight_t),
             bias,
             param,
             sink: None,
+            lora: None,
         })
     }
     /// `weight` [in, out] (GPT-2's Conv1D layout, already what the GEMM wants), `bias` [out].
     pub fn from_in_out(weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
         Ok(Self {
-            weight_t: weight.contiguous()?,
+            base: Base::Dense(weight.contiguous()?),
             bias,
             param: weight.track_op().then(|| weight.clone()),
             sink: None,
+            lora: None,
         })
     }
-    /// The weight in HF layout `[out, in]` (a view).
+    /// The weight in HF layout `[out, in]` (a view; dequantized when quantized).
     pub fn weight(&self) -> Result<Tensor> {
-        self.weight_t.t()
+        match &self.base {
+            Base::Dense(wt) => wt.t(),
+            Base::Quant(q) => q.dequantize(),
+        }
+    }
+    /// (in, out)
+    pub fn dims(&self) -> Result<(usize, usize)> {
+        match &self.base {
+            Base::Dense(wt) => wt.dims2(),
+            Base::Quant(q) => q.dims().map(|(o, i)| (i, o)),
+        }
     }
     /// Sends the weight's gradient to `sink` from now on, when the sink holds its parameter.
     /// Returns whether it does. The bias keeps candle's autograd.
     pub fn attach_grad_sink(&mut self, sink: &GradSink) -> Result<bool> {
-        self.sink = match &self.param {
-            Some(p) => SinkProj::new(sink, &[(p, &self.weight_t.t()?)])?,
-            None => None,
+        self.sink = match (&self.param, &self.base) {
+            (Some(p), Base::Dense(wt)) => SinkProj::new(sink, &[(p, &wt.t()?)])?,
+            _ => None,
         };
         Ok(self.sink.is_some())
     }
-}
+    /// Adds `lora`'s output to this projection's (or removes the adapter with `None`).
+    pub fn set_lora(&mut self, lora: Option<LoraAdapter>) -> Result<()> {
+        if let Some(l) = &lora {
+            if l.dims()? != self.dims()? {
+                candle_core::bail!(
+                    "adapter shape (in, out) {:?} does not match the projection's {:?}",
+                    l.dims()?,
+                    self.dims()?
+                );
+            }
+        }
+        self.lora = lora;
+        Ok(())
+    }
+    /// Keeps the (frozen) weight quantized from now on; the f32 copy is dropped.
+    pub fn quantize(&mut self, kind: QuantType) -> Result<()> {
+        if self.param.is_some() {
+            candle_core::bail!("a trainable weight cannot be quantized");
+        }
+        self.set_quantized(QuantProj::quantize(&self.weight()?, kind)?)
+    }
+    /// Uses `q` ([out, in], already quantized) as the frozen weight.
+    pub fn set_quantized(&mut self, q: QuantProj) -> Result<()> {
+        let (o, i) = q.dims()?;
+        if (i, o) != self.dims()? {
+            candle_core::bail!("quantized weight [{o}, {i}] does not match the projection");
+        }
+        self.base = Base::Quant(q);
+        Ok(())
+    }
+    /// The quantized weight, when the base is quantized.
+    pub fn quantized(&self) -> Option<&QuantProj> {
+        match &self.base {
+            Base::Quant(q) => Some(q),
+            Base::Dense(_) => None,
+        }
+    }
 
-impl Module for Linear {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = match &self.sink {
-            Some(op) => op.forward(x)?, // [.., out]
-            None => {
-                let dims = x.dims();
-                let in_dim = dims[dims.len() - 1];
-                let rows = x.elem_count() / in_dim;
-                let out_dim = self.weight_t.dim(1)?;
-                let y = x.reshape((rows, in_dim))?.matmul(&self.weight_t)?; // [N, out]
-                let mut out_shape = dims.to_vec();
-                if let Some(last) = out_shape.last_mut() {
-                    *last = out_dim;
+    /// The base projection and bias, without the adapter.
+    fn forward_base(&self, x: &Tensor) -> Result<Tensor> {
+        let y = match (&self.sink, &self.base) {
+            (Some(op), _) => op.forward(x)?, // [.., out]
+            (None, Base::Quant(q)) => q.forward(x)?,
+            (None, Base::Dense(wt)) => {
+                // A frozen weight under a graph (LoRA training, earlier layers' adapters):
+                // the input's gradient only.
+                let frozen = match self.param.is_none() && x.track_op() {
+                    true => SinkProj::frozen(&[&wt.t()?])?,
+                    false => None,
+                };
+                match frozen {
+                    Some(op) => op.forward(x)?,
+                    None => {
+                        let dims = x.dims();
+                        let in_dim = dims[dims.len() - 1];
+                        let rows = x.elem_count() / in_dim;
+                        let out_dim = wt.dim(1)?;
+                        let y = x.reshape((rows, in_dim))?.matmul(wt)?; // [N, out]
+                        let mut out_shape = dims.to_vec();
+                        if let Some(last) = out_shape.last_mut() {
+                            *last = out_dim;
+                        }
+                        y.reshape(out_shape)?
+                    }
                 }
-                y.reshape(out_shape)?
             }
         };
         match &self.bias {
@@ -106,6 +178,23 @@ impl Module for Linear {
             None => Ok(y),
         }
     }
+}
+
+impl Module for Linear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = self.forward_base(x)?;
+        match &self.lora {
+            Some(l) => y + l.forward(x)?,
+            None => Ok(y),
+        }
+    }
+}
+
+/// A projection of a built model, named by HF module paths (one per part of a fused one), for
+/// attaching adapters or quantizing the base.
+pub enum ProjMut<'a> {
+    Single(&'a mut Linear),
+    Fused(&'a mut FusedLinear),
 }
 
 /// Several HF projections of the same input computed as one GEMM (q/k/v, gate/up), the output
@@ -122,6 +211,8 @@ pub struct FusedLinear {
     joined: Option<Linear>,
     sink: Option<SinkProj>,
     outs: Vec<usize>,
+    /// A LoRA adapter per part (or none).
+    loras: Vec<Option<LoraAdapter>>,
 }
 
 impl FusedLinear {
@@ -139,12 +230,76 @@ impl FusedLinear {
         } else {
             (vec![], Some(Self::join(&parts)?))
         };
+        let loras = vec![None; outs.len()];
         Ok(Self {
             parts,
             joined,
             sink: None,
             outs,
+            loras,
         })
+    }
+
+    /// (in, out_i) of each part.
+    pub fn part_dims(&self) -> Result<Vec<(usize, usize)>> {
+        let i = match (&self.joined, self.parts.first()) {
+            (Some(j), _) => j.dims()?.0,
+            (None, Some((w, _))) => w.dim(1)?,
+            (None, None) => 0,
+        };
+        Ok(self.outs.iter().map(|&o| (i, o)).collect())
+    }
+
+    /// Adds `lora`'s output to part `part`'s (or removes it with `None`).
+    pub fn set_lora(&mut self, part: usize, lora: Option<LoraAdapter>) -> Result<()> {
+        let dims = self.part_dims()?;
+        let Some(&want) = dims.get(part) else {
+            candle_core::bail!("no part {part} in a projection of {} parts", dims.len());
+        };
+        if let Some(l) = &lora {
+            if l.dims()? != want {
+                candle_core::bail!(
+                    "adapter shape (in, out) {:?} does not match the projection's {want:?}",
+                    l.dims()?
+                );
+            }
+        }
+        self.loras[part] = lora;
+        Ok(())
+    }
+
+    /// Keeps the frozen joined weight quantized (one quantized matrix for all parts).
+    pub fn quantize(&mut self, kind: QuantType) -> Result<()> {
+        match &mut self.joined {
+            Some(j) => j.quantize(kind),
+            None => candle_core::bail!("a trainable weight cannot be quantized"),
+        }
+    }
+
+    /// Uses already-quantized weights, one per part in order (stacked exactly).
+    pub fn set_quantized(&mut self, parts: &[&QuantProj]) -> Result<()> {
+        let q = QuantProj::stack(parts)?;
+        match &mut self.joined {
+            Some(j) => j.set_quantized(q),
+            None => candle_core::bail!("a trainable weight cannot be quantized"),
+        }
+    }
+
+    /// The joined weight, when quantized.
+    pub fn quantized(&self) -> Option<&QuantProj> {
+        self.joined.as_ref().and_then(|j| j.quantized())
+    }
+
+    /// The base weight of part `part`, HF layout [out_i, in] (dequantized when quantized).
+    pub fn part_weight(&self, part: usize) -> Result<Tensor> {
+        if let Some((w, _)) = self.parts.get(part) {
+            return Ok(w.clone());
+        }
+        let start: usize = self.outs[..part].iter().sum();
+        match &self.joined {
+            Some(j) => j.weight()?.narrow(0, start, self.outs[part]),
+            None => candle_core::bail!("no part {part}"),
+        }
     }
 
     fn joined_bias(parts: &[(Tensor, Option<Tensor>)]) -> Result<Option<Tensor>> {
@@ -170,6 +325,15 @@ impl FusedLinear {
 
     /// `x` [.., in] -> [.., sum of out_i], the parts side by side.
     pub fn forward_joined(&self, x: &Tensor) -> Result<Tensor> {
+        if self.loras.iter().any(|l| l.is_some()) {
+            let parts = self.forward(x)?;
+            return Tensor::cat(&parts, x.rank() - 1);
+        }
+        self.forward_base(x)
+    }
+
+    /// The base projections, side by side, without adapters.
+    fn forward_base(&self, x: &Tensor) -> Result<Tensor> {
         match (&self.sink, &self.joined) {
             (Some(op), _) => {
                 let y = op.forward(x)?;
@@ -183,14 +347,18 @@ impl FusedLinear {
         }
     }
 
-    /// `x` [.., in] -> one view [.., out_i] per part.
+    /// `x` [.., in] -> one tensor [.., out_i] per part (views of one output without adapters).
     pub fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
-        let y = self.forward_joined(x)?;
+        let y = self.forward_base(x)?;
         let last = y.rank() - 1;
         let mut start = 0;
         let mut out = Vec::with_capacity(self.outs.len());
-        for &n in &self.outs {
-            out.push(y.narrow(last, start, n)?);
+        for (&n, lora) in self.outs.iter().zip(&self.loras) {
+            let part = y.narrow(last, start, n)?;
+            out.push(match lora {
+                Some(l) => (part + l.forward(x)?)?,
+                None => part,
+            });
             start += n;
         }
         Ok(out)

@@ -9,7 +9,7 @@ use super::config::ModelConfig;
 use super::grad_sink::GradSink;
 use super::layers::{
     attention, linear, linear_parts, rope_heads, AttnMask, Embedding, FusedLinear, Linear, Mode,
-    RmsNorm, Rope,
+    ProjMut, RmsNorm, Rope,
 };
 use crate::kv_cache::KvCache;
 
@@ -213,6 +213,35 @@ impl Model {
             n += l.mlp.down_proj.attach_grad_sink(sink)? as usize;
         }
         Ok(n)
+    }
+
+    /// Every projection with its HF module path(s).
+    pub fn projections_mut(&mut self) -> Vec<(Vec<String>, ProjMut<'_>)> {
+        let mut out = Vec::with_capacity(self.layers.len() * 4);
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            let p = format!("model.layers.{i}");
+            let names = |parts: &[&str]| -> Vec<String> {
+                parts.iter().map(|n| format!("{p}.{n}")).collect()
+            };
+            let attn = &mut l.self_attn;
+            out.push((
+                names(&["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+                ProjMut::Fused(&mut attn.qkv_proj),
+            ));
+            out.push((
+                names(&["self_attn.o_proj"]),
+                ProjMut::Single(&mut attn.o_proj),
+            ));
+            out.push((
+                names(&["mlp.gate_proj", "mlp.up_proj"]),
+                ProjMut::Fused(&mut l.mlp.gate_up_proj),
+            ));
+            out.push((
+                names(&["mlp.down_proj"]),
+                ProjMut::Single(&mut l.mlp.down_proj),
+            ));
+        }
+        out
     }
 
     pub fn max_positions(&self) -> usize {

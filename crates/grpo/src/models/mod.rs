@@ -17,6 +17,8 @@ pub mod gpt2;
 pub mod grad_sink;
 pub mod layers;
 pub mod llama;
+pub mod lora;
+pub mod quant;
 mod seq_cls;
 
 use std::collections::HashMap;
@@ -25,7 +27,9 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 
 pub use config::{Arch, ModelConfig};
-pub use layers::{AttnMask, Mode};
+pub use layers::{AttnMask, Mode, ProjMut};
+pub use lora::{LoraAdapter, LoraDropout};
+pub use quant::{QuantProj, QuantType};
 
 use crate::kv_cache::KvCache;
 use crate::{Error, Result};
@@ -97,6 +101,92 @@ impl CausalLm {
         Ok(n + usize::from(self.head.is_some()))
     }
 
+    /// Every projection with its HF module path(s) (`model.layers.0.self_attn.q_proj`, ...).
+    pub fn projections_mut(&mut self) -> Vec<(Vec<String>, ProjMut<'_>)> {
+        match &mut self.inner {
+            Inner::Llama(m) => m.projections_mut(),
+            Inner::Gpt2(m) => m.projections_mut(),
+        }
+    }
+
+    /// (HF module path, in, out) of every projection, in model order.
+    pub fn projection_shapes(&self) -> Result<Vec<(String, usize, usize)>> {
+        let mut m = self.clone();
+        let mut out = Vec::new();
+        for (names, p) in m.projections_mut() {
+            let dims = match p {
+                ProjMut::Single(l) => vec![l.dims()?],
+                ProjMut::Fused(f) => f.part_dims()?,
+            };
+            for (n, (i, o)) in names.into_iter().zip(dims) {
+                out.push((n, i, o));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Attaches `adapters` by HF module path; every other projection gets none (an empty map
+    /// switches adapters off). Returns how many were attached; a name that matches no
+    /// projection is an error.
+    pub fn set_lora(&mut self, adapters: &HashMap<String, LoraAdapter>) -> Result<usize> {
+        let mut n = 0;
+        let err = |e: candle_core::Error| Error::Model(format!("LoRA: {e}"));
+        for (names, p) in self.projections_mut() {
+            match p {
+                ProjMut::Single(l) => {
+                    let a = adapters.get(&names[0]).cloned();
+                    n += usize::from(a.is_some());
+                    l.set_lora(a).map_err(err)?;
+                }
+                ProjMut::Fused(f) => {
+                    for (k, name) in names.iter().enumerate() {
+                        let a = adapters.get(name).cloned();
+                        n += usize::from(a.is_some());
+                        f.set_lora(k, a).map_err(err)?;
+                    }
+                }
+            }
+        }
+        if n != adapters.len() {
+            let known: Vec<String> = self
+                .projection_shapes()?
+                .into_iter()
+                .map(|(n, _, _)| n)
+                .collect();
+            let missing: Vec<&String> = adapters.keys().filter(|k| !known.contains(k)).collect();
+            return Err(Error::Model(format!(
+                "LoRA adapters for modules the model does not have: {missing:?}"
+            )));
+        }
+        Ok(n)
+    }
+
+    /// Keeps every projection's (frozen) weight quantized to `kind`; returns how many.
+    pub fn quantize_projections(&mut self, kind: QuantType) -> Result<usize> {
+        let mut n = 0;
+        for (names, p) in self.projections_mut() {
+            let r = match p {
+                ProjMut::Single(l) => l.quantize(kind),
+                ProjMut::Fused(f) => f.quantize(kind),
+            };
+            r.map_err(|e| Error::Model(format!("cannot quantize {}: {e}", names[0])))?;
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    /// Bytes held by quantized projection weights.
+    pub fn quantized_bytes(&self) -> usize {
+        let mut m = self.clone();
+        m.projections_mut()
+            .into_iter()
+            .map(|(_, p)| match p {
+                ProjMut::Single(l) => l.quantized().map_or(0, |q| q.size_in_bytes()),
+                ProjMut::Fused(f) => f.quantized().map_or(0, |q| q.size_in_bytes()),
+            })
+            .sum()
+    }
+
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
     }
@@ -158,10 +248,17 @@ impl CausalLm {
     /// LM head for training: `h` [N, H] -> logits [N, V], through the gradient sink when one is
     /// attached (the weight's gradient then goes to its accumulator), else a plain matmul.
     pub fn head_logits(&self, h: &Tensor) -> Result<Tensor> {
-        Ok(match &self.head {
-            Some(p) => p.forward(h)?,
-            None => h.matmul(&self.lm_head().t()?)?,
-        })
+        let w = self.lm_head();
+        if let Some(p) = &self.head {
+            return Ok(p.forward(h)?);
+        }
+        // A frozen head under a graph (LoRA): the input's gradient only, no [vocab, hidden] one.
+        if !w.track_op() && h.track_op() {
+            if let Some(p) = grad_sink::SinkProj::frozen(&[w])? {
+                return Ok(p.forward(h)?);
+            }
+        }
+        Ok(h.matmul(&w.t()?)?)
     }
 
     /// LM head: hidden [..., H] -> logits [..., V] (f32; f64 stays f64).

@@ -1,0 +1,199 @@
+//! Using what training wrote: loading a checkpoint (full weights, or LoRA adapters over their
+//! base) for sampling and evaluation, and `grpo export` (HF safetensors, adapters merged).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::checkpoint::{write_hf_model, HfExport};
+use crate::hub;
+use crate::lora::{self, LoadedAdapter};
+use crate::models::{CausalLm, QuantProj, QuantType};
+use crate::weights::{load_model, LoadedModel};
+use crate::{Error, Result};
+
+/// The base quantization a LoRA checkpoint was trained on (its `config.toml`), if any.
+pub fn checkpoint_base_quantization(dir: &Path) -> Result<Option<QuantType>> {
+    let path = dir.join("config.toml");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(None);
+    };
+    let t: toml::Table =
+        toml::from_str(&text).map_err(|e| Error::file(&path, format!("invalid TOML: {e}")))?;
+    match t.get("base_quantization").and_then(|v| v.as_str()) {
+        None | Some("none") => Ok(None),
+        Some(s) => serde_json::from_value(serde_json::Value::String(s.into()))
+            .map(Some)
+            .map_err(|_| Error::file(&path, format!("unknown base_quantization `{s}`"))),
+    }
+}
+
+/// The base model a LoRA adapter names (or `base_override`), loaded in f32.
+fn load_base(
+    dir: &Path,
+    adapter: &LoadedAdapter,
+    base_override: Option<&str>,
+) -> Result<LoadedModel> {
+    let spec = base_override
+        .map(str::to_owned)
+        .or_else(|| adapter.base_model.clone())
+        .ok_or_else(|| {
+            Error::file(
+                dir.join(lora::ADAPTER_CONFIG),
+                "names no base_model_name_or_path: give the base model with --base",
+            )
+        })?;
+    let source = hub::resolve_model(Some(&spec)).map_err(|e| {
+        Error::file(
+            dir.join(lora::ADAPTER_CONFIG),
+            format!("its base model `{spec}` cannot be loaded ({e}); give it with --base"),
+        )
+    })?;
+    load_model(&source, DType::F32, &Device::Cpu)
+}
+
+/// A model to sample from: `spec` as `--model` takes it, or a LoRA checkpoint directory
+/// (adapter_config.json), loaded over its base (`base_override` wins over the base the adapter
+/// names) with the base quantized as it was in training. Returns the model and the loaded base
+/// (tokenizer, EOS ids).
+pub fn load_for_inference(
+    spec: Option<&str>,
+    base_override: Option<&str>,
+    dtype: DType,
+    device: &Device,
+) -> Result<(CausalLm, LoadedModel)> {
+    if let Some(dir) = spec.map(Path::new).filter(|p| lora::is_adapter_dir(p)) {
+        let adapter = lora::load_peft(dir, device)?;
+        let base = load_base(dir, &adapter, base_override)?;
+        let mut model = base.build()?;
+        if let Some(q) = checkpoint_base_quantization(dir)? {
+            model.quantize_projections(q)?;
+        }
+        model.set_lora(&lora::adapters(&adapter.tensors, &adapter.config, None)?)?;
+        return Ok((model, base));
+    }
+    let source = hub::resolve_model(spec)?;
+    let base = load_model(&source, dtype, device)?;
+    Ok((base.build()?, base))
+}
+
+/// What `grpo export` wrote.
+#[derive(Debug)]
+pub struct ExportSummary {
+    pub out: PathBuf,
+    /// Adapters merged into the base weights (0 for a full checkpoint).
+    pub merged_adapters: usize,
+    /// Files written.
+    pub files: Vec<PathBuf>,
+}
+
+/// Replaces each projection weight by its quantize-dequantize round trip (what a QLoRA run's
+/// frozen base computed with), so merged adapters sit on the weights they were trained on.
+fn round_trip_quantization(
+    tensors: &mut HashMap<String, Tensor>,
+    model: &CausalLm,
+    q: QuantType,
+) -> Result<()> {
+    for (module, _, _) in model.projection_shapes()? {
+        let key = format!("{module}.weight");
+        if let Some(w) = tensors.get(&key) {
+            let w = if model.config().arch == crate::models::Arch::Gpt2 {
+                w.t()?
+            } else {
+                w.clone()
+            };
+            let mut d = QuantProj::quantize(&w, q)?.dequantize()?;
+            if model.config().arch == crate::models::Arch::Gpt2 {
+                d = d.t()?.contiguous()?;
+            }
+            tensors.insert(key, d);
+        }
+    }
+    Ok(())
+}
+
+/// `grpo export`: writes `checkpoint` as an HF model directory at `out`. A LoRA checkpoint is
+/// merged into its base when `merge` (HF weights that transformers loads with no peft), else its
+/// adapter files are copied. A full checkpoint (or any model `--model` takes, a GGUF included)
+/// is written as HF safetensors.
+pub fn export(
+    checkpoint: &Path,
+    out: &Path,
+    merge: bool,
+    base_override: Option<&str>,
+) -> Result<ExportSummary> {
+    if out.join("model.safetensors").exists() || out.join(lora::ADAPTER_WEIGHTS).exists() {
+        return Err(Error::file(
+            out,
+            "already holds a model; choose an empty directory",
+        ));
+    }
+    let device = Device::Cpu;
+    let spec = checkpoint.to_string_lossy().to_string();
+    if !lora::is_adapter_dir(checkpoint) {
+        let base = load_model(&hub::resolve_model(Some(&spec))?, DType::F32, &device)?;
+        return write_merged(out, &base, base.tensors.clone(), 0);
+    }
+    let adapter = lora::load_peft(checkpoint, &device)?;
+    if !merge {
+        std::fs::create_dir_all(out)
+            .map_err(|e| Error::file(out, format!("cannot create: {e}")))?;
+        let mut files = vec![];
+        for f in [
+            lora::ADAPTER_CONFIG,
+            lora::ADAPTER_WEIGHTS,
+            "tokenizer.json",
+            "tokenizer_config.json",
+        ] {
+            let src = checkpoint.join(f);
+            if src.is_file() {
+                let dst = out.join(f);
+                std::fs::copy(&src, &dst)
+                    .map_err(|e| Error::file(&dst, format!("cannot write: {e}")))?;
+                files.push(dst);
+            }
+        }
+        return Ok(ExportSummary {
+            out: out.to_path_buf(),
+            merged_adapters: 0,
+            files,
+        });
+    }
+    let base = load_base(checkpoint, &adapter, base_override)?;
+    let mut tensors = base.tensors.clone();
+    if let Some(q) = checkpoint_base_quantization(checkpoint)? {
+        round_trip_quantization(&mut tensors, &base.build()?, q)?;
+    }
+    let adapters = lora::adapters(&adapter.tensors, &adapter.config, None)?;
+    lora::merge_into(&mut tensors, &base.config, &adapters)?;
+    write_merged(out, &base, tensors, adapters.len())
+}
+
+fn write_merged(
+    out: &Path,
+    base: &LoadedModel,
+    tensors: HashMap<String, Tensor>,
+    merged: usize,
+) -> Result<ExportSummary> {
+    let mut named: Vec<(String, Tensor)> = tensors.into_iter().collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    write_hf_model(
+        out,
+        &HfExport {
+            config: &base.config,
+            tensors: &named,
+            tokenizer: base.tokenizer.as_ref(),
+            eos_token_ids: &base.eos_token_ids,
+        },
+    )?;
+    let files = std::fs::read_dir(out)
+        .map_err(|e| Error::file(out, format!("cannot list: {e}")))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .collect();
+    Ok(ExportSummary {
+        out: out.to_path_buf(),
+        merged_adapters: merged,
+        files,
+    })
+}

@@ -1,0 +1,153 @@
+//! A LoRA adapter on one projection: `y = base(x) + scale * dropout(x) A^T B^T`, with
+//! `A` [r, in] and `B` [out, r] (PEFT's `lora_A` / `lora_B` weights, same layout), always f32.
+//!
+//! Adapters are attached to a built model ([`super::CausalLm::set_lora`]); the base weights are
+//! untouched, so the same base serves as the frozen reference with adapters off.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use candle_core::{DType, Result, Tensor};
+
+/// Inverted dropout on the adapter's input, seeded: the mask of the `n`-th forward call is a
+/// function of (seed, n) only, so a resumed run draws the same masks.
+#[derive(Debug, Clone)]
+pub struct LoraDropout {
+    pub p: f32,
+    pub seed: u64,
+    calls: Arc<AtomicU64>,
+}
+
+impl LoraDropout {
+    pub fn new(p: f32, seed: u64) -> Self {
+        Self {
+            p,
+            seed,
+            calls: Arc::new(AtomicU64::new(0)),
+        }
+    }
+}
+
+/// SplitMix64: a tiny counter-based generator for dropout masks.
+fn splitmix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+#[derive(Debug, Clone)]
+pub struct LoraAdapter {
+    /// [r, in]
+    a: Tensor,
+    /// [out, r]
+    b: Tensor,
+    scale: f64,
+    dropout: Option<LoraDropout>,
+}
+
+impl LoraAdapter {
+    pub fn new(a: Tensor, b: Tensor, scale: f64, dropout: Option<LoraDropout>) -> Result<Self> {
+        let (r, _) = a.dims2()?;
+        let (_, rb) = b.dims2()?;
+        if r != rb {
+            candle_core::bail!("lora_A has rank {r} but lora_B has {rb}");
+        }
+        Ok(Self {
+            a,
+            b,
+            scale,
+            dropout: dropout.filter(|d| d.p > 0.0),
+        })
+    }
+    /// (in, out)
+    pub fn dims(&self) -> Result<(usize, usize)> {
+        Ok((self.a.dim(1)?, self.b.dim(0)?))
+    }
+    pub fn a(&self) -> &Tensor {
+        &self.a
+    }
+    pub fn b(&self) -> &Tensor {
+        &self.b
+    }
+    pub fn scale(&self) -> f64 {
+        self.scale
+    }
+
+    /// `scale * B A` [out, in]: what merging adds to the base weight (HF layout).
+    pub fn delta_weight(&self) -> Result<Tensor> {
+        self.b.matmul(&self.a)? * self.scale
+    }
+
+    /// `x` [.., in] -> the adapter's contribution [.., out].
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let (i, o) = self.dims()?;
+        let rows = x.elem_count() / i;
+        let mut x2 = x.reshape((rows, i))?.to_dtype(DType::F32)?; // [N, in]
+        if let Some(d) = &self.dropout {
+            let call = d.calls.fetch_add(1, Ordering::Relaxed);
+            let base = splitmix(d.seed ^ splitmix(call));
+            let keep = 1.0 / (1.0 - d.p);
+            let threshold = (d.p as f64 * u64::MAX as f64) as u64;
+            let mask: Vec<f32> = (0..rows * i)
+                .map(|j| {
+                    if splitmix(base.wrapping_add(j as u64)) < threshold {
+                        0.0
+                    } else {
+                        keep
+                    }
+                })
+                .collect();
+            x2 = (x2 * Tensor::from_vec(mask, (rows, i), x.device())?)?;
+        }
+        let h = x2.matmul(&self.a.t()?)?; // [N, r]
+        let y = (h.matmul(&self.b.t()?)? * self.scale)?; // [N, out]
+        let mut shape = dims;
+        if let Some(last) = shape.last_mut() {
+            *last = o;
+        }
+        y.reshape(shape)?.to_dtype(x.dtype())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn forward_is_scale_x_at_bt_and_dropout_is_seeded() {
+        let dev = Device::Cpu;
+        let a = Tensor::from_vec(vec![1f32, 0., 2., 0., 1., 1.], (2, 3), &dev).unwrap();
+        let b = Tensor::from_vec(vec![1f32, 2., 0., 1.], (2, 2), &dev).unwrap();
+        let ad = LoraAdapter::new(a.clone(), b.clone(), 0.5, None).unwrap();
+        let x = Tensor::from_vec(vec![1f32, 2., 3.], (1, 1, 3), &dev).unwrap();
+        // x A^T = [1 + 6, 2 + 3] = [7, 5]; (x A^T) B^T = [7 + 10, 5] = [17, 5]; x 0.5
+        let y = ad
+            .forward(&x)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        assert_eq!(y, vec![8.5, 2.5]);
+        let dw = ad.delta_weight().unwrap();
+        let y2 = x.reshape((1, 3)).unwrap().matmul(&dw.t().unwrap()).unwrap();
+        assert_eq!(y2.flatten_all().unwrap().to_vec1::<f32>().unwrap(), y);
+
+        let x = Tensor::ones((64, 3), DType::F32, &dev).unwrap();
+        let run = |seed| {
+            let d = LoraDropout::new(0.5, seed);
+            let ad = LoraAdapter::new(a.clone(), b.clone(), 1.0, Some(d)).unwrap();
+            (
+                ad.forward(&x).unwrap().to_vec2::<f32>().unwrap(),
+                ad.forward(&x).unwrap().to_vec2::<f32>().unwrap(),
+            )
+        };
+        let (r1, r2) = run(7);
+        assert_eq!(run(7), (r1.clone(), r2.clone()), "same seed, same masks");
+        assert_ne!(r1, r2, "each call draws a new mask");
+        assert_ne!(run(8).0, r1);
+    }
+}

@@ -1,0 +1,307 @@
+//! LoRA and QLoRA against peft: forward and adapter gradients on tiny models, PEFT's file
+//! format both ways, merging, and QLoRA's backward through the quantized base.
+//! Fixtures: `scripts/make_lora_fixtures.py` (peft 0.21.2, transformers 5.23, torch 2.15).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor, Var, D};
+use grpo::hub::ModelSource;
+use grpo::lora;
+use grpo::models::{CausalLm, Mode, QuantType, SeqBatch};
+use grpo::weights::load_model;
+
+const CASES: &[(&str, &str)] = &[
+    ("llama_qv", "llama"),
+    ("qwen2_all_rslora", "qwen2"),
+    ("gpt2_c_attn", "gpt2"),
+];
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+fn max_abs(a: &Tensor) -> f32 {
+    a.abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+/// Mean log-prob of each next token (the fixture script's loss), and the logits.
+fn loss_and_logits(model: &CausalLm, ids: &[Vec<u32>], mode: Mode) -> (Tensor, Tensor) {
+    let batch = SeqBatch::right_padded(ids, 0, &Device::Cpu).unwrap();
+    let (b, t) = batch.dims();
+    let h = model.forward_hidden(&batch, mode).unwrap(); // [B, T, H]
+    let hd = h.dim(2).unwrap();
+    let logits = model
+        .head_logits(&h.reshape((b * t, hd)).unwrap())
+        .unwrap()
+        .reshape((b, t, ()))
+        .unwrap(); // [B, T, V]
+    let logp =
+        candle_nn::ops::log_softmax(&logits.narrow(1, 0, t - 1).unwrap(), D::Minus1).unwrap();
+    let next: Vec<u32> = ids.iter().flat_map(|r| r[1..].to_vec()).collect();
+    let next = Tensor::from_vec(next, (b, t - 1, 1), &Device::Cpu).unwrap();
+    let tok = logp.gather(&next, D::Minus1).unwrap(); // [B, T-1, 1]
+    (tok.mean_all().unwrap(), logits)
+}
+
+struct Case {
+    base: grpo::weights::LoadedModel,
+    adapter: lora::LoadedAdapter,
+    expected: HashMap<String, Tensor>,
+    ids: Vec<Vec<u32>>,
+}
+
+fn load_case(case: &str, base: &str) -> Case {
+    let dev = Device::Cpu;
+    let base = load_model(
+        &ModelSource::HfDir(fixtures().join("tiny").join(base)),
+        DType::F32,
+        &dev,
+    )
+    .unwrap();
+    let dir = fixtures().join("lora").join(case);
+    let adapter = lora::load_peft(&dir, &dev).unwrap();
+    let expected = candle_core::safetensors::load(dir.join("expected.safetensors"), &dev).unwrap();
+    let ids: Vec<Vec<u32>> = expected["input_ids"]
+        .to_vec2::<i64>()
+        .unwrap()
+        .into_iter()
+        .map(|r| r.into_iter().map(|x| x as u32).collect())
+        .collect();
+    Case {
+        base,
+        adapter,
+        expected,
+        ids,
+    }
+}
+
+#[test]
+fn forward_and_adapter_gradients_match_peft() {
+    for &(case, base) in CASES {
+        let c = load_case(case, base);
+        let vars: Vec<(String, Var)> = c
+            .adapter
+            .tensors
+            .iter()
+            .map(|(n, t)| (n.clone(), Var::from_tensor(t).unwrap()))
+            .collect();
+        let tracked: Vec<(String, Tensor)> = vars
+            .iter()
+            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+            .collect();
+        let mut model = c.base.build().unwrap();
+        let adapters = lora::adapters(&tracked, &c.adapter.config, None).unwrap();
+        assert_eq!(model.set_lora(&adapters).unwrap(), adapters.len());
+        let (loss, logits) = loss_and_logits(&model, &c.ids, Mode::Train);
+        let want_loss = c.expected["loss"].to_vec1::<f32>().unwrap()[0];
+        let got_loss = loss.to_scalar::<f32>().unwrap();
+        assert!(
+            (got_loss - want_loss).abs() < 1e-5,
+            "{case}: loss {got_loss} vs {want_loss}"
+        );
+        let d = max_diff(&logits, &c.expected["logits"]);
+        assert!(d < 1e-5, "{case}: logits differ by {d}");
+        // The decoding-path kernels (fused, no backward) agree too.
+        let (_, infer) = loss_and_logits(&model, &c.ids, Mode::Infer);
+        let d = max_diff(&infer, &c.expected["logits"]);
+        assert!(d < 1e-4, "{case}: inference logits differ by {d}");
+
+        let grads = loss.backward().unwrap();
+        let mut n = 0;
+        for (name, v) in &vars {
+            let want = &c.expected[&format!("grad.{name}")];
+            let got = grads
+                .get(v.as_tensor())
+                .unwrap_or_else(|| panic!("{case}: no gradient for {name}"));
+            let d = max_diff(got, want);
+            assert!(
+                d < 1e-5 * max_abs(want).max(1.0),
+                "{case}: {name} gradient differs by {d} (max {})",
+                max_abs(want)
+            );
+            assert!(max_abs(got) > 0.0, "{case}: {name} gradient is zero");
+            n += 1;
+        }
+        assert_eq!(
+            n,
+            c.expected.keys().filter(|k| k.starts_with("grad.")).count()
+        );
+    }
+}
+
+#[test]
+fn merging_matches_peft_merge_and_unload() {
+    for &(case, base) in CASES {
+        let c = load_case(case, base);
+        let mut tensors = c.base.tensors.clone();
+        let adapters = lora::adapters(&c.adapter.tensors, &c.adapter.config, None).unwrap();
+        lora::merge_into(&mut tensors, &c.base.config, &adapters).unwrap();
+        let mut n = 0;
+        for (k, want) in &c.expected {
+            let Some(name) = k.strip_prefix("merged.") else {
+                continue;
+            };
+            let got = &tensors[name];
+            let d = max_diff(got, want);
+            assert!(d < 1e-6, "{case}: merged {name} differs by {d}");
+            n += 1;
+        }
+        assert!(n > 0);
+        // The merged model alone gives the adapted logits.
+        let merged =
+            CausalLm::from_tensors(&c.base.config, tensors, DType::F32, &Device::Cpu).unwrap();
+        let (_, logits) = loss_and_logits(&merged, &c.ids, Mode::Infer);
+        let d = max_diff(&logits, &c.expected["logits"]);
+        assert!(d < 1e-4, "{case}: merged logits differ by {d}");
+    }
+}
+
+/// grpo's adapter files and merged export: read back here; with GRPO_LORA_CHECK_DIR set they
+/// are also left there for `scripts/make_lora_fixtures.py --check DIR` (peft / transformers).
+#[test]
+fn saved_adapters_and_merged_exports_load_back() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = std::env::var_os("GRPO_LORA_CHECK_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| tmp.path().to_path_buf());
+    for &(case, base) in CASES {
+        let c = load_case(case, base);
+        let adir = root.join(case).join("adapter");
+        let _ = std::fs::remove_dir_all(&adir);
+        let base_path = fixtures().join("tiny").join(base);
+        lora::save_peft(
+            &adir,
+            &c.adapter.config,
+            c.base.config.arch,
+            &base_path.display().to_string(),
+            &c.adapter.tensors,
+        )
+        .unwrap();
+        // Same keys, shapes and values as peft's own file; same options.
+        let back = lora::load_peft(&adir, &Device::Cpu).unwrap();
+        assert_eq!(back.config, c.adapter.config);
+        assert_eq!(back.tensors.len(), c.adapter.tensors.len());
+        for ((n1, t1), (n2, t2)) in back.tensors.iter().zip(&c.adapter.tensors) {
+            assert_eq!(n1, n2);
+            assert_eq!(max_diff(t1, t2), 0.0);
+        }
+        // Loading for inference gives the adapted logits.
+        let (model, _) = grpo::export::load_for_inference(
+            Some(&adir.display().to_string()),
+            None,
+            DType::F32,
+            &Device::Cpu,
+        )
+        .unwrap();
+        let (_, logits) = loss_and_logits(&model, &c.ids, Mode::Infer);
+        assert!(max_diff(&logits, &c.expected["logits"]) < 1e-4);
+        // `grpo export --merge`: HF weights that give the same logits with no adapter.
+        let mdir = root.join(case).join("merged");
+        let _ = std::fs::remove_dir_all(&mdir);
+        let s = grpo::export::export(&adir, &mdir, true, None).unwrap();
+        assert_eq!(s.merged_adapters, c.adapter.tensors.len() / 2);
+        let m = load_model(&ModelSource::HfDir(mdir.clone()), DType::F32, &Device::Cpu).unwrap();
+        let (_, logits) = loss_and_logits(&m.build().unwrap(), &c.ids, Mode::Infer);
+        let d = max_diff(&logits, &c.expected["logits"]);
+        assert!(d < 1e-4, "{case}: exported merged logits differ by {d}");
+        // Without --merge the adapter files are copied; an occupied output is refused.
+        let e = grpo::export::export(&adir, &mdir, true, None).unwrap_err();
+        assert!(e.to_string().contains("already holds a model"), "{e}");
+    }
+}
+
+/// The peft check's record: grpo's adapters loaded by peft, and grpo's merged export loaded by
+/// transformers, give the fixture logits (run by hand; see the script).
+#[test]
+fn peft_and_transformers_accepted_grpo_files() {
+    let text = std::fs::read_to_string(fixtures().join("lora/grpo_check.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    for &(case, _) in CASES {
+        for k in [
+            "peft_loads_grpo_adapter_max_logit_diff",
+            "transformers_loads_grpo_merged_max_logit_diff",
+        ] {
+            let d = v[case][k].as_f64().unwrap_or(f64::NAN);
+            assert!(d < 1e-4, "{case}: {k} = {d}");
+        }
+    }
+}
+
+/// QLoRA: gradients through the quantized base (our backward for the quantized matmul) equal
+/// those through the dequantized f32 weights, for adapters in every layer.
+#[test]
+fn qlora_gradients_match_the_dequantized_base() {
+    let c = load_case("qwen2_all_rslora", "qwen2");
+    let dev = Device::Cpu;
+    for kind in [QuantType::Q4_0, QuantType::Q4_1, QuantType::Q8_0] {
+        let mut quant = c.base.build().unwrap();
+        quant.quantize_projections(kind).unwrap();
+        // The same base with each projection weight replaced by its dequantized value.
+        let mut deq = c.base.tensors.clone();
+        for (module, _, _) in quant.projection_shapes().unwrap() {
+            let key = format!("{module}.weight");
+            let w = &deq[&key];
+            let d = grpo::models::QuantProj::quantize(w, kind)
+                .unwrap()
+                .dequantize()
+                .unwrap();
+            assert!(max_diff(&d, w) > 0.0, "quantization changed nothing?");
+            deq.insert(key, d);
+        }
+        let deq = CausalLm::from_tensors(&c.base.config, deq, DType::F32, &dev).unwrap();
+        let grads_of = |base: &CausalLm| {
+            let vars: Vec<(String, Var)> = c
+                .adapter
+                .tensors
+                .iter()
+                .map(|(n, t)| (n.clone(), Var::from_tensor(t).unwrap()))
+                .collect();
+            let tracked: Vec<(String, Tensor)> = vars
+                .iter()
+                .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+                .collect();
+            let mut m = base.clone();
+            m.set_lora(&lora::adapters(&tracked, &c.adapter.config, None).unwrap())
+                .unwrap();
+            let (loss, _) = loss_and_logits(&m, &c.ids, Mode::Train);
+            let g = loss.backward().unwrap();
+            vars.iter()
+                .map(|(n, v)| (n.clone(), g.get(v.as_tensor()).unwrap().clone()))
+                .collect::<Vec<_>>()
+        };
+        let gq = grads_of(&quant);
+        let gd = grads_of(&deq);
+        for ((n, a), (_, b)) in gq.iter().zip(&gd) {
+            let d = max_diff(a, b);
+            assert!(
+                d < 1e-5 * max_abs(b).max(1.0),
+                "{kind:?} {n}: {d} (max {})",
+                max_abs(b)
+            );
+            // Layer 0's adapters get gradients only through the quantized layers above them.
+            assert!(max_abs(a) > 0.0, "{kind:?} {n}: zero gradient");
+        }
+        assert!(quant.quantized_bytes() > 0);
+    }
+}
