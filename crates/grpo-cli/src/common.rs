@@ -83,6 +83,30 @@ impl ModelArgs {
     }
 }
 
+impl ModelArgs {
+    /// The model to sample from, with its loaded base (tokenizer, EOS ids): like [`Self::load`],
+    /// and a LoRA checkpoint directory (adapter_config.json) loads over its base.
+    pub fn load_model(&self) -> Result<(grpo::models::CausalLm, LoadedModel)> {
+        let is_adapter = self
+            .model
+            .as_deref()
+            .is_some_and(|m| grpo::lora::is_adapter_dir(std::path::Path::new(m)));
+        if !is_adapter {
+            let m = self.load()?;
+            return Ok((m.build()?, m));
+        }
+        self.init_threads();
+        let (model, base) = grpo::export::load_for_inference(
+            self.model.as_deref(),
+            None,
+            self.dtype()?,
+            &self.device()?,
+        )?;
+        tracing::info!("loaded LoRA adapters over {}", base.origin.display());
+        Ok((model, base))
+    }
+}
+
 fn rayon_global(n: usize) -> std::result::Result<(), String> {
     grpo::threads::set_global_threads(n).map_err(|e| e.to_string())
 }

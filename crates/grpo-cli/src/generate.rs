@@ -152,9 +152,8 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     }
     let params = sampling_params(&a, vec![]);
     params.validate()?;
-    let loaded = a.model.load()?;
+    let (model, loaded) = a.model.load_model()?;
     let tok = loaded.tokenizer()?;
-    let model = loaded.build()?;
     let params = SamplingParams {
         eos_token_ids: loaded.eos_token_ids.clone(),
         ..params

@@ -12,6 +12,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 mod bench;
 mod common;
 mod config_cmd;
+mod export_cmd;
 mod generate;
 mod rewards_cmd;
 mod train;
@@ -44,6 +45,8 @@ enum Command {
     /// Test reward functions on a file of completions (`grpo rewards check`).
     #[command(subcommand)]
     Rewards(rewards_cmd::RewardsCommand),
+    /// Write a checkpoint as HF safetensors (`--merge`: LoRA adapters merged into the base).
+    Export(export_cmd::ExportArgs),
     /// Benchmarks (throughput numbers, not tests).
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -71,6 +74,7 @@ fn main() -> ExitCode {
         Command::Config(args) => config_cmd::run(args),
         Command::Generate(args) => generate::run(args),
         Command::Rewards(cmd) => rewards_cmd::run(cmd),
+        Command::Export(args) => export_cmd::run(args),
         Command::Bench(cmd) => bench::run(cmd),
     };
     match result {

@@ -254,3 +254,74 @@ fn rewards_check_prints_a_table_and_json() {
         stderr(&o)
     );
 }
+
+/// `grpo export`: a PEFT adapter merged into its base, the adapter files alone, and the errors.
+#[test]
+fn export_merges_lora_adapters_into_hf_weights() {
+    let tmp = tempfile::tempdir().unwrap();
+    let adapter = fixture("lora/llama_qv");
+    let base = fixture("tiny/llama");
+    let merged = tmp.path().join("merged");
+    let m = merged.display().to_string();
+    let o = grpo(&[
+        "export",
+        "--checkpoint",
+        &adapter,
+        "--base",
+        &base,
+        "--merge",
+        "--out",
+        &m,
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("merged 6 LoRA adapters"),
+        "{}",
+        stderr(&o)
+    );
+    for f in ["config.json", "model.safetensors", "generation_config.json"] {
+        assert!(merged.join(f).is_file(), "{f}");
+    }
+    // An occupied output directory is refused, naming it.
+    let o = grpo(&[
+        "export",
+        "--checkpoint",
+        &adapter,
+        "--base",
+        &base,
+        "--merge",
+        "--out",
+        &m,
+    ]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("already holds a model"),
+        "{}",
+        stderr(&o)
+    );
+    // Without --merge: the adapter files.
+    let only = tmp.path().join("adapter");
+    let o = grpo(&[
+        "export",
+        "--checkpoint",
+        &adapter,
+        "--out",
+        &only.display().to_string(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(only.join("adapter_config.json").is_file());
+    assert!(only.join("adapter_model.safetensors").is_file());
+    // A base that is not there: the error says to pass --base.
+    let o = grpo(&[
+        "export",
+        "--checkpoint",
+        &adapter,
+        "--base",
+        "/nonexistent/base",
+        "--merge",
+        "--out",
+        &tmp.path().join("x").display().to_string(),
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--base"), "{}", stderr(&o));
+}
