@@ -15,6 +15,8 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use serde_json::json;
@@ -202,12 +204,13 @@ pub fn init_weights(
     Ok(out)
 }
 
-/// Adapters by module path from PEFT-keyed tensors (`lora_A`/`lora_B` pairs). `dropout_seed`
-/// turns dropout on (training forwards); without it adapters run without dropout.
+/// Adapters by module path from PEFT-keyed tensors (`lora_A`/`lora_B` pairs). `dropout`
+/// (seed, clock) turns dropout on (training forwards; see [`LoraDropout`]); without it adapters
+/// run without dropout.
 pub fn adapters(
     tensors: &[(String, Tensor)],
     cfg: &LoraConfig,
-    dropout_seed: Option<u64>,
+    dropout: Option<(u64, Arc<AtomicU64>)>,
 ) -> Result<HashMap<String, LoraAdapter>> {
     let map: HashMap<&str, &Tensor> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
     let mut out = HashMap::new();
@@ -221,9 +224,9 @@ pub fn adapters(
         let b = map
             .get(b_key(module).as_str())
             .ok_or_else(|| Error::Model(format!("adapter {module} has lora_A but no lora_B")))?;
-        let dropout = dropout_seed.map(|s| {
-            let h = module.bytes().fold(s, |h, c| h.rotate_left(5) ^ c as u64);
-            LoraDropout::new(cfg.dropout as f32, h)
+        let dropout = dropout.as_ref().map(|(s, clock)| {
+            let h = module.bytes().fold(*s, |h, c| h.rotate_left(5) ^ c as u64);
+            LoraDropout::new(cfg.dropout as f32, h, clock.clone())
         });
         let ad = LoraAdapter::new(a.clone(), (*b).clone(), cfg.scale(), dropout)
             .map_err(|e| Error::Model(format!("adapter {module}: {e}")))?;

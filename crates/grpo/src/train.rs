@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -26,6 +26,7 @@ use crate::logprobs::{completion_logprobs, forward_chunks, Entropy, Packing};
 use crate::lora::{self, LoraConfig};
 use crate::loss::{grpo_loss, AdaptiveKl, LossInputs, LossOptions, MicroTotals, Reduction};
 use crate::metrics::MetricsWriter;
+use crate::models::checkpointing::CheckpointGrads;
 use crate::models::grad_sink::GradSink;
 use crate::models::{CausalLm, Mode, ModelConfig};
 use crate::optim::{clip_factor, lr_lambda, AdamW, AdamWConfig};
@@ -157,12 +158,15 @@ impl Policy {
         self.build_with(false, None)
     }
 
-    /// A differentiable model over the current parameters; `dropout_seed` seeds LoRA dropout.
-    fn build_train(&self, dropout_seed: u64) -> Result<CausalLm> {
-        self.build_with(true, Some(dropout_seed))
+    /// A differentiable model over the current parameters. LoRA dropout masks are drawn from
+    /// `dropout_seed` and the returned clock, which the caller advances once per forward pass.
+    fn build_train(&self, dropout_seed: u64) -> Result<(CausalLm, Arc<AtomicU64>)> {
+        let clock = Arc::new(AtomicU64::new(0));
+        let m = self.build_with(true, Some((dropout_seed, clock.clone())))?;
+        Ok((m, clock))
     }
 
-    fn build_with(&self, track: bool, dropout_seed: Option<u64>) -> Result<CausalLm> {
+    fn build_with(&self, track: bool, dropout: Option<(u64, Arc<AtomicU64>)>) -> Result<CausalLm> {
         match &self.lora {
             None => {
                 let tensors: HashMap<String, Tensor> = self.tensors(track).into_iter().collect();
@@ -170,7 +174,7 @@ impl Policy {
             }
             Some((base, lcfg)) => {
                 let mut m = base.clone();
-                m.set_lora(&lora::adapters(&self.tensors(track), lcfg, dropout_seed)?)?;
+                m.set_lora(&lora::adapters(&self.tensors(track), lcfg, dropout)?)?;
                 Ok(m)
             }
         }
@@ -1206,13 +1210,19 @@ fn optimizer_step(
     entropy_mode: Entropy,
     dropout_stream: u64,
 ) -> Result<StepStats> {
-    let mut model = policy.build_train(mix_seed(cfg.seed, dropout_stream))?;
+    let (mut model, dropout_clock) = policy.build_train(mix_seed(cfg.seed, dropout_stream))?;
     // Projection weights' gradients go straight into accumulators (CPU, f32); the rest (embedding,
-    // norms, biases, LoRA adapters) through candle's autograd.
+    // norms, biases, LoRA adapters) through candle's autograd, or, for blocks recomputed by
+    // gradient checkpointing, into the checkpoint store.
     let sink = GradSink::new(&policy.vars);
     if policy.lora.is_none() {
         model.attach_grad_sink(&sink)?;
     }
+    let ckpt = match cfg.gradient_checkpointing {
+        true => Some(CheckpointGrads::new(&policy.vars)?),
+        false => None,
+    };
+    model.set_checkpointing(ckpt.clone());
     trace_memory("building the training model");
     let mut grads: Vec<Option<Tensor>> = vec![None; policy.vars.len()];
     let mut st = StepStats {
@@ -1236,6 +1246,7 @@ fn optimizer_step(
         for part in chunks {
             let part = range.start + part.start..range.start + part.end;
             let mb = batch.micro(part, &policy.device)?;
+            dropout_clock.fetch_add(1, Ordering::Relaxed);
             let (logps, ents) = completion_logprobs(
                 &model,
                 &mb.prompts,
@@ -1278,7 +1289,15 @@ fn optimizer_step(
             // parameter's chunk gradient is alive beside the accumulators. Every stored gradient
             // is a fresh sum made by the backward, so adding into it in place aliases nothing.
             for (i, v) in policy.vars.iter().enumerate() {
-                if let Some(gi) = g.remove(v) {
+                let from_ckpt = match &ckpt {
+                    Some(c) => c.take(v)?,
+                    None => None,
+                };
+                let gi = match (g.remove(v), from_ckpt) {
+                    (Some(a), Some(b)) => Some((a + b)?),
+                    (a, b) => a.or(b),
+                };
+                if let Some(gi) = gi {
                     grads[i] = Some(match grads[i].take() {
                         Some(acc) => crate::optim::accumulate(acc, &gi)?,
                         None => gi,

@@ -5,6 +5,9 @@
 use candle_core::{Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
+use std::sync::Arc;
+
+use super::checkpointing::{checkpoint, CheckpointGrads};
 use super::config::ModelConfig;
 use super::grad_sink::GradSink;
 use super::layers::{attention, AttnMask, Embedding, LayerNorm, Linear, Mode, ProjMut};
@@ -205,12 +208,21 @@ impl Model {
         mask: &AttnMask,
         cache: Option<&mut KvCache>,
         mode: Mode,
+        ckpt: Option<&Arc<CheckpointGrads>>,
     ) -> Result<Tensor> {
         let mut x = (self.wte.forward(ids)? + self.wpe.forward(positions)?)?; // [B, S, H]
         let s = ids.dim(1)?;
         for (i, block) in self.h.iter().enumerate() {
-            let c = cache.as_deref().map(|c| (c, i));
-            x = block.forward(&x, mask, c, mode)?;
+            x = match (ckpt, &cache) {
+                (Some(g), None) if mode == Mode::Train => {
+                    let (b, m) = (block.clone(), mask.clone());
+                    checkpoint(&x, g, move |h| b.forward(h, &m, None, Mode::Train))?
+                }
+                _ => {
+                    let c = cache.as_deref().map(|c| (c, i));
+                    block.forward(&x, mask, c, mode)?
+                }
+            };
         }
         if let Some(c) = cache {
             c.advance(s);

@@ -5,6 +5,9 @@
 use candle_core::{Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
+use std::sync::Arc;
+
+use super::checkpointing::{checkpoint, CheckpointGrads};
 use super::config::ModelConfig;
 use super::grad_sink::GradSink;
 use super::layers::{
@@ -258,13 +261,22 @@ impl Model {
         mask: &AttnMask,
         cache: Option<&mut KvCache>,
         mode: Mode,
+        ckpt: Option<&Arc<CheckpointGrads>>,
     ) -> Result<Tensor> {
         let mut x = self.embed_tokens.forward(ids)?; // [B, S, H]
         let (cos, sin) = self.rope.tables(positions, x.dtype())?; // [B, S, D/2]
         let s = ids.dim(1)?;
         for (i, layer) in self.layers.iter().enumerate() {
-            let c = cache.as_deref().map(|c| (c, i));
-            x = layer.forward(&x, &cos, &sin, mask, c, mode)?;
+            x = match (ckpt, &cache) {
+                (Some(g), None) if mode == Mode::Train => {
+                    let (l, c, sn, m) = (layer.clone(), cos.clone(), sin.clone(), mask.clone());
+                    checkpoint(&x, g, move |h| l.forward(h, &c, &sn, &m, None, Mode::Train))?
+                }
+                _ => {
+                    let c = cache.as_deref().map(|c| (c, i));
+                    layer.forward(&x, &cos, &sin, mask, c, mode)?
+                }
+            };
         }
         if let Some(c) = cache {
             c.advance(s);

@@ -9,22 +9,20 @@ use std::sync::Arc;
 
 use candle_core::{DType, Result, Tensor};
 
-/// Inverted dropout on the adapter's input, seeded: the mask of the `n`-th forward call is a
-/// function of (seed, n) only, so a resumed run draws the same masks.
+/// Inverted dropout on the adapter's input, seeded: the mask is a function of (seed, clock)
+/// only, where `clock` is shared by all adapters of a model and advanced by the trainer once per
+/// forward pass. So a resumed run draws the same masks, and a block recomputed by gradient
+/// checkpointing during the same pass draws the mask its forward drew.
 #[derive(Debug, Clone)]
 pub struct LoraDropout {
     pub p: f32,
     pub seed: u64,
-    calls: Arc<AtomicU64>,
+    clock: Arc<AtomicU64>,
 }
 
 impl LoraDropout {
-    pub fn new(p: f32, seed: u64) -> Self {
-        Self {
-            p,
-            seed,
-            calls: Arc::new(AtomicU64::new(0)),
-        }
+    pub fn new(p: f32, seed: u64, clock: Arc<AtomicU64>) -> Self {
+        Self { p, seed, clock }
     }
 }
 
@@ -86,8 +84,8 @@ impl LoraAdapter {
         let rows = x.elem_count() / i;
         let mut x2 = x.reshape((rows, i))?.to_dtype(DType::F32)?; // [N, in]
         if let Some(d) = &self.dropout {
-            let call = d.calls.fetch_add(1, Ordering::Relaxed);
-            let base = splitmix(d.seed ^ splitmix(call));
+            let tick = d.clock.load(Ordering::Relaxed);
+            let base = splitmix(d.seed ^ splitmix(tick));
             let keep = 1.0 / (1.0 - d.p);
             let threshold = (d.p as f64 * u64::MAX as f64) as u64;
             let mask: Vec<f32> = (0..rows * i)
@@ -138,16 +136,19 @@ mod tests {
 
         let x = Tensor::ones((64, 3), DType::F32, &dev).unwrap();
         let run = |seed| {
-            let d = LoraDropout::new(0.5, seed);
+            let clock = Arc::new(AtomicU64::new(0));
+            let d = LoraDropout::new(0.5, seed, clock.clone());
             let ad = LoraAdapter::new(a.clone(), b.clone(), 1.0, Some(d)).unwrap();
-            (
-                ad.forward(&x).unwrap().to_vec2::<f32>().unwrap(),
-                ad.forward(&x).unwrap().to_vec2::<f32>().unwrap(),
-            )
+            let first = ad.forward(&x).unwrap().to_vec2::<f32>().unwrap();
+            let again = ad.forward(&x).unwrap().to_vec2::<f32>().unwrap();
+            clock.fetch_add(1, Ordering::Relaxed);
+            let next = ad.forward(&x).unwrap().to_vec2::<f32>().unwrap();
+            assert_eq!(first, again, "the same tick draws the same mask");
+            (first, next)
         };
         let (r1, r2) = run(7);
         assert_eq!(run(7), (r1.clone(), r2.clone()), "same seed, same masks");
-        assert_ne!(r1, r2, "each call draws a new mask");
+        assert_ne!(r1, r2, "each tick draws a new mask");
         assert_ne!(run(8).0, r1);
     }
 }

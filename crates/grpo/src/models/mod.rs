@@ -10,6 +10,7 @@
 //! [`encoder`] holds the frozen reward models: BERT-like sequence classifiers, decoder
 //! (Llama / Qwen2) sequence classifiers built on [`CausalLm`], and the sentence embedder.
 
+pub mod checkpointing;
 pub mod config;
 pub mod encoder;
 pub mod fused;
@@ -49,6 +50,8 @@ pub struct CausalLm {
     device: Device,
     /// The LM head with its weight's gradient into a [`grad_sink::GradSink`], once attached.
     head: Option<grad_sink::SinkProj>,
+    /// Per-block activation checkpointing of training forwards, when set.
+    ckpt: Option<std::sync::Arc<checkpointing::CheckpointGrads>>,
 }
 
 impl CausalLm {
@@ -82,6 +85,7 @@ impl CausalLm {
             dtype,
             device,
             head: None,
+            ckpt: None,
         })
     }
 
@@ -187,6 +191,15 @@ impl CausalLm {
             .sum()
     }
 
+    /// Recompute each block in the backward of training forwards (CPU, f32) instead of keeping
+    /// its activations; the recomputed blocks' parameter gradients go to `grads`.
+    pub fn set_checkpointing(
+        &mut self,
+        grads: Option<std::sync::Arc<checkpointing::CheckpointGrads>>,
+    ) {
+        self.ckpt = grads;
+    }
+
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
     }
@@ -240,8 +253,12 @@ impl CausalLm {
         mode: Mode,
     ) -> candle_core::Result<Tensor> {
         match &self.inner {
-            Inner::Llama(m) => m.forward_hidden(ids, positions, mask, cache, mode),
-            Inner::Gpt2(m) => m.forward_hidden(ids, positions, mask, cache, mode),
+            Inner::Llama(m) => {
+                m.forward_hidden(ids, positions, mask, cache, mode, self.ckpt.as_ref())
+            }
+            Inner::Gpt2(m) => {
+                m.forward_hidden(ids, positions, mask, cache, mode, self.ckpt.as_ref())
+            }
         }
     }
 
