@@ -404,9 +404,14 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
             let mut frozen =
                 CausalLm::from_tensors(&base.config, base.tensors.clone(), DType::F32, &device)?;
             if let Some(q) = cfg.base_quantization {
-                let n = frozen.quantize_projections(q)?;
+                // A GGUF's weights of this type are used as they are; the rest are quantized.
+                let given = match &source {
+                    ModelSource::Gguf(p) => crate::weights::gguf_quantized_projections(p, q)?,
+                    ModelSource::HfDir(_) => HashMap::new(),
+                };
+                let n = frozen.use_quantized(&given, q)?;
                 tracing::info!(
-                    "QLoRA: {n} projections of the base kept in {} ({:.0} MB)",
+                    "QLoRA: base projections kept in {} ({:.0} MB), {n} taken from the GGUF as they are",
                     q.name(),
                     frozen.quantized_bytes() as f64 / 1e6
                 );

@@ -308,6 +308,75 @@ pub fn unpermute_qk(t: &Tensor, heads: usize) -> Result<Tensor> {
         .reshape(dims)?)
 }
 
+/// The row order that undoes llama.cpp's Q/K permutation (see [`unpermute_qk`]): row `r` of
+/// the HF weight is row `order[r]` of the GGUF one.
+pub fn unpermute_order(rows: usize, heads: usize) -> Result<Vec<usize>> {
+    if heads == 0 || rows % (2 * heads) != 0 {
+        return Err(Error::Model(format!(
+            "cannot un-permute {rows} rows for {heads} heads"
+        )));
+    }
+    let half = rows / heads / 2;
+    let mut order = Vec::with_capacity(rows);
+    for h in 0..heads {
+        for j in 0..2 {
+            for k in 0..half {
+                order.push(h * 2 * half + k * 2 + j);
+            }
+        }
+    }
+    Ok(order)
+}
+
+/// The projection weights of a GGUF file that are stored as `kind`, as they are (no
+/// dequantization; Q/K rows un-permuted exactly), by HF weight name (HF `[out, in]` layout).
+pub fn gguf_quantized_projections(
+    path: &Path,
+    kind: crate::models::QuantType,
+) -> Result<HashMap<String, crate::models::QuantProj>> {
+    let mut file = File::open(path).map_err(|e| Error::file(path, format!("cannot open: {e}")))?;
+    let content = gguf_file::Content::read(&mut file)
+        .map_err(|e| Error::file(path, format!("not a valid GGUF file: {e}")))?;
+    let config = ModelConfig::from_gguf(&content.metadata, path)?;
+    let mut out = HashMap::new();
+    let mut names: Vec<&String> = content.tensor_infos.keys().collect();
+    names.sort();
+    for name in names {
+        let Some((hf, _)) = hf_name(config.arch, name) else {
+            continue;
+        };
+        let is_proj = hf.ends_with("_proj.weight")
+            || (config.arch == Arch::Gpt2
+                && ["c_attn.weight", "c_proj.weight", "c_fc.weight"]
+                    .iter()
+                    .any(|s| hf.ends_with(s)));
+        if !is_proj || content.tensor_infos[name].ggml_dtype != kind.ggml() {
+            continue;
+        }
+        let q = content
+            .tensor(&mut file, name, &Device::Cpu)
+            .map_err(|e| Error::file(path, format!("cannot read tensor `{name}`: {e}")))?;
+        let Some(mut p) = crate::models::QuantProj::from_qtensor(std::sync::Arc::new(q), kind)
+        else {
+            continue;
+        };
+        if config.arch == Arch::Llama {
+            let heads = if hf.contains("self_attn.q_proj.") {
+                Some(config.num_heads)
+            } else if hf.contains("self_attn.k_proj.") {
+                Some(config.num_kv_heads)
+            } else {
+                None
+            };
+            if let Some(h) = heads {
+                p = p.permute_rows(&unpermute_order(p.dims()?.0, h)?)?;
+            }
+        }
+        out.insert(hf, p);
+    }
+    Ok(out)
+}
+
 fn load_gguf(path: &Path, dtype: DType, device: &Device) -> Result<LoadedModel> {
     let mut file = File::open(path).map_err(|e| Error::file(path, format!("cannot open: {e}")))?;
     let content = gguf_file::Content::read(&mut file)
@@ -394,6 +463,19 @@ mod tests {
             .unwrap();
         let back = unpermute_qk(&permuted, h).unwrap();
         assert_eq!(back.to_vec2::<f32>().unwrap(), w.to_vec2::<f32>().unwrap());
+    }
+
+    #[test]
+    fn unpermute_order_matches_unpermute_qk() {
+        let w = Tensor::arange(0f32, 24.0, &Device::Cpu)
+            .unwrap()
+            .reshape((12, 2))
+            .unwrap();
+        let want = unpermute_qk(&w, 3).unwrap().to_vec2::<f32>().unwrap();
+        let order = unpermute_order(12, 3).unwrap();
+        let rows = w.to_vec2::<f32>().unwrap();
+        let got: Vec<Vec<f32>> = order.iter().map(|&r| rows[r].clone()).collect();
+        assert_eq!(got, want);
     }
 
     #[test]

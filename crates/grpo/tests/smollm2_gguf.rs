@@ -124,3 +124,57 @@ fn gguf_greedy_decoding_matches_transformers() {
         "training forward vs sampler log-probs differ by {worst}"
     );
 }
+
+/// QLoRA on the default model keeps the GGUF's Q4_1 projections as they are: un-permuted by
+/// moving quantized rows, they dequantize to exactly the f32 weights the loader produces.
+#[test]
+fn gguf_projections_are_kept_quantized_as_they_are() {
+    use grpo::models::QuantType;
+    let gguf = std::env::var("GRPO_TEST_GGUF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| ensure_default_gguf().unwrap());
+    let q = grpo::weights::gguf_quantized_projections(&gguf, QuantType::Q4_1).unwrap();
+    assert_eq!(q.len(), 30 * 7, "every projection of the 30 layers is Q4_1");
+    let m = load_model(&ModelSource::Gguf(gguf), DType::F32, &Device::Cpu).unwrap();
+    for name in [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.7.self_attn.k_proj.weight",
+        "model.layers.29.mlp.down_proj.weight",
+    ] {
+        let d = q[name].dequantize().unwrap();
+        let diff = (d - &m.tensors[name])
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert_eq!(diff, 0.0, "{name}");
+    }
+    // The built QLoRA base gives the loader's hidden states: exactly up to GEMM rounding with
+    // many rows (dequantize + GEMM); with few rows (decoding) candle's kernel also quantizes the
+    // activations to 8 bits, a small relative error.
+    let mut model = m.build().unwrap();
+    assert_eq!(model.use_quantized(&q, QuantType::Q4_1).unwrap(), 30 * 4);
+    let want = m.build().unwrap();
+    for (len, tol) in [(24u32, 1e-4f32), (8, 3e-2)] {
+        let ids = vec![(0..len).map(|i| 1 + i * 37).collect::<Vec<u32>>()];
+        let b = SeqBatch::right_padded(&ids, 2, &Device::Cpu).unwrap();
+        let h1 = model.forward_hidden(&b, Mode::Infer).unwrap();
+        let h2 = want.forward_hidden(&b, Mode::Infer).unwrap();
+        let norm = |t: &candle_core::Tensor| {
+            t.sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+                .sqrt()
+        };
+        let rel = norm(&(&h1 - &h2).unwrap()) / norm(&h2);
+        assert!(rel < tol, "{len} tokens: relative difference {rel}");
+    }
+}

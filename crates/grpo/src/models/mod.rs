@@ -167,14 +167,32 @@ impl CausalLm {
 
     /// Keeps every projection's (frozen) weight quantized to `kind`; returns how many.
     pub fn quantize_projections(&mut self, kind: QuantType) -> Result<usize> {
+        self.use_quantized(&HashMap::new(), kind)
+    }
+
+    /// Like [`Self::quantize_projections`], taking weights already quantized (a GGUF's, as they
+    /// are) from `given` by HF weight name (`<module>.weight`); the rest are quantized to `kind`.
+    /// Returns how many projections took a given weight.
+    pub fn use_quantized(
+        &mut self,
+        given: &HashMap<String, QuantProj>,
+        kind: QuantType,
+    ) -> Result<usize> {
         let mut n = 0;
         for (names, p) in self.projections_mut() {
-            let r = match p {
-                ProjMut::Single(l) => l.quantize(kind),
-                ProjMut::Fused(f) => f.quantize(kind),
+            let found: Vec<&QuantProj> = names
+                .iter()
+                .filter_map(|m| given.get(&format!("{m}.weight")))
+                .collect();
+            let all = found.len() == names.len();
+            let r = match (p, all) {
+                (ProjMut::Single(l), true) => l.set_quantized(found[0].clone()),
+                (ProjMut::Fused(f), true) => f.set_quantized(&found),
+                (ProjMut::Single(l), false) => l.quantize(kind),
+                (ProjMut::Fused(f), false) => f.quantize(kind),
             };
             r.map_err(|e| Error::Model(format!("cannot quantize {}: {e}", names[0])))?;
-            n += 1;
+            n += usize::from(all);
         }
         Ok(n)
     }
