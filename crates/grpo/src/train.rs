@@ -174,7 +174,14 @@ impl Policy {
             }
             Some((base, lcfg)) => {
                 let mut m = base.clone();
-                m.set_lora(&lora::adapters(&self.tensors(track), lcfg, dropout)?)?;
+                let adapters = lora::adapters(&self.tensors(track), lcfg, dropout)?;
+                if track {
+                    m.set_lora(&adapters)?;
+                } else {
+                    // Sampling and scoring: adapters merged into (copies of) the dense weights
+                    // they touch, no extra matmuls per decoded token.
+                    m.merge_lora(&adapters)?;
+                }
                 Ok(m)
             }
         }

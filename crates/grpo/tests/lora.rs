@@ -168,6 +168,20 @@ fn merging_matches_peft_merge_and_unload() {
             n += 1;
         }
         assert!(n > 0);
+        // Merging into a built model (the sampler's path) gives the adapted logits too, and
+        // leaves the model it was cloned from untouched.
+        let base_model = c.base.build().unwrap();
+        let mut m = base_model.clone();
+        assert_eq!(m.merge_lora(&adapters).unwrap(), adapters.len());
+        let (_, logits) = loss_and_logits(&m, &c.ids, Mode::Infer);
+        let d = max_diff(&logits, &c.expected["logits"]);
+        assert!(d < 1e-4, "{case}: merge_lora logits differ by {d}");
+        let (_, plain) = loss_and_logits(&base_model, &c.ids, Mode::Infer);
+        assert!(max_diff(&plain, &c.expected["logits"]) > 1e-3, "{case}: base changed");
+        // On a quantized base the adapters are attached instead.
+        let mut q = base_model.clone();
+        q.quantize_projections(QuantType::Q8_0).unwrap();
+        assert_eq!(q.merge_lora(&adapters).unwrap(), 0);
         // The merged model alone gives the adapted logits.
         let merged =
             CausalLm::from_tensors(&c.base.config, tensors, DType::F32, &Device::Cpu).unwrap();

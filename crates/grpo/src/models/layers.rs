@@ -120,6 +120,19 @@ impl Linear {
         self.lora = lora;
         Ok(())
     }
+    /// Adds `delta` [out, in] (HF layout) into a frozen dense weight, in a new copy (the
+    /// original may be shared with other models). Returns false for a quantized weight.
+    pub fn add_to_weight(&mut self, delta: &Tensor) -> Result<bool> {
+        if self.param.is_some() {
+            candle_core::bail!("cannot merge into a trainable weight");
+        }
+        let Base::Dense(wt) = &self.base else {
+            return Ok(false);
+        };
+        let merged = (wt + delta.t()?.to_dtype(wt.dtype())?)?.contiguous()?; // [in, out]
+        self.base = Base::Dense(merged);
+        Ok(true)
+    }
     /// Keeps the (frozen) weight quantized from now on; the f32 copy is dropped.
     pub fn quantize(&mut self, kind: QuantType) -> Result<()> {
         if self.param.is_some() {
@@ -188,6 +201,13 @@ impl Module for Linear {
             None => Ok(y),
         }
     }
+}
+
+fn d_device(l: &Linear) -> Result<&Device> {
+    Ok(match &l.base {
+        Base::Dense(w) => w.device(),
+        Base::Quant(_) => &Device::Cpu,
+    })
 }
 
 /// A projection of a built model, named by HF module paths (one per part of a fused one), for
@@ -266,6 +286,23 @@ impl FusedLinear {
         }
         self.loras[part] = lora;
         Ok(())
+    }
+
+    /// Adds each part's `delta` [out_i, in] (or nothing) into the frozen joined weight, in a new
+    /// copy. Returns false for a quantized weight.
+    pub fn add_to_weight(&mut self, deltas: &[Option<Tensor>]) -> Result<bool> {
+        let dims = self.part_dims()?;
+        let Some(j) = &mut self.joined else {
+            candle_core::bail!("cannot merge into a trainable weight");
+        };
+        let mut rows = Vec::with_capacity(dims.len());
+        for ((i, o), d) in dims.iter().zip(deltas) {
+            rows.push(match d {
+                Some(d) => d.clone(),
+                None => Tensor::zeros((*o, *i), DType::F32, d_device(j)?)?,
+            });
+        }
+        j.add_to_weight(&Tensor::cat(&rows, 0)?)
     }
 
     /// Keeps the frozen joined weight quantized (one quantized matrix for all parts).

@@ -165,6 +165,45 @@ impl CausalLm {
         Ok(n)
     }
 
+    /// Adds each adapter's `scale * B A` into its frozen projection weight (new copies of the
+    /// merged weights only), for fast sampling; adapters on quantized weights are attached
+    /// instead. Returns how many were merged.
+    pub fn merge_lora(&mut self, adapters: &HashMap<String, LoraAdapter>) -> Result<usize> {
+        let err = |e: candle_core::Error| Error::Model(format!("LoRA merge: {e}"));
+        let mut merged = 0;
+        let mut attach = HashMap::new();
+        for (names, p) in self.projections_mut() {
+            let deltas: Vec<Option<Tensor>> = names
+                .iter()
+                .map(|n| adapters.get(n).map(|a| a.delta_weight()).transpose())
+                .collect::<candle_core::Result<_>>()
+                .map_err(err)?;
+            if deltas.iter().all(|d| d.is_none()) {
+                continue;
+            }
+            let done = match p {
+                ProjMut::Single(l) => match &deltas[0] {
+                    Some(d) => l.add_to_weight(d).map_err(err)?,
+                    None => true,
+                },
+                ProjMut::Fused(f) => f.add_to_weight(&deltas).map_err(err)?,
+            };
+            if done {
+                merged += deltas.iter().filter(|d| d.is_some()).count();
+            } else {
+                for n in &names {
+                    if let Some(a) = adapters.get(n) {
+                        attach.insert(n.clone(), a.clone());
+                    }
+                }
+            }
+        }
+        if !attach.is_empty() {
+            self.set_lora(&attach)?;
+        }
+        Ok(merged)
+    }
+
     /// Keeps every projection's (frozen) weight quantized to `kind`; returns how many.
     pub fn quantize_projections(&mut self, kind: QuantType) -> Result<usize> {
         self.use_quantized(&HashMap::new(), kind)
