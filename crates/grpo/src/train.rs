@@ -357,7 +357,7 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
     tracing::info!("model: {}", source.path().display());
     // What LoRA checkpoints name as their base (`base_model_name_or_path`).
     let base_model_name = source.path().display().to_string();
-    let base = load_model(&source, DType::F32, &device)?;
+    let mut base = load_model(&source, DType::F32, &device)?;
     let tok = base.tokenizer()?.clone();
     let pad = tok.pad_token_id().or(tok.eos_token_id()).unwrap_or(0);
     let ds = load_datasets(cfg, &device)?;
@@ -408,8 +408,16 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
             if lcfg.target_modules.is_empty() {
                 lcfg.target_modules = lora::default_targets(base.config.arch);
             }
-            let mut frozen =
-                CausalLm::from_tensors(&base.config, base.tensors.clone(), DType::F32, &device)?;
+            // The base tensors move into the frozen model (the reference too: nothing else
+            // needs them); a QLoRA base is quantized projection by projection as it is built.
+            let mut build_cfg = base.config.clone();
+            build_cfg.build_quantized = cfg.base_quantization;
+            let mut frozen = CausalLm::from_tensors(
+                &build_cfg,
+                std::mem::take(&mut base.tensors),
+                DType::F32,
+                &device,
+            )?;
             if let Some(q) = cfg.base_quantization {
                 // A GGUF's weights of this type are used as they are; the rest are quantized.
                 let given = match &source {

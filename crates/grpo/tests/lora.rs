@@ -177,7 +177,10 @@ fn merging_matches_peft_merge_and_unload() {
         let d = max_diff(&logits, &c.expected["logits"]);
         assert!(d < 1e-4, "{case}: merge_lora logits differ by {d}");
         let (_, plain) = loss_and_logits(&base_model, &c.ids, Mode::Infer);
-        assert!(max_diff(&plain, &c.expected["logits"]) > 1e-3, "{case}: base changed");
+        assert!(
+            max_diff(&plain, &c.expected["logits"]) > 1e-3,
+            "{case}: base changed"
+        );
         // On a quantized base the adapters are attached instead.
         let mut q = base_model.clone();
         q.quantize_projections(QuantType::Q8_0).unwrap();

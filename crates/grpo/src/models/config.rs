@@ -81,6 +81,9 @@ pub struct ModelConfig {
     pub qk_norm: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+    /// A build option, not part of config.json: projections are quantized to this type as the
+    /// model is built (a frozen QLoRA base), so their f32 weights are never all held at once.
+    pub build_quantized: Option<super::QuantType>,
 }
 
 /// The raw `config.json` keys we read. Unknown keys are ignored: HF configs carry many that do not
@@ -215,6 +218,7 @@ impl ModelConfig {
                 qk_norm: false,
                 bos_token_id,
                 eos_token_ids,
+                build_quantized: None,
             });
         }
         if let Some(act) = &raw.hidden_act {
@@ -274,6 +278,7 @@ impl ModelConfig {
             qk_norm: arch == Arch::Qwen3,
             bos_token_id,
             eos_token_ids,
+            build_quantized: None,
         })
     }
 
@@ -354,6 +359,7 @@ impl ModelConfig {
             qk_norm: arch == Arch::Qwen3,
             bos_token_id: bos,
             eos_token_ids: eos.into_iter().collect(),
+            build_quantized: None,
         })
     }
 

@@ -32,8 +32,8 @@ impl Attention {
     fn load(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
         let h = cfg.hidden_size;
         Ok(Self {
-            c_attn: conv1d(h, 3 * h, vb.pp("c_attn"))?,
-            c_proj: conv1d(h, h, vb.pp("c_proj"))?,
+            c_attn: conv1d(h, 3 * h, vb.pp("c_attn"))?.quantized_if(cfg.build_quantized)?,
+            c_proj: conv1d(h, h, vb.pp("c_proj"))?.quantized_if(cfg.build_quantized)?,
             num_heads: cfg.num_heads,
             head_dim: cfg.head_dim,
         })
@@ -73,8 +73,10 @@ pub struct Mlp {
 impl Mlp {
     fn load(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
         Ok(Self {
-            c_fc: conv1d(cfg.hidden_size, cfg.intermediate_size, vb.pp("c_fc"))?,
-            c_proj: conv1d(cfg.intermediate_size, cfg.hidden_size, vb.pp("c_proj"))?,
+            c_fc: conv1d(cfg.hidden_size, cfg.intermediate_size, vb.pp("c_fc"))?
+                .quantized_if(cfg.build_quantized)?,
+            c_proj: conv1d(cfg.intermediate_size, cfg.hidden_size, vb.pp("c_proj"))?
+                .quantized_if(cfg.build_quantized)?,
         })
     }
     fn forward(&self, x: &Tensor) -> Result<Tensor> {

@@ -133,6 +133,13 @@ impl Linear {
         self.base = Base::Dense(merged);
         Ok(true)
     }
+    /// `self`, quantized when `q` says so (model building: [`ModelConfig::build_quantized`]).
+    pub fn quantized_if(mut self, q: Option<QuantType>) -> Result<Self> {
+        if let Some(q) = q {
+            self.quantize(q)?;
+        }
+        Ok(self)
+    }
     /// Keeps the (frozen) weight quantized from now on; the f32 copy is dropped.
     pub fn quantize(&mut self, kind: QuantType) -> Result<()> {
         if self.param.is_some() {
@@ -303,6 +310,14 @@ impl FusedLinear {
             });
         }
         j.add_to_weight(&Tensor::cat(&rows, 0)?)
+    }
+
+    /// `self`, quantized when `q` says so (model building: [`ModelConfig::build_quantized`]).
+    pub fn quantized_if(mut self, q: Option<QuantType>) -> Result<Self> {
+        if let Some(q) = q {
+            self.quantize(q)?;
+        }
+        Ok(self)
     }
 
     /// Keeps the frozen joined weight quantized (one quantized matrix for all parts).
@@ -948,6 +963,7 @@ mod tests {
             qk_norm: false,
             bos_token_id: None,
             eos_token_ids: vec![],
+            build_quantized: None,
         };
         let rope = Rope::new(&cfg, &dev).unwrap();
         let (c, s) = rope.tables(&pos, DType::F32).unwrap();

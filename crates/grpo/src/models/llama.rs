@@ -49,8 +49,10 @@ impl Attention {
                 linear_parts(h, nh * hd, cfg.attention_bias, vb.pp("q_proj"))?,
                 linear_parts(h, nkv * hd, cfg.attention_bias, vb.pp("k_proj"))?,
                 linear_parts(h, nkv * hd, cfg.attention_bias, vb.pp("v_proj"))?,
-            ])?,
-            o_proj: linear(nh * hd, h, cfg.mlp_bias, vb.pp("o_proj"))?,
+            ])?
+            .quantized_if(cfg.build_quantized)?,
+            o_proj: linear(nh * hd, h, cfg.mlp_bias, vb.pp("o_proj"))?
+                .quantized_if(cfg.build_quantized)?,
             q_norm,
             k_norm,
             num_heads: nh,
@@ -110,8 +112,9 @@ impl Mlp {
             gate_up_proj: FusedLinear::new(vec![
                 linear_parts(h, i, b, vb.pp("gate_proj"))?,
                 linear_parts(h, i, b, vb.pp("up_proj"))?,
-            ])?,
-            down_proj: linear(i, h, b, vb.pp("down_proj"))?,
+            ])?
+            .quantized_if(cfg.build_quantized)?,
+            down_proj: linear(i, h, b, vb.pp("down_proj"))?.quantized_if(cfg.build_quantized)?,
         })
     }
 
