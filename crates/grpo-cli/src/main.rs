@@ -12,6 +12,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 mod bench;
 mod common;
 mod config_cmd;
+mod eval_cmd;
 mod export_cmd;
 mod generate;
 mod rewards_cmd;
@@ -42,6 +43,8 @@ enum Command {
     Config(config_cmd::ConfigArgs),
     /// Sample completions from a model.
     Generate(generate::GenerateArgs),
+    /// Evaluate a model on held-out prompts: pass@k, accuracy, mean rewards.
+    Eval(eval_cmd::EvalArgs),
     /// Test reward functions on a file of completions (`grpo rewards check`).
     #[command(subcommand)]
     Rewards(rewards_cmd::RewardsCommand),
@@ -73,6 +76,7 @@ fn main() -> ExitCode {
         Command::Train(args) => train::run(args),
         Command::Config(args) => config_cmd::run(args),
         Command::Generate(args) => generate::run(args),
+        Command::Eval(args) => eval_cmd::run(args),
         Command::Rewards(cmd) => rewards_cmd::run(cmd),
         Command::Export(args) => export_cmd::run(args),
         Command::Bench(cmd) => bench::run(cmd),

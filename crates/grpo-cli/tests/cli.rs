@@ -255,6 +255,196 @@ fn rewards_check_prints_a_table_and_json() {
     );
 }
 
+/// A 2-layer Llama (hidden 32) over SmolLM2's vocabulary with its tokenizer and chat template;
+/// weights from a fixed xorshift stream.
+fn tiny_model(dir: &std::path::Path) {
+    use candle_core::{Device, Tensor};
+    std::fs::create_dir_all(dir).unwrap();
+    let vocab = 49152usize;
+    let (h, inter, layers, heads, kv, hd) = (32usize, 64usize, 2usize, 4usize, 2usize, 8usize);
+    let cfg = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+        "hidden_size": h, "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 512,
+        "tie_word_embeddings": true, "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu"
+    });
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut t = |shape: &[usize], scale: f32, offset: f32| {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                offset + ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0 * scale
+            })
+            .collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    };
+    let mut m = std::collections::HashMap::new();
+    m.insert(
+        "model.embed_tokens.weight".to_string(),
+        t(&[vocab, h], 0.5, 0.0),
+    );
+    m.insert("model.norm.weight".to_string(), t(&[h], 0.1, 1.0));
+    for l in 0..layers {
+        let p = format!("model.layers.{l}");
+        for (n, s) in [
+            ("self_attn.q_proj", [heads * hd, h]),
+            ("self_attn.k_proj", [kv * hd, h]),
+            ("self_attn.v_proj", [kv * hd, h]),
+            ("self_attn.o_proj", [h, heads * hd]),
+            ("mlp.gate_proj", [inter, h]),
+            ("mlp.up_proj", [inter, h]),
+            ("mlp.down_proj", [h, inter]),
+        ] {
+            m.insert(format!("{p}.{n}.weight"), t(&s, 0.3, 0.0));
+        }
+        for n in ["input_layernorm", "post_attention_layernorm"] {
+            m.insert(format!("{p}.{n}.weight"), t(&[h], 0.1, 1.0));
+        }
+    }
+    candle_core::safetensors::save(&m, dir.join("model.safetensors")).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(fixture(&format!("smollm2/{f}")), dir.join(f)).unwrap();
+    }
+}
+
+#[test]
+fn help_explains_every_eval_option() {
+    let o = grpo(&["eval", "--help"]);
+    assert!(o.status.success());
+    let h = String::from_utf8_lossy(&o.stdout);
+    for opt in [
+        "--model",
+        "--base",
+        "--data",
+        "--prompt-field",
+        "--answer-field",
+        "--rewards-config",
+        "--k",
+        "--num-samples",
+        "--num_samples",
+        "--temperature",
+        "--top-p",
+        "--top-k",
+        "--max-new-tokens",
+        "--no-greedy",
+        "--num-prompts",
+        "--seed",
+        "--system-prompt",
+        "--out",
+        "--json",
+        "pass@K",
+    ] {
+        assert!(h.contains(opt), "--help lacks {opt}");
+    }
+}
+
+/// `grpo eval` on a tiny model and the built-in task: metrics as JSON, one row per prompt.
+#[test]
+fn eval_prints_pass_at_k_as_json_and_writes_every_answer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    tiny_model(&model);
+    let rows_path = tmp.path().join("answers.jsonl");
+    let o = grpo(&[
+        "eval",
+        "--model",
+        model.to_str().unwrap(),
+        "--k",
+        "1,2",
+        "--num_samples",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--num-prompts",
+        "3",
+        "--threads",
+        "2",
+        "--out",
+        rows_path.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let m: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    for k in [
+        "eval/pass@1",
+        "eval/pass@2",
+        "eval/mean_accuracy",
+        "eval/accuracy",
+        "eval/reward/correct",
+        "eval/reward/format",
+    ] {
+        let v = m[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {m}"));
+        assert!((0.0..=1.0).contains(&v), "{k} = {v}");
+    }
+    assert_eq!(m["num_prompts"], 3);
+    assert_eq!(m["num_samples"], 2);
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(&rows_path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 3);
+    for r in &rows {
+        assert_eq!(r["completions"].as_array().unwrap().len(), 2);
+        assert!(r["greedy"]["text"].is_string());
+        assert!(r["answer"].is_string());
+    }
+    // The table form.
+    let o = grpo(&[
+        "eval",
+        "--model",
+        model.to_str().unwrap(),
+        "--num-samples",
+        "0",
+        "--max-new-tokens",
+        "4",
+        "--num-prompts",
+        "2",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("eval/accuracy") && !out.contains("pass@"),
+        "{out}"
+    );
+}
+
+/// Bad eval options are refused before any model is loaded, naming the option.
+#[test]
+fn eval_rejects_k_above_num_samples() {
+    let o = grpo(&[
+        "eval",
+        "--model",
+        "/no/such/model",
+        "--k",
+        "1,8",
+        "--num_samples",
+        "4",
+    ]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(
+        e.contains("`--k`") && e.contains("pass@8") && e.contains("--num-samples"),
+        "{e}"
+    );
+    assert!(!e.contains("/no/such/model"), "{e}");
+    let o = grpo(&["eval", "--num-samples", "0", "--no-greedy"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("nothing to evaluate"), "{}", stderr(&o));
+    // The same rule in a training config names its key.
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("run.toml");
+    std::fs::write(&cfg, "eval_num_samples = 2\neval_k = [1, 4]\n").unwrap();
+    let o = grpo(&["eval", "--rewards-config", cfg.to_str().unwrap()]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("`eval_k`"), "{}", stderr(&o));
+}
+
 /// `grpo export`: a PEFT adapter merged into its base, the adapter files alone, and the errors.
 #[test]
 fn export_merges_lora_adapters_into_hf_weights() {

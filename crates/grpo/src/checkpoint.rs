@@ -348,12 +348,12 @@ mod tests {
     ) -> CheckpointData<'a> {
         CheckpointData {
             step,
-            model: HfExport {
+            model: ModelFiles::Full(HfExport {
                 config: cfg,
                 tensors: t,
                 tokenizer: None,
                 eos_token_ids: &[2],
-            },
+            }),
             optimizer: opt,
             trainer_state: st,
             config_toml: "seed = 1\n",

@@ -193,6 +193,12 @@ pub struct TrainConfig {
     pub save_total_limit: Option<usize>,
     pub eval_steps: usize,
     pub eval_num_prompts: Option<usize>,
+    pub eval_num_samples: usize,
+    /// Sorted, without duplicates.
+    pub eval_k: Vec<usize>,
+    /// `eval_temperature`, or `temperature` when unset.
+    pub eval_temperature: f64,
+    pub eval_greedy: bool,
     pub report_to: Vec<String>,
     /// LoRA adapters instead of full fine-tuning (`lora.r` > 0). Empty `target_modules` means
     /// the architecture's default (see [`crate::lora::default_targets`]).
@@ -320,6 +326,10 @@ const KEYS: &[KeyDoc] = keys! {
         "save_total_limit": "int" = "", "keep only the newest N checkpoints";
         "eval_steps": "int" = "0", "evaluate on the held-out prompts every N steps (0: off)";
         "eval_num_prompts": "int" = "", "held-out prompts per evaluation (unset: all)";
+        "eval_num_samples": "int" = "4", "sampled completions per held-out prompt, for pass@k and eval/mean_accuracy (0: greedy only; eval_k is then ignored)";
+        "eval_k": "list of int" = "[1]", "report eval/pass@k for each k (unbiased estimator; each k <= eval_num_samples)";
+        "eval_temperature": "float" = "", "sampling temperature of the eval samples (unset: temperature)";
+        "eval_greedy": "bool" = "true", "also one greedy completion per held-out prompt: eval/accuracy";
         "report_to": "list of tensorboard|jsonl|none" = "[\"tensorboard\"]", "metrics sinks besides metrics.jsonl";
     }
 };
@@ -589,6 +599,29 @@ impl Values<'_> {
             Some(v) => Err(type_err(key, "a list of strings", v)),
         }
     }
+    /// A list of non-negative integers, one integer, or (from the command line) `1,4,8`.
+    fn usizes(&self, key: &str) -> Result<Vec<usize>> {
+        let want = "a list of non-negative integers";
+        let one = |v: &Value| -> Result<usize> {
+            match v {
+                Value::Number(n) => n.as_u64().map(|x| x as usize),
+                Value::String(s) => s.trim().parse().ok(),
+                _ => None,
+            }
+            .ok_or_else(|| type_err(key, want, v))
+        };
+        match self.get(key) {
+            None => Ok(vec![]),
+            Some(Value::Array(a)) => a.iter().map(one).collect(),
+            Some(Value::String(s)) => s
+                .split(',')
+                .filter(|x| !x.trim().is_empty())
+                .map(|x| one(&Value::String(x.into())))
+                .collect(),
+            Some(v @ Value::Number(_)) => Ok(vec![one(v)?]),
+            Some(v) => Err(type_err(key, want, v)),
+        }
+    }
     fn opt_f64s(&self, key: &str) -> Result<Option<Vec<f64>>> {
         match self.get(key) {
             None => Ok(None),
@@ -617,6 +650,31 @@ impl Values<'_> {
                 )
             })
     }
+}
+
+/// The eval keys: (eval_num_samples, eval_k sorted without duplicates, eval_temperature, eval_greedy).
+fn eval_settings(v: &Values, temperature: f64) -> Result<(usize, Vec<usize>, f64, bool)> {
+    let n = v.usize("eval_num_samples")?;
+    let mut ks = v.usizes("eval_k")?;
+    crate::eval::check_ks(&ks, n, "eval_k", "eval_num_samples")?;
+    ks.sort_unstable();
+    ks.dedup();
+    let greedy = v.bool("eval_greedy")?;
+    if n == 0 && !greedy {
+        return Err(Error::config(
+            "eval_num_samples",
+            "0 samples with eval_greedy = false leave nothing to evaluate: set eval_num_samples \
+             above 0 or eval_greedy = true",
+        ));
+    }
+    let t = v.opt_f64("eval_temperature")?.unwrap_or(temperature);
+    if !(t >= 0.0 && t.is_finite()) {
+        return Err(Error::config(
+            "eval_temperature",
+            format!("must be >= 0 (0 = greedy), got {t}"),
+        ));
+    }
+    Ok((n, ks, t, greedy))
 }
 
 impl TrainConfig {
@@ -989,6 +1047,8 @@ impl TrainConfig {
                     .into(),
             );
         }
+        let (eval_num_samples, eval_k, eval_temperature, eval_greedy) =
+            eval_settings(&v, temperature)?;
         Ok(TrainConfig {
             model: v.opt_string("model")?,
             dtype,
@@ -1080,6 +1140,10 @@ impl TrainConfig {
             save_total_limit: v.opt_usize("save_total_limit")?,
             eval_steps: v.usize("eval_steps")?,
             eval_num_prompts: v.opt_usize("eval_num_prompts")?,
+            eval_num_samples,
+            eval_k,
+            eval_temperature,
+            eval_greedy,
             report_to,
             lora,
             base_quantization,
@@ -1228,6 +1292,14 @@ mod tests {
             ("[task]\nops = [\"/\"]", "task.ops"),
             ("logging_steps = 0.5", "logging_steps"),
             ("kl_target = 6.0", "kl_target"),
+            ("eval_num_samples = 4\neval_k = [1, 8]", "eval_k"),
+            ("eval_k = [0]", "eval_k"),
+            ("eval_k = \"x\"", "eval_k"),
+            (
+                "eval_num_samples = 0\neval_greedy = false",
+                "eval_num_samples",
+            ),
+            ("eval_temperature = -1.0", "eval_temperature"),
         ];
         for (text, key) in cases {
             let e = load(text, Format::Toml, &[]).unwrap_err().to_string();
@@ -1235,6 +1307,42 @@ mod tests {
         }
         let e = load("a = [", Format::Toml, &[]).unwrap_err().to_string();
         assert!(e.contains("test") && e.contains("line"), "{e}");
+    }
+
+    #[test]
+    fn eval_keys_default_and_parse() {
+        let c = load("temperature = 0.7", Format::Toml, &[]).unwrap();
+        assert_eq!(c.eval_num_samples, 4);
+        assert_eq!(c.eval_k, vec![1]);
+        assert_eq!(c.eval_temperature, 0.7);
+        assert!(c.eval_greedy);
+        let c = load(
+            "eval_num_samples = 8\neval_k = [8, 1, 4, 4]\neval_temperature = 0.0",
+            Format::Toml,
+            &[],
+        )
+        .unwrap();
+        assert_eq!(c.eval_k, vec![1, 4, 8]);
+        assert_eq!(c.eval_temperature, 0.0);
+        let c = load(
+            "",
+            Format::Toml,
+            &["--eval_num_samples=8", "--eval_k=1,4,8"],
+        )
+        .unwrap();
+        assert_eq!(c.eval_k, vec![1, 4, 8]);
+        let c = load("", Format::Toml, &["--eval_k=2"]).unwrap();
+        assert_eq!(c.eval_k, vec![2]);
+        // Greedy only: the ks are not checked.
+        let c = load("eval_num_samples = 0\neval_k = [16]", Format::Toml, &[]).unwrap();
+        assert_eq!(c.eval_num_samples, 0);
+        let e = load("eval_num_samples = 2\neval_k = [1, 4]", Format::Toml, &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`eval_k`") && e.contains("raise eval_num_samples to 4"),
+            "{e}"
+        );
     }
 
     #[test]

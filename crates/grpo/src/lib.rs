@@ -16,6 +16,7 @@
 //! - [`optim`]: AdamW with saveable state, gradient clipping, learning-rate schedules.
 //! - [`export`]: loading checkpoints (LoRA ones over their base) and `grpo export`.
 //! - [`metrics`], [`checkpoint`]: metrics.jsonl + TensorBoard, atomic checkpoints in HF layout.
+//! - [`eval`]: held-out evaluation: pass@k, accuracy (greedy and sampled), mean rewards.
 //! - [`train`]: the training loop.
 
 pub mod advantages;
@@ -23,6 +24,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod error;
+pub mod eval;
 pub mod export;
 pub mod hub;
 pub mod kv_cache;

@@ -221,8 +221,8 @@ fn logprobs_of(
     Ok(out)
 }
 
-/// Greedy evaluation on the held-out prompts: mean of each reward, and accuracy (the mean of the
-/// answer-matching rewards). Every answer goes to `eval/step-N.jsonl`.
+/// Evaluation on the held-out prompts as the config's `eval_*` keys say (see [`crate::eval`]):
+/// pass@k, sampled and greedy accuracy, mean rewards. Every answer goes to `eval/step-N.jsonl`.
 #[allow(clippy::too_many_arguments)]
 fn evaluate(
     cfg: &TrainConfig,
@@ -233,63 +233,11 @@ fn evaluate(
     step: u64,
     metrics: &mut MetricsWriter,
 ) -> Result<Vec<(String, f64)>> {
-    let n = cfg
-        .eval_num_prompts
-        .unwrap_or(ds.eval.len())
-        .min(ds.eval.len());
-    let greedy = SamplingParams {
-        temperature: 0.0,
-        ..params.clone()
-    };
-    let mut sums = vec![0f64; ds.rewards.len()];
-    let mut acc = (0f64, 0usize);
-    for chunk in (0..n).collect::<Vec<_>>().chunks(32) {
-        let ids = chunk
-            .iter()
-            .map(|&i| {
-                data::prompt_ids(
-                    tok,
-                    &ds.eval[i],
-                    cfg.system_prompt.as_deref(),
-                    cfg.max_prompt_length,
-                )
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let seeds: Vec<u64> = chunk.iter().map(|&i| i as u64).collect();
-        let (mut eps, _) = rollout::rollout(model, tok, chunk, ids, &seeds, 1, &greedy)?;
-        let all: Vec<usize> = (0..ds.rewards.len()).collect();
-        rollout::score(&mut eps, &ds.eval, &ds.rewards, &all, None)?;
-        for ep in &eps {
-            for (k, r) in ep.rewards.iter().enumerate() {
-                if r.is_finite() {
-                    sums[k] += *r as f64;
-                }
-                if ds.rewards[k].is_accuracy() && r.is_finite() {
-                    acc.0 += *r as f64;
-                    acc.1 += 1;
-                }
-            }
-            metrics.log_json(
-                &format!("eval/step-{step}.jsonl"),
-                &json!({
-                    "prompt": data::prompt_text(&ds.eval[ep.example]),
-                    "answer": ds.eval[ep.example].answer,
-                    "completion": ep.text,
-                    "rewards": reward_map(&ds.rewards, &ep.rewards),
-                }),
-            )?;
-        }
-    }
-    let mut out: Vec<(String, f64)> = ds
-        .rewards
-        .iter()
-        .zip(&sums)
-        .map(|(r, s)| (format!("eval/reward/{}", r.name), s / n.max(1) as f64))
-        .collect();
-    if acc.1 > 0 {
-        out.push(("eval/accuracy".into(), acc.0 / acc.1 as f64));
-    }
-    Ok(out)
+    let opts = crate::eval::EvalOptions::from_config(cfg, params.eos_token_ids.clone());
+    let file = format!("eval/step-{step}.jsonl");
+    let mut log = |row: &serde_json::Value| metrics.log_json(&file, row);
+    let report = crate::eval::evaluate(model, tok, &ds.eval, &ds.rewards, &opts, Some(&mut log))?;
+    Ok(report.metrics)
 }
 
 fn reward_map(rewards: &[Reward], scores: &[f32]) -> serde_json::Value {

@@ -1,0 +1,749 @@
+//! Evaluation on held-out prompts, for the trainer's periodic eval (`eval_steps`) and `grpo eval`.
+//!
+//! Per prompt: `n` sampled completions (`num_samples`, seeded per prompt, so the same samples are
+//! drawn at every eval of a run and a completion never depends on the batch), and optionally one
+//! greedy completion. Every completion is scored by every reward. Metrics:
+//!
+//! - `eval/pass@<k>` for each requested k: the unbiased estimator ([`pass_at_k`]) averaged over
+//!   the prompts;
+//! - `eval/mean_accuracy`: the share of the n samples that are correct (over all prompts);
+//! - `eval/accuracy`: greedy accuracy, the share of prompts whose greedy completion is correct;
+//! - `eval/reward/<name>`: each reward's mean over the sampled completions, or over the greedy
+//!   ones when `num_samples` is 0 (missing scores left out; NaN when every score is missing).
+//!
+//! *Correct* means every accuracy reward ([`Reward::is_accuracy`], i.e. `answer_match`, which
+//! scores 0 or 1) scores more than 0.5. When one of them is missing (NaN: the row has no reference
+//! answer) correctness is unknown and the prompt is left out of the accuracy metrics and pass@k
+//! (its row says `"correct": null`). With no accuracy reward at all, pass@k and the accuracies are
+//! not defined: they are omitted, with a warning.
+//!
+//! Each prompt gives one JSON row (`eval/step-N.jsonl` in training, `--out` of `grpo eval`):
+//! `{"prompt", "answer", "origin", "completions": [{"text", "rewards": {name: score or null},
+//! "correct", "stop_reason"}], "num_correct", "greedy": {"text", "rewards", "correct",
+//! "stop_reason"} or null}`.
+
+use std::path::Path;
+use std::sync::Once;
+
+use candle_core::{DType, Device};
+use serde_json::{json, Map, Value};
+
+use crate::config::TrainConfig;
+use crate::data::{self, Example};
+use crate::models::CausalLm;
+use crate::rewards::{self, Reward};
+use crate::rollout::{self, Episode};
+use crate::sampler::{mix_seed, SamplingParams};
+use crate::tokenizer::Tokenizer;
+use crate::{Error, Result};
+
+/// Unbiased pass@k of one prompt with `n` samples of which `c` are correct: the probability that
+/// k samples drawn without replacement from the n include a correct one, `1 - C(n-c, k) / C(n, k)`
+/// (Chen et al. 2021, "Evaluating Large Language Models Trained on Code"), computed as
+/// `1 - prod_{i=n-c+1}^{n} (1 - k/i)`, which needs no large binomials.
+///
+/// Edge cases: `k = 0` or `n = 0` gives 0; `c > n` counts as `c = n`; `k > n` is no estimate
+/// (option validation rejects it, see [`check_ks`]) and is computed as `k = n`: 1 when any sample
+/// is correct, else 0.
+pub fn pass_at_k(n: usize, c: usize, k: usize) -> f64 {
+    let c = c.min(n);
+    if n == 0 || k == 0 || c == 0 {
+        return 0.0;
+    }
+    let k = k.min(n);
+    if n - c < k {
+        // Every draw of k samples includes a correct one.
+        return 1.0;
+    }
+    let all_wrong: f64 = (n - c + 1..=n).map(|i| 1.0 - k as f64 / i as f64).product();
+    1.0 - all_wrong
+}
+
+/// Checks the requested ks against the samples per prompt: each k must be in `1..=n`. With
+/// `n = 0` (greedy only) no pass@k is computed and the ks are not checked. Errors name `k_key`
+/// (and `n_key` in the fix), so the config and the command line can each use their own names.
+pub fn check_ks(ks: &[usize], n: usize, k_key: &str, n_key: &str) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    for &k in ks {
+        if k == 0 {
+            return Err(Error::config(
+                k_key,
+                "pass@0 is not defined: each k must be >= 1",
+            ));
+        }
+        if k > n {
+            return Err(Error::config(
+                k_key,
+                format!(
+                    "pass@{k} needs at least {k} samples per prompt, but {n_key} is {n}: \
+                     raise {n_key} to {k} or leave {k} out of {k_key}"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Completions sampled at once: `n` samples of up to this many / n prompts per batch (at most 32
+/// prompts), which bounds the sampler's KV cache whatever the held-out set's size.
+const BATCH_COMPLETIONS: usize = 64;
+
+/// Prompts per sampling batch with `n` samples each.
+fn prompts_per_batch(n: usize) -> usize {
+    (BATCH_COMPLETIONS / n.max(1)).clamp(1, 32)
+}
+
+/// How to evaluate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EvalOptions {
+    /// Sampled completions per prompt (n); 0: none (greedy only).
+    pub num_samples: usize,
+    /// Report pass@k for each of these (each in `1..=num_samples`, see [`check_ks`]).
+    pub ks: Vec<usize>,
+    /// Also one greedy completion per prompt (`eval/accuracy`).
+    pub greedy: bool,
+    /// Evaluate only the first N prompts (None: all).
+    pub num_prompts: Option<usize>,
+    /// Prompt i's samples are seeded by `mix_seed(seed, i)`.
+    pub seed: u64,
+    /// How the n samples are drawn (temperature, top-k/p, max_new_tokens, stop strings, EOS ids);
+    /// the greedy completion uses the same with temperature 0.
+    pub sampling: SamplingParams,
+    /// System message put before each prompt (unless it has one).
+    pub system_prompt: Option<String>,
+    /// Prompts longer than this are truncated from the left.
+    pub max_prompt_length: Option<usize>,
+}
+
+impl EvalOptions {
+    /// A training config's eval settings (`eval_num_samples`, `eval_k`, `eval_greedy`,
+    /// `eval_num_prompts`, `eval_temperature` and the other sampling keys, `seed`,
+    /// `system_prompt`, `max_prompt_length`).
+    pub fn from_config(cfg: &TrainConfig, eos_token_ids: Vec<u32>) -> Self {
+        EvalOptions {
+            num_samples: cfg.eval_num_samples,
+            ks: cfg.eval_k.clone(),
+            greedy: cfg.eval_greedy,
+            num_prompts: cfg.eval_num_prompts,
+            seed: cfg.seed,
+            sampling: SamplingParams {
+                max_new_tokens: cfg.max_completion_length,
+                min_new_tokens: 0,
+                temperature: cfg.eval_temperature,
+                top_k: cfg.top_k,
+                top_p: cfg.top_p,
+                min_p: cfg.min_p.unwrap_or(0.0),
+                repetition_penalty: cfg.repetition_penalty,
+                stop_strings: cfg.stop.clone(),
+                eos_token_ids,
+            },
+            system_prompt: cfg.system_prompt.clone(),
+            max_prompt_length: cfg.max_prompt_length,
+        }
+    }
+
+    /// Checks the options; errors use the config's key names.
+    pub fn validate(&self) -> Result<()> {
+        check_ks(&self.ks, self.num_samples, "eval_k", "eval_num_samples")?;
+        if self.num_samples == 0 && !self.greedy {
+            return Err(Error::config(
+                "eval_num_samples",
+                "0 samples and no greedy completion leave nothing to evaluate",
+            ));
+        }
+        self.sampling.validate()
+    }
+
+    /// The requested ks, sorted, without duplicates; none when there are no samples.
+    fn sorted_ks(&self) -> Vec<usize> {
+        if self.num_samples == 0 {
+            return vec![];
+        }
+        let mut ks = self.ks.clone();
+        ks.sort_unstable();
+        ks.dedup();
+        ks
+    }
+}
+
+/// What an evaluation found.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EvalReport {
+    /// Metrics in a fixed order: pass@k (k ascending), mean_accuracy, accuracy, reward/<name>.
+    pub metrics: Vec<(String, f64)>,
+    /// Prompts evaluated.
+    pub num_prompts: usize,
+    /// Prompts whose samples could all be judged correct or not (the pass@k denominator).
+    pub num_scored: usize,
+    /// Sampled completions per prompt.
+    pub num_samples: usize,
+}
+
+impl EvalReport {
+    /// A metric by name.
+    pub fn get(&self, name: &str) -> Option<f64> {
+        self.metrics.iter().find(|(n, _)| n == name).map(|m| m.1)
+    }
+
+    /// The metrics and counts as one JSON object (NaN as null).
+    pub fn to_json(&self) -> Value {
+        let mut m = Map::new();
+        for (k, v) in &self.metrics {
+            m.insert(k.clone(), num_or_null(*v));
+        }
+        m.insert("num_prompts".into(), json!(self.num_prompts));
+        m.insert("num_scored".into(), json!(self.num_scored));
+        m.insert("num_samples".into(), json!(self.num_samples));
+        Value::Object(m)
+    }
+
+    /// A readable table of the metrics.
+    pub fn table(&self) -> String {
+        let w = self
+            .metrics
+            .iter()
+            .map(|(k, _)| k.len())
+            .max()
+            .unwrap_or(6)
+            .max(6);
+        let mut out = format!(
+            "{} prompts ({} with a judgeable answer), {} samples each\n",
+            self.num_prompts, self.num_scored, self.num_samples
+        );
+        for (k, v) in &self.metrics {
+            let v = if v.is_finite() {
+                format!("{v:.4}")
+            } else {
+                "missing".into()
+            };
+            out.push_str(&format!("{k:<w$}  {v:>8}\n"));
+        }
+        out
+    }
+}
+
+fn num_or_null(x: f64) -> Value {
+    serde_json::Number::from_f64(x).map_or(Value::Null, Value::Number)
+}
+
+/// Whether a completion is correct: every accuracy reward (`acc`, indices into `scores`) scores
+/// more than 0.5. None when there is no accuracy reward or one of them is missing.
+fn correctness(scores: &[f32], acc: &[usize]) -> Option<bool> {
+    if acc.is_empty() {
+        return None;
+    }
+    let mut all = true;
+    for &k in acc {
+        let s = *scores.get(k)?;
+        if s.is_nan() {
+            return None;
+        }
+        all &= s > 0.5;
+    }
+    Some(all)
+}
+
+/// Running sums over the prompts of an evaluation.
+#[derive(Debug, Clone)]
+struct Tally {
+    n: usize,
+    ks: Vec<usize>,
+    reward_names: Vec<String>,
+    prompts: usize,
+    /// Prompts whose n samples all have a known correctness.
+    scored: usize,
+    pass_sums: Vec<f64>,
+    correct_samples: usize,
+    greedy_scored: usize,
+    greedy_correct: usize,
+    /// Per reward: (sum, count) of finite scores.
+    reward_sums: Vec<(f64, usize)>,
+}
+
+impl Tally {
+    fn new(n: usize, ks: Vec<usize>, reward_names: Vec<String>) -> Self {
+        Tally {
+            n,
+            pass_sums: vec![0.0; ks.len()],
+            ks,
+            reward_sums: vec![(0.0, 0); reward_names.len()],
+            reward_names,
+            prompts: 0,
+            scored: 0,
+            correct_samples: 0,
+            greedy_scored: 0,
+            greedy_correct: 0,
+        }
+    }
+
+    /// One prompt: its samples' correctness and scores, its greedy completion's.
+    fn add(
+        &mut self,
+        correct: &[Option<bool>],
+        scores: &[&[f32]],
+        greedy: Option<(Option<bool>, &[f32])>,
+    ) {
+        self.prompts += 1;
+        if self.n > 0 {
+            if let Some(flags) = correct.iter().copied().collect::<Option<Vec<bool>>>() {
+                let c = flags.iter().filter(|&&b| b).count();
+                self.scored += 1;
+                self.correct_samples += c;
+                for (sum, &k) in self.pass_sums.iter_mut().zip(&self.ks) {
+                    *sum += pass_at_k(self.n, c, k);
+                }
+            }
+        }
+        if let Some((Some(ok), _)) = greedy {
+            self.greedy_scored += 1;
+            self.greedy_correct += usize::from(ok);
+        }
+        // Mean rewards: over the samples, or the greedy completion when there are none.
+        let rows: Vec<&[f32]> = match (self.n, greedy) {
+            (0, Some((_, g))) => vec![g],
+            _ => scores.to_vec(),
+        };
+        for row in rows {
+            for (acc, &s) in self.reward_sums.iter_mut().zip(row) {
+                if s.is_finite() {
+                    acc.0 += s as f64;
+                    acc.1 += 1;
+                }
+            }
+        }
+    }
+
+    fn report(&self) -> EvalReport {
+        let mut m: Vec<(String, f64)> = vec![];
+        if self.scored > 0 {
+            for (k, s) in self.ks.iter().zip(&self.pass_sums) {
+                m.push((format!("eval/pass@{k}"), s / self.scored as f64));
+            }
+            m.push((
+                "eval/mean_accuracy".into(),
+                self.correct_samples as f64 / (self.scored * self.n) as f64,
+            ));
+        }
+        if self.greedy_scored > 0 {
+            m.push((
+                "eval/accuracy".into(),
+                self.greedy_correct as f64 / self.greedy_scored as f64,
+            ));
+        }
+        for (name, (s, c)) in self.reward_names.iter().zip(&self.reward_sums) {
+            let mean = if *c > 0 { s / *c as f64 } else { f64::NAN };
+            m.push((format!("eval/reward/{name}"), mean));
+        }
+        EvalReport {
+            metrics: m,
+            num_prompts: self.prompts,
+            num_scored: self.scored,
+            num_samples: self.n,
+        }
+    }
+}
+
+/// `{name: score or null}`.
+fn reward_map(rewards: &[Reward], scores: &[f32]) -> Value {
+    let m: Map<String, Value> = rewards
+        .iter()
+        .zip(scores)
+        .map(|(r, &s)| {
+            let v = if s.is_finite() { json!(s) } else { Value::Null };
+            (r.name.clone(), v)
+        })
+        .collect();
+    Value::Object(m)
+}
+
+/// One completion of a log row.
+fn completion_json(rewards: &[Reward], ep: &Episode, correct: Option<bool>) -> Value {
+    json!({
+        "text": ep.text,
+        "rewards": reward_map(rewards, &ep.rewards),
+        "correct": correct,
+        "stop_reason": ep.stop_reason,
+    })
+}
+
+/// The log row of one prompt (see the module docs).
+fn prompt_row(
+    ex: &Example,
+    rewards: &[Reward],
+    samples: &[Episode],
+    correct: &[Option<bool>],
+    greedy: Option<(&Episode, Option<bool>)>,
+) -> Value {
+    let num_correct = correct
+        .iter()
+        .copied()
+        .collect::<Option<Vec<bool>>>()
+        .filter(|_| !samples.is_empty())
+        .map(|f| f.iter().filter(|&&b| b).count());
+    json!({
+        "prompt": data::prompt_text(ex),
+        "answer": ex.answer,
+        "origin": ex.origin,
+        "completions": samples
+            .iter()
+            .zip(correct)
+            .map(|(ep, &c)| completion_json(rewards, ep, c))
+            .collect::<Vec<_>>(),
+        "num_correct": num_correct,
+        "greedy": greedy.map(|(ep, c)| completion_json(rewards, ep, c)),
+    })
+}
+
+static NO_ACCURACY_REWARD: Once = Once::new();
+
+/// Where each prompt's log row goes.
+pub type RowSink<'a> = &'a mut dyn FnMut(&Value) -> Result<()>;
+
+/// Evaluates `model` on the first `opts.num_prompts` of `examples` (see the module docs); each
+/// prompt's row goes to `out` as soon as its batch is scored.
+pub fn evaluate(
+    model: &CausalLm,
+    tok: &Tokenizer,
+    examples: &[Example],
+    rewards: &[Reward],
+    opts: &EvalOptions,
+    mut out: Option<RowSink<'_>>,
+) -> Result<EvalReport> {
+    opts.validate()?;
+    let n = opts.num_samples;
+    let total = opts
+        .num_prompts
+        .unwrap_or(examples.len())
+        .min(examples.len());
+    let acc: Vec<usize> = (0..rewards.len())
+        .filter(|&k| rewards[k].is_accuracy())
+        .collect();
+    if acc.is_empty() {
+        NO_ACCURACY_REWARD.call_once(|| {
+            tracing::warn!(
+                "eval: no accuracy reward (kind = \"answer_match\"), so correctness, pass@k and \
+                 accuracy are not reported; only the mean of each reward is"
+            )
+        });
+    }
+    let all: Vec<usize> = (0..rewards.len()).collect();
+    let greedy_params = SamplingParams {
+        temperature: 0.0,
+        ..opts.sampling.clone()
+    };
+    let names = rewards.iter().map(|r| r.name.clone()).collect();
+    let mut tally = Tally::new(n, opts.sorted_ks(), names);
+    let indices: Vec<usize> = (0..total).collect();
+    for chunk in indices.chunks(prompts_per_batch(n)) {
+        let ids = chunk
+            .iter()
+            .map(|&i| {
+                data::prompt_ids(
+                    tok,
+                    &examples[i],
+                    opts.system_prompt.as_deref(),
+                    opts.max_prompt_length,
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let seeds: Vec<u64> = chunk
+            .iter()
+            .map(|&i| mix_seed(opts.seed, i as u64))
+            .collect();
+        let mut sampled = vec![];
+        if n > 0 {
+            let (eps, _) =
+                rollout::rollout(model, tok, chunk, ids.clone(), &seeds, n, &opts.sampling)?;
+            sampled = eps;
+            rollout::score(&mut sampled, examples, rewards, &all, None)?;
+        }
+        let mut greedy = vec![];
+        if opts.greedy {
+            let (eps, _) = rollout::rollout(model, tok, chunk, ids, &seeds, 1, &greedy_params)?;
+            greedy = eps;
+            rollout::score(&mut greedy, examples, rewards, &all, None)?;
+        }
+        for (j, &i) in chunk.iter().enumerate() {
+            let samples = &sampled[(j * n).min(sampled.len())..((j + 1) * n).min(sampled.len())];
+            let correct: Vec<Option<bool>> = samples
+                .iter()
+                .map(|e| correctness(&e.rewards, &acc))
+                .collect();
+            let g = greedy.get(j).map(|e| (e, correctness(&e.rewards, &acc)));
+            let scores: Vec<&[f32]> = samples.iter().map(|e| e.rewards.as_slice()).collect();
+            tally.add(&correct, &scores, g.map(|(e, c)| (c, e.rewards.as_slice())));
+            if let Some(f) = out.as_mut() {
+                f(&prompt_row(&examples[i], rewards, samples, &correct, g))?;
+            }
+        }
+        tracing::debug!("eval: {} of {total} prompts", chunk[chunk.len() - 1] + 1);
+    }
+    Ok(tally.report())
+}
+
+/// The held-out prompts of a training config: `eval_file` when set, else the built-in arithmetic
+/// task's held-out problems (`task.*` keys).
+pub fn held_out_examples(cfg: &TrainConfig) -> Result<Vec<Example>> {
+    if let Some(p) = &cfg.eval_file {
+        return load_examples(cfg, p);
+    }
+    let t = &cfg.task;
+    let params = data::arithmetic::TaskParams {
+        train_size: t.train_size,
+        eval_size: t.eval_size,
+        min_operand: t.min_operand,
+        max_operand: t.max_operand,
+        ops: t.ops.iter().filter_map(|s| s.chars().next()).collect(),
+        seed: t.seed,
+    };
+    Ok(data::arithmetic::make_task(&params)?.1)
+}
+
+/// Rows of a prompt file, read with the config's `prompt_field`, `answer_field` and
+/// `skip_bad_rows` (skipped rows are counted in a warning).
+pub fn load_examples(cfg: &TrainConfig, path: &Path) -> Result<Vec<Example>> {
+    let fields = data::DataFields {
+        prompt_field: cfg.prompt_field.clone(),
+        answer_field: cfg.answer_field.clone(),
+        skip_bad_rows: cfg.skip_bad_rows,
+    };
+    let loaded = data::load_examples(path, &fields)?;
+    if let Some(first) = loaded.skipped.first() {
+        tracing::warn!(
+            "{}: skipped {} bad rows (skip_bad_rows = true); first: {first}",
+            path.display(),
+            loaded.skipped.len()
+        );
+    }
+    Ok(loaded.examples)
+}
+
+/// A config's `[[rewards]]`, or the built-in task's rewards when it has none.
+pub fn config_rewards(cfg: &TrainConfig, device: &Device) -> Result<Vec<Reward>> {
+    if cfg.rewards.is_empty() {
+        return Ok(rewards::builtin_task_rewards());
+    }
+    let ctx = rewards::RewardContext {
+        max_completion_length: cfg.max_completion_length,
+        device: device.clone(),
+    };
+    rewards::parse_rewards(&cfg.rewards, &ctx)
+}
+
+/// A model to evaluate or sample from, with its tokenizer and EOS ids: `spec` as `--model` takes
+/// it (an HF directory, a full fine-tune's checkpoint directory included, a `.gguf` file, a hub
+/// id, or None for the default model), or a LoRA checkpoint directory (`adapter_config.json`)
+/// loaded over its base (`base` wins over the base the adapter names); see
+/// [`crate::export::load_for_inference`].
+pub fn load_inference_model(
+    spec: Option<&str>,
+    base: Option<&str>,
+    dtype: DType,
+    device: &Device,
+) -> Result<(CausalLm, Tokenizer, Vec<u32>)> {
+    let (model, mut loaded) = crate::export::load_for_inference(spec, base, dtype, device)?;
+    loaded.tokenizer()?;
+    let tok = loaded
+        .tokenizer
+        .take()
+        .ok_or_else(|| Error::file(&loaded.origin, "no tokenizer found"))?;
+    Ok((model, tok, loaded.eos_token_ids))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// C(n, k) in plain f64 (exact for the small n used here).
+    fn binom(n: usize, k: usize) -> f64 {
+        if k > n {
+            return 0.0;
+        }
+        (0..k).fold(1.0, |acc, i| acc * (n - i) as f64 / (i + 1) as f64)
+    }
+
+    /// The textbook form, 1 - C(n-c, k) / C(n, k).
+    fn pass_at_k_combinatorial(n: usize, c: usize, k: usize) -> f64 {
+        1.0 - binom(n - c, k) / binom(n, k)
+    }
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() < 1e-12
+    }
+
+    #[test]
+    fn pass_at_k_matches_hand_computed_values() {
+        // n = 5, c = 2, k = 1: 1 - C(3,1)/C(5,1) = 1 - 3/5.
+        assert!(close(pass_at_k(5, 2, 1), 0.4));
+        // k = 2: 1 - C(3,2)/C(5,2) = 1 - 3/10.
+        assert!(close(pass_at_k(5, 2, 2), 0.7));
+        // No correct sample: 0 for every k; all correct: 1.
+        for k in 1..=4 {
+            assert_eq!(pass_at_k(4, 0, k), 0.0);
+            assert_eq!(pass_at_k(4, 4, k), 1.0);
+        }
+        // n = 10, c = 3, k = 4: 1 - C(7,4)/C(10,4) = 1 - 35/210.
+        assert!(close(pass_at_k(10, 3, 4), 1.0 - 35.0 / 210.0));
+        // pass@1 is the share of correct samples.
+        assert!(close(pass_at_k(8, 3, 1), 3.0 / 8.0));
+        // Fewer wrong samples than k: every draw has a correct one.
+        assert_eq!(pass_at_k(5, 3, 3), 1.0);
+    }
+
+    #[test]
+    fn pass_at_k_edge_cases_are_as_documented() {
+        assert_eq!(pass_at_k(0, 0, 1), 0.0);
+        assert_eq!(pass_at_k(5, 2, 0), 0.0);
+        // c > n counts as c = n.
+        assert_eq!(pass_at_k(3, 7, 2), 1.0);
+        // k > n counts as k = n.
+        assert_eq!(pass_at_k(3, 1, 10), 1.0);
+        assert_eq!(pass_at_k(3, 0, 10), 0.0);
+    }
+
+    #[test]
+    fn pass_at_k_equals_the_combinatorial_form_on_a_grid() {
+        for n in 1..=30 {
+            for c in 0..=n {
+                let mut prev = 0.0;
+                for k in 1..=n {
+                    let p = pass_at_k(n, c, k);
+                    let want = pass_at_k_combinatorial(n, c, k);
+                    assert!((p - want).abs() < 1e-9, "n={n} c={c} k={k}: {p} vs {want}");
+                    assert!((0.0..=1.0).contains(&p));
+                    assert!(p >= prev - 1e-12, "not monotone in k at n={n} c={c} k={k}");
+                    prev = p;
+                }
+            }
+        }
+        // Large n stays finite and exact where binomials would overflow f64.
+        let p = pass_at_k(2000, 1, 1000);
+        assert!(close(p, 0.5), "{p}");
+    }
+
+    #[test]
+    fn ks_are_checked_against_the_samples() {
+        assert!(check_ks(&[1, 4, 8], 8, "eval_k", "eval_num_samples").is_ok());
+        // Greedy only: no pass@k, nothing to check.
+        assert!(check_ks(&[4], 0, "eval_k", "eval_num_samples").is_ok());
+        let e = check_ks(&[1, 8], 4, "--k", "--num-samples")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`--k`") && e.contains("pass@8") && e.contains("raise --num-samples to 8"),
+            "{e}"
+        );
+        let e = check_ks(&[0], 4, "eval_k", "eval_num_samples")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`eval_k`"), "{e}");
+    }
+
+    #[test]
+    fn batches_bound_the_completions_sampled_at_once() {
+        assert_eq!(prompts_per_batch(0), 32);
+        assert_eq!(prompts_per_batch(1), 32);
+        assert_eq!(prompts_per_batch(4), 16);
+        assert_eq!(prompts_per_batch(8), 8);
+        assert_eq!(prompts_per_batch(100), 1);
+    }
+
+    #[test]
+    fn correctness_needs_every_accuracy_reward() {
+        assert_eq!(correctness(&[1.0, 0.1], &[0]), Some(true));
+        assert_eq!(correctness(&[0.0, 0.1], &[0]), Some(false));
+        assert_eq!(correctness(&[1.0, 0.0], &[0, 1]), Some(false));
+        assert_eq!(correctness(&[f32::NAN, 1.0], &[0]), None);
+        assert_eq!(correctness(&[1.0], &[]), None);
+    }
+
+    fn names() -> Vec<String> {
+        vec!["correct".into(), "format".into()]
+    }
+
+    #[test]
+    fn tally_averages_pass_at_k_over_prompts() {
+        let mut t = Tally::new(4, vec![1, 2, 4], names());
+        // Prompt A: 1 of 4 correct; prompt B: 4 of 4.
+        let (r1, r0): (&[f32], &[f32]) = (&[1.0, 0.1], &[0.0, 0.0]);
+        let a = [Some(true), Some(false), Some(false), Some(false)];
+        t.add(&a, &[r1, r0, r0, r0], Some((Some(false), r0)));
+        t.add(&[Some(true); 4], &[r1; 4], Some((Some(true), r1)));
+        // A prompt without a reference answer counts in nothing but the prompt count.
+        let nan: &[f32] = &[f32::NAN, 0.0];
+        t.add(&[None; 4], &[nan; 4], Some((None, nan)));
+        let r = t.report();
+        assert_eq!((r.num_prompts, r.num_scored, r.num_samples), (3, 2, 4));
+        let get = |k: &str| r.get(k).unwrap();
+        assert!(close(get("eval/pass@1"), (0.25 + 1.0) / 2.0));
+        // Prompt A: 1 - C(3,2)/C(4,2) = 0.5.
+        assert!(close(get("eval/pass@2"), (0.5 + 1.0) / 2.0));
+        assert!(close(get("eval/pass@4"), 1.0));
+        assert!(close(get("eval/mean_accuracy"), 5.0 / 8.0));
+        assert!(close(get("eval/accuracy"), 0.5));
+        // Over the 8 judged samples (the NaNs are left out).
+        assert!(close(get("eval/reward/correct"), 5.0 / 8.0));
+        assert!((get("eval/reward/format") - 0.5 / 12.0).abs() < 1e-6);
+        let order: Vec<&str> = r.metrics.iter().map(|m| m.0.as_str()).collect();
+        assert_eq!(
+            order,
+            [
+                "eval/pass@1",
+                "eval/pass@2",
+                "eval/pass@4",
+                "eval/mean_accuracy",
+                "eval/accuracy",
+                "eval/reward/correct",
+                "eval/reward/format"
+            ]
+        );
+        let j = r.to_json();
+        assert_eq!(j["num_prompts"], 3);
+        assert!(r.table().contains("eval/pass@2"));
+    }
+
+    #[test]
+    fn greedy_only_means_rewards_over_greedy_completions() {
+        let mut t = Tally::new(0, vec![], names());
+        t.add(&[], &[], Some((Some(true), &[1.0, 0.1])));
+        t.add(&[], &[], Some((Some(false), &[0.0, 0.0])));
+        let r = t.report();
+        assert_eq!(r.get("eval/pass@1"), None);
+        assert_eq!(r.get("eval/mean_accuracy"), None);
+        assert_eq!(r.get("eval/accuracy"), Some(0.5));
+        assert_eq!(r.get("eval/reward/correct"), Some(0.5));
+        // No score at all: the mean is missing (null in JSON), not 0.
+        let mut t = Tally::new(0, vec![], names());
+        t.add(&[], &[], None);
+        let r = t.report();
+        assert!(r.get("eval/reward/correct").unwrap().is_nan());
+        assert!(r.to_json()["eval/reward/correct"].is_null());
+        assert!(r.table().contains("missing"));
+    }
+
+    #[test]
+    fn options_from_the_default_config_validate() {
+        let cfg = TrainConfig::load(None, &[]).unwrap();
+        let o = EvalOptions::from_config(&cfg, vec![2]);
+        o.validate().unwrap();
+        assert_eq!(o.sampling.temperature, cfg.eval_temperature);
+        let bad = EvalOptions {
+            num_samples: 0,
+            greedy: false,
+            ..o.clone()
+        };
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("eval_num_samples"));
+        let bad = EvalOptions {
+            num_samples: 2,
+            ks: vec![4],
+            ..o
+        };
+        assert!(bad.validate().unwrap_err().to_string().contains("eval_k"));
+    }
+}
