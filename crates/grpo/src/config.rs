@@ -1221,11 +1221,43 @@ mod tests {
         assert_eq!(c.scale_rewards, ScaleRewards::None);
         assert_eq!(c.dtype, DTypeOpt::Bf16);
         assert_eq!(c.prompts_per_step(), 4);
-        assert_eq!(
-            c.ignored_keys,
-            vec!["bf16", "gradient_checkpointing", "use_vllm"]
-        );
+        assert_eq!(c.ignored_keys, vec!["bf16", "use_vllm"]);
+        assert!(c.gradient_checkpointing, "a real key now");
         assert_eq!(c.report_to, vec!["none"]);
+        // TRL's PEFT switches map onto lora.*.
+        let p = "use_peft: true
+lora_alpha: 64
+lora_target_modules: [q_proj, k_proj]
+";
+        let c = load(p, Format::Yaml, &[]).unwrap();
+        let l = c.lora.unwrap();
+        assert_eq!((l.r, l.alpha), (16, 64.0));
+        assert_eq!(l.target_modules, vec!["q_proj", "k_proj"]);
+        let c = load(
+            "",
+            Format::Toml,
+            &["--lora.r=8", "--lora.target_modules=q_proj,v_proj"],
+        )
+        .unwrap();
+        let l = c.lora.unwrap();
+        assert_eq!((l.r, l.alpha, l.target_modules.len()), (8, 16.0, 2));
+        assert!(load("", Format::Toml, &[]).unwrap().lora.is_none());
+        // QLoRA without adapters, and LoRA with a synced reference, are refused naming the key.
+        for (o, key) in [
+            (&["--base_quantization=q4_0"][..], "base_quantization"),
+            (
+                &["--lora.r=4", "--sync_ref_model=true"][..],
+                "sync_ref_model",
+            ),
+            (&["--lora.r=4", "--lora.dropout=1.5"][..], "lora.dropout"),
+            (
+                &["--lora.r=4", "--base_quantization=q3_k"][..],
+                "base_quantization",
+            ),
+        ] {
+            let e = load("", Format::Toml, o).unwrap_err().to_string();
+            assert!(e.contains(key), "{o:?}: {e}");
+        }
     }
 
     #[test]
