@@ -13,6 +13,7 @@ mod bench;
 mod common;
 mod config_cmd;
 mod generate;
+mod report_cmd;
 mod rewards_cmd;
 mod train;
 
@@ -44,6 +45,8 @@ enum Command {
     /// Test reward functions on a file of completions (`grpo rewards check`).
     #[command(subcommand)]
     Rewards(rewards_cmd::RewardsCommand),
+    /// Write RUN_DIR/report.html (plots embedded) and RUN_DIR/plots/*.png for a training run.
+    Report(report_cmd::ReportArgs),
     /// Benchmarks (throughput numbers, not tests).
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -71,6 +74,7 @@ fn main() -> ExitCode {
         Command::Config(args) => config_cmd::run(args),
         Command::Generate(args) => generate::run(args),
         Command::Rewards(cmd) => rewards_cmd::run(cmd),
+        Command::Report(args) => report_cmd::run(args),
         Command::Bench(cmd) => bench::run(cmd),
     };
     match result {

@@ -15,6 +15,7 @@
 //! - [`optim`]: AdamW with saveable state, gradient clipping, learning-rate schedules.
 //! - [`metrics`], [`checkpoint`]: metrics.jsonl + TensorBoard, atomic checkpoints in HF layout.
 //! - [`train`]: the training loop.
+//! - [`report`]: `report.html` with PNG plots of a run directory.
 
 pub mod advantages;
 pub mod checkpoint;
@@ -28,6 +29,7 @@ pub mod loss;
 pub mod metrics;
 pub mod models;
 pub mod optim;
+pub mod report;
 pub mod rewards;
 pub mod rollout;
 pub mod sampler;
