@@ -15,6 +15,7 @@ mod config_cmd;
 mod eval_cmd;
 mod export_cmd;
 mod generate;
+mod report_cmd;
 mod rewards_cmd;
 mod train;
 
@@ -50,6 +51,8 @@ enum Command {
     Rewards(rewards_cmd::RewardsCommand),
     /// Write a checkpoint as HF safetensors (`--merge`: LoRA adapters merged into the base).
     Export(export_cmd::ExportArgs),
+    /// Write RUN_DIR/report.html (plots embedded) and RUN_DIR/plots/*.png for a training run.
+    Report(report_cmd::ReportArgs),
     /// Benchmarks (throughput numbers, not tests).
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -79,6 +82,7 @@ fn main() -> ExitCode {
         Command::Eval(args) => eval_cmd::run(args),
         Command::Rewards(cmd) => rewards_cmd::run(cmd),
         Command::Export(args) => export_cmd::run(args),
+        Command::Report(args) => report_cmd::run(args),
         Command::Bench(cmd) => bench::run(cmd),
     };
     match result {

@@ -515,3 +515,55 @@ fn export_merges_lora_adapters_into_hf_weights() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("--base"), "{}", stderr(&o));
 }
+
+#[test]
+fn report_writes_html_and_plots_and_names_a_missing_metrics_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    std::fs::create_dir(&run).unwrap();
+    std::fs::write(
+        run.join("metrics.jsonl"),
+        "{\"step\":0,\"eval/accuracy\":0.2,\"eval/pass@1\":0.2,\"eval/pass@4\":0.5}\n\
+         {\"step\":1,\"reward\":0.5,\"reward_std\":0.2,\"kl\":null,\"loss\":0.1}\n\
+         {\"step\":2,\"reward\":0.7,\"reward_std\":0.1,\"kl\":0.01,\"loss\":0.05,\
+         \"eval/accuracy\":0.4,\"eval/pass@1\":0.4,\"eval/pass@4\":0.7}\n",
+    )
+    .unwrap();
+    std::fs::write(
+        run.join("completions.jsonl"),
+        "{\"step\":1,\"prompt\":\"2+2?\",\"completion\":\"<answer>4</answer>\",\
+         \"stop_reason\":\"eos\",\"rewards\":{\"answer_match\":1.0},\"reward\":1.0,\"advantage\":0.5}\n",
+    )
+    .unwrap();
+    let out = dir.path().join("out");
+    let (r, o) = (run.display().to_string(), out.display().to_string());
+    let res = grpo(&["report", &r, "--out", &o]);
+    assert!(res.status.success(), "{}", stderr(&res));
+    let printed: Vec<PathBuf> = String::from_utf8_lossy(&res.stdout)
+        .lines()
+        .map(PathBuf::from)
+        .collect();
+    assert_eq!(printed[0], out.join("report.html"));
+    for png in ["reward.png", "eval.png", "kl.png", "loss.png"] {
+        assert!(
+            printed.contains(&out.join("plots").join(png)),
+            "{printed:?}"
+        );
+    }
+    for p in &printed {
+        assert!(p.is_file(), "{}", p.display());
+    }
+    let html = std::fs::read_to_string(out.join("report.html")).unwrap();
+    assert!(html.contains("&lt;answer&gt;4&lt;/answer&gt;"));
+    assert!(!run.join("report.html").exists());
+
+    // Not a run directory: the error names the file.
+    let d = dir.path().display().to_string();
+    let res = grpo(&["report", &d]);
+    assert!(!res.status.success());
+    assert!(stderr(&res).contains("metrics.jsonl"), "{}", stderr(&res));
+
+    let res = grpo(&["report", "--help"]);
+    let help = String::from_utf8_lossy(&res.stdout);
+    assert!(help.contains("RUN_DIR") && help.contains("--out"), "{help}");
+}

@@ -18,6 +18,7 @@
 //! - [`metrics`], [`checkpoint`]: metrics.jsonl + TensorBoard, atomic checkpoints in HF layout.
 //! - [`eval`]: held-out evaluation: pass@k, accuracy (greedy and sampled), mean rewards.
 //! - [`train`]: the training loop.
+//! - [`report`]: `report.html` with PNG plots of a run directory.
 
 pub mod advantages;
 pub mod checkpoint;
@@ -34,6 +35,7 @@ pub mod loss;
 pub mod metrics;
 pub mod models;
 pub mod optim;
+pub mod report;
 pub mod rewards;
 pub mod rollout;
 pub mod sampler;

@@ -1074,6 +1074,11 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
         }
     }
     bar.finish_and_clear();
+    // The run report (plots + HTML); a failure here never fails the finished run.
+    match crate::report::write_report(&out_dir) {
+        Ok(r) => tracing::info!("report: {}", r.html.display()),
+        Err(e) => tracing::warn!("no run report: {e}"),
+    }
     Ok(TrainOutcome {
         steps: state.step,
         last_checkpoint: last_ckpt,

@@ -180,6 +180,9 @@ fn resumed_run_equals_uninterrupted_run() {
         assert!(full.join("checkpoint-4").join(f).exists(), "{f}");
     }
     assert!(full.join("completions.jsonl").exists());
+    // The run report is written at the end of training.
+    assert!(full.join("report.html").is_file());
+    assert!(full.join("plots").join("reward.png").is_file());
     assert!(full.join("eval/step-4.jsonl").exists());
     assert!(std::fs::read_dir(full.join("tb")).unwrap().count() >= 1);
 }
