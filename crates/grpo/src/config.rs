@@ -113,6 +113,20 @@ pub struct TaskConfig {
     pub seed: u64,
 }
 
+impl TaskConfig {
+    /// The built-in task generator's parameters.
+    pub fn params(&self) -> crate::data::arithmetic::TaskParams {
+        crate::data::arithmetic::TaskParams {
+            train_size: self.train_size,
+            eval_size: self.eval_size,
+            min_operand: self.min_operand,
+            max_operand: self.max_operand,
+            ops: self.ops.iter().filter_map(|s| s.chars().next()).collect(),
+            seed: self.seed,
+        }
+    }
+}
+
 /// The validated training configuration. Field docs are in [`reference`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct TrainConfig {

@@ -489,16 +489,7 @@ pub fn held_out_examples(cfg: &TrainConfig) -> Result<Vec<Example>> {
     if let Some(p) = &cfg.eval_file {
         return load_examples(cfg, p);
     }
-    let t = &cfg.task;
-    let params = data::arithmetic::TaskParams {
-        train_size: t.train_size,
-        eval_size: t.eval_size,
-        min_operand: t.min_operand,
-        max_operand: t.max_operand,
-        ops: t.ops.iter().filter_map(|s| s.chars().next()).collect(),
-        seed: t.seed,
-    };
-    Ok(data::arithmetic::make_task(&params)?.1)
+    Ok(data::arithmetic::make_task(&cfg.task.params())?.1)
 }
 
 /// Rows of a prompt file, read with the config's `prompt_field`, `answer_field` and

@@ -98,18 +98,7 @@ fn load_datasets(cfg: &TrainConfig, device: &Device) -> Result<Datasets> {
     };
     let (train, mut eval) = match &cfg.train_file {
         Some(p) => (load(p)?, vec![]),
-        None => {
-            let t = &cfg.task;
-            let params = data::arithmetic::TaskParams {
-                train_size: t.train_size,
-                eval_size: t.eval_size,
-                min_operand: t.min_operand,
-                max_operand: t.max_operand,
-                ops: t.ops.iter().filter_map(|s| s.chars().next()).collect(),
-                seed: t.seed,
-            };
-            data::arithmetic::make_task(&params)?
-        }
+        None => data::arithmetic::make_task(&cfg.task.params())?,
     };
     if let Some(p) = &cfg.eval_file {
         eval = load(p)?;

@@ -96,22 +96,32 @@ fn load_case(case: &str, base: &str) -> Case {
     }
 }
 
+/// The adapter tensors as `Var`s, and adapters over them (tracked: gradients reach the vars).
+fn tracked_adapters(
+    a: &lora::LoadedAdapter,
+) -> (
+    Vec<(String, Var)>,
+    HashMap<String, grpo::models::LoraAdapter>,
+) {
+    let vars: Vec<(String, Var)> = a
+        .tensors
+        .iter()
+        .map(|(n, t)| (n.clone(), Var::from_tensor(t).unwrap()))
+        .collect();
+    let tracked: Vec<(String, Tensor)> = vars
+        .iter()
+        .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+        .collect();
+    let adapters = lora::adapters(&tracked, &a.config, None).unwrap();
+    (vars, adapters)
+}
+
 #[test]
 fn forward_and_adapter_gradients_match_peft() {
     for &(case, base) in CASES {
         let c = load_case(case, base);
-        let vars: Vec<(String, Var)> = c
-            .adapter
-            .tensors
-            .iter()
-            .map(|(n, t)| (n.clone(), Var::from_tensor(t).unwrap()))
-            .collect();
-        let tracked: Vec<(String, Tensor)> = vars
-            .iter()
-            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
-            .collect();
+        let (vars, adapters) = tracked_adapters(&c.adapter);
         let mut model = c.base.build().unwrap();
-        let adapters = lora::adapters(&tracked, &c.adapter.config, None).unwrap();
         assert_eq!(model.set_lora(&adapters).unwrap(), adapters.len());
         let (loss, logits) = loss_and_logits(&model, &c.ids, Mode::Train);
         let want_loss = c.expected["loss"].to_vec1::<f32>().unwrap()[0];
@@ -288,19 +298,9 @@ fn qlora_gradients_match_the_dequantized_base() {
         }
         let deq = CausalLm::from_tensors(&c.base.config, deq, DType::F32, &dev).unwrap();
         let grads_of = |base: &CausalLm| {
-            let vars: Vec<(String, Var)> = c
-                .adapter
-                .tensors
-                .iter()
-                .map(|(n, t)| (n.clone(), Var::from_tensor(t).unwrap()))
-                .collect();
-            let tracked: Vec<(String, Tensor)> = vars
-                .iter()
-                .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
-                .collect();
+            let (vars, adapters) = tracked_adapters(&c.adapter);
             let mut m = base.clone();
-            m.set_lora(&lora::adapters(&tracked, &c.adapter.config, None).unwrap())
-                .unwrap();
+            m.set_lora(&adapters).unwrap();
             let (loss, _) = loss_and_logits(&m, &c.ids, Mode::Train);
             let g = loss.backward().unwrap();
             vars.iter()
