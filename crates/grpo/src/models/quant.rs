@@ -307,7 +307,7 @@ mod tests {
                     .to_scalar::<f32>()
                     .unwrap();
                 // The few-row path quantizes x to 8 bits as well (candle's kernel).
-                let tol = if rows <= QUANT_KERNEL_MAX_ROWS {
+                let tol = if rows <= kernel_max_rows(kind) {
                     5e-2
                 } else {
                     1e-5
