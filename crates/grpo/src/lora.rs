@@ -19,9 +19,12 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 use serde_json::json;
 
 use crate::models::{Arch, CausalLm, LoraAdapter, LoraDropout, ModelConfig};
+use crate::sampler::mix_seed;
 use crate::{Error, Result};
 
 /// PEFT's key prefix for a causal LM (`PeftModelForCausalLM.base_model.model`).
@@ -179,20 +182,12 @@ pub fn init_weights(
     seed: u64,
     device: &Device,
 ) -> Result<Vec<(String, Tensor)>> {
-    let mut rng = seed ^ 0x4c6f_5241; // "LoRA"
+    let mut rng = ChaCha8Rng::seed_from_u64(mix_seed(seed, 0x4c6f_5241)); // "LoRA"
     let mut out = Vec::new();
     for (module, i, o) in targeted(model, cfg)? {
-        let bound = 1.0 / (i as f64).sqrt();
+        let bound = 1.0 / (i as f32).sqrt();
         let a: Vec<f32> = (0..cfg.r * i)
-            .map(|_| {
-                rng = rng.wrapping_add(0x9E37_79B9_7F4A_7C15);
-                let mut z = rng;
-                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-                z ^= z >> 31;
-                let u = (z >> 11) as f64 / (1u64 << 53) as f64; // [0, 1)
-                ((2.0 * u - 1.0) * bound) as f32
-            })
+            .map(|_| rng.random_range(-bound..bound))
             .collect();
         out.push((a_key(&module), Tensor::from_vec(a, (cfg.r, i), device)?));
         out.push((

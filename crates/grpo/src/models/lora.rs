@@ -8,6 +8,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use candle_core::{DType, Result, Tensor};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::sampler::mix_seed;
 
 /// Inverted dropout on the adapter's input, seeded: the mask is a function of (seed, clock)
 /// only, where `clock` is shared by all adapters of a model and advanced by the trainer once per
@@ -24,14 +28,6 @@ impl LoraDropout {
     pub fn new(p: f32, seed: u64, clock: Arc<AtomicU64>) -> Self {
         Self { p, seed, clock }
     }
-}
-
-/// SplitMix64: a tiny counter-based generator for dropout masks.
-fn splitmix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 #[derive(Debug, Clone)]
@@ -85,17 +81,10 @@ impl LoraAdapter {
         let mut x2 = x.reshape((rows, i))?.to_dtype(DType::F32)?; // [N, in]
         if let Some(d) = &self.dropout {
             let tick = d.clock.load(Ordering::Relaxed);
-            let base = splitmix(d.seed ^ splitmix(tick));
+            let mut rng = ChaCha8Rng::seed_from_u64(mix_seed(d.seed, tick));
             let keep = 1.0 / (1.0 - d.p);
-            let threshold = (d.p as f64 * u64::MAX as f64) as u64;
             let mask: Vec<f32> = (0..rows * i)
-                .map(|j| {
-                    if splitmix(base.wrapping_add(j as u64)) < threshold {
-                        0.0
-                    } else {
-                        keep
-                    }
-                })
+                .map(|_| if rng.random::<f32>() < d.p { 0.0 } else { keep })
                 .collect();
             x2 = (x2 * Tensor::from_vec(mask, (rows, i), x.device())?)?;
         }

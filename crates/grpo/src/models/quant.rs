@@ -173,6 +173,12 @@ impl QuantProj {
     /// The weight dequantized, [out, in] f32 (rows in parallel).
     pub fn dequantize(&self) -> Result<Tensor> {
         let (o, i) = self.dims()?;
+        Tensor::from_vec(self.dequantize_vec()?, (o, i), &Device::Cpu)
+    }
+
+    /// The weight dequantized into a plain buffer, [out, in] row-major.
+    fn dequantize_vec(&self) -> Result<Vec<f32>> {
+        let (o, i) = self.dims()?;
         let data = self.w.data()?;
         let mut out = vec![0f32; o * i];
         let done = match self.kind {
@@ -180,10 +186,10 @@ impl QuantProj {
             QuantType::Q4_1 => dequantize_rows::<BlockQ4_1>(&data, &mut out, i)?,
             QuantType::Q8_0 => dequantize_rows::<BlockQ8_0>(&data, &mut out, i)?,
         };
-        if !done {
-            return self.w.dequantize(&Device::Cpu);
+        if done {
+            return Ok(out);
         }
-        Tensor::from_vec(out, (o, i), &Device::Cpu)
+        self.w.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1()
     }
 
     /// `x` [N, in] -> [N, out] through candle's quantized kernel (benchmarks; no backward).
@@ -211,10 +217,6 @@ impl QuantProj {
     }
 }
 
-fn f32_data(t: &Tensor) -> Result<Vec<f32>> {
-    t.flatten_all()?.to_vec1::<f32>()
-}
-
 impl CustomOp1 for QuantProj {
     fn name(&self) -> &'static str {
         "quant-proj"
@@ -233,7 +235,7 @@ impl CustomOp1 for QuantProj {
             candle_core::bail!("quantized projection: f32 input only");
         };
         let x = &xs[x0..x1];
-        let w = f32_data(&self.dequantize()?)?; // [o, k]
+        let w = self.dequantize_vec()?; // [o, k]
         let mut y = vec![0f32; n * o];
         // SAFETY: y is [n, o], x is [n, k], w is [o, k], all contiguous and sized as stated.
         unsafe {
