@@ -43,6 +43,10 @@ pub struct GenBenchArgs {
     /// of the CPUs.
     #[arg(long, default_value_t = 0.05)]
     pub quiet_threshold: f64,
+    /// Keep candle's GEMM for the projections (do not pack weights for the decoding kernel),
+    /// to compare the two.
+    #[arg(long)]
+    pub no_pack: bool,
 }
 
 #[derive(Args, Debug)]
@@ -139,7 +143,10 @@ fn bench_generate(a: GenBenchArgs) -> Result<()> {
     let specs = read_prompts_jsonl(&a.prompts)?;
     let loaded = a.model.load()?;
     let tok = loaded.tokenizer()?;
-    let model = loaded.build()?;
+    let mut model = loaded.build()?;
+    if !a.no_pack {
+        model.pack_for_decoding()?;
+    }
     let threads = std::env::var("RAYON_NUM_THREADS").ok();
     for shape in a.shapes.split(',') {
         let Some((p, g)) = shape.split_once('x') else {

@@ -93,16 +93,19 @@ impl ModelArgs {
             .is_some_and(|m| grpo::lora::is_adapter_dir(std::path::Path::new(m)));
         if !is_adapter {
             let m = self.load()?;
-            return Ok((m.build()?, m));
+            let mut model = m.build()?;
+            model.pack_for_decoding()?;
+            return Ok((model, m));
         }
         self.init_threads();
-        let (model, base) = grpo::export::load_for_inference(
+        let (mut model, base) = grpo::export::load_for_inference(
             self.model.as_deref(),
             None,
             self.dtype()?,
             &self.device()?,
         )?;
         tracing::info!("loaded LoRA adapters over {}", base.origin.display());
+        model.pack_for_decoding()?;
         Ok((model, base))
     }
 }

@@ -56,7 +56,7 @@ impl Advantages {
 /// NaN entries are skipped; a row with only NaN stays NaN (unscorable).
 pub fn combine_rewards(per_func: &[f32], weights: &[f32]) -> Result<Vec<f32>> {
     let f = weights.len();
-    if f == 0 || per_func.len() % f != 0 {
+    if f == 0 || !per_func.len().is_multiple_of(f) {
         return Err(Error::Generate(format!(
             "rewards: {} scores is not a multiple of {} reward functions",
             per_func.len(),
@@ -118,7 +118,7 @@ pub fn group_advantages(
     group_size: usize,
     opts: &AdvantageOptions,
 ) -> Result<Advantages> {
-    if group_size == 0 || rewards.len() % group_size != 0 {
+    if group_size == 0 || !rewards.len().is_multiple_of(group_size) {
         return Err(Error::Generate(format!(
             "advantages: {} rewards do not form whole groups of {group_size}",
             rewards.len()
@@ -176,7 +176,7 @@ pub fn decoupled_advantages(
     group_size: usize,
 ) -> Result<Advantages> {
     let f = weights.len();
-    if f == 0 || group_size == 0 || per_func.len() % (f * group_size) != 0 {
+    if f == 0 || group_size == 0 || !per_func.len().is_multiple_of(f * group_size) {
         return Err(Error::Generate(format!(
             "advantages: {} scores do not form whole groups of {group_size} x {f} reward functions",
             per_func.len()

@@ -534,7 +534,8 @@ pub fn load_inference_model(
     dtype: DType,
     device: &Device,
 ) -> Result<(CausalLm, Tokenizer, Vec<u32>)> {
-    let (model, mut loaded) = crate::export::load_for_inference(spec, base, dtype, device)?;
+    let (mut model, mut loaded) = crate::export::load_for_inference(spec, base, dtype, device)?;
+    model.pack_for_decoding()?;
     loaded.tokenizer()?;
     let tok = loaded
         .tokenizer

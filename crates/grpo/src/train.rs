@@ -572,7 +572,8 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
     let mut rounds_this_run = 0u64;
     let mut interrupted = false;
     if cfg.eval_steps > 0 && !ds.eval.is_empty() && state.step == 0 {
-        let model = policy.build()?;
+        let mut model = policy.build()?;
+        model.pack_for_decoding()?;
         let ev = evaluate(cfg, &model, &tok, &ds, &sampling, 0, &mut metrics)?;
         let acc = ev
             .iter()
@@ -595,7 +596,9 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
         // 1. Rollout with the current policy; rewards that allow it score each group on a
         //    second thread as soon as the group has finished sampling.
         let t0 = Instant::now();
-        let sampler_model = policy.build()?;
+        // Detached and packed for the decoding GEMM (see `models::packed`).
+        let mut sampler_model = policy.build()?;
+        sampler_model.pack_for_decoding()?;
         let batch_idx = state.order.next_batch(p);
         let prompt_ids: Vec<Vec<u32>> = batch_idx.iter().map(|&i| train_ids[i].clone()).collect();
         let seeds: Vec<u64> = (0..p)
@@ -820,7 +823,7 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
         rounds_this_run += 1;
 
         // Reference sync (TRL: ref = alpha * policy + (1 - alpha) * ref every N steps).
-        if cfg.sync_ref_model && state.step % cfg.ref_model_sync_steps as u64 == 0 {
+        if cfg.sync_ref_model && state.step.is_multiple_of(cfg.ref_model_sync_steps as u64) {
             if let Some(rt) = ref_tensors.as_mut() {
                 let a = cfg.ref_model_mixup_alpha;
                 for (n, v) in names.iter().zip(&policy.vars) {
@@ -967,9 +970,10 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
         // 7. Periodic eval.
         if cfg.eval_steps > 0
             && !ds.eval.is_empty()
-            && (state.step % cfg.eval_steps as u64 == 0 || state.step >= total_steps)
+            && (state.step.is_multiple_of(cfg.eval_steps as u64) || state.step >= total_steps)
         {
-            let model = policy.build()?;
+            let mut model = policy.build()?;
+            model.pack_for_decoding()?;
             let t0 = Instant::now();
             let ev = evaluate(cfg, &model, &tok, &ds, &sampling, state.step, &mut metrics)?;
             push(&mut m, "time/eval", t0.elapsed().as_secs_f64());
@@ -977,7 +981,7 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
             last_eval = Some(ev);
         }
         if cfg.logging_steps > 0
-            && (state.step % cfg.logging_steps as u64 == 0 || state.step >= total_steps)
+            && (state.step.is_multiple_of(cfg.logging_steps as u64) || state.step >= total_steps)
         {
             metrics.log(state.step, &m)?;
             let get = |k: &str| m.iter().find(|(n, _)| n == k).map_or(f64::NAN, |x| x.1);
@@ -1000,7 +1004,10 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
             say(&bar, line);
         }
         if cfg.log_completions
-            && (state.round % cfg.log_completions_steps.max(1) as u64 == 0 || state.round == 1)
+            && (state
+                .round
+                .is_multiple_of(cfg.log_completions_steps.max(1) as u64)
+                || state.round == 1)
         {
             for (i, e) in episodes.iter().enumerate() {
                 metrics.log_json(

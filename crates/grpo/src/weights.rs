@@ -295,7 +295,7 @@ pub fn hf_name(arch: Arch, gguf: &str) -> Option<(String, bool)> {
 pub fn unpermute_qk(t: &Tensor, heads: usize) -> Result<Tensor> {
     let dims = t.dims().to_vec();
     let rows = dims[0];
-    if heads == 0 || rows % (2 * heads) != 0 {
+    if heads == 0 || !rows.is_multiple_of(2 * heads) {
         return Err(Error::Model(format!(
             "cannot un-permute a tensor of shape {dims:?} for {heads} heads"
         )));
@@ -311,7 +311,7 @@ pub fn unpermute_qk(t: &Tensor, heads: usize) -> Result<Tensor> {
 /// The row order that undoes llama.cpp's Q/K permutation (see [`unpermute_qk`]): row `r` of
 /// the HF weight is row `order[r]` of the GGUF one.
 pub fn unpermute_order(rows: usize, heads: usize) -> Result<Vec<usize>> {
-    if heads == 0 || rows % (2 * heads) != 0 {
+    if heads == 0 || !rows.is_multiple_of(2 * heads) {
         return Err(Error::Model(format!(
             "cannot un-permute {rows} rows for {heads} heads"
         )));

@@ -61,14 +61,32 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
+/// The model with its projections and LM head packed for the decoding GEMM, where the kernel
+/// runs (AVX-512); elsewhere packing is a no-op.
+fn packed_model(m: &LoadedModel) -> CausalLm {
+    let mut model = m.build().unwrap();
+    let n = model.pack_for_decoding().unwrap();
+    match grpo::models::packed::PackedWeight::available() {
+        true => assert!(n > 4, "only {n} weights packed"),
+        false => assert_eq!(n, 0),
+    }
+    model
+}
+
 #[test]
 fn logits_and_logprobs_match_transformers() {
     for name in ARCHS {
         let (m, exp) = load(name, DType::F32);
         let model = m.build().unwrap();
+        let packed = packed_model(&m);
         let ids = ids2(&exp["input_ids"]);
         let batch = SeqBatch::right_padded(&ids, 0, &Device::Cpu).unwrap();
-        for mode in [Mode::Train, Mode::Infer] {
+        // The packed decoding model ([`CausalLm::pack_for_decoding`]) has the inference forward.
+        for (model, mode) in [
+            (&model, Mode::Train),
+            (&model, Mode::Infer),
+            (&packed, Mode::Infer),
+        ] {
             let h = model.forward_hidden(&batch, mode).unwrap();
             let logits = model.logits(&h).unwrap().to_vec3::<f32>().unwrap();
             let want: Vec<&Value> = exp["logits"].as_array().unwrap().iter().collect();
@@ -127,9 +145,12 @@ fn left_padded_batch_with_positions_matches_transformers() {
 
 #[test]
 fn cached_greedy_decoding_matches_transformers_and_is_batch_independent() {
-    for name in ARCHS {
+    for (name, packed) in ARCHS.iter().flat_map(|&n| [(n, false), (n, true)]) {
         let (m, exp) = load(name, DType::F32);
-        let model = m.build().unwrap();
+        let model = match packed {
+            true => packed_model(&m),
+            false => m.build().unwrap(),
+        };
         let g = &exp["greedy"];
         let prompt: Vec<u32> = ids2(&Value::Array(vec![g["prompt_ids"].clone()])).remove(0);
         let want: Vec<u32> = ids2(&Value::Array(vec![g["new_tokens"].clone()])).remove(0);

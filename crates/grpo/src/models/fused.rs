@@ -107,6 +107,18 @@ fn layout_rows(l: &Layout) -> Result<Rows> {
     }
 }
 
+/// `x.exp()`, with the exact result 0 for `x < -104` (where `e^x` rounds to 0 in f32) computed
+/// without calling `exp`: masked attention slots (about -1e30) would otherwise each take libm's
+/// slow underflow path, which sets `errno`.
+#[inline]
+pub(crate) fn exp_or_zero(x: f32) -> f32 {
+    if x < -104.0 {
+        0.0
+    } else {
+        x.exp()
+    }
+}
+
 /// Sum of `a[i] * b[i]` with 8 accumulators (vectorizes).
 #[inline]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -236,7 +248,7 @@ impl MaskedSoftmaxOp {
     /// (rows of a batch entry, mask rows view) for `scores` [B, Hkv, R, Tk], `mask` [B, 1, S, Tk].
     fn geometry(&self, scores: &Layout) -> Result<(usize, usize)> {
         let d = scores.dims();
-        if d.len() != 4 || self.s == 0 || d[2] % self.s != 0 {
+        if d.len() != 4 || self.s == 0 || !d[2].is_multiple_of(self.s) {
             bail!("fused softmax: scores {:?} do not fit S = {}", d, self.s);
         }
         Ok((d[1] * d[2], d[2]))
@@ -278,7 +290,7 @@ impl CustomOp2 for MaskedSoftmaxOp {
                 }
                 let mut sum = 0f32;
                 for v in o.iter_mut() {
-                    *v = (*v - max).exp();
+                    *v = exp_or_zero(*v - max);
                     sum += *v;
                 }
                 let inv = 1.0 / sum;
@@ -488,7 +500,7 @@ impl CustomOp1 for RopeOp {
 /// fine) with tables `cos`/`sin` [B, T, D/2]; returns [B, H, T, D] contiguous, ready for attention.
 pub fn rope_heads(x: &Tensor, cos: &Tensor, sin: &Tensor, heads: usize) -> Result<Tensor> {
     let (b, t, hd) = x.dims3()?;
-    if heads == 0 || hd % heads != 0 || (hd / heads) % 2 != 0 {
+    if heads == 0 || hd % heads != 0 || !(hd / heads).is_multiple_of(2) {
         bail!("rope: {hd} features do not split into {heads} heads of even size");
     }
     let op = RopeOp {
@@ -627,6 +639,18 @@ mod tests {
     use super::*;
     use crate::models::layers::{apply_rope, rms_norm_diff, Mode};
     use candle_core::{Device, Var, D};
+
+    #[test]
+    fn exp_or_zero_is_exp_bit_for_bit() {
+        let mut x = -120.0f32;
+        while x < 5.0 {
+            assert_eq!(exp_or_zero(x).to_bits(), x.exp().to_bits(), "{x}");
+            x += 0.0137;
+        }
+        for x in [-1e30f32, -1e4, -104.0, -103.99, f32::NEG_INFINITY] {
+            assert_eq!(exp_or_zero(x).to_bits(), x.exp().to_bits(), "{x}");
+        }
+    }
 
     fn max_abs(t: &Tensor) -> f32 {
         t.abs()

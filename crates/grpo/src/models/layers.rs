@@ -9,6 +9,7 @@ use candle_nn::VarBuilder;
 use super::config::{Llama3RopeScaling, ModelConfig};
 use super::grad_sink::{GradSink, SinkProj};
 use super::lora::LoraAdapter;
+use super::packed::PackedWeight;
 use super::quant::{QuantProj, QuantType};
 
 /// Which kernels a forward pass uses.
@@ -55,6 +56,8 @@ enum Base {
     Dense(Tensor),
     /// Frozen and quantized (QLoRA).
     Quant(QuantProj),
+    /// Detached, in the decoding GEMM's panels ([`Linear::pack`]); forward only.
+    Packed(std::sync::Arc<PackedWeight>),
 }
 
 impl Linear {
@@ -88,6 +91,7 @@ impl Linear {
         match &self.base {
             Base::Dense(wt) => wt.t(),
             Base::Quant(q) => q.dequantize(),
+            Base::Packed(p) => p.to_in_out()?.t(),
         }
     }
     /// (in, out)
@@ -95,6 +99,7 @@ impl Linear {
         match &self.base {
             Base::Dense(wt) => wt.dims2(),
             Base::Quant(q) => q.dims().map(|(o, i)| (i, o)),
+            Base::Packed(p) => Ok(p.dims()),
         }
     }
     /// Sends the weight's gradient to `sink` from now on, when the sink holds its parameter.
@@ -126,8 +131,10 @@ impl Linear {
         if self.param.is_some() {
             candle_core::bail!("cannot merge into a trainable weight");
         }
-        let Base::Dense(wt) = &self.base else {
-            return Ok(false);
+        let wt = match &self.base {
+            Base::Dense(wt) => wt,
+            Base::Quant(_) => return Ok(false),
+            Base::Packed(_) => candle_core::bail!("merge adapters before packing for decoding"),
         };
         let merged = (wt + delta.t()?.to_dtype(wt.dtype())?)?.contiguous()?; // [in, out]
         self.base = Base::Dense(merged);
@@ -160,7 +167,26 @@ impl Linear {
     pub fn quantized(&self) -> Option<&QuantProj> {
         match &self.base {
             Base::Quant(q) => Some(q),
-            Base::Dense(_) => None,
+            Base::Dense(_) | Base::Packed(_) => None,
+        }
+    }
+
+    /// Repacks a detached f32 CPU weight into the decoding GEMM's panels (see [`PackedWeight`]),
+    /// where that kernel is available; the dense copy is dropped. Returns whether it did. The
+    /// projection then has a forward only: for sampling and scoring models.
+    pub fn pack(&mut self) -> Result<bool> {
+        match &self.base {
+            Base::Dense(wt)
+                if self.param.is_none()
+                    && self.sink.is_none()
+                    && wt.device().is_cpu()
+                    && wt.dtype() == DType::F32
+                    && PackedWeight::available() =>
+            {
+                self.base = Base::Packed(std::sync::Arc::new(PackedWeight::from_in_out(wt)?));
+                Ok(true)
+            }
+            _ => Ok(false),
         }
     }
 
@@ -169,6 +195,7 @@ impl Linear {
         let y = match (&self.sink, &self.base) {
             (Some(op), _) => op.forward(x)?, // [.., out]
             (None, Base::Quant(q)) => q.forward(x)?,
+            (None, Base::Packed(p)) => p.forward(x)?,
             (None, Base::Dense(wt)) => {
                 // A frozen weight under a graph (LoRA training, earlier layers' adapters):
                 // the input's gradient only.
@@ -213,7 +240,7 @@ impl Module for Linear {
 fn d_device(l: &Linear) -> Result<&Device> {
     Ok(match &l.base {
         Base::Dense(w) => w.device(),
-        Base::Quant(_) => &Device::Cpu,
+        Base::Quant(_) | Base::Packed(_) => &Device::Cpu,
     })
 }
 
@@ -334,6 +361,14 @@ impl FusedLinear {
         match &mut self.joined {
             Some(j) => j.set_quantized(q),
             None => candle_core::bail!("a trainable weight cannot be quantized"),
+        }
+    }
+
+    /// Packs the frozen joined weight for decoding ([`Linear::pack`]); returns whether it did.
+    pub fn pack(&mut self) -> Result<bool> {
+        match &mut self.joined {
+            Some(j) => j.pack(),
+            None => Ok(false),
         }
     }
 
@@ -836,12 +871,12 @@ pub fn decode_attention_cpu(
         let p0 = pad[bi].min(tk);
         let n = tk - p0;
         let mut scores = vec![0f32; g * n];
+        let qg = &qd[(bi * h + j * g) * d..(bi * h + (j + 1) * g) * d];
         for t in 0..n {
             let ko = bi * sb + j * sh + (p0 + t) * stt;
             let krow = &kd[ko..ko + d];
             for i in 0..g {
-                let qo = (bi * h + j * g + i) * d;
-                scores[i * n + t] = dot(&qd[qo..qo + d], krow) * scale;
+                scores[i * n + t] = dot(&qg[i * d..(i + 1) * d], krow) * scale;
             }
         }
         for i in 0..g {

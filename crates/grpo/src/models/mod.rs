@@ -19,6 +19,7 @@ pub mod grad_sink;
 pub mod layers;
 pub mod llama;
 pub mod lora;
+pub mod packed;
 pub mod quant;
 mod seq_cls;
 
@@ -52,6 +53,8 @@ pub struct CausalLm {
     head: Option<grad_sink::SinkProj>,
     /// Per-block activation checkpointing of training forwards, when set.
     ckpt: Option<std::sync::Arc<checkpointing::CheckpointGrads>>,
+    /// The LM head in the decoding GEMM's panels ([`Self::pack_for_decoding`]).
+    head_packed: Option<std::sync::Arc<packed::PackedWeight>>,
 }
 
 impl CausalLm {
@@ -86,6 +89,7 @@ impl CausalLm {
             device,
             head: None,
             ckpt: None,
+            head_packed: None,
         })
     }
 
@@ -236,6 +240,31 @@ impl CausalLm {
         Ok(n)
     }
 
+    /// Repacks every detached f32 projection and the LM head into the decoding GEMM's panels
+    /// ([`packed`]), which multiply the few rows of a decoding step 1.5-3x faster than candle's
+    /// GEMM. For sampling and scoring models only: packed projections have no backward, and
+    /// their dense copies are dropped. A no-op where the kernel is unavailable (no AVX-512, not
+    /// f32 on the CPU). Returns how many weights were packed.
+    pub fn pack_for_decoding(&mut self) -> Result<usize> {
+        let err = |e: candle_core::Error| Error::Model(format!("cannot pack for decoding: {e}"));
+        let mut n = 0;
+        for (_, p) in self.projections_mut() {
+            let packed = match p {
+                ProjMut::Single(l) => l.pack(),
+                ProjMut::Fused(f) => f.pack(),
+            };
+            n += usize::from(packed.map_err(err)?);
+        }
+        let w = self.lm_head();
+        if n > 0 && self.head.is_none() && !w.track_op() {
+            self.head_packed = Some(std::sync::Arc::new(
+                packed::PackedWeight::from_out_in(w).map_err(err)?,
+            ));
+            n += 1;
+        }
+        Ok(n)
+    }
+
     /// Bytes held by quantized projection weights.
     pub fn quantized_bytes(&self) -> usize {
         let mut m = self.clone();
@@ -326,6 +355,9 @@ impl CausalLm {
         if let Some(p) = &self.head {
             return Ok(p.forward(h)?);
         }
+        if let (Some(p), false) = (&self.head_packed, h.track_op()) {
+            return Ok(p.forward(h)?);
+        }
         // A frozen head under a graph (LoRA): the input's gradient only, no [vocab, hidden] one.
         if !w.track_op() && h.track_op() {
             if let Some(p) = grad_sink::SinkProj::frozen(&[w])? {
@@ -340,7 +372,10 @@ impl CausalLm {
         let dims = hidden.dims();
         let h = dims[dims.len() - 1];
         let n = hidden.elem_count() / h;
-        let logits = hidden.reshape((n, h))?.matmul(&self.lm_head().t()?)?; // [N, V]
+        let logits = match (&self.head_packed, hidden.track_op()) {
+            (Some(p), false) => p.forward(&hidden.reshape((n, h))?)?,
+            _ => hidden.reshape((n, h))?.matmul(&self.lm_head().t()?)?,
+        }; // [N, V]
         let mut shape = dims.to_vec();
         *shape.last_mut().expect("non-empty dims") = self.lm_head().dim(0)?;
         let logits = logits.reshape(shape)?;

@@ -63,7 +63,9 @@ fn kernel_max_rows(kind: QuantType) -> usize {
 /// Dequantizes `bytes` (whole rows of `T` blocks) into `out` on rayon's threads.
 fn dequantize_rows<T: GgmlType>(bytes: &[u8], out: &mut [f32], row_len: usize) -> Result<bool> {
     let size = std::mem::size_of::<T>();
-    if bytes.as_ptr().align_offset(std::mem::align_of::<T>()) != 0 || bytes.len() % size != 0 {
+    if bytes.as_ptr().align_offset(std::mem::align_of::<T>()) != 0
+        || !bytes.len().is_multiple_of(size)
+    {
         return Ok(false);
     }
     let row_bytes = row_len / T::BLCK_SIZE * size;

@@ -62,7 +62,8 @@ impl Judge {
         let source = hub::resolve_model(t.opt_str("model")?)?;
         let loaded = load_model(&source, DType::F32, device)?;
         let tok = loaded.tokenizer()?.clone();
-        let model = loaded.build()?;
+        let mut model = loaded.build()?;
+        model.pack_for_decoding()?;
         let chat = t.bool("chat", tok.has_chat_template())?;
         if chat && !tok.has_chat_template() {
             return Err(t.err(
