@@ -299,7 +299,7 @@ const KEYS: &[KeyDoc] = keys! {
         "warmup_ratio": "float" = "0.0", "share of steps spent warming up";
         "warmup_steps": "int" = "0", "warm-up steps (wins over warmup_ratio when > 0)";
         "max_consecutive_nonfinite": "int" = "3", "stop after this many skipped non-finite steps in a row";
-        "gradient_checkpointing": "bool" = "false", "keep only each block's input during the forward and recompute the block in the backward (less memory, one more forward)";
+        "gradient_checkpointing": "bool" = "false", "keep only each block's input during the forward and recompute the block in the backward (less memory, one more forward); sampling then also skips the packed copy of the weights for the decoding GEMM (slower generation, lower peak with LoRA)";
     }
     "lora" {
         "lora.r": "int" = "0", "LoRA rank: train adapters on a frozen base (0: full fine-tuning; TRL: lora_r)";

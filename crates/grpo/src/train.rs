@@ -147,6 +147,17 @@ impl Policy {
         self.build_with(false, None)
     }
 
+    /// [`Self::build`], packed for the decoding GEMM (`models::packed`) unless `save_memory`
+    /// (gradient checkpointing asked for): with LoRA the packed copy of the whole base (the size of
+    /// the f32 model) would then set the run's peak memory.
+    fn build_for_sampling(&self, save_memory: bool) -> Result<CausalLm> {
+        let mut m = self.build()?;
+        if !save_memory {
+            m.pack_for_decoding()?;
+        }
+        Ok(m)
+    }
+
     /// A differentiable model over the current parameters. LoRA dropout masks are drawn from
     /// `dropout_seed` and the returned clock, which the caller advances once per forward pass.
     fn build_train(&self, dropout_seed: u64) -> Result<(CausalLm, Arc<AtomicU64>)> {
@@ -572,8 +583,7 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
     let mut rounds_this_run = 0u64;
     let mut interrupted = false;
     if cfg.eval_steps > 0 && !ds.eval.is_empty() && state.step == 0 {
-        let mut model = policy.build()?;
-        model.pack_for_decoding()?;
+        let model = policy.build_for_sampling(cfg.gradient_checkpointing)?;
         let ev = evaluate(cfg, &model, &tok, &ds, &sampling, 0, &mut metrics)?;
         let acc = ev
             .iter()
@@ -596,9 +606,7 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
         // 1. Rollout with the current policy; rewards that allow it score each group on a
         //    second thread as soon as the group has finished sampling.
         let t0 = Instant::now();
-        // Detached and packed for the decoding GEMM (see `models::packed`).
-        let mut sampler_model = policy.build()?;
-        sampler_model.pack_for_decoding()?;
+        let sampler_model = policy.build_for_sampling(cfg.gradient_checkpointing)?;
         let batch_idx = state.order.next_batch(p);
         let prompt_ids: Vec<Vec<u32>> = batch_idx.iter().map(|&i| train_ids[i].clone()).collect();
         let seeds: Vec<u64> = (0..p)
@@ -972,8 +980,7 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
             && !ds.eval.is_empty()
             && (state.step.is_multiple_of(cfg.eval_steps as u64) || state.step >= total_steps)
         {
-            let mut model = policy.build()?;
-            model.pack_for_decoding()?;
+            let model = policy.build_for_sampling(cfg.gradient_checkpointing)?;
             let t0 = Instant::now();
             let ev = evaluate(cfg, &model, &tok, &ds, &sampling, state.step, &mut metrics)?;
             push(&mut m, "time/eval", t0.elapsed().as_secs_f64());
