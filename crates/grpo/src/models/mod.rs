@@ -370,14 +370,18 @@ impl CausalLm {
     /// LM head: hidden [..., H] -> logits [..., V] (f32; f64 stays f64).
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         let dims = hidden.dims();
-        let h = dims[dims.len() - 1];
-        let n = hidden.elem_count() / h;
+        let Some((&h, lead)) = dims.split_last().filter(|(&h, _)| h > 0) else {
+            return Err(Error::Model(format!(
+                "LM head: hidden states of shape {dims:?} have no hidden dimension"
+            )));
+        };
+        let n: usize = lead.iter().product();
         let logits = match (&self.head_packed, hidden.track_op()) {
             (Some(p), false) => p.forward(&hidden.reshape((n, h))?)?,
             _ => hidden.reshape((n, h))?.matmul(&self.lm_head().t()?)?,
         }; // [N, V]
-        let mut shape = dims.to_vec();
-        *shape.last_mut().expect("non-empty dims") = self.lm_head().dim(0)?;
+        let mut shape = lead.to_vec();
+        shape.push(self.lm_head().dim(0)?);
         let logits = logits.reshape(shape)?;
         Ok(logits.to_dtype(layers::reduce_dtype(logits.dtype()))?)
     }
