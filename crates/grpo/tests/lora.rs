@@ -130,8 +130,23 @@ fn forward_and_adapter_gradients_match_peft() {
             (got_loss - want_loss).abs() < 1e-5,
             "{case}: loss {got_loss} vs {want_loss}"
         );
+        // 1e-5 relative to the logits' scale: these reach about 6, where one f32 ulp is 4.8e-7
+        // and the summation order of any attention kernel moves the result by ~20 ulps.
         let d = max_diff(&logits, &c.expected["logits"]);
-        assert!(d < 1e-5, "{case}: logits differ by {d}");
+        let scale = c.expected["logits"]
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+            .max(1.0);
+        assert!(
+            d < 1e-5 * scale,
+            "{case}: logits differ by {d} (scale {scale})"
+        );
         // The decoding-path kernels (fused, no backward) agree too.
         let (_, infer) = loss_and_logits(&model, &c.ids, Mode::Infer);
         let d = max_diff(&infer, &c.expected["logits"]);

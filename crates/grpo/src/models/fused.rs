@@ -26,8 +26,8 @@ pub fn applies(x: &Tensor) -> bool {
 /// A tensor seen as `n` rows of `cols` contiguous values, row `r` starting at
 /// `offset + r * stride` (a contiguous tensor, or a narrow of its last dim).
 #[derive(Debug, Clone, Copy)]
-struct Rows {
-    offset: usize,
+pub(super) struct Rows {
+    pub(super) offset: usize,
     stride: usize,
     n: usize,
     cols: usize,
@@ -70,7 +70,7 @@ impl Rows {
     }
 }
 
-fn f32s(s: &CpuStorage) -> Result<&[f32]> {
+pub(super) fn f32s(s: &CpuStorage) -> Result<&[f32]> {
     match s {
         CpuStorage::F32(v) => Ok(v),
         _ => bail!("fused kernel: expected f32 data"),
@@ -87,7 +87,7 @@ fn as_rows(t: &Tensor) -> Result<Tensor> {
 }
 
 /// Runs `f` on the f32 data of `t` seen as rows.
-fn read<R>(t: &Tensor, f: impl FnOnce(&[f32], Rows) -> Result<R>) -> Result<R> {
+pub(super) fn read<R>(t: &Tensor, f: impl FnOnce(&[f32], Rows) -> Result<R>) -> Result<R> {
     let t = as_rows(t)?;
     let (st, l) = t.storage_and_layout();
     let rows = match Rows::of(l) {

@@ -756,7 +756,8 @@ pub enum AttnMask {
 /// Scaled dot-product attention with grouped KV heads, without copying K/V per group.
 ///
 /// `q` [B, H, S, D], `k`/`v` [B, Hkv, Tk, D]. Returns [B, S, H*D]. Single-query decoding on CPU
-/// f32 takes a fused kernel ([`decode_attention_cpu`]); everything else goes through matmuls.
+/// f32 takes a fused kernel ([`decode_attention_cpu`]), several queries on CPU f32 the fused
+/// kernel with a backward ([`super::fused_attention`]); other devices and dtypes go through matmuls.
 pub fn attention(
     q: &Tensor,
     k: &Tensor,
@@ -784,6 +785,9 @@ pub fn attention(
     let hkv = k.dim(1)?;
     let g = h / hkv;
     let scale = 1.0 / (d as f64).sqrt();
+    if s > 1 && super::fused_attention::fits(q, k, v) {
+        return super::fused_attention::attention(q, k, v, &dense, scale);
+    }
     // Query heads h = j*g + i all read kv head j: fold the group into the query axis.
     let q = q.contiguous()?.reshape((b, hkv, g * s, d))?; // [B, Hkv, g*S, D]
     let k = matmul_operand(k)?;

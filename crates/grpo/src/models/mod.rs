@@ -14,6 +14,7 @@ pub mod checkpointing;
 pub mod config;
 pub mod encoder;
 pub mod fused;
+pub mod fused_attention;
 pub mod gpt2;
 pub mod grad_sink;
 pub mod layers;
