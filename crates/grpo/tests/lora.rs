@@ -133,16 +133,7 @@ fn forward_and_adapter_gradients_match_peft() {
         // 1e-5 relative to the logits' scale: these reach about 6, where one f32 ulp is 4.8e-7
         // and the summation order of any attention kernel moves the result by ~20 ulps.
         let d = max_diff(&logits, &c.expected["logits"]);
-        let scale = c.expected["logits"]
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-            .max(1.0);
+        let scale = max_abs(&c.expected["logits"]).max(1.0);
         assert!(
             d < 1e-5 * scale,
             "{case}: logits differ by {d} (scale {scale})"

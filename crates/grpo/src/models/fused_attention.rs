@@ -524,16 +524,8 @@ mod tests {
     }
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
+        let d = (a - b).and_then(|d| d.abs()).and_then(|d| d.max_all());
+        d.and_then(|d| d.to_scalar::<f32>()).unwrap()
     }
 
     /// Packed rows with segments, left padding (a fully masked query row) and a ragged tail.
