@@ -67,16 +67,12 @@ fn main() -> anyhow::Result<()> {
         }
         let t_build = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
-        let (lps, _) = completion_logprobs(
-            &model,
-            &pr,
-            &cr,
-            2,
-            1.0,
-            Mode::Train,
-            Entropy::Skip,
-            packing,
-        )?;
+        let ent = if std::env::var("ENTROPY").is_ok() {
+            Entropy::Detached
+        } else {
+            Entropy::Skip
+        };
+        let (lps, _) = completion_logprobs(&model, &pr, &cr, 2, 1.0, Mode::Train, ent, packing)?;
         let loss = lps.sum_all()?;
         let _ = loss.to_scalar::<f32>()?;
         let t_fwd = t1.elapsed().as_secs_f64();

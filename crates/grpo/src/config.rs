@@ -287,7 +287,7 @@ const KEYS: &[KeyDoc] = keys! {
     "update" {
         "per_device_train_batch_size": "int" = "8", "completions per micro-batch";
         "gradient_accumulation_steps": "int" = "1", "micro-batches per optimizer step";
-        "forward_chunk_tokens": "int" = "256", "tokens per forward/backward pass: a micro-batch is split into chunks of whole groups (the math is unchanged; lower it to save memory, raise it for fewer, larger passes)";
+        "forward_chunk_tokens": "int" = "1024", "tokens per forward/backward pass: a micro-batch is split into chunks of whole groups (the math is unchanged; lower it to save memory, raise it for fewer, larger passes)";
         "num_iterations": "int" = "1", "updates per generation batch (mu in the paper); > 1 uses clipped ratios";
         "learning_rate": "float" = "1e-6", "AdamW learning rate";
         "adam_beta1": "float" = "0.9", "AdamW beta1";

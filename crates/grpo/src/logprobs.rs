@@ -239,16 +239,27 @@ pub fn completion_logprobs(
             _ => packs.push(i..i + 1),
         }
     }
-    let t = packs
+    let lens: Vec<usize> = packs
         .iter()
         .map(|r| prompts[r.start].len() + r.clone().map(|i| completions[i].len()).sum::<usize>())
-        .max()
-        .unwrap_or(0);
-    let (mut ids, mut pos, mut seg) = (Vec::new(), Vec::new(), Vec::new());
-    // Row of the flattened [packs * T] hidden states that predicts each completion token, in
+        .collect();
+    // On the CPU in f32 the fused attention reads only each token's own pack, so all packs go
+    // into one row: no padding, and one large matmul per projection. Elsewhere attention scores
+    // every key slot of a row, so each pack gets its own right-padded row.
+    let one_row = model.device().is_cpu() && model.dtype() == candle_core::DType::F32;
+    let n_rows = if one_row { 1 } else { packs.len() };
+    let t = match one_row {
+        true => lens.iter().sum(),
+        false => lens.iter().copied().max().unwrap_or(0),
+    };
+    let mut ids: Vec<Vec<u32>> = vec![Vec::new(); n_rows];
+    let mut pos: Vec<Vec<u32>> = vec![Vec::new(); n_rows];
+    let mut seg: Vec<Vec<(u32, u32)>> = vec![Vec::new(); n_rows];
+    // Slot of the flattened [rows * T] hidden states that predicts each completion token, in
     // row-major completion order, and each completion token's target.
     let (mut rows, mut targets) = (Vec::new(), Vec::new());
-    for (b, r) in packs.iter().enumerate() {
+    for (pi, r) in packs.iter().enumerate() {
+        let (row, pack) = if one_row { (0, pi as u32) } else { (pi, 0) };
         let p = prompts[r.start];
         let lp = p.len();
         if lp == 0 {
@@ -256,26 +267,23 @@ pub fn completion_logprobs(
                 "a completion needs a non-empty prompt".into(),
             ));
         }
-        let (mut i_row, mut p_row, mut s_row) = (
-            p.to_vec(),
-            (0..lp as u32).collect::<Vec<_>>(),
-            vec![0u32; lp],
-        );
+        let base = ids[row].len();
+        let (i_row, p_row, s_row) = (&mut ids[row], &mut pos[row], &mut seg[row]);
+        i_row.extend_from_slice(p);
+        p_row.extend(0..lp as u32);
+        s_row.extend(std::iter::repeat_n((pack, 0), lp));
         for (k, i) in r.clone().enumerate() {
             let c = completions[i];
             let off = i_row.len();
             for (j, &tok) in c.iter().enumerate() {
-                let from = if j == 0 { lp - 1 } else { off + j - 1 };
-                rows.push((b * t + from) as u32);
+                let from = if j == 0 { base + lp - 1 } else { off + j - 1 };
+                rows.push((row * t + from) as u32);
                 targets.push(tok);
             }
             i_row.extend_from_slice(c);
             p_row.extend((lp..lp + c.len()).map(|x| x as u32));
-            s_row.extend(std::iter::repeat_n(k as u32 + 1, c.len()));
+            s_row.extend(std::iter::repeat_n((pack, k as u32 + 1), c.len()));
         }
-        ids.push(i_row);
-        pos.push(p_row);
-        seg.push(s_row);
     }
     let m = rows.len();
     let mut scatter = vec![m as u32; n * tc];
@@ -288,10 +296,10 @@ pub fn completion_logprobs(
     }
     let dev = model.device().clone();
     let batch = SeqBatch::prefix_shared(ids, pos, seg, pad_id, &dev)?;
-    let hidden = model.forward_hidden(&batch, mode)?; // [packs, T, H]
+    let hidden = model.forward_hidden(&batch, mode)?; // [rows, T, H]
     let h = hidden.dim(2)?;
     let picked = hidden
-        .reshape((packs.len() * t, h))?
+        .reshape((n_rows * t, h))?
         .index_select(&Tensor::from_vec(rows, m, &dev)?, 0)?; // [M, H]
     let targets = Tensor::from_vec(targets, m, &dev)?;
     let head = |h: &Tensor| model.head_logits(h);

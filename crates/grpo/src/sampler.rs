@@ -218,7 +218,7 @@ pub fn generate_streaming(
     let h = model.forward_cached(
         &pre.ids,
         &pre.positions,
-        &AttnMask::Dense(pre.mask.clone()),
+        &AttnMask::dense(pre.mask.clone())?,
         &mut prompt_cache,
     )?; // [P, Lmax, H]
     let last = h.narrow(1, lmax - 1, 1)?.squeeze(1)?; // [P, H]

@@ -512,3 +512,52 @@ fn gradient_sink_equals_autograd_and_accumulates() {
         );
     }
 }
+
+/// On the CPU in f32 all packs share one row (the fused attention reads only each pack's keys);
+/// other dtypes and devices give each pack its own padded row. Both layouts give the same
+/// log-probs: f32 one-row against an f64 model laid out row per pack.
+#[test]
+fn one_row_packing_matches_rows_per_pack() {
+    use grpo::logprobs::{completion_logprobs, Entropy, Packing};
+    let p1 = vec![5u32, 17, 33, 2, 90];
+    let p2 = vec![7u32, 8];
+    let p3 = vec![11u32, 12, 13];
+    let comps: Vec<Vec<u32>> = vec![
+        vec![4, 9, 1],
+        vec![12],
+        vec![3, 3, 3, 3, 8],
+        vec![6, 2],
+        vec![40, 41, 42, 43, 44, 45, 46],
+    ];
+    let prompts: Vec<&[u32]> = vec![&p1, &p1, &p2, &p2, &p3];
+    let cs: Vec<&[u32]> = comps.iter().map(|c| c.as_slice()).collect();
+    for name in ARCHS {
+        let (m, _) = load(name, DType::F32);
+        let run = |dtype| {
+            let (model, _) = trainable(&m, dtype);
+            let (lp, _) = completion_logprobs(
+                &model,
+                &prompts,
+                &cs,
+                0,
+                0.9,
+                Mode::Train,
+                Entropy::Skip,
+                Packing::SharedPrompt,
+            )
+            .unwrap();
+            lp.to_dtype(DType::F64).unwrap().to_vec2::<f64>().unwrap()
+        };
+        let (one_row, per_pack) = (run(DType::F32), run(DType::F64));
+        for (i, (a, b)) in one_row.iter().zip(&per_pack).enumerate() {
+            for j in 0..comps[i].len() {
+                assert!(
+                    (a[j] - b[j]).abs() < 1e-4,
+                    "{name}: row {i} token {j}: {} vs {}",
+                    a[j],
+                    b[j]
+                );
+            }
+        }
+    }
+}

@@ -4,19 +4,21 @@
 //! The matmul composition in [`super::layers::attention`] scores every key slot, masked or not,
 //! through batched candle matmuls (one small GEMM per batch entry and KV head), and its backward
 //! adds four more matmuls and transposed copies. Packed training rows are mostly masked (a
-//! completion sees its prompt and itself, not its siblings), so this kernel scores only the key
-//! spans the mask lets through: for each query row it reads the unmasked runs of its mask row once,
-//! and every head of the row reuses them.
+//! completion sees its prompt and itself, not its siblings, and a row may hold several
+//! independent groups), so this kernel scores only the key runs the mask lets through. The runs
+//! are read from the mask once per forward ([`Spans`]) and every layer and head reuses them.
 //!
-//! Work is split by (batch entry, KV head): each task owns its query heads' rows of the output and,
-//! in the backward, the whole gradient of its K and V block, so nothing is shared between
-//! threads and the summation order is fixed (exact resume needs bit-identical gradients).
+//! [`Spans`] also splits each batch row into independent blocks: consecutive query rows that
+//! read a key range no other block reads (each packed group of a row is one). Work is split by
+//! (block, KV head): each task owns its query heads' rows of the output and, in the backward, the
+//! whole gradient of its keys and values, so nothing is shared between threads and the summation
+//! order is fixed (exact resume needs bit-identical gradients).
 //!
-//! The probabilities are kept from the forward for the backward when the op is recorded for
-//! autograd (the same `[B, H, S, Tk]` the composition's softmax keeps); a forward without a graph
-//! keeps nothing.
+//! The probabilities of the unmasked keys are kept from the forward for the backward when the op
+//! is recorded for autograd; a forward without a graph keeps nothing.
 
-use std::sync::Mutex;
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -27,30 +29,42 @@ use super::layers::MASK_VALUE;
 /// Mask entries at or below this are treated as masked (the mask holds 0 or [`MASK_VALUE`]).
 const MASKED: f32 = MASK_VALUE * 0.5;
 
-struct AttentionOp {
-    /// Additive mask, `[B, S, Tk]` contiguous (the `[B, 1, S, Tk]` mask without its head axis).
-    mask: Vec<f32>,
-    /// Unmasked key runs `(start, end)` of mask row `b * S + s`. A row with no unmasked key gets
-    /// the whole range, as the composition's softmax then spreads evenly over every key.
-    spans: Vec<Vec<(usize, usize)>>,
+/// Query rows of one batch entry that read only the keys in `keys`, which no other block of the
+/// entry reads.
+#[derive(Debug, Clone, PartialEq)]
+struct SpanBlock {
     b: usize,
-    h: usize,
-    hkv: usize,
-    s: usize,
-    tk: usize,
-    d: usize,
-    scale: f32,
-    /// Probabilities per (batch entry, KV head) task, `[g * S, Tk]` each, kept for the backward.
-    probs: Mutex<Option<Vec<Vec<f32>>>>,
-    keep_probs: bool,
+    rows: Range<usize>,
+    keys: Range<usize>,
+    /// Unmasked keys summed over the block's rows: the length of one head's probabilities.
+    len: usize,
 }
 
-/// Unmasked runs of each mask row.
-fn mask_spans(mask: &[f32], rows: usize, tk: usize) -> Vec<Vec<(usize, usize)>> {
-    (0..rows)
-        .map(|r| {
+/// Which keys each query row of an additive `[B, 1, S, Tk]` mask (0 or [`MASK_VALUE`]) reads:
+/// its unmasked runs, and the independent blocks the rows fall into. Computed once per forward.
+#[derive(Debug)]
+pub struct Spans {
+    b: usize,
+    s: usize,
+    tk: usize,
+    /// Unmasked key runs `(start, end)` of query row `b * S + s`. A row with no unmasked key gets
+    /// the whole range, as the composition's softmax then spreads evenly over every key.
+    runs: Vec<Vec<(usize, usize)>>,
+    /// The mask value on a row's runs: 0, or [`MASK_VALUE`] for a row with no unmasked key.
+    add: Vec<f32>,
+    /// Where each row's probabilities start in its block's per-head buffer.
+    off: Vec<usize>,
+    blocks: Vec<SpanBlock>,
+}
+
+impl Spans {
+    /// Runs and blocks of a mask `[B, S, Tk]` given as contiguous values.
+    fn from_values(mask: &[f32], b: usize, s: usize, tk: usize) -> Spans {
+        let mut runs = Vec::with_capacity(b * s);
+        let mut add = Vec::with_capacity(b * s);
+        for r in 0..b * s {
             let m = &mask[r * tk..(r + 1) * tk];
-            let mut spans = Vec::new();
+            let mut row = Vec::new();
             let mut j = 0;
             while j < tk {
                 if m[j] > MASKED {
@@ -58,17 +72,95 @@ fn mask_spans(mask: &[f32], rows: usize, tk: usize) -> Vec<Vec<(usize, usize)>> 
                     while j < tk && m[j] > MASKED {
                         j += 1;
                     }
-                    spans.push((a, j));
+                    row.push((a, j));
                 } else {
                     j += 1;
                 }
             }
-            if spans.is_empty() {
-                spans.push((0, tk));
+            add.push(if row.is_empty() { MASK_VALUE } else { 0.0 });
+            if row.is_empty() {
+                row.push((0, tk));
             }
-            spans
-        })
-        .collect()
+            runs.push(row);
+        }
+        // Blocks: a new one starts at row `si` when no later row reads a key at or before the
+        // last key an earlier row reads.
+        let mut blocks = Vec::new();
+        let mut off = vec![0; b * s];
+        for bi in 0..b {
+            let ext = |si: usize| {
+                let r = &runs[bi * s + si];
+                (r[0].0, r[r.len() - 1].1)
+            };
+            let mut later_min = vec![usize::MAX; s + 1];
+            for si in (0..s).rev() {
+                later_min[si] = later_min[si + 1].min(ext(si).0);
+            }
+            let mut start = 0;
+            let mut seen_max = 0;
+            for si in 0..s {
+                seen_max = seen_max.max(ext(si).1);
+                if si + 1 == s || later_min[si + 1] >= seen_max {
+                    let rows = start..si + 1;
+                    let ka = rows.clone().map(|x| ext(x).0).min().unwrap_or(0);
+                    let mut len = 0;
+                    for x in rows.clone() {
+                        off[bi * s + x] = len;
+                        len += runs[bi * s + x].iter().map(|(a, e)| e - a).sum::<usize>();
+                    }
+                    blocks.push(SpanBlock {
+                        b: bi,
+                        rows,
+                        keys: ka..seen_max,
+                        len,
+                    });
+                    start = si + 1;
+                }
+            }
+        }
+        Spans {
+            b,
+            s,
+            tk,
+            runs,
+            add,
+            off,
+            blocks,
+        }
+    }
+
+    /// Runs and blocks of an additive mask `[B, 1, S, Tk]` (any device; read to the host once).
+    pub fn new(mask: &Tensor) -> Result<Spans> {
+        let (b, one, s, tk) = mask.dims4()?;
+        if one != 1 {
+            bail!(
+                "attention mask: expected [B, 1, S, Tk], got {:?}",
+                mask.dims()
+            );
+        }
+        let values = mask
+            .to_dtype(candle_core::DType::F32)?
+            .contiguous()?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        Ok(Spans::from_values(&values, b, s, tk))
+    }
+
+    /// `(B, S, Tk)` of the mask these spans were read from.
+    pub fn dims(&self) -> (usize, usize, usize) {
+        (self.b, self.s, self.tk)
+    }
+}
+
+struct AttentionOp {
+    spans: Arc<Spans>,
+    h: usize,
+    hkv: usize,
+    d: usize,
+    scale: f32,
+    /// Probabilities per (block, KV head) task, `[g, block len]` each, kept for the backward.
+    probs: Mutex<Option<Vec<Vec<f32>>>>,
+    keep_probs: bool,
 }
 
 /// `x` [rows, cols] -> [cols, rows + 16] (zero columns at the end, so that 16-key tiles may
@@ -120,15 +212,14 @@ fn scores(z: &mut [f32], q: &[f32], kt: &[f32], ld: usize, from: usize) {
     }
 }
 
-/// `o += sum_{j in a..e} p[j] * v[j]` (`v` rows of `d`; `D` = `d` when known at compile time, so
-/// the sum stays in registers).
+/// `o += sum_j p[j] * v[j]` over the rows of `v` (`p.len()` rows of `d`; `D` = `d` when known at
+/// compile time, so the sum stays in registers).
 #[inline(always)]
-fn weighted_rows<const D: usize>(o: &mut [f32], p: &[f32], v: &[f32], a: usize, e: usize) {
+fn weighted_rows<const D: usize>(o: &mut [f32], p: &[f32], v: &[f32]) {
     let d = o.len();
     if D > 0 && d == D {
         let mut acc = [0f32; D];
-        for j in a..e {
-            let pj = p[j];
+        for (j, &pj) in p.iter().enumerate() {
             let vr = &v[j * D..(j + 1) * D];
             for l in 0..D {
                 acc[l] += pj * vr[l];
@@ -138,8 +229,8 @@ fn weighted_rows<const D: usize>(o: &mut [f32], p: &[f32], v: &[f32], a: usize, 
             o[l] += acc[l];
         }
     } else {
-        for j in a..e {
-            axpy(o, p[j], &v[j * d..(j + 1) * d]);
+        for (j, &pj) in p.iter().enumerate() {
+            axpy(o, pj, &v[j * d..(j + 1) * d]);
         }
     }
 }
@@ -152,16 +243,14 @@ fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     }
 }
 
-/// Inputs of one (batch entry, KV head) task.
-struct Block<'a> {
-    /// The task's query heads, `[g, S, D]`.
+/// Inputs of one (block, KV head) task.
+struct Task<'a> {
+    blk: &'a SpanBlock,
+    /// The KV head's query heads for the block's batch entry, `[g, S, D]`.
     q: &'a [f32],
-    /// Its K and V rows, `[Tk, D]`.
+    /// The block's key and value rows, `[keys, D]`.
     k: &'a [f32],
     v: &'a [f32],
-    /// Mask rows `[S, Tk]` and their spans.
-    mask: &'a [f32],
-    spans: &'a [Vec<(usize, usize)>],
 }
 
 impl AttentionOp {
@@ -169,105 +258,129 @@ impl AttentionOp {
         self.h / self.hkv
     }
 
-    fn block<'a>(&'a self, q: &'a [f32], k: &'a [f32], v: &'a [f32], task: usize) -> Block<'a> {
-        let (s, tk, d, g) = (self.s, self.tk, self.d, self.g());
-        let b = task / self.hkv;
-        Block {
-            q: &q[task * g * s * d..(task + 1) * g * s * d],
-            k: &k[task * tk * d..(task + 1) * tk * d],
-            v: &v[task * tk * d..(task + 1) * tk * d],
-            mask: &self.mask[b * s * tk..(b + 1) * s * tk],
-            spans: &self.spans[b * s..(b + 1) * s],
+    /// Task `t`: block `t / Hkv`, KV head `t % Hkv`.
+    fn task<'a>(&'a self, q: &'a [f32], k: &'a [f32], v: &'a [f32], t: usize) -> Task<'a> {
+        let sp = &*self.spans;
+        let (s, tk, d, g) = (sp.s, sp.tk, self.d, self.g());
+        let (blk, kvh) = (&sp.blocks[t / self.hkv], t % self.hkv);
+        let bh = blk.b * self.hkv + kvh;
+        let keys = (bh * tk + blk.keys.start) * d..(bh * tk + blk.keys.end) * d;
+        Task {
+            blk,
+            q: &q[bh * g * s * d..(bh + 1) * g * s * d],
+            k: &k[keys.clone()],
+            v: &v[keys],
         }
     }
 
-    /// Probabilities `[g*S, Tk]` and outputs `[g*S, D]` of one task. `D` is the head size when
+    /// Probabilities `[g, len]` and outputs `[g, rows, D]` of one task. `D` is the head size when
     /// it is a compile-time constant (so the per-key loops unroll), else 0.
     #[inline(always)]
-    fn forward_block<const D: usize>(&self, x: &Block) -> (Vec<f32>, Vec<f32>) {
-        let (s, tk, g) = (self.s, self.tk, self.g());
+    fn forward_block<const D: usize>(&self, x: &Task) -> (Vec<f32>, Vec<f32>) {
+        let sp = &*self.spans;
+        let (s, g, blk) = (sp.s, self.g(), x.blk);
         let d = if D > 0 { D } else { self.d };
-        let mut p = vec![0f32; g * s * tk];
-        let mut o = vec![0f32; g * s * d];
-        let kt = transpose_padded(x.k, tk, d); // [D, Tk + 16]
-        for r in 0..g * s {
-            let si = r % s;
-            let qr = &x.q[r * d..(r + 1) * d];
-            let m = &x.mask[si * tk..(si + 1) * tk];
-            let pr = &mut p[r * tk..(r + 1) * tk];
-            let spans = &x.spans[si];
-            let mut max = f32::NEG_INFINITY;
-            for &(a, e) in spans {
-                // Scores of the whole run at once: sum over d of q[d] * K^T[d, a..e].
-                scores(&mut pr[a..e], qr, &kt, tk + 16, a);
-                for j in a..e {
-                    let z = pr[j] * self.scale + m[j];
-                    pr[j] = z;
-                    max = max.max(z);
+        let (ka, nk, nr) = (blk.keys.start, blk.keys.len(), blk.rows.len());
+        let mut p = vec![0f32; g * blk.len];
+        let mut o = vec![0f32; g * nr * d];
+        let kt = transpose_padded(x.k, nk, d); // [D, keys + 16]
+        for i in 0..g {
+            for si in blk.rows.clone() {
+                let row = blk.b * s + si;
+                let qr = &x.q[(i * s + si) * d..(i * s + si + 1) * d];
+                let runs = &sp.runs[row];
+                let n: usize = runs.iter().map(|(a, e)| e - a).sum();
+                let at = i * blk.len + sp.off[row];
+                let pr = &mut p[at..at + n];
+                let add = sp.add[row];
+                let mut max = f32::NEG_INFINITY;
+                let mut c = 0;
+                for &(a, e) in runs {
+                    // Scores of the whole run at once: sum over d of q[d] * K^T[d, a..e].
+                    scores(&mut pr[c..c + e - a], qr, &kt, nk + 16, a - ka);
+                    for z in &mut pr[c..c + e - a] {
+                        *z = *z * self.scale + add;
+                        max = max.max(*z);
+                    }
+                    c += e - a;
                 }
-            }
-            let mut sum = 0f32;
-            for &(a, e) in spans {
-                for z in &mut pr[a..e] {
+                let mut sum = 0f32;
+                for z in pr.iter_mut() {
                     *z = super::fused::exp_or_zero(*z - max);
                     sum += *z;
                 }
-            }
-            let inv = 1.0 / sum;
-            let or = &mut o[r * d..(r + 1) * d];
-            for &(a, e) in spans {
-                pr[a..e].iter_mut().for_each(|x| *x *= inv);
-                weighted_rows::<D>(or, pr, x.v, a, e);
+                let inv = 1.0 / sum;
+                let r = i * nr + si - blk.rows.start;
+                let or = &mut o[r * d..(r + 1) * d];
+                let mut c = 0;
+                for &(a, e) in runs {
+                    let pw = &mut pr[c..c + e - a];
+                    pw.iter_mut().for_each(|x| *x *= inv);
+                    weighted_rows::<D>(or, pw, &x.v[(a - ka) * d..(e - ka) * d]);
+                    c += e - a;
+                }
             }
         }
         (p, o)
     }
 
-    /// Gradients `dq` `[g*S, D]`, `dk`, `dv` `[Tk, D]` of one task; `dout` holds the task's
-    /// output gradient rows `[g*S, D]`.
+    /// Gradients `dq` `[g, rows, D]`, `dk`, `dv` `[keys, D]` of one task; `dout` holds the
+    /// task's output gradient rows `[g, rows, D]`.
     #[inline(always)]
     fn backward_block<const D: usize>(
         &self,
-        x: &Block,
+        x: &Task,
         p: &[f32],
         dout: &[f32],
     ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-        let (s, tk, g) = (self.s, self.tk, self.g());
+        let sp = &*self.spans;
+        let (s, g, blk) = (sp.s, self.g(), x.blk);
         let d = if D > 0 { D } else { self.d };
-        let mut dq = vec![0f32; g * s * d];
-        let mut dk = vec![0f32; tk * d];
-        let mut dv = vec![0f32; tk * d];
-        let mut dp = vec![0f32; tk];
-        let vt = transpose_padded(x.v, tk, d); // [D, Tk + 16]
-        for r in 0..g * s {
-            let si = r % s;
-            let qr = &x.q[r * d..(r + 1) * d];
-            let gr = &dout[r * d..(r + 1) * d];
-            let pr = &p[r * tk..(r + 1) * tk];
-            let spans = &x.spans[si];
-            let mut c = 0f32;
-            for &(a, e) in spans {
-                scores(&mut dp[a..e], gr, &vt, tk + 16, a); // dP = dO V^T
-                for j in a..e {
-                    c += pr[j] * dp[j];
+        let (ka, nk, nr) = (blk.keys.start, blk.keys.len(), blk.rows.len());
+        let mut dq = vec![0f32; g * nr * d];
+        let mut dk = vec![0f32; nk * d];
+        let mut dv = vec![0f32; nk * d];
+        let mut dp = vec![0f32; nk];
+        let vt = transpose_padded(x.v, nk, d); // [D, keys + 16]
+        for i in 0..g {
+            for si in blk.rows.clone() {
+                let row = blk.b * s + si;
+                let r = i * nr + si - blk.rows.start;
+                let qr = &x.q[(i * s + si) * d..(i * s + si + 1) * d];
+                let gr = &dout[r * d..(r + 1) * d];
+                let runs = &sp.runs[row];
+                let n: usize = runs.iter().map(|(a, e)| e - a).sum();
+                let at = i * blk.len + sp.off[row];
+                let pr = &p[at..at + n];
+                let mut c = 0;
+                for &(a, e) in runs {
+                    scores(&mut dp[c..c + e - a], gr, &vt, nk + 16, a - ka); // dP = dO V^T
+                    c += e - a;
                 }
-            }
-            let dqr = &mut dq[r * d..(r + 1) * d];
-            for &(a, e) in spans {
-                // dS = P * (dP - c) * scale, in place of dP.
-                for j in a..e {
-                    dp[j] = pr[j] * (dp[j] - c) * self.scale;
-                    axpy(&mut dk[j * d..(j + 1) * d], dp[j], qr);
-                    axpy(&mut dv[j * d..(j + 1) * d], pr[j], gr);
+                let mut cs = 0f32;
+                for (pj, dj) in pr.iter().zip(&dp[..n]) {
+                    cs += pj * dj;
                 }
-                weighted_rows::<D>(dqr, &dp, x.k, a, e);
+                let dqr = &mut dq[r * d..(r + 1) * d];
+                let mut c = 0;
+                for &(a, e) in runs {
+                    // dS = P * (dP - c) * scale, in place of dP.
+                    for (jj, key) in (a - ka..e - ka).enumerate() {
+                        let j = c + jj;
+                        dp[j] = pr[j] * (dp[j] - cs) * self.scale;
+                        axpy(&mut dk[key * d..(key + 1) * d], dp[j], qr);
+                        axpy(&mut dv[key * d..(key + 1) * d], pr[j], gr);
+                    }
+                    weighted_rows::<D>(dqr, &dp[c..c + e - a], &x.k[(a - ka) * d..(e - ka) * d]);
+                    c += e - a;
+                }
             }
         }
         (dq, dk, dv)
     }
 
     #[inline(always)]
-    fn forward_d(&self, x: &Block) -> (Vec<f32>, Vec<f32>) {
+    fn forward_d(&self, x: &Task) -> (Vec<f32>, Vec<f32>) {
         match self.d {
             64 => self.forward_block::<64>(x),
             128 => self.forward_block::<128>(x),
@@ -275,7 +388,7 @@ impl AttentionOp {
         }
     }
 
-    fn run_forward(&self, x: &Block) -> (Vec<f32>, Vec<f32>) {
+    fn run_forward(&self, x: &Task) -> (Vec<f32>, Vec<f32>) {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx512f") {
             // SAFETY: the CPU supports AVX-512F (checked above).
@@ -286,12 +399,12 @@ impl AttentionOp {
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
-    unsafe fn forward_avx512(&self, x: &Block) -> (Vec<f32>, Vec<f32>) {
+    unsafe fn forward_avx512(&self, x: &Task) -> (Vec<f32>, Vec<f32>) {
         self.forward_d(x)
     }
 
     #[inline(always)]
-    fn backward_d(&self, x: &Block, p: &[f32], dout: &[f32]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    fn backward_d(&self, x: &Task, p: &[f32], dout: &[f32]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         match self.d {
             64 => self.backward_block::<64>(x, p, dout),
             128 => self.backward_block::<128>(x, p, dout),
@@ -299,7 +412,7 @@ impl AttentionOp {
         }
     }
 
-    fn run_backward(&self, x: &Block, p: &[f32], dout: &[f32]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    fn run_backward(&self, x: &Task, p: &[f32], dout: &[f32]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx512f") {
             // SAFETY: the CPU supports AVX-512F (checked above).
@@ -312,7 +425,7 @@ impl AttentionOp {
     #[target_feature(enable = "avx512f")]
     unsafe fn backward_avx512(
         &self,
-        x: &Block,
+        x: &Task,
         p: &[f32],
         dout: &[f32],
     ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
@@ -327,6 +440,16 @@ impl AttentionOp {
             );
         }
         Ok(())
+    }
+
+    /// Row `(b, s)` of query head `kvh * g + i` in `[B, S, H*D]`, and in a task's `[g, rows, D]`.
+    fn rows_of(&self, blk: &SpanBlock, kvh: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+        let (s, h, d, g) = (self.spans.s, self.h, self.d, self.g());
+        let (b, r0, nr) = (blk.b, blk.rows.start, blk.rows.len());
+        (0..g).flat_map(move |i| {
+            (r0..r0 + nr)
+                .map(move |si| (((b * s + si) * h + kvh * g + i) * d, (i * nr + si - r0) * d))
+        })
     }
 }
 
@@ -344,32 +467,28 @@ impl CustomOp3 for AttentionOp {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (b, h, hkv, s, tk, d) = (self.b, self.h, self.hkv, self.s, self.tk, self.d);
+        let (b, s, tk) = self.spans.dims();
+        let (h, hkv, d) = (self.h, self.hkv, self.d);
         self.check(l1, [b, h, s, d])?;
         self.check(l2, [b, hkv, tk, d])?;
         self.check(l3, [b, hkv, tk, d])?;
         let q = &f32s(s1)?[l1.start_offset()..];
         let k = &f32s(s2)?[l2.start_offset()..];
         let v = &f32s(s3)?[l3.start_offset()..];
-        let blocks: Vec<(Vec<f32>, Vec<f32>)> = (0..b * hkv)
+        let tasks: Vec<(Vec<f32>, Vec<f32>)> = (0..self.spans.blocks.len() * hkv)
             .into_par_iter()
-            .map(|task| self.run_forward(&self.block(q, k, v, task)))
+            .map(|t| self.run_forward(&self.task(q, k, v, t)))
             .collect();
-        // [B, S, H*D]: query head h = kv * g + i of row (b, s).
-        let g = self.g();
+        // [B, S, H*D]: query head h = kv * g + i of row (b, s). Blocks cover every row.
         let mut out = vec![0f32; b * s * h * d];
-        for (task, (_, o)) in blocks.iter().enumerate() {
-            let (bi, kv) = (task / hkv, task % hkv);
-            for i in 0..g {
-                for si in 0..s {
-                    let dst = ((bi * s + si) * h + kv * g + i) * d;
-                    let src = (i * s + si) * d;
-                    out[dst..dst + d].copy_from_slice(&o[src..src + d]);
-                }
+        for (t, (_, o)) in tasks.iter().enumerate() {
+            let blk = &self.spans.blocks[t / hkv];
+            for (dst, src) in self.rows_of(blk, t % hkv) {
+                out[dst..dst + d].copy_from_slice(&o[src..src + d]);
             }
         }
         if self.keep_probs {
-            let probs = blocks.into_iter().map(|(p, _)| p).collect();
+            let probs = tasks.into_iter().map(|(p, _)| p).collect();
             match self.probs.lock() {
                 Ok(mut slot) => *slot = Some(probs),
                 Err(_) => bail!("fused attention: a thread panicked holding the probabilities"),
@@ -386,8 +505,8 @@ impl CustomOp3 for AttentionOp {
         _out: &Tensor,
         dout: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (b, h, hkv, s, tk, d) = (self.b, self.h, self.hkv, self.s, self.tk, self.d);
-        let g = self.g();
+        let (b, s, tk) = self.spans.dims();
+        let (h, hkv, d) = (self.h, self.hkv, self.d);
         let probs = match self.probs.lock() {
             Ok(mut slot) => slot.take(),
             Err(_) => bail!("fused attention: a thread panicked holding the probabilities"),
@@ -402,30 +521,36 @@ impl CustomOp3 for AttentionOp {
                     read(&dout, |gv, gr| {
                         let (qv, kv) = (&qv[qr.offset..], &kv[kr.offset..]);
                         let (vv, gv) = (&vv[vr.offset..], &gv[gr.offset..]);
-                        let blocks: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = (0..b * hkv)
-                            .into_par_iter()
-                            .map(|task| {
-                                let (bi, kvh) = (task / hkv, task % hkv);
-                                // The task's output-gradient rows, [g*S, D].
-                                let mut go = vec![0f32; g * s * d];
-                                for i in 0..g {
-                                    for si in 0..s {
-                                        let src = ((bi * s + si) * h + kvh * g + i) * d;
-                                        let dst = (i * s + si) * d;
+                        let tasks: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> =
+                            (0..self.spans.blocks.len() * hkv)
+                                .into_par_iter()
+                                .map(|t| {
+                                    let x = self.task(qv, kv, vv, t);
+                                    // The task's output-gradient rows, [g, rows, D].
+                                    let mut go = vec![0f32; self.g() * x.blk.rows.len() * d];
+                                    for (src, dst) in self.rows_of(x.blk, t % hkv) {
                                         go[dst..dst + d].copy_from_slice(&gv[src..src + d]);
                                     }
-                                }
-                                let x = self.block(qv, kv, vv, task);
-                                self.run_backward(&x, &probs[task], &go)
-                            })
-                            .collect();
-                        let mut dq = Vec::with_capacity(b * h * s * d);
-                        let mut dk = Vec::with_capacity(b * hkv * tk * d);
-                        let mut dv = Vec::with_capacity(b * hkv * tk * d);
-                        for (a, bk, c) in blocks {
-                            dq.extend_from_slice(&a);
-                            dk.extend_from_slice(&bk);
-                            dv.extend_from_slice(&c);
+                                    self.run_backward(&x, &probs[t], &go)
+                                })
+                                .collect();
+                        // Keys no block reads (padding) get zero gradients.
+                        let mut dq = vec![0f32; b * h * s * d];
+                        let mut dk = vec![0f32; b * hkv * tk * d];
+                        let mut dv = vec![0f32; b * hkv * tk * d];
+                        let g = self.g();
+                        for (t, (tq, tdk, tdv)) in tasks.iter().enumerate() {
+                            let (blk, kvh) = (&self.spans.blocks[t / hkv], t % hkv);
+                            let nr = blk.rows.len();
+                            for i in 0..g {
+                                // dq is [B, H, S, D]: the block's rows of head kvh * g + i.
+                                let at = ((blk.b * h + kvh * g + i) * s + blk.rows.start) * d;
+                                dq[at..at + nr * d]
+                                    .copy_from_slice(&tq[i * nr * d..(i + 1) * nr * d]);
+                            }
+                            let at = ((blk.b * hkv + kvh) * tk + blk.keys.start) * d;
+                            dk[at..at + tdk.len()].copy_from_slice(tdk);
+                            dv[at..at + tdv.len()].copy_from_slice(tdv);
                         }
                         Ok((dq, dk, dv))
                     })
@@ -446,10 +571,16 @@ pub fn fits(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
     applies(q) && applies(k) && applies(v)
 }
 
-/// `softmax(q k^T * scale + mask) v` with grouped KV heads: `q` [B, H, S, D], `k`/`v`
-/// [B, Hkv, Tk, D], `mask` [B, 1, S, Tk] additive (0 or [`MASK_VALUE`]). Query head `h` reads KV
-/// head `h / (H / Hkv)`. Returns [B, S, H*D].
-pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, scale: f64) -> Result<Tensor> {
+/// `softmax(q k^T * scale + mask) v` with grouped KV heads, over the mask's [`Spans`]: `q`
+/// [B, H, S, D], `k`/`v` [B, Hkv, Tk, D]. Query head `h` reads KV head `h / (H / Hkv)`.
+/// Returns [B, S, H*D].
+pub fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    spans: &Arc<Spans>,
+    scale: f64,
+) -> Result<Tensor> {
     let (b, h, s, d) = q.dims4()?;
     let (bk, hkv, tk, dk) = k.dims4()?;
     if bk != b || dk != d || hkv == 0 || h % hkv != 0 || v.dims4()? != (b, hkv, tk, d) {
@@ -460,22 +591,18 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, scale: f64) 
             v.dims()
         );
     }
-    let mask = mask
-        .to_dtype(candle_core::DType::F32)?
-        .broadcast_as((b, 1, s, tk))?
-        .contiguous()?
-        .flatten_all()?
-        .to_vec1::<f32>()?;
-    let spans = mask_spans(&mask, b * s, tk);
+    if spans.dims() != (b, s, tk) {
+        bail!(
+            "fused attention: a mask for (B, S, Tk) = {:?} used with {:?}",
+            spans.dims(),
+            (b, s, tk)
+        );
+    }
     let keep_probs = q.track_op() || k.track_op() || v.track_op();
     let op = AttentionOp {
-        mask,
-        spans,
-        b,
+        spans: spans.clone(),
         h,
         hkv,
-        s,
-        tk,
         d,
         scale: scale as f32,
         probs: Mutex::new(None),
@@ -563,7 +690,7 @@ mod tests {
             let m = mask(b, s, &dev);
             let scale = 1.0 / (d as f64).sqrt();
             let want = composition(&q, &k, &v, &m, scale);
-            let got = attention(&q, &k, &v, &m, scale).unwrap();
+            let got = attention(&q, &k, &v, &spans_of(&m), scale).unwrap();
             assert!(
                 max_diff(&want, &got) < 1e-5,
                 "values {}",
@@ -589,19 +716,97 @@ mod tests {
         let v = Tensor::randn(0f32, 1.0, (b, hkv, s, d), &dev).unwrap();
         let m = mask(b, s, &dev);
         let want = composition(&q, &k, &v, &m, 0.3);
-        let got = attention(&q, &k, &v, &m, 0.3).unwrap();
+        let got = attention(&q, &k, &v, &spans_of(&m), 0.3).unwrap();
         assert!(max_diff(&want, &got) < 1e-5);
         assert!(!got.track_op());
+    }
+
+    fn spans_of(m: &Tensor) -> Arc<Spans> {
+        Arc::new(Spans::new(m).unwrap())
     }
 
     #[test]
     fn spans_are_the_unmasked_runs() {
         let x = MASK_VALUE;
         let m = [0.0, x, 0.0, 0.0, x, x, x, 0.0, x, x, x, x];
+        let sp = Spans::from_values(&m, 1, 3, 4);
         // A fully masked row spreads over every key, as the composition's softmax does.
         assert_eq!(
-            mask_spans(&m, 3, 4),
+            sp.runs,
             vec![vec![(0, 1), (2, 4)], vec![(3, 4)], vec![(0, 4)]]
         );
+        assert_eq!(sp.add, vec![0.0, 0.0, MASK_VALUE]);
+        assert_eq!(sp.blocks.len(), 1);
+    }
+
+    #[test]
+    fn independent_groups_of_a_row_are_separate_blocks() {
+        // One row holding two causal groups of 3 and 2 tokens, then a query reading only key 5.
+        let x = MASK_VALUE;
+        #[rustfmt::skip]
+        let m = [
+            0.0, x, x, x, x, x,
+            0.0, 0.0, x, x, x, x,
+            0.0, 0.0, 0.0, x, x, x,
+            x, x, x, 0.0, x, x,
+            x, x, x, 0.0, 0.0, x,
+            x, x, x, x, x, 0.0,
+        ];
+        let sp = Spans::from_values(&m, 1, 6, 6);
+        let got: Vec<_> = sp
+            .blocks
+            .iter()
+            .map(|b| (b.rows.clone(), b.keys.clone(), b.len))
+            .collect();
+        assert_eq!(got, vec![(0..3, 0..3, 6), (3..5, 3..5, 3), (5..6, 5..6, 1)]);
+        assert_eq!(sp.off, vec![0, 1, 3, 0, 1, 0]);
+        // A later query reading back into an earlier group joins the blocks.
+        let mut m2 = m;
+        m2[5 * 6] = 0.0;
+        assert_eq!(Spans::from_values(&m2, 1, 6, 6).blocks.len(), 1);
+    }
+
+    #[test]
+    fn a_packed_row_matches_separate_rows() {
+        // Two groups packed in one row give the rows' values and gradients run separately.
+        let dev = Device::Cpu;
+        let (h, hkv, d) = (4, 2, 16);
+        let lens = [5usize, 7];
+        let n: usize = lens.iter().sum();
+        let q = Var::randn(0f32, 1.0, (1, h, n, d), &dev).unwrap();
+        let k = Var::randn(0f32, 1.0, (1, hkv, n, d), &dev).unwrap();
+        let v = Var::randn(0f32, 1.0, (1, hkv, n, d), &dev).unwrap();
+        let mut m = vec![MASK_VALUE; n * n];
+        let mut at = 0;
+        for &l in &lens {
+            for qi in 0..l {
+                for kj in 0..=qi {
+                    m[(at + qi) * n + at + kj] = 0.0;
+                }
+            }
+            at += l;
+        }
+        let mask = Tensor::from_vec(m, (1, 1, n, n), &dev).unwrap();
+        let sp = spans_of(&mask);
+        assert_eq!(sp.blocks.len(), 2);
+        let packed = attention(&q, &k, &v, &sp, 0.25).unwrap();
+        let want = composition(&q, &k, &v, &mask, 0.25);
+        assert!(
+            max_diff(&packed, &want) < 1e-5,
+            "{}",
+            max_diff(&packed, &want)
+        );
+        let w = Tensor::randn(0f32, 1.0, (1, n, h * d), &dev).unwrap();
+        let gw = (want * &w).unwrap().sum_all().unwrap().backward().unwrap();
+        let gp = (packed * &w)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        for (name, x) in [("q", &q), ("k", &k), ("v", &v)] {
+            let (a, c) = (gw.get(x).unwrap(), gp.get(x).unwrap());
+            assert!(max_diff(a, c) < 1e-4, "{name}: {}", max_diff(a, c));
+        }
     }
 }

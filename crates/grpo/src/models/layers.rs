@@ -3,10 +3,13 @@
 //! kernels, which record no backward and silently drop gradients). Training uses `Mode::Train`;
 //! sampling and reference/old log-probs use `Mode::Infer`. Tests check the two agree.
 
+use std::sync::Arc;
+
 use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::VarBuilder;
 
 use super::config::{Llama3RopeScaling, ModelConfig};
+use super::fused_attention::Spans;
 use super::grad_sink::{GradSink, SinkProj};
 use super::lora::LoraAdapter;
 use super::packed::PackedWeight;
@@ -749,8 +752,24 @@ pub fn matmul_operand(t: &Tensor) -> Result<Tensor> {
 pub enum AttnMask {
     /// Additive `[B, 1, S, Tk]` f32 (0 or [`MASK_VALUE`]).
     Dense(Tensor),
+    /// A dense mask with its key runs read once for every layer (see [`AttnMask::dense`]).
+    Spanned(Tensor, Arc<Spans>),
     /// One query per row (decoding): row `b` attends key slots `pad[b]..Tk` (left padding).
     LeftPad(Vec<usize>),
+}
+
+impl AttnMask {
+    /// A dense additive mask `[B, 1, S, Tk]`; on the CPU its key runs are read here, once, for the
+    /// fused attention of every layer.
+    pub fn dense(mask: Tensor) -> Result<Self> {
+        Ok(match mask.device().is_cpu() {
+            true => {
+                let spans = Arc::new(Spans::new(&mask)?);
+                AttnMask::Spanned(mask, spans)
+            }
+            false => AttnMask::Dense(mask),
+        })
+    }
 }
 
 /// Scaled dot-product attention with grouped KV heads, without copying K/V per group.
@@ -767,8 +786,9 @@ pub fn attention(
 ) -> Result<Tensor> {
     let (b, h, s, d) = q.dims4()?;
     let tk = k.dim(2)?;
-    let dense = match mask {
-        AttnMask::Dense(m) => m.clone(),
+    let (dense, spans) = match mask {
+        AttnMask::Dense(m) => (m.clone(), None),
+        AttnMask::Spanned(m, sp) => (m.clone(), Some(sp.clone())),
         AttnMask::LeftPad(pad) => {
             if mode == Mode::Infer && s == 1 {
                 if let Some(out) = decode_attention_cpu(q, k, v, pad)? {
@@ -779,14 +799,18 @@ pub fn attention(
                 .iter()
                 .map(|&p| (0..tk).map(|j| j >= p).collect())
                 .collect();
-            build_mask(&valid, tk - 1, 1, tk, q.device())?
+            (build_mask(&valid, tk - 1, 1, tk, q.device())?, None)
         }
     };
     let hkv = k.dim(1)?;
     let g = h / hkv;
     let scale = 1.0 / (d as f64).sqrt();
     if s > 1 && super::fused_attention::fits(q, k, v) {
-        return super::fused_attention::attention(q, k, v, &dense, scale);
+        let spans = match spans {
+            Some(sp) if sp.dims() == (b, s, tk) => sp,
+            _ => Arc::new(Spans::new(&dense.broadcast_as((b, 1, s, tk))?)?),
+        };
+        return super::fused_attention::attention(q, k, v, &spans, scale);
     }
     // Query heads h = j*g + i all read kv head j: fold the group into the query axis.
     let q = q.contiguous()?.reshape((b, hkv, g * s, d))?; // [B, Hkv, g*S, D]

@@ -314,7 +314,7 @@ impl CausalLm {
 
     /// All-position forward: final hidden states [B, T, H].
     pub fn forward_hidden(&self, batch: &SeqBatch, mode: Mode) -> Result<Tensor> {
-        let mask = AttnMask::Dense(batch.mask.clone());
+        let mask = AttnMask::dense(batch.mask.clone())?;
         Ok(self.hidden(&batch.ids, &batch.positions, &mask, None, mode)?)
     }
 
@@ -480,16 +480,17 @@ impl SeqBatch {
         })
     }
 
-    /// Rows that each hold one shared prefix followed by several independent continuations
-    /// (a prompt and its group's completions): `segments[b][t]` is 0 for prefix tokens and
-    /// `i + 1` for continuation `i`. A token attends causally to the prefix and to the earlier
-    /// tokens of its own segment, never to another continuation, so each continuation sees exactly
-    /// what it would see alone behind the prefix (give it the positions it would have there).
-    /// Rows are right-padded with `pad_id`; padding queries attend only to slot 0.
+    /// Rows that each hold one or more packs of a shared prefix followed by several independent
+    /// continuations (a prompt and its group's completions): `segments[b][t]` is `(pack, seg)`,
+    /// the token's pack within the row and 0 for prefix tokens or `i + 1` for continuation `i`.
+    /// A token attends causally to its pack's prefix and to the earlier tokens of its own
+    /// segment, never to another continuation or pack, so each continuation sees exactly what it
+    /// would see alone behind the prefix (give it the positions it would have there). Rows are
+    /// right-padded with `pad_id`; padding queries attend only to slot 0.
     pub fn prefix_shared(
         ids: Vec<Vec<u32>>,
         positions: Vec<Vec<u32>>,
-        segments: Vec<Vec<u32>>,
+        segments: Vec<Vec<(u32, u32)>>,
         pad_id: u32,
         device: &Device,
     ) -> Result<Self> {
@@ -518,8 +519,14 @@ impl SeqBatch {
                     row[0] = 0.0;
                     continue;
                 }
-                for k in 0..=q {
-                    if seg[k] == 0 || seg[k] == seg[q] {
+                let (pack, own) = seg[q];
+                // Tokens of one pack are consecutive: scan back to the pack's first token.
+                for k in (0..=q).rev() {
+                    let (p, sk) = seg[k];
+                    if p != pack {
+                        break;
+                    }
+                    if sk == 0 || sk == own {
                         row[k] = 0.0;
                     }
                 }
