@@ -10,6 +10,13 @@ use grpo::logprobs::{completion_logprobs, Entropy, Packing};
 use grpo::models::{CausalLm, Mode};
 
 fn main() -> anyhow::Result<()> {
+    if std::env::var("INPOOL").is_ok() {
+        return rayon::scope(|_| run());
+    }
+    run()
+}
+
+fn run() -> anyhow::Result<()> {
     if std::env::var("SETOPT").is_ok() {
         unsafe { libmimalloc_sys::mi_option_set(15, -1) };
     }

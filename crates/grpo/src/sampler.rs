@@ -163,7 +163,10 @@ pub fn generate(
     n: usize,
     params: &SamplingParams,
 ) -> Result<(Vec<Vec<Completion>>, GenStats)> {
-    generate_streaming(model, tokenizer, prompts, n, params, &mut |_, _, _| Ok(()))
+    // On a pool worker, so that the caller does its share of every parallel kernel.
+    crate::threads::on_pool(|| {
+        generate_streaming(model, tokenizer, prompts, n, params, &mut |_, _, _| Ok(()))
+    })
 }
 
 /// [`generate`], calling `on_done(prompt index, sample index, completion)` as soon as a sample

@@ -271,12 +271,16 @@ fn mean(xs: impl IntoIterator<Item = f64>) -> f64 {
 
 /// Runs GRPO training as configured.
 pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
-    // ---------------------------------------------------------------- set-up
     if let Some(n) = cfg.threads {
         if let Err(e) = crate::threads::set_global_threads(n) {
             tracing::warn!("threads: {e}");
         }
     }
+    crate::threads::on_pool(|| run(cfg, ctl))
+}
+
+fn run(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
+    // ---------------------------------------------------------------- set-up
     for k in &cfg.ignored_keys {
         tracing::warn!("config key `{k}` is accepted for TRL compatibility and ignored");
     }
