@@ -171,20 +171,30 @@ impl PackedWeight {
         (0..tasks * blocks).into_par_iter().for_each(|tb| {
             let (t, b) = (tb % tasks, tb / tasks);
             let (r0, r1) = (b * BLOCK_ROWS, ((b + 1) * BLOCK_ROWS).min(rows));
+            let tiles = (r1 - r0).div_ceil(TILE_ROWS);
             for p in t * TASK_PANELS..((t + 1) * TASK_PANELS).min(panels) {
                 let cols = (n - p * PANEL).min(PANEL);
                 let w = &self.data[p * k * PANEL..(p + 1) * k * PANEL];
-                let mut r = r0;
+                // The next panel (usually this thread's next one: rayon hands each thread a
+                // contiguous run of tasks), a share per tile, fetched while this one computes.
+                let next = self.data.get((p + 1) * k * PANEL..(p + 2) * k * PANEL);
+                let share = (k * PANEL).div_ceil(tiles);
+                let (mut r, mut tile) = (r0, 0);
                 while r < r1 {
                     let mr = (r1 - r).min(TILE_ROWS);
                     let xs = &x[r * k..(r + mr) * k];
+                    let ahead = next.map_or(&[][..], |nx| {
+                        &nx[(tile * share).min(nx.len())..((tile + 1) * share).min(nx.len())]
+                    });
                     // SAFETY: AVX-512F was detected; `xs` holds `mr` rows of `k`, `w` one panel
                     // of `k` rows; the tile writes rows r..r+mr, columns p*PANEL..+cols of `y`,
                     // which no other task writes, all inside its `rows * n` capacity.
                     unsafe {
-                        avx512::tile(xs, w, k, mr, yp.get().add(r * n + p * PANEL), n, cols);
+                        let y = yp.get().add(r * n + p * PANEL);
+                        avx512::tile(xs, w, k, mr, y, n, cols, ahead);
                     }
                     r += mr;
+                    tile += 1;
                 }
             }
         });
@@ -234,10 +244,13 @@ mod avx512 {
     use std::arch::x86_64::*;
 
     /// `mr` (1..=12) rows of `x` ([mr, k]) times one panel `w` ([k, PANEL]) into `y` (row
-    /// stride `ldy`), of which the first `cols` columns are written.
+    /// stride `ldy`), of which the first `cols` columns are written. The cache lines of `ahead`
+    /// (a share of the next panel) are prefetched into L2 along the way, so that streaming the
+    /// weight from memory overlaps with the FMAs instead of following them.
     ///
     /// # Safety
     /// AVX-512F must be available; `y` must be valid for `mr` rows of `cols` columns.
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn tile(
         x: &[f32],
         w: &[f32],
@@ -246,22 +259,26 @@ mod avx512 {
         y: *mut f32,
         ldy: usize,
         cols: usize,
+        ahead: &[f32],
     ) {
         match mr {
-            12 => tile_n::<12>(x, w, k, y, ldy, cols),
-            11 => tile_n::<11>(x, w, k, y, ldy, cols),
-            10 => tile_n::<10>(x, w, k, y, ldy, cols),
-            9 => tile_n::<9>(x, w, k, y, ldy, cols),
-            8 => tile_n::<8>(x, w, k, y, ldy, cols),
-            7 => tile_n::<7>(x, w, k, y, ldy, cols),
-            6 => tile_n::<6>(x, w, k, y, ldy, cols),
-            5 => tile_n::<5>(x, w, k, y, ldy, cols),
-            4 => tile_n::<4>(x, w, k, y, ldy, cols),
-            3 => tile_n::<3>(x, w, k, y, ldy, cols),
-            2 => tile_n::<2>(x, w, k, y, ldy, cols),
-            _ => tile_n::<1>(x, w, k, y, ldy, cols),
+            12 => tile_n::<12>(x, w, k, y, ldy, cols, ahead),
+            11 => tile_n::<11>(x, w, k, y, ldy, cols, ahead),
+            10 => tile_n::<10>(x, w, k, y, ldy, cols, ahead),
+            9 => tile_n::<9>(x, w, k, y, ldy, cols, ahead),
+            8 => tile_n::<8>(x, w, k, y, ldy, cols, ahead),
+            7 => tile_n::<7>(x, w, k, y, ldy, cols, ahead),
+            6 => tile_n::<6>(x, w, k, y, ldy, cols, ahead),
+            5 => tile_n::<5>(x, w, k, y, ldy, cols, ahead),
+            4 => tile_n::<4>(x, w, k, y, ldy, cols, ahead),
+            3 => tile_n::<3>(x, w, k, y, ldy, cols, ahead),
+            2 => tile_n::<2>(x, w, k, y, ldy, cols, ahead),
+            _ => tile_n::<1>(x, w, k, y, ldy, cols, ahead),
         }
     }
+
+    /// Floats per cache line.
+    const LINE: usize = 16;
 
     #[target_feature(enable = "avx512f")]
     unsafe fn tile_n<const MR: usize>(
@@ -271,12 +288,23 @@ mod avx512 {
         y: *mut f32,
         ldy: usize,
         cols: usize,
+        ahead: &[f32],
     ) {
         debug_assert!(x.len() >= MR * k && w.len() >= k * PANEL);
         let (xp, wp) = (x.as_ptr(), w.as_ptr());
         let mut lo = [_mm512_setzero_ps(); MR];
         let mut hi = [_mm512_setzero_ps(); MR];
+        // Lines of `ahead` per k step, in 1/65536ths.
+        let lines = ahead.len().div_ceil(LINE);
+        let rate = (lines << 16).div_ceil(k.max(1));
+        let mut due = 0usize;
+        let mut line = 0usize;
         for kk in 0..k {
+            due += rate;
+            while line < lines && (line << 16) < due {
+                _mm_prefetch::<_MM_HINT_T1>(ahead.as_ptr().add(line * LINE) as *const i8);
+                line += 1;
+            }
             let w0 = _mm512_loadu_ps(wp.add(kk * PANEL));
             let w1 = _mm512_loadu_ps(wp.add(kk * PANEL + 16));
             for i in 0..MR {
