@@ -18,6 +18,8 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
+use super::vmath;
+
 /// Whether the fused kernels can run on `x`: f32 on the CPU.
 pub fn applies(x: &Tensor) -> bool {
     x.device().is_cpu() && x.dtype() == DType::F32
@@ -104,18 +106,6 @@ fn layout_rows(l: &Layout) -> Result<Rows> {
     match Rows::of(l) {
         Some(r) => Ok(r),
         None => bail!("fused kernel: input is not a row view; make it contiguous first"),
-    }
-}
-
-/// `x.exp()`, with the exact result 0 for `x < -104` (where `e^x` rounds to 0 in f32) computed
-/// without calling `exp`: masked attention slots (about -1e30) would otherwise each take libm's
-/// slow underflow path, which sets `errno`.
-#[inline]
-pub(crate) fn exp_or_zero(x: f32) -> f32 {
-    if x < -104.0 {
-        0.0
-    } else {
-        x.exp()
     }
 }
 
@@ -288,12 +278,7 @@ impl CustomOp2 for MaskedSoftmaxOp {
                     o[j] = z[j] * self.scale + m[j];
                     max = max.max(o[j]);
                 }
-                let mut sum = 0f32;
-                for v in o.iter_mut() {
-                    *v = exp_or_zero(*v - max);
-                    sum += *v;
-                }
-                let inv = 1.0 / sum;
+                let inv = 1.0 / vmath::exp_sub_sum(o, max);
                 o.iter_mut().for_each(|v| *v *= inv);
             });
         Ok((CpuStorage::F32(out), l1.shape().clone()))
@@ -346,11 +331,6 @@ pub fn masked_softmax(scores: &Tensor, mask: &Tensor, scale: f64, s: usize) -> R
 
 struct SiluMulOp;
 
-#[inline]
-fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
-}
-
 impl CustomOp1 for SiluMulOp {
     fn name(&self) -> &'static str {
         "fused-silu-mul"
@@ -364,9 +344,7 @@ impl CustomOp1 for SiluMulOp {
         out.par_chunks_mut(i.max(1)).enumerate().for_each(|(r, o)| {
             let row = xr.row(x, r);
             let (g, u) = row.split_at(i);
-            for j in 0..i {
-                o[j] = g[j] * sigmoid(g[j]) * u[j];
-            }
+            vmath::silu_mul(g, u, o);
         });
         let mut dims = l.dims().to_vec();
         if let Some(last) = dims.last_mut() {
@@ -387,11 +365,7 @@ impl CustomOp1 for SiluMulOp {
                         let (g, u) = row.split_at(i);
                         let dy = gr.row(gv, r);
                         let (dg, du) = o.split_at_mut(i);
-                        for j in 0..i {
-                            let sg = sigmoid(g[j]);
-                            dg[j] = dy[j] * u[j] * sg * (1.0 + g[j] * (1.0 - sg));
-                            du[j] = dy[j] * g[j] * sg;
-                        }
+                        vmath::silu_mul_grad(g, u, dy, dg, du);
                     });
                 Ok(dx)
             })
@@ -525,29 +499,29 @@ struct LogprobEntropyOp {
     inv_t: f32,
 }
 
-/// (max, sum of exp(z - max), sum of exp(z - max) * z) of `z = logits * inv_t`.
-#[inline]
-fn row_stats(l: &[f32], inv_t: f32) -> (f32, f32, f32) {
-    let mut max = f32::NEG_INFINITY;
-    for &v in l {
-        max = max.max(v * inv_t);
-    }
-    let (mut sum, mut sz) = (0f32, 0f32);
-    for &v in l {
-        let z = v * inv_t;
-        let e = (z - max).exp();
-        sum += e;
-        sz += e * z;
-    }
-    (max, sum, sz)
-}
-
 fn u32s(s: &CpuStorage) -> Result<&[u32]> {
     match s {
         CpuStorage::U32(v) => Ok(v),
         _ => bail!("fused log-prob: targets must be u32"),
     }
 }
+
+/// `o = d(g_lp * lp + g_h * H) / d logits` without the target's one-hot term, for one row:
+/// `z = l * inv_t`, `logp = z - lse`, `p = e^logp`; d lp / dz = onehot - p and
+/// d H / dz = -p (logp + H). `c` = [inv_t, lse, g_lp, g_h, H].
+#[inline(always)]
+fn logprob_entropy_grad_body(l: &[f32], c: [f32; 5], o: &mut [f32]) {
+    let [inv_t, lse, g_lp, g_h, h] = c;
+    for (o, &v) in o.iter_mut().zip(l) {
+        let logp = v * inv_t - lse;
+        let p = vmath::exp(logp);
+        *o = (-g_lp * p - g_h * p * (logp + h)) * inv_t;
+    }
+}
+
+vmath::avx512_dispatch!(
+    fn logprob_entropy_grad(l: &[f32], c: [f32; 5], o: &mut [f32]) = logprob_entropy_grad_body
+);
 
 impl CustomOp2 for LogprobEntropyOp {
     fn name(&self) -> &'static str {
@@ -574,7 +548,7 @@ impl CustomOp2 for LogprobEntropyOp {
         let mut out = vec![0f32; lr.n * 2];
         out.par_chunks_mut(2).enumerate().for_each(|(r, o)| {
             let l = lr.row(logits, r);
-            let (max, sum, sz) = row_stats(l, self.inv_t);
+            let (max, sum, sz) = vmath::softmax_stats(l, self.inv_t);
             let lse = max + sum.ln();
             o[0] = l[targets[r] as usize] * self.inv_t - lse;
             o[1] = lse - sz / sum;
@@ -598,16 +572,10 @@ impl CustomOp2 for LogprobEntropyOp {
             let mut dl = vec![0f32; lr.n * v];
             dl.par_chunks_mut(v.max(1)).enumerate().for_each(|(r, o)| {
                 let l = lr.row(lv, r);
-                let (max, sum, _) = row_stats(l, inv_t);
+                let (max, sum, _) = vmath::softmax_stats(l, inv_t);
                 let lse = max + sum.ln();
                 let (g_lp, g_h, h) = (gv[r][0], gv[r][1], ov[r][1]);
-                for j in 0..v {
-                    let z = l[j] * inv_t;
-                    let logp = z - lse;
-                    let p = logp.exp();
-                    // d lp / dz = onehot - p;  d H / dz = -p (log p + H)
-                    o[j] = (-g_lp * p - g_h * p * (logp + h)) * inv_t;
-                }
+                logprob_entropy_grad(l, [inv_t, lse, g_lp, g_h, h], o);
                 o[ys[r] as usize] += g_lp * inv_t;
             });
             Ok(dl)
@@ -639,18 +607,6 @@ mod tests {
     use super::*;
     use crate::models::layers::{apply_rope, rms_norm_diff, Mode};
     use candle_core::{Device, Var, D};
-
-    #[test]
-    fn exp_or_zero_is_exp_bit_for_bit() {
-        let mut x = -120.0f32;
-        while x < 5.0 {
-            assert_eq!(exp_or_zero(x).to_bits(), x.exp().to_bits(), "{x}");
-            x += 0.0137;
-        }
-        for x in [-1e30f32, -1e4, -104.0, -103.99, f32::NEG_INFINITY] {
-            assert_eq!(exp_or_zero(x).to_bits(), x.exp().to_bits(), "{x}");
-        }
-    }
 
     fn max_abs(t: &Tensor) -> f32 {
         t.abs()

@@ -243,6 +243,76 @@ fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     }
 }
 
+/// `sum_l a[l] * b[l]` over `D` (or `a.len()` when `D` is 0) with 16 lane sums added pairwise
+/// at the end, so that it compiles to a few vector FMAs and a shuffle tree.
+#[inline(always)]
+fn dot16<const D: usize>(a: &[f32], b: &[f32]) -> f32 {
+    let d = if D > 0 { D } else { a.len() };
+    let (a, b) = (&a[..d], &b[..d]);
+    let mut acc = [0f32; 16];
+    let mut c = 0;
+    while c + 16 <= d {
+        for l in 0..16 {
+            acc[l] += a[c + l] * b[c + l];
+        }
+        c += 16;
+    }
+    let mut tail = 0f32;
+    while c < d {
+        tail += a[c] * b[c];
+        c += 1;
+    }
+    let a8: [f32; 8] = std::array::from_fn(|l| acc[l] + acc[l + 8]);
+    let a4: [f32; 4] = std::array::from_fn(|l| a8[l] + a8[l + 4]);
+    (a4[0] + a4[2]) + (a4[1] + a4[3]) + tail
+}
+
+/// Single-query attention of decoding for one (row, KV head): the `g` query heads `q` `[g, d]`
+/// score the `n` keys `k` `[n, d]`, and `o` `[g, d]` receives the softmax-weighted sum of the
+/// values `v` `[n, d]`. The cache is read in place (decoding is bound by reading it).
+#[inline(always)]
+fn decode_head_body<const D: usize>(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    scale: f32,
+    o: &mut [f32],
+    d: usize,
+) {
+    let d = if D > 0 { D } else { d };
+    let (g, n) = (q.len() / d, k.len() / d);
+    let mut p = vec![0f32; n];
+    for i in 0..g {
+        let qi = &q[i * d..(i + 1) * d];
+        let mut max = f32::NEG_INFINITY;
+        for (t, z) in p.iter_mut().enumerate() {
+            *z = dot16::<D>(qi, &k[t * d..(t + 1) * d]) * scale;
+            max = max.max(*z);
+        }
+        let inv = 1.0 / super::vmath::exp_sub_sum(&mut p, max);
+        p.iter_mut().for_each(|x| *x *= inv);
+        let oi = &mut o[i * d..(i + 1) * d];
+        oi.fill(0.0);
+        weighted_rows::<D>(oi, &p, v);
+    }
+}
+
+#[inline(always)]
+fn decode_head_d(q: &[f32], k: &[f32], v: &[f32], scale: f32, o: &mut [f32], d: usize) {
+    match d {
+        64 => decode_head_body::<64>(q, k, v, scale, o, d),
+        128 => decode_head_body::<128>(q, k, v, scale, o, d),
+        _ => decode_head_body::<0>(q, k, v, scale, o, d),
+    }
+}
+
+super::vmath::avx512_dispatch!(
+    /// Decoding attention of one (row, KV head): `q` `[g, d]` query heads, `k`/`v` `[n, d]`
+    /// cached keys and values (n >= 1), `o` `[g, d]` the output; `scale` multiplies the scores.
+    pub fn decode_head(q: &[f32], k: &[f32], v: &[f32], scale: f32, o: &mut [f32], d: usize) =
+        decode_head_d
+);
+
 /// Inputs of one (block, KV head) task.
 struct Task<'a> {
     blk: &'a SpanBlock,
@@ -304,12 +374,7 @@ impl AttentionOp {
                     }
                     c += e - a;
                 }
-                let mut sum = 0f32;
-                for z in pr.iter_mut() {
-                    *z = super::fused::exp_or_zero(*z - max);
-                    sum += *z;
-                }
-                let inv = 1.0 / sum;
+                let inv = 1.0 / super::vmath::exp_sub_sum(pr, max);
                 let r = i * nr + si - blk.rows.start;
                 let or = &mut o[r * d..(r + 1) * d];
                 let mut c = 0;
@@ -648,6 +713,38 @@ mod tests {
             .unwrap()
             .reshape((b, s, h * d))
             .unwrap()
+    }
+
+    /// The decoding kernel against its plain f64 twin: softmax(q k^T * scale) v per query head.
+    #[test]
+    fn decode_head_matches_plain_twin() {
+        let val = |i: usize, m: usize| ((i * 7919 + m) % 97) as f32 / 48.0 - 1.0;
+        for &(g, n, d) in &[(3, 1, 64), (3, 57, 64), (1, 130, 128), (2, 33, 20)] {
+            let q: Vec<f32> = (0..g * d).map(|i| val(i, 1) * 3.0).collect();
+            let k: Vec<f32> = (0..n * d).map(|i| val(i, 2)).collect();
+            let v: Vec<f32> = (0..n * d).map(|i| val(i, 3)).collect();
+            let scale = 1.0 / (d as f32).sqrt();
+            let mut o = vec![f32::NAN; g * d];
+            decode_head(&q, &k, &v, scale, &mut o, d);
+            for i in 0..g {
+                let z: Vec<f64> = (0..n)
+                    .map(|t| {
+                        (0..d)
+                            .map(|c| q[i * d + c] as f64 * k[t * d + c] as f64)
+                            .sum::<f64>()
+                            * scale as f64
+                    })
+                    .collect();
+                let m = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = z.iter().map(|x| (x - m).exp()).collect();
+                let sum: f64 = e.iter().sum();
+                for c in 0..d {
+                    let want: f64 = (0..n).map(|t| e[t] / sum * v[t * d + c] as f64).sum();
+                    let got = o[i * d + c] as f64;
+                    assert!((got - want).abs() < 1e-5, "g{g} n{n} d{d}: {got} vs {want}");
+                }
+            }
+        }
     }
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f32 {

@@ -838,23 +838,6 @@ pub fn attention(
         .reshape((b, s, h * d))
 }
 
-/// Dot product with 8 independent accumulators, so the compiler can vectorise it.
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let n = a.len() / 8 * 8;
-    for (ca, cb) in a[..n].chunks_exact(8).zip(b[..n].chunks_exact(8)) {
-        for l in 0..8 {
-            acc[l] += ca[l] * cb[l];
-        }
-    }
-    let mut s: f32 = acc.iter().sum();
-    for i in n..a.len() {
-        s += a[i] * b[i];
-    }
-    s
-}
-
 /// Fused single-query attention for decoding, reading the KV cache views in place: for each row
 /// and kv head, the g query heads score the unmasked key slots, softmax, and weight the values.
 /// `q` [B, H, 1, D]; `k`/`v` [B, Hkv, Tk, D] with unit last stride. Returns `None` (caller falls
@@ -872,7 +855,13 @@ pub fn decode_attention_cpu(
     }
     let (b, h, _, d) = q.dims4()?;
     let (_, hkv, tk, _) = k.dims4()?;
-    if k.stride()[3] != 1 || v.stride()[3] != 1 || k.stride() != v.stride() || pad.len() != b {
+    if k.stride()[3] != 1
+        || k.stride()[2] != d
+        || k.stride() != v.stride()
+        || v.stride()[3] != 1
+        || pad.len() != b
+        || pad.iter().any(|&p| p >= tk)
+    {
         return Ok(None);
     }
     let g = h / hkv;
@@ -892,41 +881,14 @@ pub fn decode_attention_cpu(
     let qd = &qd[ql.start_offset()..];
     let (kd, vd) = (&kd[kl.start_offset()..], &vd[vl.start_offset()..]);
     let st = kl.stride();
-    let (sb, sh, stt) = (st[0], st[1], st[2]);
+    let (sb, sh) = (st[0], st[1]);
     let mut out = vec![0f32; b * h * d];
     out.par_chunks_mut(g * d).enumerate().for_each(|(bj, o)| {
         let (bi, j) = (bj / hkv, bj % hkv);
         let p0 = pad[bi].min(tk);
-        let n = tk - p0;
-        let mut scores = vec![0f32; g * n];
         let qg = &qd[(bi * h + j * g) * d..(bi * h + (j + 1) * g) * d];
-        for t in 0..n {
-            let ko = bi * sb + j * sh + (p0 + t) * stt;
-            let krow = &kd[ko..ko + d];
-            for i in 0..g {
-                scores[i * n + t] = dot(&qg[i * d..(i + 1) * d], krow) * scale;
-            }
-        }
-        for i in 0..g {
-            let sc = &mut scores[i * n..(i + 1) * n];
-            let m = sc.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f32;
-            sc.iter_mut().for_each(|x| {
-                *x = (*x - m).exp();
-                sum += *x;
-            });
-            let inv = 1.0 / sum;
-            sc.iter_mut().for_each(|x| *x *= inv);
-        }
-        for t in 0..n {
-            let vo = bi * sb + j * sh + (p0 + t) * stt;
-            let vrow = &vd[vo..vo + d];
-            for i in 0..g {
-                let p = scores[i * n + t];
-                let oi = &mut o[i * d..(i + 1) * d];
-                oi.iter_mut().zip(vrow).for_each(|(a, &x)| *a += p * x);
-            }
-        }
+        let (a, e) = (bi * sb + j * sh + p0 * d, bi * sb + j * sh + tk * d);
+        super::fused_attention::decode_head(qg, &kd[a..e], &vd[a..e], scale, o, d);
     });
     drop((qs, ks, vs));
     Ok(Some(Tensor::from_vec(out, (b, 1, h * d), q.device())?))

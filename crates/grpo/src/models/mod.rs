@@ -23,6 +23,7 @@ pub mod lora;
 pub mod packed;
 pub mod quant;
 mod seq_cls;
+pub mod vmath;
 
 use std::collections::HashMap;
 
