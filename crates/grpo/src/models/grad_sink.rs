@@ -197,7 +197,8 @@ impl CustomOp1 for SinkProj {
             candle_core::bail!("sink projection: input must be contiguous");
         };
         let x = &f32_slice(s)?[x0..x1];
-        let mut y = vec![0f32; n * self.out_dim];
+        // Not zero-filled: the first write of every element is a GEMM that does not read it.
+        let mut y: Vec<f32> = Vec::with_capacity(n * self.out_dim);
         let mut col = 0;
         for p in &self.parts {
             let (ws, wl) = p.weight.storage_and_layout();
@@ -235,6 +236,14 @@ impl CustomOp1 for SinkProj {
             }
             col += o;
         }
+        if col != self.out_dim {
+            candle_core::bail!(
+                "sink projection: parts cover {col} of {} outputs",
+                self.out_dim
+            );
+        }
+        // SAFETY: the parts' GEMMs (read_dst = false) wrote columns 0..out_dim of all n rows.
+        unsafe { y.set_len(n * self.out_dim) };
         Ok((CpuStorage::F32(y), Shape::from((n, self.out_dim))))
     }
 
@@ -249,7 +258,11 @@ impl CustomOp1 for SinkProj {
         };
         let g = &f32_slice(gs)?[gl.start_offset()..];
         let xv = &f32_slice(xs)?[xl.start_offset()..];
-        let mut gx = vec![0f32; n * k];
+        if self.parts.is_empty() {
+            candle_core::bail!("sink projection: no parts");
+        }
+        // Not zero-filled: the first part's GEMM (read_dst = false) writes all of it.
+        let mut gx: Vec<f32> = Vec::with_capacity(n * k);
         let od = self.out_dim as isize;
         let mut col = 0;
         for (i, p) in self.parts.iter().enumerate() {
@@ -328,6 +341,8 @@ impl CustomOp1 for SinkProj {
             }
             col += o;
         }
+        // SAFETY: the first part's GEMM wrote all n x k elements (see above).
+        unsafe { gx.set_len(n * k) };
         let gx = Tensor::from_vec(gx, (n, k), arg.device())?;
         Ok(Some(gx))
     }
