@@ -19,7 +19,7 @@ use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
 use crate::kv_cache::KvCache;
-use crate::models::{AttnMask, CausalLm, SeqBatch};
+use crate::models::{vmath, AttnMask, CausalLm, SeqBatch};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 
@@ -458,10 +458,10 @@ pub fn choose_token(
     };
     let penalised = params.repetition_penalty != 1.0;
     // Raw probabilities (unnormalised) at temperature t, and their sum for the log-prob.
-    let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let m = vmath::max(logits);
     scratch.clear();
-    scratch.extend(logits.iter().map(|&x| ((x - m) / t).exp()));
-    let raw_sum: f64 = scratch.iter().map(|&p| p as f64).sum();
+    scratch.resize(logits.len(), 0.0);
+    let raw_sum = vmath::exp_scaled(logits, m, t, scratch);
     let logprob = |tok: usize| (logits[tok] - m) / t - raw_sum.ln() as f32;
     if penalised {
         // Penalised logits, then their probabilities (a second pass, only in this case).
@@ -476,8 +476,10 @@ pub fn choose_token(
                 }
             }
         }
-        let m2 = scratch.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-        scratch.iter_mut().for_each(|v| *v = ((*v - m2) / t).exp());
+        let m2 = vmath::max(scratch);
+        scratch
+            .iter_mut()
+            .for_each(|v| *v = vmath::exp((*v - m2) / t));
     }
     if suppress_eos {
         for &e in &params.eos_token_ids {

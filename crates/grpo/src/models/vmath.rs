@@ -162,6 +162,48 @@ pub fn sum(z: &[f32]) -> f32 {
 }
 
 #[inline(always)]
+fn max_body(x: &[f32]) -> f32 {
+    let chunks = x.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    let mut mx = [f32::NEG_INFINITY; LANES];
+    for c in chunks {
+        for i in 0..LANES {
+            mx[i] = if c[i] > mx[i] { c[i] } else { mx[i] };
+        }
+    }
+    mx.iter()
+        .chain(tail)
+        .fold(f32::NEG_INFINITY, |a, &b| a.max(b))
+}
+
+avx512_dispatch!(
+    /// The largest element (`-inf` for an empty slice; NaNs are skipped).
+    pub fn max(x: &[f32]) -> f32 = max_body
+);
+
+#[inline(always)]
+fn exp_scaled_body(x: &[f32], shift: f32, t: f32, out: &mut [f32]) -> f64 {
+    let out = &mut out[..x.len()];
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = exp((v - shift) / t);
+    }
+    let chunks = out.chunks_exact(8);
+    let tail = chunks.remainder();
+    let mut s = [0f64; 8];
+    for c in chunks {
+        for i in 0..8 {
+            s[i] += c[i] as f64;
+        }
+    }
+    s.iter().sum::<f64>() + tail.iter().map(|&v| v as f64).sum::<f64>()
+}
+
+avx512_dispatch!(
+    /// `out[i] = e^((x[i] - shift) / t)`; returns their sum in f64 (8 partial sums).
+    pub fn exp_scaled(x: &[f32], shift: f32, t: f32, out: &mut [f32]) -> f64 = exp_scaled_body
+);
+
+#[inline(always)]
 fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + exp(-x))
 }
@@ -253,6 +295,21 @@ mod tests {
             }
             let want: f64 = l.iter().map(|&v| (v as f64 - 1.5).exp()).sum();
             assert!((total as f64 - want).abs() <= 1e-5 * want);
+        }
+        for n in [0usize, 5, 16, 33, 1000] {
+            let x = &l[..n];
+            let want = x.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            assert_eq!(max(x), want);
+            let mut out = vec![0f32; n];
+            let total = exp_scaled(x, want, 0.7, &mut out);
+            let mut want_sum = 0f64;
+            for (o, &v) in out.iter().zip(x) {
+                // The exponent rounded to f32 as the kernel computes it; the error is exp's.
+                let e = (((v - want) / 0.7) as f64).exp();
+                assert!(ulps(*o, e) <= 2.0);
+                want_sum += e;
+            }
+            assert!((total - want_sum).abs() <= 1e-6 * want_sum.max(1.0));
         }
         let g: Vec<f32> = (0..37).map(|i| i as f32 * 0.5 - 9.0).collect();
         let u: Vec<f32> = (0..37).map(|i| 1.0 - i as f32 * 0.1).collect();
