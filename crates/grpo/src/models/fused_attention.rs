@@ -281,19 +281,62 @@ fn decode_head_body<const D: usize>(
 ) {
     let d = if D > 0 { D } else { d };
     let (g, n) = (q.len() / d, k.len() / d);
-    let mut p = vec![0f32; n];
-    for i in 0..g {
-        let qi = &q[i * d..(i + 1) * d];
-        let mut max = f32::NEG_INFINITY;
-        for (t, z) in p.iter_mut().enumerate() {
-            *z = dot16::<D>(qi, &k[t * d..(t + 1) * d]) * scale;
-            max = max.max(*z);
+    let mut p = vec![0f32; g * n]; // [g, n]
+    #[cfg(target_arch = "x86_64")]
+    let done = if d % 16 == 0 && super::vmath::has_avx512() {
+        // SAFETY: AVX-512F is there; q holds g rows of d, k n rows of d, p g * n scores.
+        unsafe { decode_scores_avx512(q, k, d, scale, &mut p) };
+        true
+    } else {
+        false
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = false;
+    if !done {
+        for i in 0..g {
+            let qi = &q[i * d..(i + 1) * d];
+            for (t, z) in p[i * n..(i + 1) * n].iter_mut().enumerate() {
+                *z = dot16::<D>(qi, &k[t * d..(t + 1) * d]) * scale;
+            }
         }
-        let inv = 1.0 / super::vmath::exp_sub_sum(&mut p, max);
-        p.iter_mut().for_each(|x| *x *= inv);
+    }
+    for (i, pi) in p.chunks_exact_mut(n.max(1)).enumerate().take(g) {
+        let max = super::vmath::max(pi);
+        let inv = 1.0 / super::vmath::exp_sub_sum(pi, max);
+        pi.iter_mut().for_each(|x| *x *= inv);
         let oi = &mut o[i * d..(i + 1) * d];
         oi.fill(0.0);
-        weighted_rows::<D>(oi, &p, v);
+        weighted_rows::<D>(oi, pi, v);
+    }
+}
+
+/// The scores `p[i, t] = scale * q[i] . k[t]` of [`decode_head_body`] for `d` a multiple of 16:
+/// each key row is loaded once for all query heads, the dot products in 16-wide FMAs.
+///
+/// # Safety
+/// AVX-512F must be available; `d % 16 == 0`, `q` holds `g` rows of `d`, `k` `n` rows of `d`, and
+/// `p` `g * n` floats, where g = q.len() / d and n = k.len() / d.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn decode_scores_avx512(q: &[f32], k: &[f32], d: usize, scale: f32, p: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let (g, n, c) = (q.len() / d, k.len() / d, d / 16);
+    debug_assert!(d % 16 == 0 && p.len() >= g * n);
+    let (qp, kp, pp) = (q.as_ptr(), k.as_ptr(), p.as_mut_ptr());
+    for t in 0..n {
+        let kt = kp.add(t * d);
+        for i in 0..g {
+            let qi = qp.add(i * d);
+            let mut acc = _mm512_mul_ps(_mm512_loadu_ps(qi), _mm512_loadu_ps(kt));
+            for j in 1..c {
+                acc = _mm512_fmadd_ps(
+                    _mm512_loadu_ps(qi.add(16 * j)),
+                    _mm512_loadu_ps(kt.add(16 * j)),
+                    acc,
+                );
+            }
+            *pp.add(i * n + t) = _mm512_reduce_add_ps(acc) * scale;
+        }
     }
 }
 
