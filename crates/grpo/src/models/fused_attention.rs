@@ -283,7 +283,7 @@ fn decode_head_body<const D: usize>(
     let (g, n) = (q.len() / d, k.len() / d);
     let mut p = vec![0f32; g * n]; // [g, n]
     #[cfg(target_arch = "x86_64")]
-    let done = if d % 16 == 0 && super::vmath::has_avx512() {
+    let done = if d.is_multiple_of(16) && super::vmath::has_avx512() {
         // SAFETY: AVX-512F is there; q holds g rows of d, k n rows of d, p g * n scores.
         unsafe { decode_scores_avx512(q, k, d, scale, &mut p) };
         true
@@ -321,7 +321,7 @@ fn decode_head_body<const D: usize>(
 unsafe fn decode_scores_avx512(q: &[f32], k: &[f32], d: usize, scale: f32, p: &mut [f32]) {
     use std::arch::x86_64::*;
     let (g, n, c) = (q.len() / d, k.len() / d, d / 16);
-    debug_assert!(d % 16 == 0 && p.len() >= g * n);
+    debug_assert!(d.is_multiple_of(16) && p.len() >= g * n);
     let (qp, kp, pp) = (q.as_ptr(), k.as_ptr(), p.as_mut_ptr());
     for t in 0..n {
         let kt = kp.add(t * d);
