@@ -273,11 +273,10 @@ impl CustomOp2 for MaskedSoftmaxOp {
                 let q = (r % r_len) % self.s;
                 let z = zr.row(z, r);
                 let m = mr.row(m, b * self.s + q);
-                let mut max = f32::NEG_INFINITY;
                 for j in 0..tk {
                     o[j] = z[j] * self.scale + m[j];
-                    max = max.max(o[j]);
                 }
+                let max = vmath::max(o);
                 let inv = 1.0 / vmath::exp_sub_sum(o, max);
                 o.iter_mut().for_each(|v| *v *= inv);
             });

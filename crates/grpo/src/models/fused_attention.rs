@@ -406,17 +406,15 @@ impl AttentionOp {
                 let at = i * blk.len + sp.off[row];
                 let pr = &mut p[at..at + n];
                 let add = sp.add[row];
-                let mut max = f32::NEG_INFINITY;
                 let mut c = 0;
                 for &(a, e) in runs {
                     // Scores of the whole run at once: sum over d of q[d] * K^T[d, a..e].
                     scores(&mut pr[c..c + e - a], qr, &kt, nk + 16, a - ka);
-                    for z in &mut pr[c..c + e - a] {
-                        *z = *z * self.scale + add;
-                        max = max.max(*z);
-                    }
                     c += e - a;
                 }
+                // Separate passes so that each vectorizes (a running max is a serial chain).
+                pr.iter_mut().for_each(|z| *z = *z * self.scale + add);
+                let max = super::vmath::max(pr);
                 let inv = 1.0 / super::vmath::exp_sub_sum(pr, max);
                 let r = i * nr + si - blk.rows.start;
                 let or = &mut o[r * d..(r + 1) * d];
@@ -465,10 +463,7 @@ impl AttentionOp {
                     scores(&mut dp[c..c + e - a], gr, &vt, nk + 16, a - ka); // dP = dO V^T
                     c += e - a;
                 }
-                let mut cs = 0f32;
-                for (pj, dj) in pr.iter().zip(&dp[..n]) {
-                    cs += pj * dj;
-                }
+                let cs = dot16::<0>(pr, &dp[..n]); // rowsum(P * dP), 16 lanes
                 let dqr = &mut dq[r * d..(r + 1) * d];
                 let mut c = 0;
                 for &(a, e) in runs {
