@@ -19,7 +19,7 @@ use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
 use crate::kv_cache::KvCache;
-use crate::models::{vmath, AttnMask, CausalLm, SeqBatch};
+use crate::models::{vmath, AttnMask, CausalLm, SeqBatch, SharedPrefix};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 
@@ -294,9 +294,25 @@ pub fn generate_streaming(
                 .iter()
                 .map(|&r| lmax - prompts[rows[r].prompt].ids.len())
                 .collect();
+            // Rows of one prompt hold its prefill's keys and values in slots ..lmax: attention
+            // reads them once per group, from the group's first row in the batch.
+            let mut first_of = vec![usize::MAX; prompts.len()];
+            let leader: Vec<usize> = batch
+                .iter()
+                .enumerate()
+                .map(|(i, &r)| {
+                    let f = &mut first_of[rows[r].prompt];
+                    if *f == usize::MAX {
+                        *f = i;
+                    }
+                    *f
+                })
+                .collect();
+            let shared = SharedPrefix { leader, end: lmax };
+            let mask = AttnMask::LeftPad(pads, Some(shared));
             let ids = Tensor::from_vec(ids, (b, 1), &device)?;
             let pos = Tensor::from_vec(pos, (b, 1), &device)?;
-            let h = model.forward_cached(&ids, &pos, &AttnMask::LeftPad(pads), &mut cache)?; // [b, 1, H]
+            let h = model.forward_cached(&ids, &pos, &mask, &mut cache)?; // [b, 1, H]
             let logits: Vec<f32> = model.logits(&h.squeeze(1)?)?.flatten_all()?.to_vec1()?; // [b*V]
             stats.decode_steps += 1;
             let ts = Instant::now();

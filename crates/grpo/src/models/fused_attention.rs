@@ -268,37 +268,47 @@ fn dot16<const D: usize>(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// Single-query attention of decoding for one (row, KV head): the `g` query heads `q` `[g, d]`
-/// score the `n` keys `k` `[n, d]`, and `o` `[g, d]` receives the softmax-weighted sum of the
-/// values `v` `[n, d]`. The cache is read in place (decoding is bound by reading it).
+/// score the keys of every segment `(k, v)` (`[n_s, d]` each, in key order), and `o` `[g, d]`
+/// receives the softmax-weighted sum of their values. The cache is read in place (decoding is
+/// bound by reading it); a prompt shared by a group is one segment read from one row.
 #[inline(always)]
 fn decode_head_body<const D: usize>(
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    segs: &[(&[f32], &[f32])],
     scale: f32,
     o: &mut [f32],
     d: usize,
 ) {
     let d = if D > 0 { D } else { d };
-    let (g, n) = (q.len() / d, k.len() / d);
+    let g = q.len() / d;
+    let n: usize = segs.iter().map(|(k, _)| k.len() / d).sum();
     let mut p = vec![0f32; g * n]; // [g, n]
-    #[cfg(target_arch = "x86_64")]
-    let done = if d.is_multiple_of(16) && super::vmath::has_avx512() {
-        // SAFETY: AVX-512F is there; q holds g rows of d, k n rows of d, p g * n scores.
-        unsafe { decode_scores_avx512(q, k, d, scale, &mut p) };
-        true
-    } else {
-        false
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let done = false;
-    if !done {
-        for i in 0..g {
-            let qi = &q[i * d..(i + 1) * d];
-            for (t, z) in p[i * n..(i + 1) * n].iter_mut().enumerate() {
-                *z = dot16::<D>(qi, &k[t * d..(t + 1) * d]) * scale;
+    let mut at = 0;
+    for (k, _) in segs {
+        let ns = k.len() / d;
+        let mut z = vec![0f32; g * ns]; // [g, ns]
+        #[cfg(target_arch = "x86_64")]
+        let done = if d.is_multiple_of(16) && super::vmath::has_avx512() {
+            // SAFETY: AVX-512F is there; q holds g rows of d, k ns rows of d, z g * ns scores.
+            unsafe { decode_scores_avx512(q, k, d, scale, &mut z) };
+            true
+        } else {
+            false
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let done = false;
+        if !done {
+            for i in 0..g {
+                let qi = &q[i * d..(i + 1) * d];
+                for (t, zt) in z[i * ns..(i + 1) * ns].iter_mut().enumerate() {
+                    *zt = dot16::<D>(qi, &k[t * d..(t + 1) * d]) * scale;
+                }
             }
         }
+        for i in 0..g {
+            p[i * n + at..i * n + at + ns].copy_from_slice(&z[i * ns..(i + 1) * ns]);
+        }
+        at += ns;
     }
     for (i, pi) in p.chunks_exact_mut(n.max(1)).enumerate().take(g) {
         let max = super::vmath::max(pi);
@@ -306,7 +316,12 @@ fn decode_head_body<const D: usize>(
         pi.iter_mut().for_each(|x| *x *= inv);
         let oi = &mut o[i * d..(i + 1) * d];
         oi.fill(0.0);
-        weighted_rows::<D>(oi, pi, v);
+        let mut at = 0;
+        for (_, v) in segs {
+            let ns = v.len() / d;
+            weighted_rows::<D>(oi, &pi[at..at + ns], v);
+            at += ns;
+        }
     }
 }
 
@@ -341,18 +356,19 @@ unsafe fn decode_scores_avx512(q: &[f32], k: &[f32], d: usize, scale: f32, p: &m
 }
 
 #[inline(always)]
-fn decode_head_d(q: &[f32], k: &[f32], v: &[f32], scale: f32, o: &mut [f32], d: usize) {
+fn decode_head_d(q: &[f32], segs: &[(&[f32], &[f32])], scale: f32, o: &mut [f32], d: usize) {
     match d {
-        64 => decode_head_body::<64>(q, k, v, scale, o, d),
-        128 => decode_head_body::<128>(q, k, v, scale, o, d),
-        _ => decode_head_body::<0>(q, k, v, scale, o, d),
+        64 => decode_head_body::<64>(q, segs, scale, o, d),
+        128 => decode_head_body::<128>(q, segs, scale, o, d),
+        _ => decode_head_body::<0>(q, segs, scale, o, d),
     }
 }
 
 super::vmath::avx512_dispatch!(
-    /// Decoding attention of one (row, KV head): `q` `[g, d]` query heads, `k`/`v` `[n, d]`
-    /// cached keys and values (n >= 1), `o` `[g, d]` the output; `scale` multiplies the scores.
-    pub fn decode_head(q: &[f32], k: &[f32], v: &[f32], scale: f32, o: &mut [f32], d: usize) =
+    /// Decoding attention of one (row, KV head): `q` `[g, d]` query heads; `segs` the cached
+    /// keys and values `[n_s, d]`, segment after segment in key order (at least one key in all);
+    /// `o` `[g, d]` the output; `scale` multiplies the scores.
+    pub fn decode_head(q: &[f32], segs: &[(&[f32], &[f32])], scale: f32, o: &mut [f32], d: usize) =
         decode_head_d
 );
 
@@ -763,7 +779,15 @@ mod tests {
             let v: Vec<f32> = (0..n * d).map(|i| val(i, 3)).collect();
             let scale = 1.0 / (d as f32).sqrt();
             let mut o = vec![f32::NAN; g * d];
-            decode_head(&q, &k, &v, scale, &mut o, d);
+            decode_head(&q, &[(&k, &v)], scale, &mut o, d);
+            // The same keys in two segments (a shared prompt read from another row) give the same.
+            let cut = n / 2 * d;
+            let mut o2 = vec![f32::NAN; g * d];
+            let segs = [(&k[..cut], &v[..cut]), (&k[cut..], &v[cut..])];
+            decode_head(&q, &segs, scale, &mut o2, d);
+            for (a, b) in o.iter().zip(&o2) {
+                assert!((a - b).abs() < 1e-6, "g{g} n{n} d{d}: split {b} vs {a}");
+            }
             for i in 0..g {
                 let z: Vec<f64> = (0..n)
                     .map(|t| {

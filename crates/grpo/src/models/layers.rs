@@ -755,7 +755,18 @@ pub enum AttnMask {
     /// A dense mask with its key runs read once for every layer (see [`AttnMask::dense`]).
     Spanned(Tensor, Arc<Spans>),
     /// One query per row (decoding): row `b` attends key slots `pad[b]..Tk` (left padding).
-    LeftPad(Vec<usize>),
+    /// With a [`SharedPrefix`], rows of a group read their common prompt slots from one row.
+    LeftPad(Vec<usize>, Option<SharedPrefix>),
+}
+
+/// Rows of a decoding batch that hold the same keys and values in slots `pad[b]..end` (one
+/// prompt's, copied from one prefill into each of its samples' rows): row `b` reads those slots
+/// from row `leader[b]` (itself for the first row of a group), so that a group's G rows read their
+/// prompt once between them and the rest stays in cache. Slots from `end` on are each row's own.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SharedPrefix {
+    pub leader: Vec<usize>,
+    pub end: usize,
 }
 
 impl AttnMask {
@@ -789,9 +800,9 @@ pub fn attention(
     let (dense, spans) = match mask {
         AttnMask::Dense(m) => (m.clone(), None),
         AttnMask::Spanned(m, sp) => (m.clone(), Some(sp.clone())),
-        AttnMask::LeftPad(pad) => {
+        AttnMask::LeftPad(pad, shared) => {
             if mode == Mode::Infer && s == 1 {
-                if let Some(out) = decode_attention_cpu(q, k, v, pad)? {
+                if let Some(out) = decode_attention_cpu(q, k, v, pad, shared.as_ref())? {
                     return Ok(out);
                 }
             }
@@ -840,13 +851,15 @@ pub fn attention(
 
 /// Fused single-query attention for decoding, reading the KV cache views in place: for each row
 /// and kv head, the g query heads score the unmasked key slots, softmax, and weight the values.
-/// `q` [B, H, 1, D]; `k`/`v` [B, Hkv, Tk, D] with unit last stride. Returns `None` (caller falls
-/// back to matmuls) unless everything is f32 on the CPU.
+/// `q` [B, H, 1, D]; `k`/`v` [B, Hkv, Tk, D] with unit last stride. With `shared`, a row reads
+/// slots `pad..end` from its group's leader row (see [`SharedPrefix`]). Returns `None` (caller
+/// falls back to matmuls) unless everything is f32 on the CPU.
 pub fn decode_attention_cpu(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     pad: &[usize],
+    shared: Option<&SharedPrefix>,
 ) -> Result<Option<Tensor>> {
     use candle_core::{CpuStorage, Storage};
     use rayon::prelude::*;
@@ -864,6 +877,16 @@ pub fn decode_attention_cpu(
     {
         return Ok(None);
     }
+    // A leader must be a row of the batch with the same padding (the same prompt).
+    let shared = shared.filter(|sp| {
+        sp.leader.len() == b
+            && sp.end <= tk
+            && sp
+                .leader
+                .iter()
+                .zip(pad)
+                .all(|(&l, &p)| l < b && pad[l] == p)
+    });
     let g = h / hkv;
     let scale = 1.0 / (d as f32).sqrt();
     let q = q.contiguous()?;
@@ -887,8 +910,17 @@ pub fn decode_attention_cpu(
         let (bi, j) = (bj / hkv, bj % hkv);
         let p0 = pad[bi].min(tk);
         let qg = &qd[(bi * h + j * g) * d..(bi * h + (j + 1) * g) * d];
-        let (a, e) = (bi * sb + j * sh + p0 * d, bi * sb + j * sh + tk * d);
-        super::fused_attention::decode_head(qg, &kd[a..e], &vd[a..e], scale, o, d);
+        let slots = |row: usize, from: usize, to: usize| {
+            let (a, e) = (row * sb + j * sh + from * d, row * sb + j * sh + to * d);
+            (&kd[a..e], &vd[a..e])
+        };
+        match shared {
+            Some(sp) if sp.end > p0 && sp.leader[bi] != bi => {
+                let segs = [slots(sp.leader[bi], p0, sp.end), slots(bi, sp.end, tk)];
+                super::fused_attention::decode_head(qg, &segs, scale, o, d);
+            }
+            _ => super::fused_attention::decode_head(qg, &[slots(bi, p0, tk)], scale, o, d),
+        }
     });
     drop((qs, ks, vs));
     Ok(Some(Tensor::from_vec(out, (b, 1, h * d), q.device())?))
@@ -935,6 +967,62 @@ mod tests {
             .unwrap()
             .to_scalar::<f32>()
             .unwrap()
+    }
+
+    /// Rows 0-2 share one prompt (slots 1..5 equal, slot 0 padding), row 3 is another prompt:
+    /// reading the shared slots from the leader gives what each row's own copy gives, and a
+    /// leader with another padding is not used.
+    #[test]
+    fn decode_attention_reads_a_shared_prompt_from_its_leader() {
+        let dev = Device::Cpu;
+        let (b, hkv, g, tk, d) = (4, 2, 3, 9, 64);
+        let prompt = Tensor::randn(0f32, 1.0, (1, hkv, 5, d), &dev).unwrap();
+        let mut ks = vec![];
+        let mut vs = vec![];
+        for r in 0..b {
+            let own = Tensor::randn(0f32, 1.0, (1, hkv, tk - 5, d), &dev).unwrap();
+            let pre = match r {
+                3 => Tensor::randn(0f32, 1.0, (1, hkv, 5, d), &dev).unwrap(),
+                _ => prompt.clone(),
+            };
+            ks.push(Tensor::cat(&[&pre, &own], 2).unwrap());
+            let own_v = Tensor::randn(0f32, 1.0, (1, hkv, tk - 5, d), &dev).unwrap();
+            let pre_v = (&pre * 0.5).unwrap();
+            vs.push(Tensor::cat(&[&pre_v, &own_v], 2).unwrap());
+        }
+        let k = Tensor::cat(&ks, 0).unwrap(); // [B, Hkv, Tk, D]
+        let v = Tensor::cat(&vs, 0).unwrap();
+        let q = Tensor::randn(0f32, 1.0, (b, hkv * g, 1, d), &dev).unwrap();
+        let pad = vec![1, 1, 1, 2];
+        let own = decode_attention_cpu(&q, &k, &v, &pad, None)
+            .unwrap()
+            .unwrap();
+        let sp = SharedPrefix {
+            leader: vec![0, 0, 0, 3],
+            end: 5,
+        };
+        let shared = decode_attention_cpu(&q, &k, &v, &pad, Some(&sp))
+            .unwrap()
+            .unwrap();
+        assert!(max_abs_diff(&own, &shared) < 1e-6);
+        // Row 3 named row 0 as its leader, but its padding differs: the sharing is refused.
+        let bad = SharedPrefix {
+            leader: vec![0, 0, 0, 0],
+            end: 5,
+        };
+        let refused = decode_attention_cpu(&q, &k, &v, &pad, Some(&bad))
+            .unwrap()
+            .unwrap();
+        assert!(max_abs_diff(&own, &refused) < 1e-6);
+        // And a leader whose slots differ changes the result (the leader is really read).
+        let wrong = SharedPrefix {
+            leader: vec![0, 0, 0, 3],
+            end: 6,
+        };
+        let read = decode_attention_cpu(&q, &k, &v, &pad, Some(&wrong))
+            .unwrap()
+            .unwrap();
+        assert!(max_abs_diff(&own, &read) > 1e-3);
     }
 
     #[test]

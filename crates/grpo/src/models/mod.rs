@@ -31,7 +31,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 
 pub use config::{Arch, ModelConfig};
-pub use layers::{AttnMask, Mode, ProjMut};
+pub use layers::{AttnMask, Mode, ProjMut, SharedPrefix};
 pub use lora::{LoraAdapter, LoraDropout};
 pub use quant::{QuantProj, QuantType};
 

@@ -264,6 +264,32 @@ mod tests {
         assert!(exp(f32::NAN).is_nan());
     }
 
+    /// The bodies as compiled for the baseline target (what a CPU without AVX-512 runs) agree
+    /// with the dispatched kernels bit for bit: same operations, same order.
+    #[test]
+    fn baseline_and_dispatched_kernels_agree() {
+        let l: Vec<f32> = (0..1003)
+            .map(|i| ((i * 53) % 211) as f32 * 0.07 - 7.0)
+            .collect();
+        assert_eq!(softmax_stats_body(&l, 0.9), softmax_stats(&l, 0.9));
+        assert_eq!(max_body(&l), max(&l));
+        let (mut a, mut b) = (vec![0f32; l.len()], vec![0f32; l.len()]);
+        assert_eq!(
+            exp_scaled_body(&l, 1.0, 0.8, &mut a),
+            exp_scaled(&l, 1.0, 0.8, &mut b)
+        );
+        assert_eq!(a, b);
+        let (mut a, mut b) = (l.clone(), l.clone());
+        assert_eq!(exp_sub_sum_body(&mut a, 0.5), exp_sub_sum(&mut b, 0.5));
+        assert_eq!(a, b);
+        let (g, u) = l.split_at(501);
+        let u = &u[..501];
+        let (mut a, mut b) = (vec![0f32; 501], vec![0f32; 501]);
+        silu_mul_body(g, u, &mut a);
+        silu_mul(g, u, &mut b);
+        assert_eq!(a, b);
+    }
+
     /// The plain twins: the same formulas in f64 with libm's exp.
     #[test]
     fn row_kernels_match_f64_twins() {
