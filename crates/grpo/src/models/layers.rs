@@ -994,35 +994,18 @@ mod tests {
         let v = Tensor::cat(&vs, 0).unwrap();
         let q = Tensor::randn(0f32, 1.0, (b, hkv * g, 1, d), &dev).unwrap();
         let pad = vec![1, 1, 1, 2];
-        let own = decode_attention_cpu(&q, &k, &v, &pad, None)
-            .unwrap()
-            .unwrap();
-        let sp = SharedPrefix {
-            leader: vec![0, 0, 0, 3],
-            end: 5,
+        let run = |shared: Option<(Vec<usize>, usize)>| {
+            let sp = shared.map(|(leader, end)| SharedPrefix { leader, end });
+            decode_attention_cpu(&q, &k, &v, &pad, sp.as_ref())
+                .unwrap()
+                .unwrap()
         };
-        let shared = decode_attention_cpu(&q, &k, &v, &pad, Some(&sp))
-            .unwrap()
-            .unwrap();
-        assert!(max_abs_diff(&own, &shared) < 1e-6);
+        let own = run(None);
+        assert!(max_abs_diff(&own, &run(Some((vec![0, 0, 0, 3], 5)))) < 1e-6);
         // Row 3 named row 0 as its leader, but its padding differs: the sharing is refused.
-        let bad = SharedPrefix {
-            leader: vec![0, 0, 0, 0],
-            end: 5,
-        };
-        let refused = decode_attention_cpu(&q, &k, &v, &pad, Some(&bad))
-            .unwrap()
-            .unwrap();
-        assert!(max_abs_diff(&own, &refused) < 1e-6);
-        // And a leader whose slots differ changes the result (the leader is really read).
-        let wrong = SharedPrefix {
-            leader: vec![0, 0, 0, 3],
-            end: 6,
-        };
-        let read = decode_attention_cpu(&q, &k, &v, &pad, Some(&wrong))
-            .unwrap()
-            .unwrap();
-        assert!(max_abs_diff(&own, &read) > 1e-3);
+        assert!(max_abs_diff(&own, &run(Some((vec![0, 0, 0, 0], 5)))) < 1e-6);
+        // A leader whose slots differ changes the result (the leader's slots are really read).
+        assert!(max_abs_diff(&own, &run(Some((vec![0, 0, 0, 3], 6)))) > 1e-3);
     }
 
     #[test]
