@@ -31,9 +31,12 @@ fn main() -> candle_core::Result<()> {
         let wt = w.t()?.contiguous()?; // [in, out], as a detached Linear keeps it
         let pack_s = time(3, || PackedWeight::from_in_out(&wt).map(|_| ()))?;
         let packed = PackedWeight::from_in_out(&wt)?;
-        for m in [1usize, 8, 32, 64, 256] {
+        let ms: Vec<usize> = std::env::var("ROWS")
+            .map(|v| v.split(',').filter_map(|x| x.parse().ok()).collect())
+            .unwrap_or(vec![1, 8, 32, 64, 256]);
+        for m in ms {
             let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?;
-            let reps = if n > 10_000 { 5 } else { 30 };
+            let reps = if n > 10_000 { 20 } else { 300 };
             let candle = time(reps, || x.matmul(&wt).map(|_| ()))?;
             let ours = time(reps, || packed.forward(&x).map(|_| ()))?;
             let gf = |s: f64| 2.0 * (m * n * k) as f64 / s / 1e9;

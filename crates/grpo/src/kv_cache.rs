@@ -86,6 +86,11 @@ impl KvCache {
         Ok((k.narrow(2, 0, self.len + s)?, v.narrow(2, 0, self.len + s)?))
     }
 
+    /// Every layer's key and value tensors `[B, Hkv, T_max, D]`, all slots.
+    pub fn layer_tensors(&self) -> (&[Tensor], &[Tensor]) {
+        (&self.k, &self.v)
+    }
+
     pub fn advance(&mut self, s: usize) {
         self.len += s;
     }

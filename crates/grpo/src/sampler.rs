@@ -310,10 +310,7 @@ pub fn generate_streaming(
                 .collect();
             let shared = SharedPrefix { leader, end: lmax };
             let mask = AttnMask::LeftPad(pads, Some(shared));
-            let ids = Tensor::from_vec(ids, (b, 1), &device)?;
-            let pos = Tensor::from_vec(pos, (b, 1), &device)?;
-            let h = model.forward_cached(&ids, &pos, &mask, &mut cache)?; // [b, 1, H]
-            let logits: Vec<f32> = model.logits(&h.squeeze(1)?)?.flatten_all()?.to_vec1()?; // [b*V]
+            let logits = model.decode_logits(&ids, &pos, &mask, &mut cache)?; // [b*V]
             stats.decode_steps += 1;
             let ts = Instant::now();
             let v = logits.len() / b;

@@ -70,7 +70,50 @@ fn packed_model(m: &LoadedModel) -> CausalLm {
         true => assert!(n > 4, "only {n} weights packed"),
         false => assert_eq!(n, 0),
     }
+    let llama_family = model.config().arch != grpo::models::Arch::Gpt2;
+    assert_eq!(
+        model.fused_decoding(),
+        llama_family && grpo::models::packed::PackedWeight::available()
+    );
     model
+}
+
+#[test]
+fn fused_decoding_step_equals_the_tensor_path() {
+    for name in ["llama", "llama3", "qwen2", "qwen3"] {
+        let (m, _) = load(name, DType::F32);
+        let fused = packed_model(&m);
+        let mut plain = packed_model(&m);
+        plain.disable_fused_decoding();
+        assert!(!plain.fused_decoding());
+        // Prompts of different lengths (left padding), three samples each (shared prompts),
+        // stopping at different steps (compaction).
+        let prompts: Vec<PromptInput> = [(3..30).collect::<Vec<u32>>(), vec![9, 8], vec![40; 7]]
+            .into_iter()
+            .enumerate()
+            .map(|(i, ids)| PromptInput {
+                ids,
+                seed: i as u64,
+            })
+            .collect();
+        let params = SamplingParams {
+            max_new_tokens: 14,
+            temperature: 1.0,
+            eos_token_ids: (0..24).collect(),
+            ..Default::default()
+        };
+        let (a, sa) = generate(&fused, None, &prompts, 3, &params).unwrap();
+        let (b, sb) = generate(&plain, None, &prompts, 3, &params).unwrap();
+        assert_eq!(sa.compactions, sb.compactions);
+        assert!(sa.compactions > 0, "{name}: no row left the batch");
+        for (ga, gb) in a.iter().zip(&b) {
+            for (ca, cb) in ga.iter().zip(gb) {
+                assert_eq!(ca.ids, cb.ids, "{name}: fused decoding chose other tokens");
+                let d = max_diff(&ca.logprobs, &cb.logprobs);
+                assert!(d < 1e-5, "{name}: fused decoding log-probs differ by {d}");
+            }
+        }
+    }
 }
 
 #[test]

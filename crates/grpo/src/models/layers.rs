@@ -193,6 +193,22 @@ impl Linear {
         }
     }
 
+    /// The packed weight and the bias as host floats, when this projection is packed and has
+    /// nothing else to add (no adapter, no gradient sink): the fused decoding step's view of it.
+    pub fn packed_parts(&self) -> Result<Option<super::decode_cpu::Proj>> {
+        match (&self.base, &self.lora, &self.sink) {
+            (Base::Packed(p), None, None) => Ok(Some(super::decode_cpu::Proj {
+                w: p.clone(),
+                bias: match &self.bias {
+                    Some(b) if b.dtype() == DType::F32 => Some(b.flatten_all()?.to_vec1()?),
+                    Some(_) => return Ok(None),
+                    None => None,
+                },
+            })),
+            _ => Ok(None),
+        }
+    }
+
     /// The base projection and bias, without the adapter.
     fn forward_base(&self, x: &Tensor) -> Result<Tensor> {
         let y = match (&self.sink, &self.base) {
@@ -413,6 +429,19 @@ impl FusedLinear {
         Ok(self.sink.is_some())
     }
 
+    /// The joined projection's packed parts ([`Linear::packed_parts`]) when it is packed and
+    /// has no adapters or sink.
+    pub fn packed_parts(&self) -> Result<Option<super::decode_cpu::Proj>> {
+        match (
+            &self.joined,
+            &self.sink,
+            self.loras.iter().all(|l| l.is_none()),
+        ) {
+            (Some(j), None, true) => j.packed_parts(),
+            _ => Ok(None),
+        }
+    }
+
     /// `x` [.., in] -> [.., sum of out_i], the parts side by side.
     pub fn forward_joined(&self, x: &Tensor) -> Result<Tensor> {
         if self.loras.iter().any(|l| l.is_some()) {
@@ -525,6 +554,16 @@ pub struct RmsNorm {
 }
 
 impl RmsNorm {
+    /// The weight as host floats, when it is f32.
+    pub fn host_weight(&self) -> Result<Option<Vec<f32>>> {
+        match self.weight.dtype() {
+            DType::F32 => Ok(Some(self.weight.flatten_all()?.to_vec1()?)),
+            _ => Ok(None),
+        }
+    }
+    pub fn eps(&self) -> f64 {
+        self.eps
+    }
     pub fn new(weight: Tensor, eps: f64) -> Self {
         Self { weight, eps }
     }
@@ -674,6 +713,11 @@ impl Rope {
 
     pub fn max_positions(&self) -> usize {
         self.cos.dims()[0]
+    }
+
+    /// The tables `[max_pos, head_dim / 2]` (cos, sin).
+    pub fn tables_all(&self) -> (&Tensor, &Tensor) {
+        (&self.cos, &self.sin)
     }
 
     /// cos and sin for `positions` [B, T] u32: each [B, T, head_dim / 2] in `dtype`.

@@ -254,6 +254,84 @@ impl Model {
         self.rope.max_positions()
     }
 
+    /// The weights as the fused CPU decoding step takes them, when every projection is packed
+    /// with nothing added to it and the norms are f32 ([`super::decode_cpu`]); else `None`.
+    pub fn decode_plan(&self) -> Result<Option<super::decode_cpu::Plan>> {
+        let Some(first) = self.layers.first() else {
+            return Ok(None);
+        };
+        let a = &first.self_attn;
+        let (heads, kv_heads, head_dim) = (a.num_heads, a.num_kv_heads, a.head_dim);
+        let (intermediate, hidden) = first.mlp.down_proj.dims()?; // (in, out)
+        let eps = self.norm.eps() as f32;
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for l in &self.layers {
+            let at = &l.self_attn;
+            let norm_of = |n: &Option<RmsNorm>| -> Result<Option<Option<Vec<f32>>>> {
+                match n {
+                    Some(n) => Ok(n.host_weight()?.map(Some)),
+                    None => Ok(Some(None)),
+                }
+            };
+            let norms = (
+                l.input_layernorm.host_weight()?,
+                l.post_attention_layernorm.host_weight()?,
+                norm_of(&at.q_norm)?,
+                norm_of(&at.k_norm)?,
+            );
+            let projs = (
+                at.qkv_proj.packed_parts()?,
+                at.o_proj.packed_parts()?,
+                l.mlp.gate_up_proj.packed_parts()?,
+                l.mlp.down_proj.packed_parts()?,
+            );
+            let same_eps = [&l.input_layernorm, &l.post_attention_layernorm]
+                .into_iter()
+                .chain(at.q_norm.iter())
+                .chain(at.k_norm.iter())
+                .all(|n| n.eps() as f32 == eps);
+            match (norms, projs, same_eps) {
+                (
+                    (
+                        Some(input_layernorm),
+                        Some(post_attention_layernorm),
+                        Some(q_norm),
+                        Some(k_norm),
+                    ),
+                    (Some(qkv), Some(o), Some(gate_up), Some(down)),
+                    true,
+                ) => layers.push(super::decode_cpu::LayerPlan {
+                    input_layernorm,
+                    post_attention_layernorm,
+                    q_norm,
+                    k_norm,
+                    qkv,
+                    o,
+                    gate_up,
+                    down,
+                }),
+                _ => return Ok(None),
+            }
+        }
+        let Some(norm) = self.norm.host_weight()? else {
+            return Ok(None);
+        };
+        let (cos, sin) = self.rope.tables_all();
+        Ok(Some(super::decode_cpu::Plan {
+            layers,
+            norm,
+            eps,
+            heads,
+            kv_heads,
+            head_dim,
+            hidden,
+            intermediate,
+            embed: self.embed_tokens.weight().clone(),
+            cos: cos.clone(),
+            sin: sin.clone(),
+        }))
+    }
+
     /// Final hidden states [B, S, H] for `ids` [B, S] at `positions` [B, S] with `mask`
     /// over Tk key slots. Without a cache this is the all-position training forward (Tk = S); with one
     /// it is the incremental decoding forward and the cache is advanced by S.

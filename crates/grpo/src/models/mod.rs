@@ -12,6 +12,7 @@
 
 pub mod checkpointing;
 pub mod config;
+pub mod decode_cpu;
 pub mod encoder;
 pub mod fused;
 pub mod fused_attention;
@@ -57,6 +58,9 @@ pub struct CausalLm {
     ckpt: Option<std::sync::Arc<checkpointing::CheckpointGrads>>,
     /// The LM head in the decoding GEMM's panels ([`Self::pack_for_decoding`]).
     head_packed: Option<std::sync::Arc<packed::PackedWeight>>,
+    /// The fused CPU decoding step's weights ([`Self::pack_for_decoding`]); dropped whenever the
+    /// projections may change.
+    decoder: Option<std::sync::Arc<decode_cpu::Plan>>,
 }
 
 impl CausalLm {
@@ -92,6 +96,7 @@ impl CausalLm {
             head: None,
             ckpt: None,
             head_packed: None,
+            decoder: None,
         })
     }
 
@@ -99,6 +104,7 @@ impl CausalLm {
     /// (see [`grad_sink`]); returns how many projections were attached. For training forwards
     /// on the CPU in f32; other projections keep candle's autograd.
     pub fn attach_grad_sink(&mut self, sink: &grad_sink::GradSink) -> Result<usize> {
+        self.decoder = None;
         let n = match &mut self.inner {
             Inner::Llama(m) => m.attach_grad_sink(sink),
             Inner::Gpt2(m) => m.attach_grad_sink(sink),
@@ -113,6 +119,7 @@ impl CausalLm {
 
     /// Every projection with its HF module path(s) (`model.layers.0.self_attn.q_proj`, ...).
     pub fn projections_mut(&mut self) -> Vec<(Vec<String>, ProjMut<'_>)> {
+        self.decoder = None;
         match &mut self.inner {
             Inner::Llama(m) => m.projections_mut(),
             Inner::Gpt2(m) => m.projections_mut(),
@@ -264,7 +271,50 @@ impl CausalLm {
             ));
             n += 1;
         }
+        if let (Inner::Llama(m), Some(head)) = (&self.inner, &self.head_packed) {
+            let plan = m.decode_plan().map_err(err)?;
+            self.decoder = plan.filter(|p| p.consistent(head)).map(std::sync::Arc::new);
+        }
         Ok(n)
+    }
+
+    /// Whether decoding steps take the fused CPU path ([`decode_cpu`]): a Llama-family model
+    /// packed by [`Self::pack_for_decoding`] with nothing attached to its projections since.
+    pub fn fused_decoding(&self) -> bool {
+        self.decoder.is_some()
+    }
+
+    /// Decodes through the tensor path from now on (for comparisons and benchmarks).
+    pub fn disable_fused_decoding(&mut self) {
+        self.decoder = None;
+    }
+
+    /// One decoding step of one token per row: `ids` and `positions` [B], `mask` over the
+    /// `cache.len() + 1` key slots. Writes the new keys and values into the cache, advances it,
+    /// and returns the logits [B * vocab] (f32). Takes the fused CPU step when the model has one
+    /// ([`Self::fused_decoding`]) and the mask is left padding, else [`Self::forward_cached`] and
+    /// [`Self::logits`].
+    pub fn decode_logits(
+        &self,
+        ids: &[u32],
+        positions: &[u32],
+        mask: &AttnMask,
+        cache: &mut KvCache,
+    ) -> Result<Vec<f32>> {
+        if let (Some(plan), Some(head), AttnMask::LeftPad(pad, shared)) =
+            (&self.decoder, &self.head_packed, mask)
+        {
+            let err = |e: candle_core::Error| Error::Model(format!("decoding step: {e}"));
+            let done = decode_cpu::step(plan, head, ids, positions, pad, shared.as_ref(), cache);
+            if let Some(logits) = done.map_err(err)? {
+                return Ok(logits);
+            }
+        }
+        let b = ids.len();
+        let ids = Tensor::from_vec(ids.to_vec(), (b, 1), &self.device)?;
+        let pos = Tensor::from_vec(positions.to_vec(), (b, 1), &self.device)?;
+        let h = self.forward_cached(&ids, &pos, mask, cache)?; // [B, 1, H]
+        Ok(self.logits(&h.squeeze(1)?)?.flatten_all()?.to_vec1()?) // [B*V]
     }
 
     /// Bytes held by quantized projection weights.

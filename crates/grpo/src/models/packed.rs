@@ -22,8 +22,6 @@ pub const PANEL: usize = 32;
 const TILE_ROWS: usize = 12;
 /// Input rows per parallel task (a block of rows reuses each panel from cache).
 const BLOCK_ROWS: usize = 192;
-/// Panels per parallel task.
-const TASK_PANELS: usize = 2;
 
 /// A weight `W` [out, in] stored as `ceil(out / PANEL)` panels, panel `p` holding
 /// `W[p*PANEL .. p*PANEL+PANEL, :]^T` as `[in, PANEL]` rows (zero columns past `out`).
@@ -162,21 +160,49 @@ impl PackedWeight {
 
     #[cfg(target_arch = "x86_64")]
     fn matmul_avx512(&self, x: &[f32], rows: usize) -> Vec<f32> {
-        let (k, n) = (self.k, self.n);
+        let (n, panels) = (self.n, self.panels());
         let mut y: Vec<f32> = Vec::with_capacity(rows * n);
         let yp = SendPtr(y.as_mut_ptr());
-        let panels = self.panels();
-        let tasks = panels.div_ceil(TASK_PANELS);
+        // One contiguous run of panels per thread (and row block): equal shares, and each
+        // thread's next panel is the one its prefetch fetches.
+        let tasks = rayon::current_num_threads().clamp(1, panels.max(1));
         let blocks = rows.div_ceil(BLOCK_ROWS);
         (0..tasks * blocks).into_par_iter().for_each(|tb| {
             let (t, b) = (tb % tasks, tb / tasks);
             let (r0, r1) = (b * BLOCK_ROWS, ((b + 1) * BLOCK_ROWS).min(rows));
+            // SAFETY: AVX-512F was detected (`available`); `x` holds `rows` rows; task `tb`
+            // writes rows r0..r1 of its own panels, which no other task writes.
+            unsafe { self.panels_avx512(x, r0..r1, share(panels, t, tasks), yp.get()) };
+        });
+        // SAFETY: the tasks above wrote every element of the rows x n output.
+        unsafe { y.set_len(rows * n) };
+        y
+    }
+
+    /// Output columns `panels` (in panels of [`PANEL`]) for input rows `rows` of `x` ([.., in]
+    /// row-major) into `y` ([.., out] row-major), with no threads of its own: the decoding
+    /// step's thread team ([`super::decode_cpu`]) gives each thread its share of panels.
+    ///
+    /// # Safety
+    /// AVX-512F must be available ([`Self::available`]); `x` must hold `rows.end` rows of `in`;
+    /// `y` must be valid for writes of `rows.end` rows of `out`, and no other thread may touch
+    /// the rows x columns block written here meanwhile.
+    #[cfg(target_arch = "x86_64")]
+    pub(crate) unsafe fn panels_avx512(
+        &self,
+        x: &[f32],
+        rows: std::ops::Range<usize>,
+        panels: std::ops::Range<usize>,
+        y: *mut f32,
+    ) {
+        let (k, n) = (self.k, self.n);
+        for blk in rows.clone().step_by(BLOCK_ROWS) {
+            let (r0, r1) = (blk, (blk + BLOCK_ROWS).min(rows.end));
             let tiles = (r1 - r0).div_ceil(TILE_ROWS);
-            for p in t * TASK_PANELS..((t + 1) * TASK_PANELS).min(panels) {
+            for p in panels.clone() {
                 let cols = (n - p * PANEL).min(PANEL);
                 let w = &self.data[p * k * PANEL..(p + 1) * k * PANEL];
-                // The next panel (usually this thread's next one: rayon hands each thread a
-                // contiguous run of tasks), a share per tile, fetched while this one computes.
+                // The next panel, a share per tile, fetched while this one computes.
                 let next = self.data.get((p + 1) * k * PANEL..(p + 2) * k * PANEL);
                 let share = (k * PANEL).div_ceil(tiles);
                 let (mut r, mut tile) = (r0, 0);
@@ -186,22 +212,27 @@ impl PackedWeight {
                     let ahead = next.map_or(&[][..], |nx| {
                         &nx[(tile * share).min(nx.len())..((tile + 1) * share).min(nx.len())]
                     });
-                    // SAFETY: AVX-512F was detected; `xs` holds `mr` rows of `k`, `w` one panel
-                    // of `k` rows; the tile writes rows r..r+mr, columns p*PANEL..+cols of `y`,
-                    // which no other task writes, all inside its `rows * n` capacity.
+                    // SAFETY: (caller) AVX-512F; `xs` holds `mr` rows of `k`, `w` one panel of
+                    // `k` rows; the tile writes rows r..r+mr, columns p*PANEL..+cols of `y`.
                     unsafe {
-                        let y = yp.get().add(r * n + p * PANEL);
-                        avx512::tile(xs, w, k, mr, y, n, cols, ahead);
+                        avx512::tile(xs, w, k, mr, y.add(r * n + p * PANEL), n, cols, ahead);
                     }
                     r += mr;
                     tile += 1;
                 }
             }
-        });
-        // SAFETY: the tiles above wrote every element of the rows x n output.
-        unsafe { y.set_len(rows * n) };
-        y
+        }
     }
+
+    /// Number of column panels.
+    pub(crate) fn panel_count(&self) -> usize {
+        self.panels()
+    }
+}
+
+/// Part `t` of `n` items split into `parts` contiguous, near-equal runs.
+pub(crate) fn share(n: usize, t: usize, parts: usize) -> std::ops::Range<usize> {
+    n * t / parts..n * (t + 1) / parts
 }
 
 /// The output pointer, shared by tasks that write disjoint tiles.

@@ -1,0 +1,497 @@
+//! The fused decoding step of the Llama family on the CPU (f32, packed weights): one new token
+//! per row through every layer and the LM head, computed by a team of the thread pool's threads
+//! that meet at spin barriers between phases.
+//!
+//! The tensor path ([`super::CausalLm::forward_cached`]) runs a dozen small parallel ops per layer,
+//! each a fork and join of the pool with a sleeping worker to wake; in batch-64 decoding of
+//! SmolLM2-135M two cores were idle a fifth of the time. Here every thread takes an equal share of
+//! each phase and goes straight on to the next once the others are done with the current one:
+//! - rows: residual add and RMSNorm, SiLU(gate) * up;
+//! - (row, KV head) pairs: q/k norms (Qwen3), RoPE, and attention over the cache
+//!   ([`super::fused_attention::decode_head`]), reading a group's shared prompt from its leader;
+//! - column panels: the packed projections ([`PackedWeight::panels_avx512`]) and their biases.
+//!
+//! Each element is computed with the same operations in the same order as on the tensor path, so
+//! the two agree to rounding (tests compare logits and the cache). The step's new keys and
+//! values are kept aside during the step (the cache's storage is only read meanwhile) and written
+//! into the cache after it.
+
+use std::ops::Range;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use candle_core::{bail, CpuStorage, DType, Result, Storage, Tensor};
+
+use super::packed::{share, PackedWeight, PANEL};
+use super::SharedPrefix;
+use crate::kv_cache::KvCache;
+
+/// A packed projection and its bias.
+#[derive(Debug)]
+pub struct Proj {
+    pub w: Arc<PackedWeight>,
+    pub bias: Option<Vec<f32>>,
+}
+
+/// One decoder layer's weights for the fused step.
+#[derive(Debug)]
+pub struct LayerPlan {
+    pub input_layernorm: Vec<f32>,
+    pub post_attention_layernorm: Vec<f32>,
+    /// Qwen3's per-head q/k RMSNorm weights.
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
+    /// q, k, v side by side.
+    pub qkv: Proj,
+    pub o: Proj,
+    /// gate, up side by side.
+    pub gate_up: Proj,
+    pub down: Proj,
+}
+
+/// The whole model's weights for the fused step, built once by
+/// [`super::CausalLm::pack_for_decoding`].
+#[derive(Debug)]
+pub struct Plan {
+    pub layers: Vec<LayerPlan>,
+    pub norm: Vec<f32>,
+    pub eps: f32,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub hidden: usize,
+    pub intermediate: usize,
+    /// `[vocab, hidden]`
+    pub embed: Tensor,
+    /// RoPE tables `[max_pos, head_dim / 2]`.
+    pub cos: Tensor,
+    pub sin: Tensor,
+}
+
+impl Plan {
+    /// Whether the shapes fit together (a plan that does not is never used).
+    pub fn consistent(&self, head: &PackedWeight) -> bool {
+        let (h, nh, nkv, d, i) = (
+            self.hidden,
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            self.intermediate,
+        );
+        let norm_ok = |n: &Option<Vec<f32>>| n.as_ref().is_none_or(|w| w.len() == d);
+        let proj_ok = |p: &Proj, k: usize, n: usize| {
+            p.w.dims() == (k, n) && p.bias.as_ref().is_none_or(|b| b.len() == n)
+        };
+        nkv > 0
+            && nh % nkv == 0
+            && d % 2 == 0
+            && self.norm.len() == h
+            && head.dims().0 == h
+            && self.embed.dims() == [head.dims().1, h]
+            && self.cos.dims2().is_ok_and(|(_, c)| c == d / 2)
+            && self.cos.dims() == self.sin.dims()
+            && [&self.embed, &self.cos, &self.sin]
+                .iter()
+                .all(|t| t.dtype() == DType::F32 && t.device().is_cpu())
+            && self.layers.iter().all(|l| {
+                l.input_layernorm.len() == h
+                    && l.post_attention_layernorm.len() == h
+                    && norm_ok(&l.q_norm)
+                    && norm_ok(&l.k_norm)
+                    && proj_ok(&l.qkv, h, (nh + 2 * nkv) * d)
+                    && proj_ok(&l.o, nh * d, h)
+                    && proj_ok(&l.gate_up, h, 2 * i)
+                    && proj_ok(&l.down, i, h)
+            })
+    }
+}
+
+/// A barrier for the step's team: threads spin (then yield) until all have arrived. Once a thread
+/// has failed, waits return at once so that the others finish instead of waiting forever.
+struct SpinBarrier {
+    n: usize,
+    count: AtomicUsize,
+    generation: AtomicUsize,
+    failed: AtomicBool,
+}
+
+/// Spins before a waiting thread starts yielding its core.
+const SPINS: u32 = 1 << 16;
+
+impl SpinBarrier {
+    fn new(n: usize) -> Self {
+        Self {
+            n,
+            count: AtomicUsize::new(0),
+            generation: AtomicUsize::new(0),
+            failed: AtomicBool::new(false),
+        }
+    }
+
+    fn wait(&self) {
+        if self.failed.load(Ordering::Relaxed) {
+            return;
+        }
+        let g = self.generation.load(Ordering::Acquire);
+        if self.count.fetch_add(1, Ordering::AcqRel) + 1 == self.n {
+            self.count.store(0, Ordering::Relaxed);
+            self.generation.store(g.wrapping_add(1), Ordering::Release);
+            return;
+        }
+        let mut spins = 0u32;
+        while self.generation.load(Ordering::Acquire) == g {
+            if self.failed.load(Ordering::Relaxed) {
+                return;
+            }
+            if spins < SPINS {
+                std::hint::spin_loop();
+                spins += 1;
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+}
+
+/// A buffer that the team's threads write in disjoint parts between barriers.
+#[derive(Clone, Copy)]
+struct Shared {
+    ptr: *mut f32,
+    len: usize,
+}
+// SAFETY: threads access disjoint ranges between barriers (see each phase in `step`).
+unsafe impl Send for Shared {}
+unsafe impl Sync for Shared {}
+
+impl Shared {
+    fn of(v: &mut [f32]) -> Self {
+        Self {
+            ptr: v.as_mut_ptr(),
+            len: v.len(),
+        }
+    }
+    /// # Safety
+    /// No other thread may access `r` until the next barrier.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn get_mut(&self, r: Range<usize>) -> &mut [f32] {
+        assert!(r.start <= r.end && r.end <= self.len);
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(r.start), r.len()) }
+    }
+    /// # Safety
+    /// No thread may write `r` until the next barrier.
+    unsafe fn get(&self, r: Range<usize>) -> &[f32] {
+        assert!(r.start <= r.end && r.end <= self.len);
+        unsafe { std::slice::from_raw_parts(self.ptr.add(r.start), r.len()) }
+    }
+}
+
+/// HF / candle RMSNorm of one row: `w * x / sqrt(mean(x^2) + eps)`, summed in order like
+/// candle's kernel.
+fn rms_row(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let sum2 = x.iter().map(|&v| v * v).sum::<f32>();
+    let m = (sum2 / x.len() as f32 + eps).sqrt();
+    for ((o, &v), &a) in out.iter_mut().zip(x).zip(w) {
+        *o = v / m * a;
+    }
+}
+
+/// RMSNorm of one head in place.
+fn rms_in_place(x: &mut [f32], w: &[f32], eps: f32) {
+    let sum2 = x.iter().map(|&v| v * v).sum::<f32>();
+    let m = (sum2 / x.len() as f32 + eps).sqrt();
+    for (v, &a) in x.iter_mut().zip(w) {
+        *v = *v / m * a;
+    }
+}
+
+/// Rotate-half RoPE of one head in place, as [`super::fused::rope_heads`] computes it.
+fn rope_in_place(x: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let half = x.len() / 2;
+    let (a, b) = x.split_at_mut(half);
+    for i in 0..half {
+        let (x1, x2) = (a[i], b[i]);
+        a[i] = x1 * cos[i] - x2 * sin[i];
+        b[i] = x2 * cos[i] + x1 * sin[i];
+    }
+}
+
+/// The contiguous f32 data of a CPU tensor, or `None`.
+fn host_f32<'a>(st: &'a Storage, t: &Tensor) -> Option<&'a [f32]> {
+    let l = t.layout();
+    match (st, l.contiguous_offsets()) {
+        (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => v.get(a..b),
+        _ => None,
+    }
+}
+
+/// One decoding step: `ids`/`positions` one per row, row `b` attending cache slots
+/// `pad[b]..len` and its new token; a group's shared prompt read from its leader (`shared`).
+/// Returns the logits `[B, vocab]` and advances the cache by one slot, or `None` (nothing done)
+/// when the cache does not suit the fused path (not f32 on the CPU, not contiguous, full).
+#[allow(clippy::too_many_arguments)]
+pub fn step(
+    plan: &Plan,
+    head: &PackedWeight,
+    ids: &[u32],
+    positions: &[u32],
+    pad: &[usize],
+    shared: Option<&SharedPrefix>,
+    cache: &mut KvCache,
+) -> Result<Option<Vec<f32>>> {
+    let b = ids.len();
+    let (h, nh, nkv, d, inter) = (
+        plan.hidden,
+        plan.heads,
+        plan.kv_heads,
+        plan.head_dim,
+        plan.intermediate,
+    );
+    let (g, nqkv, vocab) = (nh / nkv, (nh + 2 * nkv) * d, head.dims().1);
+    let (len, tmax, layers) = (cache.len(), cache.capacity(), plan.layers.len());
+    if b == 0
+        || positions.len() != b
+        || pad.len() != b
+        || cache.batch() != b
+        || cache.num_layers() != layers
+        || len >= tmax
+        || pad.iter().any(|&p| p > len)
+        || !PackedWeight::available()
+    {
+        return Ok(None);
+    }
+    let max_pos = plan.cos.dim(0)?;
+    if let Some(&p) = positions.iter().find(|&&p| p as usize >= max_pos) {
+        bail!("decoding position {p} is past the model's {max_pos} positions");
+    }
+    if let Some(&t) = ids.iter().find(|&&t| t as usize >= vocab) {
+        bail!("token id {t} is outside the vocabulary of {vocab}");
+    }
+    // A leader must be a row of the batch with the same padding (the same prompt).
+    let shared = shared.filter(|sp| {
+        sp.leader.len() == b
+            && sp.end <= len
+            && sp
+                .leader
+                .iter()
+                .zip(pad)
+                .all(|(&l, &p)| l < b && pad[l] == p)
+    });
+
+    // Read access to the weights' and the cache's storage for the whole step.
+    let (ks, vs) = cache.layer_tensors();
+    let want = [b, nkv, tmax, d];
+    if ks.iter().chain(vs).any(|t| t.dims() != want) {
+        return Ok(None);
+    }
+    let guards: Vec<_> = [&plan.embed, &plan.cos, &plan.sin]
+        .into_iter()
+        .chain(ks)
+        .chain(vs)
+        .map(|t| t.storage_and_layout().0)
+        .collect();
+    let tensors: Vec<&Tensor> = [&plan.embed, &plan.cos, &plan.sin]
+        .into_iter()
+        .chain(ks)
+        .chain(vs)
+        .collect();
+    let Some(data) = guards
+        .iter()
+        .zip(&tensors)
+        .map(|(st, t)| host_f32(st, t))
+        .collect::<Option<Vec<&[f32]>>>()
+    else {
+        return Ok(None);
+    };
+    let (embed, cos, sin) = (data[0], data[1], data[2]);
+    let (kc, vc) = data[3..].split_at(layers);
+    let half = d / 2;
+
+    let mut x = vec![0f32; b * h]; // [B, H] residual stream
+    let mut hn = vec![0f32; b * h]; // [B, H] normed
+    let mut qkv = vec![0f32; b * nqkv]; // [B, (H + 2 Hkv) D]
+    let mut att = vec![0f32; b * nh * d]; // [B, H D]
+    let mut dn = vec![0f32; b * h]; // [B, H] attention / MLP output
+    let mut gu = vec![0f32; b * 2 * inter]; // [B, 2I]
+    let mut act = vec![0f32; b * inter]; // [B, I]
+    let mut knew = vec![0f32; layers * b * nkv * d]; // [L, B, Hkv, D]
+    let mut vnew = vec![0f32; layers * b * nkv * d];
+    let mut logits: Vec<f32> = Vec::with_capacity(b * vocab); // [B, V]
+    let (sx, shn, sqkv, satt, sdn, sgu, sact, skn, svn) = (
+        Shared::of(&mut x),
+        Shared::of(&mut hn),
+        Shared::of(&mut qkv),
+        Shared::of(&mut att),
+        Shared::of(&mut dn),
+        Shared::of(&mut gu),
+        Shared::of(&mut act),
+        Shared::of(&mut knew),
+        Shared::of(&mut vnew),
+    );
+    // SAFETY: only the head's GEMM writes it, every element (checked by `set_len` below).
+    let slog = Shared {
+        ptr: logits.as_mut_ptr(),
+        len: b * vocab,
+    };
+    let scale = 1.0 / (d as f32).sqrt();
+    let eps = plan.eps;
+
+    // `y[.., cols of this thread's panels] = x W (+ bias)`.
+    // SAFETY (callers): `x` holds `b` rows of the weight's `in`, `y` is `b` rows of its `out`;
+    // between two barriers thread `t` alone writes its panels' columns of `y`, and no thread
+    // writes `x`.
+    let gemm = |p: &PackedWeight, bias: Option<&[f32]>, x: Shared, y: Shared, t, nt| unsafe {
+        let (k, n) = p.dims();
+        let panels = share(p.panel_count(), t, nt);
+        p.panels_avx512(x.get(0..b * k), 0..b, panels.clone(), y.ptr);
+        if let Some(bias) = bias {
+            let cols = (panels.start * PANEL).min(n)..(panels.end * PANEL).min(n);
+            for r in 0..b {
+                let yr = y.get_mut(r * n + cols.start..r * n + cols.end);
+                yr.iter_mut()
+                    .zip(&bias[cols.clone()])
+                    .for_each(|(v, c)| *v += c);
+            }
+        }
+    };
+
+    let body = |t: usize, nt: usize, bar: &SpinBarrier| {
+        let rows = share(b, t, nt);
+        let mut qbuf = vec![0f32; g * d];
+        // SAFETY (all phases): each phase writes only this thread's share (rows, (row, KV head)
+        // pairs, or panel columns) of its output buffer and reads buffers that no thread writes
+        // in that phase; `bar.wait()` separates the phases.
+        unsafe {
+            for r in rows.clone() {
+                let id = ids[r] as usize;
+                sx.get_mut(r * h..(r + 1) * h)
+                    .copy_from_slice(&embed[id * h..(id + 1) * h]);
+            }
+            for (l, lp) in plan.layers.iter().enumerate() {
+                for r in rows.clone() {
+                    let xr = sx.get_mut(r * h..(r + 1) * h);
+                    if l > 0 {
+                        let dr = sdn.get(r * h..(r + 1) * h);
+                        xr.iter_mut().zip(dr).for_each(|(a, c)| *a += c);
+                    }
+                    rms_row(
+                        xr,
+                        &lp.input_layernorm,
+                        eps,
+                        shn.get_mut(r * h..(r + 1) * h),
+                    );
+                }
+                bar.wait();
+                gemm(&lp.qkv.w, lp.qkv.bias.as_deref(), shn, sqkv, t, nt);
+                bar.wait();
+                for u in share(b * nkv, t, nt) {
+                    let (bi, j) = (u / nkv, u % nkv);
+                    let row = sqkv.get(bi * nqkv..(bi + 1) * nqkv);
+                    let p = positions[bi] as usize;
+                    let (cs, sn) = (
+                        &cos[p * half..(p + 1) * half],
+                        &sin[p * half..(p + 1) * half],
+                    );
+                    qbuf.copy_from_slice(&row[j * g * d..(j + 1) * g * d]);
+                    for qh in qbuf.chunks_exact_mut(d) {
+                        if let Some(w) = &lp.q_norm {
+                            rms_in_place(qh, w, eps);
+                        }
+                        rope_in_place(qh, cs, sn);
+                    }
+                    let slot = ((l * b + bi) * nkv + j) * d..((l * b + bi) * nkv + j + 1) * d;
+                    let kn = skn.get_mut(slot.clone());
+                    kn.copy_from_slice(&row[(nh + j) * d..(nh + j + 1) * d]);
+                    if let Some(w) = &lp.k_norm {
+                        rms_in_place(kn, w, eps);
+                    }
+                    rope_in_place(kn, cs, sn);
+                    let vn = svn.get_mut(slot.clone());
+                    vn.copy_from_slice(&row[(nh + nkv + j) * d..(nh + nkv + j + 1) * d]);
+                    let (kn, vn) = (skn.get(slot.clone()), svn.get(slot));
+                    let cached = |row: usize, from: usize, to: usize| {
+                        let base = (row * nkv + j) * tmax;
+                        let r = (base + from) * d..(base + to) * d;
+                        (&kc[l][r.clone()], &vc[l][r])
+                    };
+                    let p0 = pad[bi];
+                    let out = satt.get_mut(bi * nh * d + j * g * d..bi * nh * d + (j + 1) * g * d);
+                    match shared {
+                        Some(sp) if sp.end > p0 && sp.leader[bi] != bi => {
+                            let segs = [
+                                cached(sp.leader[bi], p0, sp.end),
+                                cached(bi, sp.end, len),
+                                (kn, vn),
+                            ];
+                            super::fused_attention::decode_head(&qbuf, &segs, scale, out, d);
+                        }
+                        _ => {
+                            let segs = [cached(bi, p0, len), (kn, vn)];
+                            super::fused_attention::decode_head(&qbuf, &segs, scale, out, d);
+                        }
+                    }
+                }
+                bar.wait();
+                gemm(&lp.o.w, lp.o.bias.as_deref(), satt, sdn, t, nt);
+                bar.wait();
+                for r in rows.clone() {
+                    let xr = sx.get_mut(r * h..(r + 1) * h);
+                    let dr = sdn.get(r * h..(r + 1) * h);
+                    xr.iter_mut().zip(dr).for_each(|(a, c)| *a += c);
+                    rms_row(
+                        xr,
+                        &lp.post_attention_layernorm,
+                        eps,
+                        shn.get_mut(r * h..(r + 1) * h),
+                    );
+                }
+                bar.wait();
+                gemm(&lp.gate_up.w, lp.gate_up.bias.as_deref(), shn, sgu, t, nt);
+                bar.wait();
+                for r in rows.clone() {
+                    let gr = sgu.get(r * 2 * inter..(r + 1) * 2 * inter);
+                    let (gate, up) = gr.split_at(inter);
+                    super::vmath::silu_mul(gate, up, sact.get_mut(r * inter..(r + 1) * inter));
+                }
+                bar.wait();
+                gemm(&lp.down.w, lp.down.bias.as_deref(), sact, sdn, t, nt);
+                bar.wait();
+            }
+            for r in rows {
+                let xr = sx.get_mut(r * h..(r + 1) * h);
+                let dr = sdn.get(r * h..(r + 1) * h);
+                xr.iter_mut().zip(dr).for_each(|(a, c)| *a += c);
+                rms_row(xr, &plan.norm, eps, shn.get_mut(r * h..(r + 1) * h));
+            }
+            bar.wait();
+            gemm(head, None, shn, slog, t, nt);
+        }
+    };
+
+    let nt = rayon::current_num_threads().max(1);
+    let bar = SpinBarrier::new(nt);
+    rayon::broadcast(|ctx| {
+        let run = catch_unwind(AssertUnwindSafe(|| {
+            body(ctx.index(), ctx.num_threads(), &bar)
+        }));
+        if run.is_err() {
+            bar.failed.store(true, Ordering::Relaxed);
+        }
+    });
+    if bar.failed.load(Ordering::Relaxed) {
+        bail!("the fused decoding step failed (a worker thread panicked)");
+    }
+    // SAFETY: the head's GEMM wrote every panel's columns of all `b` rows, all `vocab` columns.
+    unsafe { logits.set_len(b * vocab) };
+    drop(data);
+    drop(guards);
+    let dev = candle_core::Device::Cpu;
+    for l in 0..layers {
+        let at = l * b * nkv * d..(l + 1) * b * nkv * d;
+        let kt = Tensor::from_slice(&knew[at.clone()], (b, nkv, 1, d), &dev)?;
+        let vt = Tensor::from_slice(&vnew[at], (b, nkv, 1, d), &dev)?;
+        cache.append(l, &kt, &vt)?;
+    }
+    cache.advance(1);
+    Ok(Some(logits))
+}
