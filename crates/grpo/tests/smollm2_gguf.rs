@@ -78,7 +78,22 @@ fn gguf_greedy_decoding_matches_transformers() {
         ..Default::default()
     };
     let (out, _) = generate(&model, Some(tok), &inputs, 1, &params).unwrap();
-    for (p, group) in fx["prompts"].as_array().unwrap().iter().zip(&out) {
+    // The sampling model as training and `grpo generate` build it: packed, with the fused
+    // decoding step where AVX-512 is there.
+    let mut packed = m.build().unwrap();
+    packed.pack_for_decoding().unwrap();
+    assert_eq!(
+        packed.fused_decoding(),
+        grpo::models::packed::PackedWeight::available()
+    );
+    let (out_packed, _) = generate(&packed, Some(tok), &inputs, 1, &params).unwrap();
+    for ((p, group), packed) in fx["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(&out)
+        .zip(&out_packed)
+    {
         let c = &group[0];
         assert_eq!(
             c.ids,
@@ -86,6 +101,7 @@ fn gguf_greedy_decoding_matches_transformers() {
             "greedy tokens differ: {:?}",
             c.text
         );
+        assert_eq!(packed[0].ids, c.ids, "packed model: greedy tokens differ");
         let want_stop = if p["stopped_at_eos"].as_bool().unwrap() {
             StopReason::Eos
         } else {
