@@ -207,7 +207,9 @@ impl PackedWeight {
                 let share = (k * PANEL).div_ceil(tiles);
                 let (mut r, mut tile) = (r0, 0);
                 while r < r1 {
-                    let mr = (r1 - r).min(TILE_ROWS);
+                    // Tiles of near-equal height (64 rows: 11,11,11,11,10,10, not 12 x 5 + 4):
+                    // a short tile streams the whole panel for few rows.
+                    let mr = (r1 - r0) / tiles + usize::from(tile < (r1 - r0) % tiles);
                     let xs = &x[r * k..(r + mr) * k];
                     let ahead = next.map_or(&[][..], |nx| {
                         &nx[(tile * share).min(nx.len())..((tile + 1) * share).min(nx.len())]
