@@ -257,9 +257,13 @@ fn cached_greedy_decoding_matches_transformers_and_is_batch_independent() {
 
 #[test]
 fn sampler_logprobs_equal_training_forward_logprobs() {
-    for name in ARCHS {
+    // The packed model samples through the fused decoding step (Llama family, AVX-512).
+    for (name, packed) in ARCHS.iter().flat_map(|&n| [(n, false), (n, true)]) {
         let (m, _) = load(name, DType::F32);
-        let model = m.build().unwrap();
+        let model = match packed {
+            true => packed_model(&m),
+            false => m.build().unwrap(),
+        };
         let prompt = vec![5u32, 17, 33, 2, 90];
         let params = SamplingParams {
             max_new_tokens: 10,
