@@ -355,6 +355,20 @@ pub fn step(
         }
     };
 
+    // Rows `rows` of the residual stream: `x += dn` (when `add`), then `hn = norm(x) * w`.
+    // SAFETY (callers): between two barriers, no other thread touches these rows of `x` and `hn`,
+    // and no thread writes `dn`.
+    let add_norm = |rows: Range<usize>, add: bool, w: &[f32]| unsafe {
+        for r in rows {
+            let xr = sx.get_mut(r * h..(r + 1) * h);
+            if add {
+                let dr = sdn.get(r * h..(r + 1) * h);
+                xr.iter_mut().zip(dr).for_each(|(a, c)| *a += c);
+            }
+            rms_row(xr, w, eps, shn.get_mut(r * h..(r + 1) * h));
+        }
+    };
+
     let body = |t: usize, nt: usize, bar: &SpinBarrier| {
         let rows = share(b, t, nt);
         let mut qbuf = vec![0f32; g * d];
@@ -368,19 +382,7 @@ pub fn step(
                     .copy_from_slice(&embed[id * h..(id + 1) * h]);
             }
             for (l, lp) in plan.layers.iter().enumerate() {
-                for r in rows.clone() {
-                    let xr = sx.get_mut(r * h..(r + 1) * h);
-                    if l > 0 {
-                        let dr = sdn.get(r * h..(r + 1) * h);
-                        xr.iter_mut().zip(dr).for_each(|(a, c)| *a += c);
-                    }
-                    rms_row(
-                        xr,
-                        &lp.input_layernorm,
-                        eps,
-                        shn.get_mut(r * h..(r + 1) * h),
-                    );
-                }
+                add_norm(rows.clone(), l > 0, &lp.input_layernorm);
                 bar.wait();
                 gemm(&lp.qkv.w, lp.qkv.bias.as_deref(), shn, sqkv, t, nt);
                 bar.wait();
@@ -434,17 +436,7 @@ pub fn step(
                 bar.wait();
                 gemm(&lp.o.w, lp.o.bias.as_deref(), satt, sdn, t, nt);
                 bar.wait();
-                for r in rows.clone() {
-                    let xr = sx.get_mut(r * h..(r + 1) * h);
-                    let dr = sdn.get(r * h..(r + 1) * h);
-                    xr.iter_mut().zip(dr).for_each(|(a, c)| *a += c);
-                    rms_row(
-                        xr,
-                        &lp.post_attention_layernorm,
-                        eps,
-                        shn.get_mut(r * h..(r + 1) * h),
-                    );
-                }
+                add_norm(rows.clone(), true, &lp.post_attention_layernorm);
                 bar.wait();
                 gemm(&lp.gate_up.w, lp.gate_up.bias.as_deref(), shn, sgu, t, nt);
                 bar.wait();
@@ -457,12 +449,7 @@ pub fn step(
                 gemm(&lp.down.w, lp.down.bias.as_deref(), sact, sdn, t, nt);
                 bar.wait();
             }
-            for r in rows {
-                let xr = sx.get_mut(r * h..(r + 1) * h);
-                let dr = sdn.get(r * h..(r + 1) * h);
-                xr.iter_mut().zip(dr).for_each(|(a, c)| *a += c);
-                rms_row(xr, &plan.norm, eps, shn.get_mut(r * h..(r + 1) * h));
-            }
+            add_norm(rows, true, &plan.norm);
             bar.wait();
             gemm(head, None, shn, slog, t, nt);
         }
