@@ -267,16 +267,7 @@ pub fn step(
     if let Some(&t) = ids.iter().find(|&&t| t as usize >= vocab) {
         bail!("token id {t} is outside the vocabulary of {vocab}");
     }
-    // A leader must be a row of the batch with the same padding (the same prompt).
-    let shared = shared.filter(|sp| {
-        sp.leader.len() == b
-            && sp.end <= len
-            && sp
-                .leader
-                .iter()
-                .zip(pad)
-                .all(|(&l, &p)| l < b && pad[l] == p)
-    });
+    let shared = shared.filter(|sp| sp.fits(pad, len));
 
     // Read access to the weights' and the cache's storage for the whole step.
     let (ks, vs) = cache.layer_tensors();
@@ -284,17 +275,12 @@ pub fn step(
     if ks.iter().chain(vs).any(|t| t.dims() != want) {
         return Ok(None);
     }
-    let guards: Vec<_> = [&plan.embed, &plan.cos, &plan.sin]
-        .into_iter()
-        .chain(ks)
-        .chain(vs)
-        .map(|t| t.storage_and_layout().0)
-        .collect();
     let tensors: Vec<&Tensor> = [&plan.embed, &plan.cos, &plan.sin]
         .into_iter()
         .chain(ks)
         .chain(vs)
         .collect();
+    let guards: Vec<_> = tensors.iter().map(|t| t.storage_and_layout().0).collect();
     let Some(data) = guards
         .iter()
         .zip(&tensors)

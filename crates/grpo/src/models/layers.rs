@@ -813,6 +813,22 @@ pub struct SharedPrefix {
     pub end: usize,
 }
 
+impl SharedPrefix {
+    /// Whether it can serve rows with left padding `pad` over `slots` cached key slots: one
+    /// leader per row, each a row of the batch with the same padding (the same prompt), and the
+    /// shared slots inside the cache. Attention ignores a prefix that does not fit.
+    pub fn fits(&self, pad: &[usize], slots: usize) -> bool {
+        let b = pad.len();
+        self.leader.len() == b
+            && self.end <= slots
+            && self
+                .leader
+                .iter()
+                .zip(pad)
+                .all(|(&l, &p)| l < b && pad[l] == p)
+    }
+}
+
 impl AttnMask {
     /// A dense additive mask `[B, 1, S, Tk]`; on the CPU its key runs are read here, once, for the
     /// fused attention of every layer.
@@ -921,16 +937,7 @@ pub fn decode_attention_cpu(
     {
         return Ok(None);
     }
-    // A leader must be a row of the batch with the same padding (the same prompt).
-    let shared = shared.filter(|sp| {
-        sp.leader.len() == b
-            && sp.end <= tk
-            && sp
-                .leader
-                .iter()
-                .zip(pad)
-                .all(|(&l, &p)| l < b && pad[l] == p)
-    });
+    let shared = shared.filter(|sp| sp.fits(pad, tk));
     let g = h / hkv;
     let scale = 1.0 / (d as f32).sqrt();
     let q = q.contiguous()?;
