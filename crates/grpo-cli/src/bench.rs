@@ -170,7 +170,7 @@ fn bench_generate(a: GenBenchArgs) -> Result<()> {
                 };
                 Ok(PromptInput {
                     ids: encode_prompt(tok, &s, true, None)?,
-                    seed: sampler::mix_seed(a.seed, i as u64),
+                    seed: grpo::seeding::mix_seed(a.seed, i as u64),
                 })
             })
             .collect::<Result<_>>()?;
@@ -202,7 +202,7 @@ fn bench_generate(a: GenBenchArgs) -> Result<()> {
                     .iter()
                     .map(|x| PromptInput {
                         ids: x.ids.clone(),
-                        seed: sampler::mix_seed(x.seed, r as u64),
+                        seed: grpo::seeding::mix_seed(x.seed, r as u64),
                     })
                     .collect();
                 let region = Region::start();

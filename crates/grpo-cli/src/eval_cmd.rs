@@ -97,7 +97,7 @@ pub struct EvalArgs {
 
 /// The options: command line first, then the config.
 fn options(a: &EvalArgs, cfg: &TrainConfig) -> EvalOptions {
-    let mut o = EvalOptions::from_config(cfg, vec![]);
+    let mut o = cfg.eval_options(vec![]);
     o.num_samples = a.num_samples.unwrap_or(if a.rewards_config.is_some() {
         cfg.eval_num_samples
     } else {
@@ -144,11 +144,11 @@ pub fn run(a: EvalArgs) -> Result<()> {
     // Length rewards default to the completion budget.
     cfg.max_completion_length = opts.sampling.max_new_tokens;
     let examples = match &a.data {
-        Some(p) => eval::load_examples(&cfg, p)?,
-        None => eval::held_out_examples(&cfg)?,
+        Some(p) => grpo::inputs::load_examples(&cfg, p)?,
+        None => grpo::inputs::held_out_examples(&cfg)?,
     };
     let device = a.model.device()?;
-    let rewards = eval::config_rewards(&cfg, &device)?;
+    let rewards = grpo::inputs::config_rewards(&cfg, &device)?;
     if a.rewards_config.is_none() {
         if let Some(run_cfg) = a
             .model

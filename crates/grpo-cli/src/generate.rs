@@ -167,7 +167,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         }
         inputs.push(PromptInput {
             ids,
-            seed: sampler::mix_seed(a.seed, i as u64),
+            seed: grpo::seeding::mix_seed(a.seed, i as u64),
         });
     }
     let (groups, stats) = sampler::generate(&model, Some(tok), &inputs, a.n, &params)?;

@@ -15,7 +15,9 @@ mod config_cmd;
 mod eval_cmd;
 mod export_cmd;
 mod generate;
+mod report;
 mod report_cmd;
+mod rewards_check;
 mod rewards_cmd;
 mod train;
 

@@ -18,7 +18,7 @@ pub struct ReportArgs {
 
 pub fn run(a: ReportArgs) -> Result<()> {
     let out = a.out.as_deref().unwrap_or(&a.run_dir);
-    let s = grpo::report::write_report_to(&a.run_dir, out)
+    let s = crate::report::write_report_to(&a.run_dir, out)
         .with_context(|| format!("cannot write the report of {}", a.run_dir.display()))?;
     println!("{}", s.html.display());
     for p in &s.plots {

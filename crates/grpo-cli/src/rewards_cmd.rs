@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 
+use crate::rewards_check::check_samples;
 use grpo::config::TrainConfig;
-use grpo::rewards::check::check_samples;
 
 #[derive(Subcommand, Debug)]
 pub enum RewardsCommand {

@@ -51,6 +51,11 @@ pub fn run(a: TrainArgs) -> Result<()> {
             max_rounds_this_run: None,
         },
     )?;
+    // The run report (plots + HTML); a failure here never fails the finished run.
+    match crate::report::write_report(&cfg.output_dir) {
+        Ok(r) => tracing::info!("report: {}", r.html.display()),
+        Err(e) => tracing::warn!("no run report: {e}"),
+    }
     if let Some(dir) = &outcome.last_checkpoint {
         println!(
             "{} steps; last checkpoint: {}",

@@ -14,8 +14,28 @@
 //! Additions of ours, off by default: a floor on the std (`reward_std_floor`), re-normalizing
 //! all advantages of the batch to mean 0 / std 1, and dropping groups whose rewards are all equal.
 
-use crate::config::ScaleRewards;
+use crate::named::named_enum;
 use crate::{Error, Result};
+
+named_enum! {
+    /// Which std scales the advantages (TRL's `scale_rewards`).
+    pub enum ScaleRewards {
+        Group = "group",
+        Batch = "batch",
+        /// Dr. GRPO: centre only.
+        None = "none",
+    }
+}
+
+named_enum! {
+    /// How several reward functions become one reward (TRL's `multi_objective_aggregation`).
+    pub enum RewardAggregation {
+        /// Weighted sum, then group-relative advantages as `scale_rewards` says.
+        SumThenNormalize = "sum_then_normalize",
+        /// GDPO: each function normalized within its group, then summed, then normalized over the batch.
+        NormalizeThenSum = "normalize_then_sum",
+    }
+}
 
 /// Added to the std before dividing, as in TRL.
 pub const STD_EPS: f32 = 1e-4;

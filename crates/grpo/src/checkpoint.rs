@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
 
+use crate::files::{save_tensors, write_file};
 use crate::models::ModelConfig;
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
@@ -58,27 +59,6 @@ pub struct LoadedCheckpoint {
     pub optimizer: HashMap<String, Tensor>,
     pub trainer_state: serde_json::Value,
     pub config_toml: String,
-}
-
-pub(crate) fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
-    use std::io::Write;
-    let mut f =
-        std::fs::File::create(path).map_err(|e| Error::file(path, format!("cannot write: {e}")))?;
-    f.write_all(bytes)
-        .and_then(|_| f.sync_all())
-        .map_err(|e| Error::file(path, format!("cannot write: {e}")))
-}
-
-pub(crate) fn save_tensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
-    let map: HashMap<String, Tensor> = tensors
-        .iter()
-        .map(|(n, t)| Ok((n.clone(), t.to_device(&Device::Cpu)?.contiguous()?)))
-        .collect::<candle_core::Result<_>>()?;
-    candle_core::safetensors::save(&map, path)
-        .map_err(|e| Error::file(path, format!("cannot write: {e}")))?;
-    std::fs::File::open(path)
-        .and_then(|f| f.sync_all())
-        .map_err(|e| Error::file(path, format!("cannot sync: {e}")))
 }
 
 /// Writes an HF model directory into `dir` (created; must not hold a model already).

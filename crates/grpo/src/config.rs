@@ -16,6 +16,13 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
+use crate::advantages::{RewardAggregation, ScaleRewards};
+use crate::error::nearest;
+use crate::eval::EvalOptions;
+use crate::loss::{AdaptiveKlCfg, IsLevel, KlMode, LossType};
+use crate::named::Named;
+use crate::optim::LrSchedule;
+use crate::sampler::SamplingParams;
 use crate::{Error, Result};
 
 /// The embedded default run (`grpo train` with no arguments).
@@ -31,75 +38,6 @@ pub enum Format {
 pub enum DTypeOpt {
     F32,
     Bf16,
-}
-
-/// How token losses are reduced (TRL's `loss_type`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LossType {
-    /// Mean over each sequence's tokens, then over sequences.
-    Grpo,
-    /// Sum over tokens / active tokens of the micro-batch.
-    Bnpo,
-    /// Sum over tokens / (sequences x max_completion_length).
-    DrGrpo,
-    /// Sum over tokens / active tokens of the accumulation window (TRL 1.x default).
-    Dapo,
-}
-
-/// Importance-sampling granularity (TRL's `importance_sampling_level`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum IsLevel {
-    Token,
-    /// GSPO: one ratio per sequence (mean of token log-ratios).
-    Sequence,
-}
-
-/// Which std scales the advantages (TRL's `scale_rewards`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ScaleRewards {
-    Group,
-    Batch,
-    /// Dr. GRPO: centre only.
-    None,
-}
-
-/// How several reward functions become one reward (TRL's `multi_objective_aggregation`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RewardAggregation {
-    /// Weighted sum, then group-relative advantages as `scale_rewards` says.
-    SumThenNormalize,
-    /// GDPO: each function normalized within its group, then summed, then normalized over the batch.
-    NormalizeThenSum,
-}
-
-/// HF learning-rate schedules.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LrSchedule {
-    Constant,
-    ConstantWithWarmup,
-    Linear,
-    Cosine,
-}
-
-/// Adaptive KL controller settings (KL in the reward).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct AdaptiveKlCfg {
-    pub target: f64,
-    pub horizon: f64,
-}
-
-/// Where the KL to the reference model goes.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum KlMode {
-    /// No reference model.
-    None,
-    /// k3 estimator in the loss, weighted by `beta` (TRL).
-    Loss { beta: f64 },
-    /// `reward - coef * sum_t (logp - ref_logp)`, optionally with an adaptive coefficient.
-    Reward {
-        coef: f64,
-        adaptive: Option<AdaptiveKlCfg>,
-    },
 }
 
 /// The built-in arithmetic task (`[task]`).
@@ -407,32 +345,6 @@ pub fn reference() -> Vec<KeyDoc> {
     KEYS.to_vec()
 }
 
-/// Levenshtein distance, for "did you mean" suggestions.
-fn edit_distance(a: &str, b: &str) -> usize {
-    let b: Vec<char> = b.chars().collect();
-    let mut prev: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.chars().enumerate() {
-        let mut cur = vec![i + 1; b.len() + 1];
-        for (j, &cb) in b.iter().enumerate() {
-            cur[j + 1] = (prev[j] + usize::from(ca != cb))
-                .min(prev[j + 1] + 1)
-                .min(cur[j] + 1);
-        }
-        prev = cur;
-    }
-    prev[b.len()]
-}
-
-/// The candidate closest to `key` when it is close enough to be a typo.
-pub fn nearest<'a>(key: &str, candidates: &[&'a str]) -> Option<&'a str> {
-    candidates
-        .iter()
-        .map(|k| (edit_distance(key, k), *k))
-        .min()
-        .filter(|(d, k)| *d <= 3 || k.contains(key))
-        .map(|(_, k)| k)
-}
-
 fn suggest(key: &str) -> String {
     let keys: Vec<&str> = KEYS.iter().map(|k| k.key).collect();
     match nearest(key, &keys) {
@@ -649,6 +561,10 @@ impl Values<'_> {
                 .map(Some),
             Some(v) => Err(type_err(key, "a list of numbers", v)),
         }
+    }
+    /// One of `T`'s config names (see [`crate::named`]).
+    fn named<T: Named>(&self, key: &str) -> Result<T> {
+        self.choice(key, T::NAMES)
     }
     fn choice<T: Copy>(&self, key: &str, options: &[(&str, T)]) -> Result<T> {
         let s = self.string(key)?;
@@ -1024,14 +940,7 @@ impl TrainConfig {
         let scale_rewards = match v.get("scale_rewards") {
             Some(Value::Bool(true)) => ScaleRewards::Group,
             Some(Value::Bool(false)) => ScaleRewards::None,
-            _ => v.choice(
-                "scale_rewards",
-                &[
-                    ("group", ScaleRewards::Group),
-                    ("batch", ScaleRewards::Batch),
-                    ("none", ScaleRewards::None),
-                ],
-            )?,
+            _ => v.named::<ScaleRewards>("scale_rewards")?,
         };
         let sync_steps = v.usize("ref_model_sync_steps")?;
         if sync_steps == 0 {
@@ -1044,13 +953,8 @@ impl TrainConfig {
             }
             Some(n) => Some(n as u64),
         };
-        let multi_objective_aggregation = v.choice(
-            "multi_objective_aggregation",
-            &[
-                ("sum_then_normalize", RewardAggregation::SumThenNormalize),
-                ("normalize_then_sum", RewardAggregation::NormalizeThenSum),
-            ],
-        )?;
+        let multi_objective_aggregation =
+            v.named::<RewardAggregation>("multi_objective_aggregation")?;
         if multi_objective_aggregation == RewardAggregation::NormalizeThenSum
             && matches!(kl, KlMode::Reward { .. })
         {
@@ -1102,35 +1006,16 @@ impl TrainConfig {
             adam_epsilon: v.f64("adam_epsilon")?,
             weight_decay: v.f64("weight_decay")?,
             max_grad_norm: v.f64("max_grad_norm")?,
-            lr_scheduler_type: v.choice(
-                "lr_scheduler_type",
-                &[
-                    ("constant", LrSchedule::Constant),
-                    ("constant_with_warmup", LrSchedule::ConstantWithWarmup),
-                    ("linear", LrSchedule::Linear),
-                    ("cosine", LrSchedule::Cosine),
-                ],
-            )?,
+            lr_scheduler_type: v.named::<LrSchedule>("lr_scheduler_type")?,
             warmup_ratio,
             warmup_steps: v.usize("warmup_steps")?,
             max_consecutive_nonfinite: v.usize("max_consecutive_nonfinite")?.max(1),
-            loss_type: v.choice(
-                "loss_type",
-                &[
-                    ("grpo", LossType::Grpo),
-                    ("bnpo", LossType::Bnpo),
-                    ("dr_grpo", LossType::DrGrpo),
-                    ("dapo", LossType::Dapo),
-                ],
-            )?,
+            loss_type: v.named::<LossType>("loss_type")?,
             beta,
             epsilon,
             epsilon_high,
             delta: v.opt_f64("delta")?,
-            importance_sampling_level: v.choice(
-                "importance_sampling_level",
-                &[("token", IsLevel::Token), ("sequence", IsLevel::Sequence)],
-            )?,
+            importance_sampling_level: v.named::<IsLevel>("importance_sampling_level")?,
             scale_rewards,
             mask_truncated_completions: v.bool("mask_truncated_completions")?,
             entropy_coef: v.f64("entropy_coef")?,
@@ -1165,6 +1050,33 @@ impl TrainConfig {
             ignored_keys: vec![],
             resolved: BTreeMap::new(),
         })
+    }
+
+    /// This config's eval settings (`eval_num_samples`, `eval_k`, `eval_greedy`,
+    /// `eval_num_prompts`, `eval_temperature` and the other sampling keys, `seed`,
+    /// `system_prompt`, `max_prompt_length`).
+    pub fn eval_options(&self, eos_token_ids: Vec<u32>) -> EvalOptions {
+        let cfg = self;
+        EvalOptions {
+            num_samples: cfg.eval_num_samples,
+            ks: cfg.eval_k.clone(),
+            greedy: cfg.eval_greedy,
+            num_prompts: cfg.eval_num_prompts,
+            seed: cfg.seed,
+            sampling: SamplingParams {
+                max_new_tokens: cfg.max_completion_length,
+                min_new_tokens: 0,
+                temperature: cfg.eval_temperature,
+                top_k: cfg.top_k,
+                top_p: cfg.top_p,
+                min_p: cfg.min_p.unwrap_or(0.0),
+                repetition_penalty: cfg.repetition_penalty,
+                stop_strings: cfg.stop.clone(),
+                eos_token_ids,
+            },
+            system_prompt: cfg.system_prompt.clone(),
+            max_prompt_length: cfg.max_prompt_length,
+        }
     }
 
     /// Prompts per generation round.
@@ -1410,5 +1322,29 @@ lora_target_modules: [q_proj, k_proj]
         let c = TrainConfig::load(None, &[]).unwrap();
         assert!(c.train_file.is_none());
         assert!(c.max_steps.is_some());
+    }
+
+    #[test]
+    fn options_from_the_default_config_validate() {
+        let cfg = TrainConfig::load(None, &[]).unwrap();
+        let o = cfg.eval_options(vec![2]);
+        o.validate().unwrap();
+        assert_eq!(o.sampling.temperature, cfg.eval_temperature);
+        let bad = crate::eval::EvalOptions {
+            num_samples: 0,
+            greedy: false,
+            ..o.clone()
+        };
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("eval_num_samples"));
+        let bad = crate::eval::EvalOptions {
+            num_samples: 2,
+            ks: vec![4],
+            ..o
+        };
+        assert!(bad.validate().unwrap_err().to_string().contains("eval_k"));
     }
 }

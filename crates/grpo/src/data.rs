@@ -319,7 +319,7 @@ impl PromptOrder {
     fn permutation(&self, epoch: usize) -> Vec<usize> {
         let mut p: Vec<usize> = (0..self.n).collect();
         if self.shuffle {
-            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(crate::sampler::mix_seed(
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(crate::seeding::mix_seed(
                 self.seed,
                 epoch as u64,
             ));

@@ -22,18 +22,17 @@
 //! "correct", "stop_reason"}], "num_correct", "greedy": {"text", "rewards", "correct",
 //! "stop_reason"} or null}`.
 
-use std::path::Path;
 use std::sync::Once;
 
 use candle_core::{DType, Device};
 use serde_json::{json, Map, Value};
 
-use crate::config::TrainConfig;
 use crate::data::{self, Example};
 use crate::models::CausalLm;
-use crate::rewards::{self, Reward};
+use crate::rewards::Reward;
 use crate::rollout::{self, Episode};
-use crate::sampler::{mix_seed, SamplingParams};
+use crate::sampler::SamplingParams;
+use crate::seeding::mix_seed;
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 
@@ -118,32 +117,6 @@ pub struct EvalOptions {
 }
 
 impl EvalOptions {
-    /// A training config's eval settings (`eval_num_samples`, `eval_k`, `eval_greedy`,
-    /// `eval_num_prompts`, `eval_temperature` and the other sampling keys, `seed`,
-    /// `system_prompt`, `max_prompt_length`).
-    pub fn from_config(cfg: &TrainConfig, eos_token_ids: Vec<u32>) -> Self {
-        EvalOptions {
-            num_samples: cfg.eval_num_samples,
-            ks: cfg.eval_k.clone(),
-            greedy: cfg.eval_greedy,
-            num_prompts: cfg.eval_num_prompts,
-            seed: cfg.seed,
-            sampling: SamplingParams {
-                max_new_tokens: cfg.max_completion_length,
-                min_new_tokens: 0,
-                temperature: cfg.eval_temperature,
-                top_k: cfg.top_k,
-                top_p: cfg.top_p,
-                min_p: cfg.min_p.unwrap_or(0.0),
-                repetition_penalty: cfg.repetition_penalty,
-                stop_strings: cfg.stop.clone(),
-                eos_token_ids,
-            },
-            system_prompt: cfg.system_prompt.clone(),
-            max_prompt_length: cfg.max_prompt_length,
-        }
-    }
-
     /// Checks the options; errors use the config's key names.
     pub fn validate(&self) -> Result<()> {
         check_ks(&self.ks, self.num_samples, "eval_k", "eval_num_samples")?;
@@ -483,46 +456,6 @@ pub fn evaluate(
     Ok(tally.report())
 }
 
-/// The held-out prompts of a training config: `eval_file` when set, else the built-in arithmetic
-/// task's held-out problems (`task.*` keys).
-pub fn held_out_examples(cfg: &TrainConfig) -> Result<Vec<Example>> {
-    if let Some(p) = &cfg.eval_file {
-        return load_examples(cfg, p);
-    }
-    Ok(data::arithmetic::make_task(&cfg.task.params())?.1)
-}
-
-/// Rows of a prompt file, read with the config's `prompt_field`, `answer_field` and
-/// `skip_bad_rows` (skipped rows are counted in a warning).
-pub fn load_examples(cfg: &TrainConfig, path: &Path) -> Result<Vec<Example>> {
-    let fields = data::DataFields {
-        prompt_field: cfg.prompt_field.clone(),
-        answer_field: cfg.answer_field.clone(),
-        skip_bad_rows: cfg.skip_bad_rows,
-    };
-    let loaded = data::load_examples(path, &fields)?;
-    if let Some(first) = loaded.skipped.first() {
-        tracing::warn!(
-            "{}: skipped {} bad rows (skip_bad_rows = true); first: {first}",
-            path.display(),
-            loaded.skipped.len()
-        );
-    }
-    Ok(loaded.examples)
-}
-
-/// A config's `[[rewards]]`, or the built-in task's rewards when it has none.
-pub fn config_rewards(cfg: &TrainConfig, device: &Device) -> Result<Vec<Reward>> {
-    if cfg.rewards.is_empty() {
-        return Ok(rewards::builtin_task_rewards());
-    }
-    let ctx = rewards::RewardContext {
-        max_completion_length: cfg.max_completion_length,
-        device: device.clone(),
-    };
-    rewards::parse_rewards(&cfg.rewards, &ctx)
-}
-
 /// A model to evaluate or sample from, with its tokenizer and EOS ids: `spec` as `--model` takes
 /// it (an HF directory, a full fine-tune's checkpoint directory included, a `.gguf` file, a hub
 /// id, or None for the default model), or a LoRA checkpoint directory (`adapter_config.json`)
@@ -713,29 +646,5 @@ mod tests {
         assert!(r.get("eval/reward/correct").unwrap().is_nan());
         assert!(r.to_json()["eval/reward/correct"].is_null());
         assert!(r.table().contains("missing"));
-    }
-
-    #[test]
-    fn options_from_the_default_config_validate() {
-        let cfg = TrainConfig::load(None, &[]).unwrap();
-        let o = EvalOptions::from_config(&cfg, vec![2]);
-        o.validate().unwrap();
-        assert_eq!(o.sampling.temperature, cfg.eval_temperature);
-        let bad = EvalOptions {
-            num_samples: 0,
-            greedy: false,
-            ..o.clone()
-        };
-        assert!(bad
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("eval_num_samples"));
-        let bad = EvalOptions {
-            num_samples: 2,
-            ks: vec![4],
-            ..o
-        };
-        assert!(bad.validate().unwrap_err().to_string().contains("eval_k"));
     }
 }

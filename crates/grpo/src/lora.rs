@@ -24,7 +24,7 @@ use rand_chacha::ChaCha8Rng;
 use serde_json::json;
 
 use crate::models::{Arch, CausalLm, LoraAdapter, LoraDropout, ModelConfig};
-use crate::sampler::mix_seed;
+use crate::seeding::mix_seed;
 use crate::{Error, Result};
 
 /// PEFT's key prefix for a causal LM (`PeftModelForCausalLM.base_model.model`).
@@ -245,8 +245,8 @@ pub fn save_peft(
 ) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| Error::file(dir, format!("cannot create: {e}")))?;
     let conf = serde_json::to_vec_pretty(&cfg.peft_json(arch, base_model)).unwrap_or_default();
-    crate::checkpoint::write_file(&dir.join(ADAPTER_CONFIG), &conf)?;
-    crate::checkpoint::save_tensors(&dir.join(ADAPTER_WEIGHTS), tensors)
+    crate::files::write_file(&dir.join(ADAPTER_CONFIG), &conf)?;
+    crate::files::save_tensors(&dir.join(ADAPTER_WEIGHTS), tensors)
 }
 
 /// Whether `dir` holds a PEFT adapter.

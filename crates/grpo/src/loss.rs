@@ -7,8 +7,52 @@
 
 use candle_core::{Tensor, D};
 
-use crate::config::{IsLevel, LossType};
+use crate::named::named_enum;
 use crate::Result;
+
+named_enum! {
+    /// How token losses are reduced (TRL's `loss_type`).
+    pub enum LossType {
+        /// Mean over each sequence's tokens, then over sequences.
+        Grpo = "grpo",
+        /// Sum over tokens / active tokens of the micro-batch.
+        Bnpo = "bnpo",
+        /// Sum over tokens / (sequences x max_completion_length).
+        DrGrpo = "dr_grpo",
+        /// Sum over tokens / active tokens of the accumulation window (TRL 1.x default).
+        Dapo = "dapo",
+    }
+}
+
+named_enum! {
+    /// Importance-sampling granularity (TRL's `importance_sampling_level`).
+    pub enum IsLevel {
+        Token = "token",
+        /// GSPO: one ratio per sequence (mean of token log-ratios).
+        Sequence = "sequence",
+    }
+}
+
+/// Adaptive KL controller settings (KL in the reward).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdaptiveKlCfg {
+    pub target: f64,
+    pub horizon: f64,
+}
+
+/// Where the KL to the reference model goes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum KlMode {
+    /// No reference model.
+    None,
+    /// k3 estimator in the loss, weighted by `beta` (TRL).
+    Loss { beta: f64 },
+    /// `reward - coef * sum_t (logp - ref_logp)`, optionally with an adaptive coefficient.
+    Reward {
+        coef: f64,
+        adaptive: Option<AdaptiveKlCfg>,
+    },
+}
 
 /// Loss options, resolved from the config once.
 #[derive(Debug, Clone, PartialEq)]

@@ -12,8 +12,18 @@ use std::cell::RefCell;
 use candle_core::{CpuStorage, Layout, Tensor, Var};
 use rayon::prelude::*;
 
-use crate::config::LrSchedule;
+use crate::named::named_enum;
 use crate::{Error, Result};
+
+named_enum! {
+    /// HF learning-rate schedules (`lr_scheduler_type`).
+    pub enum LrSchedule {
+        Constant = "constant",
+        ConstantWithWarmup = "constant_with_warmup",
+        Linear = "linear",
+        Cosine = "cosine",
+    }
+}
 
 /// AdamW hyper-parameters (torch names).
 #[derive(Debug, Clone, Copy, PartialEq)]

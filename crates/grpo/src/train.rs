@@ -7,7 +7,7 @@
 //! at round boundaries, so a resumed run replays exactly what the uninterrupted one does.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -15,24 +15,27 @@ use std::time::Instant;
 use candle_core::{DType, Device, Tensor, Var};
 use serde_json::json;
 
+use crate::advantages::RewardAggregation;
 use crate::advantages::{
     combine_rewards, decoupled_advantages, group_advantages, AdvantageOptions,
 };
 use crate::checkpoint::{self, AdapterExport, CheckpointData, HfExport, ModelFiles};
-use crate::config::{KlMode, RewardAggregation, TrainConfig};
-use crate::data::{self, Example, PromptOrder};
+use crate::config::TrainConfig;
+use crate::data::{self, PromptOrder};
 use crate::hub::{self, ModelSource};
 use crate::logprobs::{completion_logprobs, forward_chunks, Entropy, Packing};
 use crate::lora::{self, LoraConfig};
+use crate::loss::KlMode;
 use crate::loss::{grpo_loss, AdaptiveKl, LossInputs, LossOptions, MicroTotals, Reduction};
 use crate::metrics::MetricsWriter;
 use crate::models::checkpointing::CheckpointGrads;
 use crate::models::grad_sink::GradSink;
 use crate::models::{CausalLm, Mode, ModelConfig};
 use crate::optim::{clip_factor, lr_lambda, AdamW, AdamWConfig};
-use crate::rewards::{self, Reward};
+use crate::rewards::Reward;
 use crate::rollout::{self, Episode, TrainBatch, TrainRow};
-use crate::sampler::{mix_seed, SamplingParams};
+use crate::sampler::SamplingParams;
+use crate::seeding::mix_seed;
 use crate::tokenizer::Tokenizer;
 use crate::weights::load_model;
 use crate::{Error, Result};
@@ -69,54 +72,6 @@ struct TrainerState {
     order: PromptOrder,
     adaptive_kl: Option<AdaptiveKl>,
     consecutive_nonfinite: usize,
-}
-
-/// The prompt sets of a run.
-struct Datasets {
-    train: Vec<Example>,
-    eval: Vec<Example>,
-    rewards: Vec<Reward>,
-}
-
-fn load_datasets(cfg: &TrainConfig, device: &Device) -> Result<Datasets> {
-    let fields = data::DataFields {
-        prompt_field: cfg.prompt_field.clone(),
-        answer_field: cfg.answer_field.clone(),
-        skip_bad_rows: cfg.skip_bad_rows,
-    };
-    let load = |p: &Path| -> Result<Vec<Example>> {
-        let loaded = data::load_examples(p, &fields)?;
-        if !loaded.skipped.is_empty() {
-            tracing::warn!(
-                "{}: skipped {} bad rows (skip_bad_rows = true); first: {}",
-                p.display(),
-                loaded.skipped.len(),
-                loaded.skipped[0]
-            );
-        }
-        Ok(loaded.examples)
-    };
-    let (train, mut eval) = match &cfg.train_file {
-        Some(p) => (load(p)?, vec![]),
-        None => data::arithmetic::make_task(&cfg.task.params())?,
-    };
-    if let Some(p) = &cfg.eval_file {
-        eval = load(p)?;
-    }
-    let rewards = if cfg.rewards.is_empty() {
-        rewards::builtin_task_rewards()
-    } else {
-        let ctx = rewards::RewardContext {
-            max_completion_length: cfg.max_completion_length,
-            device: device.clone(),
-        };
-        rewards::parse_rewards(&cfg.rewards, &ctx)?
-    };
-    Ok(Datasets {
-        train,
-        eval,
-        rewards,
-    })
 }
 
 /// The policy: trainable `Var`s by name, plus what is needed to rebuild models over them.
@@ -228,12 +183,12 @@ fn evaluate(
     cfg: &TrainConfig,
     model: &CausalLm,
     tok: &Tokenizer,
-    ds: &Datasets,
+    ds: &crate::inputs::RunData,
     params: &SamplingParams,
     step: u64,
     metrics: &mut MetricsWriter,
 ) -> Result<Vec<(String, f64)>> {
-    let opts = crate::eval::EvalOptions::from_config(cfg, params.eos_token_ids.clone());
+    let opts = cfg.eval_options(params.eos_token_ids.clone());
     let file = format!("eval/step-{step}.jsonl");
     let mut log = |row: &serde_json::Value| metrics.log_json(&file, row);
     let report = crate::eval::evaluate(model, tok, &ds.eval, &ds.rewards, &opts, Some(&mut log))?;
@@ -312,7 +267,7 @@ fn run(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
     let mut base = load_model(&source, DType::F32, &device)?;
     let tok = base.tokenizer()?.clone();
     let pad = tok.pad_token_id().or(tok.eos_token_id()).unwrap_or(0);
-    let ds = load_datasets(cfg, &device)?;
+    let ds = crate::inputs::load_run_data(cfg, &device)?;
     tracing::info!(
         "data: {} train prompts, {} eval prompts, rewards: {}",
         ds.train.len(),
@@ -1081,11 +1036,6 @@ fn run(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
         }
     }
     bar.finish_and_clear();
-    // The run report (plots + HTML); a failure here never fails the finished run.
-    match crate::report::write_report(&out_dir) {
-        Ok(r) => tracing::info!("report: {}", r.html.display()),
-        Err(e) => tracing::warn!("no run report: {e}"),
-    }
     Ok(TrainOutcome {
         steps: state.step,
         last_checkpoint: last_ckpt,

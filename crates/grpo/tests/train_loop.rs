@@ -134,9 +134,6 @@ fn resumed_run_equals_uninterrupted_run() {
         assert!(full.join("checkpoint-4").join(f).exists(), "{f}");
     }
     assert!(full.join("completions.jsonl").exists());
-    // The run report is written at the end of training.
-    assert!(full.join("report.html").is_file());
-    assert!(full.join("plots").join("reward.png").is_file());
     assert!(full.join("eval/step-4.jsonl").exists());
     assert!(std::fs::read_dir(full.join("tb")).unwrap().count() >= 1);
 }
@@ -165,9 +162,9 @@ fn eval_on_the_builtin_task_reports_pass_at_k() {
         &[],
     )
     .unwrap();
-    let examples = grpo::eval::held_out_examples(&cfg).unwrap();
+    let examples = grpo::inputs::held_out_examples(&cfg).unwrap();
     assert_eq!(examples.len(), 10);
-    let rewards = grpo::eval::config_rewards(&cfg, &Device::Cpu).unwrap();
+    let rewards = grpo::inputs::config_rewards(&cfg, &Device::Cpu).unwrap();
     let (model, tok, eos) = grpo::eval::load_inference_model(
         Some(model_dir.to_str().unwrap()),
         None,
@@ -175,7 +172,7 @@ fn eval_on_the_builtin_task_reports_pass_at_k() {
         &Device::Cpu,
     )
     .unwrap();
-    let opts = grpo::eval::EvalOptions::from_config(&cfg, eos);
+    let opts = cfg.eval_options(eos);
     let run = |opts: &grpo::eval::EvalOptions| {
         let mut rows = vec![];
         let mut sink = |r: &serde_json::Value| {

@@ -8,13 +8,15 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, Var};
+use grpo::advantages::ScaleRewards;
 use grpo::advantages::{combine_rewards, decoupled_advantages, group_advantages, AdvantageOptions};
-use grpo::config::{IsLevel, LossType, LrSchedule, ScaleRewards};
 use grpo::hub::ModelSource;
 use grpo::logprobs::{completion_logprobs, Entropy, Packing};
 use grpo::loss::{grpo_loss, LossInputs, LossOptions, Reduction};
+use grpo::loss::{IsLevel, LossType};
 use grpo::models::grad_sink::GradSink;
 use grpo::models::{CausalLm, Mode};
+use grpo::optim::LrSchedule;
 use grpo::optim::{clip_factor, lr_lambda, AdamW, AdamWConfig};
 use serde_json::Value;
 

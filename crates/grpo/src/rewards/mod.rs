@@ -5,7 +5,6 @@
 //! Configured as `[[rewards]]` tables (see [`parse_rewards`]); each kind's options are read by its
 //! own module through [`table::Table`], which names `rewards[i].key` in every error.
 
-pub mod check;
 pub mod command;
 pub mod judge;
 pub mod models;
@@ -311,7 +310,7 @@ fn parse_reward(v: &Value, path: String, ctx: &RewardContext) -> Result<Reward> 
         )
     })?;
     let Some((_, keys)) = KINDS.iter().find(|k| k.0 == kind) else {
-        let hint = crate::config::nearest(kind, &kinds)
+        let hint = crate::error::nearest(kind, &kinds)
             .map(|n| format!(" (did you mean `{n}`?)"))
             .unwrap_or_default();
         return Err(Error::config(

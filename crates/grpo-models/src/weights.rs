@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Tensor};
 
+use crate::files::{read_json, safetensors_files};
 use crate::hub::ModelSource;
 use crate::models::config::token_ids_from_json;
 use crate::models::{Arch, CausalLm, ModelConfig};
@@ -112,54 +113,6 @@ pub fn load_model(source: &ModelSource, dtype: DType, device: &Device) -> Result
         ));
     }
     Ok(m)
-}
-
-fn read_json(path: &Path) -> Result<serde_json::Value> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| Error::file(path, format!("cannot read: {e}")))?;
-    serde_json::from_str(&text).map_err(|e| Error::file(path, format!("invalid JSON: {e}")))
-}
-
-/// The safetensors files of an HF directory: `model.safetensors`, or the shards listed in
-/// `model.safetensors.index.json`.
-pub(crate) fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
-    let single = dir.join("model.safetensors");
-    if single.is_file() {
-        return Ok(vec![single]);
-    }
-    let index = dir.join("model.safetensors.index.json");
-    if index.is_file() {
-        let v = read_json(&index)?;
-        let map = v
-            .get("weight_map")
-            .and_then(|m| m.as_object())
-            .ok_or_else(|| Error::file(&index, "missing object `weight_map`"))?;
-        let mut files: Vec<PathBuf> = map
-            .values()
-            .filter_map(|f| f.as_str())
-            .map(|f| dir.join(f))
-            .collect();
-        files.sort();
-        files.dedup();
-        for f in &files {
-            if !f.is_file() {
-                return Err(Error::file(
-                    f,
-                    "shard listed in model.safetensors.index.json is missing",
-                ));
-            }
-        }
-        return Ok(files);
-    }
-    let hint = if dir.join("pytorch_model.bin").exists() {
-        " (found pytorch_model.bin: convert it to safetensors, e.g. with transformers' save_pretrained(safe_serialization=True))"
-    } else {
-        ""
-    };
-    Err(Error::file(
-        dir,
-        format!("no model.safetensors or model.safetensors.index.json{hint}"),
-    ))
 }
 
 fn load_hf_dir(dir: &Path, dtype: DType, device: &Device) -> Result<LoadedModel> {

@@ -11,7 +11,7 @@ use candle_core::{DType, Result, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::sampler::mix_seed;
+use crate::seeding::mix_seed;
 
 /// Inverted dropout on the adapter's input, seeded: the mask is a function of (seed, clock)
 /// only, where `clock` is shared by all adapters of a model and advanced by the trainer once per

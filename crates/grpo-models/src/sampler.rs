@@ -11,6 +11,7 @@
 //! truncation. This is the quantity the trainer's forward computes (same temperature), so the two can
 //! be compared directly. With T = 0 (greedy) the log-prob is taken at T = 1.
 
+use crate::seeding::mix_seed;
 use std::time::Instant;
 
 use candle_core::Tensor;
@@ -130,16 +131,6 @@ pub struct GenStats {
     pub generated_tokens: usize,
     pub decode_steps: usize,
     pub compactions: usize,
-}
-
-/// SplitMix64: a well-mixed seed from a seed and an index.
-pub fn mix_seed(seed: u64, index: u64) -> u64 {
-    let mut z = seed
-        .wrapping_add(0x9E37_79B9_7F4A_7C15)
-        .wrapping_add(index.wrapping_mul(0xBF58_476D_1CE4_E5B9));
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 struct Row {

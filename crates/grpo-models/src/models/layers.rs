@@ -24,9 +24,8 @@ pub enum Mode {
     Infer,
 }
 
-/// Additive mask value for disallowed attention positions. Finite, so a row that is entirely
-/// masked (a padding query) gives a uniform softmax instead of NaN, which would poison gradients.
-pub const MASK_VALUE: f32 = -1e30;
+/// The additive mask value of disallowed attention positions (defined with the attention kernels).
+pub use super::fused_attention::MASK_VALUE;
 
 /// `y = x W^T + b`. The weight arrives in HF's `[out, in]` layout.
 ///

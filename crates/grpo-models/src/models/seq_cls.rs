@@ -8,8 +8,8 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 
-use super::encoder::{read_weights, require_tokenizer_json};
 use super::{CausalLm, Mode, ModelConfig, SeqBatch};
+use crate::files::{read_weights, require_tokenizer_json};
 use crate::tokenizer::{ChatMessage, Tokenizer};
 use crate::{Error, Result};
 

@@ -24,7 +24,9 @@ use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::fused::{applies, f32s, read};
-use super::layers::MASK_VALUE;
+/// Additive mask value for disallowed attention positions. Finite, so a row that is entirely
+/// masked (a padding query) gives a uniform softmax instead of NaN, which would poison gradients.
+pub const MASK_VALUE: f32 = -1e30;
 
 /// Mask entries at or below this are treated as masked (the mask holds 0 or [`MASK_VALUE`]).
 const MASKED: f32 = MASK_VALUE * 0.5;

@@ -18,76 +18,12 @@ use tokenizers::{PostProcessor, TruncationDirection};
 
 use super::layers::{linear, LayerNorm, Linear, Mode, MASK_VALUE};
 use super::seq_cls::DecoderClassifier;
+use crate::files::{read_json, read_weights, require_tokenizer_json};
 use crate::{Error, Result};
 
 // ---------------------------------------------------------------------------------------------
 // Checkpoint files
 // ---------------------------------------------------------------------------------------------
-
-/// Reads `path` as JSON.
-pub(crate) fn read_json(path: &Path) -> Result<serde_json::Value> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| Error::file(path, format!("cannot read: {e}")))?;
-    serde_json::from_str(&text).map_err(|e| Error::file(path, format!("invalid JSON: {e}")))
-}
-
-/// All tensors of an HF directory as f32 on `device`: `model.safetensors`, the shards of
-/// `model.safetensors.index.json`, or `pytorch_model.bin`. Returns them with the file they came
-/// from (the index for shards), for error messages. Old checkpoints' LayerNorm `gamma`/`beta`
-/// are renamed `weight`/`bias`, as transformers does.
-pub(crate) fn read_weights(
-    dir: &Path,
-    device: &Device,
-) -> Result<(HashMap<String, Tensor>, PathBuf)> {
-    let mut tensors = HashMap::new();
-    let origin;
-    let bin = dir.join("pytorch_model.bin");
-    let has_safetensors = dir.join("model.safetensors").is_file()
-        || dir.join("model.safetensors.index.json").is_file();
-    if !has_safetensors && bin.is_file() {
-        let all = candle_core::pickle::read_all(&bin)
-            .map_err(|e| Error::file(&bin, format!("cannot read the PyTorch checkpoint: {e}")))?;
-        for (name, t) in all {
-            let t = t.to_dtype(DType::F32)?.to_device(device)?;
-            tensors.insert(name, t);
-        }
-        origin = bin;
-    } else if !has_safetensors {
-        return Err(Error::file(
-            dir,
-            "no model.safetensors, model.safetensors.index.json or pytorch_model.bin",
-        ));
-    } else {
-        let files = crate::weights::safetensors_files(dir)?;
-        origin = match files.as_slice() {
-            [one] => one.clone(),
-            _ => dir.join("model.safetensors.index.json"),
-        };
-        for file in files {
-            // SAFETY: read-only mapping of a file we do not modify (see weights.rs).
-            let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(&file) }
-                .map_err(|e| Error::file(&file, format!("not a valid safetensors file: {e}")))?;
-            for (name, _) in st.tensors() {
-                let t = st
-                    .load(&name, device)
-                    .map_err(|e| Error::file(&file, format!("cannot read tensor `{name}`: {e}")))?;
-                tensors.insert(name, t.to_dtype(DType::F32)?);
-            }
-        }
-    }
-    let tensors = tensors
-        .into_iter()
-        .map(|(k, v)| {
-            let k = match k.rsplit_once('.') {
-                Some((m, "gamma")) => format!("{m}.weight"),
-                Some((m, "beta")) => format!("{m}.bias"),
-                _ => k,
-            };
-            (k, v)
-        })
-        .collect();
-    Ok((tensors, origin))
-}
 
 /// `id2label` names in label order; `LABEL_i` for labels the config does not name. The number
 /// of labels is `id2label`'s size, else `num_labels`, else 2 (transformers' default).
@@ -123,19 +59,6 @@ pub(crate) fn label_names(config: &serde_json::Value, path: &Path) -> Result<Vec
         ));
     }
     Ok(labels)
-}
-
-/// Loads `dir/tokenizer.json`, or says how to make one.
-pub(crate) fn require_tokenizer_json(dir: &Path) -> Result<PathBuf> {
-    let path = dir.join("tokenizer.json");
-    if path.is_file() {
-        return Ok(path);
-    }
-    Err(Error::file(
-        dir,
-        "no tokenizer.json: reward models are tokenized with the fast tokenizer file. Write it \
-         with transformers: `AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)`",
-    ))
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -11,10 +11,10 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use super::{parse_rewards, score_all, Reward, RewardContext, ScoreItem};
-use crate::config::TrainConfig;
-use crate::data::{self, DataFields, Example};
-use crate::{hub, Error, Result};
+use grpo::config::TrainConfig;
+use grpo::data::{self, DataFields, Example};
+use grpo::rewards::{parse_rewards, score_all, Reward, RewardContext, ScoreItem};
+use grpo::{hub, Error, Result};
 
 /// One scored sample.
 #[derive(Debug, Clone)]
@@ -41,7 +41,7 @@ pub struct CheckReport {
 /// Loads the config's rewards (or the built-in task's when it has none) and scores `samples`.
 pub fn check_samples(cfg: &TrainConfig, samples: &Path) -> Result<CheckReport> {
     let rewards: Vec<Reward> = if cfg.rewards.is_empty() {
-        super::builtin_task_rewards()
+        grpo::rewards::builtin_task_rewards()
     } else {
         let ctx = RewardContext {
             max_completion_length: cfg.max_completion_length,
@@ -107,7 +107,7 @@ pub fn check_samples(cfg: &TrainConfig, samples: &Path) -> Result<CheckReport> {
                 .collect()
         } else {
             let source = hub::resolve_model(cfg.model.as_deref())?;
-            let tok = crate::weights::load_tokenizer(&source)?;
+            let tok = grpo::weights::load_tokenizer(&source)?;
             completions
                 .iter()
                 .map(|c| tok.encode(c, false).map(|ids| ids.len()))
@@ -142,7 +142,7 @@ pub fn check_samples(cfg: &TrainConfig, samples: &Path) -> Result<CheckReport> {
         .zip(completions)
         .zip(scores)
         .map(|((ex, completion), s)| {
-            let total = crate::advantages::combine_rewards(&s, &weights)
+            let total = grpo::advantages::combine_rewards(&s, &weights)
                 .map(|t| t[0])
                 .unwrap_or(f32::NAN);
             CheckRow {
@@ -239,8 +239,8 @@ impl CheckReport {
                 "{:<20} {:>7.3} {:>8} {:>8} {:>8} {:>10.2}\n",
                 name,
                 self.weights[k],
-                fmt_score(crate::advantages::nan_mean(&col)),
-                fmt_score(crate::advantages::nan_std(&col)),
+                fmt_score(grpo::advantages::nan_mean(&col)),
+                fmt_score(grpo::advantages::nan_std(&col)),
                 missing,
                 self.secs[k] * 1e3
             ));
@@ -250,8 +250,8 @@ impl CheckReport {
             "{:<20} {:>7} {:>8} {:>8} {:>8}\n",
             "total",
             "",
-            fmt_score(crate::advantages::nan_mean(&totals)),
-            fmt_score(crate::advantages::nan_std(&totals)),
+            fmt_score(grpo::advantages::nan_mean(&totals)),
+            fmt_score(grpo::advantages::nan_std(&totals)),
             totals.iter().filter(|x| x.is_nan()).count()
         ));
         out
@@ -293,7 +293,7 @@ mod tests {
     fn cfg(toml_rewards: &str) -> TrainConfig {
         TrainConfig::from_str(
             &format!("max_completion_length = 20\n{toml_rewards}"),
-            crate::config::Format::Toml,
+            grpo::config::Format::Toml,
             "run.toml",
             &[],
         )

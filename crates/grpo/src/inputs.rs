@@ -1,0 +1,76 @@
+//! What a run reads besides the model: its prompt sets and its reward functions, loaded one way
+//! for `grpo train`, `grpo eval` and `grpo rewards check`.
+
+use std::path::Path;
+
+use candle_core::Device;
+
+use crate::config::TrainConfig;
+use crate::data::{self, Example};
+use crate::rewards::{self, Reward};
+use crate::Result;
+
+/// The prompt sets and rewards of a run.
+pub struct RunData {
+    pub train: Vec<Example>,
+    pub eval: Vec<Example>,
+    pub rewards: Vec<Reward>,
+}
+
+/// Training prompts (`train_file`, else the built-in task's training problems), held-out prompts
+/// (`eval_file`, else the built-in task's held-out problems; none for a `train_file` without an
+/// `eval_file`) and the rewards ([`config_rewards`]).
+pub fn load_run_data(cfg: &TrainConfig, device: &Device) -> Result<RunData> {
+    let (train, mut eval) = match &cfg.train_file {
+        Some(p) => (load_examples(cfg, p)?, vec![]),
+        None => data::arithmetic::make_task(&cfg.task.params())?,
+    };
+    if let Some(p) = &cfg.eval_file {
+        eval = load_examples(cfg, p)?;
+    }
+    Ok(RunData {
+        train,
+        eval,
+        rewards: config_rewards(cfg, device)?,
+    })
+}
+
+/// The held-out prompts of a training config: `eval_file` when set, else the built-in arithmetic
+/// task's held-out problems (`task.*` keys).
+pub fn held_out_examples(cfg: &TrainConfig) -> Result<Vec<Example>> {
+    if let Some(p) = &cfg.eval_file {
+        return load_examples(cfg, p);
+    }
+    Ok(data::arithmetic::make_task(&cfg.task.params())?.1)
+}
+
+/// Rows of a prompt file, read with the config's `prompt_field`, `answer_field` and
+/// `skip_bad_rows` (skipped rows are counted in a warning).
+pub fn load_examples(cfg: &TrainConfig, path: &Path) -> Result<Vec<Example>> {
+    let fields = data::DataFields {
+        prompt_field: cfg.prompt_field.clone(),
+        answer_field: cfg.answer_field.clone(),
+        skip_bad_rows: cfg.skip_bad_rows,
+    };
+    let loaded = data::load_examples(path, &fields)?;
+    if let Some(first) = loaded.skipped.first() {
+        tracing::warn!(
+            "{}: skipped {} bad rows (skip_bad_rows = true); first: {first}",
+            path.display(),
+            loaded.skipped.len()
+        );
+    }
+    Ok(loaded.examples)
+}
+
+/// A config's `[[rewards]]`, or the built-in task's rewards when it has none.
+pub fn config_rewards(cfg: &TrainConfig, device: &Device) -> Result<Vec<Reward>> {
+    if cfg.rewards.is_empty() {
+        return Ok(rewards::builtin_task_rewards());
+    }
+    let ctx = rewards::RewardContext {
+        max_completion_length: cfg.max_completion_length,
+        device: device.clone(),
+    };
+    rewards::parse_rewards(&cfg.rewards, &ctx)
+}
