@@ -246,6 +246,32 @@ pub fn decoupled_advantages(
     })
 }
 
+/// The advantages of one round of `P x G` completions: each completion's reward functions combined
+/// with `weights` (minus `penalty[i]` when given: KL in the reward), then group-relative
+/// advantages as `aggregation` says. [`Advantages::rewards`] holds the combined rewards (what is
+/// logged as `reward`; with `normalize_then_sum` the penalty is not used).
+pub fn round_advantages(
+    per_func: &[f32],
+    weights: &[f32],
+    penalty: Option<&[f32]>,
+    g: usize,
+    aggregation: RewardAggregation,
+    opts: &AdvantageOptions,
+) -> Result<Advantages> {
+    let mut combined = combine_rewards(per_func, weights)?;
+    if let Some(p) = penalty {
+        for (c, k) in combined.iter_mut().zip(p) {
+            *c -= k;
+        }
+    }
+    let mut adv = match aggregation {
+        RewardAggregation::NormalizeThenSum => decoupled_advantages(per_func, weights, g)?,
+        RewardAggregation::SumThenNormalize => group_advantages(&combined, g, opts)?,
+    };
+    adv.rewards = combined;
+    Ok(adv)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

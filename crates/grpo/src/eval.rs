@@ -319,23 +319,11 @@ impl Tally {
 }
 
 /// `{name: score or null}`.
-fn reward_map(rewards: &[Reward], scores: &[f32]) -> Value {
-    let m: Map<String, Value> = rewards
-        .iter()
-        .zip(scores)
-        .map(|(r, &s)| {
-            let v = if s.is_finite() { json!(s) } else { Value::Null };
-            (r.name.clone(), v)
-        })
-        .collect();
-    Value::Object(m)
-}
-
 /// One completion of a log row.
 fn completion_json(rewards: &[Reward], ep: &Episode, correct: Option<bool>) -> Value {
     json!({
         "text": ep.text,
-        "rewards": reward_map(rewards, &ep.rewards),
+        "rewards": Reward::named_scores(rewards, &ep.rewards),
         "correct": correct,
         "stop_reason": ep.stop_reason,
     })

@@ -321,6 +321,48 @@ pub fn completion_logprobs(
     Ok((to_grid(lp)?, ent.map(to_grid).transpose()?))
 }
 
+/// Per-token log-probs `[N][len]` of `rows` (prompt, completion) under `model`, without a graph,
+/// in packed forward chunks of at most `chunk_tokens` tokens (old-policy and reference log-probs).
+pub fn sequence_logprobs(
+    model: &CausalLm,
+    rows: &[(&[u32], &[u32])],
+    pad: u32,
+    temperature: f64,
+    chunk_tokens: usize,
+) -> Result<Vec<Vec<f32>>> {
+    let prompts: Vec<&[u32]> = rows.iter().map(|r| r.0).collect();
+    let comps: Vec<&[u32]> = rows.iter().map(|r| r.1).collect();
+    let mut out = Vec::with_capacity(rows.len());
+    for part in forward_chunks(&prompts, &comps, chunk_tokens) {
+        let (lp, _) = completion_logprobs(
+            model,
+            &prompts[part.clone()],
+            &comps[part.clone()],
+            pad,
+            temperature,
+            Mode::Infer,
+            Entropy::Skip,
+            Packing::SharedPrompt,
+        )?; // [n, Tc] f32
+        let lens: Vec<usize> = comps[part].iter().map(|c| c.len()).collect();
+        out.extend(unpad_rows(&lp, &lens)?);
+    }
+    Ok(out)
+}
+
+/// Rows of a `[N, Tc]` tensor cut to each completion's length.
+pub fn unpad_rows(x: &Tensor, lens: &[usize]) -> Result<Vec<Vec<f32>>> {
+    let rows = x.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?;
+    Ok(rows
+        .into_iter()
+        .zip(lens)
+        .map(|(mut r, &l)| {
+            r.truncate(l);
+            r
+        })
+        .collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -314,6 +314,57 @@ impl AdaptiveKl {
     }
 }
 
+impl KlMode {
+    /// Weight of the KL term in the loss (`beta`; 0 unless the KL is in the loss).
+    pub fn loss_beta(&self) -> f64 {
+        match self {
+            KlMode::Loss { beta } => *beta,
+            _ => 0.0,
+        }
+    }
+
+    /// The adaptive controller a run starts with (KL in the reward with a `kl_target`).
+    pub fn adaptive_controller(&self) -> Option<AdaptiveKl> {
+        match self {
+            KlMode::Reward {
+                coef,
+                adaptive: Some(a),
+            } => Some(AdaptiveKl {
+                coef: *coef,
+                target: a.target,
+                horizon: a.horizon,
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// KL in the reward for one round: each completion's penalty `coef * sum_t (old - ref)` (the
+/// sampling policy's and the reference's log-probs) and the mean sequence KL, which the adaptive
+/// controller (when there is one) then learns from; its coefficient wins over `coef`.
+pub fn kl_reward_penalty(
+    old: &[Vec<f32>],
+    refl: &[Vec<f32>],
+    coef: f64,
+    adaptive: Option<&mut AdaptiveKl>,
+) -> (Vec<f32>, f64) {
+    let coef = adaptive.as_ref().map_or(coef, |a| a.coef);
+    let kls: Vec<f32> = old
+        .iter()
+        .zip(refl)
+        .map(|(o, r)| o.iter().zip(r).map(|(a, b)| a - b).sum())
+        .collect();
+    let penalties = kls.iter().map(|k| coef as f32 * k).collect();
+    let (sum, n) = kls
+        .iter()
+        .fold((0.0, 0usize), |(s, n), &k| (s + k as f64, n + 1));
+    let mean_kl = if n == 0 { 0.0 } else { sum / n as f64 };
+    if let Some(a) = adaptive {
+        a.update(mean_kl, kls.len());
+    }
+    (penalties, mean_kl)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -604,5 +655,23 @@ mod tests {
         assert!((c.coef - 0.1 * 1.02).abs() < 1e-12);
         c.update(0.0, 1000);
         assert!(c.coef < 0.102);
+    }
+
+    #[test]
+    fn kl_reward_penalty_matches_a_plain_twin() {
+        let old = vec![vec![-1.0f32, -2.0], vec![-0.5]];
+        let refl = vec![vec![-1.5f32, -2.5], vec![-0.25]];
+        let (p, m) = kl_reward_penalty(&old, &refl, 0.1, None);
+        assert_eq!(p, vec![0.1f32 * 1.0, 0.1f32 * -0.25]);
+        assert!((m - 0.375).abs() < 1e-12);
+        let mut a = AdaptiveKl {
+            coef: 0.2,
+            target: 1.0,
+            horizon: 10.0,
+        };
+        let (p, _) = kl_reward_penalty(&old, &refl, 0.1, Some(&mut a));
+        assert_eq!(p[0], 0.2f32 * 1.0, "the controller's coefficient wins");
+        // mean KL 0.375 < target: the coefficient shrinks by 20% x 2 / 10.
+        assert!((a.coef - 0.2 * (1.0 - 0.2 * 2.0 / 10.0)).abs() < 1e-12);
     }
 }

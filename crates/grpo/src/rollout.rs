@@ -35,11 +35,59 @@ impl Episode {
     }
 }
 
+/// What rollout samples from: a policy frozen at its current weights (and the reference model,
+/// which only scores). The causal LM samples with the KV-cached batched sampler.
+pub trait GroupSampler {
+    /// Samples `n` completions of each prompt; `on_done(prompt, sample, completion)` receives
+    /// each completion as soon as it has finished. Returns them `[prompt][sample]`.
+    fn sample_groups(
+        &self,
+        tok: &Tokenizer,
+        prompts: &[PromptInput],
+        n: usize,
+        params: &SamplingParams,
+        on_done: &mut dyn FnMut(usize, usize, &Completion) -> Result<()>,
+    ) -> Result<(Vec<Vec<Completion>>, GenStats)>;
+
+    /// Per-token log-probs `[N][len]` of `rows` (prompt, completion), without a graph, in forward
+    /// passes of at most `chunk_tokens` tokens.
+    fn sequence_logprobs(
+        &self,
+        rows: &[(&[u32], &[u32])],
+        pad: u32,
+        temperature: f64,
+        chunk_tokens: usize,
+    ) -> Result<Vec<Vec<f32>>>;
+}
+
+impl GroupSampler for CausalLm {
+    fn sample_groups(
+        &self,
+        tok: &Tokenizer,
+        prompts: &[PromptInput],
+        n: usize,
+        params: &SamplingParams,
+        on_done: &mut dyn FnMut(usize, usize, &Completion) -> Result<()>,
+    ) -> Result<(Vec<Vec<Completion>>, GenStats)> {
+        sampler::generate_streaming(self, Some(tok), prompts, n, params, on_done)
+    }
+
+    fn sequence_logprobs(
+        &self,
+        rows: &[(&[u32], &[u32])],
+        pad: u32,
+        temperature: f64,
+        chunk_tokens: usize,
+    ) -> Result<Vec<Vec<f32>>> {
+        crate::logprobs::sequence_logprobs(self, rows, pad, temperature, chunk_tokens)
+    }
+}
+
 /// Samples `g` completions for each prompt. `seeds[i]` seeds prompt i's group, so a
 /// completion depends only on (seed, prompt, sample index), never on the rest of the batch.
 /// Returns `P * G` episodes, group-major, with every reward NaN (not scored yet).
 pub fn rollout(
-    model: &CausalLm,
+    model: &dyn GroupSampler,
     tok: &Tokenizer,
     examples: &[usize],
     prompt_ids: Vec<Vec<u32>>,
@@ -64,7 +112,7 @@ pub fn rollout(
 
 /// What [`rollout`] samples from.
 struct Sampler<'a> {
-    model: &'a CausalLm,
+    model: &'a dyn GroupSampler,
     tok: &'a Tokenizer,
     examples: &'a [usize],
     prompt_ids: &'a [Vec<u32>],
@@ -99,9 +147,8 @@ impl Sampler<'_> {
             rewards: vec![],
         };
         let g = self.g;
-        let (groups, stats) = sampler::generate_streaming(
-            self.model,
-            Some(self.tok),
+        let (groups, stats) = self.model.sample_groups(
+            self.tok,
             &inputs,
             g,
             self.params,
@@ -141,7 +188,7 @@ pub struct EarlyScores {
 /// works while the model decodes.
 #[allow(clippy::too_many_arguments)]
 pub fn rollout_scoring_early(
-    model: &CausalLm,
+    model: &dyn GroupSampler,
     tok: &Tokenizer,
     examples: &[usize],
     prompt_ids: Vec<Vec<u32>>,
@@ -286,6 +333,29 @@ pub fn score(
     Ok(all_secs)
 }
 
+/// Scores `episodes` with the rewards that were not scored while sampling ran (`early[k]` false),
+/// now that the reference's mean log-probs exist (coherence rewards), and puts the early scores
+/// in; every episode then holds every reward. Returns seconds per reward, both parts together.
+pub fn score_rest(
+    episodes: &mut [Episode],
+    early_scores: EarlyScores,
+    early: &[bool],
+    data: &[Example],
+    rewards: &[Reward],
+    ref_mean_logps: Option<&[f32]>,
+) -> Result<Vec<f64>> {
+    for (ep, s) in episodes.iter_mut().zip(early_scores.scores) {
+        ep.rewards = s;
+    }
+    let late: Vec<usize> = (0..rewards.len()).filter(|&k| !early[k]).collect();
+    let late_secs = score(episodes, data, rewards, &late, ref_mean_logps)?;
+    Ok(late_secs
+        .iter()
+        .zip(&early_scores.secs)
+        .map(|(a, b)| a + b)
+        .collect())
+}
+
 /// One completion as the loss sees it.
 #[derive(Debug, Clone)]
 pub struct TrainRow {
@@ -322,6 +392,34 @@ pub struct MicroBatch<'a> {
 }
 
 impl TrainBatch {
+    /// The rows of a round: each episode with its advantage and log-probs, leaving out the
+    /// episodes `keep` says no to (`drop_zero_std_groups`); a truncated completion's tokens do
+    /// not count when `mask_truncated` (`mask_truncated_completions`).
+    pub fn from_round(
+        episodes: &[Episode],
+        advantages: &[f32],
+        keep: &dyn Fn(&Episode) -> bool,
+        mask_truncated: bool,
+        old_logps: Option<&[Vec<f32>]>,
+        ref_logps: Option<&[Vec<f32>]>,
+    ) -> TrainBatch {
+        TrainBatch {
+            rows: episodes
+                .iter()
+                .enumerate()
+                .filter(|(_, e)| keep(e))
+                .map(|(i, e)| TrainRow {
+                    prompt_ids: e.prompt_ids.clone(),
+                    completion_ids: e.completion_ids.clone(),
+                    active: !(mask_truncated && e.truncated()),
+                    advantage: advantages[i],
+                    old_logps: old_logps.map(|o| o[i].clone()),
+                    ref_logps: ref_logps.map(|r| r[i].clone()),
+                })
+                .collect(),
+        }
+    }
+
     /// Completion tokens that count in the loss (TRL's `num_items_in_batch`).
     pub fn active_tokens(&self) -> usize {
         self.active_tokens_in(0..self.rows.len())
@@ -372,17 +470,4 @@ impl TrainBatch {
             ref_logps: grid(&|r| r.ref_logps.as_ref())?,
         })
     }
-}
-
-/// Rows of a `[N, Tc]` tensor cut to each completion's length.
-pub fn unpad_rows(x: &Tensor, lens: &[usize]) -> Result<Vec<Vec<f32>>> {
-    let rows = x.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?;
-    Ok(rows
-        .into_iter()
-        .zip(lens)
-        .map(|(mut r, &l)| {
-            r.truncate(l);
-            r
-        })
-        .collect())
 }

@@ -2,7 +2,8 @@
 //! tests/fixtures/grpo/README.md): advantages, the GRPO loss and the gradient of every model
 //! parameter for each loss_type x beta x num_iterations x importance-sampling level (plus a
 //! temperature and a mask_truncated_completions case), one AdamW trajectory with clipping, and
-//! the LR schedules.
+//! the LR schedules. The gradients are pinned twice: through the model's forward directly (both
+//! packings, with and without the gradient sink), and through the trainer's own update.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -18,6 +19,8 @@ use grpo::models::grad_sink::GradSink;
 use grpo::models::{CausalLm, Mode};
 use grpo::optim::LrSchedule;
 use grpo::optim::{clip_factor, lr_lambda, AdamW, AdamWConfig};
+use grpo::rollout::{TrainBatch, TrainRow};
+use grpo::train::{policy_gradients, update_policy, CausalLmPolicy, SingleProcess, UpdateOptions};
 use serde_json::Value;
 
 fn dir() -> PathBuf {
@@ -339,6 +342,209 @@ fn adamw_with_clipping_and_schedules_equal_torch() {
                 (got - want.as_f64().unwrap()).abs() < 1e-12,
                 "{name} step {s}: {got} vs {want}"
             );
+        }
+    }
+}
+
+/// The rows of the fixture's batch as the trainer's `TrainBatch`: 2 prompts x 4 completions, with
+/// the case's advantages (`group` scaling), truncation mask and old / reference log-probs.
+fn fixture_batch(c: &Value, case: &Value, adv: &[f32]) -> TrainBatch {
+    let prompts = ids(&c["prompts"]);
+    let comps = ids(&c["completions"]);
+    let mask = case["completion_mask"].as_array().unwrap();
+    let rows_of = |k: &str| -> Option<Vec<Vec<f32>>> {
+        (!case[k].is_null()).then(|| case[k].as_array().unwrap().iter().map(f32s).collect())
+    };
+    let (old, refl) = (rows_of("old_logps"), rows_of("ref_logps"));
+    TrainBatch {
+        rows: comps
+            .iter()
+            .enumerate()
+            .map(|(i, comp)| {
+                let cut = |v: &Vec<Vec<f32>>| v[i][..comp.len()].to_vec();
+                TrainRow {
+                    prompt_ids: prompts[i / 4].clone(),
+                    completion_ids: comp.clone(),
+                    // TRL masks a truncated completion's every token (mask_truncated_completions).
+                    active: f32s(&mask[i]).iter().any(|&m| m > 0.0),
+                    advantage: adv[i],
+                    old_logps: old.as_ref().map(cut),
+                    ref_logps: refl.as_ref().map(cut),
+                }
+            })
+            .collect(),
+    }
+}
+
+fn loss_options(case: &Value) -> LossOptions {
+    LossOptions {
+        loss_type: case["loss_type"].as_str().unwrap().parse().unwrap(),
+        importance_sampling_level: case["importance_sampling_level"]
+            .as_str()
+            .unwrap()
+            .parse()
+            .unwrap(),
+        epsilon_low: 0.2,
+        epsilon_high: 0.28,
+        delta: None,
+        beta: case["beta"].as_f64().unwrap(),
+        entropy_coef: 0.0,
+        use_bias_correction_kl: true, // TRL 1.16's default
+    }
+}
+
+/// The trainer's own update ([`policy_gradients`] / [`update_policy`], the code `grpo train`
+/// runs: gradient sinks, packed groups, chunked forwards) against TRL's loss and gradients for
+/// every case; then one [`update_policy`] step moves the parameters as AdamW (pinned to torch
+/// above) moves them with TRL's gradients.
+#[test]
+fn the_trainers_update_equals_trl() {
+    let c = json("cases.json");
+    let m = grpo::weights::load_model(
+        &ModelSource::HfDir(dir().join("model")),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let grads_want =
+        candle_core::safetensors::load(dir().join("grads.safetensors"), &Device::Cpu).unwrap();
+    let lc = c["max_completion_length"].as_u64().unwrap() as usize;
+    let adv = f32s(&c["advantages"]["group"]);
+    let policy = || {
+        let mut names: Vec<String> = m.tensors.keys().cloned().collect();
+        names.sort();
+        let vars = names
+            .iter()
+            .map(|n| Var::from_tensor(&m.tensors[n]).unwrap())
+            .collect();
+        CausalLmPolicy {
+            cfg: m.config.clone(),
+            names,
+            vars,
+            device: Device::Cpu,
+            lora: None,
+            base_model_name: "fixture".into(),
+        }
+    };
+    let cases = c["cases"].as_array().unwrap();
+    for case in cases {
+        let name = case["name"].as_str().unwrap();
+        let batch = fixture_batch(&c, case, &adv);
+        let opts = UpdateOptions {
+            loss: loss_options(case),
+            entropy: Entropy::Detached,
+            temperature: case["temperature"].as_f64().unwrap(),
+            pad: 0,
+            forward_chunk_tokens: 1024,
+            max_grad_norm: 1.0,
+            gradient_checkpointing: false,
+            seed: 0,
+            micro_batch: 8,
+            accumulation_steps: 1,
+            steps_per_generation: 1,
+            num_iterations: case["num_iterations"].as_u64().unwrap() as usize,
+            max_completion_length: lc,
+            max_consecutive_nonfinite: 3,
+        };
+        let red = Reduction {
+            accumulation_steps: 1,
+            max_completion_length: lc,
+            dapo_tokens: case["num_items_in_batch"].as_f64().unwrap(),
+            micro: None,
+        };
+        let p = policy();
+        let all_rows = 0..batch.rows.len();
+        let window = std::slice::from_ref(&all_rows);
+        let (grads, st) = policy_gradients(&p, &batch, window, &red, &opts, 0).unwrap();
+        let want = case["loss"].as_f64().unwrap();
+        assert!(
+            (st.loss - want).abs() < 1e-5,
+            "{name}: loss {} vs TRL {want}",
+            st.loss
+        );
+        for (k, g) in p.names.iter().zip(&grads) {
+            let w = &grads_want[&format!("{name}/{k}")];
+            let d = (g - w)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(
+                d < 1e-5,
+                "{name}: gradient of {k} differs from TRL's by {d}"
+            );
+        }
+
+        // One optimizer step through update_policy, beside AdamW fed TRL's gradients.
+        let cfg = AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        };
+        let lr = 1e-3;
+        let mut opt = AdamW::new(
+            p.names
+                .iter()
+                .cloned()
+                .zip(p.vars.iter().cloned())
+                .collect(),
+            cfg,
+        )
+        .unwrap();
+        let st = update_policy(
+            &p,
+            &mut opt,
+            &batch,
+            window,
+            &red,
+            &opts,
+            lr,
+            0,
+            &SingleProcess,
+        )
+        .unwrap();
+        let q = policy();
+        let trl: Vec<Tensor> = q
+            .names
+            .iter()
+            .map(|k| grads_want[&format!("{name}/{k}")].clone())
+            .collect();
+        let (norm, scale) = clip_factor(&trl, 1.0).unwrap();
+        assert!(
+            st.finite && (st.grad_norm - norm).abs() < 1e-4 * norm.max(1.0),
+            "{name}: grad norm {} vs {norm}",
+            st.grad_norm
+        );
+        let mut opt_q = AdamW::new(
+            q.names
+                .iter()
+                .cloned()
+                .zip(q.vars.iter().cloned())
+                .collect(),
+            cfg,
+        )
+        .unwrap();
+        opt_q.step(&trl, lr, scale).unwrap();
+        for ((k, a), (b, g)) in p.names.iter().zip(&p.vars).zip(q.vars.iter().zip(&trl)) {
+            let (a, b, g) = (
+                a.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                b.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                g.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            );
+            for ((x, y), g) in a.iter().zip(&b).zip(&g) {
+                // Adam's first step is lr x g/|g|: only well-conditioned entries are compared.
+                if g.abs() > 1e-4 {
+                    let tol = 2.0 * f32::EPSILON * y.abs().max(1.0); // 2 ulp
+                    assert!(
+                        (x - y).abs() <= tol,
+                        "{name}: {k} after the step: {x} vs {y}"
+                    );
+                }
+            }
         }
     }
 }

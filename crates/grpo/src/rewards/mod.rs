@@ -130,6 +130,24 @@ pub struct Reward {
 }
 
 impl Reward {
+    /// `{name: score}` of one completion's scores (null where a reward is missing), as the
+    /// completion and evaluation logs write them.
+    pub fn named_scores(rewards: &[Reward], scores: &[f32]) -> serde_json::Value {
+        let m: serde_json::Map<String, serde_json::Value> = rewards
+            .iter()
+            .zip(scores)
+            .map(|(r, &s)| {
+                let v = if s.is_finite() {
+                    serde_json::json!(s)
+                } else {
+                    serde_json::Value::Null
+                };
+                (r.name.clone(), v)
+            })
+            .collect();
+        serde_json::Value::Object(m)
+    }
+
     /// One score per item (NaN: missing).
     pub fn score(&self, items: &[ScoreItem]) -> Result<Vec<f32>> {
         let each = |f: &dyn Fn(&ScoreItem) -> f32| Ok(items.iter().map(f).collect());

@@ -1,0 +1,434 @@
+//! What one round logs, typed: [`StepMetrics`] is computed once from the round's episodes,
+//! advantages and update statistics, and everything reads it: `metrics.jsonl` and TensorBoard
+//! (through [`StepMetrics::pairs`]), the console line, and (by the names in [`names`]) the report.
+
+use crate::advantages::{nan_std, Advantages};
+use crate::rewards::Reward;
+use crate::rollout::Episode;
+
+use super::update::StepStats;
+
+/// Every metric name the trainer writes, defined once. Per-reward metrics are
+/// `rewards/<name>/{mean,std,missing}`, `time/reward/<name>` and `scorer/<name>/<what>`;
+/// evaluation metrics start with `eval/` (see [`crate::eval`]).
+pub mod names {
+    pub const REWARD: &str = "reward";
+    pub const REWARD_STD: &str = "reward_std";
+    pub const FRAC_REWARD_ZERO_STD: &str = "frac_reward_zero_std";
+    pub const ADVANTAGE_MEAN: &str = "advantage_mean";
+    pub const ADVANTAGE_STD: &str = "advantage_std";
+    pub const MEAN_LENGTH: &str = "completions/mean_length";
+    pub const MIN_LENGTH: &str = "completions/min_length";
+    pub const MAX_LENGTH: &str = "completions/max_length";
+    pub const CLIPPED_RATIO: &str = "completions/clipped_ratio";
+    pub const LOSS: &str = "loss";
+    pub const PG_LOSS: &str = "pg_loss";
+    pub const KL: &str = "kl";
+    pub const KL_PENALTY: &str = "kl_penalty";
+    pub const ENTROPY: &str = "entropy";
+    pub const MEAN_LOG_PROB: &str = "mean_log_prob";
+    pub const CLIP_LOW: &str = "clip_ratio/low_mean";
+    pub const CLIP_HIGH: &str = "clip_ratio/high_mean";
+    pub const CLIP_REGION: &str = "clip_ratio/region_mean";
+    pub const GRAD_NORM: &str = "grad_norm";
+    pub const LEARNING_RATE: &str = "learning_rate";
+    pub const KL_REWARD_SEQ_KL: &str = "kl_reward/seq_kl";
+    pub const KL_REWARD_COEF: &str = "kl_reward/coef";
+    pub const TIME_GENERATE: &str = "time/generate";
+    pub const TIME_SCORE: &str = "time/score";
+    pub const TIME_REFERENCE: &str = "time/reference";
+    pub const TIME_UPDATE: &str = "time/update";
+    pub const TIME_STEP: &str = "time/step";
+    pub const TIME_EVAL: &str = "time/eval";
+    pub const TOKENS_PER_SECOND: &str = "tokens_per_second";
+    pub const EPOCH: &str = "epoch";
+    pub const RSS_PEAK_GB: &str = "memory/rss_peak_gb";
+    /// The parts of a step, as `time/<part>`.
+    pub const TIME_PARTS: [&str; 4] = ["generate", "score", "reference", "update"];
+    pub const EVAL_PREFIX: &str = "eval/";
+    pub const EVAL_ACCURACY: &str = "eval/accuracy";
+    pub const EVAL_MEAN_ACCURACY: &str = "eval/mean_accuracy";
+    pub const EVAL_PASS_AT: &str = "eval/pass@";
+    pub const EVAL_REWARD_PREFIX: &str = "eval/reward/";
+
+    pub fn reward_mean(name: &str) -> String {
+        format!("rewards/{name}/mean")
+    }
+    pub fn reward_std(name: &str) -> String {
+        format!("rewards/{name}/std")
+    }
+    pub fn reward_missing(name: &str) -> String {
+        format!("rewards/{name}/missing")
+    }
+    pub fn reward_time(name: &str) -> String {
+        format!("time/reward/{name}")
+    }
+    pub fn scorer(name: &str, what: &str) -> String {
+        format!("scorer/{name}/{what}")
+    }
+}
+
+/// One reward function's statistics over a round.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RewardMetrics {
+    pub name: String,
+    /// Mean and std of its finite scores.
+    pub mean: f64,
+    pub std: f64,
+    /// Completions it did not score.
+    pub missing: f64,
+    /// Seconds it spent scoring.
+    pub seconds: f64,
+    /// A scorer program's running totals since it started: timeouts, crashes, garbage,
+    /// http_errors, restarts.
+    pub scorer: Option<[(&'static str, f64); 5]>,
+}
+
+/// The update's statistics, averaged over the round's optimizer steps.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UpdateMetrics {
+    pub loss: f64,
+    pub pg_loss: f64,
+    pub kl: f64,
+    /// `beta x kl`.
+    pub kl_penalty: f64,
+    pub entropy: f64,
+    pub mean_log_prob: f64,
+    pub clip_low: f64,
+    pub clip_high: f64,
+    pub clip_region: f64,
+    pub grad_norm: f64,
+    /// At the last step.
+    pub learning_rate: f64,
+}
+
+/// Seconds of each part of a round.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct RoundTimes {
+    pub generate: f64,
+    pub score: f64,
+    pub reference: f64,
+    pub update: f64,
+    pub step: f64,
+}
+
+/// Everything a round logs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepMetrics {
+    pub reward: f64,
+    pub reward_std: f64,
+    pub rewards: Vec<RewardMetrics>,
+    pub frac_reward_zero_std: f64,
+    pub advantage_mean: f64,
+    pub advantage_std: f64,
+    pub mean_length: f64,
+    pub min_length: f64,
+    pub max_length: f64,
+    pub clipped_ratio: f64,
+    /// None when the round made no optimizer step.
+    pub update: Option<UpdateMetrics>,
+    /// KL in the reward: the round's mean sequence KL, and the adaptive coefficient.
+    pub kl_reward_seq_kl: Option<f64>,
+    pub kl_reward_coef: Option<f64>,
+    pub times: RoundTimes,
+    pub tokens_per_second: f64,
+    pub epoch: f64,
+    pub rss_peak_gb: Option<f64>,
+    /// Seconds of the evaluation after this round, and its metrics (`eval/...`).
+    pub eval_seconds: Option<f64>,
+    pub eval: Vec<(String, f64)>,
+}
+
+/// Mean of `xs` (0 when empty).
+pub fn mean(xs: impl IntoIterator<Item = f64>) -> f64 {
+    let (s, n) = xs
+        .into_iter()
+        .fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
+    if n == 0 {
+        0.0
+    } else {
+        s / n as f64
+    }
+}
+
+/// The reward functions' statistics over `episodes` (`seconds[k]` spent by reward k).
+pub fn reward_metrics(
+    episodes: &[Episode],
+    rewards: &[Reward],
+    seconds: &[f64],
+) -> Vec<RewardMetrics> {
+    rewards
+        .iter()
+        .enumerate()
+        .map(|(k, r)| {
+            let vals: Vec<f64> = episodes
+                .iter()
+                .map(|e| e.rewards[k] as f64)
+                .filter(|x| x.is_finite())
+                .collect();
+            let v32: Vec<f32> = episodes.iter().map(|e| e.rewards[k]).collect();
+            RewardMetrics {
+                name: r.name.clone(),
+                mean: mean(vals.iter().copied()),
+                std: nan_std(&v32) as f64,
+                missing: (episodes.len() - vals.len()) as f64,
+                seconds: seconds[k],
+                scorer: r.scorer_stats().map(|st| {
+                    [
+                        ("timeouts", st.timeout as f64),
+                        ("crashes", st.crash as f64),
+                        ("garbage", (st.garbage + st.garbage_lines) as f64),
+                        ("http_errors", st.http_error as f64),
+                        ("restarts", st.restarts as f64),
+                    ]
+                }),
+            }
+        })
+        .collect()
+}
+
+/// The round's update statistics, averaged over its optimizer steps (None without a step).
+pub fn update_metrics(steps: &[StepStats], beta: f64) -> Option<UpdateMetrics> {
+    if steps.is_empty() {
+        return None;
+    }
+    let avg = |f: &dyn Fn(&StepStats) -> f64| mean(steps.iter().map(f));
+    Some(UpdateMetrics {
+        loss: avg(&|s| s.loss),
+        pg_loss: avg(&|s| s.policy_loss),
+        kl: avg(&|s| s.kl),
+        kl_penalty: beta * avg(&|s| s.kl),
+        entropy: avg(&|s| s.entropy),
+        mean_log_prob: avg(&|s| s.mean_logp),
+        clip_low: avg(&|s| s.clip_low),
+        clip_high: avg(&|s| s.clip_high),
+        clip_region: avg(&|s| s.clip_region),
+        grad_norm: avg(&|s| s.grad_norm),
+        learning_rate: steps.last().map_or(0.0, |s| s.lr),
+    })
+}
+
+/// What a round hands to [`StepMetrics::of_round`] besides its episodes.
+pub struct RoundFacts<'a> {
+    pub adv: &'a Advantages,
+    pub rewards: Vec<RewardMetrics>,
+    pub update: Option<UpdateMetrics>,
+    pub kl_reward_seq_kl: Option<f64>,
+    pub kl_reward_coef: Option<f64>,
+    pub times: RoundTimes,
+    pub generated_tokens: usize,
+    pub epoch: f64,
+}
+
+impl StepMetrics {
+    /// The metrics of a round of `episodes`.
+    pub fn of_round(episodes: &[Episode], f: RoundFacts) -> StepMetrics {
+        let lens: Vec<f64> = episodes
+            .iter()
+            .map(|e| e.completion_ids.len() as f64)
+            .collect();
+        let finite_rewards = f
+            .adv
+            .rewards
+            .iter()
+            .filter(|r| r.is_finite())
+            .map(|&r| r as f64);
+        StepMetrics {
+            reward: mean(finite_rewards),
+            reward_std: nan_std(&f.adv.rewards) as f64,
+            rewards: f.rewards,
+            frac_reward_zero_std: f.adv.frac_zero_std() as f64,
+            advantage_mean: mean(f.adv.advantages.iter().map(|&a| a as f64)),
+            advantage_std: nan_std(&f.adv.advantages) as f64,
+            mean_length: mean(lens.iter().copied()),
+            min_length: lens.iter().cloned().fold(f64::INFINITY, f64::min),
+            max_length: lens.iter().cloned().fold(0.0, f64::max),
+            clipped_ratio: episodes.iter().filter(|e| e.truncated()).count() as f64
+                / episodes.len() as f64,
+            update: f.update,
+            kl_reward_seq_kl: f.kl_reward_seq_kl,
+            kl_reward_coef: f.kl_reward_coef,
+            times: f.times,
+            tokens_per_second: f.generated_tokens as f64 / f.times.step.max(1e-9),
+            epoch: f.epoch,
+            rss_peak_gb: crate::threads::rss_gb().map(|(_, peak)| peak),
+            eval_seconds: None,
+            eval: vec![],
+        }
+    }
+
+    /// Every metric as (name, value), as `metrics.jsonl` and TensorBoard get them.
+    pub fn pairs(&self) -> Vec<(String, f64)> {
+        use names::*;
+        let mut m: Vec<(String, f64)> = Vec::new();
+        let mut push = |k: &str, v: f64| m.push((k.to_string(), v));
+        push(REWARD, self.reward);
+        push(REWARD_STD, self.reward_std);
+        for r in &self.rewards {
+            push(&reward_mean(&r.name), r.mean);
+            push(&reward_std(&r.name), r.std);
+            push(&reward_missing(&r.name), r.missing);
+            push(&reward_time(&r.name), r.seconds);
+            for (what, n) in r.scorer.iter().flatten() {
+                push(&scorer(&r.name, what), *n);
+            }
+        }
+        push(FRAC_REWARD_ZERO_STD, self.frac_reward_zero_std);
+        push(ADVANTAGE_MEAN, self.advantage_mean);
+        push(ADVANTAGE_STD, self.advantage_std);
+        push(MEAN_LENGTH, self.mean_length);
+        push(MIN_LENGTH, self.min_length);
+        push(MAX_LENGTH, self.max_length);
+        push(CLIPPED_RATIO, self.clipped_ratio);
+        if let Some(u) = &self.update {
+            push(LOSS, u.loss);
+            push(PG_LOSS, u.pg_loss);
+            push(KL, u.kl);
+            push(KL_PENALTY, u.kl_penalty);
+            push(ENTROPY, u.entropy);
+            push(MEAN_LOG_PROB, u.mean_log_prob);
+            push(CLIP_LOW, u.clip_low);
+            push(CLIP_HIGH, u.clip_high);
+            push(CLIP_REGION, u.clip_region);
+            push(GRAD_NORM, u.grad_norm);
+            push(LEARNING_RATE, u.learning_rate);
+        }
+        if let Some(k) = self.kl_reward_seq_kl {
+            push(KL_REWARD_SEQ_KL, k);
+        }
+        if let Some(c) = self.kl_reward_coef {
+            push(KL_REWARD_COEF, c);
+        }
+        push(TIME_GENERATE, self.times.generate);
+        push(TIME_SCORE, self.times.score);
+        push(TIME_REFERENCE, self.times.reference);
+        push(TIME_UPDATE, self.times.update);
+        push(TIME_STEP, self.times.step);
+        push(TOKENS_PER_SECOND, self.tokens_per_second);
+        push(EPOCH, self.epoch);
+        if let Some(p) = self.rss_peak_gb {
+            push(RSS_PEAK_GB, p);
+        }
+        if let Some(s) = self.eval_seconds {
+            push(TIME_EVAL, s);
+        }
+        m.extend(self.eval.iter().cloned());
+        m
+    }
+
+    /// The eval accuracy of this round, when it was evaluated.
+    pub fn eval_accuracy(&self) -> Option<f64> {
+        self.eval
+            .iter()
+            .find(|(n, _)| n == names::EVAL_ACCURACY)
+            .map(|x| x.1)
+    }
+
+    /// The console line of a logged round.
+    pub fn console_line(&self, step: u64) -> String {
+        let u = self.update.as_ref();
+        let t = &self.times;
+        let mut line = format!(
+            "step {:>4}  reward {:.3}  loss {:+.4}  kl {:.4}  len {:.1}  grad {:.3}  {:.1}s (gen {:.1} ref {:.1} upd {:.1})",
+            step,
+            self.reward,
+            u.map_or(f64::NAN, |u| u.loss),
+            u.map_or(f64::NAN, |u| u.kl),
+            self.mean_length,
+            u.map_or(f64::NAN, |u| u.grad_norm),
+            t.step,
+            t.generate,
+            t.reference,
+            t.update
+        );
+        if let Some(a) = self.eval_accuracy() {
+            line.push_str(&format!("  eval acc {a:.3}"));
+        }
+        line
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn metrics() -> StepMetrics {
+        StepMetrics {
+            reward: 0.5,
+            reward_std: 0.25,
+            rewards: vec![RewardMetrics {
+                name: "correct".into(),
+                mean: 0.5,
+                std: 0.5,
+                missing: 0.0,
+                seconds: 0.01,
+                scorer: None,
+            }],
+            frac_reward_zero_std: 0.0,
+            advantage_mean: 0.0,
+            advantage_std: 1.0,
+            mean_length: 10.0,
+            min_length: 4.0,
+            max_length: 16.0,
+            clipped_ratio: 0.125,
+            update: update_metrics(
+                &[StepStats {
+                    loss: 0.1,
+                    kl: 0.02,
+                    grad_norm: 0.5,
+                    lr: 1e-5,
+                    finite: true,
+                    ..Default::default()
+                }],
+                0.04,
+            ),
+            kl_reward_seq_kl: None,
+            kl_reward_coef: None,
+            times: RoundTimes {
+                step: 2.0,
+                ..Default::default()
+            },
+            tokens_per_second: 100.0,
+            epoch: 0.0,
+            rss_peak_gb: None,
+            eval_seconds: Some(1.0),
+            eval: vec![(names::EVAL_ACCURACY.into(), 0.75)],
+        }
+    }
+
+    #[test]
+    fn pairs_name_every_metric_once() {
+        let p = metrics().pairs();
+        let get = |k: &str| p.iter().find(|(n, _)| n == k).map(|x| x.1);
+        assert_eq!(get(names::REWARD), Some(0.5));
+        assert_eq!(get("rewards/correct/mean"), Some(0.5));
+        assert_eq!(get(names::KL_PENALTY), Some(0.04 * 0.02));
+        assert_eq!(get(names::LEARNING_RATE), Some(1e-5));
+        assert_eq!(get(names::TIME_EVAL), Some(1.0));
+        assert_eq!(get(names::EVAL_ACCURACY), Some(0.75));
+        assert_eq!(get(names::KL_REWARD_COEF), None);
+        let mut keys: Vec<&str> = p.iter().map(|(k, _)| k.as_str()).collect();
+        keys.sort_unstable();
+        let n = keys.len();
+        keys.dedup();
+        assert_eq!(keys.len(), n, "a metric is written twice");
+    }
+
+    #[test]
+    fn console_line_shows_the_headline_numbers() {
+        let line = metrics().console_line(7);
+        assert!(
+            line.starts_with("step    7  reward 0.500  loss +0.1000  kl 0.0200"),
+            "{line}"
+        );
+        assert!(line.ends_with("eval acc 0.750"), "{line}");
+        let mut m = metrics();
+        m.update = None;
+        m.eval.clear();
+        assert!(
+            m.console_line(1).contains("loss NaN"),
+            "{}",
+            m.console_line(1)
+        );
+    }
+}

@@ -1,0 +1,441 @@
+//! The GRPO training loop, top to bottom: rollout, score, advantages, update, log, checkpoint.
+//!
+//! One *round* = one generation batch: `P` prompts x `G` completions, sampled with the current
+//! policy, scored, turned into advantages, then used for `num_iterations x steps_per_generation /
+//! gradient_accumulation_steps` optimizer steps of `gradient_accumulation_steps` micro-batches of
+//! `per_device_train_batch_size` completions each (TRL's semantics). Checkpoints and resume happen
+//! at round boundaries, so a resumed run replays exactly what the uninterrupted one does.
+//!
+//! Each step of a round is one call into the module that owns it; this file only orders them.
+//! Set-up (model, policy, optimizer, reference, resume) is [`setup`], the update [`update`], what
+//! a round logs [`metrics`]; the [`Policy`] and [`World`] traits are the seams for other kinds of
+//! policy and for data-parallel runs.
+
+mod metrics;
+mod policy;
+mod setup;
+mod update;
+mod world;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde_json::json;
+
+pub use metrics::{names, RewardMetrics, RoundTimes, StepMetrics, UpdateMetrics};
+pub use policy::{CausalLmForward, CausalLmPolicy, Policy, Reference, TrainForward};
+pub use setup::{update_options, TrainerState};
+pub use update::{
+    policy_gradients, update_policy, update_round, Schedule, StepCounter, StepStats, UpdateOptions,
+};
+pub use world::{SingleProcess, World};
+
+use crate::advantages::round_advantages;
+use crate::config::TrainConfig;
+use crate::data;
+use crate::loss::{kl_reward_penalty, KlMode};
+use crate::rewards::Reward;
+use crate::rollout::{self, Episode, GroupSampler, TrainBatch};
+use crate::seeding::mix_seed;
+use crate::{Error, Result};
+use setup::Run;
+
+/// How the run is controlled from outside.
+#[derive(Debug, Clone, Default)]
+pub struct RunControl {
+    /// Continue from the newest checkpoint in `output_dir`.
+    pub resume: bool,
+    /// Set (e.g. by Ctrl-C) to stop after the current round, saving a checkpoint.
+    pub stop: Arc<AtomicBool>,
+    /// Stop after this many rounds of this invocation (tests: "kill" a run after step k).
+    pub max_rounds_this_run: Option<u64>,
+}
+
+/// What a finished run reports.
+#[derive(Debug, Clone)]
+pub struct TrainOutcome {
+    /// Optimizer steps done in total (including before a resume).
+    pub steps: u64,
+    pub last_checkpoint: Option<PathBuf>,
+    pub interrupted: bool,
+    /// The last eval metrics, if any eval ran.
+    pub last_eval: Option<Vec<(String, f64)>>,
+}
+
+/// Runs GRPO training as configured, in this process.
+pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
+    if let Some(n) = cfg.threads {
+        if let Err(e) = crate::threads::set_global_threads(n) {
+            tracing::warn!("threads: {e}");
+        }
+    }
+    crate::threads::on_pool(|| run(cfg, ctl, &SingleProcess))
+}
+
+fn run(cfg: &TrainConfig, ctl: &RunControl, world: &dyn World) -> Result<TrainOutcome> {
+    let mut r = Run::start(cfg, ctl.resume)?;
+    let (p, g) = (r.p, r.g);
+    let total_steps = r.schedule.total_steps;
+    let bar = progress_bar(total_steps, r.state.step);
+    let mut last_ckpt = r.resumed_from.clone();
+    let mut last_eval = None;
+    let mut rounds_this_run = 0u64;
+    let mut interrupted = false;
+    let evaluates = cfg.eval_steps > 0 && !r.data.eval.is_empty();
+    if evaluates && r.state.step == 0 {
+        let ev = evaluate(&mut r, 0)?;
+        let acc = ev
+            .iter()
+            .find(|(n, _)| n == names::EVAL_ACCURACY)
+            .map_or(f64::NAN, |x| x.1);
+        say(
+            &bar,
+            format!("step    0  eval acc {acc:.3} (before training)"),
+        );
+        r.metrics.log(0, &ev)?;
+    }
+    tracing::info!(
+        "training: {total_steps} steps, {p} prompts x {g} completions per round, {} optimizer step(s) per round, output {}",
+        r.updates_per_round,
+        cfg.output_dir.display()
+    );
+
+    while r.state.step < total_steps {
+        let t_round = Instant::now();
+        // 1. Rollout with the current policy; rewards that allow it score each group on a
+        //    second thread as soon as the group has finished sampling.
+        let t0 = Instant::now();
+        let sampler = r.policy.freeze(cfg.gradient_checkpointing)?;
+        let batch_idx = r.state.order.next_batch(p);
+        let prompt_ids: Vec<Vec<u32>> = batch_idx.iter().map(|&i| r.train_ids[i].clone()).collect();
+        let seeds: Vec<u64> = (0..p)
+            .map(|i| mix_seed(cfg.seed, r.state.round * p as u64 + i as u64))
+            .collect();
+        let (mut episodes, gen_stats, early) = rollout::rollout_scoring_early(
+            &sampler,
+            &r.tok,
+            &batch_idx,
+            prompt_ids,
+            &seeds,
+            g,
+            &r.sampling,
+            &r.data.train,
+            &r.data.rewards,
+            &r.early_rewards,
+        )?;
+        let t_generate = t0.elapsed().as_secs_f64() - early.wait_s;
+        trace_memory("rollout");
+
+        // 2. Old (sampling-policy) and reference log-probs, without a graph.
+        let t0 = Instant::now();
+        let pairs: Vec<(&[u32], &[u32])> = episodes
+            .iter()
+            .map(|e| (e.prompt_ids.as_slice(), e.completion_ids.as_slice()))
+            .collect();
+        let kl_in_reward = matches!(cfg.kl, KlMode::Reward { .. });
+        let chunk = cfg.forward_chunk_tokens;
+        let old_logps = match r.needs_old || kl_in_reward {
+            true => Some(sampler.sequence_logprobs(&pairs, r.pad, cfg.temperature, chunk)?),
+            false => None,
+        };
+        drop(sampler);
+        let ref_logps = r
+            .reference
+            .logprobs(&pairs, r.pad, cfg.temperature, chunk)?;
+        let t_reference = t0.elapsed().as_secs_f64();
+        trace_memory("old/reference log-probs");
+
+        // 3. Score the rest (coherence rewards read the reference's mean log-prob).
+        let t0 = Instant::now();
+        let ref_means: Option<Vec<f32>> =
+            ref_logps.as_ref().filter(|_| r.rewards_need_ref).map(|rl| {
+                rl.iter()
+                    .map(|l| l.iter().sum::<f32>() / l.len().max(1) as f32)
+                    .collect()
+            });
+        let wait_s = early.wait_s;
+        let reward_secs = rollout::score_rest(
+            &mut episodes,
+            early,
+            &r.early_rewards,
+            &r.data.train,
+            &r.data.rewards,
+            ref_means.as_deref(),
+        )?;
+        // What scoring added to the step: waiting for the early scorer, then the late rewards.
+        let t_score = wait_s + t0.elapsed().as_secs_f64();
+
+        // 4. Rewards -> group-relative advantages (KL in the reward when so configured).
+        let per_func: Vec<f32> = episodes
+            .iter()
+            .flat_map(|e| e.rewards.iter().copied())
+            .collect();
+        let kl_penalty = match (&cfg.kl, &old_logps, &ref_logps) {
+            (KlMode::Reward { coef, .. }, Some(old), Some(refl)) => Some(kl_reward_penalty(
+                old,
+                refl,
+                *coef,
+                r.state.adaptive_kl.as_mut(),
+            )),
+            _ => None,
+        };
+        let adv = round_advantages(
+            &per_func,
+            &r.weights,
+            kl_penalty.as_ref().map(|k| k.0.as_slice()),
+            g,
+            cfg.multi_objective_aggregation,
+            &r.adv_opts,
+        )?;
+        check_round_invariants(&episodes, p, g, &adv.advantages, r.adv_opts.normalize_batch)?;
+        let batch = TrainBatch::from_round(
+            &episodes,
+            &adv.advantages,
+            &|e| !(cfg.drop_zero_std_groups && adv.zero_std[e.group]),
+            cfg.mask_truncated_completions,
+            old_logps.as_deref().filter(|_| r.needs_old),
+            ref_logps.as_deref().filter(|_| r.kl_needs_ref),
+        );
+
+        // 5. Update: optimizer steps over the batch, then (TRL) mix the policy into the reference.
+        let t0 = Instant::now();
+        if batch.rows.is_empty() {
+            say(
+                &bar,
+                format!(
+                    "step {}: every group had equal rewards; no update this round",
+                    r.state.step + 1
+                ),
+            );
+            r.state.step = (r.state.step + r.updates_per_round).min(total_steps);
+        }
+        let steps = update_round(
+            &r.policy,
+            &mut r.opt,
+            &batch,
+            &r.update,
+            &r.schedule,
+            StepCounter {
+                step: &mut r.state.step,
+                consecutive_nonfinite: &mut r.state.consecutive_nonfinite,
+            },
+            world,
+            &mut |s| bar.set_position(s),
+        )?;
+        let t_update = t0.elapsed().as_secs_f64();
+        trace_memory("update");
+        r.state.round += 1;
+        rounds_this_run += 1;
+        if cfg.sync_ref_model && r.state.step.is_multiple_of(cfg.ref_model_sync_steps as u64) {
+            r.reference.sync(&r.policy, cfg.ref_model_mixup_alpha)?;
+        }
+
+        // 6. Log (and evaluate on the held-out prompts every eval_steps).
+        let mut m = StepMetrics::of_round(
+            &episodes,
+            metrics::RoundFacts {
+                adv: &adv,
+                rewards: metrics::reward_metrics(&episodes, &r.data.rewards, &reward_secs),
+                update: metrics::update_metrics(&steps, r.update.loss.beta),
+                kl_reward_seq_kl: kl_penalty.map(|k| k.1),
+                kl_reward_coef: r.state.adaptive_kl.as_ref().map(|a| a.coef),
+                times: RoundTimes {
+                    generate: t_generate,
+                    score: t_score,
+                    reference: t_reference,
+                    update: t_update,
+                    step: t_round.elapsed().as_secs_f64(),
+                },
+                generated_tokens: gen_stats.generated_tokens,
+                epoch: r.state.order.epoch() as f64,
+            },
+        );
+        let at_end = r.state.step >= total_steps;
+        if evaluates && (r.state.step.is_multiple_of(cfg.eval_steps as u64) || at_end) {
+            let t0 = Instant::now();
+            let step = r.state.step;
+            let ev = evaluate(&mut r, step)?;
+            m.eval_seconds = Some(t0.elapsed().as_secs_f64());
+            m.eval = ev.clone();
+            last_eval = Some(ev);
+        }
+        if world.is_main()
+            && cfg.logging_steps > 0
+            && (r.state.step.is_multiple_of(cfg.logging_steps as u64) || at_end)
+        {
+            r.metrics.log(r.state.step, &m.pairs())?;
+            say(&bar, m.console_line(r.state.step));
+        }
+        let completions_due = r
+            .state
+            .round
+            .is_multiple_of(cfg.log_completions_steps.max(1) as u64)
+            || r.state.round == 1;
+        if world.is_main() && cfg.log_completions && completions_due {
+            log_completions(&mut r, &episodes, &adv.rewards, &adv.advantages, &bar)?;
+        }
+
+        // 7. Checkpoint (every save_steps, at the end, and when asked to stop).
+        let stop_now = ctl.stop.load(Ordering::SeqCst)
+            || ctl
+                .max_rounds_this_run
+                .is_some_and(|k| rounds_this_run >= k);
+        let periodic =
+            cfg.save_steps > 0 && crossed(r.state.step, r.updates_per_round, cfg.save_steps as u64);
+        if world.is_main() && (periodic || at_end || stop_now) {
+            let dir = r.save()?;
+            say(&bar, format!("saved {}", dir.display()));
+            last_ckpt = Some(dir);
+        }
+        if stop_now && !at_end {
+            interrupted = true;
+            break;
+        }
+    }
+    bar.finish_and_clear();
+    Ok(TrainOutcome {
+        steps: r.state.step,
+        last_checkpoint: last_ckpt,
+        interrupted,
+        last_eval,
+    })
+}
+
+/// Evaluation on the held-out prompts as the config's `eval_*` keys say (see [`crate::eval`]):
+/// pass@k, sampled and greedy accuracy, mean rewards. Every answer goes to `eval/step-N.jsonl`.
+fn evaluate(r: &mut Run, step: u64) -> Result<Vec<(String, f64)>> {
+    let model = r.policy.freeze(r.cfg.gradient_checkpointing)?;
+    let opts = r.cfg.eval_options(r.sampling.eos_token_ids.clone());
+    let file = format!("eval/step-{step}.jsonl");
+    let metrics = &mut r.metrics;
+    let mut log = |row: &serde_json::Value| metrics.log_json(&file, row);
+    let report = crate::eval::evaluate(
+        &model,
+        &r.tok,
+        &r.data.eval,
+        &r.data.rewards,
+        &opts,
+        Some(&mut log),
+    )?;
+    Ok(report.metrics)
+}
+
+/// Every completion of the round to `completions.jsonl`, and a few on the console.
+fn log_completions(
+    r: &mut Run,
+    episodes: &[Episode],
+    rewards: &[f32],
+    advantages: &[f32],
+    bar: &indicatif::ProgressBar,
+) -> Result<()> {
+    for (i, e) in episodes.iter().enumerate() {
+        r.metrics.log_json(
+            "completions.jsonl",
+            &json!({
+                "step": r.state.step,
+                "prompt": data::prompt_text(&r.data.train[e.example]),
+                "completion": e.text,
+                "stop_reason": e.stop_reason,
+                "rewards": Reward::named_scores(&r.data.rewards, &e.rewards),
+                "reward": rewards[i],
+                "advantage": advantages[i],
+            }),
+        )?;
+    }
+    for e in episodes
+        .iter()
+        .step_by(r.g)
+        .take(r.cfg.num_completions_to_print)
+    {
+        say(
+            bar,
+            format!(
+                "  sample: {:?} -> {:?} (rewards {:?})",
+                data::prompt_text(&r.data.train[e.example])
+                    .chars()
+                    .take(80)
+                    .collect::<String>(),
+                e.text.chars().take(120).collect::<String>(),
+                e.rewards
+            ),
+        );
+    }
+    Ok(())
+}
+
+fn progress_bar(total_steps: u64, step: u64) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(total_steps);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} steps  {elapsed_precise} < {eta_precise}  {msg}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar.set_position(step);
+    bar
+}
+
+/// A console line above the progress bar (plain stderr when there is no terminal).
+fn say(bar: &indicatif::ProgressBar, line: impl AsRef<str>) {
+    if bar.is_hidden() {
+        eprintln!("{}", line.as_ref());
+    } else {
+        bar.println(line.as_ref());
+    }
+}
+
+/// Current and peak RSS at `phase`, at debug level (`--log-level debug`).
+fn trace_memory(phase: &str) {
+    if let Some((cur, peak)) = crate::threads::rss_gb() {
+        tracing::debug!("memory after {phase}: rss {cur:.2} GB, peak {peak:.2} GB");
+    }
+}
+
+/// Whether the optimizer steps of the round just done crossed a multiple of `every`.
+fn crossed(step: u64, per_round: u64, every: u64) -> bool {
+    let before = step.saturating_sub(per_round);
+    step / every > before / every
+}
+
+/// Per-round invariants, reported as errors: P x G completions, each group from one prompt,
+/// normalized groups' advantages summing to about 0 (unless re-normalized over the batch).
+fn check_round_invariants(
+    episodes: &[Episode],
+    p: usize,
+    g: usize,
+    advantages: &[f32],
+    normalize_batch: bool,
+) -> Result<()> {
+    if episodes.len() != p * g || advantages.len() != p * g {
+        return Err(Error::Generate(format!(
+            "invariant: {} completions and {} advantages for {p} prompts x {g}",
+            episodes.len(),
+            advantages.len()
+        )));
+    }
+    for (gi, group) in episodes.chunks(g).enumerate() {
+        if group
+            .iter()
+            .any(|e| e.group != gi || e.prompt_ids != group[0].prompt_ids)
+        {
+            return Err(Error::Generate(format!(
+                "invariant: group {gi} mixes prompts"
+            )));
+        }
+    }
+    if !normalize_batch {
+        for (gi, a) in advantages.chunks(g).enumerate() {
+            let s: f32 = a.iter().sum();
+            let scale: f32 = a.iter().map(|x| x.abs()).sum::<f32>().max(1.0);
+            // Missing rewards (advantage 0, excluded from the mean) keep the sum at 0 too.
+            if s.abs() > 1e-3 * scale {
+                return Err(Error::Generate(format!(
+                    "invariant: advantages of group {gi} sum to {s}, not 0"
+                )));
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,283 @@
+//! The seam between the loop and the model being trained. A [`Policy`] owns the trainable
+//! parameters and gives the loop what GRPO needs of it: a frozen copy that samples groups and
+//! scores log-probs (rollout, old log-probs, evaluation), a differentiable forward for the update,
+//! and the files of a checkpoint. The causal LM ([`CausalLmPolicy`], full fine-tuning or LoRA over
+//! a frozen base) is today's only kind; the frozen reference model is a [`Reference`].
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor, Var};
+
+use crate::checkpoint::{AdapterExport, HfExport, ModelFiles};
+use crate::logprobs::{completion_logprobs, sequence_logprobs, Entropy, Packing};
+use crate::lora::{self, LoraConfig};
+use crate::models::checkpointing::CheckpointGrads;
+use crate::models::grad_sink::GradSink;
+use crate::models::{CausalLm, Mode, ModelConfig};
+use crate::rollout::{GroupSampler, MicroBatch};
+use crate::tokenizer::Tokenizer;
+use crate::Result;
+
+/// A trainable policy.
+pub trait Policy {
+    /// The policy at its current weights, without a graph.
+    type Frozen: GroupSampler;
+    /// One optimizer step's differentiable forward.
+    type Train: TrainForward;
+
+    /// Names of the trainable parameters (checkpoint keys), in the order of [`Self::vars`].
+    fn names(&self) -> &[String];
+    fn vars(&self) -> &[Var];
+    /// A frozen copy for sampling and scoring; `save_memory` trades sampling speed for memory.
+    fn freeze(&self, save_memory: bool) -> Result<Self::Frozen>;
+    /// A differentiable forward over the parameters. Random choices inside it (LoRA dropout)
+    /// are drawn from `dropout_seed`, so a resumed run repeats them.
+    fn for_update(&self, dropout_seed: u64, gradient_checkpointing: bool) -> Result<Self::Train>;
+    /// The model part of a checkpoint over `tensors` (from [`Self::named_tensors`]).
+    fn model_files<'a>(
+        &'a self,
+        tensors: &'a [(String, Tensor)],
+        tok: &'a Tokenizer,
+    ) -> ModelFiles<'a>;
+
+    /// The parameters by name, detached.
+    fn named_tensors(&self) -> Vec<(String, Tensor)> {
+        self.names()
+            .iter()
+            .zip(self.vars())
+            .map(|(n, v)| (n.clone(), v.as_tensor().detach()))
+            .collect()
+    }
+}
+
+/// What the update needs of a differentiable forward.
+pub trait TrainForward {
+    /// Per-token log-probs `[n, Tc]` of the micro-batch's completions (and entropies when
+    /// `entropy` asks), with a graph back to the parameters.
+    fn logprobs(
+        &self,
+        mb: &MicroBatch,
+        pad: u32,
+        temperature: f64,
+        entropy: Entropy,
+    ) -> Result<(Tensor, Option<Tensor>)>;
+    /// The gradient of `v` that the last backward left outside candle's store (blocks recomputed
+    /// by gradient checkpointing), taken out.
+    fn take_chunk_grad(&self, v: &Var) -> Result<Option<Tensor>>;
+    /// The gradient of `v` accumulated outside autograd over the whole step (projection weights'
+    /// gradient sinks), taken out.
+    fn take_step_grad(&self, v: &Var) -> Result<Option<Tensor>>;
+}
+
+/// A causal LM: every base tensor trained (full fine-tuning), or LoRA adapters over a frozen base.
+pub struct CausalLmPolicy {
+    pub cfg: ModelConfig,
+    /// HF tensor names (full fine-tuning) or PEFT adapter keys (LoRA).
+    pub names: Vec<String>,
+    pub vars: Vec<Var>,
+    pub device: Device,
+    /// LoRA: the frozen base model (with adapters off it is also the reference) and the options.
+    pub lora: Option<(CausalLm, LoraConfig)>,
+    /// What LoRA checkpoints name as their base (`base_model_name_or_path`).
+    pub base_model_name: String,
+}
+
+impl CausalLmPolicy {
+    fn tensors(&self, track: bool) -> Vec<(String, Tensor)> {
+        self.names
+            .iter()
+            .zip(&self.vars)
+            .map(|(n, v)| {
+                let t = v.as_tensor();
+                (n.clone(), if track { t.clone() } else { t.detach() })
+            })
+            .collect()
+    }
+
+    /// A model over the current parameters: with a graph (`track`) or detached.
+    fn build(&self, track: bool, dropout: Option<(u64, Arc<AtomicU64>)>) -> Result<CausalLm> {
+        match &self.lora {
+            None => {
+                let tensors: HashMap<String, Tensor> = self.tensors(track).into_iter().collect();
+                CausalLm::from_tensors(&self.cfg, tensors, DType::F32, &self.device)
+            }
+            Some((base, lcfg)) => {
+                let mut m = base.clone();
+                let adapters = lora::adapters(&self.tensors(track), lcfg, dropout)?;
+                if track {
+                    m.set_lora(&adapters)?;
+                } else {
+                    // Sampling and scoring: adapters merged into (copies of) the dense weights
+                    // they touch, no extra matmuls per decoded token.
+                    m.merge_lora(&adapters)?;
+                }
+                Ok(m)
+            }
+        }
+    }
+}
+
+impl Policy for CausalLmPolicy {
+    type Frozen = CausalLm;
+    type Train = CausalLmForward;
+
+    fn names(&self) -> &[String] {
+        &self.names
+    }
+
+    fn vars(&self) -> &[Var] {
+        &self.vars
+    }
+
+    /// Packed for the decoding GEMM (`models::packed`) unless `save_memory` (gradient
+    /// checkpointing asked for): with LoRA the packed copy of the whole base (the size of the f32
+    /// model) would then set the run's peak memory.
+    fn freeze(&self, save_memory: bool) -> Result<CausalLm> {
+        let mut m = self.build(false, None)?;
+        if !save_memory {
+            m.pack_for_decoding()?;
+        }
+        Ok(m)
+    }
+
+    fn for_update(
+        &self,
+        dropout_seed: u64,
+        gradient_checkpointing: bool,
+    ) -> Result<CausalLmForward> {
+        let clock = Arc::new(AtomicU64::new(0));
+        let mut model = self.build(true, Some((dropout_seed, clock.clone())))?;
+        // Projection weights' gradients go straight into accumulators (CPU, f32); the rest
+        // (embedding, norms, biases, LoRA adapters) through candle's autograd, or, for blocks
+        // recomputed by gradient checkpointing, into the checkpoint store.
+        let sink = GradSink::new(&self.vars);
+        if self.lora.is_none() {
+            model.attach_grad_sink(&sink)?;
+        }
+        let ckpt = match gradient_checkpointing {
+            true => Some(CheckpointGrads::new(&self.vars)?),
+            false => None,
+        };
+        model.set_checkpointing(ckpt.clone());
+        Ok(CausalLmForward {
+            model,
+            dropout_clock: clock,
+            sink,
+            ckpt,
+        })
+    }
+
+    fn model_files<'a>(
+        &'a self,
+        tensors: &'a [(String, Tensor)],
+        tok: &'a Tokenizer,
+    ) -> ModelFiles<'a> {
+        match &self.lora {
+            None => ModelFiles::Full(HfExport {
+                config: &self.cfg,
+                tensors,
+                tokenizer: Some(tok),
+                eos_token_ids: &self.cfg.eos_token_ids,
+            }),
+            Some((_, lcfg)) => ModelFiles::Adapter(AdapterExport {
+                config: lcfg,
+                model_config: &self.cfg,
+                base_model: &self.base_model_name,
+                tensors,
+                tokenizer: Some(tok),
+            }),
+        }
+    }
+}
+
+/// The causal LM's differentiable forward for one optimizer step.
+pub struct CausalLmForward {
+    model: CausalLm,
+    /// LoRA dropout masks: advanced once per forward pass.
+    dropout_clock: Arc<AtomicU64>,
+    sink: GradSink,
+    ckpt: Option<Arc<CheckpointGrads>>,
+}
+
+impl TrainForward for CausalLmForward {
+    fn logprobs(
+        &self,
+        mb: &MicroBatch,
+        pad: u32,
+        temperature: f64,
+        entropy: Entropy,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        self.dropout_clock.fetch_add(1, Ordering::Relaxed);
+        completion_logprobs(
+            &self.model,
+            &mb.prompts,
+            &mb.completions,
+            pad,
+            temperature,
+            Mode::Train,
+            entropy,
+            Packing::SharedPrompt,
+        )
+    }
+
+    fn take_chunk_grad(&self, v: &Var) -> Result<Option<Tensor>> {
+        match &self.ckpt {
+            Some(c) => Ok(c.take(v)?),
+            None => Ok(None),
+        }
+    }
+
+    fn take_step_grad(&self, v: &Var) -> Result<Option<Tensor>> {
+        Ok(self.sink.take(v)?)
+    }
+}
+
+/// The frozen reference model, when a KL term or a reward needs it.
+pub struct Reference {
+    pub model: Option<CausalLm>,
+    /// Its HF-layout tensors, kept only when the policy is mixed into it (`sync_ref_model`).
+    pub tensors: Option<HashMap<String, Tensor>>,
+}
+
+impl Reference {
+    /// Per-token log-probs of `rows` under the reference (None without one).
+    pub fn logprobs(
+        &self,
+        rows: &[(&[u32], &[u32])],
+        pad: u32,
+        temperature: f64,
+        chunk_tokens: usize,
+    ) -> Result<Option<Vec<Vec<f32>>>> {
+        match &self.model {
+            Some(m) => Ok(Some(sequence_logprobs(
+                m,
+                rows,
+                pad,
+                temperature,
+                chunk_tokens,
+            )?)),
+            None => Ok(None),
+        }
+    }
+
+    /// TRL's reference sync: `ref = alpha * policy + (1 - alpha) * ref`.
+    pub fn sync(&mut self, policy: &CausalLmPolicy, alpha: f64) -> Result<()> {
+        let Some(rt) = self.tensors.as_mut() else {
+            return Ok(());
+        };
+        for (n, v) in policy.names.iter().zip(&policy.vars) {
+            if let Some(r) = rt.get_mut(n) {
+                *r = ((v.as_tensor().detach() * alpha)? + (r.clone() * (1.0 - alpha))?)?;
+            }
+        }
+        self.model = Some(CausalLm::from_tensors(
+            &policy.cfg,
+            rt.clone(),
+            DType::F32,
+            &policy.device,
+        )?);
+        Ok(())
+    }
+}

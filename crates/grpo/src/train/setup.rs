@@ -1,0 +1,434 @@
+//! Everything before the first round: the model and tokenizer, the prompt sets and rewards, the
+//! policy's parameters (full fine-tuning or LoRA/QLoRA adapters, fresh or from a checkpoint), the
+//! optimizer, the frozen reference, the resumed state, and the options each step uses, resolved
+//! once from the config. Also the checkpoint that ends a round ([`Run::save`]).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use candle_core::{DType, Device, Var};
+
+use super::policy::{CausalLmPolicy, Policy, Reference};
+use super::update::{Schedule, UpdateOptions};
+use crate::advantages::AdvantageOptions;
+use crate::checkpoint::{self, CheckpointData};
+use crate::config::TrainConfig;
+use crate::data::{self, PromptOrder};
+use crate::hub::{self, ModelSource};
+use crate::inputs::{load_run_data, RunData};
+use crate::logprobs::Entropy;
+use crate::lora;
+use crate::loss::{AdaptiveKl, KlMode, LossOptions};
+use crate::metrics::MetricsWriter;
+use crate::models::CausalLm;
+use crate::optim::{AdamW, AdamWConfig};
+use crate::sampler::SamplingParams;
+use crate::tokenizer::Tokenizer;
+use crate::weights::load_model;
+use crate::{Error, Result};
+
+/// Everything a checkpoint must hold beyond weights and moments to resume exactly.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct TrainerState {
+    /// Optimizer steps done.
+    pub step: u64,
+    /// Rounds (generation batches) done.
+    pub round: u64,
+    pub order: PromptOrder,
+    pub adaptive_kl: Option<AdaptiveKl>,
+    pub consecutive_nonfinite: usize,
+}
+
+/// A run, set up.
+pub struct Run<'a> {
+    pub cfg: &'a TrainConfig,
+    pub tok: Tokenizer,
+    pub pad: u32,
+    pub data: RunData,
+    /// Every training prompt, tokenized once.
+    pub train_ids: Vec<Vec<u32>>,
+    pub policy: CausalLmPolicy,
+    pub opt: AdamW,
+    pub reference: Reference,
+    pub state: TrainerState,
+    /// The checkpoint resumed from.
+    pub resumed_from: Option<PathBuf>,
+    pub metrics: MetricsWriter,
+    /// The resolved config, as written into the run directory and every checkpoint.
+    pub config_toml: String,
+    /// Prompts and completions per prompt of a round.
+    pub p: usize,
+    pub g: usize,
+    pub updates_per_round: u64,
+    pub sampling: SamplingParams,
+    pub adv_opts: AdvantageOptions,
+    /// One weight per reward function.
+    pub weights: Vec<f32>,
+    pub update: UpdateOptions,
+    pub schedule: Schedule,
+    /// Rewards scored while sampling runs (no reference log-probs needed).
+    pub early_rewards: Vec<bool>,
+    /// A reward reads the reference's log-probs (coherence).
+    pub rewards_need_ref: bool,
+    /// The loss's KL term needs the reference's log-probs.
+    pub kl_needs_ref: bool,
+    /// Updates are off-policy (several steps per round): the sampling policy's log-probs are kept.
+    pub needs_old: bool,
+}
+
+impl<'a> Run<'a> {
+    /// Sets up a run as `cfg` says, continuing from the newest checkpoint in `output_dir` when
+    /// `resume`.
+    pub fn start(cfg: &'a TrainConfig, resume: bool) -> Result<Run<'a>> {
+        for k in &cfg.ignored_keys {
+            tracing::warn!("config key `{k}` is accepted for TRL compatibility and ignored");
+        }
+        let device = Device::Cpu;
+        if cfg.dtype != crate::config::DTypeOpt::F32 {
+            tracing::warn!(
+                "dtype = bf16 is not used by training yet: sampling, reference and training run in f32"
+            );
+        }
+        let out_dir = &cfg.output_dir;
+        std::fs::create_dir_all(out_dir)
+            .map_err(|e| Error::io(format!("cannot create output_dir {}", out_dir.display()), e))?;
+        let resume_from = if resume {
+            let latest = checkpoint::latest_checkpoint(out_dir)?;
+            if latest.is_none() {
+                tracing::warn!(
+                    "--resume: no checkpoint in {}, starting fresh",
+                    out_dir.display()
+                );
+            }
+            latest
+        } else {
+            None
+        };
+        let source = hub::resolve_model(cfg.model.as_deref())?;
+        tracing::info!("model: {}", source.path().display());
+        let mut base = load_model(&source, DType::F32, &device)?;
+        let tok = base.tokenizer()?.clone();
+        let pad = tok.pad_token_id().or(tok.eos_token_id()).unwrap_or(0);
+        let data = load_run_data(cfg, &device)?;
+        tracing::info!(
+            "data: {} train prompts, {} eval prompts, rewards: {}",
+            data.train.len(),
+            data.eval.len(),
+            data.rewards
+                .iter()
+                .map(|r| r.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        // Tokenize every training prompt once; errors name the row.
+        let train_ids = data
+            .train
+            .iter()
+            .map(|ex| {
+                data::prompt_ids(
+                    &tok,
+                    ex,
+                    cfg.system_prompt.as_deref(),
+                    cfg.max_prompt_length,
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+
+        let policy = policy_parameters(cfg, &source, &mut base, resume_from.as_ref(), &device)?;
+        let ckpt = match &resume_from {
+            Some(dir) => Some(checkpoint::load_checkpoint(dir, &device)?),
+            None => None,
+        };
+        let mut opt = AdamW::new(
+            policy
+                .names()
+                .iter()
+                .cloned()
+                .zip(policy.vars().iter().cloned())
+                .collect(),
+            AdamWConfig {
+                beta1: cfg.adam_beta1,
+                beta2: cfg.adam_beta2,
+                eps: cfg.adam_epsilon,
+                weight_decay: cfg.weight_decay,
+            },
+        )?;
+
+        // The frozen reference: the base weights (never the resumed ones), only when a KL or a
+        // reward (coherence) needs it. Its HF-layout tensors are kept only when they are mixed
+        // with the policy's later (`sync_ref_model`); otherwise the built model's own layout is
+        // the only copy. With LoRA the reference is the frozen base itself, adapters off.
+        let kl_needs_ref = !matches!(cfg.kl, KlMode::None);
+        let rewards_need_ref = data.rewards.iter().any(|r| r.needs_ref_logp());
+        let early_rewards: Vec<bool> = data.rewards.iter().map(|r| r.overlaps_sampling()).collect();
+        let needs_ref = kl_needs_ref || rewards_need_ref;
+        let reference = Reference {
+            model: match (needs_ref, &policy.lora) {
+                (false, _) => None,
+                (true, Some((frozen, _))) => Some(frozen.clone()),
+                (true, None) => Some(CausalLm::from_tensors(
+                    &base.config,
+                    base.tensors.clone(),
+                    DType::F32,
+                    &device,
+                )?),
+            },
+            tensors: (needs_ref && cfg.sync_ref_model).then(|| base.tensors.clone()),
+        };
+        let eos_ids = base.eos_token_ids.clone();
+        drop(base);
+        super::trace_memory("loading the policy, optimizer and reference");
+
+        let mut state = TrainerState {
+            step: 0,
+            round: 0,
+            order: PromptOrder::new(data.train.len(), cfg.seed, cfg.shuffle_dataset),
+            adaptive_kl: cfg.kl.adaptive_controller(),
+            consecutive_nonfinite: 0,
+        };
+        if let Some(c) = &ckpt {
+            state = serde_json::from_value(c.trainer_state.clone()).map_err(|e| {
+                Error::file(
+                    c.dir.join("trainer_state.json"),
+                    format!("unreadable trainer state: {e}"),
+                )
+            })?;
+            opt.load_state(&c.optimizer, state.step)?;
+            if let (Some(dir), true) = (&resume_from, cfg.sync_ref_model) {
+                tracing::warn!(
+                    "{}: sync_ref_model with resume restarts the reference from the base model",
+                    dir.display()
+                );
+            }
+            crate::metrics::truncate_after(out_dir, state.step)?;
+            tracing::info!("resumed from {} at step {}", c.dir.display(), state.step);
+        }
+        let config_toml = cfg.to_toml();
+        let config_path = out_dir.join("config.toml");
+        std::fs::write(&config_path, &config_toml)
+            .map_err(|e| Error::io(format!("cannot write {}", config_path.display()), e))?;
+        let metrics =
+            MetricsWriter::open(out_dir, cfg.report_to.iter().any(|r| r == "tensorboard"))?;
+
+        let p = cfg.prompts_per_step();
+        let updates_per_round = (cfg.num_iterations * cfg.steps_per_generation
+            / cfg.gradient_accumulation_steps) as u64;
+        let rounds_per_epoch = (data.train.len() as f64 / p as f64).max(1.0);
+        let total_steps = cfg.max_steps.unwrap_or_else(|| {
+            (cfg.num_train_epochs * rounds_per_epoch).ceil() as u64 * updates_per_round
+        });
+        let warmup = if cfg.warmup_steps > 0 {
+            cfg.warmup_steps as u64
+        } else {
+            (cfg.warmup_ratio * total_steps as f64).ceil() as u64
+        };
+        let weights: Vec<f32> = match &cfg.reward_weights {
+            Some(w) if w.len() != data.rewards.len() => {
+                return Err(Error::config(
+                    "reward_weights",
+                    format!(
+                        "{} weights for {} reward functions",
+                        w.len(),
+                        data.rewards.len()
+                    ),
+                ))
+            }
+            Some(w) => w.iter().map(|&x| x as f32).collect(),
+            None => data.rewards.iter().map(|r| r.weight).collect(),
+        };
+        Ok(Run {
+            cfg,
+            tok,
+            pad,
+            train_ids,
+            policy,
+            opt,
+            reference,
+            state,
+            resumed_from: resume_from,
+            metrics,
+            config_toml,
+            p,
+            g: cfg.num_generations,
+            updates_per_round,
+            sampling: SamplingParams {
+                max_new_tokens: cfg.max_completion_length,
+                min_new_tokens: 0,
+                temperature: cfg.temperature,
+                top_k: cfg.top_k,
+                top_p: cfg.top_p,
+                min_p: cfg.min_p.unwrap_or(0.0),
+                repetition_penalty: cfg.repetition_penalty,
+                stop_strings: cfg.stop.clone(),
+                eos_token_ids: eos_ids,
+            },
+            adv_opts: AdvantageOptions {
+                scale: cfg.scale_rewards,
+                std_floor: cfg.reward_std_floor.map(|f| f as f32),
+                normalize_batch: cfg.normalize_advantages_batch,
+            },
+            weights,
+            update: update_options(cfg, pad),
+            schedule: Schedule {
+                learning_rate: cfg.learning_rate,
+                kind: cfg.lr_scheduler_type,
+                warmup_steps: warmup,
+                total_steps,
+            },
+            early_rewards,
+            rewards_need_ref,
+            kl_needs_ref,
+            needs_old: cfg.num_iterations > 1
+                || cfg.steps_per_generation > cfg.gradient_accumulation_steps,
+            data,
+        })
+    }
+
+    /// Writes a checkpoint of the current step (weights or adapters, optimizer moments, trainer
+    /// state, config) atomically; rotates old ones as `save_total_limit` says.
+    pub fn save(&self) -> Result<PathBuf> {
+        let tensors = self.policy.named_tensors();
+        let optimizer = self.opt.state_tensors()?;
+        let trainer_state = serde_json::to_value(&self.state)
+            .map_err(|e| Error::Generate(format!("cannot serialise trainer state: {e}")))?;
+        checkpoint::save_checkpoint(
+            &self.cfg.output_dir,
+            &CheckpointData {
+                step: self.state.step,
+                model: self.policy.model_files(&tensors, &self.tok),
+                optimizer: &optimizer,
+                trainer_state: &trainer_state,
+                config_toml: &self.config_toml,
+            },
+            self.cfg.save_total_limit,
+        )
+    }
+}
+
+/// The update's options, from the config.
+pub fn update_options(cfg: &TrainConfig, pad: u32) -> UpdateOptions {
+    UpdateOptions {
+        loss: LossOptions {
+            loss_type: cfg.loss_type,
+            importance_sampling_level: cfg.importance_sampling_level,
+            epsilon_low: cfg.epsilon,
+            epsilon_high: cfg.epsilon_high,
+            delta: cfg.delta,
+            beta: cfg.kl.loss_beta(),
+            entropy_coef: cfg.entropy_coef,
+            use_bias_correction_kl: cfg.use_bias_correction_kl,
+        },
+        entropy: if cfg.entropy_coef != 0.0 {
+            Entropy::WithGrad
+        } else {
+            Entropy::Detached
+        },
+        temperature: cfg.temperature,
+        pad,
+        forward_chunk_tokens: cfg.forward_chunk_tokens,
+        max_grad_norm: cfg.max_grad_norm,
+        gradient_checkpointing: cfg.gradient_checkpointing,
+        seed: cfg.seed,
+        micro_batch: cfg.per_device_train_batch_size,
+        accumulation_steps: cfg.gradient_accumulation_steps,
+        steps_per_generation: cfg.steps_per_generation,
+        num_iterations: cfg.num_iterations,
+        max_completion_length: cfg.max_completion_length,
+        max_consecutive_nonfinite: cfg.max_consecutive_nonfinite,
+    }
+}
+
+/// The policy's parameters: full fine-tuning trains every base tensor (from the checkpoint when
+/// resuming); LoRA trains adapters (fresh, or from the checkpoint) over a frozen base, which
+/// takes the base tensors (a QLoRA base is quantized projection by projection as it is built).
+fn policy_parameters(
+    cfg: &TrainConfig,
+    source: &ModelSource,
+    base: &mut crate::weights::LoadedModel,
+    resume_from: Option<&PathBuf>,
+    device: &Device,
+) -> Result<CausalLmPolicy> {
+    let (names, vars, frozen_base) = match &cfg.lora {
+        None => {
+            let start_tensors = match resume_from {
+                Some(dir) => {
+                    load_model(&ModelSource::HfDir(dir.clone()), DType::F32, device)?.tensors
+                }
+                None => base.tensors.clone(),
+            };
+            let mut names: Vec<String> = start_tensors.keys().cloned().collect();
+            names.sort();
+            let vars = names
+                .iter()
+                .map(|n| Var::from_tensor(&start_tensors[n]))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            (names, vars, None)
+        }
+        Some(lcfg) => {
+            let mut lcfg = lcfg.clone();
+            if lcfg.target_modules.is_empty() {
+                lcfg.target_modules = lora::default_targets(base.config.arch);
+            }
+            let mut build_cfg = base.config.clone();
+            build_cfg.build_quantized = cfg.base_quantization;
+            let mut frozen = CausalLm::from_tensors(
+                &build_cfg,
+                std::mem::take(&mut base.tensors),
+                DType::F32,
+                device,
+            )?;
+            if let Some(q) = cfg.base_quantization {
+                // A GGUF's weights of this type are used as they are; the rest are quantized.
+                let given = match source {
+                    ModelSource::Gguf(p) => crate::weights::gguf_quantized_projections(p, q)?,
+                    ModelSource::HfDir(_) => HashMap::new(),
+                };
+                let n = frozen.use_quantized(&given, q)?;
+                tracing::info!(
+                    "QLoRA: base projections kept in {} ({:.0} MB), {n} taken from the GGUF as they are",
+                    q.name(),
+                    frozen.quantized_bytes() as f64 / 1e6
+                );
+            }
+            let tensors = match resume_from {
+                Some(dir) => {
+                    let a = lora::load_peft(dir, device)?;
+                    if a.config.r != lcfg.r || a.config.target_modules != lcfg.target_modules {
+                        return Err(Error::file(
+                            dir.join(lora::ADAPTER_CONFIG),
+                            format!(
+                                "the checkpoint's adapters (r = {}, targets {:?}) differ from this run's (r = {}, targets {:?}): resume with the same lora.* settings",
+                                a.config.r, a.config.target_modules, lcfg.r, lcfg.target_modules
+                            ),
+                        ));
+                    }
+                    a.tensors
+                }
+                None => lora::init_weights(&frozen, &lcfg, cfg.seed, device)?,
+            };
+            let n_params: usize = tensors.iter().map(|(_, t)| t.elem_count()).sum();
+            tracing::info!(
+                "LoRA: r = {}, alpha = {}, {} adapted projections ({:?}), {:.2}M trainable parameters",
+                lcfg.r,
+                lcfg.alpha,
+                tensors.len() / 2,
+                lcfg.target_modules,
+                n_params as f64 / 1e6
+            );
+            let names = tensors.iter().map(|(n, _)| n.clone()).collect();
+            let vars = tensors
+                .iter()
+                .map(|(_, t)| Var::from_tensor(t))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            (names, vars, Some((frozen, lcfg)))
+        }
+    };
+    Ok(CausalLmPolicy {
+        cfg: base.config.clone(),
+        names,
+        vars,
+        device: device.clone(),
+        lora: frozen_base,
+        base_model_name: source.path().display().to_string(),
+    })
+}

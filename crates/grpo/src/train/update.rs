@@ -1,0 +1,278 @@
+//! The update: a round's [`TrainBatch`] becomes optimizer steps. [`update_round`] walks TRL's
+//! structure (`num_iterations` passes, each split into optimizer steps of
+//! `gradient_accumulation_steps` micro-batches of `per_device_train_batch_size` completions);
+//! [`update_policy`] is one optimizer step (the golden tests pin it to TRL); [`policy_gradients`]
+//! is its forward/backward part.
+
+use std::ops::Range;
+
+use candle_core::Tensor;
+
+use super::policy::{Policy, TrainForward};
+use super::world::World;
+use crate::logprobs::{forward_chunks, Entropy};
+use crate::loss::{grpo_loss, LossInputs, LossOptions, MicroTotals, Reduction};
+use crate::optim::{accumulate, clip_factor, lr_lambda, AdamW, LrSchedule};
+use crate::rollout::TrainBatch;
+use crate::seeding::mix_seed;
+use crate::{Error, Result};
+
+/// How the update runs; resolved from the config once.
+#[derive(Debug, Clone)]
+pub struct UpdateOptions {
+    pub loss: LossOptions,
+    /// Entropies for logging (`Detached`) or with a gradient (an entropy bonus in the loss).
+    pub entropy: Entropy,
+    /// The sampling temperature (log-probs are taken under it).
+    pub temperature: f64,
+    /// Padding token id.
+    pub pad: u32,
+    /// Tokens per forward/backward pass (a micro-batch is split into chunks of whole groups).
+    pub forward_chunk_tokens: usize,
+    /// Global gradient-norm clipping (0: off).
+    pub max_grad_norm: f64,
+    pub gradient_checkpointing: bool,
+    /// The run's seed (LoRA dropout streams).
+    pub seed: u64,
+    /// Completions per micro-batch.
+    pub micro_batch: usize,
+    pub accumulation_steps: usize,
+    pub steps_per_generation: usize,
+    pub num_iterations: usize,
+    pub max_completion_length: usize,
+    /// Stop after this many non-finite steps in a row.
+    pub max_consecutive_nonfinite: usize,
+}
+
+/// The learning rate at each optimizer step.
+#[derive(Debug, Clone, Copy)]
+pub struct Schedule {
+    pub learning_rate: f64,
+    pub kind: LrSchedule,
+    pub warmup_steps: u64,
+    pub total_steps: u64,
+}
+
+impl Schedule {
+    pub fn lr(&self, step: u64) -> f64 {
+        self.learning_rate * lr_lambda(self.kind, step, self.warmup_steps, self.total_steps)
+    }
+}
+
+/// Statistics of one optimizer step.
+#[derive(Debug, Clone, Default)]
+pub struct StepStats {
+    pub loss: f64,
+    pub policy_loss: f64,
+    pub kl: f64,
+    pub entropy: f64,
+    pub mean_logp: f64,
+    pub clip_low: f64,
+    pub clip_high: f64,
+    pub clip_region: f64,
+    pub grad_norm: f64,
+    pub lr: f64,
+    /// Loss and gradient norm were finite (else the update was skipped).
+    pub finite: bool,
+}
+
+/// Where the optimizer-step counter and the non-finite streak live (the trainer's state).
+pub struct StepCounter<'a> {
+    pub step: &'a mut u64,
+    pub consecutive_nonfinite: &'a mut usize,
+}
+
+/// The optimizer steps of one round; `on_step(step)` after each. Stops at `schedule.total_steps`.
+#[allow(clippy::too_many_arguments)]
+pub fn update_round<P: Policy>(
+    policy: &P,
+    opt: &mut AdamW,
+    batch: &TrainBatch,
+    opts: &UpdateOptions,
+    schedule: &Schedule,
+    counter: StepCounter,
+    world: &dyn World,
+    on_step: &mut dyn FnMut(u64),
+) -> Result<Vec<StepStats>> {
+    let (mb, accum) = (opts.micro_batch, opts.accumulation_steps);
+    let mut active = [batch.active_tokens() as f64];
+    world.sum_f64(&mut active)?;
+    let red = Reduction {
+        accumulation_steps: accum,
+        max_completion_length: opts.max_completion_length,
+        dapo_tokens: active[0] * accum as f64 / opts.steps_per_generation as f64,
+        micro: None,
+    };
+    // Micro-batches of `mb` rows in order; `accum` of them make one optimizer step.
+    let micro: Vec<Range<usize>> = (0..batch.rows.len())
+        .step_by(mb.max(1))
+        .map(|s| s..(s + mb).min(batch.rows.len()))
+        .collect();
+    let mut stats = Vec::new();
+    for _ in 0..opts.num_iterations {
+        for window in micro.chunks(accum.max(1)) {
+            if *counter.step >= schedule.total_steps {
+                return Ok(stats);
+            }
+            let step = *counter.step;
+            // LoRA dropout masks: one stream per optimizer step (exact resume).
+            let st = update_policy(
+                policy,
+                opt,
+                batch,
+                window,
+                &red,
+                opts,
+                schedule.lr(step),
+                0x4452_4f50 ^ step,
+                world,
+            )?;
+            if st.finite {
+                *counter.consecutive_nonfinite = 0;
+            } else {
+                *counter.consecutive_nonfinite += 1;
+                tracing::warn!(
+                    "step {}: non-finite loss or gradient, update skipped ({} in a row)",
+                    step + 1,
+                    counter.consecutive_nonfinite
+                );
+                if *counter.consecutive_nonfinite >= opts.max_consecutive_nonfinite {
+                    return Err(Error::Generate(format!(
+                        "{} non-finite steps in a row: stopping (raise max_consecutive_nonfinite, or lower learning_rate)",
+                        counter.consecutive_nonfinite
+                    )));
+                }
+            }
+            *counter.step += 1;
+            on_step(*counter.step);
+            stats.push(st);
+        }
+    }
+    Ok(stats)
+}
+
+/// One optimizer step over the micro-batches `window` of `batch`: [`policy_gradients`], summed
+/// over the world, clipped to `max_grad_norm`, AdamW at `lr`. A non-finite loss or gradient
+/// skips the update (the statistics say so).
+#[allow(clippy::too_many_arguments)]
+pub fn update_policy<P: Policy>(
+    policy: &P,
+    opt: &mut AdamW,
+    batch: &TrainBatch,
+    window: &[Range<usize>],
+    red: &Reduction,
+    opts: &UpdateOptions,
+    lr: f64,
+    dropout_stream: u64,
+    world: &dyn World,
+) -> Result<StepStats> {
+    let (mut grads, mut st) = policy_gradients(policy, batch, window, red, opts, dropout_stream)?;
+    world.sum_grads(&mut grads)?;
+    let (norm, scale) = clip_factor(&grads, opts.max_grad_norm)?;
+    st.lr = lr;
+    st.grad_norm = norm;
+    st.finite = st.loss.is_finite() && norm.is_finite();
+    if st.finite {
+        opt.step(&grads, lr, scale)?;
+    }
+    Ok(st)
+}
+
+/// The gradient of the GRPO loss for every parameter of `policy` (in [`Policy::vars`] order) over
+/// the micro-batches `window`, each split into forward chunks of whole groups; and the step's loss
+/// statistics. Every parameter must receive a gradient (an op without a backward is an error).
+pub fn policy_gradients<P: Policy>(
+    policy: &P,
+    batch: &TrainBatch,
+    window: &[Range<usize>],
+    red: &Reduction,
+    opts: &UpdateOptions,
+    dropout_stream: u64,
+) -> Result<(Vec<Tensor>, StepStats)> {
+    let fwd = policy.for_update(
+        mix_seed(opts.seed, dropout_stream),
+        opts.gradient_checkpointing,
+    )?;
+    let vars = policy.vars();
+    let device = vars
+        .first()
+        .map(|v| v.device().clone())
+        .unwrap_or(candle_core::Device::Cpu);
+    let mut grads: Vec<Option<Tensor>> = vec![None; vars.len()];
+    let mut st = StepStats::default();
+    let k = window.len() as f64;
+    for range in window {
+        let totals = MicroTotals {
+            rows: range.len(),
+            active_tokens: batch.active_tokens_in(range.clone()) as f64,
+        };
+        let red = Reduction {
+            micro: Some(totals),
+            ..*red
+        };
+        let rows = &batch.rows[range.clone()];
+        let prompts: Vec<&[u32]> = rows.iter().map(|r| r.prompt_ids.as_slice()).collect();
+        let comps: Vec<&[u32]> = rows.iter().map(|r| r.completion_ids.as_slice()).collect();
+        for part in forward_chunks(&prompts, &comps, opts.forward_chunk_tokens) {
+            let part = range.start + part.start..range.start + part.end;
+            let mb = batch.micro(part, &device)?;
+            let (logps, ents) = fwd.logprobs(&mb, opts.pad, opts.temperature, opts.entropy)?; // [n, Tc] f32
+            let out = grpo_loss(
+                &LossInputs {
+                    logps: &logps,
+                    old_logps: mb.old_logps.as_ref(),
+                    ref_logps: mb.ref_logps.as_ref(),
+                    advantages: &mb.advantages,
+                    mask: &mb.mask,
+                    entropies: ents.as_ref(),
+                },
+                &opts.loss,
+                &red,
+            )?;
+            // Chunk statistics are masked means; weight them by the chunk's share of the
+            // micro-batch's active tokens, and the micro-batch by 1/k.
+            let active = mb.mask.sum_all()?.to_scalar::<f32>()? as f64;
+            let w = active / totals.active_tokens.max(1.0) / k;
+            st.loss += out.loss.to_scalar::<f32>()? as f64;
+            st.policy_loss += out.policy_loss as f64;
+            st.kl += out.kl as f64 * w;
+            st.entropy += out.entropy.unwrap_or(f32::NAN) as f64 * w;
+            st.clip_low += out.clip_low as f64 * w;
+            st.clip_high += out.clip_high as f64 * w;
+            st.clip_region += out.clip_region as f64 * w;
+            st.mean_logp += (logps.detach() * &mb.mask)?.sum_all()?.to_scalar::<f32>()? as f64
+                / totals.active_tokens.max(1.0)
+                / k;
+            let mut g = out.loss.backward()?;
+            super::trace_memory("a chunk's backward");
+            // Take each gradient out of the store as it is added, so that at most one
+            // parameter's chunk gradient is alive beside the accumulators. Every stored gradient
+            // is a fresh sum made by the backward, so adding into it in place aliases nothing.
+            for (i, v) in vars.iter().enumerate() {
+                let gi = match (g.remove(v), fwd.take_chunk_grad(v)?) {
+                    (Some(a), Some(b)) => Some((a + b)?),
+                    (a, b) => a.or(b),
+                };
+                if let Some(gi) = gi {
+                    grads[i] = Some(match grads[i].take() {
+                        Some(acc) => accumulate(acc, &gi)?,
+                        None => gi,
+                    });
+                }
+            }
+        }
+    }
+    let mut all = Vec::with_capacity(grads.len());
+    for ((v, name), graph) in vars.iter().zip(policy.names()).zip(grads) {
+        all.push(match (graph, fwd.take_step_grad(v)?) {
+            (Some(a), Some(b)) => accumulate(a, &b)?,
+            (Some(a), None) | (None, Some(a)) => a,
+            (None, None) => {
+                return Err(Error::Generate(format!(
+                "invariant: parameter {name} received no gradient (a forward op without backward?)"
+            )))
+            }
+        });
+    }
+    Ok((all, st))
+}
