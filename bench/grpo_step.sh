@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GRPO step, grpo vs TRL GRPOTrainer, side by side in one run (same model, prompts, rewards,
 # 8 prompts x 4 generations x 64 tokens, beta 0.04, dapo, lr 2e-5, f32, 2 threads).
-#   bench/grpo_step.sh [STEPS [PEER_STEPS]]   # default 8 steps each; results in bench/results/grpo-step-<date>.*
+#   bench/grpo_step.sh [STEPS [PEER_STEPS]]   # default 8 steps each (PEER_STEPS 0: grpo only); results in bench/results/grpo-step-<date>.*
 # Needs ../shared/bench/peers/setup.sh once (venv, f32 SmolLM2). Run on a quiet machine.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -13,11 +13,13 @@ stamp=$(date +%Y%m%d-%H%M%S)
 res="$root/bench/results"
 mkdir -p "$res"
 cd "$root"
-cargo build --release -p grpo-cli
+# GRPO_BIN=path/to/grpo: measure that binary (e.g. an older build, for a before/after) instead.
+if [ -z "${GRPO_BIN:-}" ]; then cargo build --release -p grpo-cli; fi
+grpo_bin=${GRPO_BIN:-$root/target/release/grpo}
 data=$(mktemp --suffix=.jsonl)
 python3 "$peers/addition_task.py" $((steps * 8)) 0 > "$data"
 out=$(mktemp -d)
-/usr/bin/time -v "$root/target/release/grpo" train --config bench/configs/trl_peer.toml \
+/usr/bin/time -v "$grpo_bin" train --config bench/configs/trl_peer.toml \
     --model="$PEERS_DIR/smollm2-135m-instruct-f32" --train_file="$data" --output_dir="$out" \
     --max_steps="$steps" 2> "$res/grpo-step-$stamp.time" | tail -3
 cp "$out/metrics.jsonl" "$res/grpo-step-$stamp.metrics.jsonl"
@@ -34,7 +36,7 @@ print(json.dumps({"bench": "grpo_step", "steps": len(rows), "s_per_step_median":
                   "reward_last5": statistics.mean(r["rewards/correctness/mean"] for r in rows[-5:]),
                   "kl_last5": statistics.mean(kl[-5:]), "elapsed_s": sum(r["time/step"] for r in rows)}))
 PY
-if [ -x "$PEERS_DIR/venv/bin/python" ]; then
+if [ "$peer_steps" -gt 0 ] && [ -x "$PEERS_DIR/venv/bin/python" ]; then
   /usr/bin/time -v "$PEERS_DIR/venv/bin/python" "$peers/trl_grpo_bench.py" --steps "$peer_steps" --prompts 8 \
       --generations 4 --max-tokens 64 --seed 0 --lr 2e-5 --beta 0.04 \
       2> "$res/trl-step-$stamp.time" | tee "$res/trl-step-$stamp.jsonl" | tail -2

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 # A slow scorer program for bench/configs/slow_scorer.toml: 100 ms of waiting per completion, then
-# the last-number check (JSON lines protocol, docs/reward-protocol.md).
+# the last-number check (JSON lines protocol, docs/rewards.md (Scorer programs)).
 import json, sys, time, re
 for line in sys.stdin:
     r = json.loads(line)

@@ -7,7 +7,7 @@ completion the reference answer?
     name = "correct"
     command = ["python3", "examples/scorers/answer_scorer.py"]
 
-Protocol (docs/reward-protocol.md): grpo writes one JSON request per line on our stdin,
+Protocol (docs/rewards.md (Scorer programs)): grpo writes one JSON request per line on our stdin,
 
     {"id": 17, "prompt": "...", "completion": "...", "answer": "42", "metadata": {...}}
 

@@ -13,7 +13,7 @@ time limit, and the reward is 1.0 when what it prints equals the example's answe
     memory_mb = 2048       # RLIMIT_AS, likewise per process
     no_network = true      # the scorer and the code it runs see no network
 
-The limits come from grpo (see docs/reward-protocol.md); this scorer adds a wall-clock limit per
+The limits come from grpo (see docs/rewards.md (Scorer programs)); this scorer adds a wall-clock limit per
 program (CODE_TIMEOUT_S, default 5 s) and runs each one in its own temporary directory with
 Python's isolated mode (-I). This is containment against accidents, not a security boundary: run
 untrusted code in a container or VM as well.

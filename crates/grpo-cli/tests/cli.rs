@@ -517,3 +517,47 @@ fn report_writes_html_and_plots_and_names_a_missing_metrics_file() {
     let help = String::from_utf8_lossy(&res.stdout);
     assert!(help.contains("RUN_DIR") && help.contains("--out"), "{help}");
 }
+
+/// `grpo train` end to end from the command line on a tiny model: it trains, checkpoints, and
+/// writes the run report (the report is the binary's job, after the library's loop).
+#[test]
+fn train_writes_checkpoints_metrics_and_the_report() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    tiny_model(&model);
+    let out = tmp.path().join("run");
+    let cfg = tmp.path().join("run.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "model = \"{}\"\noutput_dir = \"{}\"\nnum_generations = 4\nper_device_train_batch_size = 8\n\
+             max_completion_length = 4\nlearning_rate = 1e-3\nmax_steps = 2\nsave_steps = 1\n\
+             save_total_limit = 1\nthreads = 2\neval_steps = 2\neval_num_prompts = 2\n\
+             [task]\ntrain_size = 16\neval_size = 4\n",
+            model.display(),
+            out.display()
+        ),
+    )
+    .unwrap();
+    let o = grpo(&["train", "--config", cfg.to_str().unwrap(), "--seed=3"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains("2 steps; last checkpoint"), "{stdout}");
+    assert!(out.join("checkpoint-2/model.safetensors").is_file());
+    assert!(
+        !out.join("checkpoint-1").exists(),
+        "save_total_limit = 1 keeps one"
+    );
+    let lines = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let steps: Vec<u64> = lines
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["step"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(steps, vec![0, 1, 2]);
+    assert!(out.join("report.html").is_file());
+    assert!(out.join("plots").join("reward.png").is_file());
+}

@@ -1,6 +1,6 @@
 //! Rewards computed by the user's own scorer: a long-lived child process that speaks JSON lines
 //! on stdin/stdout (`kind = "command"`, any language), or an HTTP endpoint (`kind = "http"`).
-//! The protocol is in `docs/reward-protocol.md`; in short, one request per completion
+//! The protocol is in `docs/rewards.md (Scorer programs)`; in short, one request per completion
 //! `{"id", "prompt", "completion", "answer", "metadata"}` and one response `{"id", "reward"}`
 //! (a number, or `null` for "cannot score"), in any order.
 //!

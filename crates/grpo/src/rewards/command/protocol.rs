@@ -1,4 +1,4 @@
-//! What scorer programs and endpoints are sent and answer (docs/reward-protocol.md), and the
+//! What scorer programs and endpoints are sent and answer (docs/rewards.md (Scorer programs)), and the
 //! bookkeeping of one `score()` call that both scorer kinds share.
 
 use std::collections::VecDeque;
