@@ -1,5 +1,6 @@
 //! The `grpo` command line. `main` maps a `Result` to an exit code and prints the error chain once.
 
+use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -81,9 +82,13 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cli.log_level));
+    // Colours only on a terminal, and not with NO_COLOR set: a log file or a pipe gets plain text.
+    let colour = std::io::stderr().is_terminal()
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(colour)
         .with_target(false)
         .init();
     let result = match cli.command {

