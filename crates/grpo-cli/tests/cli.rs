@@ -560,6 +560,7 @@ fn train_writes_checkpoints_metrics_and_the_report() {
     assert_eq!(steps, vec![0, 1, 2]);
     assert!(out.join("report.html").is_file());
     assert!(out.join("plots").join("reward.png").is_file());
+}
 
 #[test]
 fn log_lines_are_not_coloured_when_stderr_is_not_a_terminal() {
