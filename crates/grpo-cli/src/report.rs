@@ -28,6 +28,7 @@ use plotters::style::text_anchor::{HPos, Pos, VPos};
 use serde::Serialize;
 use serde_json::Value;
 
+use grpo::train::names::{self, TIME_PARTS};
 use grpo::{Error, Result};
 
 /// What [`write_report`] wrote.
@@ -221,7 +222,7 @@ impl Metrics {
     fn train_rows(&self) -> impl Iterator<Item = &Row> {
         self.rows
             .iter()
-            .filter(|r| r.values.keys().any(|k| !k.starts_with("eval/")))
+            .filter(|r| r.values.keys().any(|k| !k.starts_with(names::EVAL_PREFIX)))
     }
 
     /// The finite values of `key`, with their steps.
@@ -237,7 +238,7 @@ impl Metrics {
         self.rows.iter().rev().find(|r| {
             r.values
                 .iter()
-                .any(|(k, v)| k.starts_with("eval/") && v.is_finite())
+                .any(|(k, v)| k.starts_with(names::EVAL_PREFIX) && v.is_finite())
         })
     }
 }
@@ -274,7 +275,7 @@ impl Sample {
             completion: text("completion"),
             stop_reason: text("stop_reason"),
             rewards,
-            reward: num("reward"),
+            reward: num(names::REWARD),
             advantage: num("advantage"),
         }
     }
@@ -538,7 +539,7 @@ fn pass_at_k_keys(keys: &BTreeSet<&str>) -> Vec<(u64, String)> {
     let mut out: Vec<(u64, String)> = keys
         .iter()
         .filter_map(|k| {
-            let n = k.strip_prefix("eval/pass@")?.parse::<u64>().ok()?;
+            let n = k.strip_prefix(names::EVAL_PASS_AT)?.parse::<u64>().ok()?;
             Some((n, k.to_string()))
         })
         .collect();
@@ -562,27 +563,27 @@ fn plot_specs(m: &Metrics) -> Vec<PlotSpec> {
     let per_reward = reward_names(&keys)
         .into_iter()
         .map(|n| {
-            let band = Band::Std(format!("rewards/{n}/std"));
-            Line::new(n.clone(), format!("rewards/{n}/mean")).band(band)
+            let band = Band::Std(names::reward_std(&n));
+            Line::new(n.clone(), names::reward_mean(&n)).band(band)
         })
         .collect();
     let mut eval: Vec<Line> = pass_at_k_keys(&keys)
         .into_iter()
         .map(|(k, key)| Line::new(format!("pass@{k}"), key))
         .collect();
-    eval.push(Line::new("accuracy", "eval/accuracy").dashed());
-    eval.push(Line::new("mean accuracy", "eval/mean_accuracy").dashed());
+    eval.push(Line::new("accuracy", names::EVAL_ACCURACY).dashed());
+    eval.push(Line::new("mean accuracy", names::EVAL_MEAN_ACCURACY).dashed());
     let eval_rewards = keys
         .iter()
-        .filter_map(|k| k.strip_prefix("eval/reward/"))
-        .map(|n| Line::new(n, format!("eval/reward/{n}")))
+        .filter_map(|k| k.strip_prefix(names::EVAL_REWARD_PREFIX))
+        .map(|n| Line::new(n, format!("{}{n}", names::EVAL_REWARD_PREFIX)))
         .collect();
     vec![
         line_plot(
             "reward.png",
             "Reward (mean ± std over the step's completions)",
             "reward",
-            vec![Line::new("reward", "reward").band(Band::Std("reward_std".into()))],
+            vec![Line::new("reward", names::REWARD).band(Band::Std(names::REWARD_STD.into()))],
         ),
         line_plot(
             "rewards_per_function.png",
@@ -609,31 +610,31 @@ fn plot_specs(m: &Metrics) -> Vec<PlotSpec> {
             "kl.png",
             "KL divergence to the reference model",
             "KL",
-            vec![Line::new("KL", "kl")],
+            vec![Line::new("KL", names::KL)],
         ),
         line_plot(
             "loss.png",
             "Loss",
             "loss",
             vec![
-                Line::new("loss", "loss"),
-                Line::new("policy-gradient loss", "pg_loss"),
+                Line::new("loss", names::LOSS),
+                Line::new("policy-gradient loss", names::PG_LOSS),
             ],
         ),
         line_plot(
             "entropy.png",
             "Policy entropy (mean per token)",
             "entropy (nats)",
-            vec![Line::new("entropy", "entropy")],
+            vec![Line::new("entropy", names::ENTROPY)],
         ),
         line_plot(
             "length.png",
             "Completion length (mean, band: min to max)",
             "tokens",
             vec![
-                Line::new("mean length", "completions/mean_length").band(Band::Range(
-                    "completions/min_length".into(),
-                    "completions/max_length".into(),
+                Line::new("mean length", names::MEAN_LENGTH).band(Band::Range(
+                    names::MIN_LENGTH.into(),
+                    names::MAX_LENGTH.into(),
                 )),
             ],
         ),
@@ -642,22 +643,22 @@ fn plot_specs(m: &Metrics) -> Vec<PlotSpec> {
             "Clipped probability ratios",
             "fraction of tokens",
             vec![
-                Line::new("low", "clip_ratio/low_mean"),
-                Line::new("high", "clip_ratio/high_mean"),
-                Line::new("region", "clip_ratio/region_mean"),
+                Line::new("low", names::CLIP_LOW),
+                Line::new("high", names::CLIP_HIGH),
+                Line::new("region", names::CLIP_REGION),
             ],
         ),
         line_plot(
             "grad_norm.png",
             "Gradient norm",
             "norm",
-            vec![Line::new("gradient norm", "grad_norm")],
+            vec![Line::new("gradient norm", names::GRAD_NORM)],
         ),
         line_plot(
             "learning_rate.png",
             "Learning rate",
             "learning rate",
-            vec![Line::new("learning rate", "learning_rate")],
+            vec![Line::new("learning rate", names::LEARNING_RATE)],
         ),
         PlotSpec {
             file: "time.png",
@@ -668,9 +669,6 @@ fn plot_specs(m: &Metrics) -> Vec<PlotSpec> {
         },
     ]
 }
-
-/// The parts of `time/step` stacked in the time plot; "other" is the rest of `time/step`.
-const TIME_PARTS: [&str; 4] = ["generate", "score", "reference", "update"];
 
 impl PlotSpec {
     fn render(&self, m: &Metrics, dir: &Path) -> Result<Plot> {
@@ -1099,7 +1097,7 @@ fn time_bars(m: &Metrics) -> Vec<TimeBar> {
                 }
             }
             let sum: f64 = parts.iter().sum();
-            if let Some(total) = Metrics::get(r, "time/step") {
+            if let Some(total) = Metrics::get(r, names::TIME_STEP) {
                 parts[TIME_PARTS.len()] = (total - sum).max(0.0);
             }
             any.then_some(TimeBar {
@@ -1329,7 +1327,11 @@ impl Page<'_> {
             ),
             _ => row("training steps logged".into(), "0".into()),
         }
-        let rewards: Vec<f64> = m.values("reward").into_iter().map(|(_, v)| v).collect();
+        let rewards: Vec<f64> = m
+            .values(names::REWARD)
+            .into_iter()
+            .map(|(_, v)| v)
+            .collect();
         if !rewards.is_empty() {
             let w = (rewards.len() / 5).clamp(1, 10);
             let first = mean(&rewards[..w]);
@@ -1348,7 +1350,7 @@ impl Page<'_> {
             let mut evals: Vec<(&String, &f64)> = r
                 .values
                 .iter()
-                .filter(|(k, v)| k.starts_with("eval/") && v.is_finite())
+                .filter(|(k, v)| k.starts_with(names::EVAL_PREFIX) && v.is_finite())
                 .collect();
             evals.sort_by_key(|(k, _)| eval_order(k));
             for (k, v) in evals {
@@ -1356,16 +1358,16 @@ impl Page<'_> {
             }
         }
         let sum = |key: &str| m.values(key).iter().map(|(_, v)| v).sum::<f64>();
-        if m.has("time/step") {
+        if m.has(names::TIME_STEP) {
             row(
                 "training time (sum of time/step)".into(),
-                duration(sum("time/step")),
+                duration(sum(names::TIME_STEP)),
             );
         }
-        if m.has("time/eval") {
+        if m.has(names::TIME_EVAL) {
             row(
                 "evaluation time (sum of time/eval)".into(),
-                duration(sum("time/eval")),
+                duration(sum(names::TIME_EVAL)),
             );
         }
         let times: Vec<f64> = m.rows.iter().filter_map(|r| r.time).collect();
@@ -1466,9 +1468,12 @@ impl Page<'_> {
 
 /// Summary order of eval metrics: accuracy first, then pass@k by k, then the rest by name.
 fn eval_order(k: &str) -> (u8, u64, String) {
-    if k == "eval/accuracy" || k == "eval/mean_accuracy" {
+    if k == names::EVAL_ACCURACY || k == names::EVAL_MEAN_ACCURACY {
         (0, 0, k.to_string())
-    } else if let Some(n) = k.strip_prefix("eval/pass@").and_then(|n| n.parse().ok()) {
+    } else if let Some(n) = k
+        .strip_prefix(names::EVAL_PASS_AT)
+        .and_then(|n| n.parse().ok())
+    {
         (1, n, String::new())
     } else {
         (2, 0, k.to_string())
