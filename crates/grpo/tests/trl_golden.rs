@@ -20,7 +20,10 @@ use grpo::models::{CausalLm, Mode};
 use grpo::optim::LrSchedule;
 use grpo::optim::{clip_factor, lr_lambda, AdamW, AdamWConfig};
 use grpo::rollout::{TrainBatch, TrainRow};
-use grpo::train::{policy_gradients, update_policy, CausalLmPolicy, SingleProcess, UpdateOptions};
+use grpo::train::{
+    policy_gradients, update_policy, update_round, CausalLmPolicy, Schedule, SingleProcess,
+    StepCounter, UpdateOptions,
+};
 use serde_json::Value;
 
 fn dir() -> PathBuf {
@@ -547,4 +550,88 @@ fn the_trainers_update_equals_trl() {
             }
         }
     }
+}
+
+/// TRL's structure of a round: `num_iterations` passes over the batch, each split into optimizer
+/// steps of `gradient_accumulation_steps` micro-batches; the run's last step ends the round.
+#[test]
+fn update_round_walks_passes_and_accumulation_windows() {
+    let c = json("cases.json");
+    let m = grpo::weights::load_model(
+        &ModelSource::HfDir(dir().join("model")),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let mut names: Vec<String> = m.tensors.keys().cloned().collect();
+    names.sort();
+    let vars: Vec<Var> = names
+        .iter()
+        .map(|n| Var::from_tensor(&m.tensors[n]).unwrap())
+        .collect();
+    let policy = CausalLmPolicy {
+        cfg: m.config.clone(),
+        names: names.clone(),
+        vars: vars.clone(),
+        device: Device::Cpu,
+        lora: None,
+        base_model_name: "fixture".into(),
+    };
+    let case = &c["cases"][2]; // two iterations: old log-probs given
+    let batch = fixture_batch(&c, case, &f32s(&c["advantages"]["group"]));
+    let opts = UpdateOptions {
+        loss: loss_options(case),
+        entropy: Entropy::Detached,
+        temperature: 1.0,
+        pad: 0,
+        forward_chunk_tokens: 1024,
+        max_grad_norm: 1.0,
+        gradient_checkpointing: false,
+        seed: 0,
+        micro_batch: 2,
+        accumulation_steps: 2,
+        steps_per_generation: 4,
+        num_iterations: 2,
+        max_completion_length: 6,
+        max_consecutive_nonfinite: 3,
+    };
+    let mut opt = AdamW::new(
+        names.into_iter().zip(vars).collect(),
+        AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        },
+    )
+    .unwrap();
+    let schedule = Schedule {
+        learning_rate: 1e-3,
+        kind: LrSchedule::Linear,
+        warmup_steps: 0,
+        total_steps: 3,
+    };
+    let (mut step, mut nonfinite) = (0u64, 0usize);
+    let mut seen = vec![];
+    let stats = update_round(
+        &policy,
+        &mut opt,
+        &batch,
+        &opts,
+        &schedule,
+        StepCounter {
+            step: &mut step,
+            consecutive_nonfinite: &mut nonfinite,
+        },
+        &SingleProcess,
+        &mut |s| seen.push(s),
+    )
+    .unwrap();
+    // 4 micro-batches of 2 -> 2 steps per pass, 2 passes -> 4 steps, cut at total_steps = 3.
+    assert_eq!(seen, vec![1, 2, 3]);
+    assert_eq!((step, nonfinite, stats.len()), (3, 0, 3));
+    // The learning rate follows the schedule, step by step.
+    let lrs: Vec<f64> = stats.iter().map(|s| s.lr).collect();
+    assert_eq!(lrs, vec![1e-3, 1e-3 * 2.0 / 3.0, 1e-3 / 3.0]);
+    assert!(stats.iter().all(|s| s.finite && s.grad_norm > 0.0));
 }
