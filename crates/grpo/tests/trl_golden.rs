@@ -61,6 +61,36 @@ fn ids(v: &Value) -> Vec<Vec<u32>> {
         .collect()
 }
 
+/// Largest absolute difference between two tensors of one shape.
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+/// The fixture model's parameters as a full fine-tuning policy (names sorted, as the trainer's).
+fn fixture_policy(m: &grpo::weights::LoadedModel) -> CausalLmPolicy {
+    let mut names: Vec<String> = m.tensors.keys().cloned().collect();
+    names.sort();
+    let vars = names
+        .iter()
+        .map(|n| Var::from_tensor(&m.tensors[n]).unwrap())
+        .collect();
+    CausalLmPolicy {
+        cfg: m.config.clone(),
+        names,
+        vars,
+        device: Device::Cpu,
+        lora: None,
+        base_model_name: "fixture".into(),
+    }
+}
+
 #[test]
 fn advantages_equal_trl() {
     let c = json("cases.json");
@@ -245,15 +275,7 @@ fn loss_and_every_gradient_equal_trl() {
                 .as_ref()
                 .or_else(|| g.get(v))
                 .unwrap_or_else(|| panic!("{name}: no gradient for {k}"));
-            let want = &grads_want[&format!("{name}/{k}")];
-            let d = (got - want)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
+            let d = max_abs_diff(got, &grads_want[&format!("{name}/{k}")]);
             assert!(
                 d < 1e-5,
                 "{name}: gradient of {k} differs from TRL's by {d}"
@@ -413,22 +435,7 @@ fn the_trainers_update_equals_trl() {
         candle_core::safetensors::load(dir().join("grads.safetensors"), &Device::Cpu).unwrap();
     let lc = c["max_completion_length"].as_u64().unwrap() as usize;
     let adv = f32s(&c["advantages"]["group"]);
-    let policy = || {
-        let mut names: Vec<String> = m.tensors.keys().cloned().collect();
-        names.sort();
-        let vars = names
-            .iter()
-            .map(|n| Var::from_tensor(&m.tensors[n]).unwrap())
-            .collect();
-        CausalLmPolicy {
-            cfg: m.config.clone(),
-            names,
-            vars,
-            device: Device::Cpu,
-            lora: None,
-            base_model_name: "fixture".into(),
-        }
-    };
+    let policy = || fixture_policy(&m);
     let cases = c["cases"].as_array().unwrap();
     for case in cases {
         let name = case["name"].as_str().unwrap();
@@ -466,15 +473,7 @@ fn the_trainers_update_equals_trl() {
             st.loss
         );
         for (k, g) in p.names.iter().zip(&grads) {
-            let w = &grads_want[&format!("{name}/{k}")];
-            let d = (g - w)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
+            let d = max_abs_diff(g, &grads_want[&format!("{name}/{k}")]);
             assert!(
                 d < 1e-5,
                 "{name}: gradient of {k} differs from TRL's by {d}"
@@ -563,20 +562,7 @@ fn update_round_walks_passes_and_accumulation_windows() {
         &Device::Cpu,
     )
     .unwrap();
-    let mut names: Vec<String> = m.tensors.keys().cloned().collect();
-    names.sort();
-    let vars: Vec<Var> = names
-        .iter()
-        .map(|n| Var::from_tensor(&m.tensors[n]).unwrap())
-        .collect();
-    let policy = CausalLmPolicy {
-        cfg: m.config.clone(),
-        names: names.clone(),
-        vars: vars.clone(),
-        device: Device::Cpu,
-        lora: None,
-        base_model_name: "fixture".into(),
-    };
+    let policy = fixture_policy(&m);
     let case = &c["cases"][2]; // two iterations: old log-probs given
     let batch = fixture_batch(&c, case, &f32s(&c["advantages"]["group"]));
     let opts = UpdateOptions {
@@ -596,7 +582,12 @@ fn update_round_walks_passes_and_accumulation_windows() {
         max_consecutive_nonfinite: 3,
     };
     let mut opt = AdamW::new(
-        names.into_iter().zip(vars).collect(),
+        policy
+            .names
+            .iter()
+            .cloned()
+            .zip(policy.vars.iter().cloned())
+            .collect(),
         AdamWConfig {
             beta1: 0.9,
             beta2: 0.999,
