@@ -11,6 +11,7 @@
 //! a round logs [`metrics`]; the [`Policy`] and [`World`] traits are the seams for other kinds of
 //! policy and for data-parallel runs.
 
+mod health;
 mod metrics;
 mod policy;
 mod setup;
@@ -24,6 +25,7 @@ use std::time::Instant;
 
 use serde_json::json;
 
+pub use health::{Health, HealthKind, HealthOptions, HealthWarning};
 pub use metrics::{names, RewardMetrics, RoundTimes, StepMetrics, UpdateMetrics};
 pub use policy::{CausalLmForward, CausalLmPolicy, Policy, Reference, TrainForward};
 pub use setup::{update_options, TrainerState};
