@@ -115,11 +115,48 @@ pub fn latest_checkpoint(output_dir: &Path) -> Result<Option<PathBuf>> {
     Ok(list_checkpoints(output_dir)?.pop().map(|(_, p)| p))
 }
 
-/// Writes `checkpoint-<step>` atomically and applies `save_total_limit`.
+/// The best checkpoint a run recorded (`best_model_checkpoint` in the newest checkpoint's
+/// `trainer_state.json`, set when the run had a `metric_for_best_model`), if it still exists.
+pub fn best_checkpoint(output_dir: &Path) -> Result<Option<PathBuf>> {
+    let Some(latest) = latest_checkpoint(output_dir)? else {
+        return Ok(None);
+    };
+    let path = latest.join("trainer_state.json");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(None);
+    };
+    let state: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| Error::file(&path, format!("invalid JSON: {e}")))?;
+    Ok(state
+        .get("best_model_checkpoint")
+        .and_then(|v| v.as_str())
+        .and_then(|name| Path::new(name).file_name().map(|n| output_dir.join(n)))
+        .filter(|p| p.is_dir()))
+}
+
+/// A checkpoint given as a run directory (one holding `checkpoint-<step>` directories and no
+/// model of its own) is its best checkpoint when the run recorded one, else its newest; any
+/// other path is itself.
+pub fn resolve_run_dir(path: &Path) -> Result<PathBuf> {
+    let holds_model = path.join("config.json").is_file()
+        || path.join(crate::lora::ADAPTER_CONFIG).is_file()
+        || !path.is_dir();
+    if holds_model {
+        return Ok(path.to_path_buf());
+    }
+    match best_checkpoint(path)? {
+        Some(best) => Ok(best),
+        None => Ok(latest_checkpoint(path)?.unwrap_or_else(|| path.to_path_buf())),
+    }
+}
+
+/// Writes `checkpoint-<step>` atomically and applies `save_total_limit`, which never deletes
+/// `keep` (the best checkpoint, as HF's Trainer keeps it).
 pub fn save_checkpoint(
     output_dir: &Path,
     data: &CheckpointData,
     save_total_limit: Option<usize>,
+    keep: Option<&Path>,
 ) -> Result<PathBuf> {
     let final_dir = output_dir.join(format!("checkpoint-{}", data.step));
     let tmp = output_dir.join(format!(
@@ -189,9 +226,22 @@ pub fn save_checkpoint(
         let _ = d.sync_all();
     }
     if let Some(limit) = save_total_limit {
-        let all = list_checkpoints(output_dir)?;
-        let excess = all.len().saturating_sub(limit.max(1));
-        for (_, p) in all.into_iter().take(excess) {
+        // Oldest first, with the kept (best) checkpoint counted as the newest; a limit of 1
+        // keeps two when the best is not the one just written (HF's rule).
+        let mut all: Vec<PathBuf> = list_checkpoints(output_dir)?
+            .into_iter()
+            .map(|(_, p)| p)
+            .collect();
+        let mut limit = limit.max(1);
+        if let Some(i) = all.iter().position(|p| Some(p.as_path()) == keep) {
+            let best = all.remove(i);
+            all.push(best);
+            if limit == 1 && keep != Some(final_dir.as_path()) {
+                limit = 2;
+            }
+        }
+        let excess = all.len().saturating_sub(limit);
+        for p in all.into_iter().take(excess) {
             if p != final_dir {
                 std::fs::remove_dir_all(&p)
                     .map_err(|e| Error::file(&p, format!("cannot delete old checkpoint: {e}")))?;
@@ -361,7 +411,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(dir.path().join("junk")).unwrap();
         for s in [10, 20, 30] {
-            save_checkpoint(dir.path(), &data(s, &m.config, &t, &opt, &st), Some(2)).unwrap();
+            save_checkpoint(
+                dir.path(),
+                &data(s, &m.config, &t, &opt, &st),
+                Some(2),
+                None,
+            )
+            .unwrap();
         }
         let steps: Vec<u64> = list_checkpoints(dir.path())
             .unwrap()
@@ -380,7 +436,7 @@ mod tests {
         // model config is not): a model whose RoPE cannot be expressed fails mid-write.
         let mut bad = m.config.clone();
         bad.rope_freq_factors = Some(vec![1.0]);
-        let e = save_checkpoint(dir.path(), &data(40, &bad, &t, &opt, &st), Some(2))
+        let e = save_checkpoint(dir.path(), &data(40, &bad, &t, &opt, &st), Some(2), None)
             .unwrap_err()
             .to_string();
         assert!(
@@ -401,6 +457,7 @@ mod tests {
             dir.path(),
             &data(30, &m.config, &t, &opt, &serde_json::json!({"step": 2})),
             None,
+            None,
         )
         .unwrap();
         assert_eq!(
@@ -408,6 +465,67 @@ mod tests {
                 .unwrap()
                 .trainer_state["step"],
             2
+        );
+    }
+
+    #[test]
+    fn rotation_keeps_the_best_checkpoint() {
+        let m = load_model(
+            &ModelSource::HfDir(fixture("tiny/llama")),
+            DType::F32,
+            &Device::Cpu,
+        )
+        .unwrap();
+        let t: Vec<(String, Tensor)> = m.tensors.clone().into_iter().collect();
+        let opt = vec![];
+        let dir = tempfile::tempdir().unwrap();
+        let best = dir.path().join("checkpoint-20");
+        for s in [10, 20, 30, 40] {
+            let st = if s >= 20 {
+                serde_json::json!({"step": s, "best_model_checkpoint": best.display().to_string()})
+            } else {
+                serde_json::json!({"step": s})
+            };
+            let keep = (s >= 20).then_some(best.as_path());
+            save_checkpoint(
+                dir.path(),
+                &data(s, &m.config, &t, &opt, &st),
+                Some(2),
+                keep,
+            )
+            .unwrap();
+        }
+        let steps: Vec<u64> = list_checkpoints(dir.path())
+            .unwrap()
+            .iter()
+            .map(|x| x.0)
+            .collect();
+        assert_eq!(
+            steps,
+            vec![20, 40],
+            "the best survives; the limit still holds"
+        );
+        assert_eq!(best_checkpoint(dir.path()).unwrap(), Some(best.clone()));
+        assert_eq!(resolve_run_dir(dir.path()).unwrap(), best);
+        assert_eq!(resolve_run_dir(&best).unwrap(), best);
+        // A limit of 1 keeps the best beside the newest.
+        save_checkpoint(
+            dir.path(),
+            &data(50, &m.config, &t, &opt, &serde_json::json!({})),
+            Some(1),
+            Some(&best),
+        )
+        .unwrap();
+        let steps: Vec<u64> = list_checkpoints(dir.path())
+            .unwrap()
+            .iter()
+            .map(|x| x.0)
+            .collect();
+        assert_eq!(steps, vec![20, 50]);
+        // Without a recorded best, a run directory is its newest checkpoint.
+        assert_eq!(
+            resolve_run_dir(dir.path()).unwrap(),
+            dir.path().join("checkpoint-50")
         );
     }
 }

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::checkpoint::{write_hf_model, HfExport};
+use crate::checkpoint::{resolve_run_dir, write_hf_model, HfExport};
 use crate::hub;
 use crate::lora::{self, LoadedAdapter};
 use crate::models::{CausalLm, QuantProj, QuantType};
@@ -63,6 +63,13 @@ pub fn load_for_inference(
     dtype: DType,
     device: &Device,
 ) -> Result<(CausalLm, LoadedModel)> {
+    // A run directory stands for its best (else newest) checkpoint.
+    let resolved = match spec {
+        Some(s) if Path::new(s).is_dir() => Some(resolve_run_dir(Path::new(s))?),
+        _ => None,
+    };
+    let resolved = resolved.as_ref().map(|p| p.to_string_lossy().into_owned());
+    let spec = resolved.as_deref().or(spec);
     if let Some(dir) = spec.map(Path::new).filter(|p| lora::is_adapter_dir(p)) {
         let adapter = lora::load_peft(dir, device)?;
         let base = load_base(dir, &adapter, base_override)?;
@@ -123,6 +130,8 @@ pub fn export(
     merge: bool,
     base_override: Option<&str>,
 ) -> Result<ExportSummary> {
+    // A run directory stands for its best (else newest) checkpoint.
+    let checkpoint = &resolve_run_dir(checkpoint)?;
     if out.join("model.safetensors").exists() || out.join(lora::ADAPTER_WEIGHTS).exists() {
         return Err(Error::file(
             out,

@@ -301,6 +301,7 @@ impl<'a> Run<'a> {
                 config_toml: &self.config_toml,
             },
             self.cfg.save_total_limit,
+            None,
         )
     }
 }
