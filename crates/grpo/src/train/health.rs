@@ -235,6 +235,7 @@ mod tests {
             min_length: 1.0,
             max_length: 20.0,
             clipped_ratio: 0.0,
+            dynamic_sampling: None,
             update: Some(UpdateMetrics {
                 loss: 0.0,
                 pg_loss: 0.0,
@@ -258,6 +259,7 @@ mod tests {
             eval: acc
                 .map(|a| vec![(names::EVAL_ACCURACY.to_string(), a)])
                 .unwrap_or_default(),
+            health: vec![],
         }
     }
 

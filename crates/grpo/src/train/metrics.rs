@@ -21,6 +21,9 @@ pub mod names {
     pub const MIN_LENGTH: &str = "completions/min_length";
     pub const MAX_LENGTH: &str = "completions/max_length";
     pub const CLIPPED_RATIO: &str = "completions/clipped_ratio";
+    pub const GROUPS_SAMPLED: &str = "dynamic_sampling/groups_sampled";
+    pub const GROUPS_DROPPED: &str = "dynamic_sampling/groups_dropped";
+    pub const GROUPS_KEPT: &str = "dynamic_sampling/groups_kept";
     pub const LOSS: &str = "loss";
     pub const PG_LOSS: &str = "pg_loss";
     pub const KL: &str = "kl";
@@ -63,6 +66,10 @@ pub mod names {
     pub fn reward_time(name: &str) -> String {
         format!("time/reward/{name}")
     }
+    /// A health warning that started at this step (see [`crate::train::HealthKind`]).
+    pub fn health(kind: &str) -> String {
+        format!("health/{kind}")
+    }
     pub fn scorer(name: &str, what: &str) -> String {
         format!("scorer/{name}/{what}")
     }
@@ -102,6 +109,15 @@ pub struct UpdateMetrics {
     pub learning_rate: f64,
 }
 
+/// Dynamic sampling's groups in a round.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct DynamicSampling {
+    pub groups_sampled: usize,
+    /// Groups whose rewards all equal, left out.
+    pub groups_dropped: usize,
+    pub groups_kept: usize,
+}
+
 /// Seconds of each part of a round.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct RoundTimes {
@@ -125,6 +141,8 @@ pub struct StepMetrics {
     pub min_length: f64,
     pub max_length: f64,
     pub clipped_ratio: f64,
+    /// With dynamic sampling.
+    pub dynamic_sampling: Option<DynamicSampling>,
     /// None when the round made no optimizer step.
     pub update: Option<UpdateMetrics>,
     /// KL in the reward: the round's mean sequence KL, and the adaptive coefficient.
@@ -137,6 +155,8 @@ pub struct StepMetrics {
     /// Seconds of the evaluation after this round, and its metrics (`eval/...`).
     pub eval_seconds: Option<f64>,
     pub eval: Vec<(String, f64)>,
+    /// Health warnings that started this round (`health/<kind>` = 1 in the metrics).
+    pub health: Vec<super::health::HealthWarning>,
 }
 
 /// Mean of `xs` (0 when empty).
@@ -218,6 +238,7 @@ pub struct RoundFacts<'a> {
     pub times: RoundTimes,
     pub generated_tokens: usize,
     pub epoch: f64,
+    pub dynamic_sampling: Option<DynamicSampling>,
 }
 
 impl StepMetrics {
@@ -245,6 +266,7 @@ impl StepMetrics {
             max_length: lens.iter().cloned().fold(0.0, f64::max),
             clipped_ratio: episodes.iter().filter(|e| e.truncated()).count() as f64
                 / episodes.len() as f64,
+            dynamic_sampling: f.dynamic_sampling,
             update: f.update,
             kl_reward_seq_kl: f.kl_reward_seq_kl,
             kl_reward_coef: f.kl_reward_coef,
@@ -254,6 +276,7 @@ impl StepMetrics {
             rss_peak_gb: crate::threads::rss_gb().map(|(_, peak)| peak),
             eval_seconds: None,
             eval: vec![],
+            health: vec![],
         }
     }
 
@@ -280,6 +303,11 @@ impl StepMetrics {
         push(MIN_LENGTH, self.min_length);
         push(MAX_LENGTH, self.max_length);
         push(CLIPPED_RATIO, self.clipped_ratio);
+        if let Some(d) = &self.dynamic_sampling {
+            push(GROUPS_SAMPLED, d.groups_sampled as f64);
+            push(GROUPS_DROPPED, d.groups_dropped as f64);
+            push(GROUPS_KEPT, d.groups_kept as f64);
+        }
         if let Some(u) = &self.update {
             push(LOSS, u.loss);
             push(PG_LOSS, u.pg_loss);
@@ -313,6 +341,9 @@ impl StepMetrics {
             push(TIME_EVAL, s);
         }
         m.extend(self.eval.iter().cloned());
+        for w in &self.health {
+            m.push((health(w.kind.name()), 1.0));
+        }
         m
     }
 
@@ -371,6 +402,7 @@ mod tests {
             min_length: 4.0,
             max_length: 16.0,
             clipped_ratio: 0.125,
+            dynamic_sampling: None,
             update: update_metrics(
                 &[StepStats {
                     loss: 0.1,
@@ -393,6 +425,7 @@ mod tests {
             rss_peak_gb: None,
             eval_seconds: Some(1.0),
             eval: vec![(names::EVAL_ACCURACY.into(), 0.75)],
+            health: vec![],
         }
     }
 

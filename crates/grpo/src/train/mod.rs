@@ -14,6 +14,7 @@
 mod health;
 mod metrics;
 mod policy;
+mod round;
 mod setup;
 mod update;
 mod world;
@@ -39,8 +40,7 @@ use crate::config::TrainConfig;
 use crate::data;
 use crate::loss::{kl_reward_penalty, KlMode};
 use crate::rewards::Reward;
-use crate::rollout::{self, Episode, GroupSampler, TrainBatch};
-use crate::seeding::mix_seed;
+use crate::rollout::{Episode, TrainBatch};
 use crate::{Error, Result};
 use setup::Run;
 
@@ -85,6 +85,7 @@ fn run(cfg: &TrainConfig, ctl: &RunControl, world: &dyn World) -> Result<TrainOu
     let mut last_eval = None;
     let mut rounds_this_run = 0u64;
     let mut interrupted = false;
+    let mut health = Health::new(HealthOptions::default());
     let evaluates = cfg.eval_steps > 0 && !r.data.eval.is_empty();
     if evaluates && r.state.step == 0 {
         let ev = evaluate(&mut r, 0)?;
@@ -106,68 +107,13 @@ fn run(cfg: &TrainConfig, ctl: &RunControl, world: &dyn World) -> Result<TrainOu
 
     while r.state.step < total_steps {
         let t_round = Instant::now();
-        // 1. Rollout with the current policy; rewards that allow it score each group on a
-        //    second thread as soon as the group has finished sampling.
-        let t0 = Instant::now();
-        let sampler = r.policy.freeze(cfg.gradient_checkpointing)?;
-        let batch_idx = r.state.order.next_batch(p);
-        let prompt_ids: Vec<Vec<u32>> = batch_idx.iter().map(|&i| r.train_ids[i].clone()).collect();
-        let seeds: Vec<u64> = (0..p)
-            .map(|i| mix_seed(cfg.seed, r.state.round * p as u64 + i as u64))
-            .collect();
-        let (mut episodes, gen_stats, early) = rollout::rollout_scoring_early(
-            &sampler,
-            &r.tok,
-            &batch_idx,
-            prompt_ids,
-            &seeds,
-            g,
-            &r.sampling,
-            &r.data.train,
-            &r.data.rewards,
-            &r.early_rewards,
-        )?;
-        let t_generate = t0.elapsed().as_secs_f64() - early.wait_s;
-        trace_memory("rollout");
-
-        // 2. Old (sampling-policy) and reference log-probs, without a graph.
-        let t0 = Instant::now();
-        let pairs: Vec<(&[u32], &[u32])> = episodes
-            .iter()
-            .map(|e| (e.prompt_ids.as_slice(), e.completion_ids.as_slice()))
-            .collect();
-        let kl_in_reward = matches!(cfg.kl, KlMode::Reward { .. });
-        let chunk = cfg.forward_chunk_tokens;
-        let old_logps = match r.needs_old || kl_in_reward {
-            true => Some(sampler.sequence_logprobs(&pairs, r.pad, cfg.temperature, chunk)?),
-            false => None,
-        };
-        drop(sampler);
-        let ref_logps = r
-            .reference
-            .logprobs(&pairs, r.pad, cfg.temperature, chunk)?;
-        let t_reference = t0.elapsed().as_secs_f64();
-        trace_memory("old/reference log-probs");
-
-        // 3. Score the rest (coherence rewards read the reference's mean log-prob).
-        let t0 = Instant::now();
-        let ref_means: Option<Vec<f32>> =
-            ref_logps.as_ref().filter(|_| r.rewards_need_ref).map(|rl| {
-                rl.iter()
-                    .map(|l| l.iter().sum::<f32>() / l.len().max(1) as f32)
-                    .collect()
-            });
-        let wait_s = early.wait_s;
-        let reward_secs = rollout::score_rest(
-            &mut episodes,
-            early,
-            &r.early_rewards,
-            &r.data.train,
-            &r.data.rewards,
-            ref_means.as_deref(),
-        )?;
-        // What scoring added to the step: waiting for the early scorer, then the late rewards.
-        let t_score = wait_s + t0.elapsed().as_secs_f64();
+        // 1-3. Rollout with the current policy (rewards that allow it score each group on a
+        //      second thread as soon as it has finished), old and reference log-probs, scores;
+        //      with dynamic sampling, more prompts until P groups carry a signal.
+        let sampled = round::sample_round(&mut r)?;
+        let (episodes, old_logps, ref_logps) =
+            (&sampled.episodes, &sampled.old_logps, &sampled.ref_logps);
+        let p = episodes.len() / g;
 
         // 4. Rewards -> group-relative advantages (KL in the reward when so configured).
         let per_func: Vec<f32> = episodes
@@ -239,18 +185,23 @@ fn run(cfg: &TrainConfig, ctl: &RunControl, world: &dyn World) -> Result<TrainOu
             &episodes,
             metrics::RoundFacts {
                 adv: &adv,
-                rewards: metrics::reward_metrics(&episodes, &r.data.rewards, &reward_secs),
+                rewards: metrics::reward_metrics(episodes, &r.data.rewards, &sampled.reward_secs),
                 update: metrics::update_metrics(&steps, r.update.loss.beta),
                 kl_reward_seq_kl: kl_penalty.map(|k| k.1),
                 kl_reward_coef: r.state.adaptive_kl.as_ref().map(|a| a.coef),
                 times: RoundTimes {
-                    generate: t_generate,
-                    score: t_score,
-                    reference: t_reference,
+                    generate: sampled.t_generate,
+                    score: sampled.t_score,
+                    reference: sampled.t_reference,
                     update: t_update,
                     step: t_round.elapsed().as_secs_f64(),
                 },
-                generated_tokens: gen_stats.generated_tokens,
+                generated_tokens: sampled.generated_tokens,
+                dynamic_sampling: r.dynamic_sampling.then(|| metrics::DynamicSampling {
+                    groups_sampled: sampled.groups_sampled,
+                    groups_dropped: sampled.groups_dropped,
+                    groups_kept: p,
+                }),
                 epoch: r.state.order.epoch() as f64,
             },
         );
@@ -263,12 +214,16 @@ fn run(cfg: &TrainConfig, ctl: &RunControl, world: &dyn World) -> Result<TrainOu
             m.eval = ev.clone();
             last_eval = Some(ev);
         }
+        m.health = health.check(r.state.step, &m);
         if world.is_main()
             && cfg.logging_steps > 0
             && (r.state.step.is_multiple_of(cfg.logging_steps as u64) || at_end)
         {
             r.metrics.log(r.state.step, &m.pairs())?;
             say(&bar, m.console_line(r.state.step));
+        }
+        for w in &m.health {
+            say(&bar, format!("warning: {}", w.message));
         }
         let completions_due = r
             .state

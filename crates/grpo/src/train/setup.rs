@@ -37,6 +37,13 @@ pub struct TrainerState {
     pub order: PromptOrder,
     pub adaptive_kl: Option<AdaptiveKl>,
     pub consecutive_nonfinite: usize,
+    /// Dynamic sampling's extra passes so far (their random streams).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub extra_passes: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// A run, set up.
@@ -74,6 +81,10 @@ pub struct Run<'a> {
     pub kl_needs_ref: bool,
     /// Updates are off-policy (several steps per round): the sampling policy's log-probs are kept.
     pub needs_old: bool,
+    /// DAPO's dynamic sampling: groups without signal are replaced, for at most this many extra
+    /// sampling passes per round.
+    pub dynamic_sampling: bool,
+    pub max_extra_passes: usize,
 }
 
 impl<'a> Run<'a> {
@@ -185,6 +196,7 @@ impl<'a> Run<'a> {
             order: PromptOrder::new(data.train.len(), cfg.seed, cfg.shuffle_dataset),
             adaptive_kl: cfg.kl.adaptive_controller(),
             consecutive_nonfinite: 0,
+            extra_passes: 0,
         };
         if let Some(c) = &ckpt {
             state = serde_json::from_value(c.trainer_state.clone()).map_err(|e| {
@@ -280,6 +292,8 @@ impl<'a> Run<'a> {
             kl_needs_ref,
             needs_old: cfg.num_iterations > 1
                 || cfg.steps_per_generation > cfg.gradient_accumulation_steps,
+            dynamic_sampling: false,
+            max_extra_passes: 0,
             data,
         })
     }
