@@ -137,9 +137,9 @@ fn run(cfg: &TrainConfig, ctl: &RunControl, world: &dyn World) -> Result<TrainOu
             cfg.multi_objective_aggregation,
             &r.adv_opts,
         )?;
-        check_round_invariants(&episodes, p, g, &adv.advantages, r.adv_opts.normalize_batch)?;
+        check_round_invariants(episodes, p, g, &adv.advantages, r.adv_opts.normalize_batch)?;
         let batch = TrainBatch::from_round(
-            &episodes,
+            episodes,
             &adv.advantages,
             &|e| !(cfg.drop_zero_std_groups && adv.zero_std[e.group]),
             cfg.mask_truncated_completions,
@@ -182,7 +182,7 @@ fn run(cfg: &TrainConfig, ctl: &RunControl, world: &dyn World) -> Result<TrainOu
 
         // 6. Log (and evaluate on the held-out prompts every eval_steps).
         let mut m = StepMetrics::of_round(
-            &episodes,
+            episodes,
             metrics::RoundFacts {
                 adv: &adv,
                 rewards: metrics::reward_metrics(episodes, &r.data.rewards, &sampled.reward_secs),
@@ -197,7 +197,7 @@ fn run(cfg: &TrainConfig, ctl: &RunControl, world: &dyn World) -> Result<TrainOu
                     step: t_round.elapsed().as_secs_f64(),
                 },
                 generated_tokens: sampled.generated_tokens,
-                dynamic_sampling: r.dynamic_sampling.then(|| metrics::DynamicSampling {
+                dynamic_sampling: r.dynamic_sampling.then_some(metrics::DynamicSampling {
                     groups_sampled: sampled.groups_sampled,
                     groups_dropped: sampled.groups_dropped,
                     groups_kept: p,
@@ -231,7 +231,7 @@ fn run(cfg: &TrainConfig, ctl: &RunControl, world: &dyn World) -> Result<TrainOu
             .is_multiple_of(cfg.log_completions_steps.max(1) as u64)
             || r.state.round == 1;
         if world.is_main() && cfg.log_completions && completions_due {
-            log_completions(&mut r, &episodes, &adv.rewards, &adv.advantages, &bar)?;
+            log_completions(&mut r, episodes, &adv.rewards, &adv.advantages, &bar)?;
         }
 
         // 7. Checkpoint (every save_steps, at the end, and when asked to stop).
