@@ -57,6 +57,8 @@ pub fn write_report_to(run_dir: &Path, out_dir: &Path) -> Result<ReportSummary> 
     let samples = Samples::read(&run_dir.join("completions.jsonl"), &mut warnings)?;
     let evals = read_evals(&run_dir.join("eval"), &mut warnings)?;
     let config = read_optional(&run_dir.join("config.toml"))?;
+    let health = read_health(&run_dir.join("health.jsonl"));
+    let best = grpo::checkpoint::best_checkpoint(run_dir).ok().flatten();
 
     let plots_dir = out_dir.join("plots");
     std::fs::create_dir_all(&plots_dir)
@@ -74,6 +76,8 @@ pub fn write_report_to(run_dir: &Path, out_dir: &Path) -> Result<ReportSummary> 
         config: config.as_deref(),
         plots: &plots,
         warnings: &warnings,
+        health: &health,
+        best: best.as_deref(),
     };
     let html_path = out_dir.join("report.html");
     let html = page
@@ -1201,6 +1205,32 @@ fn mean(v: &[f64]) -> f64 {
     v.iter().sum::<f64>() / v.len() as f64
 }
 
+/// One health warning the trainer wrote (`health.jsonl`).
+#[derive(Serialize)]
+struct HealthRow {
+    step: u64,
+    message: String,
+}
+
+/// The trainer's health warnings, in order (none when the file is missing or unreadable).
+fn read_health(path: &Path) -> Vec<HealthRow> {
+    let Ok(bytes) = std::fs::read(path) else {
+        return vec![];
+    };
+    json_lines(&bytes)
+        .0
+        .into_iter()
+        .map(|(_, o)| HealthRow {
+            step: o.get("step").and_then(Value::as_u64).unwrap_or(0),
+            message: o
+                .get("message")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_string(),
+        })
+        .collect()
+}
+
 /// Everything the HTML page shows.
 struct Page<'a> {
     run_dir: &'a Path,
@@ -1210,6 +1240,9 @@ struct Page<'a> {
     config: Option<&'a str>,
     plots: &'a [Plot],
     warnings: &'a [String],
+    health: &'a [HealthRow],
+    /// The best checkpoint the run recorded (`metric_for_best_model`).
+    best: Option<&'a Path>,
 }
 
 /// What the template reads: every value is text as shown (numbers formatted, long texts cut).
@@ -1218,6 +1251,7 @@ struct PageView<'a> {
     name: String,
     run_dir: String,
     warnings: &'a [String],
+    health: &'a [HealthRow],
     summary: Vec<SummaryRow>,
     figures: Vec<Figure>,
     not_plotted: Vec<NotPlotted<'a>>,
@@ -1306,6 +1340,7 @@ impl Page<'_> {
             name,
             run_dir: self.run_dir.display().to_string(),
             warnings: self.warnings,
+            health: self.health,
             summary: self.summary(),
             figures,
             not_plotted,
@@ -1326,6 +1361,13 @@ impl Page<'_> {
                 format!("{} (steps {a} to {b})", steps.len()),
             ),
             _ => row("training steps logged".into(), "0".into()),
+        }
+        if let Some(b) = self.best {
+            row(
+                "best checkpoint".into(),
+                b.file_name()
+                    .map_or_else(String::new, |n| n.to_string_lossy().into_owned()),
+            );
         }
         let rewards: Vec<f64> = m
             .values(names::REWARD)
@@ -1892,5 +1934,34 @@ mod tests {
         assert_eq!(duration(345.0), "5m 45s");
         assert_eq!(duration(3725.0), "1h 02m 05s");
         assert_eq!(num(f64::NAN), "–");
+    }
+
+    #[test]
+    fn health_warnings_and_the_best_checkpoint_are_shown() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("metrics.jsonl"),
+            "{\"step\":1,\"reward\":1.0}\n{\"step\":2,\"reward\":1.0,\"health/low_entropy\":1.0}\n",
+        )
+        .unwrap();
+        let row = serde_json::json!({"step": 2, "kind": "low_entropy", "message": "entropy 0.010 is below 0.05"});
+        std::fs::write(dir.path().join("health.jsonl"), format!("{row}\n")).unwrap();
+        for step in [1, 2] {
+            let ckpt = dir.path().join(format!("checkpoint-{step}"));
+            std::fs::create_dir(&ckpt).unwrap();
+            let best = dir.path().join("checkpoint-1").display().to_string();
+            let st = serde_json::json!({"step": step, "best_model_checkpoint": best});
+            std::fs::write(ckpt.join("trainer_state.json"), st.to_string()).unwrap();
+        }
+        let html = std::fs::read_to_string(write_report(dir.path()).unwrap().html).unwrap();
+        assert!(html.contains("<h2>Health warnings</h2>"), "{html}");
+        assert!(
+            html.contains("step 2: entropy 0.010 is below 0.05"),
+            "{html}"
+        );
+        assert!(
+            html.contains("<tr><th>best checkpoint</th><td class=\"n\">checkpoint-1</td></tr>"),
+            "{html}"
+        );
     }
 }

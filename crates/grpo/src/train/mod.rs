@@ -222,8 +222,10 @@ fn run(cfg: &TrainConfig, ctl: &RunControl, world: &dyn World) -> Result<TrainOu
             r.metrics.log(r.state.step, &m.pairs())?;
             say(&bar, m.console_line(r.state.step));
         }
-        for w in &m.health {
+        for w in m.health.iter().filter(|_| world.is_main()) {
             say(&bar, format!("warning: {}", w.message));
+            let row = json!({"step": w.step, "kind": w.kind.name(), "message": w.message});
+            r.metrics.log_json("health.jsonl", &row)?;
         }
         let completions_due = r
             .state
