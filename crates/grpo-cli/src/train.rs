@@ -56,6 +56,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
         Ok(r) => tracing::info!("report: {}", r.html.display()),
         Err(e) => tracing::warn!("no run report: {e}"),
     }
+    if let Some(dir) = &outcome.best_checkpoint {
+        println!("best checkpoint: {}", dir.display());
+    }
     if let Some(dir) = &outcome.last_checkpoint {
         println!(
             "{} steps; last checkpoint: {}",

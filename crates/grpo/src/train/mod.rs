@@ -29,7 +29,7 @@ use serde_json::json;
 pub use health::{Health, HealthKind, HealthOptions, HealthWarning};
 pub use metrics::{names, RewardMetrics, RoundTimes, StepMetrics, UpdateMetrics};
 pub use policy::{CausalLmForward, CausalLmPolicy, Policy, Reference, TrainForward};
-pub use setup::{update_options, TrainerState};
+pub use setup::{update_options, BestModel, TrainerState};
 pub use update::{
     policy_gradients, update_policy, update_round, Schedule, StepCounter, StepStats, UpdateOptions,
 };
@@ -61,6 +61,8 @@ pub struct TrainOutcome {
     /// Optimizer steps done in total (including before a resume).
     pub steps: u64,
     pub last_checkpoint: Option<PathBuf>,
+    /// The best checkpoint by `metric_for_best_model`, when the run has one.
+    pub best_checkpoint: Option<PathBuf>,
     pub interrupted: bool,
     /// The last eval metrics, if any eval ran.
     pub last_eval: Option<Vec<(String, f64)>>,
@@ -244,7 +246,9 @@ fn run(cfg: &TrainConfig, ctl: &RunControl, world: &dyn World) -> Result<TrainOu
         let periodic =
             cfg.save_steps > 0 && crossed(r.state.step, r.updates_per_round, cfg.save_steps as u64);
         if world.is_main() && (periodic || at_end || stop_now) {
-            let dir = r.save()?;
+            // metric_for_best_model: this checkpoint is the best when this round's eval is.
+            let new_best = r.best.as_ref().and_then(|b| b.improved_by(&m, &r.state));
+            let dir = r.save(new_best)?;
             say(&bar, format!("saved {}", dir.display()));
             last_ckpt = Some(dir);
         }
@@ -254,9 +258,20 @@ fn run(cfg: &TrainConfig, ctl: &RunControl, world: &dyn World) -> Result<TrainOu
         }
     }
     bar.finish_and_clear();
+    let best_checkpoint = r.state.best_model_checkpoint.as_ref().map(PathBuf::from);
+    if let (Some(b), Some(dir)) = (&r.best, &best_checkpoint) {
+        tracing::info!(
+            "best checkpoint: {} ({} = {:.4} at step {})",
+            dir.display(),
+            b.metric,
+            r.state.best_metric.unwrap_or(f64::NAN),
+            r.state.best_global_step.unwrap_or(0)
+        );
+    }
     Ok(TrainOutcome {
         steps: r.state.step,
         last_checkpoint: last_ckpt,
+        best_checkpoint,
         interrupted,
         last_eval,
     })

@@ -40,6 +40,39 @@ pub struct TrainerState {
     /// Dynamic sampling's extra passes so far (their random streams).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub extra_passes: u64,
+    /// `metric_for_best_model`: the best value so far, its step and checkpoint (HF's names).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub best_metric: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub best_global_step: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub best_model_checkpoint: Option<String>,
+}
+
+/// Which checkpoint is the best (`metric_for_best_model`, `greater_is_better`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct BestModel {
+    /// A metric the round logs, e.g. `eval/accuracy`.
+    pub metric: String,
+    pub greater_is_better: bool,
+}
+
+impl BestModel {
+    /// This round's value of the metric when it beats the best so far.
+    pub fn improved_by(&self, m: &super::StepMetrics, state: &TrainerState) -> Option<f64> {
+        let v = m
+            .pairs()
+            .into_iter()
+            .find(|(k, _)| *k == self.metric)
+            .map(|x| x.1)
+            .filter(|v| v.is_finite())?;
+        let better = match state.best_metric {
+            None => true,
+            Some(b) if self.greater_is_better => v > b,
+            Some(b) => v < b,
+        };
+        better.then_some(v)
+    }
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -85,6 +118,8 @@ pub struct Run<'a> {
     /// sampling passes per round.
     pub dynamic_sampling: bool,
     pub max_extra_passes: usize,
+    /// `metric_for_best_model`: the best checkpoint is recorded and kept.
+    pub best: Option<BestModel>,
 }
 
 impl<'a> Run<'a> {
@@ -197,6 +232,9 @@ impl<'a> Run<'a> {
             adaptive_kl: cfg.kl.adaptive_controller(),
             consecutive_nonfinite: 0,
             extra_passes: 0,
+            best_metric: None,
+            best_global_step: None,
+            best_model_checkpoint: None,
         };
         if let Some(c) = &ckpt {
             state = serde_json::from_value(c.trainer_state.clone()).map_err(|e| {
@@ -294,13 +332,25 @@ impl<'a> Run<'a> {
                 || cfg.steps_per_generation > cfg.gradient_accumulation_steps,
             dynamic_sampling: false,
             max_extra_passes: 0,
+            best: None,
             data,
         })
     }
 
     /// Writes a checkpoint of the current step (weights or adapters, optimizer moments, trainer
-    /// state, config) atomically; rotates old ones as `save_total_limit` says.
-    pub fn save(&self) -> Result<PathBuf> {
+    /// state, config) atomically; rotates old ones as `save_total_limit` says, keeping the best.
+    /// `new_best`: this step's value of `metric_for_best_model`, when it is the best so far.
+    pub fn save(&mut self, new_best: Option<f64>) -> Result<PathBuf> {
+        if let Some(v) = new_best {
+            let dir = self
+                .cfg
+                .output_dir
+                .join(format!("checkpoint-{}", self.state.step));
+            self.state.best_metric = Some(v);
+            self.state.best_global_step = Some(self.state.step);
+            self.state.best_model_checkpoint = Some(dir.display().to_string());
+        }
+        let keep = self.state.best_model_checkpoint.as_ref().map(PathBuf::from);
         let tensors = self.policy.named_tensors();
         let optimizer = self.opt.state_tensors()?;
         let trainer_state = serde_json::to_value(&self.state)
@@ -315,7 +365,7 @@ impl<'a> Run<'a> {
                 config_toml: &self.config_toml,
             },
             self.cfg.save_total_limit,
-            None,
+            keep.as_deref(),
         )
     }
 }
