@@ -1317,6 +1317,77 @@ lora_target_modules: [q_proj, k_proj]
         assert_eq!(c2.rewards.len(), 1);
     }
 
+    /// The configs whose `to_toml()` is pinned byte for byte (it is each checkpoint's
+    /// config.toml): (name, input text, format, overrides).
+    fn golden_cases() -> Vec<(&'static str, &'static str, Format, Vec<String>)> {
+        let o = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        vec![
+            ("default", DEFAULT_CONFIG, Format::Toml, vec![]),
+            (
+                "trl",
+                include_str!("../testdata/to_toml/trl.yaml"),
+                Format::Yaml,
+                vec![],
+            ),
+            (
+                "rewards",
+                include_str!("../testdata/to_toml/rewards.toml"),
+                Format::Toml,
+                vec![],
+            ),
+            (
+                "lora",
+                include_str!("../testdata/to_toml/lora.toml"),
+                Format::Toml,
+                o(&["--lora.dropout=0.1"]),
+            ),
+            (
+                "overrides",
+                DEFAULT_CONFIG,
+                Format::Toml,
+                o(&[
+                    "--num_generations=4",
+                    "--stop=###,END",
+                    "--eval_k=1,4",
+                    "--eval_num_samples=4",
+                    "--task.ops=+,-",
+                    "--lora_r=4",
+                    "--max_steps=-1",
+                    "--threads=2",
+                    "--model_name_or_path=/models/x",
+                    "--learning_rate=5e-6",
+                    "--temperature=\"0.7\"",
+                    "--report_to=jsonl,tensorboard",
+                    "--reward_weights=[1.0, 0.5]",
+                    "--generation_batch_size=128",
+                    "--gradient_accumulation_steps=2",
+                    "--use_vllm=true",
+                    "--system_prompt=Be brief.",
+                ]),
+            ),
+        ]
+    }
+
+    /// `to_toml()` is written into every checkpoint: the same input must give the same bytes.
+    #[test]
+    fn to_toml_is_pinned_byte_for_byte() {
+        let expected = [
+            include_str!("../testdata/to_toml/default.expected.toml"),
+            include_str!("../testdata/to_toml/trl.expected.toml"),
+            include_str!("../testdata/to_toml/rewards.expected.toml"),
+            include_str!("../testdata/to_toml/lora.expected.toml"),
+            include_str!("../testdata/to_toml/overrides.expected.toml"),
+        ];
+        for ((name, text, f, o), want) in golden_cases().into_iter().zip(expected) {
+            let c = TrainConfig::from_str(text, f, name, &o).unwrap();
+            let got = c.to_toml();
+            assert!(got == want, "{name}: to_toml changed:\n{got}");
+            // And it loads back to the same config.
+            let c2 = TrainConfig::from_str(&got, Format::Toml, name, &[]).unwrap();
+            assert_eq!(c2.to_toml(), got, "{name}");
+        }
+    }
+
     #[test]
     fn embedded_default_is_valid() {
         let c = TrainConfig::load(None, &[]).unwrap();
