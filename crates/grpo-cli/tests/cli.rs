@@ -190,6 +190,54 @@ fn config_print_lists_every_key_and_bad_configs_name_the_key() {
     assert!(stderr(&o).contains("missing.toml"), "{}", stderr(&o));
 }
 
+/// A reward table is checked when the config is read: `grpo config --resolve` names the bad
+/// reward without loading a model.
+#[test]
+fn config_resolve_checks_the_reward_tables() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("run.toml");
+    let c = cfg.to_str().unwrap();
+    std::fs::write(
+        &cfg,
+        "[[rewards]]\nkind = \"answer_match\"\n[[rewards]]\nkind = \"fromat\"\npattern = \"x\"\n",
+    )
+    .unwrap();
+    let o = grpo(&["config", "--resolve", "--config", c]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(
+        e.contains("rewards[1].kind") && e.contains("did you mean `format`"),
+        "{e}"
+    );
+    std::fs::write(
+        &cfg,
+        "[[rewards]]\nkind = \"command\"\ncommand = \"python3 score.py\"\ntimeout = 5\n",
+    )
+    .unwrap();
+    let o = grpo(&["config", "--resolve", "--config", c]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(
+        e.contains("rewards[0].timeout") && e.contains("did you mean `timeout_s`"),
+        "{e}"
+    );
+    // A good table resolves (nothing is started) and is printed as given.
+    std::fs::write(
+        &cfg,
+        "[[rewards]]\nkind = \"command\"\ncommand = \"no-such-scorer\"\ntimeout_s = 5\n",
+    )
+    .unwrap();
+    let o = grpo(&["config", "--resolve", "--config", c]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains(
+            "[[rewards]]\ncommand = \"no-such-scorer\"\nkind = \"command\"\ntimeout_s = 5\n"
+        ),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+}
+
 #[test]
 fn rewards_check_prints_a_table_and_json() {
     let dir = tempfile::tempdir().unwrap();
