@@ -160,6 +160,22 @@ fn config_print_lists_every_key_and_bad_configs_name_the_key() {
     ] {
         assert!(out.contains(key), "{key} missing from:\n{out}");
     }
+    // report_to and gradient_checkpointing are real keys, not in the list of ignored ones.
+    let ignored = out
+        .split("ignored with a warning:")
+        .nth(1)
+        .expect("the ignored keys are listed");
+    assert!(
+        ignored.contains("bf16") && ignored.contains("use_vllm"),
+        "{out}"
+    );
+    for real in ["report_to", "gradient_checkpointing", "device"] {
+        assert!(!ignored.contains(&format!(" {real},")), "{real} in:\n{out}");
+        assert!(
+            out.contains(&format!("\n  {real} ")),
+            "{real} missing from:\n{out}"
+        );
+    }
     let o = grpo(&[
         "config",
         "--resolve",
@@ -168,6 +184,7 @@ fn config_print_lists_every_key_and_bad_configs_name_the_key() {
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(String::from_utf8_lossy(&o.stdout).contains("num_generations = 4"));
+    assert!(!String::from_utf8_lossy(&o.stdout).contains("\ndevice"));
 
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("run.toml");
