@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::Args;
 
-use grpo::config::{reference, TrainConfig};
+use grpo::config::{ignored_trl_keys, reference, TrainConfig};
 
 #[derive(Args, Debug)]
 pub struct ConfigArgs {
@@ -54,6 +54,51 @@ pub fn run(a: ConfigArgs) -> Result<()> {
             k.key, default, k.help, k.kind
         );
     }
-    println!("\nTRL/HF keys such as bf16, report_to, gradient_checkpointing or use_vllm are accepted and ignored with a warning.");
+    println!("\n{}", ignored_note());
     Ok(())
+}
+
+/// The TRL/HF keys accepted and ignored with a warning, from the list the config uses (a
+/// hand-written sentence here once named `report_to` and `gradient_checkpointing` long after
+/// they became real keys).
+fn ignored_note() -> String {
+    let mut out =
+        String::from("TRL/HF keys that do not apply here are accepted and ignored with a warning:");
+    let mut line = String::new();
+    for k in ignored_trl_keys().iter().copied().chain(["vllm_*"]) {
+        if !line.is_empty() && line.len() + k.len() + 2 > 96 {
+            out.push_str(&format!("\n {line},"));
+            line.clear();
+        }
+        if !line.is_empty() {
+            line.push_str(", ");
+        }
+        line.push_str(k);
+    }
+    out.push_str(&format!("\n {line}."));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_ignored_note_lists_exactly_the_ignored_keys() {
+        let note = ignored_note();
+        let listed: Vec<&str> = note
+            .split_once(':')
+            .map_or("", |(_, l)| l)
+            .split([',', '.', '\n', ' '])
+            .filter(|w| !w.is_empty())
+            .collect();
+        assert!(
+            listed.contains(&"bf16") && listed.contains(&"use_vllm"),
+            "{note}"
+        );
+        for k in reference() {
+            assert!(!listed.contains(&k.key), "{} is a real key: {note}", k.key);
+        }
+        assert_eq!(listed.len(), ignored_trl_keys().len() + 1, "{note}");
+    }
 }

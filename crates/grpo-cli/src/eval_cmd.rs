@@ -142,7 +142,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
         cfg.answer_field = f.clone();
     }
     // Length rewards default to the completion budget.
-    cfg.max_completion_length = opts.sampling.max_new_tokens;
+    cfg.set_max_completion_length(opts.sampling.max_new_tokens)?;
     let examples = match &a.data {
         Some(p) => grpo::inputs::load_examples(&cfg, p)?,
         None => grpo::inputs::held_out_examples(&cfg)?,

@@ -13,7 +13,8 @@ use serde_json::Value;
 
 use grpo::config::TrainConfig;
 use grpo::data::{self, DataFields, Example};
-use grpo::rewards::{parse_rewards, score_all, Reward, RewardContext, ScoreItem};
+use grpo::inputs;
+use grpo::rewards::{score_all, Reward, ScoreItem};
 use grpo::{hub, Error, Result};
 
 /// One scored sample.
@@ -38,21 +39,15 @@ pub struct CheckReport {
     pub secs: Vec<f64>,
 }
 
-/// Loads the config's rewards (or the built-in task's when it has none) and scores `samples`.
+/// Builds the config's rewards (or the built-in task's when it has none) as training does
+/// ([`grpo::inputs`]) and scores `samples`.
 pub fn check_samples(cfg: &TrainConfig, samples: &Path) -> Result<CheckReport> {
-    let rewards: Vec<Reward> = if cfg.rewards.is_empty() {
-        grpo::rewards::builtin_task_rewards()
-    } else {
-        let ctx = RewardContext {
-            max_completion_length: cfg.max_completion_length,
-            device: candle_core::Device::Cpu,
-        };
-        parse_rewards(&cfg.rewards, &ctx)?
-    };
+    let rewards = inputs::config_rewards(cfg, &candle_core::Device::Cpu)?;
+    let weights = inputs::reward_weights(cfg, &rewards)?;
+    // The config's fields, but every sample must be scored: no skipped rows.
     let fields = DataFields {
-        prompt_field: cfg.prompt_field.clone(),
-        answer_field: cfg.answer_field.clone(),
         skip_bad_rows: false,
+        ..inputs::data_fields(cfg)
     };
     let mut examples = data::load_examples(samples, &fields)?.examples;
     if examples.is_empty() {
@@ -127,16 +122,6 @@ pub fn check_samples(cfg: &TrainConfig, samples: &Path) -> Result<CheckReport> {
         })
         .collect();
     let (scores, secs) = score_all(&rewards, &items)?;
-    let weights: Vec<f32> = match &cfg.reward_weights {
-        Some(w) if w.len() == rewards.len() => w.iter().map(|&x| x as f32).collect(),
-        Some(w) => {
-            return Err(Error::config(
-                "reward_weights",
-                format!("{} weights for {} reward functions", w.len(), rewards.len()),
-            ))
-        }
-        None => rewards.iter().map(|r| r.weight).collect(),
-    };
     let rows = examples
         .iter()
         .zip(completions)

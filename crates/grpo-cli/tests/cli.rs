@@ -160,6 +160,22 @@ fn config_print_lists_every_key_and_bad_configs_name_the_key() {
     ] {
         assert!(out.contains(key), "{key} missing from:\n{out}");
     }
+    // report_to and gradient_checkpointing are real keys, not in the list of ignored ones.
+    let ignored = out
+        .split("ignored with a warning:")
+        .nth(1)
+        .expect("the ignored keys are listed");
+    assert!(
+        ignored.contains("bf16") && ignored.contains("use_vllm"),
+        "{out}"
+    );
+    for real in ["report_to", "gradient_checkpointing", "device"] {
+        assert!(!ignored.contains(&format!(" {real},")), "{real} in:\n{out}");
+        assert!(
+            out.contains(&format!("\n  {real} ")),
+            "{real} missing from:\n{out}"
+        );
+    }
     let o = grpo(&[
         "config",
         "--resolve",
@@ -168,6 +184,7 @@ fn config_print_lists_every_key_and_bad_configs_name_the_key() {
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(String::from_utf8_lossy(&o.stdout).contains("num_generations = 4"));
+    assert!(!String::from_utf8_lossy(&o.stdout).contains("\ndevice"));
 
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("run.toml");
@@ -188,6 +205,54 @@ fn config_print_lists_every_key_and_bad_configs_name_the_key() {
         dir.path().join("missing.toml").to_str().unwrap(),
     ]);
     assert!(stderr(&o).contains("missing.toml"), "{}", stderr(&o));
+}
+
+/// A reward table is checked when the config is read: `grpo config --resolve` names the bad
+/// reward without loading a model.
+#[test]
+fn config_resolve_checks_the_reward_tables() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("run.toml");
+    let c = cfg.to_str().unwrap();
+    std::fs::write(
+        &cfg,
+        "[[rewards]]\nkind = \"answer_match\"\n[[rewards]]\nkind = \"fromat\"\npattern = \"x\"\n",
+    )
+    .unwrap();
+    let o = grpo(&["config", "--resolve", "--config", c]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(
+        e.contains("rewards[1].kind") && e.contains("did you mean `format`"),
+        "{e}"
+    );
+    std::fs::write(
+        &cfg,
+        "[[rewards]]\nkind = \"command\"\ncommand = \"python3 score.py\"\ntimeout = 5\n",
+    )
+    .unwrap();
+    let o = grpo(&["config", "--resolve", "--config", c]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(
+        e.contains("rewards[0].timeout") && e.contains("did you mean `timeout_s`"),
+        "{e}"
+    );
+    // A good table resolves (nothing is started) and is printed as given.
+    std::fs::write(
+        &cfg,
+        "[[rewards]]\nkind = \"command\"\ncommand = \"no-such-scorer\"\ntimeout_s = 5\n",
+    )
+    .unwrap();
+    let o = grpo(&["config", "--resolve", "--config", c]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains(
+            "[[rewards]]\ncommand = \"no-such-scorer\"\nkind = \"command\"\ntimeout_s = 5\n"
+        ),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
 }
 
 #[test]

@@ -3,25 +3,33 @@
 //!
 //! Option names follow TRL's `GRPOConfig` (and HF `TrainingArguments`) where TRL has the option,
 //! so the GRPO keys of a TRL YAML config work as they are. Keys TRL/HF have that do not apply here
-//! (`bf16`-style switches we resolve differently, `report_to` values we lack, distributed settings)
-//! are accepted and listed in [`TrainConfig::ignored_keys`]; any other unknown key is an error that
-//! suggests the nearest known one.
+//! (`bf16`-style switches we resolve differently, vLLM and distributed settings, hub uploads) are
+//! accepted and listed in [`TrainConfig::ignored_keys`] ([`ignored_trl_keys`] lists them all); any
+//! other unknown key is an error that suggests the nearest known one.
 //!
-//! Resolution: every known key starts at its default (the table in [`reference`]), the file's
-//! values replace defaults, overrides replace both. Then one function converts and checks each
-//! value (errors name the key and the expected type) and the cross-field rules.
+//! Every key is declared once, in the `config_keys!` table: its name, Rust type, default, help
+//! and section. The table gives [`reference`] (`grpo config --print`) and a raw struct with one
+//! typed field per key. Resolution: every key starts at its default, the file's values replace
+//! defaults, overrides replace both; the merged values are read into the raw struct (errors name
+//! the key and the expected type), and `TrainConfig::validate` checks the rules, cross-field ones
+//! included, and resolves the variants. The `[[rewards]]` tables are parsed into
+//! [`RewardSpec`]s at the same time, so a reward typo fails here, not after the model loaded.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use candle_core::Device;
 use serde_json::Value;
 
 use crate::advantages::{RewardAggregation, ScaleRewards};
 use crate::error::nearest;
 use crate::eval::EvalOptions;
 use crate::loss::{AdaptiveKlCfg, IsLevel, KlMode, LossType};
+use crate::models::QuantType;
 use crate::named::Named;
 use crate::optim::LrSchedule;
+use crate::rewards::RewardSpec;
 use crate::sampler::SamplingParams;
 use crate::{Error, Result};
 
@@ -38,6 +46,70 @@ pub enum Format {
 pub enum DTypeOpt {
     F32,
     Bf16,
+}
+
+/// Where training runs (`device`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceSpec {
+    #[default]
+    Cpu,
+    /// A CUDA GPU by ordinal (`cuda` is `cuda:0`).
+    Cuda(usize),
+}
+
+impl DeviceSpec {
+    /// The candle device; an error naming the `device` key when this build has no CUDA or the
+    /// GPU cannot be opened.
+    pub fn device(&self) -> Result<Device> {
+        match *self {
+            DeviceSpec::Cpu => Ok(Device::Cpu),
+            DeviceSpec::Cuda(n) => {
+                if !candle_core::utils::cuda_is_available() {
+                    return Err(Error::config(
+                        "device",
+                        format!(
+                            "`{self}`: this grpo was built without CUDA; rebuild with \
+                             `--features cuda`, or set device = \"cpu\""
+                        ),
+                    ));
+                }
+                Device::new_cuda(n).map_err(|e| {
+                    Error::config(
+                        "device",
+                        format!(
+                            "`{self}` is not available ({e}); set device to a GPU this machine \
+                             has, or to \"cpu\""
+                        ),
+                    )
+                })
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceSpec::Cpu => write!(f, "cpu"),
+            DeviceSpec::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl std::str::FromStr for DeviceSpec {
+    type Err = String;
+    /// `cpu`, `cuda` (GPU 0) or `cuda:N`.
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let bad = || format!("`{s}` is not a device: use cpu, cuda or cuda:N");
+        match s {
+            "cpu" => Ok(DeviceSpec::Cpu),
+            "cuda" => Ok(DeviceSpec::Cuda(0)),
+            _ => match s.strip_prefix("cuda:") {
+                Some(n) => n.parse().map(DeviceSpec::Cuda).map_err(|_| bad()),
+                None => Err(bad()),
+            },
+        }
+    }
 }
 
 /// The built-in arithmetic task (`[task]`).
@@ -74,6 +146,7 @@ pub struct TrainConfig {
     pub output_dir: PathBuf,
     pub seed: u64,
     pub threads: Option<usize>,
+    pub device: DeviceSpec,
     pub max_steps: Option<u64>,
     pub num_train_epochs: f64,
     // data
@@ -86,7 +159,9 @@ pub struct TrainConfig {
     pub skip_bad_rows: bool,
     pub max_prompt_length: Option<usize>,
     pub task: TaskConfig,
-    pub rewards: Vec<Value>,
+    /// The `[[rewards]]` tables, parsed and checked (built into rewards by
+    /// [`crate::inputs::config_rewards`]); empty: the built-in task's rewards.
+    pub rewards: Vec<RewardSpec>,
     pub reward_weights: Option<Vec<f64>>,
     // generation
     pub num_generations: usize,
@@ -156,12 +231,13 @@ pub struct TrainConfig {
     /// the architecture's default (see [`crate::lora::default_targets`]).
     pub lora: Option<crate::lora::LoraConfig>,
     /// QLoRA: keep the frozen base's projections quantized.
-    pub base_quantization: Option<crate::models::QuantType>,
+    pub base_quantization: Option<QuantType>,
     /// Recompute each block's activations in the backward instead of keeping them.
     pub gradient_checkpointing: bool,
     /// TRL/HF keys that were given and are ignored here.
     pub ignored_keys: Vec<String>,
-    /// The merged values of every key, for [`Self::to_toml`].
+    /// The merged values of every key (and the `[[rewards]]` tables as given), for
+    /// [`Self::to_toml`].
     resolved: BTreeMap<String, Value>,
 }
 
@@ -169,122 +245,539 @@ pub struct TrainConfig {
 #[derive(Debug, Clone)]
 pub struct KeyDoc {
     pub key: &'static str,
-    pub kind: &'static str,
+    /// The accepted values: `int`, `list of string`, `grpo|bnpo|dr_grpo|dapo`, ...
+    pub kind: String,
     /// Default as TOML text; empty = unset.
     pub default: &'static str,
     pub help: &'static str,
     pub section: &'static str,
 }
 
-macro_rules! keys {
-    ($( $section:literal { $( $key:literal : $kind:literal = $default:literal , $help:literal ;)* } )*) => {
-        &[ $( $( KeyDoc { key: $key, kind: $kind, default: $default, help: $help, section: $section }, )* )* ]
-    };
+// ---------------------------------------------------------------------------------------------
+// Reading one value
+
+/// A type a key's merged value is read as (`None`: unset, or null). Errors name the key and what
+/// was expected; the conversions are lenient where the command line needs it (a float given as a
+/// string, a comma-separated list, -1 for an unset optional integer).
+trait FromValue: Sized {
+    /// What the key accepts, for `grpo config --print`.
+    fn kind() -> Cow<'static, str>;
+    fn from_value(key: &str, v: Option<&Value>) -> Result<Self>;
 }
 
-/// Every key, its type, its default and what it does.
-const KEYS: &[KeyDoc] = keys! {
+fn type_err(key: &str, want: &str, got: &Value) -> Error {
+    Error::config(key, format!("expected {want}, got {got}"))
+}
+
+fn required<T>(key: &str, v: Option<T>) -> Result<T> {
+    v.ok_or_else(|| Error::config(key, "is required"))
+}
+
+impl FromValue for Option<f64> {
+    fn kind() -> Cow<'static, str> {
+        "float".into()
+    }
+    fn from_value(key: &str, v: Option<&Value>) -> Result<Self> {
+        match v {
+            None => Ok(None),
+            Some(Value::Number(n)) => Ok(n.as_f64()),
+            Some(Value::String(s)) => s
+                .parse()
+                .map(Some)
+                .map_err(|_| type_err(key, "a number", &Value::String(s.clone()))),
+            Some(v) => Err(type_err(key, "a number", v)),
+        }
+    }
+}
+
+impl FromValue for f64 {
+    fn kind() -> Cow<'static, str> {
+        "float".into()
+    }
+    fn from_value(key: &str, v: Option<&Value>) -> Result<Self> {
+        required(key, Option::<f64>::from_value(key, v)?)
+    }
+}
+
+impl FromValue for Option<i64> {
+    fn kind() -> Cow<'static, str> {
+        "int".into()
+    }
+    fn from_value(key: &str, v: Option<&Value>) -> Result<Self> {
+        match v {
+            None => Ok(None),
+            Some(Value::Number(n)) => n
+                .as_i64()
+                .or_else(|| n.as_f64().filter(|f| f.fract() == 0.0).map(|f| f as i64))
+                .map(Some)
+                .ok_or_else(|| type_err(key, "an integer", &Value::Number(n.clone()))),
+            Some(v) => Err(type_err(key, "an integer", v)),
+        }
+    }
+}
+
+impl FromValue for i64 {
+    fn kind() -> Cow<'static, str> {
+        "int".into()
+    }
+    fn from_value(key: &str, v: Option<&Value>) -> Result<Self> {
+        required(key, Option::<i64>::from_value(key, v)?)
+    }
+}
+
+/// A non-negative integer; -1 means unset.
+impl FromValue for Option<usize> {
+    fn kind() -> Cow<'static, str> {
+        "int".into()
+    }
+    fn from_value(key: &str, v: Option<&Value>) -> Result<Self> {
+        match Option::<i64>::from_value(key, v)? {
+            None | Some(-1) => Ok(None),
+            Some(n) if n < 0 => Err(Error::config(key, format!("must be >= 0, got {n}"))),
+            Some(n) => Ok(Some(n as usize)),
+        }
+    }
+}
+
+impl FromValue for usize {
+    fn kind() -> Cow<'static, str> {
+        "int".into()
+    }
+    fn from_value(key: &str, v: Option<&Value>) -> Result<Self> {
+        Option::<usize>::from_value(key, v)?
+            .ok_or_else(|| Error::config(key, "must be a non-negative integer"))
+    }
+}
+
+impl FromValue for u64 {
+    fn kind() -> Cow<'static, str> {
+        "int".into()
+    }
+    fn from_value(key: &str, v: Option<&Value>) -> Result<Self> {
+        usize::from_value(key, v).map(|n| n as u64)
+    }
+}
+
+/// A whole number of steps (`logging_steps`): TRL's ratios of the total (0 < x < 1) are refused
+/// with a word of why.
+#[derive(Debug, Clone, Copy)]
+struct Steps(usize);
+
+impl FromValue for Steps {
+    fn kind() -> Cow<'static, str> {
+        "int".into()
+    }
+    fn from_value(key: &str, v: Option<&Value>) -> Result<Self> {
+        if let Some(Value::Number(n)) = v {
+            if n.as_f64().is_some_and(|f| f < 1.0 && f > 0.0) {
+                return Err(Error::config(
+                    key,
+                    "a ratio of total steps is not supported: give a whole number of steps",
+                ));
+            }
+        }
+        usize::from_value(key, v).map(Steps)
+    }
+}
+
+impl FromValue for bool {
+    fn kind() -> Cow<'static, str> {
+        "bool".into()
+    }
+    fn from_value(key: &str, v: Option<&Value>) -> Result<Self> {
+        match v {
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(v) => Err(type_err(key, "true or false", v)),
+            None => Err(Error::config(key, "is required")),
+        }
+    }
+}
+
+impl FromValue for Option<String> {
+    fn kind() -> Cow<'static, str> {
+        "string".into()
+    }
+    fn from_value(key: &str, v: Option<&Value>) -> Result<Self> {
+        match v {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(v) => Err(type_err(key, "a string", v)),
+        }
+    }
+}
+
+impl FromValue for String {
+    fn kind() -> Cow<'static, str> {
+        "string".into()
+    }
+    fn from_value(key: &str, v: Option<&Value>) -> Result<Self> {
+        required(key, Option::<String>::from_value(key, v)?)
+    }
+}
+
+impl FromValue for Option<PathBuf> {
+    fn kind() -> Cow<'static, str> {
+        "path".into()
+    }
+    fn from_value(key: &str, v: Option<&Value>) -> Result<Self> {
+        Ok(Option::<String>::from_value(key, v)?.map(PathBuf::from))
+    }
+}
+
+impl FromValue for PathBuf {
+    fn kind() -> Cow<'static, str> {
+        "path".into()
+    }
+    fn from_value(key: &str, v: Option<&Value>) -> Result<Self> {
+        String::from_value(key, v).map(PathBuf::from)
+    }
+}
+
+/// A list, or (from the command line) a comma-separated string.
+impl FromValue for Vec<String> {
+    fn kind() -> Cow<'static, str> {
+        "list of string".into()
+    }
+    fn from_value(key: &str, v: Option<&Value>) -> Result<Self> {
+        match v {
+            None => Ok(vec![]),
+            Some(Value::String(s)) => Ok(s
+                .split(',')
+                .map(|x| x.trim().to_string())
+                .filter(|x| !x.is_empty())
+                .collect()),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| {
+                    v.as_str()
+                        .map(str::to_owned)
+                        .ok_or_else(|| type_err(key, "a list of strings", v))
+                })
+                .collect(),
+            Some(v) => Err(type_err(key, "a list of strings", v)),
+        }
+    }
+}
+
+/// A list of non-negative integers, one integer, or (from the command line) `1,4,8`.
+impl FromValue for Vec<usize> {
+    fn kind() -> Cow<'static, str> {
+        "list of int".into()
+    }
+    fn from_value(key: &str, v: Option<&Value>) -> Result<Self> {
+        let want = "a list of non-negative integers";
+        let one = |v: &Value| -> Result<usize> {
+            match v {
+                Value::Number(n) => n.as_u64().map(|x| x as usize),
+                Value::String(s) => s.trim().parse().ok(),
+                _ => None,
+            }
+            .ok_or_else(|| type_err(key, want, v))
+        };
+        match v {
+            None => Ok(vec![]),
+            Some(Value::Array(a)) => a.iter().map(one).collect(),
+            Some(Value::String(s)) => s
+                .split(',')
+                .filter(|x| !x.trim().is_empty())
+                .map(|x| one(&Value::String(x.into())))
+                .collect(),
+            Some(v @ Value::Number(_)) => Ok(vec![one(v)?]),
+            Some(v) => Err(type_err(key, want, v)),
+        }
+    }
+}
+
+impl FromValue for Option<Vec<f64>> {
+    fn kind() -> Cow<'static, str> {
+        "list of float".into()
+    }
+    fn from_value(key: &str, v: Option<&Value>) -> Result<Self> {
+        match v {
+            None => Ok(None),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| {
+                    v.as_f64()
+                        .ok_or_else(|| type_err(key, "a list of numbers", v))
+                })
+                .collect::<Result<Vec<_>>>()
+                .map(Some),
+            Some(v) => Err(type_err(key, "a list of numbers", v)),
+        }
+    }
+}
+
+/// One of `options` by name; the error lists them.
+fn choice<T: Copy>(key: &str, v: Option<&Value>, options: &[(&str, T)]) -> Result<T> {
+    let s = String::from_value(key, v)?;
+    options
+        .iter()
+        .find(|(n, _)| *n == s)
+        .map(|(_, v)| *v)
+        .ok_or_else(|| {
+            let names: Vec<&str> = options.iter().map(|(n, _)| *n).collect();
+            Error::config(
+                key,
+                format!("`{s}` is not supported; use one of: {}", names.join(", ")),
+            )
+        })
+}
+
+fn names<T: Named>() -> Vec<&'static str> {
+    T::NAMES.iter().map(|(n, _)| *n).collect()
+}
+
+/// Enums chosen by their config name ([`crate::named`]).
+macro_rules! named_keys {
+    ($($t:ty),*) => {$(
+        impl FromValue for $t {
+            fn kind() -> Cow<'static, str> {
+                names::<$t>().join("|").into()
+            }
+            fn from_value(key: &str, v: Option<&Value>) -> Result<Self> {
+                String::from_value(key, v)?
+                    .parse()
+                    .map_err(|e: String| Error::config(key, e))
+            }
+        }
+    )*};
+}
+named_keys!(LossType, IsLevel, LrSchedule, RewardAggregation);
+
+/// A name, or TRL's booleans: true = group, false = none.
+impl FromValue for ScaleRewards {
+    fn kind() -> Cow<'static, str> {
+        names::<ScaleRewards>().join("|").into()
+    }
+    fn from_value(key: &str, v: Option<&Value>) -> Result<Self> {
+        match v {
+            Some(Value::Bool(true)) => Ok(ScaleRewards::Group),
+            Some(Value::Bool(false)) => Ok(ScaleRewards::None),
+            _ => choice(key, v, ScaleRewards::NAMES),
+        }
+    }
+}
+
+impl FromValue for DTypeOpt {
+    fn kind() -> Cow<'static, str> {
+        "f32|bf16".into()
+    }
+    fn from_value(key: &str, v: Option<&Value>) -> Result<Self> {
+        choice(
+            key,
+            v,
+            &[
+                ("f32", DTypeOpt::F32),
+                ("float32", DTypeOpt::F32),
+                ("bf16", DTypeOpt::Bf16),
+                ("bfloat16", DTypeOpt::Bf16),
+            ],
+        )
+    }
+}
+
+/// `base_quantization`.
+const QUANT_CHOICES: &[(&str, Option<QuantType>)] = &[
+    ("none", None),
+    ("q4_0", Some(QuantType::Q4_0)),
+    ("q4_1", Some(QuantType::Q4_1)),
+    ("q8_0", Some(QuantType::Q8_0)),
+];
+
+impl FromValue for Option<QuantType> {
+    fn kind() -> Cow<'static, str> {
+        let names: Vec<&str> = QUANT_CHOICES.iter().map(|(n, _)| *n).collect();
+        names.join("|").into()
+    }
+    fn from_value(key: &str, v: Option<&Value>) -> Result<Self> {
+        choice(key, v, QUANT_CHOICES)
+    }
+}
+
+/// Unset: the CPU.
+impl FromValue for DeviceSpec {
+    fn kind() -> Cow<'static, str> {
+        "cpu|cuda|cuda:N".into()
+    }
+    fn from_value(key: &str, v: Option<&Value>) -> Result<Self> {
+        match Option::<String>::from_value(key, v)? {
+            None => Ok(DeviceSpec::Cpu),
+            Some(s) => s.parse().map_err(|e: String| Error::config(key, e)),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The keys
+
+/// One declared key (see [`config_keys!`]).
+struct KeyDef {
+    key: &'static str,
+    section: &'static str,
+    /// Default as TOML text; empty = unset.
+    default: &'static str,
+    help: &'static str,
+    /// What the key accepts, when the declaration says more than its type.
+    kind: Option<&'static str>,
+    type_kind: fn() -> Cow<'static, str>,
+}
+
+/// Declares every key once:
+///
+/// ```text
+/// "section" {
+///     field ["dotted.key"]: RawType [as "kind"] = "default as TOML", "help";
+/// }
+/// ```
+///
+/// and generates the table [`KEYS`] (key, section, default, help; the kind comes from the raw
+/// type unless `as` gives it) and [`RawConfig`], one field of that type per key, read from the
+/// merged values by [`FromValue`]. The key is the field's name unless a dotted key is given.
+macro_rules! config_keys {
+    ($( $section:literal {
+        $( $field:ident $($key:literal)? : $ty:ty $(as $kind:literal)? = $default:literal, $help:literal; )*
+    } )*) => {
+        /// Every key, in `grpo config --print` order.
+        const KEYS: &[KeyDef] = &[$($(
+            KeyDef {
+                key: config_keys!(@key $field $($key)?),
+                section: $section,
+                default: $default,
+                help: $help,
+                kind: config_keys!(@kind $($kind)?),
+                type_kind: <$ty as FromValue>::kind,
+            },
+        )*)*];
+
+        /// Every key's value read as its declared type, before any rule is checked.
+        #[derive(Debug)]
+        struct RawConfig {
+            $($( $field: $ty, )*)*
+        }
+
+        impl RawConfig {
+            /// Reads the merged values, in table order; the first bad value is the error.
+            fn read(m: &BTreeMap<String, Value>) -> Result<Self> {
+                let get = |k: &str| m.get(k).filter(|v| !v.is_null());
+                Ok(RawConfig {
+                    $($( $field: {
+                        let key = config_keys!(@key $field $($key)?);
+                        <$ty as FromValue>::from_value(key, get(key))?
+                    }, )*)*
+                })
+            }
+        }
+    };
+    (@key $field:ident) => { stringify!($field) };
+    (@key $field:ident $key:literal) => { $key };
+    (@kind) => { None };
+    (@kind $kind:literal) => { Some($kind) };
+}
+
+config_keys! {
     "run" {
-        "model": "string" = "", "HF directory, .gguf file or hub id (unset: SmolLM2-135M-Instruct, fetched once)";
-        "dtype": "f32|bf16" = "\"f32\"", "precision of the weights for sampling and reference (training keeps f32 parameters)";
-        "output_dir": "path" = "\"runs/grpo\"", "where metrics, samples and checkpoints go";
-        "seed": "int" = "42", "seeds prompt order and sampling; a run is reproducible from it";
-        "threads": "int" = "", "CPU threads (unset: all cores)";
-        "max_steps": "int" = "-1", "optimizer steps to run (-1: from num_train_epochs)";
-        "num_train_epochs": "float" = "1.0", "passes over the prompts when max_steps is -1";
+        model: Option<String> = "", "HF directory, .gguf file or hub id (unset: SmolLM2-135M-Instruct, fetched once)";
+        dtype: DTypeOpt = "\"f32\"", "precision of the weights for sampling and reference (training keeps f32 parameters)";
+        output_dir: PathBuf = "\"runs/grpo\"", "where metrics, samples and checkpoints go";
+        seed: u64 = "42", "seeds prompt order and sampling; a run is reproducible from it";
+        threads: Option<usize> = "", "CPU threads (unset: all cores)";
+        device: DeviceSpec = "", "where training runs: cpu, cuda or cuda:N (needs a build with --features cuda)";
+        max_steps: Option<i64> = "-1", "optimizer steps to run (-1: from num_train_epochs)";
+        num_train_epochs: f64 = "1.0", "passes over the prompts when max_steps is -1";
     }
     "data" {
-        "train_file": "path" = "", "prompts (.jsonl, .csv, .parquet); unset: the built-in arithmetic task";
-        "eval_file": "path" = "", "held-out prompts for evaluation (the built-in task has its own)";
-        "prompt_field": "string" = "\"prompt\"", "field holding the prompt: a string or a list of {role, content} messages";
-        "answer_field": "string" = "\"answer\"", "field holding the reference answer passed to rewards";
-        "system_prompt": "string" = "", "system message put before each prompt (unless it has one)";
-        "shuffle_dataset": "bool" = "true", "shuffle prompts each epoch (seeded)";
-        "skip_bad_rows": "bool" = "false", "skip and count malformed rows instead of stopping";
-        "max_prompt_length": "int" = "512", "prompts longer than this are truncated from the left (-1: never)";
-        "task.train_size": "int" = "2000", "built-in task: training problems";
-        "task.eval_size": "int" = "200", "built-in task: held-out problems";
-        "task.min_operand": "int" = "10", "built-in task: smallest operand";
-        "task.max_operand": "int" = "99", "built-in task: largest operand";
-        "task.ops": "list of \"+\" \"-\" \"*\"" = "[\"+\"]", "built-in task: operations";
-        "task.seed": "int" = "1234", "built-in task: problem generator seed";
-        "reward_weights": "list of float" = "", "weight of each reward function (unset: each reward's own weight)";
+        train_file: Option<PathBuf> = "", "prompts (.jsonl, .csv, .parquet); unset: the built-in arithmetic task";
+        eval_file: Option<PathBuf> = "", "held-out prompts for evaluation (the built-in task has its own)";
+        prompt_field: String = "\"prompt\"", "field holding the prompt: a string or a list of {role, content} messages";
+        answer_field: String = "\"answer\"", "field holding the reference answer passed to rewards";
+        system_prompt: Option<String> = "", "system message put before each prompt (unless it has one)";
+        shuffle_dataset: bool = "true", "shuffle prompts each epoch (seeded)";
+        skip_bad_rows: bool = "false", "skip and count malformed rows instead of stopping";
+        max_prompt_length: Option<usize> = "512", "prompts longer than this are truncated from the left (-1: never)";
+        task_train_size "task.train_size": usize = "2000", "built-in task: training problems";
+        task_eval_size "task.eval_size": usize = "200", "built-in task: held-out problems";
+        task_min_operand "task.min_operand": i64 = "10", "built-in task: smallest operand";
+        task_max_operand "task.max_operand": i64 = "99", "built-in task: largest operand";
+        task_ops "task.ops": Vec<String> as "list of \"+\" \"-\" \"*\"" = "[\"+\"]", "built-in task: operations";
+        task_seed "task.seed": u64 = "1234", "built-in task: problem generator seed";
+        reward_weights: Option<Vec<f64>> = "", "weight of each reward function (unset: each reward's own weight)";
     }
     "generation" {
-        "num_generations": "int" = "8", "completions per prompt (G, the group size)";
-        "max_completion_length": "int" = "256", "maximum new tokens per completion";
-        "temperature": "float" = "1.0", "sampling temperature (log-probs are taken at the same temperature)";
-        "top_p": "float" = "1.0", "nucleus sampling (1: off)";
-        "top_k": "int" = "0", "top-k sampling (0: off)";
-        "min_p": "float" = "", "min-p sampling (unset: off)";
-        "repetition_penalty": "float" = "1.0", "HF repetition penalty (1: off)";
-        "stop": "list of string" = "[]", "stop strings (EOS always stops)";
-        "generation_batch_size": "int" = "", "completions per generation round (default per_device_train_batch_size x steps_per_generation)";
-        "steps_per_generation": "int" = "", "micro-batches per generation round (default gradient_accumulation_steps)";
+        num_generations: usize = "8", "completions per prompt (G, the group size)";
+        max_completion_length: usize = "256", "maximum new tokens per completion";
+        temperature: f64 = "1.0", "sampling temperature (log-probs are taken at the same temperature)";
+        top_p: f64 = "1.0", "nucleus sampling (1: off)";
+        top_k: usize = "0", "top-k sampling (0: off)";
+        min_p: Option<f64> = "", "min-p sampling (unset: off)";
+        repetition_penalty: f64 = "1.0", "HF repetition penalty (1: off)";
+        stop: Vec<String> = "[]", "stop strings (EOS always stops)";
+        generation_batch_size: Option<usize> = "", "completions per generation round (default per_device_train_batch_size x steps_per_generation)";
+        steps_per_generation: Option<usize> = "", "micro-batches per generation round (default gradient_accumulation_steps)";
     }
     "update" {
-        "per_device_train_batch_size": "int" = "8", "completions per micro-batch";
-        "gradient_accumulation_steps": "int" = "1", "micro-batches per optimizer step";
-        "forward_chunk_tokens": "int" = "1024", "tokens per forward/backward pass: a micro-batch is split into chunks of whole groups (the math is unchanged; lower it to save memory, raise it for fewer, larger passes)";
-        "num_iterations": "int" = "1", "updates per generation batch (mu in the paper); > 1 uses clipped ratios";
-        "learning_rate": "float" = "1e-6", "AdamW learning rate";
-        "adam_beta1": "float" = "0.9", "AdamW beta1";
-        "adam_beta2": "float" = "0.999", "AdamW beta2";
-        "adam_epsilon": "float" = "1e-8", "AdamW epsilon";
-        "weight_decay": "float" = "0.0", "AdamW decoupled weight decay";
-        "max_grad_norm": "float" = "1.0", "clip the global gradient norm (0: off)";
-        "lr_scheduler_type": "constant|constant_with_warmup|linear|cosine" = "\"linear\"", "learning-rate schedule";
-        "warmup_ratio": "float" = "0.0", "share of steps spent warming up";
-        "warmup_steps": "int" = "0", "warm-up steps (wins over warmup_ratio when > 0)";
-        "max_consecutive_nonfinite": "int" = "3", "stop after this many skipped non-finite steps in a row";
-        "gradient_checkpointing": "bool" = "false", "keep only each block's input during the forward and recompute the block in the backward (less memory, one more forward); sampling then also skips the packed copy of the weights for the decoding GEMM (slower generation, lower peak with LoRA)";
+        per_device_train_batch_size: usize = "8", "completions per micro-batch";
+        gradient_accumulation_steps: usize = "1", "micro-batches per optimizer step";
+        forward_chunk_tokens: usize = "1024", "tokens per forward/backward pass: a micro-batch is split into chunks of whole groups (the math is unchanged; lower it to save memory, raise it for fewer, larger passes)";
+        num_iterations: usize = "1", "updates per generation batch (mu in the paper); > 1 uses clipped ratios";
+        learning_rate: f64 = "1e-6", "AdamW learning rate";
+        adam_beta1: f64 = "0.9", "AdamW beta1";
+        adam_beta2: f64 = "0.999", "AdamW beta2";
+        adam_epsilon: f64 = "1e-8", "AdamW epsilon";
+        weight_decay: f64 = "0.0", "AdamW decoupled weight decay";
+        max_grad_norm: f64 = "1.0", "clip the global gradient norm (0: off)";
+        lr_scheduler_type: LrSchedule = "\"linear\"", "learning-rate schedule";
+        warmup_ratio: f64 = "0.0", "share of steps spent warming up";
+        warmup_steps: usize = "0", "warm-up steps (wins over warmup_ratio when > 0)";
+        max_consecutive_nonfinite: usize = "3", "stop after this many skipped non-finite steps in a row";
+        gradient_checkpointing: bool = "false", "keep only each block's input during the forward and recompute the block in the backward (less memory, one more forward); sampling then also skips the packed copy of the weights for the decoding GEMM (slower generation, lower peak with LoRA)";
     }
     "lora" {
-        "lora.r": "int" = "0", "LoRA rank: train adapters on a frozen base (0: full fine-tuning; TRL: lora_r)";
-        "lora.alpha": "float" = "", "LoRA alpha; the adapter output is scaled by alpha / r (unset: 2 x r)";
-        "lora.dropout": "float" = "0.05", "dropout on the adapters' input during training";
-        "lora.target_modules": "list of string" = "", "projections that get adapters, by name (q_proj, v_proj, ...) or \"all-linear\" (unset: q_proj, v_proj; GPT-2: c_attn)";
-        "lora.use_rslora": "bool" = "false", "rank-stabilized LoRA: scale by alpha / sqrt(r)";
-        "base_quantization": "none|q4_0|q4_1|q8_0" = "\"none\"", "QLoRA: keep the frozen base quantized (needs lora.r > 0); a GGUF of the same type is used as is";
+        lora_r "lora.r": usize = "0", "LoRA rank: train adapters on a frozen base (0: full fine-tuning; TRL: lora_r)";
+        lora_alpha "lora.alpha": Option<f64> = "", "LoRA alpha; the adapter output is scaled by alpha / r (unset: 2 x r)";
+        lora_dropout "lora.dropout": f64 = "0.05", "dropout on the adapters' input during training";
+        lora_target_modules "lora.target_modules": Vec<String> = "", "projections that get adapters, by name (q_proj, v_proj, ...) or \"all-linear\" (unset: q_proj, v_proj; GPT-2: c_attn)";
+        lora_use_rslora "lora.use_rslora": bool = "false", "rank-stabilized LoRA: scale by alpha / sqrt(r)";
+        base_quantization: Option<QuantType> = "\"none\"", "QLoRA: keep the frozen base quantized (needs lora.r > 0); a GGUF of the same type is used as is";
     }
     "loss" {
-        "loss_type": "grpo|bnpo|dr_grpo|dapo" = "\"dapo\"", "token-loss reduction, with TRL's normalizations";
-        "beta": "float" = "0.0", "weight of the k3 KL penalty to the reference model in the loss";
-        "epsilon": "float" = "0.2", "lower clipping range of the ratio";
-        "epsilon_high": "float" = "", "upper clipping range (default: epsilon)";
-        "delta": "float" = "", "two-sided clipping: cap on the unclipped ratio (unset: off)";
-        "importance_sampling_level": "token|sequence" = "\"token\"", "ratio per token, or per sequence (GSPO)";
-        "scale_rewards": "group|batch|none" = "\"group\"", "std used to scale advantages (none: Dr. GRPO)";
-        "mask_truncated_completions": "bool" = "false", "leave completions that hit max_completion_length out of the loss";
-        "entropy_coef": "float" = "0.0", "entropy bonus weight";
-        "use_bias_correction_kl": "bool" = "true", "multiply the KL term by the importance ratio (unbiased reverse-KL gradient, TRL's default)";
-        "reward_std_floor": "float" = "", "clamp each group's reward std from below before scaling";
-        "multi_objective_aggregation": "sum_then_normalize|normalize_then_sum" = "\"sum_then_normalize\"", "several rewards: weighted sum then advantages, or each normalized in its group, summed, normalized over the batch (GDPO)";
-        "normalize_advantages_batch": "bool" = "false", "re-normalize all advantages of a batch to mean 0, std 1";
-        "drop_zero_std_groups": "bool" = "false", "leave groups whose rewards all equal out of the update";
-        "kl_coef": "float" = "0.0", "KL in the reward: reward - kl_coef x sum_t(logp - ref_logp)";
-        "kl_target": "float" = "", "adaptive KL controller target (unset: fixed kl_coef)";
-        "kl_horizon": "float" = "10000.0", "adaptive KL controller horizon, in samples";
-        "sync_ref_model": "bool" = "false", "mix the policy into the reference every ref_model_sync_steps";
-        "ref_model_sync_steps": "int" = "512", "steps between reference syncs";
-        "ref_model_mixup_alpha": "float" = "0.6", "ref = alpha x policy + (1 - alpha) x ref at each sync";
+        loss_type: LossType = "\"dapo\"", "token-loss reduction, with TRL's normalizations";
+        beta: f64 = "0.0", "weight of the k3 KL penalty to the reference model in the loss";
+        epsilon: f64 = "0.2", "lower clipping range of the ratio";
+        epsilon_high: Option<f64> = "", "upper clipping range (default: epsilon)";
+        delta: Option<f64> = "", "two-sided clipping: cap on the unclipped ratio (unset: off)";
+        importance_sampling_level: IsLevel = "\"token\"", "ratio per token, or per sequence (GSPO)";
+        scale_rewards: ScaleRewards = "\"group\"", "std used to scale advantages (none: Dr. GRPO)";
+        mask_truncated_completions: bool = "false", "leave completions that hit max_completion_length out of the loss";
+        entropy_coef: f64 = "0.0", "entropy bonus weight";
+        use_bias_correction_kl: bool = "true", "multiply the KL term by the importance ratio (unbiased reverse-KL gradient, TRL's default)";
+        reward_std_floor: Option<f64> = "", "clamp each group's reward std from below before scaling";
+        multi_objective_aggregation: RewardAggregation = "\"sum_then_normalize\"", "several rewards: weighted sum then advantages, or each normalized in its group, summed, normalized over the batch (GDPO)";
+        normalize_advantages_batch: bool = "false", "re-normalize all advantages of a batch to mean 0, std 1";
+        drop_zero_std_groups: bool = "false", "leave groups whose rewards all equal out of the update";
+        kl_coef: f64 = "0.0", "KL in the reward: reward - kl_coef x sum_t(logp - ref_logp)";
+        kl_target: Option<f64> = "", "adaptive KL controller target (unset: fixed kl_coef)";
+        kl_horizon: f64 = "10000.0", "adaptive KL controller horizon, in samples";
+        sync_ref_model: bool = "false", "mix the policy into the reference every ref_model_sync_steps";
+        ref_model_sync_steps: usize = "512", "steps between reference syncs";
+        ref_model_mixup_alpha: f64 = "0.6", "ref = alpha x policy + (1 - alpha) x ref at each sync";
     }
     "logging" {
-        "logging_steps": "int" = "1", "log metrics every N steps";
-        "log_completions": "bool" = "true", "write prompts, completions, rewards and advantages to completions.jsonl";
-        "log_completions_steps": "int" = "10", "every N generation rounds";
-        "num_completions_to_print": "int" = "2", "samples shown on the console when completions are logged";
-        "save_steps": "int" = "500", "checkpoint every N steps (0: only at the end)";
-        "save_total_limit": "int" = "", "keep only the newest N checkpoints";
-        "eval_steps": "int" = "0", "evaluate on the held-out prompts every N steps (0: off)";
-        "eval_num_prompts": "int" = "", "held-out prompts per evaluation (unset: all)";
-        "eval_num_samples": "int" = "4", "sampled completions per held-out prompt, for pass@k and eval/mean_accuracy (0: greedy only; eval_k is then ignored)";
-        "eval_k": "list of int" = "[1]", "report eval/pass@k for each k (unbiased estimator; each k <= eval_num_samples)";
-        "eval_temperature": "float" = "", "sampling temperature of the eval samples (unset: temperature)";
-        "eval_greedy": "bool" = "true", "also one greedy completion per held-out prompt: eval/accuracy";
-        "report_to": "list of tensorboard|jsonl|none" = "[\"tensorboard\"]", "metrics sinks besides metrics.jsonl";
+        logging_steps: Steps = "1", "log metrics every N steps";
+        log_completions: bool = "true", "write prompts, completions, rewards and advantages to completions.jsonl";
+        log_completions_steps: usize = "10", "every N generation rounds";
+        num_completions_to_print: usize = "2", "samples shown on the console when completions are logged";
+        save_steps: usize = "500", "checkpoint every N steps (0: only at the end)";
+        save_total_limit: Option<usize> = "", "keep only the newest N checkpoints";
+        eval_steps: usize = "0", "evaluate on the held-out prompts every N steps (0: off)";
+        eval_num_prompts: Option<usize> = "", "held-out prompts per evaluation (unset: all)";
+        eval_num_samples: usize = "4", "sampled completions per held-out prompt, for pass@k and eval/mean_accuracy (0: greedy only; eval_k is then ignored)";
+        eval_k: Vec<usize> = "[1]", "report eval/pass@k for each k (unbiased estimator; each k <= eval_num_samples)";
+        eval_temperature: Option<f64> = "", "sampling temperature of the eval samples (unset: temperature)";
+        eval_greedy: bool = "true", "also one greedy completion per held-out prompt: eval/accuracy";
+        report_to: Vec<String> as "list of tensorboard|jsonl|none" = "[\"tensorboard\"]", "metrics sinks besides metrics.jsonl";
     }
-};
+}
 
 /// TRL / HF `TrainingArguments` keys accepted and ignored (listed in the warning).
 const IGNORED: &[&str] = &[
@@ -342,7 +835,22 @@ const IGNORED: &[&str] = &[
 
 /// Every key: name, type, default (as text), one-line help.
 pub fn reference() -> Vec<KeyDoc> {
-    KEYS.to_vec()
+    KEYS.iter()
+        .map(|k| KeyDoc {
+            key: k.key,
+            kind: k
+                .kind
+                .map_or_else(|| (k.type_kind)().into_owned(), str::to_owned),
+            default: k.default,
+            help: k.help,
+            section: k.section,
+        })
+        .collect()
+}
+
+/// The TRL/HF keys that are accepted and ignored with a warning (besides any `vllm_*` key).
+pub fn ignored_trl_keys() -> &'static [&'static str] {
+    IGNORED
 }
 
 fn suggest(key: &str) -> String {
@@ -434,179 +942,6 @@ fn parse_overrides(overrides: &[String]) -> Result<Vec<(String, Value)>> {
         .collect()
 }
 
-/// Typed access to the merged values; every error names the key.
-struct Values<'a>(&'a BTreeMap<String, Value>);
-
-fn type_err(key: &str, want: &str, got: &Value) -> Error {
-    Error::config(key, format!("expected {want}, got {got}"))
-}
-
-impl Values<'_> {
-    fn get(&self, key: &str) -> Option<&Value> {
-        self.0.get(key).filter(|v| !v.is_null())
-    }
-    fn f64(&self, key: &str) -> Result<f64> {
-        self.opt_f64(key)?
-            .ok_or_else(|| Error::config(key, "is required"))
-    }
-    fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(Value::Number(n)) => Ok(n.as_f64()),
-            Some(Value::String(s)) => s
-                .parse()
-                .map(Some)
-                .map_err(|_| type_err(key, "a number", &Value::String(s.clone()))),
-            Some(v) => Err(type_err(key, "a number", v)),
-        }
-    }
-    fn opt_i64(&self, key: &str) -> Result<Option<i64>> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(Value::Number(n)) => n
-                .as_i64()
-                .or_else(|| n.as_f64().filter(|f| f.fract() == 0.0).map(|f| f as i64))
-                .map(Some)
-                .ok_or_else(|| type_err(key, "an integer", &Value::Number(n.clone()))),
-            Some(v) => Err(type_err(key, "an integer", v)),
-        }
-    }
-    fn i64(&self, key: &str) -> Result<i64> {
-        self.opt_i64(key)?
-            .ok_or_else(|| Error::config(key, "is required"))
-    }
-    /// Non-negative integer; `None` when unset (or -1 where -1 means unset).
-    fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
-        match self.opt_i64(key)? {
-            None | Some(-1) => Ok(None),
-            Some(n) if n < 0 => Err(Error::config(key, format!("must be >= 0, got {n}"))),
-            Some(n) => Ok(Some(n as usize)),
-        }
-    }
-    fn usize(&self, key: &str) -> Result<usize> {
-        self.opt_usize(key)?
-            .ok_or_else(|| Error::config(key, "must be a non-negative integer"))
-    }
-    fn bool(&self, key: &str) -> Result<bool> {
-        match self.get(key) {
-            Some(Value::Bool(b)) => Ok(*b),
-            Some(v) => Err(type_err(key, "true or false", v)),
-            None => Err(Error::config(key, "is required")),
-        }
-    }
-    fn opt_string(&self, key: &str) -> Result<Option<String>> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(Value::String(s)) => Ok(Some(s.clone())),
-            Some(v) => Err(type_err(key, "a string", v)),
-        }
-    }
-    fn string(&self, key: &str) -> Result<String> {
-        self.opt_string(key)?
-            .ok_or_else(|| Error::config(key, "is required"))
-    }
-    /// A list, or (from the command line) a comma-separated string.
-    fn strings(&self, key: &str) -> Result<Vec<String>> {
-        match self.get(key) {
-            None => Ok(vec![]),
-            Some(Value::String(s)) => Ok(s
-                .split(',')
-                .map(|x| x.trim().to_string())
-                .filter(|x| !x.is_empty())
-                .collect()),
-            Some(Value::Array(a)) => a
-                .iter()
-                .map(|v| {
-                    v.as_str()
-                        .map(str::to_owned)
-                        .ok_or_else(|| type_err(key, "a list of strings", v))
-                })
-                .collect(),
-            Some(v) => Err(type_err(key, "a list of strings", v)),
-        }
-    }
-    /// A list of non-negative integers, one integer, or (from the command line) `1,4,8`.
-    fn usizes(&self, key: &str) -> Result<Vec<usize>> {
-        let want = "a list of non-negative integers";
-        let one = |v: &Value| -> Result<usize> {
-            match v {
-                Value::Number(n) => n.as_u64().map(|x| x as usize),
-                Value::String(s) => s.trim().parse().ok(),
-                _ => None,
-            }
-            .ok_or_else(|| type_err(key, want, v))
-        };
-        match self.get(key) {
-            None => Ok(vec![]),
-            Some(Value::Array(a)) => a.iter().map(one).collect(),
-            Some(Value::String(s)) => s
-                .split(',')
-                .filter(|x| !x.trim().is_empty())
-                .map(|x| one(&Value::String(x.into())))
-                .collect(),
-            Some(v @ Value::Number(_)) => Ok(vec![one(v)?]),
-            Some(v) => Err(type_err(key, want, v)),
-        }
-    }
-    fn opt_f64s(&self, key: &str) -> Result<Option<Vec<f64>>> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(Value::Array(a)) => a
-                .iter()
-                .map(|v| {
-                    v.as_f64()
-                        .ok_or_else(|| type_err(key, "a list of numbers", v))
-                })
-                .collect::<Result<Vec<_>>>()
-                .map(Some),
-            Some(v) => Err(type_err(key, "a list of numbers", v)),
-        }
-    }
-    /// One of `T`'s config names (see [`crate::named`]).
-    fn named<T: Named>(&self, key: &str) -> Result<T> {
-        self.choice(key, T::NAMES)
-    }
-    fn choice<T: Copy>(&self, key: &str, options: &[(&str, T)]) -> Result<T> {
-        let s = self.string(key)?;
-        options
-            .iter()
-            .find(|(n, _)| *n == s)
-            .map(|(_, v)| *v)
-            .ok_or_else(|| {
-                let names: Vec<&str> = options.iter().map(|(n, _)| *n).collect();
-                Error::config(
-                    key,
-                    format!("`{s}` is not supported; use one of: {}", names.join(", ")),
-                )
-            })
-    }
-}
-
-/// The eval keys: (eval_num_samples, eval_k sorted without duplicates, eval_temperature, eval_greedy).
-fn eval_settings(v: &Values, temperature: f64) -> Result<(usize, Vec<usize>, f64, bool)> {
-    let n = v.usize("eval_num_samples")?;
-    let mut ks = v.usizes("eval_k")?;
-    crate::eval::check_ks(&ks, n, "eval_k", "eval_num_samples")?;
-    ks.sort_unstable();
-    ks.dedup();
-    let greedy = v.bool("eval_greedy")?;
-    if n == 0 && !greedy {
-        return Err(Error::config(
-            "eval_num_samples",
-            "0 samples with eval_greedy = false leave nothing to evaluate: set eval_num_samples \
-             above 0 or eval_greedy = true",
-        ));
-    }
-    let t = v.opt_f64("eval_temperature")?.unwrap_or(temperature);
-    if !(t >= 0.0 && t.is_finite()) {
-        return Err(Error::config(
-            "eval_temperature",
-            format!("must be >= 0 (0 = greedy), got {t}"),
-        ));
-    }
-    Ok((n, ks, t, greedy))
-}
-
 impl TrainConfig {
     /// Loads `path` (None: the embedded default) with `overrides` (`--key=value`).
     pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<TrainConfig> {
@@ -650,7 +985,7 @@ impl TrainConfig {
             }
         }
         let mut ignored = Vec::new();
-        let mut rewards = vec![];
+        let mut reward_tables = vec![];
         let mut apply = |k: String, v: Value, from: &str| -> Result<()> {
             let k = match k.as_str() {
                 "model_name_or_path" => "model".to_string(),
@@ -672,7 +1007,7 @@ impl TrainConfig {
                 return Ok(());
             }
             if k == "rewards" {
-                rewards = match v {
+                reward_tables = match v {
                     Value::Array(a) => a,
                     other => {
                         return Err(type_err("rewards", "a list of [[rewards]] tables", &other))
@@ -710,27 +1045,27 @@ impl TrainConfig {
         }
         ignored.sort();
         ignored.dedup();
-        let mut cfg = Self::validate(&merged, rewards.clone())?;
+        let mut cfg = Self::validate(RawConfig::read(&merged)?)?;
+        cfg.rewards = crate::rewards::parse_specs(&reward_tables, cfg.max_completion_length)?;
         cfg.ignored_keys = ignored;
         let mut resolved = merged;
-        if !rewards.is_empty() {
-            resolved.insert("rewards".into(), Value::Array(rewards));
+        if !reward_tables.is_empty() {
+            resolved.insert("rewards".into(), Value::Array(reward_tables));
         }
         cfg.resolved = resolved;
         Ok(cfg)
     }
 
-    /// Converts and checks every value; the one place config rules live.
-    fn validate(m: &BTreeMap<String, Value>, rewards: Vec<Value>) -> Result<TrainConfig> {
-        let v = Values(m);
+    /// Checks the rules on the raw values, cross-field ones included, and resolves the
+    /// variants; the one place config rules live. Every error names its key.
+    fn validate(raw: RawConfig) -> Result<TrainConfig> {
         let bad = |k: &str, msg: String| Err(Error::config(k, msg));
-        let per_device = v.usize("per_device_train_batch_size")?;
-        let accum = v.usize("gradient_accumulation_steps")?;
-        let forward_chunk_tokens = v.usize("forward_chunk_tokens")?;
-        if forward_chunk_tokens == 0 {
+        let per_device = raw.per_device_train_batch_size;
+        let accum = raw.gradient_accumulation_steps;
+        if raw.forward_chunk_tokens == 0 {
             return bad("forward_chunk_tokens", "must be at least 1".into());
         }
-        let g = v.usize("num_generations")?;
+        let g = raw.num_generations;
         if per_device == 0 {
             return bad("per_device_train_batch_size", "must be at least 1".into());
         }
@@ -743,10 +1078,7 @@ impl TrainConfig {
                 format!("must be at least 2 (a group of {g} has no relative advantage)"),
             );
         }
-        let (gbs, spg) = match (
-            v.opt_usize("generation_batch_size")?,
-            v.opt_usize("steps_per_generation")?,
-        ) {
+        let (gbs, spg) = match (raw.generation_batch_size, raw.steps_per_generation) {
             (Some(_), Some(_)) => {
                 return bad(
                     "generation_batch_size",
@@ -774,30 +1106,27 @@ impl TrainConfig {
                 format!("steps_per_generation={spg} must be a multiple of gradient_accumulation_steps={accum} (each generation round ends on an optimizer step)"),
             );
         }
-        let temperature = v.f64("temperature")?;
+        let temperature = raw.temperature;
         if !(temperature > 0.0 && temperature.is_finite()) {
             return bad("temperature", format!("must be > 0, got {temperature}"));
         }
-        let top_p = v.f64("top_p")?;
+        let top_p = raw.top_p;
         if !(top_p > 0.0 && top_p <= 1.0) {
             return bad("top_p", format!("must be in (0, 1], got {top_p}"));
         }
-        let epsilon = v.f64("epsilon")?;
-        let epsilon_high = v.opt_f64("epsilon_high")?.unwrap_or(epsilon);
+        let epsilon = raw.epsilon;
+        let epsilon_high = raw.epsilon_high.unwrap_or(epsilon);
         for (k, x) in [("epsilon", epsilon), ("epsilon_high", epsilon_high)] {
             if x.is_nan() || x < 0.0 {
                 return bad(k, format!("must be >= 0, got {x}"));
             }
         }
-        let beta = v.f64("beta")?;
-        let kl_coef = v.f64("kl_coef")?;
+        let (beta, kl_coef) = (raw.beta, raw.kl_coef);
         for (k, x) in [("beta", beta), ("kl_coef", kl_coef)] {
             if !(x >= 0.0 && x.is_finite()) {
                 return bad(k, format!("must be >= 0, got {x}"));
             }
         }
-        let kl_target = v.opt_f64("kl_target")?;
-        let kl_horizon = v.f64("kl_horizon")?;
         let kl =
             match (beta > 0.0, kl_coef > 0.0) {
                 (true, true) => return bad(
@@ -808,59 +1137,50 @@ impl TrainConfig {
                 (true, false) => KlMode::Loss { beta },
                 (false, true) => KlMode::Reward {
                     coef: kl_coef,
-                    adaptive: kl_target.map(|t| AdaptiveKlCfg {
+                    adaptive: raw.kl_target.map(|t| AdaptiveKlCfg {
                         target: t,
-                        horizon: kl_horizon,
+                        horizon: raw.kl_horizon,
                     }),
                 },
                 (false, false) => KlMode::None,
             };
-        if kl_target.is_some() && kl_coef == 0.0 {
+        if raw.kl_target.is_some() && kl_coef == 0.0 {
             return bad(
                 "kl_target",
                 "the adaptive KL controller needs kl_coef > 0 (its starting value)".into(),
             );
         }
-        let lr = v.f64("learning_rate")?;
+        let lr = raw.learning_rate;
         if !(lr > 0.0 && lr.is_finite()) {
             return bad("learning_rate", format!("must be > 0, got {lr}"));
         }
-        let warmup_ratio = v.f64("warmup_ratio")?;
-        if !(0.0..=1.0).contains(&warmup_ratio) {
+        if !(0.0..=1.0).contains(&raw.warmup_ratio) {
             return bad(
                 "warmup_ratio",
-                format!("must be in [0, 1], got {warmup_ratio}"),
+                format!("must be in [0, 1], got {}", raw.warmup_ratio),
             );
         }
-        for k in ["adam_beta1", "adam_beta2"] {
-            let b = v.f64(k)?;
+        for (k, b) in [
+            ("adam_beta1", raw.adam_beta1),
+            ("adam_beta2", raw.adam_beta2),
+        ] {
             if !(0.0..1.0).contains(&b) {
                 return bad(k, format!("must be in [0, 1), got {b}"));
             }
         }
-        let max_completion_length = v.usize("max_completion_length")?;
-        if max_completion_length == 0 {
+        if raw.max_completion_length == 0 {
             return bad("max_completion_length", "must be at least 1".into());
         }
-        let num_iterations = v.usize("num_iterations")?;
-        if num_iterations == 0 {
+        if raw.num_iterations == 0 {
             return bad("num_iterations", "must be at least 1".into());
         }
-        if let Some(Value::Number(n)) = v.get("logging_steps") {
-            if n.as_f64().is_some_and(|f| f < 1.0 && f > 0.0) {
-                return bad(
-                    "logging_steps",
-                    "a ratio of total steps is not supported: give a whole number of steps".into(),
-                );
-            }
-        }
         let task = TaskConfig {
-            train_size: v.usize("task.train_size")?,
-            eval_size: v.usize("task.eval_size")?,
-            min_operand: v.i64("task.min_operand")?,
-            max_operand: v.i64("task.max_operand")?,
-            ops: v.strings("task.ops")?,
-            seed: v.usize("task.seed")? as u64,
+            train_size: raw.task_train_size,
+            eval_size: raw.task_eval_size,
+            min_operand: raw.task_min_operand,
+            max_operand: raw.task_max_operand,
+            ops: raw.task_ops,
+            seed: raw.task_seed,
         };
         if task.min_operand > task.max_operand {
             return bad(
@@ -885,16 +1205,14 @@ impl TrainConfig {
                 format!("{:?}: use a list of \"+\", \"-\", \"*\"", task.ops),
             );
         }
-        let report_to = v.strings("report_to")?;
-        let lora_r = v.usize("lora.r")?;
-        let lora = match lora_r {
+        let lora = match raw.lora_r {
             0 => None,
             r => {
-                let alpha = v.opt_f64("lora.alpha")?.unwrap_or(2.0 * r as f64);
+                let alpha = raw.lora_alpha.unwrap_or(2.0 * r as f64);
                 if !(alpha > 0.0 && alpha.is_finite()) {
                     return bad("lora.alpha", format!("must be > 0, got {alpha}"));
                 }
-                let dropout = v.f64("lora.dropout")?;
+                let dropout = raw.lora_dropout;
                 if !(0.0..1.0).contains(&dropout) {
                     return bad("lora.dropout", format!("must be in [0, 1), got {dropout}"));
                 }
@@ -902,60 +1220,34 @@ impl TrainConfig {
                     r,
                     alpha,
                     dropout,
-                    target_modules: v.strings("lora.target_modules")?,
-                    use_rslora: v.bool("lora.use_rslora")?,
+                    target_modules: raw.lora_target_modules,
+                    use_rslora: raw.lora_use_rslora,
                 })
             }
         };
-        let base_quantization = v.choice(
-            "base_quantization",
-            &[
-                ("none", None),
-                ("q4_0", Some(crate::models::QuantType::Q4_0)),
-                ("q4_1", Some(crate::models::QuantType::Q4_1)),
-                ("q8_0", Some(crate::models::QuantType::Q8_0)),
-            ],
-        )?;
-        if base_quantization.is_some() && lora.is_none() {
+        if raw.base_quantization.is_some() && lora.is_none() {
             return bad(
                 "base_quantization",
                 "a quantized base is frozen, so it needs LoRA adapters to train: set lora.r (e.g. --lora.r=16)".into(),
             );
         }
-        if lora.is_some() && v.bool("sync_ref_model")? {
+        if lora.is_some() && raw.sync_ref_model {
             return bad(
                 "sync_ref_model",
                 "with LoRA the reference is the base model with adapters off; it cannot be synced: set sync_ref_model = false".into(),
             );
         }
-        let dtype = v.choice(
-            "dtype",
-            &[
-                ("f32", DTypeOpt::F32),
-                ("float32", DTypeOpt::F32),
-                ("bf16", DTypeOpt::Bf16),
-                ("bfloat16", DTypeOpt::Bf16),
-            ],
-        )?;
-        let scale_rewards = match v.get("scale_rewards") {
-            Some(Value::Bool(true)) => ScaleRewards::Group,
-            Some(Value::Bool(false)) => ScaleRewards::None,
-            _ => v.named::<ScaleRewards>("scale_rewards")?,
-        };
-        let sync_steps = v.usize("ref_model_sync_steps")?;
-        if sync_steps == 0 {
+        if raw.ref_model_sync_steps == 0 {
             return bad("ref_model_sync_steps", "must be at least 1".into());
         }
-        let max_steps = match v.opt_i64("max_steps")? {
+        let max_steps = match raw.max_steps {
             None | Some(-1) => None,
             Some(n) if n <= 0 => {
                 return bad("max_steps", format!("must be positive or -1, got {n}"))
             }
             Some(n) => Some(n as u64),
         };
-        let multi_objective_aggregation =
-            v.named::<RewardAggregation>("multi_objective_aggregation")?;
-        if multi_objective_aggregation == RewardAggregation::NormalizeThenSum
+        if raw.multi_objective_aggregation == RewardAggregation::NormalizeThenSum
             && matches!(kl, KlMode::Reward { .. })
         {
             return bad(
@@ -965,88 +1257,107 @@ impl TrainConfig {
                     .into(),
             );
         }
-        let (eval_num_samples, eval_k, eval_temperature, eval_greedy) =
-            eval_settings(&v, temperature)?;
+        // Eval: the ks against the sample count, something to evaluate, the temperature.
+        let mut eval_k = raw.eval_k;
+        crate::eval::check_ks(&eval_k, raw.eval_num_samples, "eval_k", "eval_num_samples")?;
+        eval_k.sort_unstable();
+        eval_k.dedup();
+        if raw.eval_num_samples == 0 && !raw.eval_greedy {
+            return bad(
+                "eval_num_samples",
+                "0 samples with eval_greedy = false leave nothing to evaluate: set eval_num_samples \
+                 above 0 or eval_greedy = true"
+                    .into(),
+            );
+        }
+        let eval_temperature = raw.eval_temperature.unwrap_or(temperature);
+        if !(eval_temperature >= 0.0 && eval_temperature.is_finite()) {
+            return bad(
+                "eval_temperature",
+                format!("must be >= 0 (0 = greedy), got {eval_temperature}"),
+            );
+        }
         Ok(TrainConfig {
-            model: v.opt_string("model")?,
-            dtype,
-            output_dir: PathBuf::from(v.string("output_dir")?),
-            seed: v.usize("seed")? as u64,
-            threads: v.opt_usize("threads")?.filter(|&n| n > 0),
+            model: raw.model,
+            dtype: raw.dtype,
+            output_dir: raw.output_dir,
+            seed: raw.seed,
+            threads: raw.threads.filter(|&n| n > 0),
+            device: raw.device,
             max_steps,
-            num_train_epochs: v.f64("num_train_epochs")?,
-            train_file: v.opt_string("train_file")?.map(PathBuf::from),
-            eval_file: v.opt_string("eval_file")?.map(PathBuf::from),
-            prompt_field: v.string("prompt_field")?,
-            answer_field: v.string("answer_field")?,
-            system_prompt: v.opt_string("system_prompt")?,
-            shuffle_dataset: v.bool("shuffle_dataset")?,
-            skip_bad_rows: v.bool("skip_bad_rows")?,
-            max_prompt_length: v.opt_usize("max_prompt_length")?,
+            num_train_epochs: raw.num_train_epochs,
+            train_file: raw.train_file,
+            eval_file: raw.eval_file,
+            prompt_field: raw.prompt_field,
+            answer_field: raw.answer_field,
+            system_prompt: raw.system_prompt,
+            shuffle_dataset: raw.shuffle_dataset,
+            skip_bad_rows: raw.skip_bad_rows,
+            max_prompt_length: raw.max_prompt_length,
             task,
-            rewards,
-            reward_weights: v.opt_f64s("reward_weights")?,
+            rewards: vec![],
+            reward_weights: raw.reward_weights,
             num_generations: g,
-            max_completion_length,
+            max_completion_length: raw.max_completion_length,
             temperature,
             top_p,
-            top_k: v.usize("top_k")?,
-            min_p: v.opt_f64("min_p")?,
-            repetition_penalty: v.f64("repetition_penalty")?,
-            stop: v.strings("stop")?,
+            top_k: raw.top_k,
+            min_p: raw.min_p,
+            repetition_penalty: raw.repetition_penalty,
+            stop: raw.stop,
             generation_batch_size: gbs,
             steps_per_generation: spg,
             per_device_train_batch_size: per_device,
-            forward_chunk_tokens,
+            forward_chunk_tokens: raw.forward_chunk_tokens,
             gradient_accumulation_steps: accum,
-            num_iterations,
+            num_iterations: raw.num_iterations,
             learning_rate: lr,
-            adam_beta1: v.f64("adam_beta1")?,
-            adam_beta2: v.f64("adam_beta2")?,
-            adam_epsilon: v.f64("adam_epsilon")?,
-            weight_decay: v.f64("weight_decay")?,
-            max_grad_norm: v.f64("max_grad_norm")?,
-            lr_scheduler_type: v.named::<LrSchedule>("lr_scheduler_type")?,
-            warmup_ratio,
-            warmup_steps: v.usize("warmup_steps")?,
-            max_consecutive_nonfinite: v.usize("max_consecutive_nonfinite")?.max(1),
-            loss_type: v.named::<LossType>("loss_type")?,
+            adam_beta1: raw.adam_beta1,
+            adam_beta2: raw.adam_beta2,
+            adam_epsilon: raw.adam_epsilon,
+            weight_decay: raw.weight_decay,
+            max_grad_norm: raw.max_grad_norm,
+            lr_scheduler_type: raw.lr_scheduler_type,
+            warmup_ratio: raw.warmup_ratio,
+            warmup_steps: raw.warmup_steps,
+            max_consecutive_nonfinite: raw.max_consecutive_nonfinite.max(1),
+            loss_type: raw.loss_type,
             beta,
             epsilon,
             epsilon_high,
-            delta: v.opt_f64("delta")?,
-            importance_sampling_level: v.named::<IsLevel>("importance_sampling_level")?,
-            scale_rewards,
-            mask_truncated_completions: v.bool("mask_truncated_completions")?,
-            entropy_coef: v.f64("entropy_coef")?,
-            use_bias_correction_kl: v.bool("use_bias_correction_kl")?,
-            reward_std_floor: v.opt_f64("reward_std_floor")?,
-            multi_objective_aggregation,
-            normalize_advantages_batch: v.bool("normalize_advantages_batch")?,
-            drop_zero_std_groups: v.bool("drop_zero_std_groups")?,
+            delta: raw.delta,
+            importance_sampling_level: raw.importance_sampling_level,
+            scale_rewards: raw.scale_rewards,
+            mask_truncated_completions: raw.mask_truncated_completions,
+            entropy_coef: raw.entropy_coef,
+            use_bias_correction_kl: raw.use_bias_correction_kl,
+            reward_std_floor: raw.reward_std_floor,
+            multi_objective_aggregation: raw.multi_objective_aggregation,
+            normalize_advantages_batch: raw.normalize_advantages_batch,
+            drop_zero_std_groups: raw.drop_zero_std_groups,
             kl_coef,
-            kl_target,
-            kl_horizon,
+            kl_target: raw.kl_target,
+            kl_horizon: raw.kl_horizon,
             kl,
-            sync_ref_model: v.bool("sync_ref_model")?,
-            ref_model_sync_steps: sync_steps,
-            ref_model_mixup_alpha: v.f64("ref_model_mixup_alpha")?,
-            logging_steps: v.usize("logging_steps")?,
-            log_completions: v.bool("log_completions")?,
-            log_completions_steps: v.usize("log_completions_steps")?,
-            num_completions_to_print: v.usize("num_completions_to_print")?,
-            save_steps: v.usize("save_steps")?,
-            save_total_limit: v.opt_usize("save_total_limit")?,
-            eval_steps: v.usize("eval_steps")?,
-            eval_num_prompts: v.opt_usize("eval_num_prompts")?,
-            eval_num_samples,
+            sync_ref_model: raw.sync_ref_model,
+            ref_model_sync_steps: raw.ref_model_sync_steps,
+            ref_model_mixup_alpha: raw.ref_model_mixup_alpha,
+            logging_steps: raw.logging_steps.0,
+            log_completions: raw.log_completions,
+            log_completions_steps: raw.log_completions_steps,
+            num_completions_to_print: raw.num_completions_to_print,
+            save_steps: raw.save_steps,
+            save_total_limit: raw.save_total_limit,
+            eval_steps: raw.eval_steps,
+            eval_num_prompts: raw.eval_num_prompts,
+            eval_num_samples: raw.eval_num_samples,
             eval_k,
             eval_temperature,
-            eval_greedy,
-            report_to,
+            eval_greedy: raw.eval_greedy,
+            report_to: raw.report_to,
             lora,
-            base_quantization,
-            gradient_checkpointing: v.bool("gradient_checkpointing")?,
+            base_quantization: raw.base_quantization,
+            gradient_checkpointing: raw.gradient_checkpointing,
             ignored_keys: vec![],
             resolved: BTreeMap::new(),
         })
@@ -1077,6 +1388,21 @@ impl TrainConfig {
             system_prompt: cfg.system_prompt.clone(),
             max_prompt_length: cfg.max_prompt_length,
         }
+    }
+
+    /// Sets `max_completion_length` after loading (`grpo eval --max-new-tokens`), and with it the
+    /// default `max_length` of length rewards: the reward tables are parsed again.
+    pub fn set_max_completion_length(&mut self, n: usize) -> Result<()> {
+        if n == 0 {
+            return Err(Error::config("max_completion_length", "must be at least 1"));
+        }
+        if let Some(Value::Array(tables)) = self.resolved.get("rewards") {
+            self.rewards = crate::rewards::parse_specs(tables, n)?;
+        }
+        self.max_completion_length = n;
+        self.resolved
+            .insert("max_completion_length".into(), Value::from(n));
+        Ok(())
     }
 
     /// Prompts per generation round.
@@ -1315,6 +1641,250 @@ lora_target_modules: [q_proj, k_proj]
         let c2 = load(&text, Format::Toml, &[]).unwrap();
         assert_eq!(c, c2, "{text}");
         assert_eq!(c2.rewards.len(), 1);
+    }
+
+    /// The configs whose `to_toml()` is pinned byte for byte (it is each checkpoint's
+    /// config.toml): (name, input text, format, overrides).
+    fn golden_cases() -> Vec<(&'static str, &'static str, Format, Vec<String>)> {
+        let o = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        vec![
+            ("default", DEFAULT_CONFIG, Format::Toml, vec![]),
+            (
+                "trl",
+                include_str!("../testdata/to_toml/trl.yaml"),
+                Format::Yaml,
+                vec![],
+            ),
+            (
+                "rewards",
+                include_str!("../testdata/to_toml/rewards.toml"),
+                Format::Toml,
+                vec![],
+            ),
+            (
+                "lora",
+                include_str!("../testdata/to_toml/lora.toml"),
+                Format::Toml,
+                o(&["--lora.dropout=0.1"]),
+            ),
+            (
+                "overrides",
+                DEFAULT_CONFIG,
+                Format::Toml,
+                o(&[
+                    "--num_generations=4",
+                    "--stop=###,END",
+                    "--eval_k=1,4",
+                    "--eval_num_samples=4",
+                    "--task.ops=+,-",
+                    "--lora_r=4",
+                    "--max_steps=-1",
+                    "--threads=2",
+                    "--model_name_or_path=/models/x",
+                    "--learning_rate=5e-6",
+                    "--temperature=\"0.7\"",
+                    "--report_to=jsonl,tensorboard",
+                    "--reward_weights=[1.0, 0.5]",
+                    "--generation_batch_size=128",
+                    "--gradient_accumulation_steps=2",
+                    "--use_vllm=true",
+                    "--system_prompt=Be brief.",
+                ]),
+            ),
+        ]
+    }
+
+    #[test]
+    fn reward_tables_are_checked_when_the_config_is_read() {
+        let c = load(
+            "max_completion_length = 40\n[[rewards]]\nkind = \"length\"\n\
+             [[rewards]]\nkind = \"command\"\ncommand = \"python3 score.py\"\nname = \"mine\"\n",
+            Format::Toml,
+            &[],
+        )
+        .unwrap();
+        use crate::rewards::{rules::Length, RewardKind};
+        assert_eq!(c.rewards.len(), 2);
+        // The default max_length of a length reward is the config's max_completion_length.
+        assert_eq!(
+            c.rewards[0].kind,
+            RewardKind::Length(Length::Overlong {
+                max_length: 40,
+                cache: 10
+            })
+        );
+        assert_eq!(
+            (c.rewards[1].name.as_str(), c.rewards[1].path.as_str()),
+            ("mine", "rewards[1]")
+        );
+        // Nothing is started while the config is read: the scorer program need not exist.
+        assert!(
+            matches!(&c.rewards[1].kind, RewardKind::Command(s) if s.command == ["python3", "score.py"])
+        );
+        for (text, want) in [
+            (
+                "[[rewards]]\nkind = \"answer_match\"\n[[rewards]]\nkind = \"answer_matc\"\n",
+                &["rewards[1].kind", "did you mean `answer_match`"][..],
+            ),
+            (
+                "[[rewards]]\nkind = \"format\"\npatern = \"x\"\n",
+                &["rewards[0].patern", "did you mean `pattern`"],
+            ),
+            (
+                "[[rewards]]\nkind = \"composite\"\n[rewards.quality]\nkind = \"judge\"\nmode = \"x\"\n",
+                &["rewards[0].quality.mode"],
+            ),
+            (
+                "[[rewards]]\nkind = \"classifier\"\n",
+                &["rewards[0].model", "missing"],
+            ),
+            (
+                "[[rewards]]\nkind = \"judge\"\nmode = \"expected_score\"\nscores = [\"1\", \"2\"]\nscore_values = [1.0]\n",
+                &["rewards[0].score_values", "1 values for 2 score tokens"],
+            ),
+            (
+                "[[rewards]]\nkind = \"diversity\"\n[[rewards]]\nkind = \"diversity\"\n",
+                &["rewards[1].name"],
+            ),
+        ] {
+            let e = load(text, Format::Toml, &[]).unwrap_err().to_string();
+            for w in want {
+                assert!(e.contains(w), "{text}: {e}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_new_completion_budget_moves_the_length_default() {
+        use crate::rewards::{rules::Length, RewardKind};
+        let mut c = load(
+            "max_completion_length = 40\n[[rewards]]\nkind = \"length\"\n\
+             [[rewards]]\nkind = \"length\"\nmax_length = 8\nname = \"fixed\"\n",
+            Format::Toml,
+            &[],
+        )
+        .unwrap();
+        c.set_max_completion_length(100).unwrap();
+        assert_eq!(c.max_completion_length, 100);
+        let lengths: Vec<&RewardKind> = c.rewards.iter().map(|r| &r.kind).collect();
+        assert_eq!(
+            lengths,
+            [
+                &RewardKind::Length(Length::Overlong {
+                    max_length: 100,
+                    cache: 25
+                }),
+                &RewardKind::Length(Length::Overlong {
+                    max_length: 8,
+                    cache: 2
+                })
+            ]
+        );
+        assert!(c.to_toml().contains("max_completion_length = 100\n"));
+        assert!(c.set_max_completion_length(0).is_err());
+    }
+
+    #[test]
+    fn device_key_parses_and_stays_out_of_the_toml_when_unset() {
+        let c = load("", Format::Toml, &[]).unwrap();
+        assert_eq!(c.device, DeviceSpec::Cpu);
+        assert!(!c.to_toml().lines().any(|l| l.starts_with("device")));
+        assert!(c.device.device().unwrap().is_cpu());
+        for (v, want) in [
+            ("cpu", DeviceSpec::Cpu),
+            ("cuda", DeviceSpec::Cuda(0)),
+            ("cuda:1", DeviceSpec::Cuda(1)),
+        ] {
+            let c = load(&format!("device = \"{v}\""), Format::Toml, &[]).unwrap();
+            assert_eq!(c.device, want);
+            assert!(c
+                .to_toml()
+                .lines()
+                .any(|l| l == format!("device = \"{v}\"")));
+        }
+        let c = load("", Format::Toml, &["--device=cuda:2"]).unwrap();
+        assert_eq!(c.device, DeviceSpec::Cuda(2));
+        for bad in ["\"tpu\"", "\"cuda:x\"", "\"cuda1\"", "1"] {
+            let e = load(&format!("device = {bad}"), Format::Toml, &[])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("`device`"), "{bad}: {e}");
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let e = DeviceSpec::Cuda(0).device().unwrap_err().to_string();
+            assert!(
+                e.contains("`device`") && e.contains("--features cuda"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn ignored_trl_keys_are_not_keys() {
+        for k in ignored_trl_keys() {
+            assert!(
+                !KEYS.iter().any(|d| d.key == *k),
+                "{k} is a key and in IGNORED"
+            );
+        }
+        for k in ["report_to", "gradient_checkpointing"] {
+            assert!(
+                KEYS.iter().any(|d| d.key == k) && !IGNORED.contains(&k),
+                "{k}"
+            );
+        }
+        let c = load(
+            "report_to = [\"jsonl\"]\ngradient_checkpointing = true\nfp16 = false",
+            Format::Toml,
+            &[],
+        )
+        .unwrap();
+        assert_eq!(c.ignored_keys, vec!["fp16"]);
+        assert!(c.gradient_checkpointing && c.report_to == ["jsonl"]);
+    }
+
+    #[test]
+    fn kinds_come_from_the_declared_types() {
+        let kind = |key: &str| {
+            reference()
+                .into_iter()
+                .find(|k| k.key == key)
+                .map(|k| k.kind)
+                .unwrap()
+        };
+        assert_eq!(kind("loss_type"), "grpo|bnpo|dr_grpo|dapo");
+        assert_eq!(kind("scale_rewards"), "group|batch|none");
+        assert_eq!(kind("base_quantization"), "none|q4_0|q4_1|q8_0");
+        assert_eq!(kind("output_dir"), "path");
+        assert_eq!(kind("eval_k"), "list of int");
+        assert_eq!(kind("task.ops"), "list of \"+\" \"-\" \"*\"");
+        assert_eq!(kind("device"), "cpu|cuda|cuda:N");
+        let keys: Vec<&str> = KEYS.iter().map(|k| k.key).collect();
+        let mut unique = keys.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        assert_eq!(unique.len(), keys.len(), "a key is declared twice");
+    }
+
+    /// `to_toml()` is written into every checkpoint: the same input must give the same bytes.
+    #[test]
+    fn to_toml_is_pinned_byte_for_byte() {
+        let expected = [
+            include_str!("../testdata/to_toml/default.expected.toml"),
+            include_str!("../testdata/to_toml/trl.expected.toml"),
+            include_str!("../testdata/to_toml/rewards.expected.toml"),
+            include_str!("../testdata/to_toml/lora.expected.toml"),
+            include_str!("../testdata/to_toml/overrides.expected.toml"),
+        ];
+        for ((name, text, f, o), want) in golden_cases().into_iter().zip(expected) {
+            let c = TrainConfig::from_str(text, f, name, &o).unwrap();
+            let got = c.to_toml();
+            assert!(got == want, "{name}: to_toml changed:\n{got}");
+            // And it loads back to the same config.
+            let c2 = TrainConfig::from_str(&got, Format::Toml, name, &[]).unwrap();
+            assert_eq!(c2.to_toml(), got, "{name}");
+        }
     }
 
     #[test]

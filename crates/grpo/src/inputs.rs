@@ -8,7 +8,7 @@ use candle_core::Device;
 use crate::config::TrainConfig;
 use crate::data::{self, Example};
 use crate::rewards::{self, Reward};
-use crate::Result;
+use crate::{Error, Result};
 
 /// The prompt sets and rewards of a run.
 pub struct RunData {
@@ -44,15 +44,19 @@ pub fn held_out_examples(cfg: &TrainConfig) -> Result<Vec<Example>> {
     Ok(data::arithmetic::make_task(&cfg.task.params())?.1)
 }
 
-/// Rows of a prompt file, read with the config's `prompt_field`, `answer_field` and
-/// `skip_bad_rows` (skipped rows are counted in a warning).
-pub fn load_examples(cfg: &TrainConfig, path: &Path) -> Result<Vec<Example>> {
-    let fields = data::DataFields {
+/// The fields a config reads prompt rows with: `prompt_field`, `answer_field`, `skip_bad_rows`.
+pub fn data_fields(cfg: &TrainConfig) -> data::DataFields {
+    data::DataFields {
         prompt_field: cfg.prompt_field.clone(),
         answer_field: cfg.answer_field.clone(),
         skip_bad_rows: cfg.skip_bad_rows,
-    };
-    let loaded = data::load_examples(path, &fields)?;
+    }
+}
+
+/// Rows of a prompt file, read with the config's [`data_fields`] (skipped rows are counted in a
+/// warning).
+pub fn load_examples(cfg: &TrainConfig, path: &Path) -> Result<Vec<Example>> {
+    let loaded = data::load_examples(path, &data_fields(cfg))?;
     if let Some(first) = loaded.skipped.first() {
         tracing::warn!(
             "{}: skipped {} bad rows (skip_bad_rows = true); first: {first}",
@@ -63,14 +67,24 @@ pub fn load_examples(cfg: &TrainConfig, path: &Path) -> Result<Vec<Example>> {
     Ok(loaded.examples)
 }
 
-/// A config's `[[rewards]]`, or the built-in task's rewards when it has none.
+/// A config's `[[rewards]]` (parsed when the config was read), built on `device`: scorer
+/// programs started, reward models loaded. The built-in task's rewards when it has none.
 pub fn config_rewards(cfg: &TrainConfig, device: &Device) -> Result<Vec<Reward>> {
     if cfg.rewards.is_empty() {
         return Ok(rewards::builtin_task_rewards());
     }
-    let ctx = rewards::RewardContext {
-        max_completion_length: cfg.max_completion_length,
-        device: device.clone(),
-    };
-    rewards::parse_rewards(&cfg.rewards, &ctx)
+    rewards::build_rewards(&cfg.rewards, device)
+}
+
+/// The weight of each reward: `reward_weights` when set (one per reward), else each reward's own
+/// `weight`.
+pub fn reward_weights(cfg: &TrainConfig, rewards: &[Reward]) -> Result<Vec<f32>> {
+    match &cfg.reward_weights {
+        Some(w) if w.len() != rewards.len() => Err(Error::config(
+            "reward_weights",
+            format!("{} weights for {} reward functions", w.len(), rewards.len()),
+        )),
+        Some(w) => Ok(w.iter().map(|&x| x as f32).collect()),
+        None => Ok(rewards.iter().map(|r| r.weight).collect()),
+    }
 }

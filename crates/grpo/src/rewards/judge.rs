@@ -30,18 +30,35 @@ pub enum JudgeMode {
     ExpectedScore { scores: Vec<(u32, f32)> },
 }
 
-#[derive(Debug)]
-pub struct Judge {
-    model: CausalLm,
-    tok: Tokenizer,
-    template: String,
-    chat: bool,
-    mode: JudgeMode,
-    batch_size: usize,
-    pad: u32,
+/// The options of a `kind = "judge"` reward, checked; the model is loaded by [`Judge::load`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct JudgeSpec {
+    /// HF directory, .gguf file or hub id (unset: the default model).
+    pub model: Option<String>,
+    /// The rubric (minijinja), checked to render.
+    pub template: String,
+    /// Render the rubric with the judge's chat template (unset: when the judge has one).
+    pub chat: Option<bool>,
+    pub mode: JudgeWords,
+    pub batch_size: usize,
 }
 
-impl Judge {
+/// The words whose next-token probabilities make the reward (token ids once the judge's
+/// tokenizer is loaded: [`JudgeMode`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum JudgeWords {
+    YesProbability {
+        yes: Vec<String>,
+        no: Vec<String>,
+    },
+    /// Score words and the value of each.
+    ExpectedScore {
+        scores: Vec<String>,
+        values: Vec<f32>,
+    },
+}
+
+impl JudgeSpec {
     pub const KEYS: &'static [&'static str] = &[
         "model",
         "template",
@@ -54,19 +71,86 @@ impl Judge {
         "batch_size",
     ];
 
-    pub fn from_table(t: &Table, device: &Device) -> Result<Self> {
+    pub fn from_table(t: &Table) -> Result<Self> {
         let template = t.str("template", DEFAULT_TEMPLATE)?.to_string();
         // Check the template once with empty values, so a syntax error names the key now.
         render(&template, &ScoreItemOwned::default())
             .map_err(|e| t.err("template", format!("cannot render: {e}")))?;
-        let source = hub::resolve_model(t.opt_str("model")?)?;
+        let model = t.opt_str("model")?.map(str::to_owned);
+        let chat = t.opt_bool("chat")?;
+        #[derive(Clone, Copy)]
+        enum M {
+            Yes,
+            Expected,
+        }
+        let mode = match t.choice(
+            "mode",
+            M::Yes,
+            &[("yes_probability", M::Yes), ("expected_score", M::Expected)],
+        )? {
+            M::Yes => JudgeWords::YesProbability {
+                yes: t.opt_strs("yes")?.unwrap_or_else(|| vec!["Yes".into()]),
+                no: t.opt_strs("no")?.unwrap_or_default(),
+            },
+            M::Expected => {
+                let scores = t.opt_strs("scores")?.ok_or_else(|| {
+                    t.err(
+                        "scores",
+                        "missing: the score tokens, e.g. [\"1\", \"2\", \"3\", \"4\", \"5\"]",
+                    )
+                })?;
+                let values: Vec<f32> = match t.get("score_values") {
+                    None => (1..=scores.len()).map(|v| v as f32).collect(),
+                    Some(v) => serde_json::from_value::<Vec<f32>>(v.clone()).map_err(|_| {
+                        t.err(
+                            "score_values",
+                            format!("expected a list of numbers, got {v}"),
+                        )
+                    })?,
+                };
+                if values.len() != scores.len() {
+                    return Err(t.err(
+                        "score_values",
+                        format!("{} values for {} score tokens", values.len(), scores.len()),
+                    ));
+                }
+                JudgeWords::ExpectedScore { scores, values }
+            }
+        };
+        Ok(JudgeSpec {
+            model,
+            template,
+            chat,
+            mode,
+            batch_size: t.usize("batch_size", 8)?.max(1),
+        })
+    }
+}
+
+#[derive(Debug)]
+pub struct Judge {
+    model: CausalLm,
+    tok: Tokenizer,
+    template: String,
+    chat: bool,
+    mode: JudgeMode,
+    batch_size: usize,
+    pad: u32,
+}
+
+impl Judge {
+    /// Loads the judge model on `device`; `path` names the reward table in errors
+    /// (`rewards[2]`).
+    pub fn load(spec: &JudgeSpec, path: &str, device: &Device) -> Result<Self> {
+        let err = |k: &str, msg: String| Error::config(format!("{path}.{k}"), msg);
+        let source = hub::resolve_model(spec.model.as_deref())?;
         let loaded = load_model(&source, DType::F32, device)?;
         let tok = loaded.tokenizer()?.clone();
         let mut model = loaded.build()?;
         model.pack_for_decoding()?;
-        let chat = t.bool("chat", tok.has_chat_template())?;
+        let chat = spec.chat.unwrap_or(tok.has_chat_template());
         if chat && !tok.has_chat_template() {
-            return Err(t.err(
+            return Err(err(
                 "chat",
                 format!(
                     "the judge {} has no chat template; set chat = false",
@@ -81,7 +165,7 @@ impl Judge {
                     let ids = tok.encode(w, false)?;
                     match ids.as_slice() {
                         [id] => Ok(*id),
-                        _ => Err(t.err(
+                        _ => Err(err(
                             k,
                             format!(
                                 "`{w}` is {} tokens for the judge's tokenizer; give words that are \
@@ -93,61 +177,26 @@ impl Judge {
                 })
                 .collect()
         };
-        #[derive(Clone, Copy)]
-        enum M {
-            Yes,
-            Expected,
-        }
-        let mode = match t.choice(
-            "mode",
-            M::Yes,
-            &[("yes_probability", M::Yes), ("expected_score", M::Expected)],
-        )? {
-            M::Yes => {
-                let yes = t.opt_strs("yes")?.unwrap_or_else(|| vec!["Yes".into()]);
-                let no = t.opt_strs("no")?.unwrap_or_default();
-                JudgeMode::YesProbability {
-                    yes: ids_of("yes", &yes)?,
-                    no: ids_of("no", &no)?,
-                }
-            }
-            M::Expected => {
-                let words = t.opt_strs("scores")?.ok_or_else(|| {
-                    t.err(
-                        "scores",
-                        "missing: the score tokens, e.g. [\"1\", \"2\", \"3\", \"4\", \"5\"]",
-                    )
-                })?;
-                let ids = ids_of("scores", &words)?;
-                let values: Vec<f32> = match t.get("score_values") {
-                    None => (1..=ids.len()).map(|v| v as f32).collect(),
-                    Some(v) => serde_json::from_value::<Vec<f32>>(v.clone()).map_err(|_| {
-                        t.err(
-                            "score_values",
-                            format!("expected a list of numbers, got {v}"),
-                        )
-                    })?,
-                };
-                if values.len() != ids.len() {
-                    return Err(t.err(
-                        "score_values",
-                        format!("{} values for {} score tokens", values.len(), ids.len()),
-                    ));
-                }
-                JudgeMode::ExpectedScore {
-                    scores: ids.into_iter().zip(values).collect(),
-                }
-            }
+        let mode = match &spec.mode {
+            JudgeWords::YesProbability { yes, no } => JudgeMode::YesProbability {
+                yes: ids_of("yes", yes)?,
+                no: ids_of("no", no)?,
+            },
+            JudgeWords::ExpectedScore { scores, values } => JudgeMode::ExpectedScore {
+                scores: ids_of("scores", scores)?
+                    .into_iter()
+                    .zip(values.iter().copied())
+                    .collect(),
+            },
         };
-        let batch_size = t.usize("batch_size", 8)?.max(1);
         let pad = tok.pad_token_id().or(tok.eos_token_id()).unwrap_or(0);
         Ok(Judge {
             model,
             tok,
-            template,
+            template: spec.template.clone(),
             chat,
             mode,
-            batch_size,
+            batch_size: spec.batch_size,
             pad,
         })
     }

@@ -2,8 +2,10 @@
 //! and metadata) with one number each, or NaN when it cannot ("missing": left out of the group's
 //! statistics).
 //!
-//! Configured as `[[rewards]]` tables (see [`parse_rewards`]); each kind's options are read by its
-//! own module through [`table::Table`], which names `rewards[i].key` in every error.
+//! Configured as `[[rewards]]` tables, in two steps: [`parse_specs`] reads each table into a
+//! [`RewardSpec`] when the config is read (each kind's options are read by its own module through
+//! [`table::Table`], which names `rewards[i].key` in every error), and [`RewardSpec::build`]
+//! starts scorer programs and loads reward models when a run starts.
 
 pub mod command;
 pub mod judge;
@@ -266,7 +268,7 @@ impl Composite {
     }
 }
 
-/// What parsing a reward may need from the run.
+/// What parsing and building a reward may need from the run (see [`parse_rewards`]).
 #[derive(Debug, Clone)]
 pub struct RewardContext {
     /// The default `max_length` of length rewards.
@@ -287,22 +289,65 @@ const KINDS: &[(&str, &[&str])] = &[
         "composite",
         &["quality", "safety", "diversity", "coherence"],
     ),
-    ("judge", judge::Judge::KEYS),
-    ("classifier", models::ClassifierReward::KEYS),
-    ("embedding", models::EmbeddingReward::KEYS),
+    ("judge", judge::JudgeSpec::KEYS),
+    ("classifier", models::ClassifierSpec::KEYS),
+    ("embedding", models::EmbeddingSpec::KEYS),
     ("command", command::CommandSpec::KEYS),
     ("http", command::HttpSpec::KEYS),
 ];
 
-/// `[[rewards]]` tables -> rewards.
-pub fn parse_rewards(tables: &[Value], ctx: &RewardContext) -> Result<Vec<Reward>> {
-    let rewards = tables
+/// One `[[rewards]]` table, parsed and checked: every option read and validated, nothing started
+/// or loaded yet. Made when the config is read ([`parse_specs`]), so a typo fails there;
+/// [`RewardSpec::build`] later starts scorer programs and loads reward models.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RewardSpec {
+    pub name: String,
+    pub weight: f32,
+    /// How the table is named in errors: `rewards[2]`, `rewards[0].quality`.
+    pub path: String,
+    pub kind: RewardKind,
+}
+
+/// A reward kind with its options.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RewardKind {
+    AnswerMatch(AnswerMatch),
+    /// See [`RewardFn::IntegerOnly`].
+    IntegerOnly {
+        value: f32,
+        only_if_correct: bool,
+    },
+    Format(Format),
+    Length(Length),
+    Repetition {
+        n: usize,
+        max_penalty: f32,
+    },
+    Diversity {
+        n: usize,
+    },
+    /// See [`Composite`].
+    Composite {
+        terms: Vec<RewardSpec>,
+        coherence: f32,
+    },
+    Judge(judge::JudgeSpec),
+    Classifier(models::ClassifierSpec),
+    Embedding(models::EmbeddingSpec),
+    Command(command::CommandSpec),
+    Http(command::HttpSpec),
+}
+
+/// `[[rewards]]` tables -> specs (`max_completion_length`: the default `max_length` of length
+/// rewards). Errors name the table and key (`rewards[2].timeout_s`); names must be distinct.
+pub fn parse_specs(tables: &[Value], max_completion_length: usize) -> Result<Vec<RewardSpec>> {
+    let specs = tables
         .iter()
         .enumerate()
-        .map(|(i, t)| parse_reward(t, format!("rewards[{i}]"), ctx))
+        .map(|(i, t)| RewardSpec::parse(t, format!("rewards[{i}]"), max_completion_length))
         .collect::<Result<Vec<_>>>()?;
     let mut seen = std::collections::HashSet::new();
-    for (i, r) in rewards.iter().enumerate() {
+    for (i, r) in specs.iter().enumerate() {
         if !seen.insert(r.name.as_str()) {
             return Err(Error::config(
                 format!("rewards[{i}].name"),
@@ -313,99 +358,154 @@ pub fn parse_rewards(tables: &[Value], ctx: &RewardContext) -> Result<Vec<Reward
             ));
         }
     }
-    Ok(rewards)
+    Ok(specs)
 }
 
-fn parse_reward(v: &Value, path: String, ctx: &RewardContext) -> Result<Reward> {
-    let obj = v
-        .as_object()
-        .ok_or_else(|| Error::config(&path, "must be a table"))?;
-    let kinds: Vec<&str> = KINDS.iter().map(|k| k.0).collect();
-    let kind = obj.get("kind").and_then(Value::as_str).ok_or_else(|| {
-        Error::config(
-            format!("{path}.kind"),
-            format!("missing: one of {}", kinds.join(", ")),
-        )
-    })?;
-    let Some((_, keys)) = KINDS.iter().find(|k| k.0 == kind) else {
-        let hint = crate::error::nearest(kind, &kinds)
-            .map(|n| format!(" (did you mean `{n}`?)"))
-            .unwrap_or_default();
-        return Err(Error::config(
-            format!("{path}.kind"),
-            format!(
-                "`{kind}` is not a reward kind{hint}; use one of {}",
-                kinds.join(", ")
-            ),
-        ));
-    };
-    let t = Table::new(obj, path.clone(), keys)?;
-    let func = match kind {
-        "answer_match" => RewardFn::AnswerMatch(AnswerMatch::from_table(&t)?),
-        "integer_only" => RewardFn::IntegerOnly {
-            value: t.f32("value", 0.1)?,
-            only_if_correct: t.bool("only_if_correct", false)?,
-        },
-        "format" => RewardFn::Format(Format::from_table(&t)?),
-        "length" => RewardFn::Length(Length::from_table(&t, ctx.max_completion_length)?),
-        "repetition" => {
-            let max_penalty = t.f32("max_penalty", -1.0)?;
-            if max_penalty > 0.0 {
-                return Err(t.err("max_penalty", "must be <= 0 (it is a penalty)"));
-            }
-            RewardFn::Repetition {
-                n: ngram_size(&t, 3)?,
-                max_penalty,
-            }
-        }
-        "diversity" => RewardFn::Diversity {
-            n: ngram_size(&t, 2)?,
-        },
-        "composite" => {
-            let mut terms = vec![];
-            for k in ["quality", "safety", "diversity"] {
-                if let Some(sub) = t.sub(k)? {
-                    let mut r = parse_reward(&Value::Object(sub.clone()), t.key(k), ctx)?;
-                    if !sub.contains_key("name") {
-                        r.name = k.to_string();
-                    }
-                    terms.push(r);
+/// Specs -> rewards: starts scorer programs, loads reward and judge models on `device`.
+pub fn build_rewards(specs: &[RewardSpec], device: &candle_core::Device) -> Result<Vec<Reward>> {
+    specs.iter().map(|s| s.build(device)).collect()
+}
+
+/// `[[rewards]]` tables -> rewards: [`parse_specs`] then [`build_rewards`].
+pub fn parse_rewards(tables: &[Value], ctx: &RewardContext) -> Result<Vec<Reward>> {
+    build_rewards(
+        &parse_specs(tables, ctx.max_completion_length)?,
+        &ctx.device,
+    )
+}
+
+impl RewardSpec {
+    /// One table; `path` names it in errors.
+    pub fn parse(v: &Value, path: String, max_completion_length: usize) -> Result<Self> {
+        let obj = v
+            .as_object()
+            .ok_or_else(|| Error::config(&path, "must be a table"))?;
+        let kinds: Vec<&str> = KINDS.iter().map(|k| k.0).collect();
+        let kind = obj.get("kind").and_then(Value::as_str).ok_or_else(|| {
+            Error::config(
+                format!("{path}.kind"),
+                format!("missing: one of {}", kinds.join(", ")),
+            )
+        })?;
+        let Some((_, keys)) = KINDS.iter().find(|k| k.0 == kind) else {
+            let hint = crate::error::nearest(kind, &kinds)
+                .map(|n| format!(" (did you mean `{n}`?)"))
+                .unwrap_or_default();
+            return Err(Error::config(
+                format!("{path}.kind"),
+                format!(
+                    "`{kind}` is not a reward kind{hint}; use one of {}",
+                    kinds.join(", ")
+                ),
+            ));
+        };
+        let t = Table::new(obj, path.clone(), keys)?;
+        let parsed = match kind {
+            "answer_match" => RewardKind::AnswerMatch(AnswerMatch::from_table(&t)?),
+            "integer_only" => RewardKind::IntegerOnly {
+                value: t.f32("value", 0.1)?,
+                only_if_correct: t.bool("only_if_correct", false)?,
+            },
+            "format" => RewardKind::Format(Format::from_table(&t)?),
+            "length" => RewardKind::Length(Length::from_table(&t, max_completion_length)?),
+            "repetition" => {
+                let max_penalty = t.f32("max_penalty", -1.0)?;
+                if max_penalty > 0.0 {
+                    return Err(t.err("max_penalty", "must be <= 0 (it is a penalty)"));
+                }
+                RewardKind::Repetition {
+                    n: ngram_size(&t, 3)?,
+                    max_penalty,
                 }
             }
-            let coherence = t.f32("coherence", 0.0)?;
-            if terms.is_empty() && coherence == 0.0 {
-                return Err(t.err(
-                    "quality",
-                    "a composite reward needs at least one of the tables quality, safety, \
-                     diversity, or a `coherence` weight",
-                ));
+            "diversity" => RewardKind::Diversity {
+                n: ngram_size(&t, 2)?,
+            },
+            "composite" => {
+                let mut terms = vec![];
+                for k in ["quality", "safety", "diversity"] {
+                    if let Some(sub) = t.sub(k)? {
+                        let mut r = RewardSpec::parse(
+                            &Value::Object(sub.clone()),
+                            t.key(k),
+                            max_completion_length,
+                        )?;
+                        if !sub.contains_key("name") {
+                            r.name = k.to_string();
+                        }
+                        terms.push(r);
+                    }
+                }
+                let coherence = t.f32("coherence", 0.0)?;
+                if terms.is_empty() && coherence == 0.0 {
+                    return Err(t.err(
+                        "quality",
+                        "a composite reward needs at least one of the tables quality, safety, \
+                         diversity, or a `coherence` weight",
+                    ));
+                }
+                RewardKind::Composite { terms, coherence }
             }
-            RewardFn::Composite(Box::new(Composite { terms, coherence }))
-        }
-        "judge" => RewardFn::Judge(Box::new(judge::Judge::from_table(&t, &ctx.device)?)),
-        "classifier" => RewardFn::Classifier(Box::new(models::ClassifierReward::from_table(
-            &t,
-            &ctx.device,
-        )?)),
-        "embedding" => RewardFn::Embedding(Box::new(models::EmbeddingReward::from_table(
-            &t,
-            &ctx.device,
-        )?)),
-        "command" => RewardFn::Command(Box::new(command::CommandScorer::start(
-            command::CommandSpec::from_table(&t)?,
-            t.str("name", kind)?,
-        )?)),
-        "http" => RewardFn::Http(Box::new(command::HttpScorer::start(
-            command::HttpSpec::from_table(&t)?,
-            t.str("name", kind)?,
-        )?)),
-        _ => unreachable!("kinds are checked above"),
-    };
-    Ok(Reward {
-        name: t.str("name", kind)?.to_string(),
-        func,
-        weight: t.f32("weight", 1.0)?,
-    })
+            "judge" => RewardKind::Judge(judge::JudgeSpec::from_table(&t)?),
+            "classifier" => RewardKind::Classifier(models::ClassifierSpec::from_table(&t)?),
+            "embedding" => RewardKind::Embedding(models::EmbeddingSpec::from_table(&t)?),
+            "command" => RewardKind::Command(command::CommandSpec::from_table(&t)?),
+            "http" => RewardKind::Http(command::HttpSpec::from_table(&t)?),
+            _ => unreachable!("kinds are checked above"),
+        };
+        Ok(RewardSpec {
+            name: t.str("name", kind)?.to_string(),
+            weight: t.f32("weight", 1.0)?,
+            path,
+            kind: parsed,
+        })
+    }
+
+    /// The reward: starts its scorer program or loads its model on `device` (errors name the
+    /// reward or its table's key).
+    pub fn build(&self, device: &candle_core::Device) -> Result<Reward> {
+        let func = match &self.kind {
+            RewardKind::AnswerMatch(m) => RewardFn::AnswerMatch(m.clone()),
+            &RewardKind::IntegerOnly {
+                value,
+                only_if_correct,
+            } => RewardFn::IntegerOnly {
+                value,
+                only_if_correct,
+            },
+            RewardKind::Format(f) => RewardFn::Format(f.clone()),
+            RewardKind::Length(l) => RewardFn::Length(*l),
+            &RewardKind::Repetition { n, max_penalty } => RewardFn::Repetition { n, max_penalty },
+            &RewardKind::Diversity { n } => RewardFn::Diversity { n },
+            RewardKind::Composite { terms, coherence } => {
+                RewardFn::Composite(Box::new(Composite {
+                    terms: build_rewards(terms, device)?,
+                    coherence: *coherence,
+                }))
+            }
+            RewardKind::Judge(j) => {
+                RewardFn::Judge(Box::new(judge::Judge::load(j, &self.path, device)?))
+            }
+            RewardKind::Classifier(c) => RewardFn::Classifier(Box::new(
+                models::ClassifierReward::load(c, &self.path, device)?,
+            )),
+            RewardKind::Embedding(e) => {
+                RewardFn::Embedding(Box::new(models::EmbeddingReward::load(e, device)?))
+            }
+            RewardKind::Command(c) => RewardFn::Command(Box::new(command::CommandScorer::start(
+                c.clone(),
+                &self.name,
+            )?)),
+            RewardKind::Http(h) => {
+                RewardFn::Http(Box::new(command::HttpScorer::start(h.clone(), &self.name)?))
+            }
+        };
+        Ok(Reward {
+            name: self.name.clone(),
+            func,
+            weight: self.weight,
+        })
+    }
 }
 
 fn ngram_size(t: &Table, default: usize) -> Result<usize> {
@@ -652,6 +752,58 @@ mod tests {
                 Ok(_) => panic!("{bad} parsed"),
                 Err(e) => e.to_string(),
             };
+            assert!(e.contains(key), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn specs_start_and_load_nothing_until_built() {
+        let t: Vec<Value> = serde_json::from_str(
+            r#"[{"kind": "command", "command": "/no/such/scorer --x", "name": "mine"},
+                {"kind": "classifier", "model": "/no/such/dir", "label": 2},
+                {"kind": "judge", "model": "/no/such/judge", "yes": ["Yes", " yes"]},
+                {"kind": "composite", "quality": {"kind": "answer_match"}, "coherence": 0.5}]"#,
+        )
+        .unwrap();
+        let specs = parse_specs(&t, 64).unwrap();
+        let names: Vec<&str> = specs.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["mine", "classifier", "judge", "composite"]);
+        assert!(matches!(
+            &specs[1].kind,
+            RewardKind::Classifier(c) if c.label == Some(models::LabelRef::Index(2))
+        ));
+        // A composite term is named after its slot unless it has a name.
+        let RewardKind::Composite { terms, .. } = &specs[3].kind else {
+            panic!("{:?}", specs[3].kind)
+        };
+        assert_eq!(
+            (terms[0].name.as_str(), terms[0].path.as_str()),
+            ("quality", "rewards[3].quality")
+        );
+        // Building is what starts the scorer; its error names the reward.
+        let e = specs[0].build(&candle_core::Device::Cpu).unwrap_err();
+        assert!(e.to_string().contains("mine"), "{e}");
+        let built = build_rewards(&specs[3..], &candle_core::Device::Cpu).unwrap();
+        assert!(built[0].needs_ref_logp());
+        // Options that need no model are checked when parsed.
+        for (bad, key) in [
+            (
+                r#"[{"kind": "classifier", "model": "m", "label": -1}]"#,
+                "rewards[0].label",
+            ),
+            (
+                r#"[{"kind": "judge", "template": "{{ x"}]"#,
+                "rewards[0].template",
+            ),
+            (r#"[{"kind": "judge", "chat": "yes"}]"#, "rewards[0].chat"),
+            (
+                r#"[{"kind": "embedding", "batch_size": -2}]"#,
+                "rewards[0].batch_size",
+            ),
+            (r#"[{"kind": "http", "url": "ftp://x"}]"#, "rewards[0].url"),
+        ] {
+            let t: Vec<Value> = serde_json::from_str(bad).unwrap();
+            let e = parse_specs(&t, 64).unwrap_err().to_string();
             assert!(e.contains(key), "{bad}: {e}");
         }
     }

@@ -10,7 +10,7 @@ use serde_json::Value;
 use super::table::Table;
 use super::ScoreItem;
 use crate::models::encoder::{SentenceEmbedder, SequenceClassifier};
-use crate::Result;
+use crate::{Error, Result};
 
 /// What the classifier reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,66 +31,52 @@ pub enum ClassifierOutput {
     Probability,
 }
 
-#[derive(Debug)]
-pub struct ClassifierReward {
-    model: SequenceClassifier,
-    label: usize,
-    input: ClassifierInput,
-    output: ClassifierOutput,
-    batch_size: usize,
+/// Which label's score is the reward.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LabelRef {
+    /// A label name (case-insensitive), checked against the model's labels when it is loaded.
+    Name(String),
+    /// A label index.
+    Index(usize),
 }
 
-impl ClassifierReward {
+/// The options of a `kind = "classifier"` reward, checked; the model is loaded by
+/// [`ClassifierReward::load`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClassifierSpec {
+    /// A local Hugging Face directory of a `*ForSequenceClassification` model.
+    pub model: String,
+    /// Unset: the only label of a one-label model.
+    pub label: Option<LabelRef>,
+    pub input: ClassifierInput,
+    pub output: ClassifierOutput,
+    pub batch_size: usize,
+}
+
+impl ClassifierSpec {
     pub const KEYS: &'static [&'static str] = &["model", "label", "input", "output", "batch_size"];
 
-    pub fn from_table(t: &Table, device: &Device) -> Result<Self> {
-        let dir = t.req_str(
+    pub fn from_table(t: &Table) -> Result<Self> {
+        let model = t.req_str(
             "model",
             "a local Hugging Face directory of a *ForSequenceClassification model",
         )?;
-        let model = SequenceClassifier::load(Path::new(dir), device)?;
-        let labels = model.labels().to_vec();
-        let listed = || {
-            labels
-                .iter()
-                .enumerate()
-                .map(|(i, l)| format!("{i} = {l}"))
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
         let label = match t.get("label") {
-            None if labels.len() == 1 => 0,
-            None => {
-                return Err(t.err(
-                    "label",
-                    format!("missing: which label's score is the reward ({})", listed()),
-                ))
-            }
-            Some(Value::String(name)) => labels
-                .iter()
-                .position(|l| l == name || l.eq_ignore_ascii_case(name))
-                .ok_or_else(|| {
+            None => None,
+            Some(Value::String(name)) => Some(LabelRef::Name(name.clone())),
+            Some(v) => Some(LabelRef::Index(v.as_u64().map(|i| i as usize).ok_or_else(
+                || {
                     t.err(
                         "label",
-                        format!("`{name}` is not a label of {dir}; its labels: {}", listed()),
-                    )
-                })?,
-            Some(v) => match v.as_u64() {
-                Some(i) if (i as usize) < labels.len() => i as usize,
-                _ => {
-                    return Err(t.err(
-                        "label",
                         format!(
-                            "{v} is not a label index of {dir} ({} labels: {})",
-                            labels.len(),
-                            listed()
+                            "{v} is not a label index: give a label name or a whole number >= 0"
                         ),
-                    ))
-                }
-            },
+                    )
+                },
+            )?)),
         };
-        Ok(ClassifierReward {
-            model,
+        Ok(ClassifierSpec {
+            model: model.to_owned(),
             label,
             input: t.choice(
                 "input",
@@ -109,6 +95,66 @@ impl ClassifierReward {
                 ],
             )?,
             batch_size: t.usize("batch_size", 16)?.max(1),
+        })
+    }
+}
+
+#[derive(Debug)]
+pub struct ClassifierReward {
+    model: SequenceClassifier,
+    label: usize,
+    input: ClassifierInput,
+    output: ClassifierOutput,
+    batch_size: usize,
+}
+
+impl ClassifierReward {
+    /// Loads the model on `device` and finds the label; `path` names the reward table in errors.
+    pub fn load(spec: &ClassifierSpec, path: &str, device: &Device) -> Result<Self> {
+        let err = |msg: String| Error::config(format!("{path}.label"), msg);
+        let dir = &spec.model;
+        let model = SequenceClassifier::load(Path::new(dir), device)?;
+        let labels = model.labels().to_vec();
+        let listed = || {
+            labels
+                .iter()
+                .enumerate()
+                .map(|(i, l)| format!("{i} = {l}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let label = match &spec.label {
+            None if labels.len() == 1 => 0,
+            None => {
+                return Err(err(format!(
+                    "missing: which label's score is the reward ({})",
+                    listed()
+                )))
+            }
+            Some(LabelRef::Name(name)) => labels
+                .iter()
+                .position(|l| l == name || l.eq_ignore_ascii_case(name))
+                .ok_or_else(|| {
+                    err(format!(
+                        "`{name}` is not a label of {dir}; its labels: {}",
+                        listed()
+                    ))
+                })?,
+            Some(LabelRef::Index(i)) if *i < labels.len() => *i,
+            Some(LabelRef::Index(i)) => {
+                return Err(err(format!(
+                    "{i} is not a label index of {dir} ({} labels: {})",
+                    labels.len(),
+                    listed()
+                )))
+            }
+        };
+        Ok(ClassifierReward {
+            model,
+            label,
+            input: spec.input,
+            output: spec.output,
+            batch_size: spec.batch_size,
         })
     }
 
@@ -154,6 +200,29 @@ pub fn label_score(row: &[f32], label: usize, output: ClassifierOutput) -> f32 {
 /// `kind = "embedding"`: cosine similarity between the completion and the reference text (the
 /// example's answer, or the field `reference_field`) under a sentence-embedding model (default
 /// all-MiniLM-L6-v2, fetched once from PyPI). NaN when an example has no reference.
+/// The options of a `kind = "embedding"` reward; the model is loaded by
+/// [`EmbeddingReward::load`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct EmbeddingSpec {
+    /// A local directory, or a name fetched once (default all-MiniLM-L6-v2).
+    pub model: String,
+    /// The metadata field holding the reference text (unset: the example's answer).
+    pub reference_field: Option<String>,
+    pub batch_size: usize,
+}
+
+impl EmbeddingSpec {
+    pub const KEYS: &'static [&'static str] = &["model", "reference_field", "batch_size"];
+
+    pub fn from_table(t: &Table) -> Result<Self> {
+        Ok(EmbeddingSpec {
+            model: t.str("model", "all-MiniLM-L6-v2")?.to_owned(),
+            reference_field: t.opt_str("reference_field")?.map(str::to_owned),
+            batch_size: t.usize("batch_size", 32)?.max(1),
+        })
+    }
+}
+
 #[derive(Debug)]
 pub struct EmbeddingReward {
     model: SentenceEmbedder,
@@ -162,15 +231,13 @@ pub struct EmbeddingReward {
 }
 
 impl EmbeddingReward {
-    pub const KEYS: &'static [&'static str] = &["model", "reference_field", "batch_size"];
-
-    pub fn from_table(t: &Table, device: &Device) -> Result<Self> {
-        let spec = t.str("model", "all-MiniLM-L6-v2")?;
-        let dir = crate::hub::resolve_encoder_model(spec)?;
+    /// Fetches the model if needed and loads it on `device`.
+    pub fn load(spec: &EmbeddingSpec, device: &Device) -> Result<Self> {
+        let dir = crate::hub::resolve_encoder_model(&spec.model)?;
         Ok(EmbeddingReward {
             model: SentenceEmbedder::load(&dir, device)?,
-            reference_field: t.opt_str("reference_field")?.map(str::to_owned),
-            batch_size: t.usize("batch_size", 32)?.max(1),
+            reference_field: spec.reference_field.clone(),
+            batch_size: spec.batch_size,
         })
     }
 

@@ -409,6 +409,17 @@ impl Format {
     }
 }
 
+/// Equal options: the same pattern text (regexes compare by source), tags, partial and value.
+impl PartialEq for Format {
+    fn eq(&self, other: &Self) -> bool {
+        self.pattern.as_ref().map(fancy_regex::Regex::as_str)
+            == other.pattern.as_ref().map(fancy_regex::Regex::as_str)
+            && self.tags == other.tags
+            && self.partial == other.partial
+            && self.value == other.value
+    }
+}
+
 /// `kind = "length"`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Length {

@@ -91,12 +91,15 @@ impl<'a> Table<'a> {
     pub fn usize(&self, k: &str, default: usize) -> Result<usize> {
         Ok(self.opt_usize(k)?.unwrap_or(default))
     }
-    pub fn bool(&self, k: &str, default: bool) -> Result<bool> {
+    pub fn opt_bool(&self, k: &str) -> Result<Option<bool>> {
         match self.get(k) {
-            None => Ok(default),
-            Some(Value::Bool(b)) => Ok(*b),
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
             Some(v) => Err(self.err(k, format!("expected true or false, got {v}"))),
         }
+    }
+    pub fn bool(&self, k: &str, default: bool) -> Result<bool> {
+        Ok(self.opt_bool(k)?.unwrap_or(default))
     }
     pub fn opt_str(&self, k: &str) -> Result<Option<&'a str>> {
         match self.get(k) {
