@@ -234,6 +234,16 @@ pub struct TrainConfig {
     pub base_quantization: Option<QuantType>,
     /// Recompute each block's activations in the backward instead of keeping them.
     pub gradient_checkpointing: bool,
+    /// DAPO's dynamic sampling: groups whose rewards all equal are replaced by more prompts,
+    /// for at most `dynamic_sampling_max_passes` extra sampling passes per round.
+    pub dynamic_sampling: bool,
+    pub dynamic_sampling_max_passes: usize,
+    /// HF's `metric_for_best_model` (a logged metric, e.g. `eval/accuracy`) and
+    /// `greater_is_better`: the best checkpoint is recorded and survives rotation.
+    pub metric_for_best_model: Option<String>,
+    pub greater_is_better: bool,
+    /// HF's `load_best_model_at_end`: the run ends by naming the best checkpoint as its model.
+    pub load_best_model_at_end: bool,
     /// TRL/HF keys that were given and are ignored here.
     pub ignored_keys: Vec<String>,
     /// The merged values of every key (and the `[[rewards]]` tables as given), for
@@ -380,16 +390,25 @@ impl FromValue for Steps {
     }
 }
 
-impl FromValue for bool {
+impl FromValue for Option<bool> {
     fn kind() -> Cow<'static, str> {
         "bool".into()
     }
     fn from_value(key: &str, v: Option<&Value>) -> Result<Self> {
         match v {
-            Some(Value::Bool(b)) => Ok(*b),
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
             Some(v) => Err(type_err(key, "true or false", v)),
-            None => Err(Error::config(key, "is required")),
         }
+    }
+}
+
+impl FromValue for bool {
+    fn kind() -> Cow<'static, str> {
+        "bool".into()
+    }
+    fn from_value(key: &str, v: Option<&Value>) -> Result<Self> {
+        required(key, Option::<bool>::from_value(key, v)?)
     }
 }
 
@@ -776,6 +795,11 @@ config_keys! {
         eval_temperature: Option<f64> = "", "sampling temperature of the eval samples (unset: temperature)";
         eval_greedy: bool = "true", "also one greedy completion per held-out prompt: eval/accuracy";
         report_to: Vec<String> as "list of tensorboard|jsonl|none" = "[\"tensorboard\"]", "metrics sinks besides metrics.jsonl";
+        metric_for_best_model: Option<String> = "", "keep the best checkpoint by this logged metric (e.g. eval/accuracy; HF's eval_accuracy and accuracy mean the same): it survives save_total_limit and trainer_state.json names it (unset: off)";
+        greater_is_better: Option<bool> = "", "whether a larger metric_for_best_model is better (unset: true, false for a metric named like a loss)";
+        load_best_model_at_end: Option<bool> = "", "end the run with the best checkpoint as its model (needs metric_for_best_model and save_steps a multiple of eval_steps; unset: false)";
+        dynamic_sampling: Option<bool> = "", "DAPO's dynamic sampling: drop groups whose rewards all equal and sample more prompts until the batch is full (unset: false)";
+        dynamic_sampling_max_passes: Option<usize> = "", "dynamic sampling: extra sampling passes per round at most (unset: 4)";
     }
 }
 
@@ -818,9 +842,6 @@ const IGNORED: &[&str] = &[
     "use_liger_kernel",
     "log_on_each_node",
     "save_only_model",
-    "load_best_model_at_end",
-    "metric_for_best_model",
-    "greater_is_better",
     "per_device_eval_batch_size",
     "shuffle_dataset_seed",
     "generation_kwargs",
@@ -1257,6 +1278,32 @@ impl TrainConfig {
                     .into(),
             );
         }
+        // The best model: HF's spellings of an eval metric (`eval_accuracy`, `accuracy`) name ours.
+        let metric_for_best_model = raw.metric_for_best_model.as_deref().map(|m| {
+            if m.contains('/') {
+                m.to_string()
+            } else {
+                format!("eval/{}", m.strip_prefix("eval_").unwrap_or(m))
+            }
+        });
+        let load_best_model_at_end = raw.load_best_model_at_end.unwrap_or(false);
+        if load_best_model_at_end {
+            if metric_for_best_model.is_none() {
+                return bad(
+                    "load_best_model_at_end",
+                    "needs metric_for_best_model (e.g. \"eval/accuracy\") to know which checkpoint is best".into(),
+                );
+            }
+            if raw.eval_steps == 0 || raw.save_steps % raw.eval_steps != 0 {
+                return bad(
+                    "load_best_model_at_end",
+                    format!(
+                        "needs save_steps ({}) to be a multiple of eval_steps ({}), so that every checkpoint has an evaluation",
+                        raw.save_steps, raw.eval_steps
+                    ),
+                );
+            }
+        }
         // Eval: the ks against the sample count, something to evaluate, the temperature.
         let mut eval_k = raw.eval_k;
         crate::eval::check_ks(&eval_k, raw.eval_num_samples, "eval_k", "eval_num_samples")?;
@@ -1358,6 +1405,15 @@ impl TrainConfig {
             lora,
             base_quantization: raw.base_quantization,
             gradient_checkpointing: raw.gradient_checkpointing,
+            dynamic_sampling: raw.dynamic_sampling.unwrap_or(false),
+            dynamic_sampling_max_passes: raw.dynamic_sampling_max_passes.unwrap_or(4),
+            greater_is_better: raw.greater_is_better.unwrap_or_else(|| {
+                !metric_for_best_model
+                    .as_deref()
+                    .is_some_and(|m| m.contains("loss"))
+            }),
+            metric_for_best_model,
+            load_best_model_at_end,
             ignored_keys: vec![],
             resolved: BTreeMap::new(),
         })
@@ -1916,5 +1972,50 @@ lora_target_modules: [q_proj, k_proj]
             ..o
         };
         assert!(bad.validate().unwrap_err().to_string().contains("eval_k"));
+    }
+
+    #[test]
+    fn best_model_and_dynamic_sampling_keys() {
+        let load = |o: &[&str]| {
+            let o: Vec<String> = o.iter().map(|s| s.to_string()).collect();
+            TrainConfig::load(None, &o)
+        };
+        let c = load(&[]).unwrap();
+        assert!(
+            !c.dynamic_sampling && c.metric_for_best_model.is_none() && !c.load_best_model_at_end
+        );
+        assert_eq!(c.dynamic_sampling_max_passes, 4);
+        // HF's spellings name the eval metric; a loss is lower-is-better unless told.
+        for (given, want) in [
+            ("eval_accuracy", "eval/accuracy"),
+            ("accuracy", "eval/accuracy"),
+            ("eval/pass@4", "eval/pass@4"),
+        ] {
+            let c = load(&[&format!("--metric_for_best_model={given}")]).unwrap();
+            assert_eq!(c.metric_for_best_model.as_deref(), Some(want));
+            assert!(c.greater_is_better);
+        }
+        assert!(
+            !load(&["--metric_for_best_model=loss"])
+                .unwrap()
+                .greater_is_better
+        );
+        let e = load(&["--load_best_model_at_end=true"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("load_best_model_at_end") && e.contains("metric_for_best_model"),
+            "{e}"
+        );
+        let e = load(&[
+            "--load_best_model_at_end=true",
+            "--metric_for_best_model=eval/accuracy",
+            "--save_steps=7",
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("multiple of eval_steps"), "{e}");
+        // Unset keys stay out of the resolved config, so older runs resolve as before.
+        assert!(!c.to_toml().contains("dynamic_sampling"));
     }
 }

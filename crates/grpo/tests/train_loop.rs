@@ -23,6 +23,11 @@ fn tiny_model(dir: &Path) {
 }
 
 fn config(model: &Path, out: &Path, extra: &str) -> TrainConfig {
+    config_with(model, out, extra, &[])
+}
+
+/// [`config`] with `--key=value` overrides.
+fn config_with(model: &Path, out: &Path, extra: &str, overrides: &[&str]) -> TrainConfig {
     let text = format!(
         "model = \"{}\"\noutput_dir = \"{}\"\nnum_generations = 4\nper_device_train_batch_size = 4\n\
          gradient_accumulation_steps = 2\nmax_completion_length = 6\nlearning_rate = 1e-3\n\
@@ -32,7 +37,8 @@ fn config(model: &Path, out: &Path, extra: &str) -> TrainConfig {
         model.display(),
         out.display()
     );
-    TrainConfig::from_str(&text, Format::Toml, "test", &[]).unwrap()
+    let overrides: Vec<String> = overrides.iter().map(|o| o.to_string()).collect();
+    TrainConfig::from_str(&text, Format::Toml, "test", &overrides).unwrap()
 }
 
 fn metrics(dir: &Path) -> Vec<serde_json::Value> {
@@ -730,4 +736,75 @@ fn gradient_checkpointing_leaves_the_update_unchanged() {
             }
         }
     }
+}
+
+/// DAPO's dynamic sampling: groups whose rewards all equal are dropped and more prompts sampled,
+/// at most `dynamic_sampling_max_passes` extra passes; what happened is logged per round.
+#[test]
+fn dynamic_sampling_replaces_groups_without_signal() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    tiny_model(&model);
+    let run = |name: &str, extra: &str| {
+        let out = tmp.path().join(name);
+        let extra = format!("dynamic_sampling = true\ndynamic_sampling_max_passes = 2\n{extra}");
+        let cfg = config_with(&model, &out, &extra, &["--max_steps=2", "--eval_steps=0"]);
+        let o = train(&cfg, &RunControl::default()).unwrap();
+        assert_eq!(o.steps, 2);
+        metrics(&out)
+    };
+    let get = |m: &serde_json::Value, k: &str| m[k].as_f64().unwrap_or_else(|| panic!("{k}: {m}"));
+
+    // The random model never answers right: every group of the built-in rewards is all zeros,
+    // so each round samples 1 + 2 passes of 2 prompts, keeps nothing and makes no update.
+    for m in run("flat", "") {
+        assert_eq!(get(&m, "dynamic_sampling/groups_sampled"), 6.0, "{m}");
+        assert_eq!(get(&m, "dynamic_sampling/groups_dropped"), 6.0, "{m}");
+        assert_eq!(get(&m, "dynamic_sampling/groups_kept"), 0.0, "{m}");
+        assert!(m.get("loss").is_none(), "no update without signal: {m}");
+    }
+    // Whether the random text starts with a letter varies within most groups: the round is
+    // filled with groups that carry a signal, and it updates.
+    let varied = "[[rewards]]\nkind = \"format\"\npattern = '^[A-Za-z]'\n";
+    for m in run("varied", varied) {
+        let sampled = get(&m, "dynamic_sampling/groups_sampled");
+        assert_eq!(get(&m, "dynamic_sampling/groups_kept"), 2.0, "{m}");
+        assert!(sampled >= 2.0 && sampled - get(&m, "dynamic_sampling/groups_dropped") >= 2.0);
+        assert_eq!(get(&m, "frac_reward_zero_std"), 0.0, "{m}");
+        assert!(get(&m, "loss").is_finite());
+    }
+}
+
+/// `metric_for_best_model`: the best checkpoint is recorded in the trainer state, survives
+/// `save_total_limit`, and is what a run directory stands for in `grpo export` / `eval`.
+#[test]
+fn the_best_checkpoint_is_kept_and_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    tiny_model(&model);
+    let out = tmp.path().join("run");
+    // A lower completion length is "better" here: a metric that changes from step to step.
+    let extra = "save_total_limit = 1\nmetric_for_best_model = \"completions/mean_length\"\n\
+                 greater_is_better = false\nload_best_model_at_end = true";
+    let cfg = config_with(&model, &out, extra, &["--save_steps=1", "--eval_steps=1"]);
+    let o = train(&cfg, &RunControl::default()).unwrap();
+    let lens: Vec<f64> = metrics(&out)
+        .iter()
+        .filter_map(|m| m["completions/mean_length"].as_f64())
+        .collect();
+    assert_eq!(lens.len(), 4);
+    let best_i = (0..4)
+        .min_by(|&a, &b| lens[a].partial_cmp(&lens[b]).unwrap().then(a.cmp(&b)))
+        .unwrap();
+    let best = out.join(format!("checkpoint-{}", best_i + 1));
+    assert_eq!(o.best_checkpoint.as_deref(), Some(best.as_path()));
+    assert!(best.is_dir(), "the best survives save_total_limit = 1");
+    assert!(out.join("checkpoint-4").is_dir(), "and so does the newest");
+    let state: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("checkpoint-4/trainer_state.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(state["best_model_checkpoint"], best.display().to_string());
+    assert_eq!(state["best_metric"].as_f64(), Some(lens[best_i]));
+    assert_eq!(grpo::checkpoint::resolve_run_dir(&out).unwrap(), best);
 }

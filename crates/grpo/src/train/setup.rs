@@ -15,7 +15,7 @@ use crate::checkpoint::{self, CheckpointData};
 use crate::config::TrainConfig;
 use crate::data::{self, PromptOrder};
 use crate::hub::{self, ModelSource};
-use crate::inputs::{load_run_data, RunData};
+use crate::inputs::{load_run_data, reward_weights, RunData};
 use crate::logprobs::Entropy;
 use crate::lora;
 use crate::loss::{AdaptiveKl, KlMode, LossOptions};
@@ -129,7 +129,7 @@ impl<'a> Run<'a> {
         for k in &cfg.ignored_keys {
             tracing::warn!("config key `{k}` is accepted for TRL compatibility and ignored");
         }
-        let device = Device::Cpu;
+        let device = cfg.device.device()?;
         if cfg.dtype != crate::config::DTypeOpt::F32 {
             tracing::warn!(
                 "dtype = bf16 is not used by training yet: sampling, reference and training run in f32"
@@ -272,20 +272,7 @@ impl<'a> Run<'a> {
         } else {
             (cfg.warmup_ratio * total_steps as f64).ceil() as u64
         };
-        let weights: Vec<f32> = match &cfg.reward_weights {
-            Some(w) if w.len() != data.rewards.len() => {
-                return Err(Error::config(
-                    "reward_weights",
-                    format!(
-                        "{} weights for {} reward functions",
-                        w.len(),
-                        data.rewards.len()
-                    ),
-                ))
-            }
-            Some(w) => w.iter().map(|&x| x as f32).collect(),
-            None => data.rewards.iter().map(|r| r.weight).collect(),
-        };
+        let weights = reward_weights(cfg, &data.rewards)?;
         Ok(Run {
             cfg,
             tok,
@@ -330,9 +317,12 @@ impl<'a> Run<'a> {
             kl_needs_ref,
             needs_old: cfg.num_iterations > 1
                 || cfg.steps_per_generation > cfg.gradient_accumulation_steps,
-            dynamic_sampling: false,
-            max_extra_passes: 0,
-            best: None,
+            dynamic_sampling: cfg.dynamic_sampling,
+            max_extra_passes: cfg.dynamic_sampling_max_passes,
+            best: cfg.metric_for_best_model.clone().map(|metric| BestModel {
+                metric,
+                greater_is_better: cfg.greater_is_better,
+            }),
             data,
         })
     }
