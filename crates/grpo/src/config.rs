@@ -1294,7 +1294,7 @@ impl TrainConfig {
                     "needs metric_for_best_model (e.g. \"eval/accuracy\") to know which checkpoint is best".into(),
                 );
             }
-            if raw.eval_steps == 0 || raw.save_steps % raw.eval_steps != 0 {
+            if raw.eval_steps == 0 || !raw.save_steps.is_multiple_of(raw.eval_steps) {
                 return bad(
                     "load_best_model_at_end",
                     format!(
