@@ -12,9 +12,9 @@ use super::metrics::StepMetrics;
 pub struct HealthOptions {
     /// Entropy (nats per token) below which sampling has collapsed.
     pub entropy_floor: f64,
-    /// Share of groups with equal rewards (no advantage) that counts as "most".
+    /// Mean share of groups with equal rewards (no advantage) over the last `zero_std_rounds`
+    /// rounds that counts as "most".
     pub zero_std_share: f64,
-    /// Rounds in a row with that share before warning.
     pub zero_std_rounds: usize,
     /// A KL or gradient norm this many times its recent median is a spike.
     pub spike_factor: f64,
@@ -28,8 +28,8 @@ impl Default for HealthOptions {
     fn default() -> Self {
         HealthOptions {
             entropy_floor: 0.05,
-            zero_std_share: 0.5,
-            zero_std_rounds: 5,
+            zero_std_share: 0.6,
+            zero_std_rounds: 10,
             spike_factor: 5.0,
             spike_window: 10,
             accuracy_drop: 0.1,
@@ -74,7 +74,7 @@ pub struct Health {
     opts: HealthOptions,
     /// Conditions that have warned and not cleared since.
     active: Vec<HealthKind>,
-    zero_std_streak: usize,
+    zero_std: VecDeque<f64>,
     kls: VecDeque<f64>,
     grad_norms: VecDeque<f64>,
     /// Best held-out accuracy so far, and its step.
@@ -101,7 +101,7 @@ impl Health {
         Health {
             opts,
             active: vec![],
-            zero_std_streak: 0,
+            zero_std: VecDeque::new(),
             kls: VecDeque::new(),
             grad_norms: VecDeque::new(),
             best: None,
@@ -125,19 +125,19 @@ impl Health {
                 ));
             }
         }
-        if m.frac_reward_zero_std >= o.zero_std_share {
-            self.zero_std_streak += 1;
-        } else {
-            self.zero_std_streak = 0;
+        self.zero_std.push_back(m.frac_reward_zero_std);
+        if self.zero_std.len() > o.zero_std_rounds {
+            self.zero_std.pop_front();
         }
-        if self.zero_std_streak >= o.zero_std_rounds {
+        let share = self.zero_std.iter().sum::<f64>() / self.zero_std.len() as f64;
+        if self.zero_std.len() == o.zero_std_rounds && share >= o.zero_std_share {
             now.push((
                 HealthKind::NoSignal,
                 format!(
-                    "{} rounds in a row with {:.0}%+ of groups all-equal (no advantage, no learning): \
+                    "{:.0}% of groups were all-equal (no advantage, no learning) over the last {} rounds: \
                      try dynamic_sampling, larger num_generations, or harder prompts",
-                    self.zero_std_streak,
-                    o.zero_std_share * 100.0
+                    share * 100.0,
+                    o.zero_std_rounds
                 ),
             ));
         }
@@ -291,14 +291,27 @@ mod tests {
     }
 
     #[test]
-    fn groups_without_signal_warn_after_a_streak() {
+    fn groups_without_signal_warn_over_a_window() {
         let mut h = Health::new(HealthOptions::default());
-        for s in 1..5 {
-            assert!(h.check(s, &round(1.0, 0.75, 0.0, 0.5, None)).is_empty());
+        // Early training: many all-wrong groups, but under 60% over 10 rounds: quiet.
+        for s in 1..=20 {
+            let share = if s % 2 == 0 { 0.75 } else { 0.375 };
+            assert!(h.check(s, &round(1.0, share, 0.0, 0.5, None)).is_empty());
         }
-        let w = h.check(5, &round(1.0, 0.75, 0.0, 0.5, None));
+        // Then mostly all-equal: rounds 12..=21 average (6 x 0.75 + 4 x 0.375) / 10 = 0.6.
+        let w = h.check(21, &round(1.0, 0.75, 0.0, 0.5, None));
         assert_eq!(kinds(&w), vec![HealthKind::NoSignal]);
-        assert!(w[0].message.contains("dynamic_sampling"));
+        assert!(
+            w[0].message.contains("dynamic_sampling"),
+            "{}",
+            w[0].message
+        );
+        for s in 22..30 {
+            assert!(
+                h.check(s, &round(1.0, 0.75, 0.0, 0.5, None)).is_empty(),
+                "{s}"
+            );
+        }
     }
 
     #[test]
