@@ -155,8 +155,9 @@ pub struct StepMetrics {
     /// Seconds of the evaluation after this round, and its metrics (`eval/...`).
     pub eval_seconds: Option<f64>,
     pub eval: Vec<(String, f64)>,
-    /// Health warnings that started this round (`health/<kind>` = 1 in the metrics).
-    pub health: Vec<super::health::HealthWarning>,
+    /// Kinds of the health warnings that started this round (`health/<kind>` = 1 in the
+    /// metrics; see [`crate::train::HealthKind::name`]).
+    pub health: Vec<&'static str>,
 }
 
 /// Mean of `xs` (0 when empty).
@@ -341,8 +342,8 @@ impl StepMetrics {
             push(TIME_EVAL, s);
         }
         m.extend(self.eval.iter().cloned());
-        for w in &self.health {
-            m.push((health(w.kind.name()), 1.0));
+        for kind in &self.health {
+            m.push((health(kind), 1.0));
         }
         m
     }

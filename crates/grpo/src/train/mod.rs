@@ -216,7 +216,8 @@ fn run(cfg: &TrainConfig, ctl: &RunControl, world: &dyn World) -> Result<TrainOu
             m.eval = ev.clone();
             last_eval = Some(ev);
         }
-        m.health = health.check(r.state.step, &m);
+        let warnings = health.check(r.state.step, &m);
+        m.health = warnings.iter().map(|w| w.kind.name()).collect();
         if world.is_main()
             && cfg.logging_steps > 0
             && (r.state.step.is_multiple_of(cfg.logging_steps as u64) || at_end)
@@ -224,7 +225,7 @@ fn run(cfg: &TrainConfig, ctl: &RunControl, world: &dyn World) -> Result<TrainOu
             r.metrics.log(r.state.step, &m.pairs())?;
             say(&bar, m.console_line(r.state.step));
         }
-        for w in m.health.iter().filter(|_| world.is_main()) {
+        for w in warnings.iter().filter(|_| world.is_main()) {
             say(&bar, format!("warning: {}", w.message));
             let row = json!({"step": w.step, "kind": w.kind.name(), "message": w.message});
             r.metrics.log_json("health.jsonl", &row)?;
