@@ -22,6 +22,9 @@ pub struct HealthOptions {
     pub spike_window: usize,
     /// Held-out accuracy this far below its best is a fall.
     pub accuracy_drop: f64,
+    /// A condition that cleared and came back warns again only this many rounds after its last
+    /// warning (a value hovering at a threshold would otherwise warn every few rounds).
+    pub rewarn_after: u64,
 }
 
 impl Default for HealthOptions {
@@ -33,6 +36,7 @@ impl Default for HealthOptions {
             spike_factor: 5.0,
             spike_window: 10,
             accuracy_drop: 0.1,
+            rewarn_after: 20,
         }
     }
 }
@@ -74,6 +78,8 @@ pub struct Health {
     opts: HealthOptions,
     /// Conditions that have warned and not cleared since.
     active: Vec<HealthKind>,
+    /// The step each kind last warned at.
+    last_warned: Vec<(HealthKind, u64)>,
     zero_std: VecDeque<f64>,
     kls: VecDeque<f64>,
     grad_norms: VecDeque<f64>,
@@ -101,6 +107,7 @@ impl Health {
         Health {
             opts,
             active: vec![],
+            last_warned: vec![],
             zero_std: VecDeque::new(),
             kls: VecDeque::new(),
             grad_norms: VecDeque::new(),
@@ -197,7 +204,13 @@ impl Health {
         let mut out = vec![];
         let firing: Vec<HealthKind> = now.iter().map(|(k, _)| *k).collect();
         for (kind, message) in now {
-            if !self.active.contains(&kind) {
+            let recent = self
+                .last_warned
+                .iter()
+                .any(|&(k, at)| k == kind && step < at + o.rewarn_after);
+            if !self.active.contains(&kind) && !recent {
+                self.last_warned.retain(|(k, _)| *k != kind);
+                self.last_warned.push((kind, step));
                 out.push(HealthWarning {
                     kind,
                     step,
@@ -284,8 +297,11 @@ mod tests {
         assert!(w[0].message.contains("entropy_coef"), "{}", w[0].message);
         assert!(h.check(2, &round(0.01, 0.0, 0.0, 0.5, None)).is_empty());
         assert!(h.check(3, &round(0.5, 0.0, 0.0, 0.5, None)).is_empty());
+        // Back below the floor soon after: no second warning yet (it hovers at the threshold).
+        assert!(h.check(4, &round(0.01, 0.0, 0.0, 0.5, None)).is_empty());
+        assert!(h.check(5, &round(0.5, 0.0, 0.0, 0.5, None)).is_empty());
         assert_eq!(
-            kinds(&h.check(4, &round(0.01, 0.0, 0.0, 0.5, None))),
+            kinds(&h.check(21, &round(0.01, 0.0, 0.0, 0.5, None))),
             vec![HealthKind::LowEntropy]
         );
     }
