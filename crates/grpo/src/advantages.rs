@@ -150,8 +150,7 @@ pub fn group_advantages(
     for group in rewards.chunks(group_size) {
         let mean = nan_mean(group);
         let group_std = nan_std(group);
-        // TRL's isclose(std, 0): |std| <= 1e-8 (NaN is never close).
-        zero_std.push(group_std.abs() <= 1e-8);
+        zero_std.push(is_zero_std(group_std));
         let std = match opts.scale {
             ScaleRewards::Batch => batch_std,
             ScaleRewards::Group | ScaleRewards::None => group_std,
@@ -244,6 +243,24 @@ pub fn decoupled_advantages(
         rewards,
         zero_std,
     })
+}
+
+/// Whether a group's reward std counts as zero: TRL's `isclose(std, 0)`, `|std| <= 1e-8` (NaN,
+/// a group with fewer than two scored completions, is never close).
+pub fn is_zero_std(group_std: f32) -> bool {
+    group_std.abs() <= 1e-8
+}
+
+/// Whether each group of `g` combined rewards carries a signal: a finite, non-zero std (dynamic
+/// sampling keeps these).
+pub fn groups_with_signal(combined: &[f32], g: usize) -> Vec<bool> {
+    combined
+        .chunks(g.max(1))
+        .map(|grp| {
+            let s = nan_std(grp);
+            s.is_finite() && !is_zero_std(s)
+        })
+        .collect()
 }
 
 /// The advantages of one round of `P x G` completions: each completion's reward functions combined
@@ -377,5 +394,16 @@ mod tests {
         assert_eq!(b.rewards[1], 0.0);
         assert_eq!(b.advantages, vec![0.0, 0.0]);
         assert!(decoupled_advantages(&[1.0, 2.0, 3.0], &[1.0], 2).is_err());
+    }
+
+    #[test]
+    fn groups_with_signal_need_a_finite_non_zero_std() {
+        let nan = f32::NAN;
+        // Differ; all equal; one scored (NaN std); none scored.
+        let combined = [1.0, 1.0, 0.0, 2.0, 2.0, 2.0, nan, 1.0, nan, nan, nan, nan];
+        assert_eq!(
+            groups_with_signal(&combined, 3),
+            vec![true, false, false, false]
+        );
     }
 }

@@ -530,17 +530,7 @@ impl FromValue for Option<Vec<f64>> {
 /// One of `options` by name; the error lists them.
 fn choice<T: Copy>(key: &str, v: Option<&Value>, options: &[(&str, T)]) -> Result<T> {
     let s = String::from_value(key, v)?;
-    options
-        .iter()
-        .find(|(n, _)| *n == s)
-        .map(|(_, v)| *v)
-        .ok_or_else(|| {
-            let names: Vec<&str> = options.iter().map(|(n, _)| *n).collect();
-            Error::config(
-                key,
-                format!("`{s}` is not supported; use one of: {}", names.join(", ")),
-            )
-        })
+    crate::named::parse_choice(&s, options).map_err(|e| Error::config(key, e))
 }
 
 fn names<T: Named>() -> Vec<&'static str> {

@@ -9,12 +9,17 @@ pub trait Named: Sized + Copy + 'static {
 
 /// Parses `s` as one of `T`'s names; the error lists them.
 pub fn parse_named<T: Named>(s: &str) -> Result<T, String> {
-    T::NAMES
+    parse_choice(s, T::NAMES)
+}
+
+/// Parses `s` as one of `options`' names; the error lists them.
+pub fn parse_choice<T: Copy>(s: &str, options: &[(&str, T)]) -> Result<T, String> {
+    options
         .iter()
         .find(|(n, _)| *n == s)
         .map(|(_, v)| *v)
         .ok_or_else(|| {
-            let names: Vec<&str> = T::NAMES.iter().map(|(n, _)| *n).collect();
+            let names: Vec<&str> = options.iter().map(|(n, _)| *n).collect();
             format!("`{s}` is not supported; use one of: {}", names.join(", "))
         })
 }

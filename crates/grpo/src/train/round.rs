@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use super::policy::Policy;
 use super::setup::Run;
-use crate::advantages::{combine_rewards, nan_std};
+use crate::advantages::{combine_rewards, groups_with_signal};
 use crate::loss::KlMode;
 use crate::rollout::{self, Episode, GroupSampler};
 use crate::seeding::mix_seed;
@@ -91,21 +91,13 @@ impl Sampled {
     }
 }
 
-/// Whether each group's combined rewards differ (a group whose rewards all equal, or that has
-/// fewer than two scored completions, carries no advantage).
-pub fn groups_with_signal(episodes: &[Episode], weights: &[f32], g: usize) -> Result<Vec<bool>> {
+/// Whether each group of `episodes` carries a signal (its combined rewards differ).
+fn signal(episodes: &[Episode], weights: &[f32], g: usize) -> Result<Vec<bool>> {
     let per_func: Vec<f32> = episodes
         .iter()
         .flat_map(|e| e.rewards.iter().copied())
         .collect();
-    let combined = combine_rewards(&per_func, weights)?;
-    Ok(combined
-        .chunks(g)
-        .map(|grp| {
-            let s = nan_std(grp);
-            s.is_finite() && s > 0.0
-        })
-        .collect())
+    Ok(groups_with_signal(&combine_rewards(&per_func, weights)?, g))
 }
 
 /// Samples, takes log-probs and scores the round's `P` groups; with dynamic sampling, drops the
@@ -120,7 +112,7 @@ pub fn sample_round(r: &mut Run) -> Result<Sampled> {
     if !r.dynamic_sampling {
         return Ok(round);
     }
-    let keep = groups_with_signal(&round.episodes, &r.weights, g)?;
+    let keep = signal(&round.episodes, &r.weights, g)?;
     round.groups_sampled = keep.len();
     round.groups_dropped = keep.iter().filter(|k| !**k).count();
     round.retain_groups(g, &keep, p);
@@ -134,7 +126,7 @@ pub fn sample_round(r: &mut Run) -> Result<Sampled> {
         r.state.extra_passes += 1;
         extra += 1;
         let mut more = sample_pass(r, &seeds)?;
-        let keep = groups_with_signal(&more.episodes, &r.weights, g)?;
+        let keep = signal(&more.episodes, &r.weights, g)?;
         more.groups_sampled = keep.len();
         more.groups_dropped = keep.iter().filter(|k| !**k).count();
         let room = p - round.episodes.len() / g;
