@@ -16,7 +16,7 @@ use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::VarBuilder;
 use tokenizers::{PostProcessor, TruncationDirection};
 
-use super::layers::{linear, LayerNorm, Linear, Mode, MASK_VALUE};
+use super::layers::{linear, softmax, LayerNorm, Linear, Mode, MASK_VALUE};
 use super::seq_cls::DecoderClassifier;
 use crate::files::{read_json, read_weights, require_tokenizer_json};
 use crate::{Error, Result};
@@ -94,7 +94,7 @@ impl EncoderKind {
 
 /// Activation of the feed-forward block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Act {
+pub(crate) enum Act {
     /// Exact GELU (`gelu`): `x * Phi(x)`.
     GeluErf,
     /// tanh approximation (`gelu_new`, `gelu_pytorch_tanh`).
@@ -115,7 +115,7 @@ impl Act {
         }
     }
 
-    fn apply(self, x: &Tensor) -> candle_core::Result<Tensor> {
+    pub(crate) fn apply(self, x: &Tensor) -> candle_core::Result<Tensor> {
         match self {
             Self::GeluErf => x.gelu_erf(),
             Self::GeluTanh => x.gelu(),
@@ -139,7 +139,7 @@ pub struct EncoderConfig {
     pub type_vocab_size: usize,
     pub layer_norm_eps: f64,
     pub pad_token_id: u32,
-    act: Act,
+    pub(crate) act: Act,
 }
 
 impl EncoderConfig {
@@ -294,7 +294,7 @@ impl EncoderLayer {
     }
 
     /// `x` [B, T, H]; `mask` [B, 1, 1, T] additive (0 or MASK_VALUE at padding keys).
-    fn forward(&self, x: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
+    fn forward(&self, x: &Tensor, mask: &Tensor, mode: Mode) -> candle_core::Result<Tensor> {
         let (b, t, h) = x.dims3()?;
         let (nh, hd) = (self.num_heads, h / self.num_heads);
         let heads = |p: &Linear| -> candle_core::Result<Tensor> {
@@ -305,17 +305,17 @@ impl EncoderLayer {
         };
         let (q, k, v) = (heads(&self.query)?, heads(&self.key)?, heads(&self.value)?);
         let scores = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?; // [B, nh, T, T]
-        let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(mask)?)?;
+        let probs = softmax(&scores.broadcast_add(mask)?, mode)?;
         let ctx = probs
             .matmul(&v)? // [B, nh, T, hd]
             .transpose(1, 2)?
             .reshape((b, t, h))?; // [B, T, H]
         let x = self
             .attn_norm
-            .forward(&(x + self.attn_out.forward(&ctx)?)?, Mode::Infer)?; // [B, T, H]
+            .forward(&(x + self.attn_out.forward(&ctx)?)?, mode)?; // [B, T, H]
         let ff = self.act.apply(&self.ffn_in.forward(&x)?)?; // [B, T, I]
         self.out_norm
-            .forward(&(x + self.ffn_out.forward(&ff)?)?, Mode::Infer) // [B, T, H]
+            .forward(&(x + self.ffn_out.forward(&ff)?)?, mode) // [B, T, H]
     }
 }
 
@@ -343,7 +343,7 @@ pub struct EncoderBatch {
 
 impl Encoder {
     /// `vb` is rooted at the encoder (`embeddings.*`, `encoder.*` / `transformer.*`).
-    fn load(cfg: &EncoderConfig, vb: VarBuilder) -> candle_core::Result<Self> {
+    pub(crate) fn load(cfg: &EncoderConfig, vb: VarBuilder) -> candle_core::Result<Self> {
         let h = cfg.hidden_size;
         let e = vb.pp("embeddings");
         let token_type = if cfg.type_vocab_size > 0 {
@@ -397,8 +397,18 @@ impl Encoder {
             .collect()
     }
 
-    /// Final hidden states [B, T, H] of a right-padded batch.
+    /// Final hidden states [B, T, H] of a right-padded batch (fused kernels, no backward).
     pub fn forward(&self, batch: &EncoderBatch) -> Result<Tensor> {
+        self.forward_mode(batch, Mode::Infer)
+    }
+
+    /// The word embedding table [V, H] (MLM heads tie their decoder to it).
+    pub fn word_embeddings(&self) -> &Tensor {
+        &self.word
+    }
+
+    /// [`Encoder::forward`] with the kernels of `mode` (`Train`: a graph back to every weight).
+    pub fn forward_mode(&self, batch: &EncoderBatch, mode: Mode) -> Result<Tensor> {
         let dev = self.word.device();
         let b = batch.ids.len();
         let t = batch.ids.first().map_or(0, Vec::len);
@@ -418,7 +428,7 @@ impl Encoder {
         }
         let mut x = self
             .embed_norm
-            .forward(&x.reshape((b, t, h))?, Mode::Infer)?; // [B, T, H]
+            .forward(&x.reshape((b, t, h))?, mode)?; // [B, T, H]
         let mask: Vec<f32> = batch
             .lengths
             .iter()
@@ -426,14 +436,14 @@ impl Encoder {
             .collect();
         let mask = Tensor::from_vec(mask, (b, 1, 1, t), dev)?; // [B, 1, 1, T]
         for layer in &self.layers {
-            x = layer.forward(&x, &mask)?;
+            x = layer.forward(&x, &mask, mode)?;
         }
         Ok(x)
     }
 }
 
 /// Where the encoder's keys start: `bert.`, `roberta.`, `distilbert.` or nothing.
-fn encoder_prefix(tensors: &HashMap<String, Tensor>, origin: &Path) -> Result<&'static str> {
+pub(crate) fn encoder_prefix(tensors: &HashMap<String, Tensor>, origin: &Path) -> Result<&'static str> {
     ["bert.", "roberta.", "distilbert.", ""]
         .into_iter()
         .find(|p| tensors.contains_key(&format!("{p}embeddings.word_embeddings.weight")))
@@ -447,7 +457,7 @@ fn encoder_prefix(tensors: &HashMap<String, Tensor>, origin: &Path) -> Result<&'
 }
 
 /// `vb` moved to the encoder's keys (`prefix` from [`encoder_prefix`]).
-fn encoder_root<'a>(vb: &VarBuilder<'a>, prefix: &str) -> VarBuilder<'a> {
+pub(crate) fn encoder_root<'a>(vb: &VarBuilder<'a>, prefix: &str) -> VarBuilder<'a> {
     match prefix.strip_suffix('.') {
         Some(p) => vb.pp(p),
         None => vb.clone(),
@@ -458,9 +468,9 @@ fn encoder_root<'a>(vb: &VarBuilder<'a>, prefix: &str) -> VarBuilder<'a> {
 /// truncation settings; inputs are truncated to `max_len` tokens (special tokens included) as
 /// transformers' `truncation=True` does (see [`longest_first`]).
 #[derive(Clone)]
-struct EncoderTokenizer {
-    inner: tokenizers::Tokenizer,
-    path: PathBuf,
+pub(crate) struct EncoderTokenizer {
+    pub(crate) inner: tokenizers::Tokenizer,
+    pub(crate) path: PathBuf,
     max_len: usize,
     lowercase: bool,
 }
@@ -488,7 +498,7 @@ fn longest_first(na: usize, nb: usize, budget: usize) -> (usize, usize) {
 }
 
 impl EncoderTokenizer {
-    fn load(dir: &Path, max_len: usize, lowercase: bool) -> Result<Self> {
+    pub(crate) fn load(dir: &Path, max_len: usize, lowercase: bool) -> Result<Self> {
         let path = require_tokenizer_json(dir)?;
         let mut inner = tokenizers::Tokenizer::from_file(&path)
             .map_err(|e| Error::file(&path, format!("not a valid tokenizer.json: {e}")))?;
@@ -505,7 +515,7 @@ impl EncoderTokenizer {
     }
 
     /// (ids, type ids) of a text or text pair, special tokens added.
-    fn encode(&self, text: &str, pair: Option<&str>) -> Result<(Vec<u32>, Vec<u32>)> {
+    pub(crate) fn encode(&self, text: &str, pair: Option<&str>) -> Result<(Vec<u32>, Vec<u32>)> {
         let lower = |s: &str| {
             if self.lowercase {
                 s.to_lowercase()

@@ -21,6 +21,7 @@ pub mod grad_sink;
 pub mod layers;
 pub mod llama;
 pub mod lora;
+pub mod masked_lm;
 pub mod packed;
 pub mod quant;
 mod seq_cls;
