@@ -1966,9 +1966,14 @@ lora_target_modules: [q_proj, k_proj]
 
     #[test]
     fn best_model_and_dynamic_sampling_keys() {
+        // The embedded default keeps its best checkpoint by held-out accuracy.
+        let d = TrainConfig::load(None, &[]).unwrap();
+        assert_eq!(d.metric_for_best_model.as_deref(), Some("eval/accuracy"));
+        assert!(d.greater_is_better && !d.load_best_model_at_end);
+        // TRL's defaults: off.
         let load = |o: &[&str]| {
             let o: Vec<String> = o.iter().map(|s| s.to_string()).collect();
-            TrainConfig::load(None, &o)
+            TrainConfig::from_str("", Format::Toml, "empty", &o)
         };
         let c = load(&[]).unwrap();
         assert!(
