@@ -2,7 +2,7 @@
 # Issue 18's ablations of the embedded default run over 100 steps: each variant is the default
 # config plus the overrides on its line, one run after the other (quiet machine, 2 cores; about
 # 15-25 minutes each). Held-out greedy accuracy on the built-in task's 100 problems is logged every
-# 5 steps (eval/accuracy in metrics.jsonl).
+# EVAL_STEPS steps (default 10; eval/accuracy in metrics.jsonl).
 #   bench/ablations.sh [SEED [VARIANT...]]   # default seed 42, every variant
 # Results: bench/results/ablation-<variant>-s<seed>.metrics.jsonl, then a table on stdout.
 set -euo pipefail
@@ -16,7 +16,7 @@ declare -A variants=(
   [clip_higher]="--epsilon_high=0.28"
   [beta]="--beta=0.01"
   [entropy]="--entropy_coef=0.001"
-  [groups16]="--num_generations=16 --per_device_train_batch_size=128"
+  [groups16]="--num_generations=16"   # same 64 completions per step: 4 prompts x 16
   [dynamic]="--dynamic_sampling=true"
 )
 names=("$@")
@@ -27,7 +27,8 @@ mkdir -p "$root/bench/results"
 for v in "${names[@]}"; do
   out=$(mktemp -d)
   # shellcheck disable=SC2086
-  "$grpo" train --max_steps=100 --seed="$seed" --output_dir="$out" ${variants[$v]} > "$out.log" 2>&1
+  "$grpo" train --max_steps=100 --seed="$seed" --output_dir="$out" --eval_steps="${EVAL_STEPS:-10}" \
+    ${variants[$v]} > "$out.log" 2>&1
   cp "$out/metrics.jsonl" "$root/bench/results/ablation-$v-s$seed.metrics.jsonl"
 done
 python3 - "$root/bench/results" "$seed" "${names[@]}" <<'PY'
@@ -37,7 +38,8 @@ print("| variant | " + " | ".join(str(s) for s in range(0, 101, 10)) + " | best 
 print("|---" * 14 + "|")
 for v in names:
     rows = [json.loads(l) for l in open(f"{res}/ablation-{v}-s{seed}.metrics.jsonl")]
-    acc = {r["step"]: r["eval/accuracy"] for r in rows if r.get("eval/accuracy") is not None}
+    acc = {r["step"]: r["eval/accuracy"] for r in rows
+           if r.get("eval/accuracy") is not None and r["step"] % 10 == 0}
     best = max(acc.values())
     last = acc[max(acc)]
     cells = [f"{acc[s]:.2f}" if s in acc else "" for s in range(0, 101, 10)]

@@ -26,6 +26,7 @@ pub mod config;
 pub mod data;
 pub mod eval;
 pub mod export;
+pub mod fill_in;
 pub mod inputs;
 pub mod logprobs;
 pub mod lora;

@@ -231,6 +231,11 @@ impl MaskedLm {
 
     /// Logits [N, V] at `positions`, flat indices `row * T + column` into the batch.
     pub fn logits_at(&self, batch: &EncoderBatch, positions: &[u32]) -> Result<Tensor> {
+        self.head_logits(&self.hidden_at(batch, positions)?) // [N, V]
+    }
+
+    /// Final hidden states [N, H] at `positions` (flat indices `row * T + column`).
+    pub fn hidden_at(&self, batch: &EncoderBatch, positions: &[u32]) -> Result<Tensor> {
         let hidden = self.encoder.forward_mode(batch, self.mode)?; // [B, T, H]
         let (b, t, h) = hidden.dims3()?;
         if let Some(&p) = positions.iter().find(|&&p| p as usize >= b * t) {
@@ -239,8 +244,12 @@ impl MaskedLm {
             )));
         }
         let idx = Tensor::from_slice(positions, positions.len(), hidden.device())?; // [N]
-        let picked = hidden.reshape((b * t, h))?.index_select(&idx, 0)?; // [N, H]
-        Ok(self.head.forward(&picked, self.mode)?) // [N, V]
+        Ok(hidden.reshape((b * t, h))?.index_select(&idx, 0)?) // [N, H]
+    }
+
+    /// The masked-LM head: hidden states [N, H] -> logits [N, V].
+    pub fn head_logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        Ok(self.head.forward(hidden, self.mode)?)
     }
 }
 

@@ -1,0 +1,532 @@
+//! Fill-in policies: a masked-LM generator fills every masked position of its input in one
+//! parallel step (a single-step diffusion model). To GRPO a fill is a completion like any other:
+//! the *prompt* is the masked input's ids, the *completion* the tokens sampled at its masked
+//! positions in order, so episodes, advantages and the loss are the causal LM's. What differs is
+//! here: sampling (one forward per input serves its whole group, since every sample of a group
+//! sees the same input) and the log-probs (log pi of each sampled token at its masked position).
+//!
+//! Special tokens (padding, `[CLS]`, `[MASK]`, ...) are never sampled: their logits are pushed
+//! to [`MASK_VALUE`] before the temperature, in the sampler and in the trainer alike, so the
+//! log-probs the two compute are of the same distribution.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use candle_core::{Device, Tensor, D};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+use crate::logprobs::{unpad_rows, Entropy};
+use crate::models::fused_attention::MASK_VALUE;
+use crate::models::masked_lm::{pad_batch, MaskedLm};
+use crate::rollout::GroupSampler;
+use crate::sampler::{choose_token, Completion, GenStats, PromptInput, SamplingParams, StopReason};
+use crate::seeding::mix_seed;
+use crate::tokenizer::Tokenizer;
+use crate::{Error, Result};
+
+/// Positions of `mask_id` in `ids`.
+pub fn masked_positions(ids: &[u32], mask_id: u32) -> Vec<usize> {
+    ids.iter()
+        .enumerate()
+        .filter(|(_, &t)| t == mask_id)
+        .map(|(i, _)| i)
+        .collect()
+}
+
+/// `ids` with its masked positions replaced by `fills`, in order.
+pub fn fill(ids: &[u32], mask_id: u32, fills: &[u32]) -> Vec<u32> {
+    let mut it = fills.iter();
+    ids.iter()
+        .map(|&t| match t == mask_id {
+            true => it.next().copied().unwrap_or(t),
+            false => t,
+        })
+        .collect()
+}
+
+/// A masked LM as a fill-in generator: the model, its mask and padding ids, and the logit bias
+/// that keeps special tokens out of fills.
+#[derive(Debug, Clone)]
+pub struct FillInModel {
+    pub lm: MaskedLm,
+    pub mask_id: u32,
+    pub pad_id: u32,
+    /// [V] f32: 0, or MASK_VALUE at special tokens.
+    banned: Tensor,
+}
+
+/// Logits at the masked positions of distinct inputs: `[M, V]` and, per input, its first row.
+struct MaskedLogits {
+    logits: Tensor,
+    offsets: Vec<usize>,
+}
+
+impl FillInModel {
+    /// `special_ids`: tokens fills never take (the mask id among them).
+    pub fn new(lm: MaskedLm, mask_id: u32, special_ids: &[u32], device: &Device) -> Result<Self> {
+        let v = lm.config().vocab_size;
+        let mut bias = vec![0f32; v];
+        for &s in special_ids.iter().chain([&mask_id]) {
+            if let Some(b) = bias.get_mut(s as usize) {
+                *b = MASK_VALUE;
+            }
+        }
+        Ok(Self {
+            pad_id: lm.config().pad_token_id,
+            lm,
+            mask_id,
+            banned: Tensor::from_vec(bias, v, device)?,
+        })
+    }
+
+    /// One forward over `inputs` (distinct masked inputs), logits at their masked positions
+    /// with special tokens banned.
+    fn masked_logits(&self, inputs: &[&[u32]]) -> Result<MaskedLogits> {
+        let batch = pad_batch(inputs, self.pad_id);
+        let t = batch.ids.first().map_or(0, Vec::len);
+        let mut positions = Vec::new();
+        let mut offsets = Vec::with_capacity(inputs.len());
+        for (b, ids) in inputs.iter().enumerate() {
+            offsets.push(positions.len());
+            positions.extend(
+                masked_positions(ids, self.mask_id)
+                    .into_iter()
+                    .map(|p| (b * t + p) as u32),
+            );
+        }
+        if positions.is_empty() {
+            return Err(Error::Generate(
+                "no masked position in the batch: a fill-in input needs at least one mask token"
+                    .into(),
+            ));
+        }
+        let hidden = self.lm.hidden_at(&batch, &positions)?; // [M, H]
+        let logits = self
+            .lm
+            .head_logits(&hidden)? // [M, V]
+            .broadcast_add(&self.banned)?;
+        Ok(MaskedLogits { logits, offsets })
+    }
+}
+
+/// Distinct inputs of `prompts` (a group's rows share theirs) and, per row, its input's index.
+fn distinct<'a>(prompts: &[&'a [u32]]) -> (Vec<&'a [u32]>, Vec<usize>) {
+    let mut index: HashMap<&[u32], usize> = HashMap::new();
+    let mut uniq = Vec::new();
+    let which = prompts
+        .iter()
+        .map(|&p| {
+            *index.entry(p).or_insert_with(|| {
+                uniq.push(p);
+                uniq.len() - 1
+            })
+        })
+        .collect();
+    (uniq, which)
+}
+
+/// Per-token log-probs `[N, Tc]` of fills `completions[i]` of inputs `prompts[i]` under
+/// `softmax(logits / temperature)` at the masked positions (special tokens banned), zero past
+/// each row's fill; with `entropy`, the entropies `[N, Tc]` of those distributions too. A graph
+/// reaches the parameters when the model was built over tracked tensors.
+pub fn fill_logprobs(
+    model: &FillInModel,
+    prompts: &[&[u32]],
+    completions: &[&[u32]],
+    temperature: f64,
+    entropy: Entropy,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let (uniq, which) = distinct(prompts);
+    let ml = model.masked_logits(&uniq)?;
+    let (m, v) = ml.logits.dims2()?;
+    let counts: Vec<usize> = uniq
+        .iter()
+        .map(|p| masked_positions(p, model.mask_id).len())
+        .collect();
+    let n = completions.len();
+    let tc = completions.iter().map(|c| c.len()).max().unwrap_or(0).max(1);
+    // Row i, token j: flat index (its input's j-th masked row) * V + fill; padding reads entry 0
+    // and is zeroed by `valid`.
+    let (mut lp_idx, mut ent_idx, mut valid) =
+        (vec![0u32; n * tc], vec![0u32; n * tc], vec![0f32; n * tc]);
+    for (i, c) in completions.iter().enumerate() {
+        let u = which[i];
+        if c.len() != counts[u] {
+            return Err(Error::Generate(format!(
+                "fill {i} has {} tokens for an input with {} masked positions",
+                c.len(),
+                counts[u]
+            )));
+        }
+        for (j, &tok) in c.iter().enumerate() {
+            if tok as usize >= v {
+                return Err(Error::Generate(format!(
+                    "fill token {tok} is outside the vocabulary ({v})"
+                )));
+            }
+            let row = ml.offsets[u] + j;
+            lp_idx[i * tc + j] = (row * v) as u32 + tok;
+            ent_idx[i * tc + j] = row as u32;
+            valid[i * tc + j] = 1.0;
+        }
+    }
+    let dev = ml.logits.device();
+    let t = if temperature > 0.0 { temperature } else { 1.0 };
+    let z = (&ml.logits / t)?; // [M, V]
+    let max = z.max_keepdim(D::Minus1)?.detach(); // [M, 1]
+    let shifted = z.broadcast_sub(&max)?;
+    let e = shifted.exp()?; // [M, V]
+    let sum = e.sum_keepdim(D::Minus1)?; // [M, 1]
+    let logp = shifted.broadcast_sub(&sum.log()?)?; // [M, V]
+    let valid = Tensor::from_vec(valid, (n, tc), dev)?; // [N, Tc]
+    let lp_idx = Tensor::from_vec(lp_idx, n * tc, dev)?;
+    let lp = logp
+        .flatten_all()?
+        .index_select(&lp_idx, 0)?
+        .reshape((n, tc))?
+        .mul(&valid)?; // [N, Tc]
+    let ent = match entropy {
+        Entropy::Skip => None,
+        _ => {
+            let p = e.broadcast_div(&sum)?; // [M, V]
+            let h = (p * &logp)?.sum(D::Minus1)?.neg()?; // [M]
+            let h = if entropy == Entropy::Detached {
+                h.detach()
+            } else {
+                h
+            };
+            let ent_idx = Tensor::from_vec(ent_idx, n * tc, dev)?;
+            Some(
+                h.index_select(&ent_idx, 0)?
+                    .reshape((n, tc))?
+                    .mul(&valid)?,
+            ) // [N, Tc]
+        }
+    };
+    debug_assert_eq!(m, ml.offsets.last().map_or(0, |o| o + counts[uniq.len() - 1]));
+    Ok((lp, ent))
+}
+
+impl GroupSampler for FillInModel {
+    /// Every masked position of each input at once, `n` fills per input: one forward per input
+    /// (the group's samples share it), then per sample its own RNG seeded from (input seed,
+    /// sample index), so a fill does not depend on the rest of the batch. `max_new_tokens`,
+    /// stop strings and EOS do not apply.
+    fn sample_groups(
+        &self,
+        tok: &Tokenizer,
+        prompts: &[PromptInput],
+        n: usize,
+        params: &SamplingParams,
+        on_done: &mut dyn FnMut(usize, usize, &Completion) -> Result<()>,
+    ) -> Result<(Vec<Vec<Completion>>, GenStats)> {
+        let t0 = Instant::now();
+        let inputs: Vec<&[u32]> = prompts.iter().map(|p| p.ids.as_slice()).collect();
+        for (i, ids) in inputs.iter().enumerate() {
+            if !ids.contains(&self.mask_id) {
+                return Err(Error::Generate(format!(
+                    "input {i} has no mask token: nothing to fill"
+                )));
+            }
+        }
+        let ml = self.masked_logits(&inputs)?;
+        let rows = ml.logits.to_vec2::<f32>()?; // [M][V]
+        let prefill_s = t0.elapsed().as_secs_f64();
+        let t1 = Instant::now();
+        let mut scratch = Vec::new();
+        let mut out = Vec::with_capacity(prompts.len());
+        let mut generated = 0;
+        for (i, p) in prompts.iter().enumerate() {
+            let k = masked_positions(&p.ids, self.mask_id).len();
+            let mut group = Vec::with_capacity(n);
+            for g in 0..n {
+                let mut rng = ChaCha8Rng::seed_from_u64(mix_seed(p.seed, g as u64));
+                let (mut ids, mut logprobs) = (Vec::with_capacity(k), Vec::with_capacity(k));
+                for row in &rows[ml.offsets[i]..ml.offsets[i] + k] {
+                    let (t, lp) = choose_token(row, &[], false, params, &mut rng, &mut scratch);
+                    ids.push(t);
+                    logprobs.push(lp);
+                }
+                generated += k;
+                let text = tok.decode(&fill(&p.ids, self.mask_id, &ids), true)?;
+                let c = Completion {
+                    ids,
+                    text,
+                    logprobs,
+                    stop_reason: StopReason::Eos,
+                };
+                on_done(i, g, &c)?;
+                group.push(c);
+            }
+            out.push(group);
+        }
+        let decode_s = t1.elapsed().as_secs_f64();
+        Ok((
+            out,
+            GenStats {
+                prefill_s,
+                decode_s,
+                sample_s: decode_s,
+                prompt_tokens: inputs.iter().map(|p| p.len()).sum(),
+                generated_tokens: generated,
+                decode_steps: 1,
+                compactions: 0,
+            },
+        ))
+    }
+
+    fn sequence_logprobs(
+        &self,
+        rows: &[(&[u32], &[u32])],
+        _pad: u32,
+        temperature: f64,
+        chunk_tokens: usize,
+    ) -> Result<Vec<Vec<f32>>> {
+        // Chunks of whole inputs (consecutive rows sharing one) of at most `chunk_tokens` input
+        // tokens, each input's forward done once.
+        let mut out = Vec::with_capacity(rows.len());
+        let mut start = 0;
+        while start < rows.len() {
+            let mut end = start;
+            let mut tokens = 0;
+            while end < rows.len() {
+                let new_input = end == start || rows[end].0 != rows[end - 1].0;
+                let add = if new_input { rows[end].0.len() } else { 0 };
+                if end > start && new_input && tokens + add > chunk_tokens.max(1) {
+                    break;
+                }
+                tokens += add;
+                end += 1;
+            }
+            let prompts: Vec<&[u32]> = rows[start..end].iter().map(|r| r.0).collect();
+            let comps: Vec<&[u32]> = rows[start..end].iter().map(|r| r.1).collect();
+            let (lp, _) = fill_logprobs(self, &prompts, &comps, temperature, Entropy::Skip)?;
+            let lens: Vec<usize> = comps.iter().map(|c| c.len()).collect();
+            out.extend(unpad_rows(&lp, &lens)?);
+            start = end;
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::masked_lm::{masked_lm_config, MlmTokenizer};
+    use candle_core::Var;
+    use std::path::PathBuf;
+
+    fn fixture(name: &str) -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/fillin")
+            .join(name)
+    }
+
+    fn model(name: &str, track: bool) -> (FillInModel, Tokenizer, Vec<Var>, Vec<String>) {
+        let dir = fixture(name);
+        let cfg = masked_lm_config(&dir).unwrap();
+        let (tensors, origin) = MaskedLm::read_tensors(&dir, &Device::Cpu).unwrap();
+        let mut names: Vec<String> = tensors.keys().cloned().collect();
+        names.sort();
+        let vars: Vec<Var> = names
+            .iter()
+            .map(|n| Var::from_tensor(&tensors[n]).unwrap())
+            .collect();
+        let map = names
+            .iter()
+            .zip(&vars)
+            .map(|(n, v)| {
+                let t = v.as_tensor();
+                (n.clone(), if track { t.clone() } else { t.detach() })
+            })
+            .collect();
+        let lm = MaskedLm::from_tensors(&cfg, map, &origin).unwrap();
+        let mt = MlmTokenizer::load(&dir, cfg.max_len()).unwrap();
+        let fm = FillInModel::new(lm, mt.mask_id(), mt.special_ids(), &Device::Cpu).unwrap();
+        let tok = Tokenizer::from_hf_dir(&dir).unwrap();
+        (fm, tok, vars, names)
+    }
+
+    /// Plain-f32 twin: log softmax(z / T)[target] and the entropy of softmax(z / T).
+    fn logprob_entropy_slow(z: &[f32], target: usize, t: f32) -> (f32, f32) {
+        let z: Vec<f32> = z.iter().map(|x| x / t).collect();
+        let m = z.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        let s: f32 = z.iter().map(|x| (x - m).exp()).sum();
+        let lse = m + s.ln();
+        let h = -z
+            .iter()
+            .map(|x| {
+                let lp = x - lse;
+                lp.exp() * lp
+            })
+            .sum::<f32>();
+        (z[target] - lse, h)
+    }
+
+    fn inputs(tok: &Tokenizer, mask: &str) -> Vec<Vec<u32>> {
+        [
+            format!("The quick brown {mask} jumps over the {mask} dog."),
+            format!("{mask} cat sat on the {mask}."),
+        ]
+        .iter()
+        .map(|t| tok.encode(t, true).unwrap())
+        .collect()
+    }
+
+    #[test]
+    fn fill_logprobs_equal_a_plain_f32_twin_and_reach_every_parameter() {
+        for name in ["bert_mlm", "roberta_mlm", "distilbert_mlm"] {
+            let (fm, tok, vars, names) = model(name, true);
+            let mask = tok.id_to_token(fm.mask_id).unwrap();
+            let ins = inputs(&tok, &mask);
+            // Two rows per input (a group of 2), fills of ordinary tokens.
+            let fills: Vec<Vec<u32>> = [(0, 5u32), (0, 9), (1, 11), (1, 13)]
+                .iter()
+                .map(|&(i, base)| {
+                    let k = masked_positions(&ins[i], fm.mask_id).len();
+                    (0..k as u32).map(|j| base + 7 * j).collect()
+                })
+                .collect();
+            let prompts: Vec<&[u32]> = [0, 0, 1, 1].iter().map(|&i| ins[i].as_slice()).collect();
+            let comps: Vec<&[u32]> = fills.iter().map(Vec::as_slice).collect();
+            let temp = 0.8;
+            let (lp, ent) =
+                fill_logprobs(&fm, &prompts, &comps, temp, Entropy::WithGrad).unwrap();
+            let (lp_v, ent_v) = (
+                lp.to_vec2::<f32>().unwrap(),
+                ent.as_ref().unwrap().to_vec2::<f32>().unwrap(),
+            );
+            // The twin: full logits of each input, banned specials, per position.
+            let specials: Vec<u32> = (0..fm.lm.config().vocab_size as u32)
+                .filter(|&t| fm.banned.get(t as usize).unwrap().to_scalar::<f32>().unwrap() < 0.0)
+                .collect();
+            assert!(specials.contains(&fm.mask_id));
+            for (r, (&p, c)) in prompts.iter().zip(&comps).enumerate() {
+                let batch = pad_batch(&[p], fm.pad_id);
+                let logits = fm.lm.logits(&batch).unwrap().get(0).unwrap(); // [T, V]
+                for (j, pos) in masked_positions(p, fm.mask_id).into_iter().enumerate() {
+                    let mut z = logits.get(pos).unwrap().to_vec1::<f32>().unwrap();
+                    for &s in &specials {
+                        z[s as usize] += MASK_VALUE;
+                    }
+                    let (want_lp, want_h) = logprob_entropy_slow(&z, c[j] as usize, temp as f32);
+                    assert!((lp_v[r][j] - want_lp).abs() < 1e-4, "{name} [{r},{j}]");
+                    assert!((ent_v[r][j] - want_h).abs() < 1e-4, "{name} H[{r},{j}]");
+                }
+                for j in c.len()..lp_v[r].len() {
+                    assert_eq!((lp_v[r][j], ent_v[r][j]), (0.0, 0.0), "padding is zero");
+                }
+            }
+            // A loss over both reaches every parameter.
+            let loss = (lp.sum_all().unwrap() + ent.unwrap().sum_all().unwrap()).unwrap();
+            let grads = loss.backward().unwrap();
+            for (n, v) in names.iter().zip(&vars) {
+                let g = grads.get(v.as_tensor());
+                let norm = g.map_or(0.0, |g| {
+                    g.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap()
+                });
+                assert!(norm > 0.0, "{name}: no gradient for {n}");
+            }
+        }
+    }
+
+    #[test]
+    fn sampling_is_per_sample_seeded_and_its_logprobs_are_the_trainers() {
+        let (fm, tok, _, _) = model("bert_mlm", false);
+        let mask = tok.id_to_token(fm.mask_id).unwrap();
+        let ins = inputs(&tok, &mask);
+        let params = SamplingParams {
+            temperature: 0.8,
+            top_p: 0.95,
+            ..SamplingParams::default()
+        };
+        let prompts: Vec<PromptInput> = ins
+            .iter()
+            .enumerate()
+            .map(|(i, ids)| PromptInput {
+                ids: ids.clone(),
+                seed: 100 + i as u64,
+            })
+            .collect();
+        let mut seen = 0;
+        let (out, stats) = fm
+            .sample_groups(&tok, &prompts, 4, &params, &mut |_, _, _| {
+                seen += 1;
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!((seen, out.len(), out[0].len()), (8, 2, 4));
+        assert_eq!(
+            stats.generated_tokens,
+            4 * ins.iter().map(|i| masked_positions(i, fm.mask_id).len()).sum::<usize>()
+        );
+        // The same input alone, same seed: the same fills (no dependence on the batch).
+        let (alone, _) = fm
+            .sample_groups(&tok, &prompts[1..], 4, &params, &mut |_, _, _| Ok(()))
+            .unwrap();
+        assert_eq!(
+            alone[0].iter().map(|c| &c.ids).collect::<Vec<_>>(),
+            out[1].iter().map(|c| &c.ids).collect::<Vec<_>>()
+        );
+        // Samples of a group differ (random fills), never take a special token, and the text
+        // is the filled input.
+        assert!(out[0].iter().any(|c| c.ids != out[0][0].ids));
+        for c in out.iter().flatten() {
+            assert!(c.ids.iter().all(|&t| fm.banned.get(t as usize).unwrap().to_scalar::<f32>().unwrap() == 0.0));
+            assert!(!c.text.contains(&mask), "{}", c.text);
+        }
+        // The sampler's log-probs are the trainer's (same distribution, same temperature).
+        let ins = &ins;
+        let rows: Vec<(&[u32], &[u32])> = out
+            .iter()
+            .enumerate()
+            .flat_map(|(i, g)| g.iter().map(move |c| (ins[i].as_slice(), c.ids.as_slice())))
+            .collect();
+        let lps = fm.sequence_logprobs(&rows, 0, 0.8, 8).unwrap();
+        for ((_, c), lp) in rows.iter().zip(out.iter().flatten()).zip(&lps) {
+            assert_eq!(lp.len(), c.ids.len());
+            for (a, b) in lp.iter().zip(&c.logprobs) {
+                assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+            }
+        }
+        // Greedy fills: the argmax, the same for every sample.
+        let greedy = SamplingParams {
+            temperature: 0.0,
+            ..params
+        };
+        let (g, _) = fm
+            .sample_groups(&tok, &prompts, 2, &greedy, &mut |_, _, _| Ok(()))
+            .unwrap();
+        assert_eq!(g[0][0].ids, g[0][1].ids);
+    }
+
+    #[test]
+    fn fills_that_do_not_match_their_input_are_errors() {
+        let (fm, tok, _, _) = model("distilbert_mlm", false);
+        let mask = tok.id_to_token(fm.mask_id).unwrap();
+        let ins = inputs(&tok, &mask);
+        let e = fill_logprobs(&fm, &[&ins[0]], &[&[5u32][..]], 1.0, Entropy::Skip)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("masked positions"), "{e}");
+        let plain = tok.encode("no masks here", true).unwrap();
+        let e = fm
+            .sample_groups(
+                &tok,
+                &[PromptInput { ids: plain, seed: 0 }],
+                1,
+                &SamplingParams::default(),
+                &mut |_, _, _| Ok(()),
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no mask token"), "{e}");
+    }
+
+    #[test]
+    fn fill_puts_tokens_at_the_masks_in_order() {
+        assert_eq!(fill(&[1, 9, 2, 9, 3], 9, &[7, 8]), vec![1, 7, 2, 8, 3]);
+        assert_eq!(masked_positions(&[1, 9, 2, 9, 3], 9), vec![1, 3]);
+    }
+}
