@@ -56,6 +56,10 @@ pub struct GenerateArgs {
     /// Seed; each (prompt, sample) gets its own stream derived from it.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// A masked input for a masked-LM generator (repeatable): every mask token in it (`[MASK]`
+    /// or `<mask>`, the tokenizer's) is filled at once; --model must be a *ForMaskedLM directory.
+    #[arg(long)]
+    pub fill: Vec<String>,
     /// Print one JSON object per completion instead of text.
     #[arg(long)]
     pub json: bool,
@@ -143,6 +147,9 @@ pub fn sampling_params(a: &GenerateArgs, eos: Vec<u32>) -> SamplingParams {
 }
 
 pub fn run(a: GenerateArgs) -> Result<()> {
+    if !a.fill.is_empty() {
+        return run_fill(a);
+    }
     let mut specs: Vec<PromptSpec> = a.prompt.iter().cloned().map(PromptSpec::Text).collect();
     if let Some(p) = &a.prompts {
         specs.extend(read_prompts_jsonl(p)?);
@@ -210,5 +217,66 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         stats.prefill_s,
         stats.sample_s
     );
+    Ok(())
+}
+
+/// `--fill`: every masked position of each input sampled at once by a masked-LM generator.
+fn run_fill(a: GenerateArgs) -> Result<()> {
+    if !a.prompt.is_empty() || a.prompts.is_some() {
+        bail!("--fill samples fills of masked inputs; --prompt/--prompts are for causal LMs");
+    }
+    let params = SamplingParams {
+        max_new_tokens: 1,
+        ..sampling_params(&a, vec![])
+    };
+    params.validate()?;
+    let Some(spec) = a.model.model.as_deref() else {
+        bail!("--fill needs --model DIR: a masked-LM generator (BERT, RoBERTa, DistilBERT *ForMaskedLM)");
+    };
+    let dir = PathBuf::from(spec);
+    if !dir.is_dir() {
+        bail!("--model {spec}: a masked-LM generator is an HF directory (config.json, model.safetensors, tokenizer.json)");
+    }
+    let device = a.model.device()?;
+    let (model, tok) = grpo::fill_in::load_generator(&dir, &device)?;
+    let mut inputs = Vec::with_capacity(a.fill.len());
+    for (i, text) in a.fill.iter().enumerate() {
+        let ids = tok.encode(text, true)?;
+        if !ids.contains(&model.mask_id) {
+            let mask = tok.id_to_token(model.mask_id).unwrap_or_default();
+            bail!("--fill {i} ({text:?}) has no mask token: write {mask} where a token is to be filled");
+        }
+        inputs.push(PromptInput {
+            ids,
+            seed: grpo::seeding::mix_seed(a.seed, i as u64),
+        });
+    }
+    use grpo::rollout::GroupSampler;
+    let (groups, _) = model.sample_groups(&tok, &inputs, a.n, &params, &mut |_, _, _| Ok(()))?;
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    for (pi, group) in groups.iter().enumerate() {
+        for (si, c) in group.iter().enumerate() {
+            if a.json {
+                let fills: Vec<String> = c
+                    .ids
+                    .iter()
+                    .map(|&t| tok.id_to_token(t).unwrap_or_default())
+                    .collect();
+                let line = serde_json::json!({
+                    "input_index": pi,
+                    "sample_index": si,
+                    "input": a.fill[pi],
+                    "filled": c.text,
+                    "fill_tokens": fills,
+                    "fill_ids": c.ids,
+                    "logprobs": c.logprobs,
+                });
+                writeln!(out, "{line}")?;
+            } else {
+                writeln!(out, "{}", c.text)?;
+            }
+        }
+    }
     Ok(())
 }

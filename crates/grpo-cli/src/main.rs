@@ -16,6 +16,7 @@ mod config_cmd;
 mod eval_cmd;
 mod export_cmd;
 mod generate;
+mod pretrain_cmd;
 mod report;
 mod report_cmd;
 mod rewards_check;
@@ -47,6 +48,8 @@ enum Command {
     Config(config_cmd::ConfigArgs),
     /// Sample completions from a model.
     Generate(generate::GenerateArgs),
+    /// Train a small model from a text file (a masked-LM generator for fill-in policies).
+    Pretrain(pretrain_cmd::PretrainArgs),
     /// Evaluate a model on held-out prompts: pass@k, accuracy, mean rewards.
     Eval(eval_cmd::EvalArgs),
     /// Test reward functions on a file of completions (`grpo rewards check`).
@@ -95,6 +98,7 @@ fn main() -> ExitCode {
         Command::Train(args) => train::run(args),
         Command::Config(args) => config_cmd::run(args),
         Command::Generate(args) => generate::run(args),
+        Command::Pretrain(args) => pretrain_cmd::run(args),
         Command::Eval(args) => eval_cmd::run(args),
         Command::Rewards(cmd) => rewards_cmd::run(cmd),
         Command::Export(args) => export_cmd::run(args),

@@ -650,3 +650,162 @@ fn log_lines_are_not_coloured_when_stderr_is_not_a_terminal() {
     );
     assert!(!err.contains("\x1b["), "{err:?}");
 }
+
+#[test]
+fn generate_fills_masked_inputs_with_a_masked_lm() {
+    let model = fixture("fillin/bert_mlm");
+    let o = grpo(&[
+        "generate",
+        "--model",
+        &model,
+        "--fill",
+        "The quick brown [MASK] jumps over the [MASK] dog.",
+        "-n",
+        "3",
+        "--temperature",
+        "0.8",
+        "--top-p",
+        "0.95",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 3);
+    for r in &rows {
+        let filled = r["filled"].as_str().unwrap();
+        assert!(
+            !filled.contains("[MASK]") && filled.contains("jumps over"),
+            "{filled}"
+        );
+        assert_eq!(r["fill_ids"].as_array().unwrap().len(), 2);
+    }
+    // No mask in the input, or a causal model: clear errors.
+    let o = grpo(&["generate", "--model", &model, "--fill", "no masks here"]);
+    assert!(
+        !o.status.success() && stderr(&o).contains("no mask token"),
+        "{}",
+        stderr(&o)
+    );
+    let o = grpo(&[
+        "generate",
+        "--model",
+        &fixture("tiny/llama"),
+        "--fill",
+        "a [MASK] b",
+    ]);
+    assert!(
+        !o.status.success() && stderr(&o).contains("causal LM"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn pretrain_makes_a_generator_and_a_judge_that_the_other_commands_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("corpus.txt");
+    let lines: Vec<String> = (0..200)
+        .map(|i| format!("{}+{}={}", i % 17, i % 13, i % 17 + i % 13))
+        .collect();
+    std::fs::write(&data, lines.join("\n")).unwrap();
+    let (gen, judge) = (dir.path().join("gen"), dir.path().join("judge"));
+    let small = [
+        "--hidden",
+        "32",
+        "--layers",
+        "1",
+        "--heads",
+        "2",
+        "--steps",
+        "20",
+        "--batch-size",
+        "16",
+        "--warmup-steps",
+        "2",
+        "--eval-every",
+        "10",
+    ];
+    let mut args = vec![
+        "pretrain",
+        "--objective",
+        "mlm",
+        "--data",
+        data.to_str().unwrap(),
+        "--out",
+        gen.to_str().unwrap(),
+    ];
+    args.extend(small);
+    let o = grpo(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("held-out accuracy"));
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "pretrain_log.jsonl",
+    ] {
+        assert!(gen.join(f).is_file(), "{f}");
+    }
+    let mut args = vec![
+        "pretrain",
+        "--objective",
+        "judge",
+        "--data",
+        data.to_str().unwrap(),
+        "--generator",
+        gen.to_str().unwrap(),
+        "--out",
+        judge.to_str().unwrap(),
+    ];
+    args.extend(small);
+    let o = grpo(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(judge.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["architectures"][0], "BertForSequenceClassification");
+    let o = grpo(&[
+        "generate",
+        "--model",
+        gen.to_str().unwrap(),
+        "--fill",
+        "3+[MASK]=7",
+        "-n",
+        "2",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(String::from_utf8_lossy(&o.stdout).lines().count(), 2);
+    // The judge without a generator, and an empty corpus: errors that say what to give.
+    let o = grpo(&[
+        "pretrain",
+        "--objective",
+        "judge",
+        "--data",
+        data.to_str().unwrap(),
+        "--out",
+        dir.path().join("j2").to_str().unwrap(),
+    ]);
+    assert!(
+        !o.status.success() && stderr(&o).contains("--generator"),
+        "{}",
+        stderr(&o)
+    );
+    std::fs::write(dir.path().join("empty.txt"), "\n").unwrap();
+    let o = grpo(&[
+        "pretrain",
+        "--objective",
+        "mlm",
+        "--data",
+        dir.path().join("empty.txt").to_str().unwrap(),
+        "--out",
+        dir.path().join("g2").to_str().unwrap(),
+    ]);
+    assert!(
+        !o.status.success() && stderr(&o).contains("corpus is empty"),
+        "{}",
+        stderr(&o)
+    );
+}

@@ -10,7 +10,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::{Error, Result};
 
 /// Reads `path` as JSON.
-pub(crate) fn read_json(path: &Path) -> Result<serde_json::Value> {
+pub fn read_json(path: &Path) -> Result<serde_json::Value> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| Error::file(path, format!("cannot read: {e}")))?;
     serde_json::from_str(&text).map_err(|e| Error::file(path, format!("invalid JSON: {e}")))

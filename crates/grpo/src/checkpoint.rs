@@ -37,10 +37,46 @@ pub struct AdapterExport<'a> {
     pub tokenizer: Option<&'a Tokenizer>,
 }
 
+/// A model whose config and tokenizer files are those of the directory it was loaded from
+/// (masked-LM generators): its tensors, with those files copied beside them.
+pub struct CopiedExport<'a> {
+    /// The HF directory the model came from.
+    pub source: &'a Path,
+    /// HF names -> tensors, saved in their dtype.
+    pub tensors: &'a [(String, Tensor)],
+}
+
 /// The model part of a checkpoint: full weights, or adapters over a frozen base.
 pub enum ModelFiles<'a> {
     Full(HfExport<'a>),
     Adapter(AdapterExport<'a>),
+    Copied(CopiedExport<'a>),
+}
+
+/// The files beside a model's weights that [`CopiedExport`] copies when they exist.
+const COPIED_FILES: &[&str] = &[
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+];
+
+/// Writes `export` into `dir` (created): model.safetensors and the source's config and
+/// tokenizer files.
+pub fn write_copied_model(dir: &Path, export: &CopiedExport) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::file(dir, format!("cannot create: {e}")))?;
+    for name in COPIED_FILES {
+        let from = export.source.join(name);
+        if from.is_file() {
+            let bytes = std::fs::read(&from)
+                .map_err(|e| Error::file(&from, format!("cannot read: {e}")))?;
+            write_file(&dir.join(name), &bytes)?;
+        }
+    }
+    save_tensors(&dir.join("model.safetensors"), export.tensors)
 }
 
 /// Everything a checkpoint holds.
@@ -168,6 +204,7 @@ pub fn save_checkpoint(
     let write_all = || -> Result<()> {
         match &data.model {
             ModelFiles::Full(m) => write_hf_model(&tmp, m)?,
+            ModelFiles::Copied(m) => write_copied_model(&tmp, m)?,
             ModelFiles::Adapter(a) => {
                 crate::lora::save_peft(
                     &tmp,

@@ -141,6 +141,7 @@ impl TaskConfig {
 #[derive(Debug, Clone, PartialEq)]
 pub struct TrainConfig {
     // run
+    pub policy: PolicyType,
     pub model: Option<String>,
     pub dtype: DTypeOpt,
     pub output_dir: PathBuf,
@@ -604,6 +605,29 @@ impl FromValue for Option<QuantType> {
     }
 }
 
+crate::named::named_enum! {
+    /// What kind of policy is trained (`policy`).
+    pub enum PolicyType {
+        /// A causal LM that writes completions token by token (unset: this).
+        CausalLm = "causal_lm",
+        /// A masked-LM generator that fills every masked position of its input in one step.
+        FillIn = "fill_in",
+    }
+}
+
+/// Unset: a causal LM (so older configs resolve as before).
+impl FromValue for PolicyType {
+    fn kind() -> Cow<'static, str> {
+        names::<PolicyType>().join("|").into()
+    }
+    fn from_value(key: &str, v: Option<&Value>) -> Result<Self> {
+        match Option::<String>::from_value(key, v)? {
+            None => Ok(PolicyType::CausalLm),
+            Some(s) => s.parse().map_err(|e: String| Error::config(key, e)),
+        }
+    }
+}
+
 /// Unset: the CPU.
 impl FromValue for DeviceSpec {
     fn kind() -> Cow<'static, str> {
@@ -686,6 +710,7 @@ macro_rules! config_keys {
 
 config_keys! {
     "run" {
+        policy: PolicyType = "", "what is trained: causal_lm (completions token by token; unset) or fill_in (a masked-LM generator filling every masked position at once)";
         model: Option<String> = "", "HF directory, .gguf file or hub id (unset: SmolLM2-135M-Instruct, fetched once)";
         dtype: DTypeOpt = "\"f32\"", "precision of the weights for sampling and reference (training keeps f32 parameters)";
         output_dir: PathBuf = "\"runs/grpo\"", "where metrics, samples and checkpoints go";
@@ -1315,6 +1340,7 @@ impl TrainConfig {
             );
         }
         Ok(TrainConfig {
+            policy: raw.policy,
             model: raw.model,
             dtype: raw.dtype,
             output_dir: raw.output_dir,

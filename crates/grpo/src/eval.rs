@@ -30,7 +30,7 @@ use serde_json::{json, Map, Value};
 use crate::data::{self, Example};
 use crate::models::CausalLm;
 use crate::rewards::Reward;
-use crate::rollout::{self, Episode};
+use crate::rollout::{self, Episode, GroupSampler};
 use crate::sampler::SamplingParams;
 use crate::seeding::mix_seed;
 use crate::tokenizer::Tokenizer;
@@ -365,7 +365,7 @@ pub type RowSink<'a> = &'a mut dyn FnMut(&Value) -> Result<()>;
 /// Evaluates `model` on the first `opts.num_prompts` of `examples` (see the module docs); each
 /// prompt's row goes to `out` as soon as its batch is scored.
 pub fn evaluate(
-    model: &CausalLm,
+    model: &dyn GroupSampler,
     tok: &Tokenizer,
     examples: &[Example],
     rewards: &[Reward],

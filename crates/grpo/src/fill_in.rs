@@ -10,6 +10,7 @@
 //! log-probs the two compute are of the same distribution.
 
 use std::collections::HashMap;
+use std::path::Path;
 use std::time::Instant;
 
 use candle_core::{Device, Tensor, D};
@@ -18,7 +19,7 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::logprobs::{unpad_rows, Entropy};
 use crate::models::fused_attention::MASK_VALUE;
-use crate::models::masked_lm::{pad_batch, MaskedLm};
+use crate::models::masked_lm::{pad_batch, MaskedLm, MlmTokenizer};
 use crate::rollout::GroupSampler;
 use crate::sampler::{choose_token, Completion, GenStats, PromptInput, SamplingParams, StopReason};
 use crate::seeding::mix_seed;
@@ -110,6 +111,14 @@ impl FillInModel {
     }
 }
 
+/// Loads an HF masked-LM directory as a fill-in generator (detached weights) with its tokenizer.
+pub fn load_generator(dir: &Path, device: &Device) -> Result<(FillInModel, Tokenizer)> {
+    let lm = MaskedLm::load(dir, device)?;
+    let mt = MlmTokenizer::load(dir, lm.config().max_len())?;
+    let model = FillInModel::new(lm, mt.mask_id(), mt.special_ids(), device)?;
+    Ok((model, Tokenizer::from_hf_dir(dir)?))
+}
+
 /// Distinct inputs of `prompts` (a group's rows share theirs) and, per row, its input's index.
 fn distinct<'a>(prompts: &[&'a [u32]]) -> (Vec<&'a [u32]>, Vec<usize>) {
     let mut index: HashMap<&[u32], usize> = HashMap::new();
@@ -145,7 +154,12 @@ pub fn fill_logprobs(
         .map(|p| masked_positions(p, model.mask_id).len())
         .collect();
     let n = completions.len();
-    let tc = completions.iter().map(|c| c.len()).max().unwrap_or(0).max(1);
+    let tc = completions
+        .iter()
+        .map(|c| c.len())
+        .max()
+        .unwrap_or(0)
+        .max(1);
     // Row i, token j: flat index (its input's j-th masked row) * V + fill; padding reads entry 0
     // and is zeroed by `valid`.
     let (mut lp_idx, mut ent_idx, mut valid) =
@@ -197,14 +211,13 @@ pub fn fill_logprobs(
                 h
             };
             let ent_idx = Tensor::from_vec(ent_idx, n * tc, dev)?;
-            Some(
-                h.index_select(&ent_idx, 0)?
-                    .reshape((n, tc))?
-                    .mul(&valid)?,
-            ) // [N, Tc]
+            Some(h.index_select(&ent_idx, 0)?.reshape((n, tc))?.mul(&valid)?) // [N, Tc]
         }
     };
-    debug_assert_eq!(m, ml.offsets.last().map_or(0, |o| o + counts[uniq.len() - 1]));
+    debug_assert_eq!(
+        m,
+        ml.offsets.last().map_or(0, |o| o + counts[uniq.len() - 1])
+    );
     Ok((lp, ent))
 }
 
@@ -313,7 +326,7 @@ impl GroupSampler for FillInModel {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::models::masked_lm::{masked_lm_config, MlmTokenizer};
+    use crate::models::masked_lm::masked_lm_config;
     use candle_core::Var;
     use std::path::PathBuf;
 
@@ -391,15 +404,21 @@ mod tests {
             let prompts: Vec<&[u32]> = [0, 0, 1, 1].iter().map(|&i| ins[i].as_slice()).collect();
             let comps: Vec<&[u32]> = fills.iter().map(Vec::as_slice).collect();
             let temp = 0.8;
-            let (lp, ent) =
-                fill_logprobs(&fm, &prompts, &comps, temp, Entropy::WithGrad).unwrap();
+            let (lp, ent) = fill_logprobs(&fm, &prompts, &comps, temp, Entropy::WithGrad).unwrap();
             let (lp_v, ent_v) = (
                 lp.to_vec2::<f32>().unwrap(),
                 ent.as_ref().unwrap().to_vec2::<f32>().unwrap(),
             );
             // The twin: full logits of each input, banned specials, per position.
             let specials: Vec<u32> = (0..fm.lm.config().vocab_size as u32)
-                .filter(|&t| fm.banned.get(t as usize).unwrap().to_scalar::<f32>().unwrap() < 0.0)
+                .filter(|&t| {
+                    fm.banned
+                        .get(t as usize)
+                        .unwrap()
+                        .to_scalar::<f32>()
+                        .unwrap()
+                        < 0.0
+                })
                 .collect();
             assert!(specials.contains(&fm.mask_id));
             for (r, (&p, c)) in prompts.iter().zip(&comps).enumerate() {
@@ -424,7 +443,12 @@ mod tests {
             for (n, v) in names.iter().zip(&vars) {
                 let g = grads.get(v.as_tensor());
                 let norm = g.map_or(0.0, |g| {
-                    g.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap()
+                    g.sqr()
+                        .unwrap()
+                        .sum_all()
+                        .unwrap()
+                        .to_scalar::<f32>()
+                        .unwrap()
                 });
                 assert!(norm > 0.0, "{name}: no gradient for {n}");
             }
@@ -459,7 +483,10 @@ mod tests {
         assert_eq!((seen, out.len(), out[0].len()), (8, 2, 4));
         assert_eq!(
             stats.generated_tokens,
-            4 * ins.iter().map(|i| masked_positions(i, fm.mask_id).len()).sum::<usize>()
+            4 * ins
+                .iter()
+                .map(|i| masked_positions(i, fm.mask_id).len())
+                .sum::<usize>()
         );
         // The same input alone, same seed: the same fills (no dependence on the batch).
         let (alone, _) = fm
@@ -473,7 +500,13 @@ mod tests {
         // is the filled input.
         assert!(out[0].iter().any(|c| c.ids != out[0][0].ids));
         for c in out.iter().flatten() {
-            assert!(c.ids.iter().all(|&t| fm.banned.get(t as usize).unwrap().to_scalar::<f32>().unwrap() == 0.0));
+            assert!(c.ids.iter().all(|&t| fm
+                .banned
+                .get(t as usize)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+                == 0.0));
             assert!(!c.text.contains(&mask), "{}", c.text);
         }
         // The sampler's log-probs are the trainer's (same distribution, same temperature).
@@ -514,7 +547,10 @@ mod tests {
         let e = fm
             .sample_groups(
                 &tok,
-                &[PromptInput { ids: plain, seed: 0 }],
+                &[PromptInput {
+                    ids: plain,
+                    seed: 0,
+                }],
                 1,
                 &SamplingParams::default(),
                 &mut |_, _, _| Ok(()),

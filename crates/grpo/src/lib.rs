@@ -34,6 +34,7 @@ pub mod loss;
 pub mod metrics;
 pub mod named;
 pub mod optim;
+pub mod pretrain;
 pub mod rewards;
 pub mod rollout;
 pub mod train;

@@ -9,10 +9,12 @@
 //! the encoder's keys may carry the prefix `bert.`, `roberta.` or `distilbert.` (classifiers)
 //! or none (a bare model, as sentence-transformers saves it).
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use candle_core::{DType, Device, Module, Tensor, D};
+use candle_nn::var_builder::SimpleBackend;
 use candle_nn::VarBuilder;
 use tokenizers::{PostProcessor, TruncationDirection};
 
@@ -426,9 +428,7 @@ impl Encoder {
             let types = Tensor::from_vec(flat(batch.type_ids.clone()), b * t, dev)?; // [B*T]
             x = (x + tt.index_select(&types, 0)?)?;
         }
-        let mut x = self
-            .embed_norm
-            .forward(&x.reshape((b, t, h))?, mode)?; // [B, T, H]
+        let mut x = self.embed_norm.forward(&x.reshape((b, t, h))?, mode)?; // [B, T, H]
         let mask: Vec<f32> = batch
             .lengths
             .iter()
@@ -443,7 +443,10 @@ impl Encoder {
 }
 
 /// Where the encoder's keys start: `bert.`, `roberta.`, `distilbert.` or nothing.
-pub(crate) fn encoder_prefix(tensors: &HashMap<String, Tensor>, origin: &Path) -> Result<&'static str> {
+pub(crate) fn encoder_prefix(
+    tensors: &HashMap<String, Tensor>,
+    origin: &Path,
+) -> Result<&'static str> {
     ["bert.", "roberta.", "distilbert.", ""]
         .into_iter()
         .find(|p| tensors.contains_key(&format!("{p}embeddings.word_embeddings.weight")))
@@ -641,11 +644,150 @@ impl Head {
     }
 }
 
-/// A BERT-like `*ForSequenceClassification`.
-#[derive(Clone)]
-struct EncoderClassifier {
+/// The network of a BERT-like `*ForSequenceClassification`: encoder and head, over detached
+/// weights (inference, fused kernels) or weights that track gradients (training a judge).
+#[derive(Debug, Clone)]
+pub struct ClassifierNet {
     encoder: Encoder,
     head: Head,
+    mode: Mode,
+    /// The checkpoint keys it was built from, sorted.
+    used: Vec<String>,
+}
+
+impl ClassifierNet {
+    /// Builds the network of `cfg.kind` with `num_labels` labels over `tensors` (checkpoint
+    /// names); `origin` names the checkpoint in errors.
+    pub fn from_tensors(
+        cfg: &EncoderConfig,
+        num_labels: usize,
+        tensors: HashMap<String, Tensor>,
+        origin: &Path,
+    ) -> Result<Self> {
+        let prefix = encoder_prefix(&tensors, origin)?;
+        let mode = tracking_mode(&tensors, prefix);
+        let rec = Recorder::new(tensors);
+        let built = {
+            let vb = rec.var_builder();
+            Encoder::load(cfg, encoder_root(&vb, prefix)).and_then(|encoder| {
+                let head = Head::load(cfg.kind, prefix, cfg.hidden_size, num_labels, vb.clone())?;
+                Ok((encoder, head))
+            })
+        };
+        let (encoder, head) = built.map_err(|e| {
+            Error::file(
+                origin,
+                format!("cannot build the {:?} classifier: {e}", cfg.kind),
+            )
+        })?;
+        Ok(Self {
+            encoder,
+            head,
+            mode,
+            used: rec.used()?,
+        })
+    }
+
+    pub fn config(&self) -> &EncoderConfig {
+        &self.encoder.cfg
+    }
+
+    /// The checkpoint keys this network is made of (its parameters), sorted.
+    pub fn parameter_names(&self) -> &[String] {
+        &self.used
+    }
+
+    /// Logits [B, L] of a right-padded batch (the first token's hidden state through the head).
+    pub fn logits(&self, batch: &EncoderBatch) -> Result<Tensor> {
+        let hidden = self.encoder.forward_mode(batch, self.mode)?; // [B, T, H]
+        let first = hidden.narrow(1, 0, 1)?.squeeze(1)?; // [B, H]
+        Ok(self.head.forward(&first)?) // [B, L]
+    }
+}
+
+/// `Train` when the word embeddings track gradients, else `Infer`.
+pub(crate) fn tracking_mode(tensors: &HashMap<String, Tensor>, prefix: &str) -> Mode {
+    match tensors
+        .get(&format!("{prefix}embeddings.word_embeddings.weight"))
+        .is_some_and(|t| t.track_op())
+    {
+        true => Mode::Train,
+        false => Mode::Infer,
+    }
+}
+
+/// A tensor map that records which keys were read, so that a model knows its parameters (a
+/// checkpoint may hold more, e.g. BERT's pooler and next-sentence head under a masked LM).
+pub(crate) struct Recorder {
+    tensors: HashMap<String, Tensor>,
+    used: Mutex<BTreeSet<String>>,
+}
+
+struct RecorderRef<'a>(&'a Recorder);
+
+impl Recorder {
+    pub(crate) fn new(tensors: HashMap<String, Tensor>) -> Self {
+        Self {
+            tensors,
+            used: Mutex::new(BTreeSet::new()),
+        }
+    }
+
+    /// A VarBuilder (f32) over the tensors that records every key read.
+    pub(crate) fn var_builder(&self) -> VarBuilder<'_> {
+        let device = self
+            .tensors
+            .values()
+            .next()
+            .map(|t| t.device().clone())
+            .unwrap_or(Device::Cpu);
+        VarBuilder::from_backend(Box::new(RecorderRef(self)), DType::F32, device)
+    }
+
+    /// The keys read so far, sorted.
+    pub(crate) fn used(self) -> Result<Vec<String>> {
+        Ok(self
+            .used
+            .into_inner()
+            .map_err(|_| Error::Model("model loader poisoned".into()))?
+            .into_iter()
+            .collect())
+    }
+}
+
+impl SimpleBackend for RecorderRef<'_> {
+    fn get(
+        &self,
+        s: candle_core::Shape,
+        name: &str,
+        h: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let t = SimpleBackend::get(&self.0.tensors, s, name, h, dtype, dev)?;
+        if let Ok(mut used) = self.0.used.lock() {
+            used.insert(name.to_string());
+        }
+        Ok(t)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        let t = SimpleBackend::get_unchecked(&self.0.tensors, name, dtype, dev)?;
+        if let Ok(mut used) = self.0.used.lock() {
+            used.insert(name.to_string());
+        }
+        Ok(t)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.0.tensors.contains_key(name)
+    }
+}
+
+/// A BERT-like `*ForSequenceClassification` with its tokenizer.
+#[derive(Clone)]
+struct EncoderClassifier {
+    net: ClassifierNet,
     tokenizer: EncoderTokenizer,
 }
 
@@ -661,31 +803,15 @@ impl EncoderClassifier {
         let cfg = EncoderConfig::from_json(kind, config, &config_path)?;
         let tokenizer = EncoderTokenizer::load(dir, cfg.max_len(), false)?;
         let (tensors, origin) = read_weights(dir, device)?;
-        let prefix = encoder_prefix(&tensors, &origin)?;
-        let vb = VarBuilder::from_tensors(tensors, DType::F32, device);
-        let build = || -> candle_core::Result<(Encoder, Head)> {
-            let encoder = Encoder::load(&cfg, encoder_root(&vb, prefix))?;
-            let head = Head::load(kind, prefix, cfg.hidden_size, num_labels, vb.clone())?;
-            Ok((encoder, head))
-        };
-        let (encoder, head) = build().map_err(|e| {
-            Error::file(
-                &origin,
-                format!("cannot build the {kind:?} classifier: {e}"),
-            )
-        })?;
         Ok(Self {
-            encoder,
-            head,
+            net: ClassifierNet::from_tensors(&cfg, num_labels, tensors, &origin)?,
             tokenizer,
         })
     }
 
     fn logits(&self, inputs: &[(&str, Option<&str>)]) -> Result<Tensor> {
-        let batch = encoder_batch(&self.tokenizer, &self.encoder.cfg, inputs)?;
-        let hidden = self.encoder.forward(&batch)?; // [B, T, H]
-        let first = hidden.narrow(1, 0, 1)?.squeeze(1)?; // [B, H]
-        Ok(self.head.forward(&first)?) // [B, L]
+        let batch = encoder_batch(&self.tokenizer, self.net.config(), inputs)?;
+        self.net.logits(&batch) // [B, L]
     }
 }
 

@@ -8,17 +8,15 @@
 //! The vocabulary projection runs only at the positions asked for ([`MaskedLm::logits_at`]): the
 //! masked ones, a small share of the input.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 
-use candle_core::{DType, Device, Module, Shape, Tensor};
-use candle_nn::var_builder::SimpleBackend;
+use candle_core::{Device, Module, Tensor};
 use candle_nn::VarBuilder;
 
 use super::encoder::{
-    encoder_prefix, encoder_root, Act, Encoder, EncoderBatch, EncoderConfig, EncoderKind,
-    EncoderTokenizer,
+    encoder_prefix, encoder_root, tracking_mode, Act, Encoder, EncoderBatch, EncoderConfig,
+    EncoderKind, EncoderTokenizer, Recorder,
 };
 use super::layers::{linear, LayerNorm, Linear, Mode};
 use crate::files::{read_json, read_weights};
@@ -55,44 +53,6 @@ pub struct MaskedLm {
     used: Vec<String>,
 }
 
-/// A tensor map that records which keys were read, so that a model knows its parameters (a
-/// checkpoint may hold more, e.g. BERT's pooler and next-sentence head).
-struct Recorder {
-    tensors: HashMap<String, Tensor>,
-    used: Mutex<BTreeSet<String>>,
-}
-
-struct RecorderRef<'a>(&'a Recorder);
-
-impl SimpleBackend for RecorderRef<'_> {
-    fn get(
-        &self,
-        s: Shape,
-        name: &str,
-        h: candle_nn::Init,
-        dtype: DType,
-        dev: &Device,
-    ) -> candle_core::Result<Tensor> {
-        let t = SimpleBackend::get(&self.0.tensors, s, name, h, dtype, dev)?;
-        if let Ok(mut used) = self.0.used.lock() {
-            used.insert(name.to_string());
-        }
-        Ok(t)
-    }
-
-    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
-        let t = SimpleBackend::get_unchecked(&self.0.tensors, name, dtype, dev)?;
-        if let Ok(mut used) = self.0.used.lock() {
-            used.insert(name.to_string());
-        }
-        Ok(t)
-    }
-
-    fn contains_tensor(&self, name: &str) -> bool {
-        self.0.tensors.contains_key(name)
-    }
-}
-
 /// Reads a masked LM's `config.json`: its encoder kind and hyper-parameters. A causal LM, a
 /// classifier or an unknown architecture is an error that says what loads.
 pub fn masked_lm_config(dir: &Path) -> Result<EncoderConfig> {
@@ -125,7 +85,9 @@ pub fn masked_lm_config(dir: &Path) -> Result<EncoderConfig> {
     if kind == EncoderKind::XlmRoberta {
         return Err(Error::file(
             &path,
-            format!("xlm-roberta masked LMs are not supported yet; supported: {SUPPORTED_MASKED_LMS}"),
+            format!(
+                "xlm-roberta masked LMs are not supported yet; supported: {SUPPORTED_MASKED_LMS}"
+            ),
         ));
     }
     if let Some(a) = archs.iter().find(|a| !a.ends_with("ForMaskedLM")) {
@@ -162,24 +124,10 @@ impl MaskedLm {
         origin: &Path,
     ) -> Result<Self> {
         let prefix = encoder_prefix(&tensors, origin)?;
-        let device = tensors
-            .values()
-            .next()
-            .map(|t| t.device().clone())
-            .unwrap_or(Device::Cpu);
-        let mode = match tensors
-            .get(&format!("{prefix}embeddings.word_embeddings.weight"))
-            .is_some_and(|t| t.track_op())
-        {
-            true => Mode::Train,
-            false => Mode::Infer,
-        };
-        let rec = Recorder {
-            tensors,
-            used: Mutex::new(BTreeSet::new()),
-        };
+        let mode = tracking_mode(&tensors, prefix);
+        let rec = Recorder::new(tensors);
         let built = {
-            let vb = VarBuilder::from_backend(Box::new(RecorderRef(&rec)), DType::F32, device);
+            let vb = rec.var_builder();
             Encoder::load(cfg, encoder_root(&vb, prefix)).and_then(|encoder| {
                 let head = load_head(cfg, &vb, encoder.word_embeddings())?;
                 Ok((encoder, head))
@@ -191,12 +139,7 @@ impl MaskedLm {
                 format!("cannot build the {:?} masked LM: {e}", cfg.kind),
             )
         })?;
-        let used = rec
-            .used
-            .into_inner()
-            .map_err(|_| Error::Model("masked LM loader poisoned".into()))?
-            .into_iter()
-            .collect();
+        let used = rec.used()?;
         Ok(Self {
             cfg: cfg.clone(),
             encoder,
@@ -389,10 +332,9 @@ impl MlmTokenizer {
 
     /// Text of `ids` without special tokens.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner
-            .inner
-            .decode(ids, true)
-            .map_err(|e| Error::Tokenizer(format!("decoding with {}: {e}", self.inner.path.display())))
+        self.inner.inner.decode(ids, true).map_err(|e| {
+            Error::Tokenizer(format!("decoding with {}: {e}", self.inner.path.display()))
+        })
     }
 }
 
@@ -442,7 +384,12 @@ mod tests {
                 .collect()
         };
         Expected {
-            input_ids: j["input_ids"].as_array().unwrap().iter().map(u32s).collect(),
+            input_ids: j["input_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(u32s)
+                .collect(),
             masked: j["masked"]
                 .as_array()
                 .unwrap()
@@ -532,9 +479,12 @@ mod tests {
             let j = read_json(&dir.join("expected.json")).unwrap();
             let cfg = masked_lm_config(&dir).unwrap();
             let tok = MlmTokenizer::load(&dir, cfg.max_len()).unwrap();
-            for (text, ids) in j["texts"].as_array().unwrap().iter().zip(
-                j["input_ids"].as_array().unwrap(),
-            ) {
+            for (text, ids) in j["texts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .zip(j["input_ids"].as_array().unwrap())
+            {
                 let got = tok.encode(text.as_str().unwrap()).unwrap();
                 let want: Vec<u32> = ids
                     .as_array()
@@ -582,13 +532,23 @@ mod tests {
             assert!(dl < 1e-4, "{name}: loss differs by {dl}");
             let grads = loss.backward().unwrap();
             let names = m.parameter_names();
-            assert_eq!(names.len(), vars.len(), "{name}: every stored tensor is used");
+            assert_eq!(
+                names.len(),
+                vars.len(),
+                "{name}: every stored tensor is used"
+            );
             for n in names {
                 let want = &e.tensors[&format!("grad.{n}")];
                 let got = grads
                     .get(vars[n].as_tensor())
                     .unwrap_or_else(|| panic!("{name}: no gradient for {n}"));
-                let scale = want.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+                let scale = want
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap();
                 let d = max_diff(got, want);
                 assert!(
                     d <= 1e-4 * scale.max(1.0),
@@ -607,7 +567,10 @@ mod tests {
         )
         .unwrap();
         let e = masked_lm_config(dir.path()).unwrap_err().to_string();
-        assert!(e.contains("causal LM") && e.contains("bert, roberta"), "{e}");
+        assert!(
+            e.contains("causal LM") && e.contains("bert, roberta"),
+            "{e}"
+        );
         std::fs::write(
             dir.path().join("config.json"),
             r#"{"model_type": "bert", "architectures": ["BertForSequenceClassification"]}"#,

@@ -11,6 +11,7 @@
 //! a round logs [`metrics`]; the [`Policy`] and [`World`] traits are the seams for other kinds of
 //! policy and for data-parallel runs.
 
+mod fill_in;
 mod health;
 mod metrics;
 mod policy;
@@ -26,17 +27,18 @@ use std::time::Instant;
 
 use serde_json::json;
 
+pub use fill_in::{FillInForward, FillInPolicy};
 pub use health::{Health, HealthKind, HealthOptions, HealthWarning};
 pub use metrics::{names, RewardMetrics, RoundTimes, StepMetrics, UpdateMetrics};
 pub use policy::{CausalLmForward, CausalLmPolicy, Policy, Reference, TrainForward};
-pub use setup::{update_options, BestModel, TrainerState};
+pub use setup::{update_options, BestModel, LoadPolicy, Loaded, TrainerState};
 pub use update::{
     policy_gradients, update_policy, update_round, Schedule, StepCounter, StepStats, UpdateOptions,
 };
 pub use world::{SingleProcess, World};
 
 use crate::advantages::round_advantages;
-use crate::config::TrainConfig;
+use crate::config::{PolicyType, TrainConfig};
 use crate::data;
 use crate::loss::{kl_reward_penalty, KlMode};
 use crate::rewards::Reward;
@@ -75,11 +77,18 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
             tracing::warn!("threads: {e}");
         }
     }
-    crate::threads::on_pool(|| run(cfg, ctl, &SingleProcess))
+    crate::threads::on_pool(|| match cfg.policy {
+        PolicyType::CausalLm => run::<CausalLmPolicy>(cfg, ctl, &SingleProcess),
+        PolicyType::FillIn => run::<FillInPolicy>(cfg, ctl, &SingleProcess),
+    })
 }
 
-fn run(cfg: &TrainConfig, ctl: &RunControl, world: &dyn World) -> Result<TrainOutcome> {
-    let mut r = Run::start(cfg, ctl.resume)?;
+fn run<P: LoadPolicy>(
+    cfg: &TrainConfig,
+    ctl: &RunControl,
+    world: &dyn World,
+) -> Result<TrainOutcome> {
+    let mut r = Run::<P>::start(cfg, ctl.resume)?;
     let (p, g) = (r.p, r.g);
     let total_steps = r.schedule.total_steps;
     let bar = progress_bar(total_steps, r.state.step);
@@ -280,7 +289,7 @@ fn run(cfg: &TrainConfig, ctl: &RunControl, world: &dyn World) -> Result<TrainOu
 
 /// Evaluation on the held-out prompts as the config's `eval_*` keys say (see [`crate::eval`]):
 /// pass@k, sampled and greedy accuracy, mean rewards. Every answer goes to `eval/step-N.jsonl`.
-fn evaluate(r: &mut Run, step: u64) -> Result<Vec<(String, f64)>> {
+fn evaluate<P: Policy>(r: &mut Run<P>, step: u64) -> Result<Vec<(String, f64)>> {
     let model = r.policy.freeze(r.cfg.gradient_checkpointing)?;
     let opts = r.cfg.eval_options(r.sampling.eos_token_ids.clone());
     let file = format!("eval/step-{step}.jsonl");
@@ -298,8 +307,8 @@ fn evaluate(r: &mut Run, step: u64) -> Result<Vec<(String, f64)>> {
 }
 
 /// Every completion of the round to `completions.jsonl`, and a few on the console.
-fn log_completions(
-    r: &mut Run,
+fn log_completions<P: Policy>(
+    r: &mut Run<P>,
     episodes: &[Episode],
     rewards: &[f32],
     advantages: &[f32],

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor, Var};
 
 use crate::checkpoint::{AdapterExport, HfExport, ModelFiles};
-use crate::logprobs::{completion_logprobs, sequence_logprobs, Entropy, Packing};
+use crate::logprobs::{completion_logprobs, Entropy, Packing};
 use crate::lora::{self, LoraConfig};
 use crate::models::checkpointing::CheckpointGrads;
 use crate::models::grad_sink::GradSink;
@@ -41,6 +41,9 @@ pub trait Policy {
         tensors: &'a [(String, Tensor)],
         tok: &'a Tokenizer,
     ) -> ModelFiles<'a>;
+    /// A frozen model over full-model `tensors` (checkpoint names): the reference after
+    /// `sync_ref_model` mixes the policy into it.
+    fn frozen_from(&self, tensors: HashMap<String, Tensor>) -> Result<Self::Frozen>;
 
     /// The parameters by name, detached.
     fn named_tensors(&self) -> Vec<(String, Tensor)> {
@@ -169,6 +172,10 @@ impl Policy for CausalLmPolicy {
         })
     }
 
+    fn frozen_from(&self, tensors: HashMap<String, Tensor>) -> Result<CausalLm> {
+        CausalLm::from_tensors(&self.cfg, tensors, DType::F32, &self.device)
+    }
+
     fn model_files<'a>(
         &'a self,
         tensors: &'a [(String, Tensor)],
@@ -235,13 +242,13 @@ impl TrainForward for CausalLmForward {
 }
 
 /// The frozen reference model, when a KL term or a reward needs it.
-pub struct Reference {
-    pub model: Option<CausalLm>,
+pub struct Reference<F> {
+    pub model: Option<F>,
     /// Its HF-layout tensors, kept only when the policy is mixed into it (`sync_ref_model`).
     pub tensors: Option<HashMap<String, Tensor>>,
 }
 
-impl Reference {
+impl<F: GroupSampler> Reference<F> {
     /// Per-token log-probs of `rows` under the reference (None without one).
     pub fn logprobs(
         &self,
@@ -251,8 +258,7 @@ impl Reference {
         chunk_tokens: usize,
     ) -> Result<Option<Vec<Vec<f32>>>> {
         match &self.model {
-            Some(m) => Ok(Some(sequence_logprobs(
-                m,
+            Some(m) => Ok(Some(m.sequence_logprobs(
                 rows,
                 pad,
                 temperature,
@@ -263,21 +269,16 @@ impl Reference {
     }
 
     /// TRL's reference sync: `ref = alpha * policy + (1 - alpha) * ref`.
-    pub fn sync(&mut self, policy: &CausalLmPolicy, alpha: f64) -> Result<()> {
+    pub fn sync<P: Policy<Frozen = F>>(&mut self, policy: &P, alpha: f64) -> Result<()> {
         let Some(rt) = self.tensors.as_mut() else {
             return Ok(());
         };
-        for (n, v) in policy.names.iter().zip(&policy.vars) {
+        for (n, v) in policy.names().iter().zip(policy.vars()) {
             if let Some(r) = rt.get_mut(n) {
                 *r = ((v.as_tensor().detach() * alpha)? + (r.clone() * (1.0 - alpha))?)?;
             }
         }
-        self.model = Some(CausalLm::from_tensors(
-            &policy.cfg,
-            rt.clone(),
-            DType::F32,
-            &policy.device,
-        )?);
+        self.model = Some(policy.frozen_from(rt.clone())?);
         Ok(())
     }
 }

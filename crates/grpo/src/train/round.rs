@@ -103,7 +103,7 @@ fn signal(episodes: &[Episode], weights: &[f32], g: usize) -> Result<Vec<bool>> 
 /// Samples, takes log-probs and scores the round's `P` groups; with dynamic sampling, drops the
 /// groups without signal and samples more until `P` carry one or `max_extra_passes` extra
 /// passes ran.
-pub fn sample_round(r: &mut Run) -> Result<Sampled> {
+pub fn sample_round<P: Policy>(r: &mut Run<P>) -> Result<Sampled> {
     let (p, g, max_extra) = (r.p, r.g, r.max_extra_passes);
     let seeds: Vec<u64> = (0..p)
         .map(|i| mix_seed(r.cfg.seed, r.state.round * p as u64 + i as u64))
@@ -144,7 +144,7 @@ pub fn sample_round(r: &mut Run) -> Result<Sampled> {
 
 /// One pass: `seeds.len()` prompts from the order, `G` completions each (rewards that allow it
 /// scored on a second thread while sampling runs), log-probs, every reward.
-fn sample_pass(r: &mut Run, seeds: &[u64]) -> Result<Sampled> {
+fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64]) -> Result<Sampled> {
     let cfg = r.cfg;
     // 1. Rollout with the current policy.
     let t0 = Instant::now();

@@ -79,17 +79,37 @@ fn is_zero(n: &u64) -> bool {
     *n == 0
 }
 
+/// What a kind of policy loads for a run: the trainable policy (fresh, or from the checkpoint
+/// resumed from), its frozen reference when one is needed, the tokenizer and the EOS ids.
+pub struct Loaded<P: Policy> {
+    pub policy: P,
+    pub reference: Reference<P::Frozen>,
+    pub tok: Tokenizer,
+    pub eos_ids: Vec<u32>,
+}
+
+/// A kind of policy the loop can train: how a run loads it.
+pub trait LoadPolicy: Policy + Sized {
+    /// `needs_ref`: a KL term or a reward reads the reference's log-probs.
+    fn load(
+        cfg: &TrainConfig,
+        resume_from: Option<&PathBuf>,
+        needs_ref: bool,
+        device: &Device,
+    ) -> Result<Loaded<Self>>;
+}
+
 /// A run, set up.
-pub struct Run<'a> {
+pub struct Run<'a, P: Policy = CausalLmPolicy> {
     pub cfg: &'a TrainConfig,
     pub tok: Tokenizer,
     pub pad: u32,
     pub data: RunData,
     /// Every training prompt, tokenized once.
     pub train_ids: Vec<Vec<u32>>,
-    pub policy: CausalLmPolicy,
+    pub policy: P,
     pub opt: AdamW,
-    pub reference: Reference,
+    pub reference: Reference<P::Frozen>,
     pub state: TrainerState,
     /// The checkpoint resumed from.
     pub resumed_from: Option<PathBuf>,
@@ -122,10 +142,10 @@ pub struct Run<'a> {
     pub best: Option<BestModel>,
 }
 
-impl<'a> Run<'a> {
+impl<'a, P: LoadPolicy> Run<'a, P> {
     /// Sets up a run as `cfg` says, continuing from the newest checkpoint in `output_dir` when
     /// `resume`.
-    pub fn start(cfg: &'a TrainConfig, resume: bool) -> Result<Run<'a>> {
+    pub fn start(cfg: &'a TrainConfig, resume: bool) -> Result<Run<'a, P>> {
         for k in &cfg.ignored_keys {
             tracing::warn!("config key `{k}` is accepted for TRL compatibility and ignored");
         }
@@ -150,12 +170,24 @@ impl<'a> Run<'a> {
         } else {
             None
         };
-        let source = hub::resolve_model(cfg.model.as_deref())?;
-        tracing::info!("model: {}", source.path().display());
-        let mut base = load_model(&source, DType::F32, &device)?;
-        let tok = base.tokenizer()?.clone();
-        let pad = tok.pad_token_id().or(tok.eos_token_id()).unwrap_or(0);
         let data = load_run_data(cfg, &device)?;
+        // The frozen reference is loaded only when a KL or a reward (coherence) needs it.
+        let kl_needs_ref = !matches!(cfg.kl, KlMode::None);
+        let rewards_need_ref = data.rewards.iter().any(|r| r.needs_ref_logp());
+        let early_rewards: Vec<bool> = data.rewards.iter().map(|r| r.overlaps_sampling()).collect();
+        let Loaded {
+            policy,
+            reference,
+            tok,
+            eos_ids,
+        } = P::load(
+            cfg,
+            resume_from.as_ref(),
+            kl_needs_ref || rewards_need_ref,
+            &device,
+        )?;
+        super::trace_memory("loading the policy and reference");
+        let pad = tok.pad_token_id().or(tok.eos_token_id()).unwrap_or(0);
         tracing::info!(
             "data: {} train prompts, {} eval prompts, rewards: {}",
             data.train.len(),
@@ -180,7 +212,6 @@ impl<'a> Run<'a> {
             })
             .collect::<Result<Vec<_>>>()?;
 
-        let policy = policy_parameters(cfg, &source, &mut base, resume_from.as_ref(), &device)?;
         let ckpt = match &resume_from {
             Some(dir) => Some(checkpoint::load_checkpoint(dir, &device)?),
             None => None,
@@ -199,31 +230,6 @@ impl<'a> Run<'a> {
                 weight_decay: cfg.weight_decay,
             },
         )?;
-
-        // The frozen reference: the base weights (never the resumed ones), only when a KL or a
-        // reward (coherence) needs it. Its HF-layout tensors are kept only when they are mixed
-        // with the policy's later (`sync_ref_model`); otherwise the built model's own layout is
-        // the only copy. With LoRA the reference is the frozen base itself, adapters off.
-        let kl_needs_ref = !matches!(cfg.kl, KlMode::None);
-        let rewards_need_ref = data.rewards.iter().any(|r| r.needs_ref_logp());
-        let early_rewards: Vec<bool> = data.rewards.iter().map(|r| r.overlaps_sampling()).collect();
-        let needs_ref = kl_needs_ref || rewards_need_ref;
-        let reference = Reference {
-            model: match (needs_ref, &policy.lora) {
-                (false, _) => None,
-                (true, Some((frozen, _))) => Some(frozen.clone()),
-                (true, None) => Some(CausalLm::from_tensors(
-                    &base.config,
-                    base.tensors.clone(),
-                    DType::F32,
-                    &device,
-                )?),
-            },
-            tensors: (needs_ref && cfg.sync_ref_model).then(|| base.tensors.clone()),
-        };
-        let eos_ids = base.eos_token_ids.clone();
-        drop(base);
-        super::trace_memory("loading the policy, optimizer and reference");
 
         let mut state = TrainerState {
             step: 0,
@@ -326,7 +332,9 @@ impl<'a> Run<'a> {
             data,
         })
     }
+}
 
+impl<P: Policy> Run<'_, P> {
     /// Writes a checkpoint of the current step (weights or adapters, optimizer moments, trainer
     /// state, config) atomically; rotates old ones as `save_total_limit` says, keeping the best.
     /// `new_best`: this step's value of `metric_for_best_model`, when it is the best so far.
@@ -390,6 +398,44 @@ pub fn update_options(cfg: &TrainConfig, pad: u32) -> UpdateOptions {
         num_iterations: cfg.num_iterations,
         max_completion_length: cfg.max_completion_length,
         max_consecutive_nonfinite: cfg.max_consecutive_nonfinite,
+    }
+}
+
+impl LoadPolicy for CausalLmPolicy {
+    /// The model `cfg.model` names (hub id, HF directory or GGUF). The reference holds the base
+    /// weights (never the resumed ones); its HF-layout tensors are kept only when they are mixed
+    /// with the policy's later (`sync_ref_model`), otherwise the built model's own layout is the
+    /// only copy. With LoRA the reference is the frozen base itself, adapters off.
+    fn load(
+        cfg: &TrainConfig,
+        resume_from: Option<&PathBuf>,
+        needs_ref: bool,
+        device: &Device,
+    ) -> Result<Loaded<Self>> {
+        let source = hub::resolve_model(cfg.model.as_deref())?;
+        tracing::info!("model: {}", source.path().display());
+        let mut base = load_model(&source, DType::F32, device)?;
+        let tok = base.tokenizer()?.clone();
+        let policy = policy_parameters(cfg, &source, &mut base, resume_from, device)?;
+        let reference = Reference {
+            model: match (needs_ref, &policy.lora) {
+                (false, _) => None,
+                (true, Some((frozen, _))) => Some(frozen.clone()),
+                (true, None) => Some(CausalLm::from_tensors(
+                    &base.config,
+                    base.tensors.clone(),
+                    DType::F32,
+                    device,
+                )?),
+            },
+            tensors: (needs_ref && cfg.sync_ref_model).then(|| base.tensors.clone()),
+        };
+        Ok(Loaded {
+            policy,
+            reference,
+            tok,
+            eos_ids: base.eos_token_ids.clone(),
+        })
     }
 }
 

@@ -1,0 +1,914 @@
+//! `grpo pretrain`: small models trained from a text file on the CPU in minutes.
+//!
+//! `--objective mlm`: a masked-LM generator, trained as a single-step diffusion model: each
+//! example gets its own mask ratio, drawn from a range, and the model learns to fill every
+//! masked position at once. `--objective judge`: a classifier telling real lines from lines the
+//! generator filled, the frozen judge of fill-in GRPO ([`pretrain_judge`]).
+//!
+//! The model is a BERT masked LM (`BertForMaskedLM`, tied decoder) with a char-level tokenizer
+//! (`[PAD] [UNK] [CLS] [SEP] [MASK]` then the corpus's characters), saved as an HF directory
+//! (config.json, model.safetensors, tokenizer.json, tokenizer_config.json) that grpo's loader,
+//! and transformers, load as any other masked LM. Training: AdamW, cosine schedule with warm-up,
+//! cross-entropy at the masked positions; held-out fill accuracy is measured on a fixed set of
+//! masked lines.
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor, Var, D};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde_json::json;
+
+use crate::files::{save_tensors, write_file};
+use crate::models::encoder::{ClassifierNet, EncoderConfig, EncoderKind};
+use crate::models::masked_lm::{masked_lm_config, pad_batch, MaskedLm, MlmTokenizer};
+use crate::optim::{clip_factor, lr_lambda, AdamW, AdamWConfig, LrSchedule};
+use crate::seeding::mix_seed;
+use crate::{Error, Result};
+
+/// The char tokenizer's special tokens, in id order.
+pub const SPECIALS: [&str; 5] = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"];
+const PAD: u32 = 0;
+const CLS: u32 = 2;
+const SEP: u32 = 3;
+const MASK: u32 = 4;
+
+/// What `grpo pretrain` trains (sizes, steps, optimizer, masking).
+#[derive(Debug, Clone)]
+pub struct PretrainOptions {
+    /// One example per line (blank lines skipped).
+    pub data: PathBuf,
+    pub out: PathBuf,
+    pub hidden: usize,
+    pub layers: usize,
+    pub heads: usize,
+    /// Longest example in tokens, [CLS] and [SEP] included; longer lines are cut.
+    pub max_len: usize,
+    pub steps: u64,
+    pub batch_size: usize,
+    pub learning_rate: f64,
+    pub warmup_steps: u64,
+    /// Each example's mask ratio is drawn uniformly from this range.
+    pub mask_ratio: (f64, f64),
+    pub seed: u64,
+    /// Held-out fill accuracy every this many steps (0: only at the end).
+    pub eval_every: u64,
+}
+
+impl PretrainOptions {
+    fn validate(&self) -> Result<()> {
+        let bad = |k: &str, m: &str| Err(Error::config(k, m));
+        let (lo, hi) = self.mask_ratio;
+        if !(lo > 0.0 && lo <= hi && hi <= 1.0) {
+            return bad(
+                "--mask-ratio",
+                "must be a ratio in (0, 1] or a range LO..HI with 0 < LO <= HI <= 1",
+            );
+        }
+        if self.heads == 0 || !self.hidden.is_multiple_of(self.heads) {
+            return bad("--heads", "must divide --hidden");
+        }
+        if self.max_len < 3 {
+            return bad(
+                "--max-len",
+                "must be at least 3 ([CLS], one character, [SEP])",
+            );
+        }
+        if self.steps == 0 || self.batch_size == 0 || self.layers == 0 {
+            return bad(
+                "--steps",
+                "--steps, --batch-size and --layers must be at least 1",
+            );
+        }
+        Ok(())
+    }
+}
+
+/// One line of the pretraining log.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PretrainStep {
+    pub step: u64,
+    pub loss: f64,
+    pub learning_rate: f64,
+    pub grad_norm: f64,
+    /// Held-out accuracy when measured: the share of masked characters filled right (greedy)
+    /// for a generator, of lines classified right for a judge.
+    pub eval_accuracy: Option<f64>,
+}
+
+/// Lines of a text corpus: the non-blank lines of `path`, right-trimmed.
+pub fn read_corpus(path: &Path) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| Error::file(path, format!("cannot read the corpus: {e}")))?;
+    let lines: Vec<String> = text
+        .lines()
+        .map(|l| l.trim_end().to_string())
+        .filter(|l| !l.trim().is_empty())
+        .collect();
+    if lines.is_empty() {
+        return Err(Error::file(
+            path,
+            "the corpus is empty: pretraining needs text, one example per line",
+        ));
+    }
+    Ok(lines)
+}
+
+/// The vocabulary of a char tokenizer over `lines`: the specials, then each distinct character
+/// in code-point order.
+pub fn char_vocab(lines: &[String]) -> Vec<String> {
+    let chars: BTreeSet<char> = lines.iter().flat_map(|l| l.chars()).collect();
+    SPECIALS
+        .iter()
+        .map(|s| s.to_string())
+        .chain(chars.into_iter().map(String::from))
+        .collect()
+}
+
+/// `tokenizer.json` of a char-level tokenizer over `vocab` ([`char_vocab`]): every character a
+/// token, `[CLS] text [SEP]`, mask tokens written as `[MASK]` in the text, decoding by
+/// concatenation.
+pub fn char_tokenizer_json(vocab: &[String]) -> serde_json::Value {
+    let added: Vec<serde_json::Value> = SPECIALS
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            json!({"id": i, "content": s, "single_word": false, "lstrip": false, "rstrip": false,
+                   "normalized": false, "special": true})
+        })
+        .collect();
+    let ids: serde_json::Map<String, serde_json::Value> = vocab
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), json!(i)))
+        .collect();
+    let special = |t: &str, id: u32| json!({"id": t, "ids": [id], "tokens": [t]});
+    json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "."}, "behavior": "Isolated", "invert": false},
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "[CLS]", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                       {"SpecialToken": {"id": "[SEP]", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": "[CLS]", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"SpecialToken": {"id": "[SEP]", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}},
+                     {"SpecialToken": {"id": "[SEP]", "type_id": 1}}],
+            "special_tokens": {"[CLS]": special("[CLS]", CLS), "[SEP]": special("[SEP]", SEP)}
+        },
+        "decoder": {"type": "Fuse"},
+        "model": {"type": "WordLevel", "vocab": ids, "unk_token": "[UNK]"}
+    })
+}
+
+/// `config.json` of a BERT masked LM of these sizes.
+pub fn bert_mlm_config(vocab: usize, o: &PretrainOptions) -> serde_json::Value {
+    json!({
+        "architectures": ["BertForMaskedLM"],
+        "model_type": "bert",
+        "vocab_size": vocab,
+        "hidden_size": o.hidden,
+        "num_hidden_layers": o.layers,
+        "num_attention_heads": o.heads,
+        "intermediate_size": 4 * o.hidden,
+        "hidden_act": "gelu",
+        "max_position_embeddings": o.max_len,
+        "type_vocab_size": 2,
+        "layer_norm_eps": 1e-12,
+        "pad_token_id": PAD,
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": true,
+        "position_embedding_type": "absolute",
+        "grpo_pretrain": {"objective": "mlm", "mask_ratio": [o.mask_ratio.0, o.mask_ratio.1]}
+    })
+}
+
+/// BERT's initialisation (transformers' `_init_weights`): matrices and embeddings N(0, 0.02),
+/// biases 0, LayerNorm weights 1. The encoder under `bert.`, then the head: a masked-LM head with
+/// a tied decoder (`labels` None) or a pooler and a classifier over `labels` labels. Sorted by
+/// name.
+fn init_bert(
+    cfg: &serde_json::Value,
+    labels: Option<usize>,
+    seed: u64,
+    device: &Device,
+) -> Result<Vec<(String, Tensor)>> {
+    let get = |k: &str| cfg[k].as_u64().unwrap_or(0) as usize;
+    let (v, h, i, p, t) = (
+        get("vocab_size"),
+        get("hidden_size"),
+        get("intermediate_size"),
+        get("max_position_embeddings"),
+        get("type_vocab_size"),
+    );
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut out = Vec::new();
+    let mut normal = |name: String, shape: &[usize], rng: &mut ChaCha8Rng| -> Result<()> {
+        let n: usize = shape.iter().product();
+        let vals: Vec<f32> = (0..n)
+            .map(|_| {
+                // Box-Muller
+                let (u1, u2): (f64, f64) = (rng.random::<f64>().max(1e-12), rng.random());
+                ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos() * 0.02) as f32
+            })
+            .collect();
+        out.push((name, Tensor::from_vec(vals, shape, device)?));
+        Ok(())
+    };
+    let mut fixed = Vec::new();
+    let mut constant = |name: String, n: usize, value: f32| {
+        fixed.push((name, n, value));
+    };
+    let e = "bert.embeddings";
+    normal(format!("{e}.word_embeddings.weight"), &[v, h], &mut rng)?;
+    normal(format!("{e}.position_embeddings.weight"), &[p, h], &mut rng)?;
+    normal(
+        format!("{e}.token_type_embeddings.weight"),
+        &[t, h],
+        &mut rng,
+    )?;
+    constant(format!("{e}.LayerNorm.weight"), h, 1.0);
+    constant(format!("{e}.LayerNorm.bias"), h, 0.0);
+    for l in 0..get("num_hidden_layers") {
+        let b = format!("bert.encoder.layer.{l}");
+        for (name, o, i_) in [
+            ("attention.self.query", h, h),
+            ("attention.self.key", h, h),
+            ("attention.self.value", h, h),
+            ("attention.output.dense", h, h),
+            ("intermediate.dense", i, h),
+            ("output.dense", h, i),
+        ] {
+            normal(format!("{b}.{name}.weight"), &[o, i_], &mut rng)?;
+            constant(format!("{b}.{name}.bias"), o, 0.0);
+        }
+        for ln in ["attention.output.LayerNorm", "output.LayerNorm"] {
+            constant(format!("{b}.{ln}.weight"), h, 1.0);
+            constant(format!("{b}.{ln}.bias"), h, 0.0);
+        }
+    }
+    match labels {
+        None => {
+            let c = "cls.predictions";
+            normal(format!("{c}.transform.dense.weight"), &[h, h], &mut rng)?;
+            constant(format!("{c}.transform.dense.bias"), h, 0.0);
+            constant(format!("{c}.transform.LayerNorm.weight"), h, 1.0);
+            constant(format!("{c}.transform.LayerNorm.bias"), h, 0.0);
+            constant(format!("{c}.bias"), v, 0.0);
+        }
+        Some(n) => {
+            normal("bert.pooler.dense.weight".into(), &[h, h], &mut rng)?;
+            constant("bert.pooler.dense.bias".into(), h, 0.0);
+            normal("classifier.weight".into(), &[n, h], &mut rng)?;
+            constant("classifier.bias".into(), n, 0.0);
+        }
+    }
+    for (name, n, value) in fixed {
+        out.push((name, Tensor::full(value, n, device)?));
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(out)
+}
+
+/// Trainable parameters (from an initialisation) and their AdamW.
+struct Params {
+    names: Vec<String>,
+    vars: Vec<Var>,
+    opt: AdamW,
+}
+
+impl Params {
+    fn new(init: Vec<(String, Tensor)>) -> Result<Self> {
+        let names: Vec<String> = init.iter().map(|(n, _)| n.clone()).collect();
+        let vars = init
+            .iter()
+            .map(|(_, t)| Var::from_tensor(t))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let opt = AdamW::new(
+            names.iter().cloned().zip(vars.iter().cloned()).collect(),
+            AdamWConfig {
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: 0.01,
+            },
+        )?;
+        Ok(Self { names, vars, opt })
+    }
+
+    /// By name: tracking gradients (`track`) or detached.
+    fn tensors(&self, track: bool) -> HashMap<String, Tensor> {
+        self.names
+            .iter()
+            .zip(&self.vars)
+            .map(|(n, v)| {
+                let t = v.as_tensor();
+                (n.clone(), if track { t.clone() } else { t.detach() })
+            })
+            .collect()
+    }
+
+    /// Backward from `loss`, clip to norm 1, one AdamW step at `lr`; returns the norm.
+    fn step(&mut self, loss: &Tensor, lr: f64) -> Result<f64> {
+        let grads = loss.backward()?;
+        let g: Vec<Tensor> = self
+            .vars
+            .iter()
+            .map(|v| match grads.get(v.as_tensor()) {
+                Some(g) => Ok(g.clone()),
+                None => Ok(v.as_tensor().zeros_like()?),
+            })
+            .collect::<Result<_>>()?;
+        let (norm, scale) = clip_factor(&g, 1.0)?;
+        self.opt.step(&g, lr, scale)?;
+        Ok(norm)
+    }
+}
+
+/// A model directory being written: files go to a temporary sibling, renamed into place at the
+/// end, so an interrupted run leaves nothing half-written at `out`.
+struct Staging {
+    tmp: PathBuf,
+    out: PathBuf,
+}
+
+impl Staging {
+    fn new(out: &Path) -> Result<Self> {
+        if out.join("model.safetensors").exists() {
+            return Err(Error::file(
+                out,
+                "already holds a model; choose a new --out directory",
+            ));
+        }
+        let tmp = out.with_extension(format!("tmp-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(&tmp)
+            .map_err(|e| Error::file(&tmp, format!("cannot create: {e}")))?;
+        Ok(Self {
+            tmp,
+            out: out.to_path_buf(),
+        })
+    }
+
+    fn json(&self, name: &str, v: &serde_json::Value) -> Result<()> {
+        write_file(
+            &self.tmp.join(name),
+            &serde_json::to_vec_pretty(v).unwrap_or_default(),
+        )
+    }
+
+    /// Writes the weights and the log, then moves the directory into place.
+    fn finish(self, params: &Params, log: &[PretrainStep]) -> Result<()> {
+        let tensors: Vec<(String, Tensor)> = params.tensors(false).into_iter().collect();
+        save_tensors(&self.tmp.join("model.safetensors"), &tensors)?;
+        let lines: Vec<String> = log
+            .iter()
+            .map(|r| serde_json::to_string(r).unwrap_or_default())
+            .collect();
+        write_file(
+            &self.tmp.join("pretrain_log.jsonl"),
+            (lines.join("\n") + "\n").as_bytes(),
+        )?;
+        if self.out.exists() {
+            std::fs::remove_dir(&self.out).map_err(|e| {
+                Error::file(
+                    &self.out,
+                    format!("cannot replace (it must be empty or absent): {e}"),
+                )
+            })?;
+        }
+        std::fs::rename(&self.tmp, &self.out)
+            .map_err(|e| Error::file(&self.out, format!("cannot move the model into place: {e}")))
+    }
+}
+
+/// The steps of a pretraining run: `loss_of(step, params)` gives the step's loss (with a graph),
+/// `evaluate(params)` the held-out accuracy, measured every `eval_every` steps and at the end.
+fn run_steps(
+    o: &PretrainOptions,
+    params: &mut Params,
+    loss_of: &mut dyn FnMut(u64, &Params) -> Result<Tensor>,
+    evaluate: &mut dyn FnMut(&Params) -> Result<f64>,
+    on_step: &mut dyn FnMut(&PretrainStep),
+) -> Result<Vec<PretrainStep>> {
+    let mut log = Vec::new();
+    for step in 0..o.steps {
+        let loss = loss_of(step, params)?;
+        let lr = o.learning_rate * lr_lambda(LrSchedule::Cosine, step, o.warmup_steps, o.steps);
+        let norm = params.step(&loss, lr)?;
+        let done = step + 1;
+        let eval_now = done == o.steps || (o.eval_every > 0 && done.is_multiple_of(o.eval_every));
+        let row = PretrainStep {
+            step: done,
+            loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+            learning_rate: lr,
+            grad_norm: norm,
+            eval_accuracy: match eval_now {
+                true => Some(evaluate(params)?),
+                false => None,
+            },
+        };
+        on_step(&row);
+        log.push(row);
+    }
+    Ok(log)
+}
+
+/// Every 20th line held out (at most 200), the rest for training (all of them when that would
+/// leave none).
+fn split_held_out(rows: Vec<Vec<u32>>) -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
+    let (mut train, mut held) = (Vec::new(), Vec::new());
+    for (i, r) in rows.into_iter().enumerate() {
+        if i % 20 == 19 && held.len() < 200 {
+            held.push(r);
+        } else {
+            train.push(r);
+        }
+    }
+    if train.is_empty() {
+        train = held.clone();
+    }
+    (train, held)
+}
+
+/// Masks `ids` (`[CLS] chars [SEP]`) for one diffusion-style example: a ratio drawn uniformly
+/// from `ratio`, at least one masked character, positions chosen uniformly without replacement
+/// among the characters. Returns the masked ids, the masked positions (ascending) and the
+/// original tokens there.
+pub fn mask_example(
+    ids: &[u32],
+    ratio: (f64, f64),
+    mask_id: u32,
+    specials: &[u32],
+    rng: &mut impl Rng,
+) -> (Vec<u32>, Vec<usize>, Vec<u32>) {
+    let content: Vec<usize> = (0..ids.len())
+        .filter(|&i| !specials.contains(&ids[i]))
+        .collect();
+    let r = if ratio.1 > ratio.0 {
+        rng.random_range(ratio.0..=ratio.1)
+    } else {
+        ratio.0
+    };
+    let k = ((r * content.len() as f64).round() as usize)
+        .max(1)
+        .min(content.len());
+    let mut chosen: Vec<usize> = rand::seq::index::sample(rng, content.len(), k)
+        .into_iter()
+        .map(|j| content[j])
+        .collect();
+    chosen.sort_unstable();
+    let mut masked = ids.to_vec();
+    let targets = chosen.iter().map(|&p| ids[p]).collect();
+    for &p in &chosen {
+        masked[p] = mask_id;
+    }
+    (masked, chosen, targets)
+}
+
+/// A batch: right-padded masked rows, flat masked positions, their targets.
+struct MaskedBatch {
+    batch: crate::models::encoder::EncoderBatch,
+    positions: Vec<u32>,
+    targets: Vec<u32>,
+}
+
+fn masked_batch(rows: &[(Vec<u32>, Vec<usize>, Vec<u32>)]) -> MaskedBatch {
+    let ids: Vec<&[u32]> = rows.iter().map(|r| r.0.as_slice()).collect();
+    let batch = pad_batch(&ids, PAD);
+    let t = batch.ids.first().map_or(0, Vec::len);
+    let mut positions = Vec::new();
+    let mut targets = Vec::new();
+    for (b, (_, pos, tgt)) in rows.iter().enumerate() {
+        positions.extend(pos.iter().map(|&p| (b * t + p) as u32));
+        targets.extend_from_slice(tgt);
+    }
+    MaskedBatch {
+        batch,
+        positions,
+        targets,
+    }
+}
+
+/// Mean cross-entropy [] and greedy accuracy of the model's fills of `mb`.
+fn fill_loss(model: &MaskedLm, mb: &MaskedBatch) -> Result<(Tensor, f64)> {
+    let logits = model.logits_at(&mb.batch, &mb.positions)?; // [N, V]
+    let dev = logits.device().clone();
+    let lp = candle_nn::ops::log_softmax(&logits, D::Minus1)?; // [N, V]
+    let n = mb.targets.len();
+    let tgt = Tensor::from_slice(&mb.targets, (n, 1), &dev)?; // [N, 1]
+    let loss = lp.gather(&tgt, 1)?.mean_all()?.neg()?; // []
+    let argmax = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
+    let right = argmax
+        .iter()
+        .zip(&mb.targets)
+        .filter(|(a, b)| a == b)
+        .count();
+    Ok((loss, right as f64 / n.max(1) as f64))
+}
+
+/// Tokenizes a line with the char vocabulary: `[CLS] chars [SEP]`, cut to `max_len`.
+fn encode_line(line: &str, ids: &HashMap<char, u32>, max_len: usize) -> Vec<u32> {
+    let mut out = vec![CLS];
+    out.extend(
+        line.chars()
+            .take(max_len - 2)
+            .map(|c| ids.get(&c).copied().unwrap_or(1)),
+    );
+    out.push(SEP);
+    out
+}
+
+/// Trains a char-level BERT masked LM as `o` says and saves it in `o.out` (see [`Staging`]).
+/// `on_step` receives every step's log line.
+pub fn pretrain_mlm(
+    o: &PretrainOptions,
+    on_step: &mut dyn FnMut(&PretrainStep),
+) -> Result<Vec<PretrainStep>> {
+    o.validate()?;
+    let staging = Staging::new(&o.out)?;
+    let device = Device::Cpu;
+    let lines = read_corpus(&o.data)?;
+    let vocab = char_vocab(&lines);
+    let char_ids: HashMap<char, u32> = vocab
+        .iter()
+        .enumerate()
+        .skip(SPECIALS.len())
+        .filter_map(|(i, t)| t.chars().next().map(|c| (c, i as u32)))
+        .collect();
+    let (train, held) = split_held_out(
+        lines
+            .iter()
+            .map(|l| encode_line(l, &char_ids, o.max_len))
+            .collect(),
+    );
+    let specials = [PAD, 1, CLS, SEP, MASK];
+    let mut eval_rng = ChaCha8Rng::seed_from_u64(mix_seed(o.seed, 1));
+    let held: Vec<_> = held
+        .iter()
+        .map(|ids| mask_example(ids, o.mask_ratio, MASK, &specials, &mut eval_rng))
+        .collect();
+
+    let cfg_json = bert_mlm_config(vocab.len(), o);
+    staging.json("config.json", &cfg_json)?;
+    staging.json("tokenizer.json", &char_tokenizer_json(&vocab))?;
+    staging.json("tokenizer_config.json", &char_tokenizer_config(o.max_len))?;
+    let cfg = masked_lm_config(&staging.tmp)?;
+    let mut params = Params::new(init_bert(&cfg_json, None, mix_seed(o.seed, 2), &device)?)?;
+    let origin = staging.tmp.clone();
+    let build = |p: &Params, track: bool| MaskedLm::from_tensors(&cfg, p.tensors(track), &origin);
+    let mut rng = ChaCha8Rng::seed_from_u64(mix_seed(o.seed, 3));
+    let log = run_steps(
+        o,
+        &mut params,
+        &mut |_, p| {
+            let rows: Vec<_> = (0..o.batch_size)
+                .map(|_| {
+                    let ids = &train[rng.random_range(0..train.len())];
+                    mask_example(ids, o.mask_ratio, MASK, &specials, &mut rng)
+                })
+                .collect();
+            Ok(fill_loss(&build(p, true)?, &masked_batch(&rows))?.0)
+        },
+        &mut |p| {
+            let model = build(p, false)?;
+            let (mut right, mut total) = (0.0, 0usize);
+            for chunk in held.chunks(64) {
+                let mb = masked_batch(chunk);
+                let (_, acc) = fill_loss(&model, &mb)?;
+                right += acc * mb.targets.len() as f64;
+                total += mb.targets.len();
+            }
+            Ok(right / total.max(1) as f64)
+        },
+        on_step,
+    )?;
+    staging.finish(&params, &log)?;
+    Ok(log)
+}
+
+/// `tokenizer_config.json` of the char tokenizer (transformers' `PreTrainedTokenizerFast`).
+fn char_tokenizer_config(max_len: usize) -> serde_json::Value {
+    json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": max_len,
+        "pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]",
+        "sep_token": "[SEP]", "mask_token": "[MASK]"
+    })
+}
+
+/// The judge's labels, in id order.
+pub const JUDGE_LABELS: [&str; 2] = ["filled", "real"];
+
+/// Trains a judge: a BERT sequence classifier telling real lines of `o.data` (label `real`) from
+/// lines whose masked characters `generator` filled (label `filled`; a fill that reproduces the
+/// line exactly counts as real). Masks follow `o.mask_ratio`; fills are sampled at temperature 1.
+/// The judge shares the generator's tokenizer; it is saved in `o.out` as a
+/// `BertForSequenceClassification` directory that `kind = "classifier"` rewards load.
+pub fn pretrain_judge(
+    o: &PretrainOptions,
+    generator: &Path,
+    on_step: &mut dyn FnMut(&PretrainStep),
+) -> Result<Vec<PretrainStep>> {
+    o.validate()?;
+    let device = Device::Cpu;
+    let (gen, tok) = crate::fill_in::load_generator(generator, &device)?;
+    let staging = Staging::new(&o.out)?;
+    let lines = read_corpus(&o.data)?;
+    let max_len = o.max_len.min(gen.lm.config().max_len());
+    let encode = |l: &str| -> Result<Vec<u32>> {
+        let mut ids = tok.encode(l, true)?;
+        if ids.len() > max_len {
+            let last = ids[ids.len() - 1];
+            ids.truncate(max_len - 1);
+            ids.push(last);
+        }
+        Ok(ids)
+    };
+    let rows = lines
+        .iter()
+        .map(|l| encode(l))
+        .collect::<Result<Vec<_>>>()?;
+    let (train, held) = split_held_out(rows);
+    let specials = MlmTokenizer::load(generator, max_len)?
+        .special_ids()
+        .to_vec();
+    // Half real, half filled by the generator: (ids, label).
+    let make =
+        |ids: &[u32], fake: bool, rng: &mut ChaCha8Rng, seed: u64| -> Result<(Vec<u32>, u32)> {
+            if !fake {
+                return Ok((ids.to_vec(), 1));
+            }
+            let (masked, _, _) = mask_example(ids, o.mask_ratio, gen.mask_id, &specials, rng);
+            let params = crate::sampler::SamplingParams {
+                temperature: 1.0,
+                max_new_tokens: 1,
+                ..Default::default()
+            };
+            let input = crate::sampler::PromptInput {
+                ids: masked.clone(),
+                seed,
+            };
+            use crate::rollout::GroupSampler;
+            let (out, _) = gen.sample_groups(&tok, &[input], 1, &params, &mut |_, _, _| Ok(()))?;
+            let filled = crate::fill_in::fill(&masked, gen.mask_id, &out[0][0].ids);
+            let label = u32::from(filled == ids);
+            Ok((filled, label))
+        };
+    let mut eval_rng = ChaCha8Rng::seed_from_u64(mix_seed(o.seed, 1));
+    let held: Vec<(Vec<u32>, u32)> = held
+        .iter()
+        .enumerate()
+        .map(|(i, ids)| {
+            make(
+                ids,
+                i % 2 == 1,
+                &mut eval_rng,
+                mix_seed(o.seed, 1000 + i as u64),
+            )
+        })
+        .collect::<Result<_>>()?;
+
+    let gen_cfg = crate::files::read_json(&generator.join("config.json"))?;
+    let cfg_json = bert_judge_config(&gen_cfg, o);
+    staging.json("config.json", &cfg_json)?;
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        let from = generator.join(f);
+        if from.is_file() {
+            let bytes = std::fs::read(&from)
+                .map_err(|e| Error::file(&from, format!("cannot read: {e}")))?;
+            write_file(&staging.tmp.join(f), &bytes)?;
+        }
+    }
+    let cfg = EncoderConfig::from_json(
+        EncoderKind::Bert,
+        &cfg_json,
+        &staging.tmp.join("config.json"),
+    )?;
+    let mut params = Params::new(init_bert(&cfg_json, Some(2), mix_seed(o.seed, 2), &device)?)?;
+    let origin = staging.tmp.clone();
+    let build =
+        |p: &Params, track: bool| ClassifierNet::from_tensors(&cfg, 2, p.tensors(track), &origin);
+    let loss_acc = |net: &ClassifierNet, rows: &[(Vec<u32>, u32)]| -> Result<(Tensor, f64)> {
+        let ids: Vec<&[u32]> = rows.iter().map(|r| r.0.as_slice()).collect();
+        let logits = net.logits(&pad_batch(&ids, PAD))?; // [B, 2]
+        let labels: Vec<u32> = rows.iter().map(|r| r.1).collect();
+        let lp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+        let y = Tensor::from_slice(&labels, (labels.len(), 1), logits.device())?;
+        let loss = lp.gather(&y, 1)?.mean_all()?.neg()?;
+        let pred = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
+        let right = pred.iter().zip(&labels).filter(|(a, b)| a == b).count();
+        Ok((loss, right as f64 / labels.len().max(1) as f64))
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(mix_seed(o.seed, 3));
+    let log = run_steps(
+        o,
+        &mut params,
+        &mut |step, p| {
+            let rows = (0..o.batch_size)
+                .map(|i| {
+                    let ids = &train[rng.random_range(0..train.len())];
+                    let seed = mix_seed(o.seed, (step + 1) * 1_000_003 + i as u64);
+                    make(ids, i % 2 == 1, &mut rng, seed)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Ok(loss_acc(&build(p, true)?, &rows)?.0)
+        },
+        &mut |p| {
+            let net = build(p, false)?;
+            let (mut right, mut total) = (0.0, 0usize);
+            for chunk in held.chunks(64) {
+                right += loss_acc(&net, chunk)?.1 * chunk.len() as f64;
+                total += chunk.len();
+            }
+            Ok(right / total.max(1) as f64)
+        },
+        on_step,
+    )?;
+    staging.finish(&params, &log)?;
+    Ok(log)
+}
+
+/// `config.json` of the judge: a BERT classifier (labels [`JUDGE_LABELS`]) over the generator's
+/// vocabulary and positions.
+fn bert_judge_config(gen: &serde_json::Value, o: &PretrainOptions) -> serde_json::Value {
+    json!({
+        "architectures": ["BertForSequenceClassification"],
+        "model_type": "bert",
+        "vocab_size": gen["vocab_size"],
+        "hidden_size": o.hidden,
+        "num_hidden_layers": o.layers,
+        "num_attention_heads": o.heads,
+        "intermediate_size": 4 * o.hidden,
+        "hidden_act": "gelu",
+        "max_position_embeddings": gen["max_position_embeddings"],
+        "type_vocab_size": 2,
+        "layer_norm_eps": 1e-12,
+        "pad_token_id": PAD,
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+        "classifier_dropout": null,
+        "initializer_range": 0.02,
+        "position_embedding_type": "absolute",
+        "id2label": {"0": JUDGE_LABELS[0], "1": JUDGE_LABELS[1]},
+        "label2id": {JUDGE_LABELS[0]: 0, JUDGE_LABELS[1]: 1},
+        "grpo_pretrain": {"objective": "judge", "mask_ratio": [o.mask_ratio.0, o.mask_ratio.1]}
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tokenizer::Tokenizer;
+
+    fn opts(dir: &Path, data: PathBuf) -> PretrainOptions {
+        PretrainOptions {
+            data,
+            out: dir.join("gen"),
+            hidden: 32,
+            layers: 2,
+            heads: 4,
+            max_len: 24,
+            steps: 150,
+            batch_size: 32,
+            learning_rate: 3e-3,
+            warmup_steps: 10,
+            mask_ratio: (0.1, 0.5),
+            seed: 7,
+            eval_every: 50,
+        }
+    }
+
+    /// Sums "a+b=c" of one-digit numbers: learnable structure for a tiny model.
+    fn corpus(dir: &Path) -> PathBuf {
+        corpus_of(dir, 10)
+    }
+
+    /// Sums "a+b=c" of numbers below `n`.
+    fn corpus_of(dir: &Path, n: u32) -> PathBuf {
+        let mut lines = Vec::new();
+        for a in 0..n {
+            for b in 0..n {
+                lines.push(format!("{a}+{b}={}", a + b));
+            }
+        }
+        let p = dir.join("sums.txt");
+        std::fs::write(&p, lines.join("\n")).unwrap();
+        p
+    }
+
+    #[test]
+    fn the_char_tokenizer_round_trips_and_keeps_masks() {
+        let dir = tempfile::tempdir().unwrap();
+        let vocab = char_vocab(&["ab c".to_string(), "cab!".into()]);
+        assert_eq!(&vocab[..5], &SPECIALS.map(String::from));
+        std::fs::write(
+            dir.path().join("tokenizer.json"),
+            serde_json::to_vec(&char_tokenizer_json(&vocab)).unwrap(),
+        )
+        .unwrap();
+        let tok = Tokenizer::from_hf_dir(dir.path()).unwrap();
+        let ids = tok.encode("ab[MASK] c", true).unwrap();
+        let space = vocab.iter().position(|t| t == " ").unwrap() as u32;
+        assert_eq!(ids.first(), Some(&CLS));
+        assert_eq!(ids.last(), Some(&SEP));
+        assert!(ids.contains(&MASK) && ids.contains(&space), "{ids:?}");
+        assert_eq!(ids.len(), 2 + 5);
+        assert_eq!(tok.decode(&ids, true).unwrap(), "ab c");
+    }
+
+    #[test]
+    fn masks_cover_the_ratio_and_never_specials() {
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        let ids = [CLS, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, SEP];
+        for _ in 0..50 {
+            let (m, pos, tgt) =
+                mask_example(&ids, (0.2, 0.6), MASK, &[PAD, CLS, SEP, MASK], &mut rng);
+            assert!((2..=6).contains(&pos.len()), "{pos:?}");
+            assert!(pos.iter().all(|&p| p > 0 && p < ids.len() - 1));
+            assert_eq!(pos.iter().map(|&p| ids[p]).collect::<Vec<_>>(), tgt);
+            assert_eq!(m.iter().filter(|&&t| t == MASK).count(), pos.len());
+        }
+    }
+
+    #[test]
+    fn pretraining_learns_to_fill_and_saves_a_loadable_masked_lm() {
+        let dir = tempfile::tempdir().unwrap();
+        let o = opts(dir.path(), corpus(dir.path()));
+        let log = pretrain_mlm(&o, &mut |_| {}).unwrap();
+        let accs: Vec<f64> = log.iter().filter_map(|r| r.eval_accuracy).collect();
+        assert_eq!(accs.len(), 3);
+        let first = log[0].loss;
+        let last = log.last().unwrap().loss;
+        assert!(last < first * 0.6, "loss {first} -> {last}");
+        assert!(accs[2] > 0.4, "held-out fill accuracy {accs:?}");
+        // An HF masked-LM directory: grpo loads it as a fill-in generator.
+        let (model, tok) = crate::fill_in::load_generator(&o.out, &Device::Cpu).unwrap();
+        assert_eq!(model.mask_id, MASK);
+        assert_eq!(
+            tok.decode(&tok.encode("3+4=7", true).unwrap(), true)
+                .unwrap(),
+            "3+4=7"
+        );
+        // A second run into the same directory is refused, not overwritten.
+        let e = pretrain_mlm(&o, &mut |_| {}).unwrap_err().to_string();
+        assert!(e.contains("already holds a model"), "{e}");
+    }
+
+    #[test]
+    fn a_judge_tells_real_lines_from_an_early_generators_fills() {
+        // Lines of one repeated character: an untrained generator's fills stand out.
+        let dir = tempfile::tempdir().unwrap();
+        let lines: Vec<String> = ('a'..='z')
+            .chain('0'..='9')
+            .flat_map(|c| (4..=20).map(move |n| c.to_string().repeat(n)))
+            .collect();
+        let data = dir.path().join("runs.txt");
+        std::fs::write(&data, lines.join("\n")).unwrap(); // 612 lines, 30 held out
+        let gen = PretrainOptions {
+            steps: 5,
+            ..opts(dir.path(), data.clone())
+        };
+        pretrain_mlm(&gen, &mut |_| {}).unwrap();
+        let judge = PretrainOptions {
+            out: dir.path().join("judge"),
+            steps: 100,
+            eval_every: 0,
+            mask_ratio: (0.2, 0.5),
+            ..opts(dir.path(), data)
+        };
+        let log = pretrain_judge(&judge, &gen.out, &mut |_| {}).unwrap();
+        let acc = log.last().unwrap().eval_accuracy.unwrap();
+        eprintln!(
+            "judge: loss {:.3} -> {:.3}, held-out accuracy {acc:.3}",
+            log[0].loss,
+            log.last().unwrap().loss
+        );
+        assert!(acc > 0.7, "held-out judge accuracy {acc}");
+        // A classifier reward loads it: labels by name, the generator's tokenizer.
+        let c = crate::models::encoder::SequenceClassifier::load(&judge.out, &Device::Cpu).unwrap();
+        assert_eq!(c.labels(), JUDGE_LABELS);
+        let real = c.logits(&[("aaaa", None), ("aaba", None)], 2).unwrap();
+        assert_eq!(real.len(), 2);
+    }
+
+    #[test]
+    fn an_empty_corpus_is_a_clear_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("empty.txt");
+        std::fs::write(&p, "\n  \n").unwrap();
+        let e = pretrain_mlm(&opts(dir.path(), p), &mut |_| {})
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("empty.txt") && e.contains("corpus is empty"),
+            "{e}"
+        );
+    }
+}
