@@ -35,6 +35,8 @@ use crate::{Error, Result};
 
 /// The embedded default run (`grpo train` with no arguments).
 pub const DEFAULT_CONFIG: &str = include_str!("../configs/default.toml");
+/// The embedded fill-in run: `grpo train --policy=fill_in` with nothing else.
+pub const FILL_IN_CONFIG: &str = include_str!("../configs/fill_in.toml");
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Format {
@@ -121,6 +123,8 @@ pub struct TaskConfig {
     pub max_operand: i64,
     pub ops: Vec<String>,
     pub seed: u64,
+    /// The built-in fill-in task's mask ratio range (`policy = "fill_in"`).
+    pub mask_ratio: (f64, f64),
 }
 
 impl TaskConfig {
@@ -615,6 +619,46 @@ crate::named::named_enum! {
     }
 }
 
+/// A mask ratio or a range `LO..HI` drawn per example; unset: 0.1..0.5.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MaskRatio(pub (f64, f64));
+
+impl FromValue for MaskRatio {
+    fn kind() -> Cow<'static, str> {
+        "ratio or \"LO..HI\"".into()
+    }
+    fn from_value(key: &str, v: Option<&Value>) -> Result<Self> {
+        let bad = || {
+            Error::config(
+                key,
+                "must be a ratio in (0, 1] or a range \"LO..HI\" with 0 < LO <= HI <= 1",
+            )
+        };
+        let (lo, hi) = match v {
+            None => return Ok(MaskRatio((0.1, 0.5))),
+            Some(Value::Number(n)) => {
+                let r = n.as_f64().ok_or_else(bad)?;
+                (r, r)
+            }
+            Some(Value::String(s)) => {
+                let num = |t: &str| t.trim().parse::<f64>().map_err(|_| bad());
+                match s.split_once("..") {
+                    Some((a, b)) => (num(a)?, num(b)?),
+                    None => {
+                        let r = num(s)?;
+                        (r, r)
+                    }
+                }
+            }
+            Some(_) => return Err(bad()),
+        };
+        if !(lo > 0.0 && lo <= hi && hi <= 1.0) {
+            return Err(bad());
+        }
+        Ok(MaskRatio((lo, hi)))
+    }
+}
+
 /// Unset: a causal LM (so older configs resolve as before).
 impl FromValue for PolicyType {
     fn kind() -> Cow<'static, str> {
@@ -735,6 +779,7 @@ config_keys! {
         task_max_operand "task.max_operand": i64 = "99", "built-in task: largest operand";
         task_ops "task.ops": Vec<String> as "list of \"+\" \"-\" \"*\"" = "[\"+\"]", "built-in task: operations";
         task_seed "task.seed": u64 = "1234", "built-in task: problem generator seed";
+        task_mask_ratio "task.mask_ratio": MaskRatio as "ratio or \"LO..HI\"" = "", "built-in fill-in task (policy = fill_in): share of each equation's characters masked, a ratio or a range drawn per example (unset: 0.1..0.5)";
         reward_weights: Option<Vec<f64>> = "", "weight of each reward function (unset: each reward's own weight)";
     }
     "generation" {
@@ -979,9 +1024,19 @@ fn parse_overrides(overrides: &[String]) -> Result<Vec<(String, Value)>> {
 }
 
 impl TrainConfig {
-    /// Loads `path` (None: the embedded default) with `overrides` (`--key=value`).
+    /// Loads `path` (None: the embedded default, or the embedded fill-in run when the overrides
+    /// say `--policy=fill_in`) with `overrides` (`--key=value`).
     pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<TrainConfig> {
+        let fill_in = overrides
+            .iter()
+            .any(|o| o.trim_start_matches('-').replace('-', "_") == "policy=fill_in");
         match path {
+            None if fill_in => Self::from_str(
+                FILL_IN_CONFIG,
+                Format::Toml,
+                "<embedded fill-in config>",
+                overrides,
+            ),
             None => Self::from_str(
                 DEFAULT_CONFIG,
                 Format::Toml,
@@ -1217,6 +1272,7 @@ impl TrainConfig {
             max_operand: raw.task_max_operand,
             ops: raw.task_ops,
             seed: raw.task_seed,
+            mask_ratio: raw.task_mask_ratio.0,
         };
         if task.min_operand > task.max_operand {
             return bad(
@@ -1957,6 +2013,38 @@ lora_target_modules: [q_proj, k_proj]
             let c2 = TrainConfig::from_str(&got, Format::Toml, name, &[]).unwrap();
             assert_eq!(c2.to_toml(), got, "{name}");
         }
+    }
+
+    #[test]
+    fn policy_fill_in_alone_loads_the_embedded_fill_in_run() {
+        let c = TrainConfig::load(None, &["--policy=fill_in".to_string()]).unwrap();
+        assert_eq!(c.policy, PolicyType::FillIn);
+        assert_eq!(c.task.mask_ratio, (0.1, 0.5));
+        assert_eq!((c.temperature, c.top_p, c.beta), (0.8, 0.95, 0.1));
+        assert!(c.model.is_none() && c.train_file.is_none());
+        // The causal default is unchanged; bad ratios name the key.
+        assert_eq!(
+            TrainConfig::load(None, &[]).unwrap().policy,
+            PolicyType::CausalLm
+        );
+        for bad in ["0", "0.5..0.2", "x", "0.2..1.5"] {
+            let e = TrainConfig::load(
+                None,
+                &[
+                    "--policy=fill_in".into(),
+                    format!("--task.mask_ratio={bad}"),
+                ],
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains("task.mask_ratio"), "{bad}: {e}");
+        }
+        let c = TrainConfig::load(
+            None,
+            &["--policy=fill_in".into(), "--task.mask_ratio=0.3".into()],
+        )
+        .unwrap();
+        assert_eq!(c.task.mask_ratio, (0.3, 0.3));
     }
 
     #[test]

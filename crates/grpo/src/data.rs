@@ -481,6 +481,86 @@ pub mod arithmetic {
     }
 }
 
+/// The built-in fill-in task: the arithmetic task's problems written as equations (`37+45=82`),
+/// each with some characters replaced by `[MASK]`. The answer is the original line, so a fill can
+/// be compared with it, and the `equation` reward checks a filled line on its own.
+pub mod fill_task {
+    use rand::{Rng, SeedableRng};
+
+    use super::arithmetic::{make_task, TaskParams};
+    use super::{Example, Prompt};
+    use crate::seeding::mix_seed;
+    use crate::Result;
+
+    /// The mask token the built-in task writes (the char tokenizer's).
+    pub const MASK: &str = "[MASK]";
+
+    /// The task's equations, `(train, eval)`, in the arithmetic task's order.
+    pub fn equations(p: &TaskParams) -> Result<(Vec<String>, Vec<String>)> {
+        let (train, eval) = make_task(p)?;
+        let line = |e: &Example| -> String {
+            let get = |k: &str| e.metadata.get(k).map(|v| v.to_string()).unwrap_or_default();
+            format!(
+                "{}{}{}={}",
+                get("a"),
+                e.metadata.get("op").and_then(|v| v.as_str()).unwrap_or("+"),
+                get("b"),
+                e.answer.as_deref().unwrap_or_default()
+            )
+        };
+        Ok((
+            train.iter().map(line).collect(),
+            eval.iter().map(line).collect(),
+        ))
+    }
+
+    /// `line` with a share of its characters, drawn uniformly from `ratio` (at least one), replaced
+    /// by [`MASK`], positions uniform without replacement.
+    pub fn mask_line(line: &str, ratio: (f64, f64), rng: &mut impl Rng) -> String {
+        let chars: Vec<char> = line.chars().collect();
+        let r = if ratio.1 > ratio.0 {
+            rng.random_range(ratio.0..=ratio.1)
+        } else {
+            ratio.0
+        };
+        let k = ((r * chars.len() as f64).round() as usize).clamp(1, chars.len().max(1));
+        let chosen: std::collections::HashSet<usize> =
+            rand::seq::index::sample(rng, chars.len(), k.min(chars.len()))
+                .into_iter()
+                .collect();
+        chars
+            .iter()
+            .enumerate()
+            .map(|(i, c)| match chosen.contains(&i) {
+                true => MASK.to_string(),
+                false => c.to_string(),
+            })
+            .collect()
+    }
+
+    /// `(train, eval)` masked examples: each equation masked once with its own seed.
+    pub fn make(p: &TaskParams, ratio: (f64, f64)) -> Result<(Vec<Example>, Vec<Example>)> {
+        let (train, eval) = equations(p)?;
+        let mk = |split: &str, salt: u64, lines: Vec<String>| -> Vec<Example> {
+            lines
+                .into_iter()
+                .enumerate()
+                .map(|(i, l)| {
+                    let mut rng =
+                        rand_chacha::ChaCha8Rng::seed_from_u64(mix_seed(p.seed ^ salt, i as u64));
+                    Example {
+                        prompt: Prompt::Text(mask_line(&l, ratio, &mut rng)),
+                        answer: Some(l),
+                        metadata: Default::default(),
+                        origin: format!("fill_in:{split}:{i}"),
+                    }
+                })
+                .collect()
+        };
+        Ok((mk("train", 1, train), mk("eval", 2, eval)))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -491,6 +571,41 @@ mod tests {
             answer_field: "answer".into(),
             skip_bad_rows: skip,
         }
+    }
+
+    #[test]
+    fn the_fill_task_masks_true_equations() {
+        let p = arithmetic::TaskParams {
+            train_size: 50,
+            eval_size: 10,
+            min_operand: 10,
+            max_operand: 99,
+            ops: vec!['+'],
+            seed: 3,
+        };
+        let (train, eval) = fill_task::make(&p, (0.2, 0.5)).unwrap();
+        assert_eq!((train.len(), eval.len()), (50, 10));
+        for e in train.iter().chain(&eval) {
+            let original = e.answer.as_deref().unwrap();
+            assert_eq!(
+                crate::rewards::rules::equation_holds(original),
+                1.0,
+                "{original}"
+            );
+            let Prompt::Text(masked) = &e.prompt else {
+                panic!()
+            };
+            let n = masked.matches(fill_task::MASK).count();
+            assert!(
+                n >= 1 && masked.replace(fill_task::MASK, "?").len() == original.len(),
+                "{masked}"
+            );
+        }
+        // Deterministic.
+        assert_eq!(
+            fill_task::make(&p, (0.2, 0.5)).unwrap().0[7].prompt,
+            train[7].prompt
+        );
     }
 
     #[test]

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use candle_core::Device;
 
-use crate::config::TrainConfig;
+use crate::config::{PolicyType, TrainConfig};
 use crate::data::{self, Example};
 use crate::rewards::{self, Reward};
 use crate::{Error, Result};
@@ -23,7 +23,7 @@ pub struct RunData {
 pub fn load_run_data(cfg: &TrainConfig, device: &Device) -> Result<RunData> {
     let (train, mut eval) = match &cfg.train_file {
         Some(p) => (load_examples(cfg, p)?, vec![]),
-        None => data::arithmetic::make_task(&cfg.task.params())?,
+        None => builtin_task(cfg)?,
     };
     if let Some(p) = &cfg.eval_file {
         eval = load_examples(cfg, p)?;
@@ -41,7 +41,16 @@ pub fn held_out_examples(cfg: &TrainConfig) -> Result<Vec<Example>> {
     if let Some(p) = &cfg.eval_file {
         return load_examples(cfg, p);
     }
-    Ok(data::arithmetic::make_task(&cfg.task.params())?.1)
+    Ok(builtin_task(cfg)?.1)
+}
+
+/// The built-in task of the config's policy kind: arithmetic questions for a causal LM, masked
+/// equations for a fill-in generator. `(train, eval)`.
+fn builtin_task(cfg: &TrainConfig) -> Result<(Vec<Example>, Vec<Example>)> {
+    match cfg.policy {
+        PolicyType::CausalLm => data::arithmetic::make_task(&cfg.task.params()),
+        PolicyType::FillIn => data::fill_task::make(&cfg.task.params(), cfg.task.mask_ratio),
+    }
 }
 
 /// The fields a config reads prompt rows with: `prompt_field`, `answer_field`, `skip_bad_rows`.
@@ -71,7 +80,13 @@ pub fn load_examples(cfg: &TrainConfig, path: &Path) -> Result<Vec<Example>> {
 /// programs started, reward models loaded. The built-in task's rewards when it has none.
 pub fn config_rewards(cfg: &TrainConfig, device: &Device) -> Result<Vec<Reward>> {
     if cfg.rewards.is_empty() {
-        return Ok(rewards::builtin_task_rewards());
+        return match cfg.policy {
+            PolicyType::CausalLm => Ok(rewards::builtin_task_rewards()),
+            PolicyType::FillIn => {
+                let (_, judge) = crate::pretrain::builtin_fill_in_models(&cfg.task)?;
+                rewards::builtin_fill_in_rewards(&judge, device)
+            }
+        };
     }
     rewards::build_rewards(&cfg.rewards, device)
 }

@@ -762,6 +762,85 @@ fn bert_judge_config(gen: &serde_json::Value, o: &PretrainOptions) -> serde_json
     })
 }
 
+/// The generator and judge of the built-in fill-in task (`grpo train --policy=fill_in`): made by
+/// [`pretrain_mlm`] and [`pretrain_judge`] from the task's training equations the first time,
+/// then reused from the cache (`$GRPO_CACHE_DIR/fill_in/<key>/`, the key a hash of the task and
+/// these settings). Returns (generator, judge) directories.
+pub fn builtin_fill_in_models(task: &crate::config::TaskConfig) -> Result<(PathBuf, PathBuf)> {
+    use std::hash::{Hash, Hasher};
+    let p = task.params();
+    let (lines, _) = crate::data::fill_task::equations(&p)?;
+    let base = PretrainOptions {
+        data: PathBuf::new(),
+        out: PathBuf::new(),
+        hidden: 64,
+        layers: 3,
+        heads: 4,
+        max_len: 24,
+        steps: 1000,
+        batch_size: 64,
+        learning_rate: 1e-3,
+        warmup_steps: 100,
+        mask_ratio: (0.1, 0.9),
+        seed: 42,
+        eval_every: 250,
+    };
+    let judge_steps = 400;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (
+        lines.join("\n"),
+        format!("{base:?}"),
+        judge_steps,
+        task.mask_ratio.0.to_bits(),
+        task.mask_ratio.1.to_bits(),
+        "v1",
+    )
+        .hash(&mut h);
+    let dir = crate::hub::cache_dir()
+        .join("fill_in")
+        .join(format!("{:016x}", h.finish()));
+    let (gen, judge) = (dir.join("generator"), dir.join("judge"));
+    let corpus = dir.join("equations.txt");
+    std::fs::create_dir_all(&dir).map_err(|e| Error::file(&dir, format!("cannot create: {e}")))?;
+    write_file(&corpus, (lines.join("\n") + "\n").as_bytes())?;
+    fn log(what: &'static str) -> impl FnMut(&PretrainStep) {
+        move |r: &PretrainStep| {
+            if let Some(acc) = r.eval_accuracy {
+                tracing::info!(
+                    "{what}: step {:>4}  loss {:.4}  held-out accuracy {acc:.3}",
+                    r.step,
+                    r.loss
+                );
+            }
+        }
+    }
+    if !gen.join("model.safetensors").is_file() {
+        tracing::info!(
+            "fill-in task: pretraining the generator ({} steps; cached in {})",
+            base.steps,
+            dir.display()
+        );
+        let o = PretrainOptions {
+            data: corpus.clone(),
+            out: gen.clone(),
+            ..base.clone()
+        };
+        pretrain_mlm(&o, &mut log("generator"))?;
+    }
+    if !judge.join("model.safetensors").is_file() {
+        tracing::info!("fill-in task: pretraining the judge ({judge_steps} steps)");
+        let o = PretrainOptions {
+            data: corpus,
+            out: judge.clone(),
+            steps: judge_steps,
+            mask_ratio: task.mask_ratio,
+            ..base
+        };
+        pretrain_judge(&o, &gen, &mut log("judge"))?;
+    }
+    Ok((gen, judge))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -94,6 +94,8 @@ pub enum RewardFn {
         only_if_correct: bool,
     },
     Format(Format),
+    /// See [`rules::equation_holds`].
+    Equation,
     Length(Length),
     /// See [`rules::repetition_penalty`].
     Repetition {
@@ -171,6 +173,7 @@ impl Reward {
                 })
             }
             RewardFn::Format(f) => each(&|it| f.score(it.completion)),
+            RewardFn::Equation => each(&|it| rules::equation_holds(it.completion)),
             RewardFn::Length(l) => each(&|it| l.score(it.completion_tokens)),
             RewardFn::Repetition { n, max_penalty } => {
                 each(&|it| rules::repetition_penalty(it.completion, *n, *max_penalty))
@@ -191,7 +194,7 @@ impl Reward {
 
     /// Whether this reward measures correctness (its mean is reported as accuracy).
     pub fn is_accuracy(&self) -> bool {
-        matches!(self.func, RewardFn::AnswerMatch(_))
+        matches!(self.func, RewardFn::AnswerMatch(_) | RewardFn::Equation)
     }
 
     /// Whether the reward reads [`ScoreItem::ref_mean_logp`] (the trainer then computes the
@@ -282,6 +285,7 @@ const KINDS: &[(&str, &[&str])] = &[
     ("answer_match", AnswerMatch::KEYS),
     ("integer_only", &["value", "only_if_correct"]),
     ("format", Format::KEYS),
+    ("equation", &[]),
     ("length", Length::KEYS),
     ("repetition", &["n", "max_penalty"]),
     ("diversity", &["n"]),
@@ -318,6 +322,7 @@ pub enum RewardKind {
         only_if_correct: bool,
     },
     Format(Format),
+    Equation,
     Length(Length),
     Repetition {
         n: usize,
@@ -407,6 +412,7 @@ impl RewardSpec {
                 only_if_correct: t.bool("only_if_correct", false)?,
             },
             "format" => RewardKind::Format(Format::from_table(&t)?),
+            "equation" => RewardKind::Equation,
             "length" => RewardKind::Length(Length::from_table(&t, max_completion_length)?),
             "repetition" => {
                 let max_penalty = t.f32("max_penalty", -1.0)?;
@@ -474,6 +480,7 @@ impl RewardSpec {
                 only_if_correct,
             },
             RewardKind::Format(f) => RewardFn::Format(f.clone()),
+            RewardKind::Equation => RewardFn::Equation,
             RewardKind::Length(l) => RewardFn::Length(*l),
             &RewardKind::Repetition { n, max_penalty } => RewardFn::Repetition { n, max_penalty },
             &RewardKind::Diversity { n } => RewardFn::Diversity { n },
@@ -563,6 +570,22 @@ pub fn builtin_task_rewards() -> Vec<Reward> {
             weight: 1.0,
         },
     ]
+}
+
+/// The built-in fill-in task's rewards: the judge at `judge` (a classifier; its probability
+/// that the filled line is `real`) is what is trained on; `equation`, whether the filled line is
+/// a true equation, has weight 0: it measures (as eval accuracy) without being optimised, so
+/// that reward hacking of the judge shows up.
+pub fn builtin_fill_in_rewards(
+    judge: &std::path::Path,
+    device: &candle_core::Device,
+) -> Result<Vec<Reward>> {
+    let tables = [
+        serde_json::json!({"kind": "classifier", "name": "judge", "model": judge.display().to_string(),
+                           "label": "real", "input": "completion", "output": "probability"}),
+        serde_json::json!({"kind": "equation", "weight": 0.0}),
+    ];
+    build_rewards(&parse_specs(&tables, 1)?, device)
 }
 
 /// The peer benchmark's rewards (`bench/peers/addition_task.py`), exactly.

@@ -499,6 +499,41 @@ fn ngrams(text: &str, n: usize) -> Vec<Vec<String>> {
 
 /// `kind = "repetition"`: `max_penalty * (1 - distinct n-grams / n-grams)` over lowercased
 /// words; 0 for a completion shorter than `n` words. `max_penalty` is negative.
+/// `kind = "equation"`: 1 when the whole text (spaces ignored) is a true equation of integers
+/// `a op b = c` with op one of `+ - * /` (exact integer division), else 0. The verifier of the
+/// built-in fill-in task: it checks a filled line without knowing the original.
+pub fn equation_holds(text: &str) -> f32 {
+    let t: String = text.chars().filter(|c| !c.is_whitespace()).collect();
+    let Some((lhs, rhs)) = t.split_once('=') else {
+        return 0.0;
+    };
+    let int = |s: &str| -> Option<i64> {
+        let digits = s.strip_prefix('-').unwrap_or(s);
+        if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) || digits.len() > 15 {
+            return None;
+        }
+        s.parse().ok()
+    };
+    // The operator: the first + - * / after the first character (a leading '-' is a sign).
+    let Some((i, op)) = lhs
+        .char_indices()
+        .skip(1)
+        .find(|(_, c)| "+-*/".contains(*c))
+    else {
+        return 0.0;
+    };
+    let (Some(a), Some(b), Some(c)) = (int(&lhs[..i]), int(&lhs[i + 1..]), int(rhs)) else {
+        return 0.0;
+    };
+    let value = match op {
+        '+' => a.checked_add(b),
+        '-' => a.checked_sub(b),
+        '*' => a.checked_mul(b),
+        _ => (b != 0 && a % b == 0).then(|| a / b),
+    };
+    f32::from(u8::from(value == Some(c)))
+}
+
 pub fn repetition_penalty(text: &str, n: usize, max_penalty: f32) -> f32 {
     let grams = ngrams(text, n);
     if grams.is_empty() {
@@ -538,6 +573,28 @@ pub fn group_diversity(texts: &[&str], groups: &[usize], n: usize) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn equations_hold_or_not() {
+        for (t, want) in [
+            ("37+45=82", 1.0),
+            ("37 + 45 = 82", 1.0),
+            ("37+45=83", 0.0),
+            ("90-45=45", 1.0),
+            ("-3+5=2", 1.0),
+            ("6*7=42", 1.0),
+            ("7/2=3", 0.0),
+            ("8/2=4", 1.0),
+            ("37+45=", 0.0),
+            ("37+=82", 0.0),
+            ("3a+4=7", 0.0),
+            ("37+45", 0.0),
+            ("1+1=2=2", 0.0),
+            ("", 0.0),
+        ] {
+            assert_eq!(equation_holds(t), want, "{t}");
+        }
+    }
 
     fn am(x: Extract) -> AnswerMatch {
         AnswerMatch::new(x)

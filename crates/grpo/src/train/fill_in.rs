@@ -132,26 +132,50 @@ impl LoadPolicy for FillInPolicy {
         needs_ref: bool,
         device: &Device,
     ) -> Result<Loaded<Self>> {
-        let Some(spec) = cfg.model.as_deref() else {
-            return Err(Error::config(
-                "model",
-                "policy = \"fill_in\" needs model = the directory of a masked-LM generator \
-                 (BERT, RoBERTa or DistilBERT *ForMaskedLM, or one `grpo pretrain` made)",
-            ));
-        };
-        let dir = match hub::resolve_model(Some(spec))? {
-            ModelSource::HfDir(d) => d,
-            other => {
+        let dir = match cfg.model.as_deref() {
+            // The built-in task's generator (pretrained once, then cached).
+            None if cfg.train_file.is_none() => {
+                crate::pretrain::builtin_fill_in_models(&cfg.task)?.0
+            }
+            None => {
                 return Err(Error::config(
                     "model",
-                    format!(
-                        "{}: a fill-in generator is an HF directory (config.json, \
-                         model.safetensors, tokenizer.json), not a GGUF file",
-                        other.path().display()
-                    ),
+                    "policy = \"fill_in\" with a train_file needs model = the directory of a \
+                     masked-LM generator (BERT, RoBERTa or DistilBERT *ForMaskedLM, or one \
+                     `grpo pretrain` made)",
                 ))
             }
+            Some(spec) => resolve_generator(spec)?,
         };
+        Self::load_from(cfg, dir, resume_from, needs_ref, device)
+    }
+}
+
+/// `spec` as an HF directory (a GGUF file or a hub id that is not a directory is refused).
+fn resolve_generator(spec: &str) -> Result<PathBuf> {
+    Ok(match hub::resolve_model(Some(spec))? {
+        ModelSource::HfDir(d) => d,
+        other => {
+            return Err(Error::config(
+                "model",
+                format!(
+                    "{}: a fill-in generator is an HF directory (config.json, \
+                     model.safetensors, tokenizer.json), not a GGUF file",
+                    other.path().display()
+                ),
+            ))
+        }
+    })
+}
+
+impl FillInPolicy {
+    fn load_from(
+        cfg: &TrainConfig,
+        dir: PathBuf,
+        resume_from: Option<&PathBuf>,
+        needs_ref: bool,
+        device: &Device,
+    ) -> Result<Loaded<Self>> {
         tracing::info!("fill-in generator: {}", dir.display());
         let mcfg = masked_lm_config(&dir)?;
         let (base, origin) = MaskedLm::read_tensors(&dir, device)?;

@@ -413,8 +413,10 @@ fn check_round_invariants(
         for (gi, a) in advantages.chunks(g).enumerate() {
             let s: f32 = a.iter().sum();
             let scale: f32 = a.iter().map(|x| x.abs()).sum::<f32>().max(1.0);
-            // Missing rewards (advantage 0, excluded from the mean) keep the sum at 0 too.
-            if s.abs() > 1e-3 * scale {
+            // Missing rewards (advantage 0, excluded from the mean) keep the sum at 0 too. The
+            // bound allows f32 rounding of the group mean divided by a near-zero std (rewards
+            // that tie up to float noise, e.g. a judge's scores of identical fills).
+            if s.abs() > 1e-2 * scale {
                 return Err(Error::Generate(format!(
                     "invariant: advantages of group {gi} sum to {s}, not 0"
                 )));
