@@ -481,37 +481,50 @@ pub mod arithmetic {
     }
 }
 
-/// The built-in fill-in task: the arithmetic task's problems written as equations (`37+45=82`),
-/// each with some characters replaced by `[MASK]`. The answer is the original line, so a fill can
-/// be compared with it, and the `equation` reward checks a filled line on its own.
+/// The built-in fill-in task: copies, `w=w` with `w` a random word of 3 to 6 letters from `a` to
+/// `h`, each line with some characters replaced by `[MASK]`. A rule checks a filled line on its
+/// own (`sides_match`: are the two sides equal?); the answer is the original line. Where both a
+/// letter and its copy are masked, any letter is right as long as both fills agree, which a
+/// single-step generator sampling every position independently does not ensure: that is what
+/// GRPO has to teach it.
 pub mod fill_task {
+    use std::collections::HashSet;
+
     use rand::{Rng, SeedableRng};
 
-    use super::arithmetic::{make_task, TaskParams};
+    use super::arithmetic::TaskParams;
     use super::{Example, Prompt};
     use crate::seeding::mix_seed;
-    use crate::Result;
+    use crate::{Error, Result};
 
     /// The mask token the built-in task writes (the char tokenizer's).
     pub const MASK: &str = "[MASK]";
+    const LETTERS: &[u8] = b"abcdefgh";
 
-    /// The task's equations, `(train, eval)`, in the arithmetic task's order.
-    pub fn equations(p: &TaskParams) -> Result<(Vec<String>, Vec<String>)> {
-        let (train, eval) = make_task(p)?;
-        let line = |e: &Example| -> String {
-            let get = |k: &str| e.metadata.get(k).map(|v| v.to_string()).unwrap_or_default();
-            format!(
-                "{}{}{}={}",
-                get("a"),
-                e.metadata.get("op").and_then(|v| v.as_str()).unwrap_or("+"),
-                get("b"),
-                e.answer.as_deref().unwrap_or_default()
-            )
-        };
-        Ok((
-            train.iter().map(line).collect(),
-            eval.iter().map(line).collect(),
-        ))
+    /// The task's lines, `(train, eval)`, distinct, from `p.seed` (`train_size`, `eval_size`).
+    pub fn lines(p: &TaskParams) -> Result<(Vec<String>, Vec<String>)> {
+        let possible: usize = (3..=6).map(|n| LETTERS.len().pow(n)).sum();
+        let want = p.train_size + p.eval_size;
+        if want > possible / 2 {
+            return Err(Error::config(
+                "task.train_size",
+                format!("{want} lines from {possible} possible: ask for fewer"),
+            ));
+        }
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(mix_seed(p.seed, 0xf111));
+        let mut seen = HashSet::new();
+        let mut all = Vec::with_capacity(want);
+        while all.len() < want {
+            let n = rng.random_range(3..=6);
+            let w: String = (0..n)
+                .map(|_| LETTERS[rng.random_range(0..LETTERS.len())] as char)
+                .collect();
+            if seen.insert(w.clone()) {
+                all.push(format!("{w}={w}"));
+            }
+        }
+        let train = all.split_off(p.eval_size);
+        Ok((train, all))
     }
 
     /// `line` with a share of its characters, drawn uniformly from `ratio` (at least one), replaced
@@ -524,10 +537,9 @@ pub mod fill_task {
             ratio.0
         };
         let k = ((r * chars.len() as f64).round() as usize).clamp(1, chars.len().max(1));
-        let chosen: std::collections::HashSet<usize> =
-            rand::seq::index::sample(rng, chars.len(), k.min(chars.len()))
-                .into_iter()
-                .collect();
+        let chosen: HashSet<usize> = rand::seq::index::sample(rng, chars.len(), k.min(chars.len()))
+            .into_iter()
+            .collect();
         chars
             .iter()
             .enumerate()
@@ -538,9 +550,9 @@ pub mod fill_task {
             .collect()
     }
 
-    /// `(train, eval)` masked examples: each equation masked once with its own seed.
+    /// `(train, eval)` masked examples: each line masked once with its own seed.
     pub fn make(p: &TaskParams, ratio: (f64, f64)) -> Result<(Vec<Example>, Vec<Example>)> {
-        let (train, eval) = equations(p)?;
+        let (train, eval) = lines(p)?;
         let mk = |split: &str, salt: u64, lines: Vec<String>| -> Vec<Example> {
             lines
                 .into_iter()
@@ -574,7 +586,7 @@ mod tests {
     }
 
     #[test]
-    fn the_fill_task_masks_true_equations() {
+    fn the_fill_task_masks_copies() {
         let p = arithmetic::TaskParams {
             train_size: 50,
             eval_size: 10,
@@ -585,10 +597,12 @@ mod tests {
         };
         let (train, eval) = fill_task::make(&p, (0.2, 0.5)).unwrap();
         assert_eq!((train.len(), eval.len()), (50, 10));
+        let mut originals = std::collections::HashSet::new();
         for e in train.iter().chain(&eval) {
             let original = e.answer.as_deref().unwrap();
+            assert!(originals.insert(original.to_string()), "distinct lines");
             assert_eq!(
-                crate::rewards::rules::equation_holds(original),
+                crate::rewards::rules::sides_match(original),
                 1.0,
                 "{original}"
             );

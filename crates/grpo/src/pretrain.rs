@@ -763,13 +763,12 @@ fn bert_judge_config(gen: &serde_json::Value, o: &PretrainOptions) -> serde_json
 }
 
 /// The generator and judge of the built-in fill-in task (`grpo train --policy=fill_in`): made by
-/// [`pretrain_mlm`] and [`pretrain_judge`] from the task's training equations the first time,
+/// [`pretrain_mlm`] and [`pretrain_judge`] from the task's training lines the first time,
 /// then reused from the cache (`$GRPO_CACHE_DIR/fill_in/<key>/`, the key a hash of the task and
 /// these settings). Returns (generator, judge) directories.
 pub fn builtin_fill_in_models(task: &crate::config::TaskConfig) -> Result<(PathBuf, PathBuf)> {
-    use std::hash::{Hash, Hasher};
     let p = task.params();
-    let (lines, _) = crate::data::fill_task::equations(&p)?;
+    let (lines, _) = crate::data::fill_task::lines(&p)?;
     let base = PretrainOptions {
         data: PathBuf::new(),
         out: PathBuf::new(),
@@ -777,30 +776,29 @@ pub fn builtin_fill_in_models(task: &crate::config::TaskConfig) -> Result<(PathB
         layers: 3,
         heads: 4,
         max_len: 24,
-        steps: 1000,
+        steps: 600,
         batch_size: 64,
         learning_rate: 1e-3,
         warmup_steps: 100,
         mask_ratio: (0.1, 0.9),
         seed: 42,
-        eval_every: 250,
+        eval_every: 200,
     };
-    let judge_steps = 400;
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    (
-        lines.join("\n"),
-        format!("{base:?}"),
-        judge_steps,
-        task.mask_ratio.0.to_bits(),
-        task.mask_ratio.1.to_bits(),
-        "v1",
-    )
-        .hash(&mut h);
+    let judge_steps = 1500;
+    // FNV-1a over everything the models depend on: stable across builds and toolchains.
+    let key = format!(
+        "v2\n{base:?}\n{judge_steps}\n{:?}\n{}",
+        task.mask_ratio,
+        lines.join("\n")
+    );
+    let hash = key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
     let dir = crate::hub::cache_dir()
         .join("fill_in")
-        .join(format!("{:016x}", h.finish()));
+        .join(format!("{hash:016x}"));
     let (gen, judge) = (dir.join("generator"), dir.join("judge"));
-    let corpus = dir.join("equations.txt");
+    let corpus = dir.join("lines.txt");
     std::fs::create_dir_all(&dir).map_err(|e| Error::file(&dir, format!("cannot create: {e}")))?;
     write_file(&corpus, (lines.join("\n") + "\n").as_bytes())?;
     fn log(what: &'static str) -> impl FnMut(&PretrainStep) {

@@ -96,6 +96,8 @@ pub enum RewardFn {
     Format(Format),
     /// See [`rules::equation_holds`].
     Equation,
+    /// See [`rules::sides_match`].
+    SidesMatch,
     Length(Length),
     /// See [`rules::repetition_penalty`].
     Repetition {
@@ -174,6 +176,7 @@ impl Reward {
             }
             RewardFn::Format(f) => each(&|it| f.score(it.completion)),
             RewardFn::Equation => each(&|it| rules::equation_holds(it.completion)),
+            RewardFn::SidesMatch => each(&|it| rules::sides_match(it.completion)),
             RewardFn::Length(l) => each(&|it| l.score(it.completion_tokens)),
             RewardFn::Repetition { n, max_penalty } => {
                 each(&|it| rules::repetition_penalty(it.completion, *n, *max_penalty))
@@ -194,7 +197,10 @@ impl Reward {
 
     /// Whether this reward measures correctness (its mean is reported as accuracy).
     pub fn is_accuracy(&self) -> bool {
-        matches!(self.func, RewardFn::AnswerMatch(_) | RewardFn::Equation)
+        matches!(
+            self.func,
+            RewardFn::AnswerMatch(_) | RewardFn::Equation | RewardFn::SidesMatch
+        )
     }
 
     /// Whether the reward reads [`ScoreItem::ref_mean_logp`] (the trainer then computes the
@@ -286,6 +292,7 @@ const KINDS: &[(&str, &[&str])] = &[
     ("integer_only", &["value", "only_if_correct"]),
     ("format", Format::KEYS),
     ("equation", &[]),
+    ("sides_match", &[]),
     ("length", Length::KEYS),
     ("repetition", &["n", "max_penalty"]),
     ("diversity", &["n"]),
@@ -323,6 +330,7 @@ pub enum RewardKind {
     },
     Format(Format),
     Equation,
+    SidesMatch,
     Length(Length),
     Repetition {
         n: usize,
@@ -413,6 +421,7 @@ impl RewardSpec {
             },
             "format" => RewardKind::Format(Format::from_table(&t)?),
             "equation" => RewardKind::Equation,
+            "sides_match" => RewardKind::SidesMatch,
             "length" => RewardKind::Length(Length::from_table(&t, max_completion_length)?),
             "repetition" => {
                 let max_penalty = t.f32("max_penalty", -1.0)?;
@@ -481,6 +490,7 @@ impl RewardSpec {
             },
             RewardKind::Format(f) => RewardFn::Format(f.clone()),
             RewardKind::Equation => RewardFn::Equation,
+            RewardKind::SidesMatch => RewardFn::SidesMatch,
             RewardKind::Length(l) => RewardFn::Length(*l),
             &RewardKind::Repetition { n, max_penalty } => RewardFn::Repetition { n, max_penalty },
             &RewardKind::Diversity { n } => RewardFn::Diversity { n },
@@ -573,9 +583,9 @@ pub fn builtin_task_rewards() -> Vec<Reward> {
 }
 
 /// The built-in fill-in task's rewards: the judge at `judge` (a classifier; its probability
-/// that the filled line is `real`) is what is trained on; `equation`, whether the filled line is
-/// a true equation, has weight 0: it measures (as eval accuracy) without being optimised, so
-/// that reward hacking of the judge shows up.
+/// that the filled line is `real`) is what is trained on; `sides_match`, whether the filled copy
+/// `w=w` has equal sides, has weight 0: it measures (as eval accuracy) without being optimised,
+/// so that reward hacking of the judge shows up.
 pub fn builtin_fill_in_rewards(
     judge: &std::path::Path,
     device: &candle_core::Device,
@@ -583,7 +593,7 @@ pub fn builtin_fill_in_rewards(
     let tables = [
         serde_json::json!({"kind": "classifier", "name": "judge", "model": judge.display().to_string(),
                            "label": "real", "input": "completion", "output": "probability"}),
-        serde_json::json!({"kind": "equation", "weight": 0.0}),
+        serde_json::json!({"kind": "sides_match", "weight": 0.0}),
     ];
     build_rewards(&parse_specs(&tables, 1)?, device)
 }

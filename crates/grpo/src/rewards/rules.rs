@@ -534,6 +534,15 @@ pub fn equation_holds(text: &str) -> f32 {
     f32::from(u8::from(value == Some(c)))
 }
 
+/// `kind = "sides_match"`: 1 when the text has exactly one `=` and the two sides are equal and
+/// not empty, else 0. The verifier of the built-in fill-in task (copies `w=w`).
+pub fn sides_match(text: &str) -> f32 {
+    match text.split_once('=') {
+        Some((a, b)) if !a.is_empty() && a == b => 1.0,
+        _ => 0.0,
+    }
+}
+
 pub fn repetition_penalty(text: &str, n: usize, max_penalty: f32) -> f32 {
     let grams = ngrams(text, n);
     if grams.is_empty() {
@@ -573,6 +582,19 @@ pub fn group_diversity(texts: &[&str], groups: &[usize], n: usize) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sides_match_or_not() {
+        for (t, want) in [
+            ("abc=abc", 1.0),
+            ("abc=abd", 0.0),
+            ("=", 0.0),
+            ("a=a=a", 0.0),
+            ("abc", 0.0),
+        ] {
+            assert_eq!(sides_match(t), want, "{t}");
+        }
+    }
 
     #[test]
     fn equations_hold_or_not() {
