@@ -784,7 +784,7 @@ pub fn builtin_fill_in_models(task: &crate::config::TaskConfig) -> Result<(PathB
         seed: 42,
         eval_every: 200,
     };
-    let judge_steps = 1500;
+    let judge_steps = 3000;
     // FNV-1a over everything the models depend on: stable across builds and toolchains.
     let key = format!(
         "v2\n{base:?}\n{judge_steps}\n{:?}\n{}",
