@@ -147,6 +147,8 @@ pub struct TrainConfig {
     // run
     pub policy: PolicyType,
     pub model: Option<String>,
+    /// `policy = "fill_in"`: the judge of the default rewards.
+    pub judge: Option<PathBuf>,
     pub dtype: DTypeOpt,
     pub output_dir: PathBuf,
     pub seed: u64,
@@ -754,6 +756,7 @@ macro_rules! config_keys {
 
 config_keys! {
     "run" {
+        judge: Option<PathBuf> = "", "fill_in: the judge (a *ForSequenceClassification directory) whose probability of the label `real` (else its last label) rewards the fills when no [[rewards]] are given (unset: the built-in task's pretrained judge)";
         policy: PolicyType = "", "what is trained: causal_lm (completions token by token; unset) or fill_in (a masked-LM generator filling every masked position at once)";
         model: Option<String> = "", "HF directory, .gguf file or hub id (unset: SmolLM2-135M-Instruct, fetched once)";
         dtype: DTypeOpt = "\"f32\"", "precision of the weights for sampling and reference (training keeps f32 parameters)";
@@ -1080,6 +1083,14 @@ impl TrainConfig {
         let mut apply = |k: String, v: Value, from: &str| -> Result<()> {
             let k = match k.as_str() {
                 "model_name_or_path" => "model".to_string(),
+                // The fill-in seed's names (single-step fill-in GRPO).
+                "generator_checkpoint" => "model".to_string(),
+                "judge_checkpoint" => "judge".to_string(),
+                "group_size" => "num_generations".to_string(),
+                "kl_beta" => "beta".to_string(),
+                "out_dir" => "output_dir".to_string(),
+                "save_interval" => "save_steps".to_string(),
+                "eval_interval" => "eval_steps".to_string(),
                 // TRL's ModelConfig names for PEFT.
                 "lora_r" => "lora.r".to_string(),
                 "lora_alpha" => "lora.alpha".to_string(),
@@ -1138,6 +1149,17 @@ impl TrainConfig {
         ignored.dedup();
         let mut cfg = Self::validate(RawConfig::read(&merged)?)?;
         cfg.rewards = crate::rewards::parse_specs(&reward_tables, cfg.max_completion_length)?;
+        if cfg.policy == PolicyType::FillIn
+            && cfg.train_file.is_some()
+            && cfg.judge.is_none()
+            && cfg.rewards.is_empty()
+        {
+            return Err(Error::config(
+                "judge",
+                "policy = \"fill_in\" with a train_file needs a reward: judge = a classifier \
+                 directory (e.g. one `grpo pretrain --objective judge` made) or [[rewards]] tables",
+            ));
+        }
         cfg.ignored_keys = ignored;
         let mut resolved = merged;
         if !reward_tables.is_empty() {
@@ -1349,6 +1371,19 @@ impl TrainConfig {
                     .into(),
             );
         }
+        // A fill-in run on the user's inputs needs their generator and a reward (the built-in
+        // task brings both).
+        if raw.policy == PolicyType::FillIn && raw.train_file.is_some() {
+            if raw.model.is_none() {
+                return bad(
+                    "model",
+                    "policy = \"fill_in\" with a train_file needs model = the directory of a \
+                     masked-LM generator (BERT, RoBERTa or DistilBERT *ForMaskedLM, or one \
+                     `grpo pretrain` made)"
+                        .into(),
+                );
+            }
+        }
         // The best model: HF's spellings of an eval metric (`eval_accuracy`, `accuracy`) name ours.
         let metric_for_best_model = raw.metric_for_best_model.as_deref().map(|m| {
             if m.contains('/') {
@@ -1398,6 +1433,7 @@ impl TrainConfig {
         Ok(TrainConfig {
             policy: raw.policy,
             model: raw.model,
+            judge: raw.judge,
             dtype: raw.dtype,
             output_dir: raw.output_dir,
             seed: raw.seed,
@@ -2045,6 +2081,51 @@ lora_target_modules: [q_proj, k_proj]
         )
         .unwrap();
         assert_eq!(c.task.mask_ratio, (0.3, 0.3));
+    }
+
+    #[test]
+    fn the_fill_in_seeds_names_work() {
+        let c = load(
+            "policy = \"fill_in\"\ngenerator_checkpoint = \"gen\"\njudge_checkpoint = \"judge\"\n\
+             group_size = 16\nkl_beta = 0.2\nout_dir = \"out-grpo\"\nsave_interval = 7\n\
+             eval_interval = 7\nlearning_rate = 5e-6\nper_device_train_batch_size = 32\n",
+            Format::Toml,
+            &[],
+        )
+        .unwrap();
+        assert_eq!(c.model.as_deref(), Some("gen"));
+        assert_eq!(c.judge.as_deref(), Some(Path::new("judge")));
+        assert_eq!((c.num_generations, c.beta), (16, 0.2));
+        assert_eq!(c.output_dir, PathBuf::from("out-grpo"));
+        assert_eq!((c.save_steps, c.eval_steps), (7, 7));
+        // On the command line too, as the seed's README runs it.
+        let c = TrainConfig::load(
+            None,
+            &[
+                "--policy=fill_in".into(),
+                "--group_size=16".into(),
+                "--kl_beta=0.2".into(),
+                "--learning_rate=5e-6".into(),
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            (c.num_generations, c.beta, c.learning_rate),
+            (16, 0.2, 5e-6)
+        );
+        // The example config with the seed's defaults loads.
+        let c = load(
+            include_str!("../../../examples/configs/fill_in.toml"),
+            Format::Toml,
+            &["--group_size=16", "--kl_beta=0.2"],
+        )
+        .unwrap();
+        assert_eq!(c.policy, PolicyType::FillIn);
+        assert_eq!(
+            (c.num_generations, c.beta, c.temperature, c.top_p),
+            (16, 0.2, 0.8, 0.95)
+        );
+        assert_eq!(c.lr_scheduler_type, LrSchedule::Cosine);
     }
 
     #[test]

@@ -83,7 +83,10 @@ pub fn config_rewards(cfg: &TrainConfig, device: &Device) -> Result<Vec<Reward>>
         return match cfg.policy {
             PolicyType::CausalLm => Ok(rewards::builtin_task_rewards()),
             PolicyType::FillIn => {
-                let (_, judge) = crate::pretrain::builtin_fill_in_models(&cfg.task)?;
+                let judge = match &cfg.judge {
+                    Some(j) => j.clone(),
+                    None => crate::pretrain::builtin_fill_in_models(&cfg.task)?.1,
+                };
                 rewards::builtin_fill_in_rewards(&judge, device)
             }
         };

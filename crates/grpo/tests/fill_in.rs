@@ -167,23 +167,52 @@ fn fill_in_grpo_raises_the_judge_score_and_resumes_exactly() {
 fn a_fill_in_run_without_a_generator_or_with_a_causal_one_says_what_loads() {
     let tmp = tempfile::tempdir().unwrap();
     let data = write_data(tmp.path());
-    let text = format!(
+    let base = format!(
         "policy = \"fill_in\"\noutput_dir = \"{}\"\ntrain_file = \"{}\"\nmax_steps = 1\n",
         tmp.path().join("o").display(),
         data.display()
     );
-    let cfg = TrainConfig::from_str(&text, Format::Toml, "t", &[]).unwrap();
-    let e = train(&cfg, &RunControl::default()).unwrap_err().to_string();
+    let cfg =
+        |extra: &str| TrainConfig::from_str(&format!("{base}{extra}"), Format::Toml, "t", &[]);
+    // No generator, or no reward: the config names the key.
+    let e = cfg("").unwrap_err().to_string();
     assert!(e.contains("model") && e.contains("masked-LM"), "{e}");
+    let gen = fixtures().join("fillin/bert_mlm");
+    let e = cfg(&format!("model = \"{}\"\n", gen.display()))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("judge") && e.contains("[[rewards]]"), "{e}");
+    let judge = format!(
+        "judge = \"{}\"\n",
+        fixtures().join("rewards/bert").display()
+    );
     // A causal LM as the generator.
-    let causal = fixtures().join("tiny/llama");
-    let cfg = TrainConfig::from_str(
-        &format!("{text}model = \"{}\"\n", causal.display()),
-        Format::Toml,
-        "t",
-        &[],
-    )
+    let c = cfg(&format!(
+        "{judge}model = \"{}\"\n",
+        fixtures().join("tiny/llama").display()
+    ))
     .unwrap();
-    let e = train(&cfg, &RunControl::default()).unwrap_err().to_string();
-    assert!(e.contains("causal LM") || e.contains("masked LM"), "{e}");
+    let e = train(&c, &RunControl::default()).unwrap_err().to_string();
+    assert!(e.contains("causal LM"), "{e}");
+    // The seed's PyTorch checkpoint: which formats load and how to convert.
+    let pt = tmp.path().join("checkpoint.pt");
+    std::fs::write(&pt, b"not a model").unwrap();
+    let c = cfg(&format!(
+        "{judge}generator_checkpoint = \"{}\"\n",
+        pt.display()
+    ))
+    .unwrap();
+    let e = train(&c, &RunControl::default()).unwrap_err().to_string();
+    assert!(
+        e.contains("checkpoint.pt") && e.contains("save_pretrained") && e.contains("ForMaskedLM"),
+        "{e}"
+    );
+    // A judge given by path rewards the fills (its label `positive` is its last one).
+    let c = cfg(&format!("{judge}model = \"{}\"\n", gen.display())).unwrap();
+    train(&c, &RunControl::default()).unwrap();
+    let m = std::fs::read_to_string(tmp.path().join("o/metrics.jsonl")).unwrap();
+    assert!(
+        m.contains("rewards/judge/mean") && m.contains("rewards/sides_match/mean"),
+        "{m}"
+    );
 }

@@ -590,9 +590,27 @@ pub fn builtin_fill_in_rewards(
     judge: &std::path::Path,
     device: &candle_core::Device,
 ) -> Result<Vec<Reward>> {
+    // The label `real` (a judge `grpo pretrain` made), else the judge's last label.
+    let config = judge.join("config.json");
+    let labels: Vec<String> = crate::files::read_json(&config)?
+        .get("id2label")
+        .and_then(|m| m.as_object())
+        .map(|m| {
+            let mut v: Vec<(usize, String)> = m
+                .iter()
+                .filter_map(|(k, v)| Some((k.parse().ok()?, v.as_str()?.to_string())))
+                .collect();
+            v.sort();
+            v.into_iter().map(|x| x.1).collect()
+        })
+        .unwrap_or_default();
+    let label = match labels.iter().any(|l| l == "real") {
+        true => serde_json::json!("real"),
+        false => serde_json::json!(labels.len().max(2) - 1),
+    };
     let tables = [
         serde_json::json!({"kind": "classifier", "name": "judge", "model": judge.display().to_string(),
-                           "label": "real", "input": "completion", "output": "probability"}),
+                           "label": label, "input": "completion", "output": "probability"}),
         serde_json::json!({"kind": "sides_match", "weight": 0.0}),
     ];
     build_rewards(&parse_specs(&tables, 1)?, device)

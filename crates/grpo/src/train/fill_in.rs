@@ -151,8 +151,21 @@ impl LoadPolicy for FillInPolicy {
     }
 }
 
-/// `spec` as an HF directory (a GGUF file or a hub id that is not a directory is refused).
+/// `spec` as an HF directory (a GGUF file, a PyTorch pickle or a hub id that is not a directory
+/// is refused, saying what loads).
 fn resolve_generator(spec: &str) -> Result<PathBuf> {
+    let p = std::path::Path::new(spec);
+    let ext = p.extension().and_then(|e| e.to_str()).unwrap_or_default();
+    if p.is_file() && matches!(ext, "pt" | "pth" | "ckpt" | "bin") {
+        return Err(Error::file(
+            p,
+            "a PyTorch checkpoint of an unknown architecture: a fill-in generator is an HF \
+             directory (config.json, model.safetensors, tokenizer.json) of a BERT, RoBERTa or \
+             DistilBERT *ForMaskedLM, or one `grpo pretrain --objective mlm` made. Convert a \
+             transformers model with `model.save_pretrained(dir)` and `tokenizer.save_pretrained(dir)`; \
+             a model of your own architecture must be ported to one of these first",
+        ));
+    }
     Ok(match hub::resolve_model(Some(spec))? {
         ModelSource::HfDir(d) => d,
         other => {
