@@ -1371,18 +1371,16 @@ impl TrainConfig {
                     .into(),
             );
         }
-        // A fill-in run on the user's inputs needs their generator and a reward (the built-in
-        // task brings both).
-        if raw.policy == PolicyType::FillIn && raw.train_file.is_some() {
-            if raw.model.is_none() {
-                return bad(
-                    "model",
-                    "policy = \"fill_in\" with a train_file needs model = the directory of a \
-                     masked-LM generator (BERT, RoBERTa or DistilBERT *ForMaskedLM, or one \
-                     `grpo pretrain` made)"
-                        .into(),
-                );
-            }
+        // A fill-in run on the user's inputs needs their generator (the built-in task brings
+        // one); its reward is checked once the reward tables are read.
+        if raw.policy == PolicyType::FillIn && raw.train_file.is_some() && raw.model.is_none() {
+            return bad(
+                "model",
+                "policy = \"fill_in\" with a train_file needs model = the directory of a \
+                 masked-LM generator (BERT, RoBERTa or DistilBERT *ForMaskedLM, or one \
+                 `grpo pretrain` made)"
+                    .into(),
+            );
         }
         // The best model: HF's spellings of an eval metric (`eval_accuracy`, `accuracy`) name ours.
         let metric_for_best_model = raw.metric_for_best_model.as_deref().map(|m| {
