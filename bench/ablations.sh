@@ -9,15 +9,18 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 seed=${1:-42}
 shift || true
+# Each variant is the default config of before issue 18 (constant learning rate) plus its change;
+# `cosine` is today's default.
+c="--lr_scheduler_type=constant"
 declare -A variants=(
-  [baseline]=""
+  [baseline]="$c"
   [cosine]="--lr_scheduler_type=cosine"
   [linear]="--lr_scheduler_type=linear"
-  [clip_higher]="--epsilon_high=0.28"
-  [beta]="--beta=0.01"
-  [entropy]="--entropy_coef=0.001"
-  [groups16]="--num_generations=16"   # same 64 completions per step: 4 prompts x 16
-  [dynamic]="--dynamic_sampling=true"
+  [clip_higher]="$c --epsilon_high=0.28"
+  [beta]="$c --beta=0.01"
+  [entropy]="$c --entropy_coef=0.001"
+  [groups16]="$c --num_generations=16"   # same 64 completions per step: 4 prompts x 16
+  [dynamic]="$c --dynamic_sampling=true"
 )
 names=("$@")
 [ ${#names[@]} -eq 0 ] && names=(baseline cosine linear clip_higher beta entropy groups16 dynamic)
