@@ -25,6 +25,23 @@ named_enum! {
     }
 }
 
+/// Trainable parameters by name, as tensors that track gradients (`track`: a forward over them
+/// builds a graph back to the `Var`s) or detached (sampling, scoring, saving).
+pub fn var_tensors<T: FromIterator<(String, Tensor)>>(
+    names: &[String],
+    vars: &[candle_core::Var],
+    track: bool,
+) -> T {
+    names
+        .iter()
+        .zip(vars)
+        .map(|(n, v)| {
+            let t = v.as_tensor();
+            (n.clone(), if track { t.clone() } else { t.detach() })
+        })
+        .collect()
+}
+
 /// AdamW hyper-parameters (torch names).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdamWConfig {

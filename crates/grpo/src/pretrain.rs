@@ -23,7 +23,7 @@ use serde_json::json;
 use crate::files::{save_tensors, write_file};
 use crate::models::encoder::{ClassifierNet, EncoderConfig, EncoderKind};
 use crate::models::masked_lm::{masked_lm_config, pad_batch, MaskedLm, MlmTokenizer};
-use crate::optim::{clip_factor, lr_lambda, AdamW, AdamWConfig, LrSchedule};
+use crate::optim::{clip_factor, lr_lambda, var_tensors, AdamW, AdamWConfig, LrSchedule};
 use crate::seeding::mix_seed;
 use crate::{Error, Result};
 
@@ -304,14 +304,7 @@ impl Params {
 
     /// By name: tracking gradients (`track`) or detached.
     fn tensors(&self, track: bool) -> HashMap<String, Tensor> {
-        self.names
-            .iter()
-            .zip(&self.vars)
-            .map(|(n, v)| {
-                let t = v.as_tensor();
-                (n.clone(), if track { t.clone() } else { t.detach() })
-            })
-            .collect()
+        var_tensors(&self.names, &self.vars, track)
     }
 
     /// Backward from `loss`, clip to norm 1, one AdamW step at `lr`; returns the norm.

@@ -664,27 +664,15 @@ impl ClassifierNet {
         tensors: HashMap<String, Tensor>,
         origin: &Path,
     ) -> Result<Self> {
-        let prefix = encoder_prefix(&tensors, origin)?;
-        let mode = tracking_mode(&tensors, prefix);
-        let rec = Recorder::new(tensors);
-        let built = {
-            let vb = rec.var_builder();
-            Encoder::load(cfg, encoder_root(&vb, prefix)).and_then(|encoder| {
-                let head = Head::load(cfg.kind, prefix, cfg.hidden_size, num_labels, vb.clone())?;
-                Ok((encoder, head))
-            })
-        };
-        let (encoder, head) = built.map_err(|e| {
-            Error::file(
-                origin,
-                format!("cannot build the {:?} classifier: {e}", cfg.kind),
-            )
-        })?;
+        let (encoder, head, mode, used) =
+            build_encoder_model(cfg, tensors, origin, "classifier", |prefix, vb, _| {
+                Head::load(cfg.kind, prefix, cfg.hidden_size, num_labels, vb.clone())
+            })?;
         Ok(Self {
             encoder,
             head,
             mode,
-            used: rec.used()?,
+            used,
         })
     }
 
@@ -703,6 +691,35 @@ impl ClassifierNet {
         let first = hidden.narrow(1, 0, 1)?.squeeze(1)?; // [B, H]
         Ok(self.head.forward(&first)?) // [B, L]
     }
+}
+
+/// An encoder and the head `head(prefix, vb, encoder)` builds, over `tensors` (checkpoint names),
+/// with the forward mode the tensors call for and the keys read (sorted). `what` names the
+/// model in errors, with `origin`.
+pub(crate) fn build_encoder_model<H>(
+    cfg: &EncoderConfig,
+    tensors: HashMap<String, Tensor>,
+    origin: &Path,
+    what: &str,
+    head: impl FnOnce(&str, &VarBuilder, &Encoder) -> candle_core::Result<H>,
+) -> Result<(Encoder, H, Mode, Vec<String>)> {
+    let prefix = encoder_prefix(&tensors, origin)?;
+    let mode = tracking_mode(&tensors, prefix);
+    let rec = Recorder::new(tensors);
+    let built = {
+        let vb = rec.var_builder();
+        Encoder::load(cfg, encoder_root(&vb, prefix)).and_then(|encoder| {
+            let h = head(prefix, &vb, &encoder)?;
+            Ok((encoder, h))
+        })
+    };
+    let (encoder, h) = built.map_err(|e| {
+        Error::file(
+            origin,
+            format!("cannot build the {:?} {what}: {e}", cfg.kind),
+        )
+    })?;
+    Ok((encoder, h, mode, rec.used()?))
 }
 
 /// `Train` when the word embeddings track gradients, else `Infer`.

@@ -15,8 +15,7 @@ use candle_core::{Device, Module, Tensor};
 use candle_nn::VarBuilder;
 
 use super::encoder::{
-    encoder_prefix, encoder_root, tracking_mode, Act, Encoder, EncoderBatch, EncoderConfig,
-    EncoderKind, EncoderTokenizer, Recorder,
+    build_encoder_model, Act, Encoder, EncoderBatch, EncoderConfig, EncoderKind, EncoderTokenizer,
 };
 use super::layers::{linear, LayerNorm, Linear, Mode};
 use crate::files::{read_json, read_weights};
@@ -123,23 +122,10 @@ impl MaskedLm {
         tensors: HashMap<String, Tensor>,
         origin: &Path,
     ) -> Result<Self> {
-        let prefix = encoder_prefix(&tensors, origin)?;
-        let mode = tracking_mode(&tensors, prefix);
-        let rec = Recorder::new(tensors);
-        let built = {
-            let vb = rec.var_builder();
-            Encoder::load(cfg, encoder_root(&vb, prefix)).and_then(|encoder| {
-                let head = load_head(cfg, &vb, encoder.word_embeddings())?;
-                Ok((encoder, head))
-            })
-        };
-        let (encoder, head) = built.map_err(|e| {
-            Error::file(
-                origin,
-                format!("cannot build the {:?} masked LM: {e}", cfg.kind),
-            )
-        })?;
-        let used = rec.used()?;
+        let (encoder, head, mode, used) =
+            build_encoder_model(cfg, tensors, origin, "masked LM", |_, vb, encoder| {
+                load_head(cfg, vb, encoder.word_embeddings())
+            })?;
         Ok(Self {
             cfg: cfg.clone(),
             encoder,

@@ -17,6 +17,7 @@ use crate::hub::{self, ModelSource};
 use crate::logprobs::Entropy;
 use crate::models::encoder::EncoderConfig;
 use crate::models::masked_lm::{masked_lm_config, MaskedLm, MlmTokenizer};
+use crate::optim::var_tensors;
 use crate::rollout::MicroBatch;
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
@@ -41,14 +42,7 @@ impl FillInPolicy {
     }
 
     fn tensors(&self, track: bool) -> HashMap<String, Tensor> {
-        self.names
-            .iter()
-            .zip(&self.vars)
-            .map(|(n, v)| {
-                let t = v.as_tensor();
-                (n.clone(), if track { t.clone() } else { t.detach() })
-            })
-            .collect()
+        var_tensors(&self.names, &self.vars, track)
     }
 }
 

@@ -16,6 +16,7 @@ use crate::lora::{self, LoraConfig};
 use crate::models::checkpointing::CheckpointGrads;
 use crate::models::grad_sink::GradSink;
 use crate::models::{CausalLm, Mode, ModelConfig};
+use crate::optim::var_tensors;
 use crate::rollout::{GroupSampler, MicroBatch};
 use crate::tokenizer::Tokenizer;
 use crate::Result;
@@ -89,14 +90,7 @@ pub struct CausalLmPolicy {
 
 impl CausalLmPolicy {
     fn tensors(&self, track: bool) -> Vec<(String, Tensor)> {
-        self.names
-            .iter()
-            .zip(&self.vars)
-            .map(|(n, v)| {
-                let t = v.as_tensor();
-                (n.clone(), if track { t.clone() } else { t.detach() })
-            })
-            .collect()
+        var_tensors(&self.names, &self.vars, track)
     }
 
     /// A model over the current parameters: with a graph (`track`) or detached.
