@@ -791,6 +791,11 @@ pub fn builtin_fill_in_models(task: &crate::config::TaskConfig) -> Result<(PathB
         .join("fill_in")
         .join(format!("{hash:016x}"));
     let (gen, judge) = (dir.join("generator"), dir.join("judge"));
+    let done = |d: &Path| d.join("model.safetensors").is_file();
+    if done(&gen) && done(&judge) {
+        // A run loads both (its rewards, then its policy): the second call only looks.
+        return Ok((gen, judge));
+    }
     let corpus = dir.join("lines.txt");
     std::fs::create_dir_all(&dir).map_err(|e| Error::file(&dir, format!("cannot create: {e}")))?;
     write_file(&corpus, (lines.join("\n") + "\n").as_bytes())?;
@@ -805,7 +810,7 @@ pub fn builtin_fill_in_models(task: &crate::config::TaskConfig) -> Result<(PathB
             }
         }
     }
-    if !gen.join("model.safetensors").is_file() {
+    if !done(&gen) {
         tracing::info!(
             "fill-in task: pretraining the generator ({} steps; cached in {})",
             base.steps,
@@ -818,7 +823,7 @@ pub fn builtin_fill_in_models(task: &crate::config::TaskConfig) -> Result<(PathB
         };
         pretrain_mlm(&o, &mut log("generator"))?;
     }
-    if !judge.join("model.safetensors").is_file() {
+    if !done(&judge) {
         tracing::info!("fill-in task: pretraining the judge ({judge_steps} steps)");
         let o = PretrainOptions {
             data: corpus,
