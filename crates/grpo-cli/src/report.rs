@@ -582,7 +582,7 @@ fn plot_specs(m: &Metrics) -> Vec<PlotSpec> {
         .filter_map(|k| k.strip_prefix(names::EVAL_REWARD_PREFIX))
         .map(|n| Line::new(n, format!("{}{n}", names::EVAL_REWARD_PREFIX)))
         .collect();
-    vec![
+    let mut specs = vec![
         line_plot(
             "reward.png",
             "Reward (mean ± std over the step's completions)",
@@ -671,7 +671,26 @@ fn plot_specs(m: &Metrics) -> Vec<PlotSpec> {
             kind: Kind::TimeSplit,
             unit_range: false,
         },
-    ]
+    ];
+    // A fill-in run's own curves (the judge's score, fills equal to the original).
+    if keys.contains(names::FILL_MASKED_POSITIONS) {
+        specs.insert(
+            2,
+            PlotSpec {
+                unit_range: true,
+                ..line_plot(
+                    "fill.png",
+                    "Fill-in: judge score and fill accuracy against the original",
+                    "score / fraction of masked tokens",
+                    vec![
+                        Line::new("judge score", names::FILL_JUDGE_SCORE),
+                        Line::new("fill accuracy", names::FILL_ACCURACY),
+                    ],
+                )
+            },
+        );
+    }
+    specs
 }
 
 impl PlotSpec {

@@ -49,6 +49,7 @@ fn main() -> anyhow::Result<()> {
             answer: field("answer"),
             metadata: Map::new(),
             origin: format!("{completions}:{}", i + 1),
+            tokens: None,
         });
         outputs.push(completion);
     }

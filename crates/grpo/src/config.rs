@@ -166,6 +166,8 @@ pub struct TrainConfig {
     pub skip_bad_rows: bool,
     pub max_prompt_length: Option<usize>,
     pub task: TaskConfig,
+    /// `policy = "fill_in"` with `mask_ratio`: inputs masked on the fly.
+    pub masking: Option<crate::fill_in::Masking>,
     /// The `[[rewards]]` tables, parsed and checked (built into rewards by
     /// [`crate::inputs::config_rewards`]); empty: the built-in task's rewards.
     pub rewards: Vec<RewardSpec>,
@@ -661,6 +663,64 @@ impl FromValue for MaskRatio {
     }
 }
 
+impl FromValue for Option<MaskRatio> {
+    fn kind() -> Cow<'static, str> {
+        MaskRatio::kind()
+    }
+    fn from_value(key: &str, v: Option<&Value>) -> Result<Self> {
+        v.map(|v| MaskRatio::from_value(key, Some(v))).transpose()
+    }
+}
+
+/// A span length in tokens or a range `LO..HI` drawn per span; unset: 1.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SpanLen(pub (usize, usize));
+
+impl FromValue for SpanLen {
+    fn kind() -> Cow<'static, str> {
+        "length or \"LO..HI\"".into()
+    }
+    fn from_value(key: &str, v: Option<&Value>) -> Result<Self> {
+        let bad = || {
+            Error::config(
+                key,
+                "must be a span length >= 1 or a range \"LO..HI\" with 1 <= LO <= HI",
+            )
+        };
+        let (lo, hi) = match v {
+            None => return Ok(SpanLen((1, 1))),
+            Some(Value::Number(n)) => {
+                let l = n.as_u64().ok_or_else(bad)? as usize;
+                (l, l)
+            }
+            Some(Value::String(s)) => {
+                let num = |t: &str| t.trim().parse::<usize>().map_err(|_| bad());
+                match s.split_once("..") {
+                    Some((a, b)) => (num(a)?, num(b)?),
+                    None => {
+                        let l = num(s)?;
+                        (l, l)
+                    }
+                }
+            }
+            Some(_) => return Err(bad()),
+        };
+        if !(lo >= 1 && lo <= hi) {
+            return Err(bad());
+        }
+        Ok(SpanLen((lo, hi)))
+    }
+}
+
+impl FromValue for Option<u64> {
+    fn kind() -> Cow<'static, str> {
+        "int".into()
+    }
+    fn from_value(key: &str, v: Option<&Value>) -> Result<Self> {
+        v.map(|v| u64::from_value(key, Some(v))).transpose()
+    }
+}
+
 /// Unset: a causal LM (so older configs resolve as before).
 impl FromValue for PolicyType {
     fn kind() -> Cow<'static, str> {
@@ -783,6 +843,9 @@ config_keys! {
         task_ops "task.ops": Vec<String> as "list of \"+\" \"-\" \"*\"" = "[\"+\"]", "built-in task: operations";
         task_seed "task.seed": u64 = "1234", "built-in task: problem generator seed";
         task_mask_ratio "task.mask_ratio": MaskRatio as "ratio or \"LO..HI\"" = "", "built-in fill-in task (policy = fill_in): share of each equation's characters masked, a ratio or a range drawn per example (unset: 0.1..0.5)";
+        mask_ratio: Option<MaskRatio> as "ratio or \"LO..HI\"" = "", "fill_in: mask every training input on the fly, each draw its own masks (held-out inputs once, fixed): the share of its tokens masked, a ratio or a range drawn per input (unset: inputs must hold mask tokens)";
+        mask_span: SpanLen as "length or \"LO..HI\"" = "", "fill_in with mask_ratio: length in tokens of each masked span, fixed or drawn per span (unset: 1)";
+        mask_seed: Option<u64> = "", "fill_in with mask_ratio: seeds the masks (unset: seed)";
         reward_weights: Option<Vec<f64>> = "", "weight of each reward function (unset: each reward's own weight)";
     }
     "generation" {
@@ -1382,6 +1445,30 @@ impl TrainConfig {
                     .into(),
             );
         }
+        let masking = match raw.mask_ratio {
+            Some(r) if raw.policy == PolicyType::FillIn => Some(crate::fill_in::Masking {
+                ratio: r.0,
+                span: raw.mask_span.0,
+                seed: raw.mask_seed.unwrap_or(raw.seed),
+            }),
+            Some(_) => {
+                return bad(
+                    "mask_ratio",
+                    "masks inputs of policy = \"fill_in\"; a causal LM has nothing to mask".into(),
+                )
+            }
+            None if raw.mask_span != SpanLen((1, 1)) || raw.mask_seed.is_some() => {
+                let key = match raw.mask_seed.is_some() {
+                    true => "mask_seed",
+                    false => "mask_span",
+                };
+                return bad(
+                    key,
+                    "applies to inputs masked on the fly: set mask_ratio too".into(),
+                );
+            }
+            None => None,
+        };
         // The best model: HF's spellings of an eval metric (`eval_accuracy`, `accuracy`) name ours.
         let metric_for_best_model = raw.metric_for_best_model.as_deref().map(|m| {
             if m.contains('/') {
@@ -1448,6 +1535,7 @@ impl TrainConfig {
             skip_bad_rows: raw.skip_bad_rows,
             max_prompt_length: raw.max_prompt_length,
             task,
+            masking,
             rewards: vec![],
             reward_weights: raw.reward_weights,
             num_generations: g,

@@ -31,6 +31,9 @@ pub struct Example {
     pub metadata: Map<String, Value>,
     /// Where the row came from (`file.jsonl:17`, `arithmetic:train:5`), for messages.
     pub origin: String,
+    /// The prompt's token ids when they are fixed already (a held-out fill-in input masked on
+    /// the fly): used as they are instead of tokenizing `prompt`.
+    pub tokens: Option<Vec<u32>>,
 }
 
 /// Which fields hold what.
@@ -110,6 +113,7 @@ fn row_to_example(
         answer,
         metadata: row,
         origin,
+        tokens: None,
     })
 }
 
@@ -181,10 +185,27 @@ pub fn load_examples(path: &Path, fields: &DataFields) -> Result<Loaded> {
                 .collect()
         }
         "parquet" => parquet_rows(path)?,
+        // Plain text: one prompt per non-blank line (a fill-in corpus masked on the fly).
+        "txt" | "text" => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| Error::file(path, format!("cannot read: {e}")))?;
+            text.lines()
+                .enumerate()
+                .filter(|(_, l)| !l.trim().is_empty())
+                .map(|(i, l)| {
+                    let mut m = Map::new();
+                    m.insert(
+                        fields.prompt_field.clone(),
+                        Value::String(l.trim_end().to_string()),
+                    );
+                    (i + 1, Ok(m))
+                })
+                .collect()
+        }
         _ => {
             return Err(Error::file(
                 path,
-                "unknown dataset format: use .jsonl, .csv or .parquet",
+                "unknown dataset format: use .jsonl, .csv, .parquet or .txt (one prompt per line)",
             ));
         }
     };
@@ -251,6 +272,9 @@ pub fn prompt_ids(
     system_prompt: Option<&str>,
     max_len: Option<usize>,
 ) -> Result<Vec<u32>> {
+    if let Some(t) = &ex.tokens {
+        return Ok(t.clone());
+    }
     let ids = if tok.has_chat_template() {
         let mut msgs = match &ex.prompt {
             Prompt::Text(t) => vec![ChatMessage::user(t.clone())],
@@ -466,6 +490,7 @@ pub mod arithmetic {
                 answer: Some(ans.to_string()),
                 metadata: meta,
                 origin: format!("arithmetic:{split}:{i}"),
+                tokens: None,
             };
         let eval: Vec<Example> = all
             .drain(..p.eval_size)
@@ -565,6 +590,7 @@ pub mod fill_task {
                         answer: Some(l),
                         metadata: Default::default(),
                         origin: format!("fill_in:{split}:{i}"),
+                        tokens: None,
                     }
                 })
                 .collect()
@@ -799,6 +825,7 @@ mod tests {
             answer: None,
             metadata: Map::new(),
             origin: "t".into(),
+            tokens: None,
         };
         let ids = prompt_ids(&tok, &ex, Some("Be brief."), None).unwrap();
         let want = tok

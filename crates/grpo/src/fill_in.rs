@@ -46,6 +46,235 @@ pub fn fill(ids: &[u32], mask_id: u32, fills: &[u32]) -> Vec<u32> {
         .collect()
 }
 
+/// How `policy = "fill_in"` masks inputs on the fly (`mask_ratio`, `mask_span`, `mask_seed`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Masking {
+    /// Each input's share of masked tokens is drawn uniformly from this range.
+    pub ratio: (f64, f64),
+    /// Span lengths in tokens, drawn uniformly from this range per span.
+    pub span: (usize, usize),
+    pub seed: u64,
+}
+
+/// `ids` masked as `m` says, with the draw's own `seed`: a ratio from `m.ratio`, at least one
+/// token, never a special token; spans of consecutive content tokens from random starts until
+/// the ratio is reached (the last span cut to fit). Spans of 1 are positions drawn without
+/// replacement ([`crate::pretrain::mask_example`], as pretraining masks).
+pub fn mask_tokens(
+    ids: &[u32],
+    m: &Masking,
+    mask_id: u32,
+    specials: &[u32],
+    seed: u64,
+) -> Vec<u32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(mix_seed(m.seed, seed));
+    if m.span == (1, 1) {
+        return crate::pretrain::mask_example(ids, m.ratio, mask_id, specials, &mut rng).0;
+    }
+    use rand::Rng;
+    let content: Vec<usize> = (0..ids.len())
+        .filter(|&i| !specials.contains(&ids[i]) && ids[i] != mask_id)
+        .collect();
+    let mut out = ids.to_vec();
+    if content.is_empty() {
+        return out;
+    }
+    let r = match m.ratio.1 > m.ratio.0 {
+        true => rng.random_range(m.ratio.0..=m.ratio.1),
+        false => m.ratio.0,
+    };
+    let k = ((r * content.len() as f64).round() as usize).clamp(1, content.len());
+    let mut masked = vec![false; content.len()];
+    let mut left = k;
+    // Starts in a random order: every content position is tried at most once, so this ends.
+    for start in rand::seq::index::sample(&mut rng, content.len(), content.len()) {
+        if left == 0 {
+            break;
+        }
+        let len = rng.random_range(m.span.0..=m.span.1);
+        let end = (start + len).min(content.len());
+        for m in masked[start..end].iter_mut() {
+            if left > 0 && !*m {
+                *m = true;
+                left -= 1;
+            }
+        }
+    }
+    for (j, &p) in content.iter().enumerate() {
+        if masked[j] {
+            out[p] = mask_id;
+        }
+    }
+    out
+}
+
+/// The share of `fills` equal to the `original` tokens at the masked positions of `masked`
+/// (`None` when the original does not align with the input).
+pub fn fill_accuracy(masked: &[u32], mask_id: u32, fills: &[u32], original: &[u32]) -> Option<f64> {
+    if original.len() != masked.len() {
+        return None;
+    }
+    let pos = masked_positions(masked, mask_id);
+    if pos.is_empty() || pos.len() != fills.len() {
+        return None;
+    }
+    let right = pos
+        .iter()
+        .zip(fills)
+        .filter(|(&p, &f)| original[p] == f)
+        .count();
+    Some(right as f64 / pos.len() as f64)
+}
+
+/// A fill-in run's inputs: masked on the fly when `masking` is set, else as the dataset gives
+/// them (every one must hold a mask token), with each input's original tokens where known
+/// (for fill accuracy): the unmasked input, or an answer that tokenizes to the input's length.
+#[derive(Debug, Clone)]
+pub struct FillInputs {
+    pub mask_id: u32,
+    specials: Vec<u32>,
+    masking: Option<Masking>,
+    originals: Vec<Option<Vec<u32>>>,
+}
+
+/// Seed salt of the held-out inputs' fixed masks.
+const EVAL_MASK_SALT: u64 = 0x4556_414c;
+
+impl FillInputs {
+    /// Checks the training inputs (`ids`, tokenized from `examples`) and keeps their originals.
+    pub fn new(
+        masking: Option<Masking>,
+        mask_id: u32,
+        specials: &[u32],
+        tok: &Tokenizer,
+        examples: &[crate::data::Example],
+        ids: &[Vec<u32>],
+    ) -> Result<Self> {
+        let mut originals = Vec::with_capacity(ids.len());
+        for (ex, ids) in examples.iter().zip(ids) {
+            originals.push(match masking {
+                Some(_) => {
+                    if ids.contains(&mask_id) {
+                        return Err(Error::Generate(format!(
+                            "{}: the input already holds mask tokens, and mask_ratio masks inputs \
+                             on the fly: give unmasked text, or unset mask_ratio to fill the \
+                             dataset's own masks",
+                            ex.origin
+                        )));
+                    }
+                    Some(ids.clone())
+                }
+                None => {
+                    if !ids.contains(&mask_id) {
+                        return Err(Error::Generate(format!(
+                            "{}: the input has no mask token (write `{}` where the generator \
+                             fills), or set mask_ratio (e.g. mask_ratio = 0.15) to mask text \
+                             inputs on the fly",
+                            ex.origin,
+                            tok.id_to_token(mask_id).unwrap_or_else(|| "[MASK]".into())
+                        )));
+                    }
+                    match &ex.answer {
+                        Some(a) => tok.encode(a, true).ok().filter(|o| o.len() == ids.len()),
+                        None => None,
+                    }
+                }
+            });
+        }
+        Ok(Self {
+            mask_id,
+            specials: specials.to_vec(),
+            masking,
+            originals,
+        })
+    }
+
+    /// The input a draw of training example `example` (tokens `ids`) fills: masked with the
+    /// draw's `seed` when masking on the fly, else as it is.
+    pub fn input(&self, ids: &[u32], seed: u64) -> Vec<u32> {
+        match &self.masking {
+            Some(m) => mask_tokens(ids, m, self.mask_id, &self.specials, seed),
+            None => ids.to_vec(),
+        }
+    }
+
+    /// Held-out examples masked once (fixed masks, the same every evaluation) when masking on
+    /// the fly; their answer is the original text unless they have one.
+    pub fn mask_held_out(
+        &self,
+        tok: &Tokenizer,
+        examples: &mut [crate::data::Example],
+        max_len: Option<usize>,
+    ) -> Result<()> {
+        let Some(m) = &self.masking else {
+            return Ok(());
+        };
+        for (i, ex) in examples.iter_mut().enumerate() {
+            let ids = crate::data::prompt_ids(tok, ex, None, max_len)?;
+            let masked = mask_tokens(
+                &ids,
+                m,
+                self.mask_id,
+                &self.specials,
+                mix_seed(EVAL_MASK_SALT, i as u64),
+            );
+            if ex.answer.is_none() {
+                ex.answer = Some(crate::data::prompt_text(ex));
+            }
+            ex.prompt = crate::data::Prompt::Text(self.display(tok, &masked)?);
+            ex.tokens = Some(masked);
+        }
+        Ok(())
+    }
+
+    /// An input as text, its mask tokens written out (`12+[MASK]4=...`).
+    pub fn display(&self, tok: &Tokenizer, ids: &[u32]) -> Result<String> {
+        let mask = tok
+            .id_to_token(self.mask_id)
+            .unwrap_or_else(|| "[MASK]".into());
+        let mut out = String::new();
+        let mut run: Vec<u32> = Vec::new();
+        for &t in ids {
+            if t == self.mask_id {
+                out.push_str(&tok.decode(&run, true)?);
+                out.push_str(&mask);
+                run.clear();
+            } else {
+                run.push(t);
+            }
+        }
+        out.push_str(&tok.decode(&run, true)?);
+        Ok(out)
+    }
+
+    /// Fill metrics of a round: masked positions per input and, where originals are known,
+    /// the share of fills equal to them.
+    pub fn metrics(&self, episodes: &[crate::rollout::Episode]) -> Vec<(String, f64)> {
+        use crate::train::names;
+        let n = episodes.len().max(1) as f64;
+        let masked: f64 = episodes
+            .iter()
+            .map(|e| e.completion_ids.len() as f64)
+            .sum::<f64>()
+            / n;
+        let acc: Vec<f64> = episodes
+            .iter()
+            .filter_map(|e| {
+                let orig = self.originals.get(e.example)?.as_ref()?;
+                fill_accuracy(&e.prompt_ids, self.mask_id, &e.completion_ids, orig)
+            })
+            .collect();
+        let mut m = vec![(names::FILL_MASKED_POSITIONS.to_string(), masked)];
+        if !acc.is_empty() {
+            m.push((
+                names::FILL_ACCURACY.to_string(),
+                acc.iter().sum::<f64>() / acc.len() as f64,
+            ));
+        }
+        m
+    }
+}
+
 /// A masked LM as a fill-in generator: the model, its mask and padding ids, and the logit bias
 /// that keeps special tokens out of fills.
 #[derive(Debug, Clone)]
@@ -564,5 +793,62 @@ mod tests {
     fn fill_puts_tokens_at_the_masks_in_order() {
         assert_eq!(fill(&[1, 9, 2, 9, 3], 9, &[7, 8]), vec![1, 7, 2, 8, 3]);
         assert_eq!(masked_positions(&[1, 9, 2, 9, 3], 9), vec![1, 3]);
+    }
+
+    #[test]
+    fn masks_on_the_fly_follow_ratio_spans_and_seed() {
+        // [CLS] 40 content tokens [SEP]; specials 0..5, mask 4.
+        let ids: Vec<u32> = std::iter::once(2)
+            .chain((0..40).map(|i| 10 + i % 7))
+            .chain(std::iter::once(3))
+            .collect();
+        let specials = [0, 1, 2, 3, 4];
+        for span in [(1, 1), (3, 3), (2, 5)] {
+            let m = Masking {
+                ratio: (0.25, 0.25),
+                span,
+                seed: 5,
+            };
+            for seed in 0..20u64 {
+                let out = mask_tokens(&ids, &m, 4, &specials, seed);
+                let pos = masked_positions(&out, 4);
+                assert_eq!(pos.len(), 10, "{span:?}: the ratio of 40 content tokens");
+                assert!(out[0] == 2 && out[41] == 3, "specials never masked");
+                for (i, (&a, &b)) in ids.iter().zip(&out).enumerate() {
+                    assert!(b == 4 || a == b, "{i}: unmasked tokens kept");
+                }
+                // Same seed, same masks; spans of 3 come in runs (the last may be cut).
+                assert_eq!(out, mask_tokens(&ids, &m, 4, &specials, seed));
+                if span == (3, 3) {
+                    let runs = pos.windows(2).filter(|w| w[1] != w[0] + 1).count() + 1;
+                    assert!(runs <= 4, "{pos:?}");
+                }
+            }
+            assert_ne!(
+                mask_tokens(&ids, &m, 4, &specials, 1),
+                mask_tokens(&ids, &m, 4, &specials, 2),
+                "draws differ"
+            );
+        }
+        // A range: between its ends, at least one token.
+        let m = Masking {
+            ratio: (0.01, 0.5),
+            span: (1, 2),
+            seed: 0,
+        };
+        for seed in 0..50u64 {
+            let k = masked_positions(&mask_tokens(&ids, &m, 4, &specials, seed), 4).len();
+            assert!((1..=20).contains(&k), "{k}");
+        }
+    }
+
+    #[test]
+    fn fill_accuracy_counts_fills_equal_to_the_original() {
+        let original = [2, 10, 11, 12, 3];
+        let masked = [2, 4, 11, 4, 3];
+        assert_eq!(fill_accuracy(&masked, 4, &[10, 99], &original), Some(0.5));
+        assert_eq!(fill_accuracy(&masked, 4, &[10, 12], &original), Some(1.0));
+        assert_eq!(fill_accuracy(&masked, 4, &[10], &original), None);
+        assert_eq!(fill_accuracy(&masked, 4, &[10, 12], &original[..4]), None);
     }
 }

@@ -87,7 +87,7 @@ pub fn config_rewards(cfg: &TrainConfig, device: &Device) -> Result<Vec<Reward>>
                     Some(j) => j.clone(),
                     None => crate::pretrain::builtin_fill_in_models(&cfg.task)?.1,
                 };
-                rewards::builtin_fill_in_rewards(&judge, device)
+                rewards::builtin_fill_in_rewards(&judge, cfg.train_file.is_none(), device)
             }
         };
     }

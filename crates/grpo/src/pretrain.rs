@@ -632,41 +632,64 @@ pub fn pretrain_judge(
     let specials = MlmTokenizer::load(generator, max_len)?
         .special_ids()
         .to_vec();
-    // Half real, half filled by the generator: (ids, label).
-    let make =
-        |ids: &[u32], fake: bool, rng: &mut ChaCha8Rng, seed: u64| -> Result<(Vec<u32>, u32)> {
-            if !fake {
-                return Ok((ids.to_vec(), 1));
+    // Half real, half filled by the generator: (ids, label). The fakes of a batch are masked in
+    // row order, then filled in one batched forward (each fill seeded by its row's seed).
+    let make = |rows: &[(&[u32], bool, u64)],
+                rng: &mut ChaCha8Rng|
+     -> Result<Vec<(Vec<u32>, u32)>> {
+        let mut inputs = Vec::new();
+        for &(ids, fake, seed) in rows {
+            if fake {
+                let (masked, _, _) = mask_example(ids, o.mask_ratio, gen.mask_id, &specials, rng);
+                inputs.push(crate::sampler::PromptInput { ids: masked, seed });
             }
-            let (masked, _, _) = mask_example(ids, o.mask_ratio, gen.mask_id, &specials, rng);
-            let params = crate::sampler::SamplingParams {
-                temperature: 1.0,
-                max_new_tokens: 1,
-                ..Default::default()
-            };
-            let input = crate::sampler::PromptInput {
-                ids: masked.clone(),
-                seed,
-            };
-            use crate::rollout::GroupSampler;
-            let (out, _) = gen.sample_groups(&tok, &[input], 1, &params, &mut |_, _, _| Ok(()))?;
-            let filled = crate::fill_in::fill(&masked, gen.mask_id, &out[0][0].ids);
-            let label = u32::from(filled == ids);
-            Ok((filled, label))
+        }
+        let params = crate::sampler::SamplingParams {
+            temperature: 1.0,
+            max_new_tokens: 1,
+            ..Default::default()
         };
-    let mut eval_rng = ChaCha8Rng::seed_from_u64(mix_seed(o.seed, 1));
-    let held: Vec<(Vec<u32>, u32)> = held
-        .iter()
-        .enumerate()
-        .map(|(i, ids)| {
-            make(
-                ids,
-                i % 2 == 1,
-                &mut eval_rng,
-                mix_seed(o.seed, 1000 + i as u64),
+        use crate::rollout::GroupSampler;
+        let fills = match inputs.is_empty() {
+            true => vec![],
+            false => {
+                gen.sample_groups(&tok, &inputs, 1, &params, &mut |_, _, _| Ok(()))?
+                    .0
+            }
+        };
+        let mut fakes = inputs.iter().zip(fills);
+        Ok(rows
+            .iter()
+            .map(
+                |&(ids, fake, _)| match fake.then(|| fakes.next()).flatten() {
+                    Some((input, f)) => {
+                        let filled = crate::fill_in::fill(&input.ids, gen.mask_id, &f[0].ids);
+                        let label = u32::from(filled == ids);
+                        (filled, label)
+                    }
+                    None => (ids.to_vec(), 1),
+                },
             )
-        })
-        .collect::<Result<_>>()?;
+            .collect())
+    };
+    let mut eval_rng = ChaCha8Rng::seed_from_u64(mix_seed(o.seed, 1));
+    let mut held_rows = Vec::with_capacity(held.len());
+    for (c, chunk) in held.chunks(64).enumerate() {
+        let rows: Vec<(&[u32], bool, u64)> = chunk
+            .iter()
+            .enumerate()
+            .map(|(j, ids)| {
+                let i = c * 64 + j;
+                (
+                    ids.as_slice(),
+                    i % 2 == 1,
+                    mix_seed(o.seed, 1000 + i as u64),
+                )
+            })
+            .collect();
+        held_rows.extend(make(&rows, &mut eval_rng)?);
+    }
+    let held = held_rows;
 
     let gen_cfg = crate::files::read_json(&generator.join("config.json"))?;
     let cfg_json = bert_judge_config(&gen_cfg, o);
@@ -704,13 +727,18 @@ pub fn pretrain_judge(
         o,
         &mut params,
         &mut |step, p| {
-            let rows = (0..o.batch_size)
-                .map(|i| {
-                    let ids = &train[rng.random_range(0..train.len())];
+            let picked: Vec<usize> = (0..o.batch_size)
+                .map(|_| rng.random_range(0..train.len()))
+                .collect();
+            let rows: Vec<(&[u32], bool, u64)> = picked
+                .iter()
+                .enumerate()
+                .map(|(i, &k)| {
                     let seed = mix_seed(o.seed, (step + 1) * 1_000_003 + i as u64);
-                    make(ids, i % 2 == 1, &mut rng, seed)
+                    (train[k].as_slice(), i % 2 == 1, seed)
                 })
-                .collect::<Result<Vec<_>>>()?;
+                .collect();
+            let rows = make(&rows, &mut rng)?;
             Ok(loss_acc(&build(p, true)?, &rows)?.0)
         },
         &mut |p| {
@@ -780,7 +808,7 @@ pub fn builtin_fill_in_models(task: &crate::config::TaskConfig) -> Result<(PathB
     let judge_steps = 3000;
     // FNV-1a over everything the models depend on: stable across builds and toolchains.
     let key = format!(
-        "v2\n{base:?}\n{judge_steps}\n{:?}\n{}",
+        "v3\n{base:?}\n{judge_steps}\n{:?}\n{}",
         task.mask_ratio,
         lines.join("\n")
     );

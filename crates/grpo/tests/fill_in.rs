@@ -211,8 +211,179 @@ fn a_fill_in_run_without_a_generator_or_with_a_causal_one_says_what_loads() {
     let c = cfg(&format!("{judge}model = \"{}\"\n", gen.display())).unwrap();
     train(&c, &RunControl::default()).unwrap();
     let m = std::fs::read_to_string(tmp.path().join("o/metrics.jsonl")).unwrap();
+    // The judge alone: `sides_match` belongs to the built-in task.
     assert!(
-        m.contains("rewards/judge/mean") && m.contains("rewards/sides_match/mean"),
+        m.contains("rewards/judge/mean") && !m.contains("rewards/sides_match/mean"),
         "{m}"
     );
+}
+
+/// Unmasked sentences over the fixture tokenizer's vocabulary, one per line.
+const TEXTS: &[&str] = &[
+    "The quick brown fox jumps over the lazy dog.",
+    "The cat sat on the mat while the dog slept.",
+    "Good answers are short. Bad answers ramble on and on.",
+    "This response is helpful, correct and clear.",
+    "What is 17 plus 25? The answer is 42.",
+    "Reward models score completions; higher is better.",
+    "That reply was rude, wrong and far too long!",
+    "A helpful answer explains the method step by step.",
+];
+
+#[test]
+fn a_text_corpus_is_masked_on_the_fly_with_fill_metrics_and_resumes_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = tmp.path().join("corpus.txt");
+    std::fs::write(&corpus, TEXTS.join("\n") + "\n").unwrap();
+    let cfg = |out: &Path| {
+        let text = format!(
+            "policy = \"fill_in\"\nmodel = \"{}\"\njudge = \"{}\"\noutput_dir = \"{}\"\n\
+             train_file = \"{}\"\neval_file = \"{}\"\nmask_ratio = \"0.2..0.4\"\n\
+             mask_span = \"1..2\"\nnum_generations = 4\nper_device_train_batch_size = 16\n\
+             learning_rate = 1e-3\nbeta = 0.1\nmax_steps = 4\nsave_steps = 2\neval_steps = 4\n\
+             threads = 2\n",
+            fixtures().join("fillin/bert_mlm").display(),
+            fixtures().join("rewards/bert").display(),
+            out.display(),
+            corpus.display(),
+            corpus.display(),
+        );
+        TrainConfig::from_str(&text, Format::Toml, "t", &[]).unwrap()
+    };
+    let full = tmp.path().join("full");
+    train(&cfg(&full), &RunControl::default()).unwrap();
+    let m = metrics(&full);
+    let steps: Vec<&serde_json::Value> = m.iter().filter(|r| r.get("loss").is_some()).collect();
+    assert_eq!(steps.len(), 4);
+    for r in &steps {
+        let acc = r["fill/accuracy"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&acc), "{acc}");
+        assert!(r["fill/masked_positions"].as_f64().unwrap() >= 1.0);
+        // The seed's names beside grpo's.
+        assert_eq!(r["mean_reward"], r["reward"]);
+        assert_eq!(r["std_reward"], r["reward_std"]);
+        assert_eq!(r["mean_advantage"], r["advantage_mean"]);
+        assert_eq!(r["mean_kl"], r["kl"]);
+        assert_eq!(r["fill/judge_score"], r["rewards/judge/mean"]);
+        for k in ["loss", "pg_loss", "kl_penalty", "mean_log_prob"] {
+            assert!(r[k].is_number(), "{k}");
+        }
+    }
+    // Logged samples show the masked input and its fill.
+    let comps = std::fs::read_to_string(full.join("completions.jsonl")).unwrap();
+    let c: serde_json::Value = serde_json::from_str(comps.lines().next().unwrap()).unwrap();
+    let (prompt, fill) = (
+        c["prompt"].as_str().unwrap(),
+        c["completion"].as_str().unwrap(),
+    );
+    assert!(
+        prompt.contains("[MASK]") && !fill.contains("[MASK]"),
+        "{prompt} -> {fill}"
+    );
+    // Held-out inputs are masked once: both evaluations fill the same inputs.
+    let eval_prompts = |step: u64| -> Vec<String> {
+        std::fs::read_to_string(full.join(format!("eval/step-{step}.jsonl")))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["prompt"].to_string())
+            .collect()
+    };
+    let (e0, e4) = (eval_prompts(0), eval_prompts(4));
+    assert!(
+        !e0.is_empty() && e0.iter().all(|p| p.contains("[MASK]")),
+        "{e0:?}"
+    );
+    assert_eq!(e0, e4);
+
+    // Stopped at step 2 and resumed: the masks drawn after the resume are the same.
+    let split = tmp.path().join("split");
+    let ctl = RunControl {
+        max_rounds_this_run: Some(2),
+        ..Default::default()
+    };
+    train(&cfg(&split), &ctl).unwrap();
+    let resumed = RunControl {
+        resume: true,
+        ..Default::default()
+    };
+    train(&cfg(&split), &resumed).unwrap();
+    assert_eq!(metrics(&split), m);
+    assert_eq!(
+        weights(&split.join("checkpoint-4")),
+        weights(&full.join("checkpoint-4"))
+    );
+}
+
+#[test]
+fn fill_in_inputs_and_judges_that_cannot_work_are_clear_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let gen = fixtures().join("fillin/bert_mlm");
+    let judge = fixtures().join("rewards/bert");
+    let unmasked = tmp.path().join("unmasked.jsonl");
+    std::fs::write(
+        &unmasked,
+        "{\"prompt\": \"The cat sat on the [MASK].\"}\n{\"prompt\": \"No mask here.\"}\n",
+    )
+    .unwrap();
+    let cfg = |extra: &str| {
+        TrainConfig::from_str(
+            &format!(
+                "policy = \"fill_in\"\nmodel = \"{}\"\noutput_dir = \"{}\"\n\
+                 train_file = \"{}\"\nmax_steps = 1\nnum_generations = 2\n\
+                 per_device_train_batch_size = 4\n{extra}",
+                gen.display(),
+                tmp.path().join("o").display(),
+                unmasked.display()
+            ),
+            Format::Toml,
+            "t",
+            &[],
+        )
+    };
+    // A row without a mask and no masking configured: the row and the fix.
+    let c = cfg(&format!("judge = \"{}\"\n", judge.display())).unwrap();
+    let e = train(&c, &RunControl::default()).unwrap_err().to_string();
+    assert!(
+        e.contains("unmasked.jsonl:2") && e.contains("mask_ratio") && e.contains("[MASK]"),
+        "{e}"
+    );
+    // A judge whose tokenizer is not the generator's.
+    let other = tmp.path().join("judge");
+    std::fs::create_dir(&other).unwrap();
+    for f in ["config.json", "model.safetensors", "tokenizer_config.json"] {
+        std::fs::copy(judge.join(f), other.join(f)).unwrap();
+    }
+    std::fs::copy(
+        fixtures().join("fillin/roberta_mlm/tokenizer.json"),
+        other.join("tokenizer.json"),
+    )
+    .unwrap();
+    let c = cfg(&format!(
+        "judge = \"{}\"\nmask_ratio = 0.3\n",
+        other.display()
+    ));
+    let e = match c {
+        Ok(c) => train(&c, &RunControl::default()).unwrap_err().to_string(),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        e.contains("judge") && e.contains("tokenizer differs") && e.contains("--generator"),
+        "{e}"
+    );
+    // Masking keys where they do not apply.
+    let e = TrainConfig::from_str("mask_ratio = 0.2\n", Format::Toml, "t", &[])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("mask_ratio") && e.contains("fill_in"), "{e}");
+    let e = cfg(&format!("judge = \"{}\"\nmask_span = 3\n", judge.display()))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("mask_span") && e.contains("mask_ratio"), "{e}");
+    let e = cfg(&format!(
+        "judge = \"{}\"\nmask_ratio = 1.5\n",
+        judge.display()
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("mask_ratio"), "{e}");
 }

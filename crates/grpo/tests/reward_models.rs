@@ -313,6 +313,7 @@ fn classifier_and_embedding_rewards_from_reward_tables() {
         answer: None,
         metadata: Default::default(),
         origin: "t".into(),
+        tokens: None,
     };
     let ex2 = Example {
         prompt: Prompt::Text(case(2)["text"].as_str().unwrap().into()),
@@ -438,6 +439,7 @@ fn chat_reward_model_scores_the_rendered_conversation() {
             answer: None,
             metadata: Default::default(),
             origin: "t".into(),
+            tokens: None,
         })
         .collect();
     let items: Vec<ScoreItem> = exs

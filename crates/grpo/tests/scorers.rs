@@ -132,6 +132,7 @@ fn examples(completions: &[&str]) -> Vec<Example> {
             answer: Some("4".into()),
             metadata: serde_json::from_str(r#"{"level": 3}"#).unwrap(),
             origin: "test".into(),
+            tokens: None,
         })
         .collect()
 }

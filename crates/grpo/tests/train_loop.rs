@@ -369,6 +369,7 @@ fn judge_reward_is_consistent() {
         answer: a.map(str::to_owned),
         metadata: Default::default(),
         origin: "t".into(),
+        tokens: None,
     };
     let exs = [
         ex("What is 2 + 2?", Some("4")),
@@ -464,6 +465,7 @@ fn early_scoring_equals_scoring_after_sampling() {
             answer: Some("3".into()),
             metadata: Default::default(),
             origin: "t".into(),
+            tokens: None,
         })
         .collect();
     let ids: Vec<Vec<u32>> = data

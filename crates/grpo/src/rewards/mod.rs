@@ -196,6 +196,14 @@ impl Reward {
     }
 
     /// Whether this reward measures correctness (its mean is reported as accuracy).
+    /// Whether a model or the user's scorer gives the score (a fill-in run's judge).
+    pub fn is_judge(&self) -> bool {
+        matches!(
+            self.func,
+            RewardFn::Judge(_) | RewardFn::Classifier(_) | RewardFn::Command(_) | RewardFn::Http(_)
+        )
+    }
+
     pub fn is_accuracy(&self) -> bool {
         matches!(
             self.func,
@@ -585,9 +593,11 @@ pub fn builtin_task_rewards() -> Vec<Reward> {
 /// The built-in fill-in task's rewards: the judge at `judge` (a classifier; its probability
 /// that the filled line is `real`) is what is trained on; `sides_match`, whether the filled copy
 /// `w=w` has equal sides, has weight 0: it measures (as eval accuracy) without being optimised,
-/// so that reward hacking of the judge shows up.
+/// so that reward hacking of the judge shows up. On the user's inputs (`builtin_task` false)
+/// the judge alone.
 pub fn builtin_fill_in_rewards(
     judge: &std::path::Path,
+    builtin_task: bool,
     device: &candle_core::Device,
 ) -> Result<Vec<Reward>> {
     // The label `real` (a judge `grpo pretrain` made), else the judge's last label.
@@ -608,11 +618,13 @@ pub fn builtin_fill_in_rewards(
         true => serde_json::json!("real"),
         false => serde_json::json!(labels.len().max(2) - 1),
     };
-    let tables = [
+    let mut tables = vec![
         serde_json::json!({"kind": "classifier", "name": "judge", "model": judge.display().to_string(),
                            "label": label, "input": "completion", "output": "probability"}),
-        serde_json::json!({"kind": "sides_match", "weight": 0.0}),
     ];
+    if builtin_task {
+        tables.push(serde_json::json!({"kind": "sides_match", "weight": 0.0}));
+    }
     build_rewards(&parse_specs(&tables, 1)?, device)
 }
 
@@ -646,6 +658,7 @@ mod tests {
             answer: ans.map(str::to_owned),
             metadata: Default::default(),
             origin: "t".into(),
+            tokens: None,
         }
     }
 

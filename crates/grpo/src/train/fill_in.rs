@@ -207,6 +207,9 @@ impl FillInPolicy {
             .collect::<Result<Vec<_>>>()?;
         let mt = MlmTokenizer::load(&dir, mcfg.max_len())?;
         let tok = Tokenizer::from_hf_dir(&dir)?;
+        if let Some(judge) = &cfg.judge {
+            same_vocabulary(&tok, &dir, judge)?;
+        }
         let policy = FillInPolicy {
             cfg: mcfg,
             names,
@@ -228,11 +231,46 @@ impl FillInPolicy {
             },
             tensors: (needs_ref && cfg.sync_ref_model).then_some(base),
         };
+        let mask = Some((policy.mask_id, policy.special_ids.clone()));
         Ok(Loaded {
             policy,
             reference,
             tok,
             eos_ids: vec![],
+            mask,
         })
+    }
+}
+
+/// `judge` (the `judge` key) reads the generator's text with the generator's tokenizer: a judge
+/// that `grpo pretrain --objective judge --generator` made does. Another vocabulary would see
+/// the fills as unknown tokens, so it is refused, with the way to use such a judge anyway.
+fn same_vocabulary(
+    tok: &Tokenizer,
+    generator: &std::path::Path,
+    judge: &std::path::Path,
+) -> Result<()> {
+    let jt = Tokenizer::from_hf_dir(judge)?;
+    let (a, b) = (tok.vocab_size(), jt.vocab_size());
+    let first_diff = (0..a.max(b) as u32).find(|&i| tok.id_to_token(i) != jt.id_to_token(i));
+    match first_diff {
+        None => Ok(()),
+        Some(i) => Err(Error::config(
+            "judge",
+            format!(
+                "{}: the judge's tokenizer differs from the generator's ({}): {} tokens against \
+                 {}, first difference at id {i} ({:?} against {:?}). Train the judge on this \
+                 generator (`grpo pretrain --objective judge --generator {}`), or, to score with \
+                 a judge of another vocabulary on purpose, give it as a [[rewards]] table with \
+                 kind = \"classifier\"",
+                judge.display(),
+                generator.display(),
+                b,
+                a,
+                jt.id_to_token(i),
+                tok.id_to_token(i),
+                generator.display()
+            ),
+        )),
     }
 }

@@ -272,6 +272,7 @@ mod tests {
             eval: acc
                 .map(|a| vec![(names::EVAL_ACCURACY.to_string(), a)])
                 .unwrap_or_default(),
+            policy: vec![],
             health: vec![],
         }
     }

@@ -3,6 +3,7 @@
 //! (through [`StepMetrics::pairs`]), the console line, and (by the names in [`names`]) the report.
 
 use crate::advantages::{nan_std, Advantages};
+use crate::fill_in::FillInputs;
 use crate::rewards::Reward;
 use crate::rollout::Episode;
 
@@ -46,6 +47,10 @@ pub mod names {
     pub const TOKENS_PER_SECOND: &str = "tokens_per_second";
     pub const EPOCH: &str = "epoch";
     pub const RSS_PEAK_GB: &str = "memory/rss_peak_gb";
+    /// Fill-in runs: masked positions per input, fills equal to the original, the judge's score.
+    pub const FILL_MASKED_POSITIONS: &str = "fill/masked_positions";
+    pub const FILL_ACCURACY: &str = "fill/accuracy";
+    pub const FILL_JUDGE_SCORE: &str = "fill/judge_score";
     /// The parts of a step, as `time/<part>`.
     pub const TIME_PARTS: [&str; 4] = ["generate", "score", "reference", "update"];
     pub const EVAL_PREFIX: &str = "eval/";
@@ -155,6 +160,8 @@ pub struct StepMetrics {
     /// Seconds of the evaluation after this round, and its metrics (`eval/...`).
     pub eval_seconds: Option<f64>,
     pub eval: Vec<(String, f64)>,
+    /// Metrics of the policy kind: a fill-in run's `fill/*` and the fill-in seed's names.
+    pub policy: Vec<(String, f64)>,
     /// Kinds of the health warnings that started this round (`health/<kind>` = 1 in the
     /// metrics; see [`crate::train::HealthKind::name`]).
     pub health: Vec<&'static str>,
@@ -242,6 +249,30 @@ pub struct RoundFacts<'a> {
     pub dynamic_sampling: Option<DynamicSampling>,
 }
 
+/// A fill-in round's own metrics: masked positions per input and fill accuracy against the
+/// original ([`FillInputs::metrics`]), the judge's mean score (the first reward scored by a
+/// model or the user's scorer), and the fill-in seed's names for grpo's metrics
+/// (`mean_reward`, `std_reward`, `mean_advantage`, `mean_kl`; `loss`, `pg_loss`, `kl_penalty`
+/// and `mean_log_prob` are grpo's names already).
+pub fn fill_in_metrics(
+    m: &StepMetrics,
+    fill: &FillInputs,
+    episodes: &[Episode],
+    rewards: &[Reward],
+) -> Vec<(String, f64)> {
+    let mut out = fill.metrics(episodes);
+    if let Some(j) = rewards.iter().position(Reward::is_judge) {
+        out.push((names::FILL_JUDGE_SCORE.into(), m.rewards[j].mean));
+    }
+    out.push(("mean_reward".into(), m.reward));
+    out.push(("std_reward".into(), m.reward_std));
+    out.push(("mean_advantage".into(), m.advantage_mean));
+    if let Some(u) = &m.update {
+        out.push(("mean_kl".into(), u.kl));
+    }
+    out
+}
+
 impl StepMetrics {
     /// The metrics of a round of `episodes`.
     pub fn of_round(episodes: &[Episode], f: RoundFacts) -> StepMetrics {
@@ -277,6 +308,7 @@ impl StepMetrics {
             rss_peak_gb: crate::threads::rss_gb().map(|(_, peak)| peak),
             eval_seconds: None,
             eval: vec![],
+            policy: vec![],
             health: vec![],
         }
     }
@@ -342,6 +374,7 @@ impl StepMetrics {
             push(TIME_EVAL, s);
         }
         m.extend(self.eval.iter().cloned());
+        m.extend(self.policy.iter().cloned());
         for kind in &self.health {
             m.push((health(kind), 1.0));
         }
@@ -426,6 +459,7 @@ mod tests {
             rss_peak_gb: None,
             eval_seconds: Some(1.0),
             eval: vec![(names::EVAL_ACCURACY.into(), 0.75)],
+            policy: vec![],
             health: vec![],
         }
     }

@@ -216,6 +216,9 @@ fn run<P: LoadPolicy>(
                 epoch: r.state.order.epoch() as f64,
             },
         );
+        if let Some(f) = &r.fill {
+            m.policy = metrics::fill_in_metrics(&m, f, episodes, &r.data.rewards);
+        }
         let at_end = r.state.step >= total_steps;
         if evaluates && (r.state.step.is_multiple_of(cfg.eval_steps as u64) || at_end) {
             let t0 = Instant::now();
@@ -319,7 +322,7 @@ fn log_completions<P: Policy>(
             "completions.jsonl",
             &json!({
                 "step": r.state.step,
-                "prompt": data::prompt_text(&r.data.train[e.example]),
+                "prompt": prompt_shown(r, e)?,
                 "completion": e.text,
                 "stop_reason": e.stop_reason,
                 "rewards": Reward::named_scores(&r.data.rewards, &e.rewards),
@@ -337,16 +340,22 @@ fn log_completions<P: Policy>(
             bar,
             format!(
                 "  sample: {:?} -> {:?} (rewards {:?})",
-                data::prompt_text(&r.data.train[e.example])
-                    .chars()
-                    .take(80)
-                    .collect::<String>(),
+                prompt_shown(r, e)?.chars().take(80).collect::<String>(),
                 e.text.chars().take(120).collect::<String>(),
                 e.rewards
             ),
         );
     }
     Ok(())
+}
+
+/// The prompt of an episode as logs show it: a fill-in input with its masks written out, else
+/// the dataset's prompt.
+fn prompt_shown<P: Policy>(r: &Run<P>, e: &Episode) -> Result<String> {
+    match &r.fill {
+        Some(f) => f.display(&r.tok, &e.prompt_ids),
+        None => Ok(data::prompt_text(&r.data.train[e.example])),
+    }
 }
 
 fn progress_bar(total_steps: u64, step: u64) -> indicatif::ProgressBar {

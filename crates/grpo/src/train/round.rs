@@ -150,7 +150,15 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64]) -> Result<Sampled> {
     let t0 = Instant::now();
     let sampler = r.policy.freeze(cfg.gradient_checkpointing)?;
     let batch_idx = r.state.order.next_batch(seeds.len());
-    let prompt_ids: Vec<Vec<u32>> = batch_idx.iter().map(|&i| r.train_ids[i].clone()).collect();
+    let prompt_ids: Vec<Vec<u32>> = batch_idx
+        .iter()
+        .zip(seeds)
+        .map(|(&i, &seed)| match &r.fill {
+            // A fill-in input masked on the fly: its masks drawn from the prompt's seed.
+            Some(f) => f.input(&r.train_ids[i], seed),
+            None => r.train_ids[i].clone(),
+        })
+        .collect();
     let (mut episodes, gen_stats, early) = rollout::rollout_scoring_early(
         &sampler,
         &r.tok,

@@ -14,6 +14,7 @@ use crate::advantages::AdvantageOptions;
 use crate::checkpoint::{self, CheckpointData};
 use crate::config::TrainConfig;
 use crate::data::{self, PromptOrder};
+use crate::fill_in::FillInputs;
 use crate::hub::{self, ModelSource};
 use crate::inputs::{load_run_data, reward_weights, RunData};
 use crate::logprobs::Entropy;
@@ -86,6 +87,8 @@ pub struct Loaded<P: Policy> {
     pub reference: Reference<P::Frozen>,
     pub tok: Tokenizer,
     pub eos_ids: Vec<u32>,
+    /// A fill-in generator's mask token and the tokens fills never take.
+    pub mask: Option<(u32, Vec<u32>)>,
 }
 
 /// A kind of policy the loop can train: how a run loads it.
@@ -107,6 +110,8 @@ pub struct Run<'a, P: Policy = CausalLmPolicy> {
     pub data: RunData,
     /// Every training prompt, tokenized once.
     pub train_ids: Vec<Vec<u32>>,
+    /// A fill-in run's inputs (masking, originals, fill metrics).
+    pub fill: Option<FillInputs>,
     pub policy: P,
     pub opt: AdamW,
     pub reference: Reference<P::Frozen>,
@@ -170,7 +175,7 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
         } else {
             None
         };
-        let data = load_run_data(cfg, &device)?;
+        let mut data = load_run_data(cfg, &device)?;
         // The frozen reference is loaded only when a KL or a reward (coherence) needs it.
         let kl_needs_ref = !matches!(cfg.kl, KlMode::None);
         let rewards_need_ref = data.rewards.iter().any(|r| r.needs_ref_logp());
@@ -180,6 +185,7 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
             reference,
             tok,
             eos_ids,
+            mask,
         } = P::load(
             cfg,
             resume_from.as_ref(),
@@ -211,6 +217,22 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
                 )
             })
             .collect::<Result<Vec<_>>>()?;
+        // A fill-in generator's inputs: checked for masks, or masked on the fly.
+        let fill = match mask {
+            Some((mask_id, specials)) => {
+                let f = FillInputs::new(
+                    cfg.masking,
+                    mask_id,
+                    &specials,
+                    &tok,
+                    &data.train,
+                    &train_ids,
+                )?;
+                f.mask_held_out(&tok, &mut data.eval, cfg.max_prompt_length)?;
+                Some(f)
+            }
+            None => None,
+        };
 
         let ckpt = match &resume_from {
             Some(dir) => Some(checkpoint::load_checkpoint(dir, &device)?),
@@ -284,6 +306,7 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
             tok,
             pad,
             train_ids,
+            fill,
             policy,
             opt,
             reference,
@@ -435,6 +458,7 @@ impl LoadPolicy for CausalLmPolicy {
             reference,
             tok,
             eos_ids: base.eos_token_ids.clone(),
+            mask: None,
         })
     }
 }

@@ -373,6 +373,7 @@ mod tests {
             answer: Some("4".into()),
             metadata: serde_json::from_str::<Map<String, Value>>(r#"{"level": 1}"#).unwrap(),
             origin: "t".into(),
+            tokens: None,
         };
         let line = request_json(17, &ScoreItem::new(&ex, "It is 4."));
         let v: Value = serde_json::from_str(&line).unwrap();
