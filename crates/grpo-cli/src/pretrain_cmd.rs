@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
-use grpo::pretrain::{pretrain_judge, pretrain_mlm, PretrainOptions};
+use grpo::pretrain::{pretrain_causal, pretrain_judge, pretrain_mlm, PretrainOptions};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Objective {
@@ -15,12 +15,17 @@ pub enum Objective {
     /// A judge (BERT classifier, labels `filled` and `real`) telling real lines from lines whose
     /// masked characters --generator filled; the generator's tokenizer is reused.
     Judge,
+    /// A causal LM (Llama, tied embeddings) trained on next-token prediction, for `grpo train`
+    /// and `grpo generate` like any causal model.
+    Causal,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum TokenizerKind {
     /// One token per character of the corpus, plus [PAD] [UNK] [CLS] [SEP] [MASK].
     Chars,
+    /// Byte-level BPE learned from the corpus (--vocab-size tokens), plus the same specials.
+    Bpe,
 }
 
 #[derive(Args, Debug)]
@@ -35,9 +40,16 @@ pub struct PretrainArgs {
     /// The generator whose fills the judge learns to spot (--objective judge).
     #[arg(long)]
     pub generator: Option<PathBuf>,
-    /// The tokenizer made from the corpus (--objective mlm).
+    /// The tokenizer made from the corpus (--objective mlm and causal; a judge reuses its
+    /// generator's).
     #[arg(long, value_enum, default_value = "chars")]
     pub tokenizer: TokenizerKind,
+    /// Tokens of a BPE tokenizer (--tokenizer bpe).
+    #[arg(long, default_value_t = 1000)]
+    pub vocab_size: usize,
+    /// A loadable copy of the model every this many steps, in checkpoint-N/ (0: none).
+    #[arg(long, default_value_t = 0)]
+    pub save_every: u64,
     /// Output directory (new, or empty): config.json, model.safetensors, tokenizer files and
     /// pretrain_log.jsonl.
     #[arg(long)]
@@ -93,7 +105,6 @@ pub fn run(a: PretrainArgs) -> Result<()> {
     if let Some(n) = a.threads {
         grpo::threads::set_global_threads(n).map_err(|e| anyhow::anyhow!("--threads: {e}"))?;
     }
-    let TokenizerKind::Chars = a.tokenizer;
     let o = PretrainOptions {
         data: a.data.clone(),
         out: a.out.clone(),
@@ -108,6 +119,13 @@ pub fn run(a: PretrainArgs) -> Result<()> {
         mask_ratio: parse_ratio(&a.mask_ratio)?,
         seed: a.seed,
         eval_every: a.eval_every,
+        tokenizer: match a.tokenizer {
+            TokenizerKind::Chars => grpo::pretrain::TokenizerKind::Chars,
+            TokenizerKind::Bpe => grpo::pretrain::TokenizerKind::Bpe {
+                vocab_size: a.vocab_size,
+            },
+        },
+        save_every: a.save_every,
     };
     let bar = indicatif::ProgressBar::new(o.steps);
     bar.set_style(
@@ -122,14 +140,20 @@ pub fn run(a: PretrainArgs) -> Result<()> {
             bar.set_position(r.step);
             bar.set_message(format!("loss {:.3}", r.loss));
             if let Some(acc) = r.eval_accuracy {
-                bar.println(format!(
+                let line = format!(
                     "step {:>5}  loss {:.4}  held-out accuracy {acc:.3}",
                     r.step, r.loss
-                ));
+                );
+                // Without a terminal the bar is hidden, and so would be its lines.
+                match bar.is_hidden() {
+                    true => println!("{line}"),
+                    false => bar.println(line),
+                }
             }
         };
         match (a.objective, &a.generator) {
             (Objective::Mlm, _) => pretrain_mlm(&o, &mut on_step),
+            (Objective::Causal, _) => pretrain_causal(&o, &mut on_step),
             (Objective::Judge, Some(g)) => pretrain_judge(&o, g, &mut on_step),
             (Objective::Judge, None) => Err(grpo::Error::config(
                 "--generator",

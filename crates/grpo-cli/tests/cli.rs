@@ -808,4 +808,57 @@ fn pretrain_makes_a_generator_and_a_judge_that_the_other_commands_load() {
         "{}",
         stderr(&o)
     );
+    // A causal LM over a BPE tokenizer, with a checkpoint; `grpo generate` samples from it.
+    let causal = dir.path().join("causal");
+    let mut args = vec![
+        "pretrain",
+        "--objective",
+        "causal",
+        "--tokenizer",
+        "bpe",
+        "--vocab-size",
+        "300",
+        "--save-every",
+        "10",
+        "--data",
+        data.to_str().unwrap(),
+        "--out",
+        causal.to_str().unwrap(),
+    ];
+    args.extend(small);
+    let o = grpo(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(causal.join("checkpoint-10/model.safetensors").is_file());
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(causal.join("config.json")).unwrap())
+            .unwrap();
+    assert_eq!(cfg["architectures"][0], "LlamaForCausalLM");
+    let o = grpo(&[
+        "generate",
+        "--model",
+        causal.to_str().unwrap(),
+        "--prompt",
+        "3+4=",
+        "--max-new-tokens",
+        "4",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let mut args = vec![
+        "pretrain",
+        "--objective",
+        "mlm",
+        "--tokenizer",
+        "bpe",
+        "--vocab-size",
+        "100",
+        "--data",
+    ];
+    let g3 = dir.path().join("g3");
+    args.extend([data.to_str().unwrap(), "--out", g3.to_str().unwrap()]);
+    let o = grpo(&args);
+    assert!(
+        !o.status.success() && stderr(&o).contains("--vocab-size"),
+        "{}",
+        stderr(&o)
+    );
 }

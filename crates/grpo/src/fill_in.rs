@@ -851,4 +851,44 @@ mod tests {
         assert_eq!(fill_accuracy(&masked, 4, &[10], &original), None);
         assert_eq!(fill_accuracy(&masked, 4, &[10, 12], &original[..4]), None);
     }
+
+    #[test]
+    fn padded_batches_give_each_input_its_own_logits() {
+        for name in ["bert_mlm", "roberta_mlm", "distilbert_mlm"] {
+            let (fm, tok, _, _) = model(name, false);
+            let mask = tok.id_to_token(fm.mask_id).unwrap();
+            let texts = [
+                format!("The {mask} sat."),
+                format!("A much longer line where the {mask} jumps over the lazy {mask} today."),
+                format!("{mask} answers {mask} short."),
+            ];
+            let ids: Vec<Vec<u32>> = texts.iter().map(|t| tok.encode(t, true).unwrap()).collect();
+            let refs: Vec<&[u32]> = ids.iter().map(|v| v.as_slice()).collect();
+            let batched = fm
+                .masked_logits(&refs)
+                .unwrap()
+                .logits
+                .to_vec2::<f32>()
+                .unwrap();
+            let mut alone = Vec::new();
+            for r in &refs {
+                alone.extend(
+                    fm.masked_logits(&[r])
+                        .unwrap()
+                        .logits
+                        .to_vec2::<f32>()
+                        .unwrap(),
+                );
+            }
+            assert_eq!(batched.len(), alone.len());
+            for (a, b) in batched.iter().zip(&alone) {
+                let d = a
+                    .iter()
+                    .zip(b)
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0f32, f32::max);
+                assert!(d < 1e-4, "{name}: padded row differs by {d}");
+            }
+        }
+    }
 }

@@ -54,6 +54,21 @@ pub struct PretrainOptions {
     pub seed: u64,
     /// Held-out fill accuracy every this many steps (0: only at the end).
     pub eval_every: u64,
+    /// The tokenizer made from the corpus (`--objective mlm` and `causal`).
+    pub tokenizer: TokenizerKind,
+    /// A loadable copy of the model every this many steps (0: none), in `checkpoint-N/` of the
+    /// output (of the temporary directory the model is written to, while it is being written).
+    pub save_every: u64,
+}
+
+/// The tokenizer `grpo pretrain` makes from its corpus.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenizerKind {
+    /// One token per character.
+    Chars,
+    /// Byte-level BPE learned from the corpus (the `tokenizers` crate's trainer), this many
+    /// tokens in all.
+    Bpe { vocab_size: usize },
 }
 
 impl PretrainOptions {
@@ -74,6 +89,14 @@ impl PretrainOptions {
                 "--max-len",
                 "must be at least 3 ([CLS], one character, [SEP])",
             );
+        }
+        if let TokenizerKind::Bpe { vocab_size } = self.tokenizer {
+            if vocab_size <= 256 + SPECIALS.len() {
+                return bad(
+                    "--vocab-size",
+                    "a byte-level BPE starts from 256 byte tokens and 5 specials: give more than 261",
+                );
+            }
         }
         if self.steps == 0 || self.batch_size == 0 || self.layers == 0 {
             return bad(
@@ -130,6 +153,44 @@ pub fn char_vocab(lines: &[String]) -> Vec<String> {
 /// token, `[CLS] text [SEP]`, mask tokens written as `[MASK]` in the text, decoding by
 /// concatenation.
 pub fn char_tokenizer_json(vocab: &[String]) -> serde_json::Value {
+    char_tokenizer_json_for(vocab, Objective::Mlm)
+}
+
+/// What a pretrained model is: it decides how its tokenizer frames a text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Objective {
+    /// `[CLS] text [SEP]`, as BERT.
+    Mlm,
+    /// `[CLS] text`: `[CLS]` is the BOS token, `[SEP]` the EOS the model learns to end with.
+    Causal,
+}
+
+/// The tokenizer's post-processor: `[CLS] text [SEP]` (masked LM) or `[CLS] text` (causal).
+fn template_json(objective: Objective) -> serde_json::Value {
+    let special = |t: &str, id: u32| json!({"id": t, "ids": [id], "tokens": [t]});
+    let cls = json!({"SpecialToken": {"id": "[CLS]", "type_id": 0}});
+    let sep = |ty: u32| json!({"SpecialToken": {"id": "[SEP]", "type_id": ty}});
+    let seq = |id: &str, ty: u32| json!({"Sequence": {"id": id, "type_id": ty}});
+    let (single, pair) = match objective {
+        Objective::Mlm => (
+            vec![cls.clone(), seq("A", 0), sep(0)],
+            vec![cls, seq("A", 0), sep(0), seq("B", 1), sep(1)],
+        ),
+        Objective::Causal => (
+            vec![cls.clone(), seq("A", 0)],
+            vec![cls, seq("A", 0), seq("B", 1)],
+        ),
+    };
+    json!({
+        "type": "TemplateProcessing",
+        "single": single,
+        "pair": pair,
+        "special_tokens": {"[CLS]": special("[CLS]", CLS), "[SEP]": special("[SEP]", SEP)}
+    })
+}
+
+/// `tokenizer.json` of the char tokenizer over `vocab` framing texts for `objective`.
+fn char_tokenizer_json_for(vocab: &[String], objective: Objective) -> serde_json::Value {
     let added: Vec<serde_json::Value> = SPECIALS
         .iter()
         .enumerate()
@@ -143,7 +204,6 @@ pub fn char_tokenizer_json(vocab: &[String]) -> serde_json::Value {
         .enumerate()
         .map(|(i, t)| (t.clone(), json!(i)))
         .collect();
-    let special = |t: &str, id: u32| json!({"id": t, "ids": [id], "tokens": [t]});
     json!({
         "version": "1.0",
         "truncation": null,
@@ -151,15 +211,7 @@ pub fn char_tokenizer_json(vocab: &[String]) -> serde_json::Value {
         "added_tokens": added,
         "normalizer": null,
         "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "."}, "behavior": "Isolated", "invert": false},
-        "post_processor": {
-            "type": "TemplateProcessing",
-            "single": [{"SpecialToken": {"id": "[CLS]", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                       {"SpecialToken": {"id": "[SEP]", "type_id": 0}}],
-            "pair": [{"SpecialToken": {"id": "[CLS]", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                     {"SpecialToken": {"id": "[SEP]", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}},
-                     {"SpecialToken": {"id": "[SEP]", "type_id": 1}}],
-            "special_tokens": {"[CLS]": special("[CLS]", CLS), "[SEP]": special("[SEP]", SEP)}
-        },
+        "post_processor": template_json(objective),
         "decoder": {"type": "Fuse"},
         "model": {"type": "WordLevel", "vocab": ids, "unk_token": "[UNK]"}
     })
@@ -210,15 +262,7 @@ fn init_bert(
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut out = Vec::new();
     let mut normal = |name: String, shape: &[usize], rng: &mut ChaCha8Rng| -> Result<()> {
-        let n: usize = shape.iter().product();
-        let vals: Vec<f32> = (0..n)
-            .map(|_| {
-                // Box-Muller
-                let (u1, u2): (f64, f64) = (rng.random::<f64>().max(1e-12), rng.random());
-                ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos() * 0.02) as f32
-            })
-            .collect();
-        out.push((name, Tensor::from_vec(vals, shape, device)?));
+        out.push((name, normal_tensor(shape, rng, device)?));
         Ok(())
     };
     let mut fixed = Vec::new();
@@ -356,18 +400,32 @@ impl Staging {
         )
     }
 
+    /// A loadable copy of the model so far in `checkpoint-{step}/` (written to a temporary
+    /// sibling, then renamed): the files written so far, the weights and the log.
+    fn checkpoint(&self, step: u64, params: &Params, log: &[PretrainStep]) -> Result<()> {
+        let dir = self.tmp.join(format!("checkpoint-{step}"));
+        let part = self.tmp.join(format!("checkpoint-{step}.part"));
+        let _ = std::fs::remove_dir_all(&part);
+        std::fs::create_dir_all(&part)
+            .map_err(|e| Error::file(&part, format!("cannot create: {e}")))?;
+        for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+            let from = self.tmp.join(f);
+            if from.is_file() {
+                std::fs::copy(&from, part.join(f))
+                    .map_err(|e| Error::file(&from, format!("cannot copy: {e}")))?;
+            }
+        }
+        write_weights_and_log(&part, params, log)?;
+        std::fs::rename(&part, &dir).map_err(|e| {
+            Error::file(&dir, format!("cannot move the checkpoint into place: {e}"))
+        })?;
+        tracing::info!("checkpoint: {}", dir.display());
+        Ok(())
+    }
+
     /// Writes the weights and the log, then moves the directory into place.
     fn finish(self, params: &Params, log: &[PretrainStep]) -> Result<()> {
-        let tensors: Vec<(String, Tensor)> = params.tensors(false).into_iter().collect();
-        save_tensors(&self.tmp.join("model.safetensors"), &tensors)?;
-        let lines: Vec<String> = log
-            .iter()
-            .map(|r| serde_json::to_string(r).unwrap_or_default())
-            .collect();
-        write_file(
-            &self.tmp.join("pretrain_log.jsonl"),
-            (lines.join("\n") + "\n").as_bytes(),
-        )?;
+        write_weights_and_log(&self.tmp, params, log)?;
         if self.out.exists() {
             std::fs::remove_dir(&self.out).map_err(|e| {
                 Error::file(
@@ -381,6 +439,20 @@ impl Staging {
     }
 }
 
+/// `model.safetensors` and `pretrain_log.jsonl` in `dir`.
+fn write_weights_and_log(dir: &Path, params: &Params, log: &[PretrainStep]) -> Result<()> {
+    let tensors: Vec<(String, Tensor)> = params.tensors(false).into_iter().collect();
+    save_tensors(&dir.join("model.safetensors"), &tensors)?;
+    let lines: Vec<String> = log
+        .iter()
+        .map(|r| serde_json::to_string(r).unwrap_or_default())
+        .collect();
+    write_file(
+        &dir.join("pretrain_log.jsonl"),
+        (lines.join("\n") + "\n").as_bytes(),
+    )
+}
+
 /// The steps of a pretraining run: `loss_of(step, params)` gives the step's loss (with a graph),
 /// `evaluate(params)` the held-out accuracy, measured every `eval_every` steps and at the end.
 fn run_steps(
@@ -389,6 +461,7 @@ fn run_steps(
     loss_of: &mut dyn FnMut(u64, &Params) -> Result<Tensor>,
     evaluate: &mut dyn FnMut(&Params) -> Result<f64>,
     on_step: &mut dyn FnMut(&PretrainStep),
+    staging: &Staging,
 ) -> Result<Vec<PretrainStep>> {
     let mut log = Vec::new();
     for step in 0..o.steps {
@@ -409,6 +482,9 @@ fn run_steps(
         };
         on_step(&row);
         log.push(row);
+        if o.save_every > 0 && done.is_multiple_of(o.save_every) && done < o.steps {
+            staging.checkpoint(done, params, &log)?;
+        }
     }
     Ok(log)
 }
@@ -492,18 +568,187 @@ fn masked_batch(rows: &[(Vec<u32>, Vec<usize>, Vec<u32>)]) -> MaskedBatch {
 /// Mean cross-entropy [] and greedy accuracy of the model's fills of `mb`.
 fn fill_loss(model: &MaskedLm, mb: &MaskedBatch) -> Result<(Tensor, f64)> {
     let logits = model.logits_at(&mb.batch, &mb.positions)?; // [N, V]
+    cross_entropy(&logits, &mb.targets)
+}
+
+/// Mean cross-entropy [] of `logits` [N, V] against `targets` (N), and the share of rows whose
+/// argmax is the target.
+fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<(Tensor, f64)> {
     let dev = logits.device().clone();
-    let lp = candle_nn::ops::log_softmax(&logits, D::Minus1)?; // [N, V]
-    let n = mb.targets.len();
-    let tgt = Tensor::from_slice(&mb.targets, (n, 1), &dev)?; // [N, 1]
+    let lp = candle_nn::ops::log_softmax(logits, D::Minus1)?; // [N, V]
+    let n = targets.len();
+    let tgt = Tensor::from_slice(targets, (n, 1), &dev)?; // [N, 1]
     let loss = lp.gather(&tgt, 1)?.mean_all()?.neg()?; // []
     let argmax = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
-    let right = argmax
-        .iter()
-        .zip(&mb.targets)
-        .filter(|(a, b)| a == b)
-        .count();
+    let right = argmax.iter().zip(targets).filter(|(a, b)| a == b).count();
     Ok((loss, right as f64 / n.max(1) as f64))
+}
+
+/// `config.json` of a Llama causal LM of these sizes (tied embeddings; `[CLS]` is BOS, `[SEP]`
+/// EOS, `[PAD]` padding).
+pub fn llama_config(vocab: usize, o: &PretrainOptions) -> serde_json::Value {
+    json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": o.hidden,
+        "intermediate_size": 4 * o.hidden,
+        "num_hidden_layers": o.layers,
+        "num_attention_heads": o.heads,
+        "num_key_value_heads": o.heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": o.max_len,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": true,
+        "attention_bias": false,
+        "mlp_bias": false,
+        "bos_token_id": CLS,
+        "eos_token_id": SEP,
+        "pad_token_id": PAD,
+        "initializer_range": 0.02,
+        "torch_dtype": "float32",
+        "grpo_pretrain": {"objective": "causal"}
+    })
+}
+
+/// Llama's initialisation: matrices and embeddings N(0, 0.02), RMSNorm weights 1. Sorted by
+/// name.
+fn init_llama(
+    cfg: &serde_json::Value,
+    seed: u64,
+    device: &Device,
+) -> Result<Vec<(String, Tensor)>> {
+    let get = |k: &str| cfg[k].as_u64().unwrap_or(0) as usize;
+    let (v, h, i) = (
+        get("vocab_size"),
+        get("hidden_size"),
+        get("intermediate_size"),
+    );
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut out = vec![(
+        "model.embed_tokens.weight".to_string(),
+        normal_tensor(&[v, h], &mut rng, device)?,
+    )];
+    for l in 0..get("num_hidden_layers") {
+        let b = format!("model.layers.{l}");
+        for (name, o_, i_) in [
+            ("self_attn.q_proj", h, h),
+            ("self_attn.k_proj", h, h),
+            ("self_attn.v_proj", h, h),
+            ("self_attn.o_proj", h, h),
+            ("mlp.gate_proj", i, h),
+            ("mlp.up_proj", i, h),
+            ("mlp.down_proj", h, i),
+        ] {
+            out.push((
+                format!("{b}.{name}.weight"),
+                normal_tensor(&[o_, i_], &mut rng, device)?,
+            ));
+        }
+        for n in ["input_layernorm", "post_attention_layernorm"] {
+            out.push((
+                format!("{b}.{n}.weight"),
+                Tensor::ones(h, DType::F32, device)?,
+            ));
+        }
+    }
+    out.push((
+        "model.norm.weight".into(),
+        Tensor::ones(h, DType::F32, device)?,
+    ));
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(out)
+}
+
+/// N(0, 0.02) values of `shape` (Box-Muller over `rng`).
+fn normal_tensor(shape: &[usize], rng: &mut ChaCha8Rng, device: &Device) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let vals: Vec<f32> = (0..n)
+        .map(|_| {
+            let (u1, u2): (f64, f64) = (rng.random::<f64>().max(1e-12), rng.random());
+            ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos() * 0.02) as f32
+        })
+        .collect();
+    Ok(Tensor::from_vec(vals, shape, device)?)
+}
+
+/// Next-token cross-entropy [] and greedy next-token accuracy of `model` on `rows`
+/// (`[CLS] tokens [SEP]`: every token after the first is a target).
+fn next_token_loss(model: &crate::models::CausalLm, rows: &[&Vec<u32>]) -> Result<(Tensor, f64)> {
+    let seqs: Vec<Vec<u32>> = rows.iter().map(|r| r.to_vec()).collect();
+    let batch = crate::models::SeqBatch::right_padded(&seqs, PAD, model.device())?;
+    let h = model.forward_hidden(&batch, crate::models::Mode::Train)?; // [B, T, H]
+    let (b, t, hd) = h.dims3()?;
+    let (mut idx, mut targets) = (Vec::new(), Vec::new());
+    for (i, r) in seqs.iter().enumerate() {
+        for p in 0..r.len().saturating_sub(1) {
+            idx.push((i * t + p) as u32);
+            targets.push(r[p + 1]);
+        }
+    }
+    let idx = Tensor::from_vec(idx, targets.len(), model.device())?;
+    let h = h.reshape((b * t, hd))?.index_select(&idx, 0)?; // [N, H]
+    let logits = model.head_logits(&h)?; // [N, V]
+    cross_entropy(&logits, &targets)
+}
+
+/// Trains a small Llama causal LM on the corpus (next-token prediction over `[CLS] line [SEP]`,
+/// the tokenizer `o.tokenizer` says) and saves it in `o.out` as a `LlamaForCausalLM` directory
+/// that `grpo train` and `grpo generate` load as any causal model. The held-out accuracy is
+/// greedy next-token accuracy.
+pub fn pretrain_causal(
+    o: &PretrainOptions,
+    on_step: &mut dyn FnMut(&PretrainStep),
+) -> Result<Vec<PretrainStep>> {
+    o.validate()?;
+    let staging = Staging::new(&o.out)?;
+    let device = Device::Cpu;
+    let lines = read_corpus(&o.data)?;
+    let corpus = tokenize_corpus(o, &lines, Objective::Causal)?;
+    let (train, held) = split_held_out(corpus.rows);
+    let cfg_json = llama_config(corpus.vocab_size, o);
+    staging.json("config.json", &cfg_json)?;
+    staging.json("tokenizer.json", &corpus.tokenizer)?;
+    let mut tok_cfg = char_tokenizer_config(o.max_len);
+    tok_cfg["bos_token"] = json!("[CLS]");
+    tok_cfg["eos_token"] = json!("[SEP]");
+    staging.json("tokenizer_config.json", &tok_cfg)?;
+    staging.json(
+        "generation_config.json",
+        &json!({"bos_token_id": CLS, "eos_token_id": SEP, "pad_token_id": PAD}),
+    )?;
+    let cfg = crate::models::ModelConfig::from_hf_file(&staging.tmp.join("config.json"))?;
+    let mut params = Params::new(init_llama(&cfg_json, mix_seed(o.seed, 2), &device)?)?;
+    let build = |p: &Params, track: bool| {
+        crate::models::CausalLm::from_tensors(&cfg, p.tensors(track), DType::F32, &device)
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(mix_seed(o.seed, 3));
+    let log = run_steps(
+        o,
+        &mut params,
+        &mut |_, p| {
+            let rows: Vec<&Vec<u32>> = (0..o.batch_size)
+                .map(|_| &train[rng.random_range(0..train.len())])
+                .collect();
+            Ok(next_token_loss(&build(p, true)?, &rows)?.0)
+        },
+        &mut |p| {
+            let model = build(p, false)?;
+            let (mut right, mut total) = (0.0, 0usize);
+            for chunk in held.chunks(64) {
+                let rows: Vec<&Vec<u32>> = chunk.iter().collect();
+                let n: usize = rows.iter().map(|r| r.len() - 1).sum();
+                right += next_token_loss(&model, &rows)?.1 * n as f64;
+                total += n;
+            }
+            Ok(right / total.max(1) as f64)
+        },
+        on_step,
+        &staging,
+    )?;
+    staging.finish(&params, &log)?;
+    Ok(log)
 }
 
 /// Tokenizes a line with the char vocabulary: `[CLS] chars [SEP]`, cut to `max_len`.
@@ -528,19 +773,8 @@ pub fn pretrain_mlm(
     let staging = Staging::new(&o.out)?;
     let device = Device::Cpu;
     let lines = read_corpus(&o.data)?;
-    let vocab = char_vocab(&lines);
-    let char_ids: HashMap<char, u32> = vocab
-        .iter()
-        .enumerate()
-        .skip(SPECIALS.len())
-        .filter_map(|(i, t)| t.chars().next().map(|c| (c, i as u32)))
-        .collect();
-    let (train, held) = split_held_out(
-        lines
-            .iter()
-            .map(|l| encode_line(l, &char_ids, o.max_len))
-            .collect(),
-    );
+    let corpus = tokenize_corpus(o, &lines, Objective::Mlm)?;
+    let (train, held) = split_held_out(corpus.rows);
     let specials = [PAD, 1, CLS, SEP, MASK];
     let mut eval_rng = ChaCha8Rng::seed_from_u64(mix_seed(o.seed, 1));
     let held: Vec<_> = held
@@ -548,9 +782,9 @@ pub fn pretrain_mlm(
         .map(|ids| mask_example(ids, o.mask_ratio, MASK, &specials, &mut eval_rng))
         .collect();
 
-    let cfg_json = bert_mlm_config(vocab.len(), o);
+    let cfg_json = bert_mlm_config(corpus.vocab_size, o);
     staging.json("config.json", &cfg_json)?;
-    staging.json("tokenizer.json", &char_tokenizer_json(&vocab))?;
+    staging.json("tokenizer.json", &corpus.tokenizer)?;
     staging.json("tokenizer_config.json", &char_tokenizer_config(o.max_len))?;
     let cfg = masked_lm_config(&staging.tmp)?;
     let mut params = Params::new(init_bert(&cfg_json, None, mix_seed(o.seed, 2), &device)?)?;
@@ -581,9 +815,93 @@ pub fn pretrain_mlm(
             Ok(right / total.max(1) as f64)
         },
         on_step,
+        &staging,
     )?;
     staging.finish(&params, &log)?;
     Ok(log)
+}
+
+/// A corpus tokenized for pretraining: `[CLS] tokens [SEP]` per line (cut to `max_len`), the
+/// tokenizer's `tokenizer.json` and its vocabulary size.
+struct Corpus {
+    rows: Vec<Vec<u32>>,
+    tokenizer: serde_json::Value,
+    vocab_size: usize,
+}
+
+/// Tokenizes `lines` with the tokenizer `o.tokenizer` says, made from them. Ids 0-4 are the
+/// specials `[PAD] [UNK] [CLS] [SEP] [MASK]` whichever the kind.
+fn tokenize_corpus(o: &PretrainOptions, lines: &[String], objective: Objective) -> Result<Corpus> {
+    match o.tokenizer {
+        TokenizerKind::Chars => {
+            let vocab = char_vocab(lines);
+            let char_ids: HashMap<char, u32> = vocab
+                .iter()
+                .enumerate()
+                .skip(SPECIALS.len())
+                .filter_map(|(i, t)| t.chars().next().map(|c| (c, i as u32)))
+                .collect();
+            Ok(Corpus {
+                rows: lines
+                    .iter()
+                    .map(|l| encode_line(l, &char_ids, o.max_len))
+                    .collect(),
+                tokenizer: char_tokenizer_json_for(&vocab, objective),
+                vocab_size: vocab.len(),
+            })
+        }
+        TokenizerKind::Bpe { vocab_size } => {
+            let tok = train_bpe(lines, vocab_size)?;
+            let mut rows = Vec::with_capacity(lines.len());
+            for l in lines {
+                let enc = tok
+                    .encode(l.as_str(), false)
+                    .map_err(|e| Error::Generate(format!("BPE tokenizer: {e}")))?;
+                let mut ids = vec![CLS];
+                ids.extend(enc.get_ids().iter().take(o.max_len - 2));
+                ids.push(SEP);
+                rows.push(ids);
+            }
+            let mut json: serde_json::Value = serde_json::from_str(
+                &tok.to_string(false)
+                    .map_err(|e| Error::Generate(format!("BPE tokenizer: {e}")))?,
+            )
+            .map_err(|e| Error::Generate(format!("BPE tokenizer: {e}")))?;
+            json["post_processor"] = template_json(objective);
+            Ok(Corpus {
+                rows,
+                tokenizer: json,
+                vocab_size: tok.get_vocab_size(true),
+            })
+        }
+    }
+}
+
+/// A byte-level BPE tokenizer of `vocab_size` tokens learned from `lines`, the specials first.
+fn train_bpe(lines: &[String], vocab_size: usize) -> Result<tokenizers::Tokenizer> {
+    use tokenizers::models::bpe::{BpeTrainer, BPE};
+    use tokenizers::models::TrainerWrapper;
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    use tokenizers::AddedToken;
+    let fail = |e: tokenizers::Error| Error::Generate(format!("training the BPE tokenizer: {e}"));
+    let trainer = BpeTrainer::builder()
+        .vocab_size(vocab_size)
+        .min_frequency(2)
+        .show_progress(false)
+        .special_tokens(
+            SPECIALS
+                .iter()
+                .map(|t| AddedToken::from(*t, true))
+                .collect(),
+        )
+        .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+        .build();
+    let mut tok = tokenizers::Tokenizer::new(BPE::default());
+    tok.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
+    tok.with_decoder(Some(ByteLevel::default()));
+    let mut trainer: TrainerWrapper = trainer.into();
+    tok.train(&mut trainer, lines.iter()).map_err(fail)?;
+    Ok(tok)
 }
 
 /// `tokenizer_config.json` of the char tokenizer (transformers' `PreTrainedTokenizerFast`).
@@ -751,6 +1069,7 @@ pub fn pretrain_judge(
             Ok(right / total.max(1) as f64)
         },
         on_step,
+        &staging,
     )?;
     staging.finish(&params, &log)?;
     Ok(log)
@@ -804,6 +1123,8 @@ pub fn builtin_fill_in_models(task: &crate::config::TaskConfig) -> Result<(PathB
         mask_ratio: (0.1, 0.9),
         seed: 42,
         eval_every: 200,
+        tokenizer: TokenizerKind::Chars,
+        save_every: 0,
     };
     let judge_steps = 3000;
     // FNV-1a over everything the models depend on: stable across builds and toolchains.
@@ -885,6 +1206,8 @@ mod tests {
             mask_ratio: (0.1, 0.5),
             seed: 7,
             eval_every: 50,
+            tokenizer: TokenizerKind::Chars,
+            save_every: 0,
         }
     }
 
@@ -962,6 +1285,64 @@ mod tests {
         // A second run into the same directory is refused, not overwritten.
         let e = pretrain_mlm(&o, &mut |_| {}).unwrap_err().to_string();
         assert!(e.contains("already holds a model"), "{e}");
+    }
+
+    #[test]
+    fn a_bpe_generator_and_a_causal_lm_pretrain_and_load_with_checkpoints() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = corpus_of(dir.path(), 30);
+        // A masked LM over a BPE tokenizer learned from the corpus.
+        let o = PretrainOptions {
+            tokenizer: TokenizerKind::Bpe { vocab_size: 300 },
+            steps: 60,
+            save_every: 30,
+            eval_every: 0,
+            ..opts(dir.path(), data.clone())
+        };
+        let log = pretrain_mlm(&o, &mut |_| {}).unwrap();
+        assert!(log.last().unwrap().loss < log[0].loss, "{log:?}");
+        let (model, tok) = crate::fill_in::load_generator(&o.out, &Device::Cpu).unwrap();
+        assert_eq!(model.mask_id, MASK);
+        let ids = tok.encode("12+17=29", true).unwrap();
+        assert!(ids.len() < 10, "merges learned: {ids:?}");
+        assert_eq!((ids[0], *ids.last().unwrap()), (CLS, SEP));
+        assert_eq!(tok.decode(&ids, true).unwrap(), "12+17=29");
+        assert!(tok.vocab_size() <= 300);
+        // The checkpoint of step 30 loads as well; the last step is the model itself.
+        crate::fill_in::load_generator(&o.out.join("checkpoint-30"), &Device::Cpu).unwrap();
+        assert!(!o.out.join("checkpoint-60").exists());
+
+        // A causal LM (chars): it learns the next character; it loads as a causal model whose
+        // tokenizer starts texts with BOS and does not end them with EOS.
+        let c = PretrainOptions {
+            out: dir.path().join("causal"),
+            steps: 150,
+            ..opts(dir.path(), data)
+        };
+        let log = pretrain_causal(&c, &mut |_| {}).unwrap();
+        let accs: Vec<f64> = log.iter().filter_map(|r| r.eval_accuracy).collect();
+        // Chance is 1 in 16 characters; the sums' structure is learned.
+        assert!(accs[accs.len() - 1] > 0.4, "{accs:?}");
+        assert!(log.last().unwrap().loss < log[0].loss * 0.7, "{log:?}");
+        let loaded = crate::weights::load_model(
+            &crate::hub::ModelSource::HfDir(c.out.clone()),
+            DType::F32,
+            &Device::Cpu,
+        )
+        .unwrap();
+        let tok = loaded.tokenizer.clone().unwrap();
+        let lm = crate::models::CausalLm::from_tensors(
+            &loaded.config,
+            loaded.tensors,
+            DType::F32,
+            &Device::Cpu,
+        )
+        .unwrap();
+        assert_eq!(lm.config().vocab_size, tok.vocab_size());
+        assert_eq!(loaded.eos_token_ids, vec![SEP]);
+        assert_eq!(tok.encode("1+2=3", true).unwrap()[0], CLS);
+        assert_ne!(*tok.encode("1+2=3", true).unwrap().last().unwrap(), SEP);
+        assert_eq!(tok.eos_token_id(), Some(SEP));
     }
 
     #[test]
