@@ -828,7 +828,7 @@ config_keys! {
         num_train_epochs: f64 = "1.0", "passes over the prompts when max_steps is -1";
     }
     "data" {
-        train_file: Option<PathBuf> = "", "prompts (.jsonl, .csv, .parquet); unset: the built-in arithmetic task";
+        train_file: Option<PathBuf> = "", "prompts (.jsonl, .csv, .parquet, or .txt with one prompt per line); unset: the built-in task";
         eval_file: Option<PathBuf> = "", "held-out prompts for evaluation (the built-in task has its own)";
         prompt_field: String = "\"prompt\"", "field holding the prompt: a string or a list of {role, content} messages";
         answer_field: String = "\"answer\"", "field holding the reference answer passed to rewards";

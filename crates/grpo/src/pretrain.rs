@@ -1106,7 +1106,10 @@ fn bert_judge_config(gen: &serde_json::Value, o: &PretrainOptions) -> serde_json
 /// [`pretrain_mlm`] and [`pretrain_judge`] from the task's training lines the first time,
 /// then reused from the cache (`$GRPO_CACHE_DIR/fill_in/<key>/`, the key a hash of the task and
 /// these settings). Returns (generator, judge) directories.
-pub fn builtin_fill_in_models(task: &crate::config::TaskConfig) -> Result<(PathBuf, PathBuf)> {
+pub fn builtin_fill_in_models(
+    task: &crate::config::TaskConfig,
+    need_judge: bool,
+) -> Result<(PathBuf, PathBuf)> {
     let p = task.params();
     let (lines, _) = crate::data::fill_task::lines(&p)?;
     let base = PretrainOptions {
@@ -1126,10 +1129,10 @@ pub fn builtin_fill_in_models(task: &crate::config::TaskConfig) -> Result<(PathB
         tokenizer: TokenizerKind::Chars,
         save_every: 0,
     };
-    let judge_steps = 3000;
+    let judge_steps = 6000;
     // FNV-1a over everything the models depend on: stable across builds and toolchains.
     let key = format!(
-        "v3\n{base:?}\n{judge_steps}\n{:?}\n{}",
+        "v4\n{base:?}\n{judge_steps}\n{:?}\n{}",
         task.mask_ratio,
         lines.join("\n")
     );
@@ -1141,7 +1144,7 @@ pub fn builtin_fill_in_models(task: &crate::config::TaskConfig) -> Result<(PathB
         .join(format!("{hash:016x}"));
     let (gen, judge) = (dir.join("generator"), dir.join("judge"));
     let done = |d: &Path| d.join("model.safetensors").is_file();
-    if done(&gen) && done(&judge) {
+    if done(&gen) && (done(&judge) || !need_judge) {
         // A run loads both (its rewards, then its policy): the second call only looks.
         return Ok((gen, judge));
     }
@@ -1172,7 +1175,7 @@ pub fn builtin_fill_in_models(task: &crate::config::TaskConfig) -> Result<(PathB
         };
         pretrain_mlm(&o, &mut log("generator"))?;
     }
-    if !done(&judge) {
+    if need_judge && !done(&judge) {
         tracing::info!("fill-in task: pretraining the judge ({judge_steps} steps)");
         let o = PretrainOptions {
             data: corpus,

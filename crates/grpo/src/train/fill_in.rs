@@ -129,7 +129,7 @@ impl LoadPolicy for FillInPolicy {
         let dir = match cfg.model.as_deref() {
             // The built-in task's generator (pretrained once, then cached).
             None if cfg.train_file.is_none() => {
-                crate::pretrain::builtin_fill_in_models(&cfg.task)?.0
+                crate::pretrain::builtin_fill_in_models(&cfg.task, false)?.0
             }
             None => {
                 return Err(Error::config(
