@@ -147,22 +147,17 @@ pub fn load_examples(path: &Path, fields: &DataFields) -> Result<Loaded> {
         .to_ascii_lowercase();
     let name = path.display().to_string();
     let rows: RawRows = match ext.as_str() {
-        "jsonl" | "json" | "ndjson" => {
-            let text = std::fs::read_to_string(path)
-                .map_err(|e| Error::file(path, format!("cannot read: {e}")))?;
-            text.lines()
-                .enumerate()
-                .filter(|(_, l)| !l.trim().is_empty())
-                .map(|(i, l)| {
-                    let r = match serde_json::from_str::<Value>(l) {
-                        Ok(Value::Object(m)) => Ok(m),
-                        Ok(_) => Err("expected a JSON object".to_string()),
-                        Err(e) => Err(format!("invalid JSON: {e}")),
-                    };
-                    (i + 1, r)
-                })
-                .collect()
-        }
+        "jsonl" | "json" | "ndjson" => numbered_lines(path)?
+            .into_iter()
+            .map(|(n, l)| {
+                let r = match serde_json::from_str::<Value>(&l) {
+                    Ok(Value::Object(m)) => Ok(m),
+                    Ok(_) => Err("expected a JSON object".to_string()),
+                    Err(e) => Err(format!("invalid JSON: {e}")),
+                };
+                (n, r)
+            })
+            .collect(),
         "csv" => {
             let mut rdr = csv::Reader::from_path(path)
                 .map_err(|e| Error::file(path, format!("cannot read CSV: {e}")))?;
@@ -186,22 +181,17 @@ pub fn load_examples(path: &Path, fields: &DataFields) -> Result<Loaded> {
         }
         "parquet" => parquet_rows(path)?,
         // Plain text: one prompt per non-blank line (a fill-in corpus masked on the fly).
-        "txt" | "text" => {
-            let text = std::fs::read_to_string(path)
-                .map_err(|e| Error::file(path, format!("cannot read: {e}")))?;
-            text.lines()
-                .enumerate()
-                .filter(|(_, l)| !l.trim().is_empty())
-                .map(|(i, l)| {
-                    let mut m = Map::new();
-                    m.insert(
-                        fields.prompt_field.clone(),
-                        Value::String(l.trim_end().to_string()),
-                    );
-                    (i + 1, Ok(m))
-                })
-                .collect()
-        }
+        "txt" | "text" => numbered_lines(path)?
+            .into_iter()
+            .map(|(n, l)| {
+                let mut m = Map::new();
+                m.insert(
+                    fields.prompt_field.clone(),
+                    Value::String(l.trim_end().to_string()),
+                );
+                (n, Ok(m))
+            })
+            .collect(),
         _ => {
             return Err(Error::file(
                 path,
@@ -230,6 +220,18 @@ pub fn load_examples(path: &Path, fields: &DataFields) -> Result<Loaded> {
         return Err(Error::file(path, "no usable rows"));
     }
     Ok(out)
+}
+
+/// The non-blank lines of a text file, numbered from 1.
+fn numbered_lines(path: &Path) -> Result<Vec<(usize, String)>> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| Error::file(path, format!("cannot read: {e}")))?;
+    Ok(text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| (i + 1, l.to_string()))
+        .collect())
 }
 
 /// Rows of a Parquet file as JSON objects (lists of structs become lists of objects, so chat
