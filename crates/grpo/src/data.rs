@@ -694,12 +694,19 @@ mod tests {
         assert!(e.contains("line 3") && e.contains("empty"), "{e}");
         let l = load_examples(&p, &fields(true)).unwrap();
         assert_eq!(l.examples[0].answer.as_deref(), Some("5"));
-        let q = dir.path().join("d.txt");
+        let q = dir.path().join("d.xml");
         std::fs::write(&q, "x").unwrap();
         assert!(load_examples(&q, &fields(false))
             .unwrap_err()
             .to_string()
             .contains(".jsonl"));
+        // Plain text: one prompt per non-blank line, numbered as in the file.
+        let t = dir.path().join("d.txt");
+        std::fs::write(&t, "first line\n\n  \nthird line  \n").unwrap();
+        let l = load_examples(&t, &fields(false)).unwrap();
+        assert_eq!(l.examples.len(), 2);
+        assert_eq!(l.examples[1].prompt, Prompt::Text("third line".into()));
+        assert!(l.examples[1].origin.ends_with("d.txt:4"));
     }
 
     #[test]
