@@ -167,7 +167,7 @@ pub struct TrainConfig {
     pub max_prompt_length: Option<usize>,
     pub task: TaskConfig,
     /// `policy = "fill_in"` with `mask_ratio`: inputs masked on the fly.
-    pub masking: Option<crate::fill_in::Masking>,
+    pub masking: Option<Masking>,
     /// The `[[rewards]]` tables, parsed and checked (built into rewards by
     /// [`crate::inputs::config_rewards`]); empty: the built-in task's rewards.
     pub rewards: Vec<RewardSpec>,
@@ -621,6 +621,16 @@ crate::named::named_enum! {
         /// A masked-LM generator that fills every masked position of its input in one step.
         FillIn = "fill_in",
     }
+}
+
+/// How `policy = "fill_in"` masks inputs on the fly (`mask_ratio`, `mask_span`, `mask_seed`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Masking {
+    /// Each input's share of masked tokens is drawn uniformly from this range.
+    pub ratio: (f64, f64),
+    /// Span lengths in tokens, drawn uniformly from this range per span.
+    pub span: (usize, usize),
+    pub seed: u64,
 }
 
 /// A mask ratio or a range `LO..HI` drawn per example; unset: 0.1..0.5.
@@ -1446,7 +1456,7 @@ impl TrainConfig {
             );
         }
         let masking = match raw.mask_ratio {
-            Some(r) if raw.policy == PolicyType::FillIn => Some(crate::fill_in::Masking {
+            Some(r) if raw.policy == PolicyType::FillIn => Some(Masking {
                 ratio: r.0,
                 span: raw.mask_span.0,
                 seed: raw.mask_seed.unwrap_or(raw.seed),

@@ -14,9 +14,10 @@ use std::path::Path;
 use std::time::Instant;
 
 use candle_core::{Device, Tensor, D};
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+pub use crate::config::Masking;
 use crate::logprobs::{unpad_rows, Entropy};
 use crate::models::fused_attention::MASK_VALUE;
 use crate::models::masked_lm::{pad_batch, MaskedLm, MlmTokenizer};
@@ -46,20 +47,45 @@ pub fn fill(ids: &[u32], mask_id: u32, fills: &[u32]) -> Vec<u32> {
         .collect()
 }
 
-/// How `policy = "fill_in"` masks inputs on the fly (`mask_ratio`, `mask_span`, `mask_seed`).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Masking {
-    /// Each input's share of masked tokens is drawn uniformly from this range.
-    pub ratio: (f64, f64),
-    /// Span lengths in tokens, drawn uniformly from this range per span.
-    pub span: (usize, usize),
-    pub seed: u64,
+/// Masks `ids` (`[CLS] chars [SEP]`) for one diffusion-style example: a ratio drawn uniformly
+/// from `ratio`, at least one masked character, positions chosen uniformly without replacement
+/// among the characters. Returns the masked ids, the masked positions (ascending) and the
+/// original tokens there.
+pub fn mask_example(
+    ids: &[u32],
+    ratio: (f64, f64),
+    mask_id: u32,
+    specials: &[u32],
+    rng: &mut impl Rng,
+) -> (Vec<u32>, Vec<usize>, Vec<u32>) {
+    let content: Vec<usize> = (0..ids.len())
+        .filter(|&i| !specials.contains(&ids[i]))
+        .collect();
+    let r = if ratio.1 > ratio.0 {
+        rng.random_range(ratio.0..=ratio.1)
+    } else {
+        ratio.0
+    };
+    let k = ((r * content.len() as f64).round() as usize)
+        .max(1)
+        .min(content.len());
+    let mut chosen: Vec<usize> = rand::seq::index::sample(rng, content.len(), k)
+        .into_iter()
+        .map(|j| content[j])
+        .collect();
+    chosen.sort_unstable();
+    let mut masked = ids.to_vec();
+    let targets = chosen.iter().map(|&p| ids[p]).collect();
+    for &p in &chosen {
+        masked[p] = mask_id;
+    }
+    (masked, chosen, targets)
 }
 
 /// `ids` masked as `m` says, with the draw's own `seed`: a ratio from `m.ratio`, at least one
 /// token, never a special token; spans of consecutive content tokens from random starts until
 /// the ratio is reached (the last span cut to fit). Spans of 1 are positions drawn without
-/// replacement ([`crate::pretrain::mask_example`], as pretraining masks).
+/// replacement ([`mask_example`], as pretraining masks).
 pub fn mask_tokens(
     ids: &[u32],
     m: &Masking,
@@ -69,9 +95,8 @@ pub fn mask_tokens(
 ) -> Vec<u32> {
     let mut rng = ChaCha8Rng::seed_from_u64(mix_seed(m.seed, seed));
     if m.span == (1, 1) {
-        return crate::pretrain::mask_example(ids, m.ratio, mask_id, specials, &mut rng).0;
+        return mask_example(ids, m.ratio, mask_id, specials, &mut rng).0;
     }
-    use rand::Rng;
     let content: Vec<usize> = (0..ids.len())
         .filter(|&i| !specials.contains(&ids[i]) && ids[i] != mask_id)
         .collect();
@@ -125,6 +150,11 @@ pub fn fill_accuracy(masked: &[u32], mask_id: u32, fills: &[u32], original: &[u3
         .count();
     Some(right as f64 / pos.len() as f64)
 }
+
+/// Metric names of a fill-in run (also in [`crate::train::names`]).
+pub const FILL_MASKED_POSITIONS: &str = "fill/masked_positions";
+pub const FILL_ACCURACY: &str = "fill/accuracy";
+pub const FILL_JUDGE_SCORE: &str = "fill/judge_score";
 
 /// A fill-in run's inputs: masked on the fly when `masking` is set, else as the dataset gives
 /// them (every one must hold a mask token), with each input's original tokens where known
@@ -250,7 +280,6 @@ impl FillInputs {
     /// Fill metrics of a round: masked positions per input and, where originals are known,
     /// the share of fills equal to them.
     pub fn metrics(&self, episodes: &[crate::rollout::Episode]) -> Vec<(String, f64)> {
-        use crate::train::names;
         let n = episodes.len().max(1) as f64;
         let masked: f64 = episodes
             .iter()
@@ -264,10 +293,10 @@ impl FillInputs {
                 fill_accuracy(&e.prompt_ids, self.mask_id, &e.completion_ids, orig)
             })
             .collect();
-        let mut m = vec![(names::FILL_MASKED_POSITIONS.to_string(), masked)];
+        let mut m = vec![(FILL_MASKED_POSITIONS.to_string(), masked)];
         if !acc.is_empty() {
             m.push((
-                names::FILL_ACCURACY.to_string(),
+                FILL_ACCURACY.to_string(),
                 acc.iter().sum::<f64>() / acc.len() as f64,
             ));
         }

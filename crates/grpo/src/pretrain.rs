@@ -21,6 +21,7 @@ use rand_chacha::ChaCha8Rng;
 use serde_json::json;
 
 use crate::files::{save_tensors, write_file};
+pub use crate::fill_in::mask_example;
 use crate::models::encoder::{ClassifierNet, EncoderConfig, EncoderKind};
 use crate::models::masked_lm::{masked_lm_config, pad_batch, MaskedLm, MlmTokenizer};
 use crate::optim::{clip_factor, lr_lambda, var_tensors, AdamW, AdamWConfig, LrSchedule};
@@ -504,41 +505,6 @@ fn split_held_out(rows: Vec<Vec<u32>>) -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
         train = held.clone();
     }
     (train, held)
-}
-
-/// Masks `ids` (`[CLS] chars [SEP]`) for one diffusion-style example: a ratio drawn uniformly
-/// from `ratio`, at least one masked character, positions chosen uniformly without replacement
-/// among the characters. Returns the masked ids, the masked positions (ascending) and the
-/// original tokens there.
-pub fn mask_example(
-    ids: &[u32],
-    ratio: (f64, f64),
-    mask_id: u32,
-    specials: &[u32],
-    rng: &mut impl Rng,
-) -> (Vec<u32>, Vec<usize>, Vec<u32>) {
-    let content: Vec<usize> = (0..ids.len())
-        .filter(|&i| !specials.contains(&ids[i]))
-        .collect();
-    let r = if ratio.1 > ratio.0 {
-        rng.random_range(ratio.0..=ratio.1)
-    } else {
-        ratio.0
-    };
-    let k = ((r * content.len() as f64).round() as usize)
-        .max(1)
-        .min(content.len());
-    let mut chosen: Vec<usize> = rand::seq::index::sample(rng, content.len(), k)
-        .into_iter()
-        .map(|j| content[j])
-        .collect();
-    chosen.sort_unstable();
-    let mut masked = ids.to_vec();
-    let targets = chosen.iter().map(|&p| ids[p]).collect();
-    for &p in &chosen {
-        masked[p] = mask_id;
-    }
-    (masked, chosen, targets)
 }
 
 /// A batch: right-padded masked rows, flat masked positions, their targets.

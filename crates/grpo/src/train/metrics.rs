@@ -48,9 +48,7 @@ pub mod names {
     pub const EPOCH: &str = "epoch";
     pub const RSS_PEAK_GB: &str = "memory/rss_peak_gb";
     /// Fill-in runs: masked positions per input, fills equal to the original, the judge's score.
-    pub const FILL_MASKED_POSITIONS: &str = "fill/masked_positions";
-    pub const FILL_ACCURACY: &str = "fill/accuracy";
-    pub const FILL_JUDGE_SCORE: &str = "fill/judge_score";
+    pub use crate::fill_in::{FILL_ACCURACY, FILL_JUDGE_SCORE, FILL_MASKED_POSITIONS};
     /// The parts of a step, as `time/<part>`.
     pub const TIME_PARTS: [&str; 4] = ["generate", "score", "reference", "update"];
     pub const EVAL_PREFIX: &str = "eval/";
