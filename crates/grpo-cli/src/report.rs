@@ -1771,6 +1771,26 @@ mod tests {
     }
 
     #[test]
+    fn a_fill_in_run_gets_its_fill_panel() {
+        let dir = tempfile::tempdir().unwrap();
+        let rows: Vec<String> = (1..=20)
+            .map(|i| {
+                let x = i as f64 / 20.0;
+                serde_json::json!({"step": i, "reward": x, "fill/masked_positions": 3.0,
+                                   "fill/accuracy": 0.5 + x / 3.0, "fill/judge_score": 0.6 + x / 4.0})
+                .to_string()
+            })
+            .collect();
+        std::fs::write(dir.path().join("metrics.jsonl"), rows.join("\n") + "\n").unwrap();
+        let s = write_report(dir.path()).unwrap();
+        let fill = dir.path().join("plots/fill.png");
+        assert!(s.plots.contains(&fill), "{:?}", s.plots);
+        check_png(&fill);
+        let html = std::fs::read_to_string(&s.html).unwrap();
+        assert!(html.contains("judge score and fill accuracy"));
+    }
+
+    #[test]
     fn completion_text_is_escaped() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(
