@@ -53,7 +53,12 @@ pub fn run(a: TrainArgs) -> Result<()> {
     )?;
     // The run report (plots + HTML); a failure here never fails the finished run.
     match crate::report::write_report(&cfg.output_dir) {
-        Ok(r) => tracing::info!("report: {}", r.html.display()),
+        Ok(r) => {
+            tracing::info!("report: {}", r.html.display());
+            if cfg.report_to.iter().any(|t| t == "mlflow") {
+                grpo::trackers::upload_artifact(&cfg.output_dir, &r.html);
+            }
+        }
         Err(e) => tracing::warn!("no run report: {e}"),
     }
     if let Some(dir) = &outcome.best_checkpoint {

@@ -235,7 +235,10 @@ pub struct TrainConfig {
     /// `eval_temperature`, or `temperature` when unset.
     pub eval_temperature: f64,
     pub eval_greedy: bool,
+    /// Trackers besides metrics.jsonl: `tensorboard`, `wandb`, `mlflow` (checked, `all` expanded).
     pub report_to: Vec<String>,
+    pub run_name: Option<String>,
+    pub wandb_project: Option<String>,
     /// LoRA adapters instead of full fine-tuning (`lora.r` > 0). Empty `target_modules` means
     /// the architecture's default (see [`crate::lora::default_targets`]).
     pub lora: Option<crate::lora::LoraConfig>,
@@ -731,6 +734,39 @@ impl FromValue for Option<u64> {
     }
 }
 
+/// `report_to` as TRL spells it, checked: `all` is every tracker grpo has, `none` (alone) none;
+/// `jsonl` is accepted (metrics.jsonl is always written). Unknown values are errors naming them.
+fn resolve_report_to(values: Vec<String>) -> Result<Vec<String>> {
+    let mut out: Vec<String> = Vec::new();
+    for v in values {
+        match v.as_str() {
+            "tensorboard" | "wandb" | "mlflow" => out.push(v),
+            "all" => out.extend(["tensorboard", "wandb", "mlflow"].map(String::from)),
+            "none" | "jsonl" => {}
+            "trackio" => {
+                return Err(Error::config(
+                    "report_to",
+                    "trackio is not supported: keep tensorboard (event files in output_dir/tb, \
+                     which trackio can import) or use wandb / mlflow",
+                ))
+            }
+            other => {
+                return Err(Error::config(
+                    "report_to",
+                    format!(
+                        "unknown value `{other}`: use tensorboard, wandb, mlflow, all or none \
+                         (metrics.jsonl is always written)"
+                    ),
+                ))
+            }
+        }
+    }
+    out.dedup();
+    out.sort();
+    out.dedup();
+    Ok(out)
+}
+
 /// Unset: a causal LM (so older configs resolve as before).
 impl FromValue for PolicyType {
     fn kind() -> Cow<'static, str> {
@@ -930,7 +966,9 @@ config_keys! {
         eval_k: Vec<usize> = "[1]", "report eval/pass@k for each k (unbiased estimator; each k <= eval_num_samples)";
         eval_temperature: Option<f64> = "", "sampling temperature of the eval samples (unset: temperature)";
         eval_greedy: bool = "true", "also one greedy completion per held-out prompt: eval/accuracy";
-        report_to: Vec<String> as "list of tensorboard|jsonl|none" = "[\"tensorboard\"]", "metrics sinks besides metrics.jsonl";
+        report_to: Vec<String> as "list of tensorboard|wandb|mlflow|all|none" = "[\"tensorboard\"]", "where metrics go besides metrics.jsonl (always written): tensorboard (output_dir/tb), wandb (your wandb package; WANDB_* settings apply), mlflow (the server at MLFLOW_TRACKING_URI), all, none";
+        run_name: Option<String> = "", "the run's name in W&B and MLflow (unset: the output directory's name)";
+        wandb_project: Option<String> = "", "the W&B project (unset: WANDB_PROJECT, else grpo)";
         metric_for_best_model: Option<String> = "", "keep the best checkpoint by this logged metric (e.g. eval/accuracy; HF's eval_accuracy and accuracy mean the same): it survives save_total_limit and trainer_state.json names it (unset: off)";
         greater_is_better: Option<bool> = "", "whether a larger metric_for_best_model is better (unset: true, false for a metric named like a loss)";
         load_best_model_at_end: Option<bool> = "", "end the run with the best checkpoint as its model (needs metric_for_best_model and save_steps a multiple of eval_steps; unset: false)";
@@ -950,7 +988,6 @@ const IGNORED: &[&str] = &[
     "logging_dir",
     "push_to_hub",
     "hub_model_id",
-    "run_name",
     "remove_unused_columns",
     "dataloader_num_workers",
     "dataloader_pin_memory",
@@ -984,7 +1021,6 @@ const IGNORED: &[&str] = &[
     "chat_template_kwargs",
     "vllm_gpu_memory_utilization",
     "report_to_wandb",
-    "wandb_project",
     "lr_scheduler_kwargs",
     "data_seed",
     "full_determinism",
@@ -1153,6 +1189,7 @@ impl TrainConfig {
         }
         let mut ignored = Vec::new();
         let mut reward_tables = vec![];
+        let mut wandb_log = false;
         let mut apply = |k: String, v: Value, from: &str| -> Result<()> {
             let k = match k.as_str() {
                 "model_name_or_path" => "model".to_string(),
@@ -1160,6 +1197,7 @@ impl TrainConfig {
                 "generator_checkpoint" => "model".to_string(),
                 "judge_checkpoint" => "judge".to_string(),
                 "group_size" => "num_generations".to_string(),
+                "wandb_run_name" => "run_name".to_string(),
                 "kl_beta" => "beta".to_string(),
                 "out_dir" => "output_dir".to_string(),
                 "save_interval" => "save_steps".to_string(),
@@ -1179,6 +1217,11 @@ impl TrainConfig {
                 {
                     merged.insert("lora.r".into(), Value::from(16));
                 }
+                return Ok(());
+            }
+            if k == "wandb_log" {
+                // The seeds' switch: W&B beside what report_to already names.
+                wandb_log = v == Value::Bool(true);
                 return Ok(());
             }
             if k == "rewards" {
@@ -1217,6 +1260,20 @@ impl TrainConfig {
         }
         for (k, v) in parse_overrides(overrides)? {
             apply(k, v, "the command line")?;
+        }
+        if wandb_log {
+            let mut to = match merged.get("report_to") {
+                Some(Value::Array(a)) => a.clone(),
+                Some(Value::String(s)) => s
+                    .split(',')
+                    .map(|x| Value::String(x.trim().to_string()))
+                    .filter(|x| x != "none")
+                    .collect(),
+                Some(_) => vec![],
+                None => vec![Value::String("tensorboard".into())],
+            };
+            to.push(Value::String("wandb".into()));
+            merged.insert("report_to".into(), Value::Array(to));
         }
         ignored.sort();
         ignored.dedup();
@@ -1605,7 +1662,9 @@ impl TrainConfig {
             eval_k,
             eval_temperature,
             eval_greedy: raw.eval_greedy,
-            report_to: raw.report_to,
+            report_to: resolve_report_to(raw.report_to)?,
+            run_name: raw.run_name,
+            wandb_project: raw.wandb_project,
             lora,
             base_quantization: raw.base_quantization,
             gradient_checkpointing: raw.gradient_checkpointing,
@@ -1621,6 +1680,11 @@ impl TrainConfig {
             ignored_keys: vec![],
             resolved: BTreeMap::new(),
         })
+    }
+
+    /// Every key of the config as it resolved (defaults included), as `config.toml` has them.
+    pub fn resolved(&self) -> &BTreeMap<String, Value> {
+        &self.resolved
     }
 
     /// This config's eval settings (`eval_num_samples`, `eval_k`, `eval_greedy`,
@@ -1735,7 +1799,7 @@ mod tests {
         assert_eq!(c.prompts_per_step(), 4);
         assert_eq!(c.ignored_keys, vec!["bf16", "use_vllm"]);
         assert!(c.gradient_checkpointing, "a real key now");
-        assert_eq!(c.report_to, vec!["none"]);
+        assert!(c.report_to.is_empty());
         // TRL's PEFT switches map onto lora.*.
         let p = "use_peft: true
 lora_alpha: 64
@@ -2101,7 +2165,7 @@ lora_target_modules: [q_proj, k_proj]
         )
         .unwrap();
         assert_eq!(c.ignored_keys, vec!["fp16"]);
-        assert!(c.gradient_checkpointing && c.report_to == ["jsonl"]);
+        assert!(c.gradient_checkpointing && c.report_to.is_empty());
     }
 
     #[test]

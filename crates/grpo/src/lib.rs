@@ -37,6 +37,7 @@ pub mod optim;
 pub mod pretrain;
 pub mod rewards;
 pub mod rollout;
+pub mod trackers;
 pub mod train;
 
 pub use error::{Error, Result};

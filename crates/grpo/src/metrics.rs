@@ -19,6 +19,8 @@ pub struct MetricsWriter {
     dir: PathBuf,
     jsonl: File,
     tb: Option<File>,
+    /// MLflow, W&B: every logged step and completion goes to them too.
+    trackers: crate::trackers::Trackers,
 }
 
 fn open_append(path: &Path) -> Result<File> {
@@ -59,7 +61,20 @@ impl MetricsWriter {
             dir: dir.to_path_buf(),
             jsonl,
             tb,
+            trackers: Default::default(),
         })
+    }
+
+    /// Sends what is logged from now on to `trackers` too.
+    pub fn with_trackers(mut self, trackers: crate::trackers::Trackers) -> Self {
+        self.trackers = trackers;
+        self
+    }
+
+    /// The run is over: the trackers get the run's files and close.
+    pub fn finish(&mut self) {
+        let files = ["config.toml", "metrics.jsonl", "completions.jsonl"].map(|f| self.dir.join(f));
+        self.trackers.finish(&files);
     }
 
     /// One line of `metrics.jsonl` and one TensorBoard scalar per metric (non-finite values are
@@ -91,11 +106,15 @@ impl MetricsWriter {
             tb::write_record(f, &ev)
                 .map_err(|e| Error::io("cannot write the TensorBoard file", e))?;
         }
+        self.trackers.log(step, metrics);
         Ok(())
     }
 
     /// Appends a JSON line to `dir/<file>`.
     pub fn log_json(&mut self, file: &str, value: &Value) -> Result<()> {
+        if file == "completions.jsonl" {
+            self.trackers.log_completion(value);
+        }
         let path = self.dir.join(file);
         let mut f = open_append(&path)?;
         writeln!(f, "{value}").map_err(|e| Error::io(format!("cannot write {}", path.display()), e))

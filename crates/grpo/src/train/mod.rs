@@ -271,6 +271,9 @@ fn run<P: LoadPolicy>(
         }
     }
     bar.finish_and_clear();
+    if world.is_main() {
+        r.metrics.finish();
+    }
     let best_checkpoint = r.state.best_model_checkpoint.as_ref().map(PathBuf::from);
     if let (Some(b), Some(dir)) = (&r.best, &best_checkpoint) {
         tracing::info!(

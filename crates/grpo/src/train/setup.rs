@@ -285,8 +285,23 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
         let config_path = out_dir.join("config.toml");
         std::fs::write(&config_path, &config_toml)
             .map_err(|e| Error::io(format!("cannot write {}", config_path.display()), e))?;
+        let trackers = crate::trackers::Trackers::open(
+            &cfg.report_to,
+            &crate::trackers::RunInfo {
+                output_dir: out_dir.clone(),
+                run_name: cfg.run_name.clone().unwrap_or_else(|| {
+                    out_dir
+                        .file_name()
+                        .map_or_else(|| "grpo".into(), |n| n.to_string_lossy().into_owned())
+                }),
+                config: cfg.resolved().clone().into_iter().collect(),
+                resume: resume_from.is_some(),
+                wandb_project: cfg.wandb_project.clone(),
+            },
+        );
         let metrics =
-            MetricsWriter::open(out_dir, cfg.report_to.iter().any(|r| r == "tensorboard"))?;
+            MetricsWriter::open(out_dir, cfg.report_to.iter().any(|r| r == "tensorboard"))?
+                .with_trackers(trackers);
 
         let p = cfg.prompts_per_step();
         let updates_per_round = (cfg.num_iterations * cfg.steps_per_generation
