@@ -139,13 +139,16 @@ pub fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
         .map_err(|e| Error::file(path, format!("cannot write: {e}")))
 }
 
-/// Writes `tensors` (moved to the CPU, contiguous) as one safetensors file and syncs it.
+/// Writes `tensors` (moved to the CPU, contiguous) as one safetensors file and syncs it. The
+/// header's metadata says `{"format": "pt"}`, as transformers writes it (older transformers
+/// releases refuse files without it).
 pub fn save_tensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
     let map: HashMap<String, Tensor> = tensors
         .iter()
         .map(|(n, t)| Ok((n.clone(), t.to_device(&Device::Cpu)?.contiguous()?)))
         .collect::<candle_core::Result<_>>()?;
-    candle_core::safetensors::save(&map, path)
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    safetensors::serialize_to_file(map.iter(), Some(metadata), path)
         .map_err(|e| Error::file(path, format!("cannot write: {e}")))?;
     std::fs::File::open(path)
         .and_then(|f| f.sync_all())

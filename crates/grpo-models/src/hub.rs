@@ -402,6 +402,27 @@ fn local_file(path: &Path) -> Result<ModelSource> {
 }
 
 /// `owner/name` with hub-legal characters, not looking like a file name.
+/// The hub id of the embedded default model.
+pub const DEFAULT_MODEL_HUB_ID: &str = "HuggingFaceTB/SmolLM2-135M-Instruct";
+
+/// What files that leave grpo (`base_model_name_or_path` of an adapter) should name as the model
+/// `spec` resolved to `source`: the hub id when the model came from the hub or is the default
+/// (so the file loads on another machine), else the local path made absolute.
+pub fn portable_model_name(spec: Option<&str>, source: &ModelSource) -> String {
+    match spec.map(str::trim).filter(|s| !s.is_empty()) {
+        None => DEFAULT_MODEL_HUB_ID.to_string(),
+        Some(s) if s.eq_ignore_ascii_case(DEFAULT_MODEL_NAME) => DEFAULT_MODEL_HUB_ID.to_string(),
+        Some(s) if !expand_tilde(s).exists() && looks_like_hub_id(s) => s.to_string(),
+        Some(_) => {
+            let p = source.path();
+            std::fs::canonicalize(p)
+                .unwrap_or_else(|_| p.to_path_buf())
+                .display()
+                .to_string()
+        }
+    }
+}
+
 fn looks_like_hub_id(spec: &str) -> bool {
     let mut parts = spec.split('/');
     let (Some(owner), Some(name), None) = (parts.next(), parts.next(), parts.next()) else {
@@ -1301,6 +1322,26 @@ fn cached_snapshot(cache: &Path, id: &str) -> Option<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn adapters_name_their_base_portably() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = ModelSource::HfDir(dir.path().to_path_buf());
+        assert_eq!(portable_model_name(None, &src), DEFAULT_MODEL_HUB_ID);
+        assert_eq!(
+            portable_model_name(Some("smollm2-135m-instruct"), &src),
+            DEFAULT_MODEL_HUB_ID
+        );
+        assert_eq!(
+            portable_model_name(Some("Qwen/Qwen2.5-0.5B-Instruct"), &src),
+            "Qwen/Qwen2.5-0.5B-Instruct"
+        );
+        let local = portable_model_name(Some(dir.path().to_str().unwrap()), &src);
+        assert!(
+            Path::new(&local).is_absolute() && Path::new(&local).is_dir(),
+            "{local}"
+        );
+    }
 
     fn sha_hex(bytes: &[u8]) -> String {
         format!("{:x}", Sha256::digest(bytes))

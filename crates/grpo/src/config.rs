@@ -1202,6 +1202,12 @@ impl TrainConfig {
                 "out_dir" => "output_dir".to_string(),
                 "save_interval" => "save_steps".to_string(),
                 "eval_interval" => "eval_steps".to_string(),
+                // The seeds' PPO-era names (TRL's PPOConfig and their scripts).
+                "cliprange" | "clip_eps" | "clip_range" => "epsilon".to_string(),
+                "save_freq" => "save_steps".to_string(),
+                "init_kl_coef" => "kl_coef".to_string(),
+                "target_kl" => "kl_target".to_string(),
+                "horizon" => "kl_horizon".to_string(),
                 // TRL's ModelConfig names for PEFT.
                 "lora_r" => "lora.r".to_string(),
                 "lora_alpha" => "lora.alpha".to_string(),
@@ -2241,6 +2247,27 @@ lora_target_modules: [q_proj, k_proj]
         )
         .unwrap();
         assert_eq!(c.task.mask_ratio, (0.3, 0.3));
+    }
+
+    #[test]
+    fn the_seeds_ppo_era_names_work() {
+        for k in ["cliprange", "clip_eps", "clip_range"] {
+            let c = load(&format!("{k} = 0.1\n"), Format::Toml, &[]).unwrap();
+            assert_eq!(c.epsilon, 0.1, "{k}");
+        }
+        let c = load(
+            "save_freq = 5\ninit_kl_coef = 0.05\ntarget_kl = 6.0\nhorizon = 5000\n",
+            Format::Toml,
+            &[],
+        )
+        .unwrap();
+        assert_eq!(c.save_steps, 5);
+        let KlMode::Reward { coef, adaptive } = c.kl else {
+            panic!("{:?}", c.kl)
+        };
+        assert_eq!(coef, 0.05);
+        let a = adaptive.unwrap();
+        assert_eq!((a.target, a.horizon), (6.0, 5000.0));
     }
 
     #[test]

@@ -29,12 +29,29 @@ pub fn checkpoint_base_quantization(dir: &Path) -> Result<Option<QuantType>> {
     }
 }
 
+/// The `model` a grpo checkpoint's `config.toml` trained on (`Some(None)`: the default model);
+/// `None` when `dir` has no readable config.toml (not a grpo checkpoint).
+fn checkpoint_model(dir: &Path) -> Option<Option<String>> {
+    let text = std::fs::read_to_string(dir.join("config.toml")).ok()?;
+    let v: toml::Value = toml::from_str(&text).ok()?;
+    Some(v.get("model").and_then(|m| m.as_str()).map(str::to_owned))
+}
+
 /// The base model a LoRA adapter names (or `base_override`), loaded in f32.
 fn load_base(
     dir: &Path,
     adapter: &LoadedAdapter,
     base_override: Option<&str>,
 ) -> Result<LoadedModel> {
+    // A grpo checkpoint knows the model it trained on (`model` in its config.toml; unset: the
+    // embedded default): that wins over `base_model_name_or_path`, which names the hub id of
+    // hub and default models so that the adapter loads elsewhere.
+    if base_override.is_none() {
+        // (A relative path there that does not resolve from here falls through.)
+        if let Some(Ok(source)) = checkpoint_model(dir).map(|m| hub::resolve_model(m.as_deref())) {
+            return load_model(&source, DType::F32, &Device::Cpu);
+        }
+    }
     let spec = base_override
         .map(str::to_owned)
         .or_else(|| adapter.base_model.clone())

@@ -68,7 +68,11 @@ impl LoraConfig {
             "r": self.r,
             "lora_alpha": self.alpha,
             "lora_dropout": self.dropout,
-            "target_modules": self.target_modules,
+            // PEFT expands "all-linear" only when it is the whole value, not a list entry.
+            "target_modules": match self.target_modules.iter().any(|t| t == "all-linear") {
+                true => json!("all-linear"),
+                false => json!(self.target_modules),
+            },
             "use_rslora": self.use_rslora,
             "fan_in_fan_out": arch == Arch::Gpt2,
             "bias": "none",
@@ -359,6 +363,28 @@ mod tests {
             ..c
         };
         assert_eq!(rs.scale(), 4.0);
+    }
+
+    #[test]
+    fn all_linear_is_written_as_peft_spells_it() {
+        let j = cfg(&["all-linear"]).peft_json(Arch::Llama, "base");
+        assert_eq!(j["target_modules"], "all-linear");
+        let back = LoraConfig::from_peft_json(&j, Path::new("a.json")).unwrap();
+        assert_eq!(back.target_modules, ["all-linear"]);
+        let j = cfg(&["q_proj", "v_proj"]).peft_json(Arch::Llama, "base");
+        assert_eq!(j["target_modules"], json!(["q_proj", "v_proj"]));
+    }
+
+    #[test]
+    fn safetensors_files_say_their_format_like_transformers() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("m.safetensors");
+        let t = Tensor::zeros((2, 3), DType::F32, &Device::Cpu).unwrap();
+        crate::files::save_tensors(&p, &[("w".into(), t)]).unwrap();
+        let bytes = std::fs::read(&p).unwrap();
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        let m = meta.metadata().as_ref().unwrap();
+        assert_eq!(m.get("format").map(String::as_str), Some("pt"));
     }
 
     #[test]

@@ -569,6 +569,6 @@ fn policy_parameters(
         vars,
         device: device.clone(),
         lora: frozen_base,
-        base_model_name: source.path().display().to_string(),
+        base_model_name: hub::portable_model_name(cfg.model.as_deref(), source),
     })
 }
