@@ -46,7 +46,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let outcome = train(
         &cfg,
         &RunControl {
-            resume: a.resume,
+            resume: a.resume || cfg.resume_from_checkpoint,
             stop,
             max_rounds_this_run: None,
         },

@@ -258,6 +258,8 @@ pub struct TrainConfig {
     pub load_best_model_at_end: bool,
     /// TRL/HF keys that were given and are ignored here.
     pub ignored_keys: Vec<String>,
+    /// TRL's `resume_from_checkpoint = true`: resume as `--resume` does.
+    pub resume_from_checkpoint: bool,
     /// The merged values of every key (and the `[[rewards]]` tables as given), for
     /// [`Self::to_toml`].
     resolved: BTreeMap<String, Value>,
@@ -734,6 +736,60 @@ impl FromValue for Option<u64> {
     }
 }
 
+/// The file of split `split` of TRL's `dataset_name`: the name itself when it is a file, else in
+/// that directory `{split}.jsonl|.json|.parquet|.csv|.txt`, or `data/{split}-*.parquet` as the
+/// hub lays datasets out. A hub id that is not on disk is an error saying to download it.
+fn dataset_split_file(name: &str, split: &str) -> Result<String> {
+    let p = Path::new(name);
+    if p.is_file() {
+        return Ok(name.to_string());
+    }
+    if p.is_dir() {
+        for ext in ["jsonl", "json", "parquet", "csv", "txt"] {
+            let f = p.join(format!("{split}.{ext}"));
+            if f.is_file() {
+                return Ok(f.display().to_string());
+            }
+        }
+        let data = p.join("data");
+        let mut parts: Vec<PathBuf> = std::fs::read_dir(&data)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|f| {
+                f.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with(&format!("{split}-")) && n.ends_with(".parquet"))
+            })
+            .collect();
+        parts.sort();
+        if let [one] = parts.as_slice() {
+            return Ok(one.display().to_string());
+        }
+        return Err(Error::config(
+            "dataset_name",
+            format!(
+                "{name}: no file for split `{split}` ({split}.jsonl, .json, .parquet, .csv, .txt, \
+                 or one data/{split}-*.parquet); {} found",
+                if parts.is_empty() {
+                    "none".to_string()
+                } else {
+                    format!("{} parquet shards", parts.len())
+                }
+            ),
+        ));
+    }
+    Err(Error::config(
+        "dataset_name",
+        format!(
+            "{name}: not a local file or directory. grpo reads datasets from disk: download it \
+             (`huggingface-cli download --repo-type dataset {name} --local-dir DIR`) and give \
+             DIR, or set train_file"
+        ),
+    ))
+}
+
 /// `report_to` as TRL spells it, checked: `all` is every tracker grpo has, `none` (alone) none;
 /// `jsonl` is accepted (metrics.jsonl is always written). Unknown values are errors naming them.
 fn resolve_report_to(values: Vec<String>) -> Result<Vec<String>> {
@@ -1021,6 +1077,15 @@ const IGNORED: &[&str] = &[
     "chat_template_kwargs",
     "vllm_gpu_memory_utilization",
     "report_to_wandb",
+    "attn_implementation",
+    "trust_remote_code",
+    "dataset_streaming",
+    "gradient_checkpointing_use_reentrant",
+    "ignore_bias_buffers",
+    "lora_task_type",
+    "bnb_4bit_quant_type",
+    "use_bnb_nested_quant",
+    "dataset_config",
     "lr_scheduler_kwargs",
     "data_seed",
     "full_determinism",
@@ -1039,6 +1104,30 @@ pub fn reference() -> Vec<KeyDoc> {
             section: k.section,
         })
         .collect()
+}
+
+/// Why an accepted TRL/HF key (one of [`ignored_trl_keys`], or a mapped one) is not honoured as
+/// TRL would, in one line.
+pub fn ignore_reason(key: &str) -> &'static str {
+    match key {
+        "load_in_4bit" => "the frozen base is kept as base_quantization = q4_0, grpo's 4-bit QLoRA type (NF4 is not implemented)",
+        "load_in_8bit" => "the frozen base is kept as base_quantization = q8_0",
+        "bf16" => "sets dtype = bf16 for sampling; training keeps f32 parameters",
+        "fp16" | "tf32" => "grpo computes in f32 (bf16 through dtype)",
+        "use_vllm" | "vllm_mode" | "vllm_gpu_memory_utilization" => "grpo samples with its own KV-cached sampler",
+        "attn_implementation" => "grpo's attention kernels are its own",
+        "trust_remote_code" => "grpo runs no model code from the hub; its architectures are built in",
+        "torch_compile" | "use_liger_loss" | "use_liger_kernel" | "cache_implementation" => "PyTorch-only speed-ups",
+        "push_to_hub" | "hub_model_id" => "grpo does not upload; `grpo export` writes the HF directory",
+        "gradient_checkpointing_kwargs" | "gradient_checkpointing_use_reentrant" => "gradient_checkpointing has no options in grpo",
+        "dataset_streaming" => "datasets are read from disk whole",
+        "dataset_config" => "a local dataset directory has one configuration",
+        k if k.starts_with("ddp_") || k.starts_with("dataloader_") || k == "ds3_gather_for_generation" => {
+            "PyTorch distributed and data-loader settings"
+        }
+        "generation_kwargs" | "chat_template_kwargs" => "not read yet: set the sampling keys (temperature, top_p, ...) directly",
+        _ => "no effect in grpo",
+    }
 }
 
 /// The TRL/HF keys that are accepted and ignored with a warning (besides any `vllm_*` key).
@@ -1190,9 +1279,12 @@ impl TrainConfig {
         let mut ignored = Vec::new();
         let mut reward_tables = vec![];
         let mut wandb_log = false;
+        let mut script: BTreeMap<String, String> = BTreeMap::new();
+        let mut resume_requested = false;
         let mut apply = |k: String, v: Value, from: &str| -> Result<()> {
             let k = match k.as_str() {
                 "model_name_or_path" => "model".to_string(),
+                "torch_dtype" => "dtype".to_string(),
                 // The fill-in seed's names (single-step fill-in GRPO).
                 "generator_checkpoint" => "model".to_string(),
                 "judge_checkpoint" => "judge".to_string(),
@@ -1224,6 +1316,61 @@ impl TrainConfig {
                     merged.insert("lora.r".into(), Value::from(16));
                 }
                 return Ok(());
+            }
+            // `trl grpo`'s script and model arguments.
+            match k.as_str() {
+                "dataset_name" | "dataset_train_split" | "dataset_test_split" => {
+                    let text = match &v {
+                        Value::String(t) => t.clone(),
+                        other => return Err(type_err(&k, "a string", other)),
+                    };
+                    script.insert(k, text);
+                    return Ok(());
+                }
+                "resume_from_checkpoint" => {
+                    return match v {
+                        Value::Bool(b) => {
+                            resume_requested = b;
+                            Ok(())
+                        }
+                        Value::Null => Ok(()),
+                        other => Err(Error::config(
+                            "resume_from_checkpoint",
+                            format!(
+                                "{other}: grpo resumes from the newest checkpoint in output_dir: \
+                                 set resume_from_checkpoint = true (or pass --resume) with \
+                                 output_dir = the run's directory"
+                            ),
+                        )),
+                    };
+                }
+                "load_in_4bit" | "load_in_8bit" => {
+                    if v == Value::Bool(true) {
+                        let q = if k == "load_in_4bit" { "q4_0" } else { "q8_0" };
+                        merged.insert("base_quantization".into(), Value::String(q.into()));
+                        ignored.push(k);
+                    }
+                    return Ok(());
+                }
+                "model_revision" => {
+                    if v != Value::String("main".into()) && !v.is_null() {
+                        return Err(Error::config(
+                            "model_revision",
+                            format!(
+                                "{v}: grpo loads a hub model's main revision; download the \
+                                 revision you want and give its directory as model"
+                            ),
+                        ));
+                    }
+                    return Ok(());
+                }
+                "use_dora" if v == Value::Bool(true) => {
+                    return Err(Error::config(
+                        "use_dora",
+                        "DoRA adapters are not supported: use LoRA (use_peft = true)",
+                    ));
+                }
+                _ => {}
             }
             if k == "wandb_log" {
                 // The seeds' switch: W&B beside what report_to already names.
@@ -1267,6 +1414,27 @@ impl TrainConfig {
         for (k, v) in parse_overrides(overrides)? {
             apply(k, v, "the command line")?;
         }
+        // `dataset_name`: a local dataset file, or a directory holding its splits.
+        if let Some(name) = script.get("dataset_name") {
+            let train_split = script
+                .get("dataset_train_split")
+                .map_or("train", String::as_str);
+            if !merged.contains_key("train_file") {
+                merged.insert(
+                    "train_file".into(),
+                    Value::String(dataset_split_file(name, train_split)?),
+                );
+            }
+            if let (Some(test), false) = (
+                script.get("dataset_test_split"),
+                merged.contains_key("eval_file"),
+            ) {
+                merged.insert(
+                    "eval_file".into(),
+                    Value::String(dataset_split_file(name, test)?),
+                );
+            }
+        }
         if wandb_log {
             let mut to = match merged.get("report_to") {
                 Some(Value::Array(a)) => a.clone(),
@@ -1297,6 +1465,7 @@ impl TrainConfig {
             ));
         }
         cfg.ignored_keys = ignored;
+        cfg.resume_from_checkpoint = resume_requested;
         let mut resolved = merged;
         if !reward_tables.is_empty() {
             resolved.insert("rewards".into(), Value::Array(reward_tables));
@@ -1684,6 +1853,7 @@ impl TrainConfig {
             metric_for_best_model,
             load_best_model_at_end,
             ignored_keys: vec![],
+            resume_from_checkpoint: false,
             resolved: BTreeMap::new(),
         })
     }

@@ -810,3 +810,100 @@ fn the_best_checkpoint_is_kept_and_named() {
     assert_eq!(state["best_metric"].as_f64(), Some(lens[best_i]));
     assert_eq!(grpo::checkpoint::resolve_run_dir(&out).unwrap(), best);
 }
+
+/// A `trl grpo --config` YAML, written as TRL's docs write one (script, model and training
+/// arguments in one file), trains; the keys grpo cannot honour are listed, not refused.
+#[test]
+fn a_trl_grpo_yaml_trains() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    tiny_model(&model);
+    // A dataset directory laid out as the hub lays one out: data/<split>-*.parquet would do too.
+    let ds = tmp.path().join("my-dataset");
+    std::fs::create_dir_all(&ds).unwrap();
+    let rows: Vec<String> = (0..8)
+        .map(|i| {
+            format!(
+                "{{\"prompt\": \"What is {i} + 1?\", \"answer\": \"{}\"}}",
+                i + 1
+            )
+        })
+        .collect();
+    std::fs::write(ds.join("train.jsonl"), rows.join("\n")).unwrap();
+    std::fs::write(ds.join("test.jsonl"), rows[..3].join("\n")).unwrap();
+    let out = tmp.path().join("out");
+    let yaml = format!(
+        "# Model arguments\nmodel_name_or_path: {}\nmodel_revision: main\ntorch_dtype: bfloat16\n\
+         attn_implementation: flash_attention_2\ntrust_remote_code: false\nuse_peft: true\n\
+         lora_r: 8\nlora_alpha: 16\nlora_target_modules: all-linear\nload_in_4bit: false\n\
+         # Script arguments\ndataset_name: {}\ndataset_train_split: train\ndataset_test_split: test\n\
+         # Training arguments\noutput_dir: {}\nlearning_rate: 1.0e-05\nlr_scheduler_type: cosine\n\
+         warmup_ratio: 0.1\nper_device_train_batch_size: 4\nnum_generations: 4\n\
+         max_completion_length: 6\nmax_steps: 2\nlogging_steps: 1\nsave_strategy: \"no\"\n\
+         save_steps: 2\nbf16: true\ngradient_checkpointing: true\nreport_to: none\nseed: 42\n\
+         resume_from_checkpoint: false\nuse_vllm: false\n",
+        model.display(),
+        ds.display(),
+        out.display()
+    );
+    let cfg = TrainConfig::from_str(&yaml, Format::Yaml, "trl.yaml", &[]).unwrap();
+    assert_eq!(
+        cfg.train_file.as_deref(),
+        Some(ds.join("train.jsonl").as_path())
+    );
+    assert_eq!(
+        cfg.eval_file.as_deref(),
+        Some(ds.join("test.jsonl").as_path())
+    );
+    assert!(cfg.report_to.is_empty() && !cfg.resume_from_checkpoint);
+    for k in [
+        "attn_implementation",
+        "bf16",
+        "trust_remote_code",
+        "save_strategy",
+        "use_vllm",
+    ] {
+        assert!(
+            cfg.ignored_keys.iter().any(|i| i == k),
+            "{k}: {:?}",
+            cfg.ignored_keys
+        );
+        assert!(!grpo::config::ignore_reason(k).is_empty());
+    }
+    let o = train(&cfg, &RunControl::default()).unwrap();
+    assert_eq!(o.steps, 2);
+    assert!(out.join("checkpoint-2/adapter_config.json").is_file());
+
+    // What grpo cannot do is a clear error naming the key.
+    for (from, to, want) in [
+        (
+            "model_revision: main",
+            "model_revision: v1.0",
+            "download the revision",
+        ),
+        ("use_peft: true", "use_peft: true\nuse_dora: true", "DoRA"),
+        (
+            "resume_from_checkpoint: false",
+            "resume_from_checkpoint: some/dir",
+            "--resume",
+        ),
+    ] {
+        let e = TrainConfig::from_str(&yaml.replace(from, to), Format::Yaml, "t", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(want), "{e}");
+    }
+    let e = TrainConfig::from_str("dataset_name: trl-lib/tldr\n", Format::Yaml, "t", &[])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("dataset_name") && e.contains("download"), "{e}");
+    let c = TrainConfig::from_str(
+        &yaml.replace("load_in_4bit: false", "load_in_4bit: true"),
+        Format::Yaml,
+        "t",
+        &[],
+    )
+    .unwrap();
+    assert!(c.ignored_keys.iter().any(|k| k == "load_in_4bit"));
+    assert_eq!(c.base_quantization, Some(grpo::models::QuantType::Q4_0));
+}

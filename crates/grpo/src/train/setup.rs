@@ -151,8 +151,16 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
     /// Sets up a run as `cfg` says, continuing from the newest checkpoint in `output_dir` when
     /// `resume`.
     pub fn start(cfg: &'a TrainConfig, resume: bool) -> Result<Run<'a, P>> {
-        for k in &cfg.ignored_keys {
-            tracing::warn!("config key `{k}` is accepted for TRL compatibility and ignored");
+        if !cfg.ignored_keys.is_empty() {
+            let lines: Vec<String> = cfg
+                .ignored_keys
+                .iter()
+                .map(|k| format!("  {k}: {}", crate::config::ignore_reason(k)))
+                .collect();
+            tracing::warn!(
+                "config keys accepted for TRL compatibility but not honoured as TRL does:\n{}",
+                lines.join("\n")
+            );
         }
         let device = cfg.device.device()?;
         if cfg.dtype != crate::config::DTypeOpt::F32 {
