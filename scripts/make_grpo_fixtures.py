@@ -6,7 +6,8 @@ Usage:
 
 Writes (deterministic; rerunning gives byte-identical files):
   model/{config.json, model.safetensors}   a tiny random Llama (vocab 64, hidden 16, 2 layers)
-  cases.json        the fixed batch, rewards, TRL's advantages and, per loss case, the options,
+  cases.json        the fixed batch, rewards, TRL's advantages and, per loss case (grpo, bnpo, dr_grpo,
+                    dapo, cispo, sapo), the options,
                     TRL's loss and per-token log-probs
   grads.safetensors gradient of each case's loss w.r.t. every model parameter, named
                     "<case name>/<HF parameter name>"
@@ -134,10 +135,11 @@ def trl_normalize_then_sum():
 
 
 def make_trainer(model, tok, tmp, **kw):
+    kw = {"epsilon": 0.2, "epsilon_high": 0.28, **kw}
     args = GRPOConfig(
         output_dir=tmp, per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
         use_cpu=True, report_to="none", bf16=False, logging_steps=1, gradient_checkpointing=False,
-        epsilon=0.2, epsilon_high=0.28, **kw,
+        **kw,
     )
     ds = Dataset.from_dict({"prompt": ["a"] * 8})
     return GRPOTrainer(model=model, reward_funcs=[lambda completions, **k: [0.0] * len(completions)],
@@ -189,6 +191,15 @@ def main():
                       temperature=0.7, mask_truncated_completions=False))
     cases.append(dict(loss_type="dapo", beta=0.04, num_iterations=2, importance_sampling_level="token",
                       temperature=1.0, mask_truncated_completions=True))
+    # TRL 1.16's cispo (epsilon_high is its epsilon_max; 1.02 so that some weights are clipped)
+    # and sapo (its default temperatures 1.0 / 1.05).
+    for loss_type, extra in (("cispo", dict(epsilon_high=1.02)), ("sapo", {})):
+        for beta in (0.0, 0.04):
+            for iters in (1, 2):
+                for level in ("token", "sequence"):
+                    cases.append(dict(loss_type=loss_type, beta=beta, num_iterations=iters,
+                                      importance_sampling_level=level, temperature=1.0,
+                                      mask_truncated_completions=False, **extra))
     with tempfile.TemporaryDirectory() as tmp:
         for c in cases:
             name = "{loss_type}-b{beta}-it{num_iterations}-{importance_sampling_level}-T{temperature}".format(**c)

@@ -209,6 +209,8 @@ pub struct TrainConfig {
     pub mask_truncated_completions: bool,
     pub entropy_coef: f64,
     pub use_bias_correction_kl: bool,
+    pub sapo_temperature_pos: f64,
+    pub sapo_temperature_neg: f64,
     pub reward_std_floor: Option<f64>,
     pub multi_objective_aggregation: RewardAggregation,
     pub normalize_advantages_batch: bool,
@@ -998,6 +1000,8 @@ config_keys! {
         mask_truncated_completions: bool = "false", "leave completions that hit max_completion_length out of the loss";
         entropy_coef: f64 = "0.0", "entropy bonus weight";
         use_bias_correction_kl: bool = "true", "multiply the KL term by the importance ratio (unbiased reverse-KL gradient, TRL's default)";
+        sapo_temperature_pos: Option<f64> = "", "loss_type = sapo: the gate's temperature for tokens with positive advantage (unset: 1.0)";
+        sapo_temperature_neg: Option<f64> = "", "loss_type = sapo: the gate's temperature for tokens with non-positive advantage (unset: 1.05)";
         reward_std_floor: Option<f64> = "", "clamp each group's reward std from below before scaling";
         multi_objective_aggregation: RewardAggregation = "\"sum_then_normalize\"", "several rewards: weighted sum then advantages, or each normalized in its group, summed, normalized over the batch (GDPO)";
         normalize_advantages_batch: bool = "false", "re-normalize all advantages of a batch to mean 0, std 1";
@@ -1814,6 +1818,8 @@ impl TrainConfig {
             mask_truncated_completions: raw.mask_truncated_completions,
             entropy_coef: raw.entropy_coef,
             use_bias_correction_kl: raw.use_bias_correction_kl,
+            sapo_temperature_pos: raw.sapo_temperature_pos.unwrap_or(1.0),
+            sapo_temperature_neg: raw.sapo_temperature_neg.unwrap_or(1.05),
             reward_std_floor: raw.reward_std_floor,
             multi_objective_aggregation: raw.multi_objective_aggregation,
             normalize_advantages_batch: raw.normalize_advantages_batch,
@@ -2063,7 +2069,7 @@ lora_target_modules: [q_proj, k_proj]
             ("warmup_ratio = 2.0", "warmup_ratio"),
             ("adam_beta2 = 1.0", "adam_beta2"),
             ("beta = 0.1\nkl_coef = 0.1", "beta"),
-            ("loss_type = \"cispo\"", "loss_type"),
+            ("loss_type = \"vespo\"", "loss_type"),
             ("num_generations = \"eight\"", "num_generations"),
             (
                 "steps_per_generation = 3\ngradient_accumulation_steps = 2",
@@ -2353,7 +2359,7 @@ lora_target_modules: [q_proj, k_proj]
                 .map(|k| k.kind)
                 .unwrap()
         };
-        assert_eq!(kind("loss_type"), "grpo|bnpo|dr_grpo|dapo");
+        assert_eq!(kind("loss_type"), "grpo|bnpo|dr_grpo|dapo|cispo|sapo");
         assert_eq!(kind("scale_rewards"), "group|batch|none");
         assert_eq!(kind("base_quantization"), "none|q4_0|q4_1|q8_0");
         assert_eq!(kind("output_dir"), "path");

@@ -21,6 +21,12 @@ named_enum! {
         DrGrpo = "dr_grpo",
         /// Sum over tokens / active tokens of the accumulation window (TRL 1.x default).
         Dapo = "dapo",
+        /// CISPO (MiniMax-M1): the importance weight, clipped from above at `epsilon_high` and
+        /// detached, times the advantage and the token's log-prob; reduced as `dapo`.
+        Cispo = "cispo",
+        /// SAPO: a smooth sigmoid gate on the ratio instead of hard clipping, its temperature
+        /// set by the advantage's sign; reduced as `grpo`.
+        Sapo = "sapo",
     }
 }
 
@@ -73,6 +79,9 @@ pub struct LossOptions {
     /// gradient the unbiased reverse-KL gradient (TRL's default; changes the gradient even
     /// on-policy, where the ratio's value is 1).
     pub use_bias_correction_kl: bool,
+    /// `sapo`: the gate's temperature for tokens with positive / non-positive advantage.
+    pub sapo_temperature_pos: f64,
+    pub sapo_temperature_neg: f64,
 }
 
 /// How a micro-batch's summed token losses are normalized. All but `dapo` also divide by the
@@ -191,6 +200,42 @@ pub fn clipped_surrogate(log_w: &Tensor, adv: &Tensor, opts: &LossOptions) -> Re
     Ok(l1.minimum(&l2)?.neg()?)
 }
 
+/// CISPO per token: `-min(r, eps_high).detach() * A * logp`. `log_w` [N, T] or [N, 1], `logps`
+/// [N, T], `adv` [N] -> [N, T].
+pub fn cispo_surrogate(
+    log_w: &Tensor,
+    logps: &Tensor,
+    adv: &Tensor,
+    epsilon_high: f64,
+) -> Result<Tensor> {
+    let w = log_w
+        .exp()?
+        .clamp(f64::NEG_INFINITY, epsilon_high)?
+        .detach();
+    let wa = w.broadcast_mul(&adv.unsqueeze(1)?)?; // [N, T or 1]
+    Ok(wa.broadcast_mul(logps)?.neg()?)
+}
+
+/// SAPO per token: `-sigmoid(tau * (r - 1)) * 4 / tau * A`, `tau` = `temp_pos` where A > 0,
+/// else `temp_neg`. `log_w` [N, T] or [N, 1], `adv` [N] -> [N, T or 1].
+pub fn sapo_surrogate(
+    log_w: &Tensor,
+    adv: &Tensor,
+    temp_pos: f64,
+    temp_neg: f64,
+) -> Result<Tensor> {
+    let a: Vec<f32> = adv.to_vec1()?;
+    let tau: Vec<f32> = a
+        .iter()
+        .map(|&x| if x > 0.0 { temp_pos } else { temp_neg } as f32)
+        .collect();
+    let tau = Tensor::from_vec(tau, (a.len(), 1), adv.device())?; // [N, 1]
+    let z = (log_w.exp()? - 1.0)?.broadcast_mul(&tau)?; // [N, T or 1]
+                                                        // sigmoid from ops that all record a backward.
+    let gate = ((z.neg()?.exp()? + 1.0)?.recip()? * 4.0)?.broadcast_div(&tau)?;
+    Ok(gate.broadcast_mul(&adv.unsqueeze(1)?)?.neg()?)
+}
+
 /// Reduces masked per-token losses [N, T] to the scalar of `loss_type`.
 pub fn reduce(
     per_token: &Tensor,
@@ -203,14 +248,14 @@ pub fn reduce(
     let micro = r.totals(mask)?;
     let rows = micro.rows.max(1) as f64;
     Ok(match loss_type {
-        LossType::Grpo => {
+        LossType::Grpo | LossType::Sapo => {
             let per_seq =
                 (masked.sum(D::Minus1)? / mask.sum(D::Minus1)?.clamp(1.0, f64::INFINITY)?)?; // [N]
             (per_seq.sum_all()? / (rows * accum))?
         }
         LossType::Bnpo => (masked.sum_all()? / (micro.active_tokens.max(1.0) * accum))?,
         LossType::DrGrpo => (masked.sum_all()? / (rows * r.max_completion_length as f64 * accum))?,
-        LossType::Dapo => (masked.sum_all()? / r.dapo_tokens.max(1.0))?,
+        LossType::Dapo | LossType::Cispo => (masked.sum_all()? / r.dapo_tokens.max(1.0))?,
     })
 }
 
@@ -221,7 +266,7 @@ fn masked_mean(x: &Tensor, mask: &Tensor) -> Result<f32> {
     Ok(if den > 0.0 { num / den } else { 0.0 })
 }
 
-/// The GRPO loss of one micro-batch (TRL's `_compute_loss` for grpo/bnpo/dr_grpo/dapo).
+/// The GRPO loss of one micro-batch (TRL's `_compute_loss` for grpo/bnpo/dr_grpo/dapo/cispo/sapo).
 pub fn grpo_loss(inp: &LossInputs, opts: &LossOptions, red: &Reduction) -> Result<LossOutput> {
     let detached;
     let old = match inp.old_logps {
@@ -232,7 +277,16 @@ pub fn grpo_loss(inp: &LossInputs, opts: &LossOptions, red: &Reduction) -> Resul
         }
     };
     let log_w = log_importance_weights(inp.logps, old, inp.mask, opts.importance_sampling_level)?;
-    let surrogate = clipped_surrogate(&log_w, inp.advantages, opts)?; // [N, T] or [N, 1]
+    let surrogate = match opts.loss_type {
+        LossType::Cispo => cispo_surrogate(&log_w, inp.logps, inp.advantages, opts.epsilon_high)?,
+        LossType::Sapo => sapo_surrogate(
+            &log_w,
+            inp.advantages,
+            opts.sapo_temperature_pos,
+            opts.sapo_temperature_neg,
+        )?,
+        _ => clipped_surrogate(&log_w, inp.advantages, opts)?,
+    }; // [N, T] or [N, 1]
     let (n, t) = inp.logps.dims2()?;
     let surrogate = surrogate.broadcast_as((n, t))?;
 
@@ -380,13 +434,30 @@ mod tests {
             beta,
             entropy_coef: 0.0,
             use_bias_correction_kl: false,
+            sapo_temperature_pos: 1.0,
+            sapo_temperature_neg: 1.05,
         }
     }
 
     /// Plain-f32 twin of `grpo_loss` (loss value only).
-    #[allow(clippy::too_many_arguments)]
     fn loss_slow(
         logp: &[Vec<f32>],
+        old: &[Vec<f32>],
+        refp: &[Vec<f32>],
+        adv: &[f32],
+        mask: &[Vec<f32>],
+        o: &LossOptions,
+        r: &Reduction,
+    ) -> f32 {
+        loss_slow_w(logp, logp, old, refp, adv, mask, o, r)
+    }
+
+    /// [`loss_slow`] with CISPO's (detached) weight taken from `w_logp`, so that central
+    /// differences in `logp` give the gradient autograd computes.
+    #[allow(clippy::too_many_arguments)]
+    fn loss_slow_w(
+        logp: &[Vec<f32>],
+        w_logp: &[Vec<f32>],
         old: &[Vec<f32>],
         refp: &[Vec<f32>],
         adv: &[f32],
@@ -397,23 +468,38 @@ mod tests {
         let n = logp.len();
         let t = logp[0].len();
         let mut per_tok = vec![vec![0f32; t]; n];
-        for i in 0..n {
-            let seq_w = {
+        // Log importance weight of token (i, j) from log-probs `lp`.
+        let log_w = |lp: &[Vec<f32>], i: usize, j: usize| match o.importance_sampling_level {
+            IsLevel::Token => lp[i][j] - old[i][j],
+            IsLevel::Sequence => {
                 let (mut s, mut c) = (0f32, 0f32);
-                for j in 0..t {
-                    s += (logp[i][j] - old[i][j]) * mask[i][j];
-                    c += mask[i][j];
+                for k in 0..t {
+                    s += (lp[i][k] - old[i][k]) * mask[i][k];
+                    c += mask[i][k];
                 }
                 s / c.max(1.0)
-            };
+            }
+        };
+        for i in 0..n {
             for j in 0..t {
-                let lw = match o.importance_sampling_level {
-                    IsLevel::Token => logp[i][j] - old[i][j],
-                    IsLevel::Sequence => seq_w,
-                };
+                let lw = log_w(logp, i, j);
                 let c1 = lw.exp();
                 let c2 = c1.clamp(1.0 - o.epsilon_low as f32, 1.0 + o.epsilon_high as f32);
-                let mut l = -(c1 * adv[i]).min(c2 * adv[i]);
+                let mut l = match o.loss_type {
+                    LossType::Cispo => {
+                        let w = log_w(w_logp, i, j).exp();
+                        -w.min(o.epsilon_high as f32) * adv[i] * logp[i][j]
+                    }
+                    LossType::Sapo => {
+                        let tau = if adv[i] > 0.0 {
+                            o.sapo_temperature_pos
+                        } else {
+                            o.sapo_temperature_neg
+                        } as f32;
+                        -(1.0 / (1.0 + (-tau * (c1 - 1.0)).exp())) * 4.0 / tau * adv[i]
+                    }
+                    _ => -(c1 * adv[i]).min(c2 * adv[i]),
+                };
                 if o.beta != 0.0 {
                     let d = refp[i][j] - logp[i][j];
                     l += o.beta as f32 * (d.exp() - d - 1.0);
@@ -425,7 +511,7 @@ mod tests {
         let active: f32 = mask.iter().flatten().sum();
         let accum = r.accumulation_steps as f32;
         match o.loss_type {
-            LossType::Grpo => {
+            LossType::Grpo | LossType::Sapo => {
                 let s: f32 = (0..n)
                     .map(|i| per_tok[i].iter().sum::<f32>() / mask[i].iter().sum::<f32>().max(1.0))
                     .sum();
@@ -433,7 +519,7 @@ mod tests {
             }
             LossType::Bnpo => total / active.max(1.0) / accum,
             LossType::DrGrpo => total / (n * r.max_completion_length) as f32 / accum,
-            LossType::Dapo => total / r.dapo_tokens as f32,
+            LossType::Dapo | LossType::Cispo => total / r.dapo_tokens as f32,
         }
     }
 
@@ -475,10 +561,15 @@ mod tests {
             LossType::Bnpo,
             LossType::DrGrpo,
             LossType::Dapo,
+            LossType::Cispo,
+            LossType::Sapo,
         ] {
             for level in [IsLevel::Token, IsLevel::Sequence] {
                 for beta in [0.0, 0.04] {
-                    let o = opts(lt, level, beta);
+                    let mut o = opts(lt, level, beta);
+                    if lt == LossType::Cispo {
+                        o.epsilon_high = 1.1; // clips some of these ratios
+                    }
                     let lp = Var::from_tensor(&t2(&logp)).unwrap();
                     let (oldt, reft, maskt) = (t2(&old), t2(&refp), t2(&mask));
                     let advt = Tensor::new(&adv, &Device::Cpu).unwrap();
@@ -508,8 +599,8 @@ mod tests {
                     let (mut up, mut dn) = (logp.clone(), logp.clone());
                     up[1][2] += h;
                     dn[1][2] -= h;
-                    let fd = (loss_slow(&up, &old, &refp, &adv, &mask, &o, &red)
-                        - loss_slow(&dn, &old, &refp, &adv, &mask, &o, &red))
+                    let fd = (loss_slow_w(&up, &logp, &old, &refp, &adv, &mask, &o, &red)
+                        - loss_slow_w(&dn, &logp, &old, &refp, &adv, &mask, &o, &red))
                         / (2.0 * h);
                     assert!(
                         (g[1][2] - fd).abs() < 2e-3,

@@ -14,7 +14,6 @@ use grpo::advantages::{combine_rewards, decoupled_advantages, group_advantages, 
 use grpo::hub::ModelSource;
 use grpo::logprobs::{completion_logprobs, Entropy, Packing};
 use grpo::loss::{grpo_loss, LossInputs, LossOptions, Reduction};
-use grpo::loss::{IsLevel, LossType};
 use grpo::models::grad_sink::GradSink;
 use grpo::models::{CausalLm, Mode};
 use grpo::optim::LrSchedule;
@@ -62,6 +61,19 @@ fn ids(v: &Value) -> Vec<Vec<u32>> {
 }
 
 /// Largest absolute difference between two tensors of one shape.
+/// The largest |a - b| over the elements, relative to the largest |b| when that is above 1
+/// (gradients of a few units carry f32 summation-order noise of about 1e-5).
+fn grad_diff(a: &Tensor, b: &Tensor) -> f32 {
+    let scale = b
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    max_abs_diff(a, b) / scale.max(1.0)
+}
+
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     (a - b)
         .unwrap()
@@ -165,7 +177,7 @@ fn loss_and_every_gradient_equal_trl() {
         .collect();
     let c_of: Vec<&[u32]> = comps.iter().map(|x| x.as_slice()).collect();
     let cases = c["cases"].as_array().unwrap();
-    assert_eq!(cases.len(), 34);
+    assert_eq!(cases.len(), 50);
     for (ci, case) in cases.iter().enumerate() {
         let name = case["name"].as_str().unwrap();
         // Both layouts are pinned to TRL: groups packed behind one prompt, and one row each.
@@ -221,28 +233,22 @@ fn loss_and_every_gradient_equal_trl() {
             .unwrap()
             .to_scalar::<f32>()
             .unwrap();
-        assert!(d < 1e-5, "{name}: log-probs differ from TRL's by {d}");
+        // Relative to the largest |log-prob| (about 11 over this vocabulary): TRL's own runs of
+        // the script differ from each other by 1e-5 there.
+        let scale = (want_lp.abs().unwrap() * &mask)
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+            .max(1.0);
+        assert!(
+            d / scale < 2e-6,
+            "{name}: log-probs differ from TRL's by {d}"
+        );
         let old = (!case["old_logps"].is_null()).then(|| grid(&case["old_logps"]));
         let refl = (!case["ref_logps"].is_null()).then(|| grid(&case["ref_logps"]));
-        let opts = LossOptions {
-            loss_type: match case["loss_type"].as_str().unwrap() {
-                "grpo" => LossType::Grpo,
-                "bnpo" => LossType::Bnpo,
-                "dr_grpo" => LossType::DrGrpo,
-                _ => LossType::Dapo,
-            },
-            importance_sampling_level: if case["importance_sampling_level"] == "sequence" {
-                IsLevel::Sequence
-            } else {
-                IsLevel::Token
-            },
-            epsilon_low: 0.2,
-            epsilon_high: 0.28,
-            delta: None,
-            beta: case["beta"].as_f64().unwrap(),
-            entropy_coef: 0.0,
-            use_bias_correction_kl: true, // TRL 1.16's default
-        };
+        let opts = loss_options(case);
         let red = Reduction {
             accumulation_steps: 1,
             max_completion_length: lc,
@@ -275,7 +281,7 @@ fn loss_and_every_gradient_equal_trl() {
                 .as_ref()
                 .or_else(|| g.get(v))
                 .unwrap_or_else(|| panic!("{name}: no gradient for {k}"));
-            let d = max_abs_diff(got, &grads_want[&format!("{name}/{k}")]);
+            let d = grad_diff(got, &grads_want[&format!("{name}/{k}")]);
             assert!(
                 d < 1e-5,
                 "{name}: gradient of {k} differs from TRL's by {d}"
@@ -410,11 +416,14 @@ fn loss_options(case: &Value) -> LossOptions {
             .parse()
             .unwrap(),
         epsilon_low: 0.2,
-        epsilon_high: 0.28,
+        // The script's default; cispo cases give their own (TRL's epsilon_max).
+        epsilon_high: case["epsilon_high"].as_f64().unwrap_or(0.28),
         delta: None,
         beta: case["beta"].as_f64().unwrap(),
         entropy_coef: 0.0,
         use_bias_correction_kl: true, // TRL 1.16's default
+        sapo_temperature_pos: 1.0,    // TRL 1.16's defaults
+        sapo_temperature_neg: 1.05,
     }
 }
 
@@ -473,7 +482,7 @@ fn the_trainers_update_equals_trl() {
             st.loss
         );
         for (k, g) in p.names.iter().zip(&grads) {
-            let d = max_abs_diff(g, &grads_want[&format!("{name}/{k}")]);
+            let d = grad_diff(g, &grads_want[&format!("{name}/{k}")]);
             assert!(
                 d < 1e-5,
                 "{name}: gradient of {k} differs from TRL's by {d}"

@@ -426,6 +426,8 @@ pub fn update_options(cfg: &TrainConfig, pad: u32) -> UpdateOptions {
             beta: cfg.kl.loss_beta(),
             entropy_coef: cfg.entropy_coef,
             use_bias_correction_kl: cfg.use_bias_correction_kl,
+            sapo_temperature_pos: cfg.sapo_temperature_pos,
+            sapo_temperature_neg: cfg.sapo_temperature_neg,
         },
         entropy: if cfg.entropy_coef != 0.0 {
             Entropy::WithGrad
