@@ -262,6 +262,8 @@ pub struct TrainConfig {
     pub ignored_keys: Vec<String>,
     /// TRL's `resume_from_checkpoint = true`: resume as `--resume` does.
     pub resume_from_checkpoint: bool,
+    /// Extra chat-template variables (TRL's `chat_template_kwargs`, e.g. `enable_thinking`).
+    pub chat_template_kwargs: serde_json::Map<String, Value>,
     /// The merged values of every key (and the `[[rewards]]` tables as given), for
     /// [`Self::to_toml`].
     resolved: BTreeMap<String, Value>,
@@ -1077,8 +1079,6 @@ const IGNORED: &[&str] = &[
     "save_only_model",
     "per_device_eval_batch_size",
     "shuffle_dataset_seed",
-    "generation_kwargs",
-    "chat_template_kwargs",
     "vllm_gpu_memory_utilization",
     "report_to_wandb",
     "attn_implementation",
@@ -1129,7 +1129,6 @@ pub fn ignore_reason(key: &str) -> &'static str {
         k if k.starts_with("ddp_") || k.starts_with("dataloader_") || k == "ds3_gather_for_generation" => {
             "PyTorch distributed and data-loader settings"
         }
-        "generation_kwargs" | "chat_template_kwargs" => "not read yet: set the sampling keys (temperature, top_p, ...) directly",
         _ => "no effect in grpo",
     }
 }
@@ -1285,126 +1284,161 @@ impl TrainConfig {
         let mut wandb_log = false;
         let mut script: BTreeMap<String, String> = BTreeMap::new();
         let mut resume_requested = false;
-        let mut apply = |k: String, v: Value, from: &str| -> Result<()> {
-            let k = match k.as_str() {
-                "model_name_or_path" => "model".to_string(),
-                "torch_dtype" => "dtype".to_string(),
-                // The fill-in seed's names (single-step fill-in GRPO).
-                "generator_checkpoint" => "model".to_string(),
-                "judge_checkpoint" => "judge".to_string(),
-                "group_size" => "num_generations".to_string(),
-                "wandb_run_name" => "run_name".to_string(),
-                "kl_beta" => "beta".to_string(),
-                "out_dir" => "output_dir".to_string(),
-                "save_interval" => "save_steps".to_string(),
-                "eval_interval" => "eval_steps".to_string(),
-                // The seeds' PPO-era names (TRL's PPOConfig and their scripts).
-                "cliprange" | "clip_eps" | "clip_range" => "epsilon".to_string(),
-                "save_freq" => "save_steps".to_string(),
-                "init_kl_coef" => "kl_coef".to_string(),
-                "target_kl" => "kl_target".to_string(),
-                "horizon" => "kl_horizon".to_string(),
-                // TRL's ModelConfig names for PEFT.
-                "lora_r" => "lora.r".to_string(),
-                "lora_alpha" => "lora.alpha".to_string(),
-                "lora_dropout" => "lora.dropout".to_string(),
-                "lora_target_modules" => "lora.target_modules".to_string(),
-                "use_rslora" => "lora.use_rslora".to_string(),
-                _ => k,
-            };
-            if k == "use_peft" {
-                // TRL's switch: LoRA with its default rank 16 unless lora_r says otherwise.
-                if v == Value::Bool(true)
-                    && !merged.get("lora.r").is_some_and(|r| r != &Value::from(0))
-                {
-                    merged.insert("lora.r".into(), Value::from(16));
-                }
-                return Ok(());
-            }
-            // `trl grpo`'s script and model arguments.
-            match k.as_str() {
-                "dataset_name" | "dataset_train_split" | "dataset_test_split" => {
-                    let text = match &v {
-                        Value::String(t) => t.clone(),
-                        other => return Err(type_err(&k, "a string", other)),
-                    };
-                    script.insert(k, text);
+        let mut template_kwargs = serde_json::Map::new();
+        let mut apply =
+            |k: String, v: Value, from: &str| -> Result<()> {
+                let k = match k.as_str() {
+                    "model_name_or_path" => "model".to_string(),
+                    "torch_dtype" => "dtype".to_string(),
+                    "num_generations_eval" => "eval_num_samples".to_string(),
+                    // The fill-in seed's names (single-step fill-in GRPO).
+                    "generator_checkpoint" => "model".to_string(),
+                    "judge_checkpoint" => "judge".to_string(),
+                    "group_size" => "num_generations".to_string(),
+                    "wandb_run_name" => "run_name".to_string(),
+                    "kl_beta" => "beta".to_string(),
+                    "out_dir" => "output_dir".to_string(),
+                    "save_interval" => "save_steps".to_string(),
+                    "eval_interval" => "eval_steps".to_string(),
+                    // The seeds' PPO-era names (TRL's PPOConfig and their scripts).
+                    "cliprange" | "clip_eps" | "clip_range" => "epsilon".to_string(),
+                    "save_freq" => "save_steps".to_string(),
+                    "init_kl_coef" => "kl_coef".to_string(),
+                    "target_kl" => "kl_target".to_string(),
+                    "horizon" => "kl_horizon".to_string(),
+                    // TRL's ModelConfig names for PEFT.
+                    "lora_r" => "lora.r".to_string(),
+                    "lora_alpha" => "lora.alpha".to_string(),
+                    "lora_dropout" => "lora.dropout".to_string(),
+                    "lora_target_modules" => "lora.target_modules".to_string(),
+                    "use_rslora" => "lora.use_rslora".to_string(),
+                    _ => k,
+                };
+                if k == "use_peft" {
+                    // TRL's switch: LoRA with its default rank 16 unless lora_r says otherwise.
+                    if v == Value::Bool(true)
+                        && !merged.get("lora.r").is_some_and(|r| r != &Value::from(0))
+                    {
+                        merged.insert("lora.r".into(), Value::from(16));
+                    }
                     return Ok(());
                 }
-                "resume_from_checkpoint" => {
-                    return match v {
-                        Value::Bool(b) => {
-                            resume_requested = b;
-                            Ok(())
+                // `trl grpo`'s script and model arguments.
+                match k.as_str() {
+                    // TRL passes these to generate(); those that map onto the sampler are set
+                    // as its keys (they win, as in TRL), the rest are refused by name.
+                    "generation_kwargs" => {
+                        let Value::Object(m) = v else {
+                            return Err(type_err(&k, "a table of generation options", &v));
+                        };
+                        for (g, gv) in m {
+                            let key =
+                                match g.as_str() {
+                                    "temperature" | "top_p" | "top_k" | "min_p"
+                                    | "repetition_penalty" => g.clone(),
+                                    "max_new_tokens" => "max_completion_length".into(),
+                                    "stop_strings" | "stop" => "stop".into(),
+                                    "do_sample" if gv == Value::Bool(true) => continue,
+                                    other => return Err(Error::config(
+                                        &format!("generation_kwargs.{other}"),
+                                        "not a sampling option grpo has: give temperature, top_p, \
+                                     top_k, min_p, repetition_penalty, max_new_tokens, \
+                                     stop_strings (or do_sample = true)",
+                                    )),
+                                };
+                            merged.insert(key, gv);
                         }
-                        Value::Null => Ok(()),
-                        other => Err(Error::config(
-                            "resume_from_checkpoint",
-                            format!(
+                        return Ok(());
+                    }
+                    "dataset_name" | "dataset_train_split" | "dataset_test_split" => {
+                        let text = match &v {
+                            Value::String(t) => t.clone(),
+                            other => return Err(type_err(&k, "a string", other)),
+                        };
+                        script.insert(k, text);
+                        return Ok(());
+                    }
+                    "chat_template_kwargs" => {
+                        let Value::Object(m) = v else {
+                            return Err(type_err(&k, "a table of chat-template variables", &v));
+                        };
+                        template_kwargs = m;
+                        return Ok(());
+                    }
+                    "resume_from_checkpoint" => {
+                        return match v {
+                            Value::Bool(b) => {
+                                resume_requested = b;
+                                Ok(())
+                            }
+                            Value::Null => Ok(()),
+                            other => Err(Error::config(
+                                "resume_from_checkpoint",
+                                format!(
                                 "{other}: grpo resumes from the newest checkpoint in output_dir: \
                                  set resume_from_checkpoint = true (or pass --resume) with \
                                  output_dir = the run's directory"
                             ),
-                        )),
-                    };
-                }
-                "load_in_4bit" | "load_in_8bit" => {
-                    if v == Value::Bool(true) {
-                        let q = if k == "load_in_4bit" { "q4_0" } else { "q8_0" };
-                        merged.insert("base_quantization".into(), Value::String(q.into()));
-                        ignored.push(k);
+                            )),
+                        };
                     }
-                    return Ok(());
-                }
-                "model_revision" => {
-                    if v != Value::String("main".into()) && !v.is_null() {
-                        return Err(Error::config(
-                            "model_revision",
-                            format!(
-                                "{v}: grpo loads a hub model's main revision; download the \
+                    "load_in_4bit" | "load_in_8bit" => {
+                        if v == Value::Bool(true) {
+                            let q = if k == "load_in_4bit" { "q4_0" } else { "q8_0" };
+                            merged.insert("base_quantization".into(), Value::String(q.into()));
+                            ignored.push(k);
+                        }
+                        return Ok(());
+                    }
+                    "model_revision" => {
+                        if v != Value::String("main".into()) && !v.is_null() {
+                            return Err(Error::config(
+                                "model_revision",
+                                format!(
+                                    "{v}: grpo loads a hub model's main revision; download the \
                                  revision you want and give its directory as model"
-                            ),
+                                ),
+                            ));
+                        }
+                        return Ok(());
+                    }
+                    "use_dora" if v == Value::Bool(true) => {
+                        return Err(Error::config(
+                            "use_dora",
+                            "DoRA adapters are not supported: use LoRA (use_peft = true)",
                         ));
                     }
+                    _ => {}
+                }
+                if k == "wandb_log" {
+                    // The seeds' switch: W&B beside what report_to already names.
+                    wandb_log = v == Value::Bool(true);
                     return Ok(());
                 }
-                "use_dora" if v == Value::Bool(true) => {
+                if k == "rewards" {
+                    reward_tables = match v {
+                        Value::Array(a) => a,
+                        other => {
+                            return Err(type_err("rewards", "a list of [[rewards]] tables", &other))
+                        }
+                    };
+                    return Ok(());
+                }
+                if KEYS.iter().any(|d| d.key == k) {
+                    merged.insert(k, v);
+                } else if IGNORED.contains(&k.as_str()) || k.starts_with("vllm_") {
+                    if k == "bf16" && v == Value::Bool(true) {
+                        merged.insert("dtype".into(), Value::String("bf16".into()));
+                    }
+                    ignored.push(k);
+                } else {
                     return Err(Error::config(
-                        "use_dora",
-                        "DoRA adapters are not supported: use LoRA (use_peft = true)",
+                        &k,
+                        format!("unknown key in {from}{}", suggest(&k)),
                     ));
                 }
-                _ => {}
-            }
-            if k == "wandb_log" {
-                // The seeds' switch: W&B beside what report_to already names.
-                wandb_log = v == Value::Bool(true);
-                return Ok(());
-            }
-            if k == "rewards" {
-                reward_tables = match v {
-                    Value::Array(a) => a,
-                    other => {
-                        return Err(type_err("rewards", "a list of [[rewards]] tables", &other))
-                    }
-                };
-                return Ok(());
-            }
-            if KEYS.iter().any(|d| d.key == k) {
-                merged.insert(k, v);
-            } else if IGNORED.contains(&k.as_str()) || k.starts_with("vllm_") {
-                if k == "bf16" && v == Value::Bool(true) {
-                    merged.insert("dtype".into(), Value::String("bf16".into()));
-                }
-                ignored.push(k);
-            } else {
-                return Err(Error::config(
-                    &k,
-                    format!("unknown key in {from}{}", suggest(&k)),
-                ));
-            }
-            Ok(())
-        };
+                Ok(())
+            };
         let has_bf16 = doc.get("bf16") == Some(&Value::Bool(true));
         if has_bf16 && doc.contains_key("dtype") {
             return Err(Error::config(
@@ -1470,9 +1504,16 @@ impl TrainConfig {
         }
         cfg.ignored_keys = ignored;
         cfg.resume_from_checkpoint = resume_requested;
+        cfg.chat_template_kwargs = template_kwargs.clone();
         let mut resolved = merged;
         if !reward_tables.is_empty() {
             resolved.insert("rewards".into(), Value::Array(reward_tables));
+        }
+        if !template_kwargs.is_empty() {
+            resolved.insert(
+                "chat_template_kwargs".into(),
+                Value::Object(template_kwargs),
+            );
         }
         cfg.resolved = resolved;
         Ok(cfg)
@@ -1860,6 +1901,7 @@ impl TrainConfig {
             load_best_model_at_end,
             ignored_keys: vec![],
             resume_from_checkpoint: false,
+            chat_template_kwargs: Default::default(),
             resolved: BTreeMap::new(),
         })
     }
@@ -2423,6 +2465,30 @@ lora_target_modules: [q_proj, k_proj]
         )
         .unwrap();
         assert_eq!(c.task.mask_ratio, (0.3, 0.3));
+    }
+
+    #[test]
+    fn trl_generation_and_template_kwargs_map_onto_grpo() {
+        let y = "generation_kwargs:\n  temperature: 0.7\n  top_k: 20\n  max_new_tokens: 64\n  \
+                 do_sample: true\nchat_template_kwargs:\n  enable_thinking: false\n\
+                 num_generations_eval: 6\n";
+        let c = load(y, Format::Yaml, &[]).unwrap();
+        assert_eq!(
+            (c.temperature, c.top_k, c.max_completion_length),
+            (0.7, 20, 64)
+        );
+        assert_eq!(c.eval_num_samples, 6);
+        assert_eq!(
+            c.chat_template_kwargs["enable_thinking"],
+            Value::Bool(false)
+        );
+        // Into config.toml and back.
+        let back = TrainConfig::from_str(&c.to_toml(), Format::Toml, "t", &[]).unwrap();
+        assert_eq!(back.chat_template_kwargs, c.chat_template_kwargs);
+        let e = load("generation_kwargs:\n  num_beams: 4\n", Format::Yaml, &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("generation_kwargs.num_beams"), "{e}");
     }
 
     #[test]

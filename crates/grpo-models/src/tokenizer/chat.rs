@@ -81,6 +81,7 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
         special_tokens: &[(String, String)],
+        extra: &[(String, serde_json::Value)],
     ) -> Result<String> {
         let template = self.env.get_template(NAME).map_err(|e| {
             Error::Tokenizer(format!(
@@ -100,6 +101,13 @@ impl ChatTemplate {
             "add_generation_prompt".into(),
             Value::from(add_generation_prompt),
         ));
+        // transformers' `apply_chat_template(**kwargs)`: extra template variables
+        // (`enable_thinking` for Qwen3).
+        vars.extend(
+            extra
+                .iter()
+                .map(|(k, v)| (k.clone(), Value::from_serialize(v))),
+        );
         let ctx: Value = vars.into_iter().collect();
         template.render(ctx).map_err(|e| {
             Error::Tokenizer(format!(
@@ -598,6 +606,20 @@ fn python_float_repr(f: f64) -> String {
 mod tests {
     use super::*;
 
+    #[test]
+    fn template_kwargs_are_variables_of_the_template() {
+        let t = ChatTemplate::compile(
+            "{% for m in messages %}{{ m.content }}{% endfor %}\
+             {% if enable_thinking is defined and not enable_thinking %}<nothink>{% endif %}",
+            "test",
+        )
+        .unwrap();
+        let msgs = [ChatMessage::user("hi")];
+        assert_eq!(t.render(&msgs, true, &[], &[]).unwrap(), "hi");
+        let kw = [("enable_thinking".to_string(), serde_json::json!(false))];
+        assert_eq!(t.render(&msgs, true, &[], &kw).unwrap(), "hi<nothink>");
+    }
+
     fn render(
         source: &str,
         messages: &[ChatMessage],
@@ -607,7 +629,12 @@ mod tests {
             ("bos_token".to_owned(), "<s>".to_owned()),
             ("eos_token".to_owned(), "</s>".to_owned()),
         ];
-        ChatTemplate::compile(source, "test")?.render(messages, add_generation_prompt, &special)
+        ChatTemplate::compile(source, "test")?.render(
+            messages,
+            add_generation_prompt,
+            &special,
+            &[],
+        )
     }
 
     fn msgs() -> Vec<ChatMessage> {

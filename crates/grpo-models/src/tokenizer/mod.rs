@@ -75,6 +75,8 @@ pub struct Tokenizer {
     pad_id: Option<u32>,
     /// (variable name, token string) of the named special tokens, for the chat template.
     template_tokens: Vec<(String, String)>,
+    /// Extra chat-template variables (`chat_template_kwargs`).
+    template_kwargs: Vec<(String, serde_json::Value)>,
     chat: Option<ChatTemplate>,
     /// Why there is no chat template, for the error message.
     no_chat_reason: String,
@@ -260,6 +262,7 @@ impl Tokenizer {
             eos_id,
             pad_id,
             template_tokens,
+            template_kwargs: vec![],
             chat,
             no_chat_reason,
             clean_up_spaces,
@@ -305,6 +308,7 @@ impl Tokenizer {
             eos_id: g.eos,
             pad_id: g.pad,
             template_tokens,
+            template_kwargs: vec![],
             chat,
             no_chat_reason: format!("{} has no `tokenizer.chat_template`", path.display()),
             clean_up_spaces: false,
@@ -430,6 +434,16 @@ impl Tokenizer {
         write("tokenizer_config.json", &text)
     }
 
+    /// Passes `kwargs` to the chat template as variables (transformers'
+    /// `apply_chat_template(..., **kwargs)`; TRL's `chat_template_kwargs`).
+    pub fn with_template_kwargs(
+        mut self,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Self {
+        self.template_kwargs = kwargs.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        self
+    }
+
     /// Renders `messages` with the chat template, like transformers'
     /// `apply_chat_template(messages, tokenize=False, add_generation_prompt=...)`.
     pub fn apply_chat_template(
@@ -438,7 +452,12 @@ impl Tokenizer {
         add_generation_prompt: bool,
     ) -> Result<String> {
         match &self.chat {
-            Some(template) => template.render(messages, add_generation_prompt, &self.template_tokens),
+            Some(template) => template.render(
+                messages,
+                add_generation_prompt,
+                &self.template_tokens,
+                &self.template_kwargs,
+            ),
             None => Err(Error::Tokenizer(format!(
                 "no chat template: {}; use --no-chat to feed prompts as plain text, or supply a chat \
                  template (a `chat_template` in tokenizer_config.json or a chat_template.jinja next to it)",

@@ -200,6 +200,7 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
             kl_needs_ref || rewards_need_ref,
             &device,
         )?;
+        let tok = tok.with_template_kwargs(&cfg.chat_template_kwargs);
         super::trace_memory("loading the policy and reference");
         let pad = tok.pad_token_id().or(tok.eos_token_id()).unwrap_or(0);
         tracing::info!(
