@@ -1340,7 +1340,7 @@ impl TrainConfig {
                                     "stop_strings" | "stop" => "stop".into(),
                                     "do_sample" if gv == Value::Bool(true) => continue,
                                     other => return Err(Error::config(
-                                        &format!("generation_kwargs.{other}"),
+                                        format!("generation_kwargs.{other}"),
                                         "not a sampling option grpo has: give temperature, top_p, \
                                      top_k, min_p, repetition_penalty, max_new_tokens, \
                                      stop_strings (or do_sample = true)",
