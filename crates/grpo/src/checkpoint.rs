@@ -23,6 +23,9 @@ pub struct HfExport<'a> {
     /// HF names -> tensors (HF layout), saved in their dtype.
     pub tensors: &'a [(String, Tensor)],
     pub tokenizer: Option<&'a Tokenizer>,
+    /// The source model's `generation_config.json` (its sampling defaults are carried through;
+    /// the EOS and BOS ids are set from the model).
+    pub generation_config: Option<&'a serde_json::Value>,
     pub eos_token_ids: &'a [u32],
 }
 
@@ -97,6 +100,12 @@ pub struct LoadedCheckpoint {
     pub config_toml: String,
 }
 
+/// The `generation_config.json` beside a model (`origin` an HF directory), if any.
+pub fn source_generation_config(origin: &Path) -> Option<serde_json::Value> {
+    let text = std::fs::read_to_string(origin.join("generation_config.json")).ok()?;
+    serde_json::from_str(&text).ok()
+}
+
 /// Writes an HF model directory into `dir` (created; must not hold a model already).
 pub fn write_hf_model(dir: &Path, export: &HfExport) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| Error::file(dir, format!("cannot create: {e}")))?;
@@ -106,10 +115,37 @@ pub fn write_hf_model(dir: &Path, export: &HfExport) -> Result<()> {
             "already holds a model; choose an empty directory",
         ));
     }
-    let cfg = export.config.to_hf_json()?;
+    write_hf_model_as(dir, export, None, None)
+}
+
+/// [`write_hf_model`] with the weights in `dtype` (f32, bf16 or f16; `None`: as they are;
+/// `config.json` says which) and, with `max_shard_bytes`, split into `model-0000K-of-0000N.safetensors` shards with
+/// `model.safetensors.index.json`, as transformers writes large models.
+pub fn write_hf_model_as(
+    dir: &Path,
+    export: &HfExport,
+    dtype: Option<candle_core::DType>,
+    max_shard_bytes: Option<u64>,
+) -> Result<()> {
+    let mut cfg = export.config.to_hf_json()?;
+    let dtype = dtype
+        .or_else(|| export.tensors.first().map(|(_, t)| t.dtype()))
+        .unwrap_or(candle_core::DType::F32);
+    let dtype_name = match dtype {
+        candle_core::DType::BF16 => "bfloat16",
+        candle_core::DType::F16 => "float16",
+        _ => "float32",
+    };
+    cfg["torch_dtype"] = dtype_name.into();
+    cfg["dtype"] = dtype_name.into();
     let pretty = |v: &serde_json::Value| serde_json::to_vec_pretty(v).unwrap_or_default();
     write_file(&dir.join("config.json"), &pretty(&cfg))?;
-    let mut gen = serde_json::json!({ "eos_token_id": export.eos_token_ids });
+    let mut gen = export
+        .generation_config
+        .filter(|g| g.is_object())
+        .cloned()
+        .unwrap_or_else(|| serde_json::json!({}));
+    gen["eos_token_id"] = serde_json::json!(export.eos_token_ids);
     if let Some(b) = export.config.bos_token_id {
         gen["bos_token_id"] = b.into();
     }
@@ -118,9 +154,41 @@ pub fn write_hf_model(dir: &Path, export: &HfExport) -> Result<()> {
         .tensors
         .iter()
         .filter(|(n, _)| !(export.config.tie_word_embeddings && n == "lm_head.weight"))
-        .cloned()
-        .collect();
-    save_tensors(&dir.join("model.safetensors"), &tensors)?;
+        .map(|(n, t)| Ok((n.clone(), t.to_dtype(dtype)?)))
+        .collect::<Result<_>>()?;
+    let bytes = |t: &Tensor| (t.elem_count() * t.dtype().size_in_bytes()) as u64;
+    let total: u64 = tensors.iter().map(|(_, t)| bytes(t)).sum();
+    match max_shard_bytes {
+        Some(max) if total > max => {
+            // Shards in name order, each at most `max` bytes (a larger tensor alone).
+            let mut shards: Vec<Vec<(String, Tensor)>> = vec![vec![]];
+            let mut size = 0u64;
+            for (n, t) in tensors {
+                let b = bytes(&t);
+                if size + b > max && !shards.last().is_some_and(|s| s.is_empty()) {
+                    shards.push(vec![]);
+                    size = 0;
+                }
+                size += b;
+                if let Some(last) = shards.last_mut() {
+                    last.push((n, t));
+                }
+            }
+            let k = shards.len();
+            let mut weight_map = serde_json::Map::new();
+            for (i, shard) in shards.iter().enumerate() {
+                let name = format!("model-{:05}-of-{k:05}.safetensors", i + 1);
+                save_tensors(&dir.join(&name), shard)?;
+                for (n, _) in shard {
+                    weight_map.insert(n.clone(), name.clone().into());
+                }
+            }
+            let index =
+                serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+            write_file(&dir.join("model.safetensors.index.json"), &pretty(&index))?;
+        }
+        _ => save_tensors(&dir.join("model.safetensors"), &tensors)?,
+    }
     if let Some(tok) = export.tokenizer {
         tok.save_hf_dir(dir)?;
     }
@@ -353,6 +421,7 @@ mod tests {
                     config: &m.config,
                     tensors: &tensors,
                     tokenizer: None,
+                    generation_config: None,
                     eos_token_ids: &m.eos_token_ids,
                 },
             )
@@ -379,6 +448,7 @@ mod tests {
                     config: &m.config,
                     tensors: &tensors,
                     tokenizer: None,
+                    generation_config: None,
                     eos_token_ids: &[]
                 }
             )
@@ -419,6 +489,7 @@ mod tests {
                 config: cfg,
                 tensors: t,
                 tokenizer: None,
+                generation_config: None,
                 eos_token_ids: &[2],
             }),
             optimizer: opt,

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::checkpoint::{resolve_run_dir, write_hf_model, HfExport};
+use crate::checkpoint::{resolve_run_dir, HfExport};
 use crate::hub;
 use crate::lora::{self, LoadedAdapter};
 use crate::models::{CausalLm, QuantProj, QuantType};
@@ -146,6 +146,7 @@ pub fn export(
     out: &Path,
     merge: bool,
     base_override: Option<&str>,
+    opts: &ExportOptions,
 ) -> Result<ExportSummary> {
     // A run directory stands for its best (else newest) checkpoint.
     let checkpoint = &resolve_run_dir(checkpoint)?;
@@ -159,7 +160,7 @@ pub fn export(
     let spec = checkpoint.to_string_lossy().to_string();
     if !lora::is_adapter_dir(checkpoint) {
         let base = load_model(&hub::resolve_model(Some(&spec))?, DType::F32, &device)?;
-        return write_merged(out, &base, base.tensors.clone(), 0);
+        return write_merged(out, &base, base.tensors.clone(), 0, opts);
     }
     let adapter = lora::load_peft(checkpoint, &device)?;
     if !merge {
@@ -193,7 +194,25 @@ pub fn export(
     }
     let adapters = lora::adapters(&adapter.tensors, &adapter.config, None)?;
     lora::merge_into(&mut tensors, &base.config, &adapters)?;
-    write_merged(out, &base, tensors, adapters.len())
+    write_merged(out, &base, tensors, adapters.len(), opts)
+}
+
+/// How `grpo export` writes weights.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ExportOptions {
+    /// f32 (default), bf16 or f16.
+    pub dtype: DType,
+    /// Split the weights into shards of at most this many bytes (with an index file).
+    pub max_shard_bytes: Option<u64>,
+}
+
+impl Default for ExportOptions {
+    fn default() -> Self {
+        Self {
+            dtype: DType::F32,
+            max_shard_bytes: None,
+        }
+    }
 }
 
 fn write_merged(
@@ -201,17 +220,23 @@ fn write_merged(
     base: &LoadedModel,
     tensors: HashMap<String, Tensor>,
     merged: usize,
+    opts: &ExportOptions,
 ) -> Result<ExportSummary> {
     let mut named: Vec<(String, Tensor)> = tensors.into_iter().collect();
     named.sort_by(|a, b| a.0.cmp(&b.0));
-    write_hf_model(
+    std::fs::create_dir_all(out).map_err(|e| Error::file(out, format!("cannot create: {e}")))?;
+    let generation = crate::checkpoint::source_generation_config(&base.origin);
+    crate::checkpoint::write_hf_model_as(
         out,
         &HfExport {
             config: &base.config,
             tensors: &named,
             tokenizer: base.tokenizer.as_ref(),
+            generation_config: generation.as_ref(),
             eos_token_ids: &base.eos_token_ids,
         },
+        Some(opts.dtype),
+        opts.max_shard_bytes,
     )?;
     let files = std::fs::read_dir(out)
         .map_err(|e| Error::file(out, format!("cannot list: {e}")))?

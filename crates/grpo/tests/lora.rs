@@ -252,15 +252,48 @@ fn saved_adapters_and_merged_exports_load_back() {
         // `grpo export --merge`: HF weights that give the same logits with no adapter.
         let mdir = root.join(case).join("merged");
         let _ = std::fs::remove_dir_all(&mdir);
-        let s = grpo::export::export(&adir, &mdir, true, None).unwrap();
+        let s = grpo::export::export(&adir, &mdir, true, None, &Default::default()).unwrap();
         assert_eq!(s.merged_adapters, c.adapter.tensors.len() / 2);
         let m = load_model(&ModelSource::HfDir(mdir.clone()), DType::F32, &Device::Cpu).unwrap();
         let (_, logits) = loss_and_logits(&m.build().unwrap(), &c.ids, Mode::Infer);
         let d = max_diff(&logits, &c.expected["logits"]);
         assert!(d < 1e-4, "{case}: exported merged logits differ by {d}");
         // Without --merge the adapter files are copied; an occupied output is refused.
-        let e = grpo::export::export(&adir, &mdir, true, None).unwrap_err();
+        let e = grpo::export::export(&adir, &mdir, true, None, &Default::default()).unwrap_err();
         assert!(e.to_string().contains("already holds a model"), "{e}");
+        // bf16 in shards of at most 20 kB with an index, as transformers writes large models:
+        // grpo loads it back, every tensor the merged f32 weights rounded to bf16.
+        let bdir = root.join(case).join("merged-bf16");
+        let _ = std::fs::remove_dir_all(&bdir);
+        let opts = grpo::export::ExportOptions {
+            dtype: DType::BF16,
+            max_shard_bytes: Some(20_000),
+        };
+        grpo::export::export(&adir, &bdir, true, None, &opts).unwrap();
+        let index: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(bdir.join("model.safetensors.index.json")).unwrap(),
+        )
+        .unwrap();
+        let shards: std::collections::BTreeSet<&str> = index["weight_map"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|v| v.as_str().unwrap())
+            .collect();
+        assert!(shards.len() > 1, "{case}: {shards:?}");
+        let cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(bdir.join("config.json")).unwrap())
+                .unwrap();
+        assert_eq!(cfg["torch_dtype"], "bfloat16");
+        let b = load_model(&ModelSource::HfDir(bdir.clone()), DType::F32, &Device::Cpu).unwrap();
+        for (k, t) in &m.tensors {
+            let want = t
+                .to_dtype(DType::BF16)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap();
+            assert_eq!(max_diff(&b.tensors[k], &want), 0.0, "{case}: {k}");
+        }
     }
 }
 

@@ -100,6 +100,7 @@ fn fixture_policy(m: &grpo::weights::LoadedModel) -> CausalLmPolicy {
         device: Device::Cpu,
         lora: None,
         base_model_name: "fixture".into(),
+        generation_config: None,
     }
 }
 

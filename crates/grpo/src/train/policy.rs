@@ -86,6 +86,8 @@ pub struct CausalLmPolicy {
     pub lora: Option<(CausalLm, LoraConfig)>,
     /// What LoRA checkpoints name as their base (`base_model_name_or_path`).
     pub base_model_name: String,
+    /// The source model's `generation_config.json`, carried into checkpoints.
+    pub generation_config: Option<serde_json::Value>,
 }
 
 impl CausalLmPolicy {
@@ -180,6 +182,7 @@ impl Policy for CausalLmPolicy {
                 config: &self.cfg,
                 tensors,
                 tokenizer: Some(tok),
+                generation_config: self.generation_config.as_ref(),
                 eos_token_ids: &self.cfg.eos_token_ids,
             }),
             Some((_, lcfg)) => ModelFiles::Adapter(AdapterExport {

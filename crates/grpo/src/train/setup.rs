@@ -581,5 +581,6 @@ fn policy_parameters(
         device: device.clone(),
         lora: frozen_base,
         base_model_name: hub::portable_model_name(cfg.model.as_deref(), source),
+        generation_config: checkpoint::source_generation_config(source.path()),
     })
 }
