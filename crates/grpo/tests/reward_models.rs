@@ -331,6 +331,22 @@ fn classifier_and_embedding_rewards_from_reward_tables() {
     let pair = r[2].score(&items).unwrap();
     let l2 = f32s(&case(2)["logits"]);
     assert!((pair[1] - l2[1]).abs() < TOL, "{} vs {}", pair[1], l2[1]);
+    // `joined`: prompt + completion as one text (the toxicity seed's query + response) scores
+    // as that single text does.
+    let t: Vec<Value> = serde_json::from_str(&format!(
+        r#"[{{"kind": "classifier", "model": "{d}", "label": "positive", "input": "joined"}}]"#
+    ))
+    .unwrap();
+    let joined = parse_rewards(&t, &ctx).unwrap();
+    let cut = t0.char_indices().nth(t0.chars().count() / 2).unwrap().0;
+    let exj = Example {
+        prompt: Prompt::Text(t0[..cut].into()),
+        ..ex0.clone()
+    };
+    let j = joined[0]
+        .score(&[ScoreItem::new(&exj, &t0[cut..])])
+        .unwrap()[0];
+    assert!((j - l0[1]).abs() < TOL, "{j} vs {}", l0[1]);
     // Labels that the model does not have are named with the ones it has.
     for (label, want) in [
         (r#""toxic""#, "`toxic` is not a label"),

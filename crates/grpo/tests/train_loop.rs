@@ -907,3 +907,60 @@ fn a_trl_grpo_yaml_trains() {
     assert!(c.ignored_keys.iter().any(|k| k == "load_in_4bit"));
     assert_eq!(c.base_quantization, Some(grpo::models::QuantType::Q4_0));
 }
+
+/// Each example config of a seed's scenario (examples/configs/) trains on a tiny model, with the
+/// fixture BERT classifier standing in for the toxicity classifier.
+#[test]
+fn the_seed_example_configs_train() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    tiny_model(&model);
+    let prompts = tmp.path().join("toxic_prompts.jsonl");
+    std::fs::write(
+        &prompts,
+        "{\"prompt\": \"You are such a\"}\n{\"prompt\": \"I really think that\"}\n",
+    )
+    .unwrap();
+    let classifier = fixtures().join("rewards/bert");
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/configs");
+    for name in ["toxicity", "composite", "math_qlora"] {
+        let text = std::fs::read_to_string(examples.join(format!("{name}.toml")))
+            .unwrap()
+            .replace(
+                "\"toxicity-classifier/\"",
+                &format!("{:?}", classifier.display().to_string()),
+            )
+            .replace(
+                "\"toxic_prompts.jsonl\"",
+                &format!("{:?}", prompts.display().to_string()),
+            );
+        let out = tmp.path().join(name);
+        let overrides: Vec<String> = [
+            format!("--model={}", model.display()),
+            format!("--output_dir={}", out.display()),
+            "--max_steps=1".into(),
+            "--per_device_train_batch_size=8".into(),
+            "--num_generations=8".into(),
+            "--max_completion_length=6".into(),
+            "--eval_num_samples=2".into(),
+            "--eval_k=1,2".into(),
+            "--report_to=none".into(),
+            "--wandb_log=false".into(),
+            "--task.train_size=8".into(),
+            "--task.eval_size=2".into(),
+            "--threads=2".into(),
+        ]
+        .into();
+        let cfg = TrainConfig::from_str(&text, Format::Toml, name, &overrides)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let o = train(&cfg, &RunControl::default()).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(o.steps, 1, "{name}");
+        let m = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        let want = match name {
+            "toxicity" => "rewards/toxicity/mean",
+            "composite" => "rewards/composite/mean",
+            _ => "rewards/correctness/mean",
+        };
+        assert!(m.contains(want), "{name}: {m}");
+    }
+}

@@ -20,6 +20,9 @@ pub enum ClassifierInput {
     PromptCompletion,
     /// The completion alone.
     Completion,
+    /// The prompt and the completion joined into one string (no separator, one segment), as
+    /// the toxicity seed feeds `query + response` to its classifier.
+    Joined,
 }
 
 /// What the reward is.
@@ -84,6 +87,7 @@ impl ClassifierSpec {
                 &[
                     ("prompt_completion", ClassifierInput::PromptCompletion),
                     ("completion", ClassifierInput::Completion),
+                    ("joined", ClassifierInput::Joined),
                 ],
             )?,
             output: t.choice(
@@ -159,11 +163,20 @@ impl ClassifierReward {
     }
 
     pub fn score(&self, items: &[ScoreItem]) -> Result<Vec<f32>> {
+        let joined: Vec<String> = match self.input {
+            ClassifierInput::Joined => items
+                .iter()
+                .map(|it| format!("{}{}", it.prompt_text(), it.completion))
+                .collect(),
+            _ => vec![],
+        };
         let inputs: Vec<(&str, Option<&str>)> = items
             .iter()
-            .map(|it| match self.input {
+            .enumerate()
+            .map(|(i, it)| match self.input {
                 ClassifierInput::PromptCompletion => (it.prompt_text(), Some(it.completion)),
                 ClassifierInput::Completion => (it.completion, None),
+                ClassifierInput::Joined => (joined[i].as_str(), None),
             })
             .collect();
         let logits = match self.input {
