@@ -200,11 +200,39 @@ def main():
                     cases.append(dict(loss_type=loss_type, beta=beta, num_iterations=iters,
                                       importance_sampling_level=level, temperature=1.0,
                                       mask_truncated_completions=False, **extra))
+    # TRL 1.16's token masks (top_entropy_quantile, off_policy_mask_threshold), the entropy bonus,
+    # and the luspo and vespo losses.
+    base = dict(temperature=1.0, mask_truncated_completions=False)
+    for extra in (
+        dict(loss_type="dapo", beta=0.04, num_iterations=2, importance_sampling_level="token",
+             top_entropy_quantile=0.5),
+        dict(loss_type="grpo", beta=0.0, num_iterations=1, importance_sampling_level="token",
+             top_entropy_quantile=0.2),
+        dict(loss_type="dapo", beta=0.0, num_iterations=1, importance_sampling_level="token",
+             entropy_coef=0.01),
+        dict(loss_type="grpo", beta=0.04, num_iterations=2, importance_sampling_level="token",
+             top_entropy_quantile=0.5, entropy_coef=0.01),
+        dict(loss_type="dapo", beta=0.04, num_iterations=2, importance_sampling_level="token",
+             off_policy_mask_threshold=0.0),
+        dict(loss_type="grpo", beta=0.0, num_iterations=2, importance_sampling_level="sequence",
+             off_policy_mask_threshold=0.0),
+        dict(loss_type="vespo", beta=0.0, num_iterations=1, importance_sampling_level="token"),
+        dict(loss_type="vespo", beta=0.0, num_iterations=2, importance_sampling_level="token"),
+        dict(loss_type="vespo", beta=0.04, num_iterations=2, importance_sampling_level="token"),
+        dict(loss_type="luspo", beta=0.0, num_iterations=2, importance_sampling_level="sequence"),
+        dict(loss_type="luspo", beta=0.04, num_iterations=1, importance_sampling_level="sequence"),
+        dict(loss_type="luspo", beta=0.0, num_iterations=2, importance_sampling_level="token"),
+    ):
+        cases.append({**base, **extra})
     with tempfile.TemporaryDirectory() as tmp:
         for c in cases:
             name = "{loss_type}-b{beta}-it{num_iterations}-{importance_sampling_level}-T{temperature}".format(**c)
             if c["mask_truncated_completions"]:
                 name += "-masktrunc"
+            for key, tag in (("top_entropy_quantile", "teq"), ("entropy_coef", "ent"),
+                             ("off_policy_mask_threshold", "opm")):
+                if key in c:
+                    name += f"-{tag}{c[key]}"
             policy = LlamaForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
             policy.train()
             kw = dict(c)
@@ -247,6 +275,27 @@ def main():
                 "num_items_in_batch": int(cm.sum()),
             })
             out["cases"].append(entry)
+        # Adaptive entropy control: TRL's controller over three calls on the fixed batch (one
+        # optimizer step each), the coefficient starting at 0.01 and the target above the entropy.
+        policy = LlamaForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
+        policy.train()
+        ada = dict(loss_type="dapo", beta=0.0, num_iterations=1, importance_sampling_level="token",
+                   use_adaptive_entropy=True, entropy_coef=0.01, entropy_coef_delta=0.005,
+                   entropy_coef_max=0.02, entropy_target=100.0)
+        trainer = make_trainer(policy, tok, tmp, **ada)
+        trainer.current_gradient_accumulation_steps = 1
+        cm = t(comp_mask)
+        inputs = {
+            "prompt_ids": t(prompt_ids), "prompt_mask": t(prompt_mask),
+            "completion_ids": t(comp_ids), "completion_mask": cm,
+            "advantages": adv_group.clone(), "num_items_in_batch": cm.sum(),
+        }
+        losses, coefs = [], []
+        for _ in range(4):
+            losses.append(trainer._compute_loss(policy, inputs).item())
+            coefs.append(trainer.entropy_coef)
+        out["adaptive_entropy"] = dict(ada, losses=losses, coefs=coefs,
+                                       last_entropy=trainer._last_world_entropy)
     save_file(grads, os.path.join(a.out, "grads.safetensors"))
     with open(os.path.join(a.out, "cases.json"), "w") as f:
         json.dump(out, f, indent=1, sort_keys=True)

@@ -143,6 +143,7 @@ pub fn sampling_params(a: &GenerateArgs, eos: Vec<u32>) -> SamplingParams {
         repetition_penalty: a.repetition_penalty,
         stop_strings: a.stop.clone(),
         eos_token_ids: eos,
+        max_batch_sequences: 0,
     }
 }
 

@@ -43,6 +43,9 @@ pub struct SamplingParams {
     /// Generation stops once the completion text contains one of these (kept in the output).
     pub stop_strings: Vec<String>,
     pub eos_token_ids: Vec<u32>,
+    /// Sequences decoded at once, in whole groups (at least one group); 0: every prompt's group
+    /// together. Bounds the KV cache's memory; a completion does not depend on it.
+    pub max_batch_sequences: usize,
 }
 
 impl Default for SamplingParams {
@@ -57,6 +60,7 @@ impl Default for SamplingParams {
             repetition_penalty: 1.0,
             stop_strings: vec![],
             eos_token_ids: vec![],
+            max_batch_sequences: 0,
         }
     }
 }
@@ -133,6 +137,19 @@ pub struct GenStats {
     pub compactions: usize,
 }
 
+impl GenStats {
+    /// Adds another pass's figures.
+    pub fn add(&mut self, o: &GenStats) {
+        self.prefill_s += o.prefill_s;
+        self.decode_s += o.decode_s;
+        self.sample_s += o.sample_s;
+        self.prompt_tokens += o.prompt_tokens;
+        self.generated_tokens += o.generated_tokens;
+        self.decode_steps += o.decode_steps;
+        self.compactions += o.compactions;
+    }
+}
+
 struct Row {
     prompt: usize,
     rng: ChaCha8Rng,
@@ -200,6 +217,26 @@ pub fn generate_streaming(
     let mut stats = GenStats::default();
     if prompts.is_empty() {
         return Ok((vec![], stats));
+    }
+    let cap = params.max_batch_sequences;
+    if cap > 0 && prompts.len() * n > cap {
+        // Whole groups per pass; each pass is an independent call.
+        let per = (cap / n).max(1);
+        let one_pass = SamplingParams {
+            max_batch_sequences: 0,
+            ..params.clone()
+        };
+        let mut groups = Vec::with_capacity(prompts.len());
+        for (c, chunk) in prompts.chunks(per).enumerate() {
+            let base = c * per;
+            let (g, s) =
+                generate_streaming(model, tokenizer, chunk, n, &one_pass, &mut |gi, si, x| {
+                    on_done(base + gi, si, x)
+                })?;
+            groups.extend(g);
+            stats.add(&s);
+        }
+        return Ok((groups, stats));
     }
     let device = model.device().clone();
 

@@ -303,7 +303,7 @@ pub fn gguf_quantized_projections(
                 && ["c_attn.weight", "c_proj.weight", "c_fc.weight"]
                     .iter()
                     .any(|s| hf.ends_with(s)));
-        if !is_proj || content.tensor_infos[name].ggml_dtype != kind.ggml() {
+        if !is_proj || Some(content.tensor_infos[name].ggml_dtype) != kind.ggml() {
             continue;
         }
         let q = content

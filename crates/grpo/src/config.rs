@@ -25,7 +25,7 @@ use serde_json::Value;
 use crate::advantages::{RewardAggregation, ScaleRewards};
 use crate::error::nearest;
 use crate::eval::EvalOptions;
-use crate::loss::{AdaptiveKlCfg, IsLevel, KlMode, LossType};
+use crate::loss::{AdaptiveEntropy, AdaptiveKlCfg, IsLevel, KlMode, LossType, VespoParams};
 use crate::models::QuantType;
 use crate::named::Named;
 use crate::optim::LrSchedule;
@@ -183,6 +183,8 @@ pub struct TrainConfig {
     pub stop: Vec<String>,
     pub generation_batch_size: usize,
     pub steps_per_generation: usize,
+    /// Sequences the sampler decodes at once (None: a whole round).
+    pub sampling_batch_size: Option<usize>,
     // update
     pub per_device_train_batch_size: usize,
     pub forward_chunk_tokens: usize,
@@ -211,6 +213,13 @@ pub struct TrainConfig {
     pub use_bias_correction_kl: bool,
     pub sapo_temperature_pos: f64,
     pub sapo_temperature_neg: f64,
+    /// `loss_type = vespo`: the Gamma weight's parameters.
+    pub vespo: VespoParams,
+    /// Keep the top share of tokens by entropy in the policy term (1: all).
+    pub top_entropy_quantile: f64,
+    pub off_policy_mask_threshold: Option<f64>,
+    /// `use_adaptive_entropy`: the controller's starting state (None: a fixed entropy_coef).
+    pub adaptive_entropy: Option<AdaptiveEntropy>,
     pub reward_std_floor: Option<f64>,
     pub multi_objective_aggregation: RewardAggregation,
     pub normalize_advantages_batch: bool,
@@ -609,6 +618,7 @@ const QUANT_CHOICES: &[(&str, Option<QuantType>)] = &[
     ("none", None),
     ("q4_0", Some(QuantType::Q4_0)),
     ("q4_1", Some(QuantType::Q4_1)),
+    ("nf4", Some(QuantType::Nf4)),
     ("q8_0", Some(QuantType::Q8_0)),
 ];
 
@@ -965,6 +975,7 @@ config_keys! {
         stop: Vec<String> = "[]", "stop strings (EOS always stops)";
         generation_batch_size: Option<usize> = "", "completions per generation round (default per_device_train_batch_size x steps_per_generation)";
         steps_per_generation: Option<usize> = "", "micro-batches per generation round (default gradient_accumulation_steps)";
+        sampling_batch_size: Option<usize> = "", "completions decoded at once, in whole groups (at least one): bounds the sampler's memory; completions do not depend on it (unset: a whole round at once; the seeds' gen_batch_size)";
     }
     "update" {
         per_device_train_batch_size: usize = "8", "completions per micro-batch";
@@ -1004,6 +1015,17 @@ config_keys! {
         use_bias_correction_kl: bool = "true", "multiply the KL term by the importance ratio (unbiased reverse-KL gradient, TRL's default)";
         sapo_temperature_pos: Option<f64> = "", "loss_type = sapo: the gate's temperature for tokens with positive advantage (unset: 1.0)";
         sapo_temperature_neg: Option<f64> = "", "loss_type = sapo: the gate's temperature for tokens with non-positive advantage (unset: 1.05)";
+        vespo_k_pos: f64 = "2.0", "loss_type = vespo: shape k of the Gamma weight for non-negative advantages";
+        vespo_lambda_pos: f64 = "3.0", "loss_type = vespo: rate lambda of the Gamma weight for non-negative advantages";
+        vespo_k_neg: f64 = "3.0", "loss_type = vespo: shape k for negative advantages";
+        vespo_lambda_neg: f64 = "2.0", "loss_type = vespo: rate lambda for negative advantages";
+        top_entropy_quantile: f64 = "1.0", "keep in the policy term only this top share of each micro-batch's tokens by entropy (\"Beyond the 80/20 rule\"; 0.2 in the paper; 1: all tokens)";
+        off_policy_mask_threshold: Option<f64> = "", "drop from the policy term sequences with a negative advantage whose mean old-minus-current log-prob exceeds this (DeepSeek-V3.2; e.g. 0.5; unset: off)";
+        use_adaptive_entropy: bool = "false", "adaptive entropy control (Skywork-OR1): entropy_coef moves by entropy_coef_delta each step towards keeping the entropy above entropy_target, and applies only while the entropy is at or below it";
+        entropy_coef_min: f64 = "0.0", "adaptive entropy control: smallest entropy_coef";
+        entropy_coef_max: f64 = "1.0", "adaptive entropy control: largest entropy_coef";
+        entropy_coef_delta: f64 = "0.005", "adaptive entropy control: change of entropy_coef per optimizer step";
+        entropy_target: f64 = "0.2", "adaptive entropy control: target mean entropy per token, in nats (set it near the entropy of the first steps)";
         reward_std_floor: Option<f64> = "", "clamp each group's reward std from below before scaling";
         multi_objective_aggregation: RewardAggregation = "\"sum_then_normalize\"", "several rewards: weighted sum then advantages, or each normalized in its group, summed, normalized over the batch (GDPO)";
         normalize_advantages_batch: bool = "false", "re-normalize all advantages of a batch to mean 0, std 1";
@@ -1039,61 +1061,465 @@ config_keys! {
     }
 }
 
-/// TRL / HF `TrainingArguments` keys accepted and ignored (listed in the warning).
-const IGNORED: &[&str] = &[
-    "bf16",
-    "fp16",
-    "tf32",
-    "gradient_checkpointing_kwargs",
-    "use_vllm",
-    "vllm_mode",
-    "logging_dir",
-    "push_to_hub",
-    "hub_model_id",
-    "remove_unused_columns",
-    "dataloader_num_workers",
-    "dataloader_pin_memory",
-    "dataloader_drop_last",
-    "torch_compile",
-    "ddp_find_unused_parameters",
-    "ddp_backend",
-    "log_level",
-    "logging_first_step",
-    "logging_strategy",
-    "save_strategy",
-    "eval_strategy",
-    "evaluation_strategy",
-    "overwrite_output_dir",
-    "do_train",
-    "do_eval",
-    "use_cpu",
-    "no_cuda",
-    "optim",
-    "model_init_kwargs",
-    "disable_dropout",
-    "ds3_gather_for_generation",
-    "cache_implementation",
-    "use_liger_loss",
-    "use_liger_kernel",
-    "log_on_each_node",
-    "save_only_model",
-    "per_device_eval_batch_size",
-    "shuffle_dataset_seed",
-    "vllm_gpu_memory_utilization",
-    "report_to_wandb",
-    "attn_implementation",
-    "trust_remote_code",
-    "dataset_streaming",
-    "gradient_checkpointing_use_reentrant",
-    "ignore_bias_buffers",
-    "lora_task_type",
-    "bnb_4bit_quant_type",
-    "use_bnb_nested_quant",
-    "dataset_config",
-    "lr_scheduler_kwargs",
-    "data_seed",
-    "full_determinism",
+/// TRL's, PEFT's and the seeds' names for grpo's keys (the value is used as it is).
+const ALIASES: &[(&str, &str)] = &[
+    ("model_name_or_path", "model"),
+    ("torch_dtype", "dtype"),
+    ("num_generations_eval", "eval_num_samples"),
+    // The fill-in seed's names (single-step fill-in GRPO).
+    ("generator_checkpoint", "model"),
+    ("judge_checkpoint", "judge"),
+    ("group_size", "num_generations"),
+    ("wandb_run_name", "run_name"),
+    ("kl_beta", "beta"),
+    ("out_dir", "output_dir"),
+    ("save_interval", "save_steps"),
+    ("eval_interval", "eval_steps"),
+    // The seeds' PPO-era names (TRL's PPOConfig and their scripts).
+    ("cliprange", "epsilon"),
+    ("clip_eps", "epsilon"),
+    ("clip_range", "epsilon"),
+    ("save_freq", "save_steps"),
+    ("init_kl_coef", "kl_coef"),
+    ("target_kl", "kl_target"),
+    ("horizon", "kl_horizon"),
+    ("gen_batch_size", "sampling_batch_size"),
+    // TRL's ModelConfig names for PEFT.
+    ("lora_r", "lora.r"),
+    ("lora_alpha", "lora.alpha"),
+    ("lora_dropout", "lora.dropout"),
+    ("lora_target_modules", "lora.target_modules"),
+    ("use_rslora", "lora.use_rslora"),
 ];
+
+/// Keys that are read with their own rule (not a key of the table): what each does.
+const MAPPED: &[(&str, &str)] = &[
+    ("use_peft", "true: LoRA at rank 16 unless lora_r says otherwise"),
+    ("bf16", "true: dtype = bf16 for sampling and reference; training keeps f32 parameters"),
+    ("load_in_4bit", "base_quantization = nf4 (QLoRA's 4-bit NormalFloat, bitsandbytes' blocks of 64)"),
+    ("load_in_8bit", "base_quantization = q8_0"),
+    ("use_dora", "true is refused: DoRA adapters are not supported"),
+    ("lora_modules_to_save", "refused when set: grpo trains adapters on projections only"),
+    ("lora_target_parameters", "refused when set: adapters go on projections by name (lora_target_modules)"),
+    ("model_revision", "main only (a hub model's main revision); another is refused with how to use it"),
+    ("resume_from_checkpoint", "true: resume from the newest checkpoint in output_dir (as --resume); a path is refused with how to resume"),
+    ("dataset_name", "a local dataset file, or a directory holding its splits: train_file / eval_file"),
+    ("dataset_train_split", "the split of dataset_name used as train_file"),
+    ("dataset_test_split", "the split of dataset_name used as eval_file"),
+    ("reward_funcs", "TRL's built-in rewards as grpo rules (accuracy_reward, reasoning_accuracy_reward, think_format_reward, get_soft_overlong_punishment); dotted Python paths are refused with how to use a command scorer"),
+    ("reward_model_name_or_path", "a classifier reward on prompt + completion, label 0's logit (TRL's reward model)"),
+    ("generation_kwargs", "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens, stop_strings set the sampler's keys; others are refused"),
+    ("chat_template_kwargs", "variables for the chat template (e.g. enable_thinking)"),
+    ("optim", "adamw_* values are grpo's AdamW; another optimizer is refused"),
+    ("wandb_log", "true: adds wandb to report_to (the seeds' switch)"),
+];
+
+/// TRL / HF keys accepted and ignored, each with its reason (listed in the warning at start).
+/// Any `vllm_*` key is ignored too: grpo samples with its own KV-cached sampler.
+const IGNORED: &[(&str, &str)] = &[
+    ("fp16", "grpo computes in f32 (bf16 through dtype)"),
+    ("tf32", "grpo computes in f32 (bf16 through dtype)"),
+    ("bf16_full_eval", "evaluation runs at dtype"),
+    ("fp16_full_eval", "evaluation runs at dtype"),
+    (
+        "cast_lm_head_to_fp32",
+        "grpo computes the LM head in f32 already",
+    ),
+    ("use_vllm", "grpo samples with its own KV-cached sampler"),
+    ("vllm_mode", "grpo samples with its own KV-cached sampler"),
+    (
+        "use_transformers_paged",
+        "grpo samples with its own KV-cached sampler",
+    ),
+    (
+        "use_transformers_continuous_batching",
+        "grpo samples with its own KV-cached sampler",
+    ),
+    (
+        "transformers_continuous_batching_config",
+        "grpo samples with its own KV-cached sampler",
+    ),
+    (
+        "cache_implementation",
+        "grpo samples with its own KV-cached sampler",
+    ),
+    (
+        "use_cache",
+        "sampling always uses the KV cache, training never needs one",
+    ),
+    (
+        "attn_implementation",
+        "grpo's attention kernels are its own",
+    ),
+    (
+        "trust_remote_code",
+        "grpo runs no model code from the hub; its architectures are built in",
+    ),
+    (
+        "model_init_kwargs",
+        "models load through grpo's own loader (dtype, base_quantization)",
+    ),
+    (
+        "disable_dropout",
+        "grpo's policies run without dropout (LoRA's own dropout is lora_dropout)",
+    ),
+    (
+        "router_aux_loss_coef",
+        "grpo's architectures have no mixture-of-experts router",
+    ),
+    ("pad_to_multiple_of", "grpo packs and pads its own batches"),
+    ("torch_compile", "PyTorch-only speed-ups"),
+    ("torch_compile_backend", "PyTorch-only speed-ups"),
+    ("torch_compile_mode", "PyTorch-only speed-ups"),
+    ("use_liger_loss", "PyTorch-only speed-ups"),
+    ("use_liger_kernel", "PyTorch-only speed-ups"),
+    ("liger_kernel_config", "PyTorch-only speed-ups"),
+    ("torch_empty_cache_steps", "PyTorch's allocator setting"),
+    (
+        "auto_find_batch_size",
+        "grpo bounds memory with forward_chunk_tokens instead",
+    ),
+    (
+        "gradient_checkpointing_kwargs",
+        "gradient_checkpointing has no options in grpo",
+    ),
+    (
+        "gradient_checkpointing_use_reentrant",
+        "gradient_checkpointing has no options in grpo",
+    ),
+    ("activation_checkpointing", "use gradient_checkpointing"),
+    (
+        "activation_checkpointing_kwargs",
+        "use gradient_checkpointing",
+    ),
+    (
+        "optim_args",
+        "grpo's AdamW takes adam_beta1, adam_beta2, adam_epsilon, weight_decay",
+    ),
+    (
+        "optim_target_modules",
+        "grpo's AdamW updates every trainable parameter",
+    ),
+    (
+        "lr_scheduler_kwargs",
+        "grpo's schedules take warmup_steps / warmup_ratio only",
+    ),
+    ("label_smoothing_factor", "a supervised-training setting"),
+    ("neftune_noise_alpha", "a supervised-training setting"),
+    ("label_names", "a supervised-training setting"),
+    ("length_column_name", "a supervised-training setting"),
+    (
+        "train_sampling_strategy",
+        "prompts are shuffled by shuffle_dataset and seed",
+    ),
+    (
+        "include_num_input_tokens_seen",
+        "grpo logs its own token counts",
+    ),
+    (
+        "logging_nan_inf_filter",
+        "a non-finite step is skipped and logged (max_consecutive_nonfinite)",
+    ),
+    ("logging_dir", "TensorBoard events go to output_dir/tb"),
+    ("logging_strategy", "grpo logs every logging_steps steps"),
+    ("logging_first_step", "grpo logs every logging_steps steps"),
+    ("log_level", "set RUST_LOG (e.g. RUST_LOG=debug)"),
+    ("log_level_replica", "set RUST_LOG (e.g. RUST_LOG=debug)"),
+    ("log_on_each_node", "rank 0 logs"),
+    (
+        "disable_tqdm",
+        "the progress bar hides itself without a terminal",
+    ),
+    ("log_multimodal", "grpo trains text models"),
+    ("log_unique_prompts", "completions.jsonl has every prompt"),
+    (
+        "log_completions_hub_repo",
+        "grpo does not upload; completions.jsonl is in output_dir",
+    ),
+    ("project", "a Trackio setting; W&B takes wandb_project"),
+    (
+        "trackio_space_id",
+        "trackio is not supported (report_to = trackio is an error)",
+    ),
+    (
+        "trackio_bucket_id",
+        "trackio is not supported (report_to = trackio is an error)",
+    ),
+    (
+        "trackio_static_space_id",
+        "trackio is not supported (report_to = trackio is an error)",
+    ),
+    ("eval_strategy", "evaluation runs every eval_steps (0: off)"),
+    (
+        "evaluation_strategy",
+        "evaluation runs every eval_steps (0: off)",
+    ),
+    (
+        "eval_on_start",
+        "with eval_steps > 0 grpo always evaluates before the first step",
+    ),
+    ("eval_delay", "evaluation runs every eval_steps (0: off)"),
+    (
+        "per_device_eval_batch_size",
+        "evaluation batches are sized by the sampler",
+    ),
+    (
+        "prediction_loss_only",
+        "a Trainer evaluation setting GRPO does not use",
+    ),
+    (
+        "eval_do_concat_batches",
+        "a Trainer evaluation setting GRPO does not use",
+    ),
+    (
+        "eval_use_gather_object",
+        "a Trainer evaluation setting GRPO does not use",
+    ),
+    (
+        "eval_accumulation_steps",
+        "a Trainer evaluation setting GRPO does not use",
+    ),
+    (
+        "include_for_metrics",
+        "a Trainer evaluation setting GRPO does not use",
+    ),
+    (
+        "batch_eval_metrics",
+        "a Trainer evaluation setting GRPO does not use",
+    ),
+    ("do_train", "grpo train trains"),
+    ("do_eval", "evaluation runs every eval_steps (0: off)"),
+    ("do_predict", "grpo eval evaluates a model"),
+    (
+        "save_strategy",
+        "grpo saves every save_steps steps and at the end",
+    ),
+    (
+        "save_only_model",
+        "checkpoints hold what exact resume needs",
+    ),
+    ("save_on_each_node", "rank 0 writes checkpoints"),
+    (
+        "enable_jit_checkpoint",
+        "checkpoints are written atomically every save_steps and on SIGINT/SIGTERM",
+    ),
+    (
+        "overwrite_output_dir",
+        "grpo resumes only when asked (--resume) and never deletes a run",
+    ),
+    (
+        "ignore_data_skip",
+        "resume restores the prompt order exactly",
+    ),
+    (
+        "restore_callback_states_from_checkpoint",
+        "grpo has no callbacks; trainer_state.json restores everything",
+    ),
+    (
+        "push_to_hub",
+        "grpo does not upload; `grpo export` writes the HF directory",
+    ),
+    (
+        "hub_model_id",
+        "grpo does not upload; `grpo export` writes the HF directory",
+    ),
+    (
+        "hub_token",
+        "grpo does not upload; `grpo export` writes the HF directory",
+    ),
+    (
+        "hub_private_repo",
+        "grpo does not upload; `grpo export` writes the HF directory",
+    ),
+    (
+        "hub_strategy",
+        "grpo does not upload; `grpo export` writes the HF directory",
+    ),
+    (
+        "hub_always_push",
+        "grpo does not upload; `grpo export` writes the HF directory",
+    ),
+    (
+        "hub_revision",
+        "grpo does not upload; `grpo export` writes the HF directory",
+    ),
+    ("full_determinism", "grpo runs are deterministic from seed"),
+    ("data_seed", "prompt order and sampling follow seed"),
+    (
+        "shuffle_dataset_seed",
+        "prompt order and sampling follow seed",
+    ),
+    ("use_cpu", "set device"),
+    ("no_cuda", "set device"),
+    (
+        "remove_unused_columns",
+        "rows keep every field; rewards read what they need",
+    ),
+    ("dataset_streaming", "datasets are read from disk whole"),
+    (
+        "dataset_config",
+        "a local dataset directory has one configuration",
+    ),
+    ("report_to_wandb", "use report_to = [\"wandb\"]"),
+    ("ignore_bias_buffers", "a DDP setting"),
+    (
+        "lora_task_type",
+        "grpo's adapters are for causal LMs (PEFT's CAUSAL_LM)",
+    ),
+    (
+        "bnb_4bit_quant_type",
+        "load_in_4bit is NF4 (fp4 is not implemented; base_quantization = q4_0 is grpo's other 4-bit type)",
+    ),
+    (
+        "use_bnb_nested_quant",
+        "NF4's absmax stays f32 (no double quantization)",
+    ),
+    (
+        "bnb_4bit_quant_storage",
+        "NF4 codes are stored two per byte",
+    ),
+    (
+        "accelerator_config",
+        "Accelerate settings: grpo runs one process, or MPI ranks",
+    ),
+    (
+        "parallelism_config",
+        "Accelerate settings: grpo runs one process, or MPI ranks",
+    ),
+    (
+        "local_rank",
+        "set by launchers for PyTorch; grpo's ranks come from MPI",
+    ),
+    (
+        "average_tokens_across_devices",
+        "dapo's normalizer counts every rank's tokens",
+    ),
+    (
+        "ds3_gather_for_generation",
+        "PyTorch distributed and data-loader settings",
+    ),
+    ("deepspeed", "PyTorch distributed and data-loader settings"),
+    ("fsdp", "PyTorch distributed and data-loader settings"),
+    (
+        "fsdp_config",
+        "PyTorch distributed and data-loader settings",
+    ),
+    ("debug", "PyTorch distributed and data-loader settings"),
+    (
+        "skip_memory_metrics",
+        "grpo traces memory with RUST_LOG=grpo=debug",
+    ),
+    ("max_tool_calling_iterations", "grpo has no tool calling"),
+];
+
+/// How grpo reads a TRL (or PEFT, or the seeds') key: `None` when it does not know the key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TrlKey {
+    /// A key of grpo's own, same name and meaning.
+    Key,
+    /// Another name for the grpo key given.
+    Alias(&'static str),
+    /// Read with its own rule, described.
+    Mapped(&'static str),
+    /// Accepted and ignored with a warning giving the reason.
+    Ignored(&'static str),
+}
+
+pub fn trl_key(key: &str) -> Option<TrlKey> {
+    let find = |t: &'static [(&'static str, &'static str)]| {
+        t.iter().find(|(k, _)| *k == key).map(|(_, v)| *v)
+    };
+    if KEYS.iter().any(|d| d.key == key) {
+        Some(TrlKey::Key)
+    } else if let Some(to) = find(ALIASES) {
+        Some(TrlKey::Alias(to))
+    } else if let Some(how) = find(MAPPED) {
+        Some(TrlKey::Mapped(how))
+    } else if let Some(why) = find(IGNORED) {
+        Some(TrlKey::Ignored(why))
+    } else if key.starts_with("vllm_") {
+        Some(TrlKey::Ignored(
+            "grpo samples with its own KV-cached sampler",
+        ))
+    } else if key.starts_with("ddp_") || key.starts_with("dataloader_") {
+        Some(TrlKey::Ignored(
+            "PyTorch distributed and data-loader settings",
+        ))
+    } else {
+        None
+    }
+}
+
+/// Why a TRL/HF key is ignored (the warning's line for it).
+pub fn ignore_reason(key: &str) -> &'static str {
+    match trl_key(key) {
+        Some(TrlKey::Ignored(why) | TrlKey::Mapped(why)) => why,
+        _ => "no effect in grpo",
+    }
+}
+
+/// The TRL/HF keys that are accepted and ignored with a warning (besides any `vllm_*` key).
+pub fn ignored_trl_keys() -> Vec<&'static str> {
+    IGNORED.iter().map(|(k, _)| *k).collect()
+}
+
+/// The rewards of `trl grpo`'s `reward_funcs` names, as `[[rewards]]` tables; and whether one
+/// reads the `solution` column.
+fn trl_reward_funcs(v: &Value) -> Result<(Vec<Value>, bool)> {
+    let names: Vec<String> = match v {
+        Value::String(s) => vec![s.clone()],
+        Value::Array(a) => a
+            .iter()
+            .map(|x| {
+                x.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| type_err("reward_funcs", "a list of reward names", x))
+            })
+            .collect::<Result<_>>()?,
+        other => return Err(type_err("reward_funcs", "a list of reward names", other)),
+    };
+    let (mut tables, mut solution) = (vec![], false);
+    for name in names {
+        let t = match name.as_str() {
+            "accuracy_reward" => {
+                solution = true;
+                serde_json::json!({"kind": "answer_match", "name": name, "extract": "boxed"})
+            }
+            "reasoning_accuracy_reward" => {
+                solution = true;
+                serde_json::json!({"kind": "answer_match", "name": name, "extract": "boxed",
+                                   "after": "</think>"})
+            }
+            "think_format_reward" => serde_json::json!({"kind": "think_format", "name": name}),
+            // `trl grpo`'s fixed arguments.
+            "get_soft_overlong_punishment" => serde_json::json!({
+                "kind": "length", "name": "soft_overlong_punishment_reward",
+                "max_length": 1280, "cache_length": 256}),
+            other if other.contains('.') => {
+                return Err(Error::config(
+                    "reward_funcs",
+                    format!(
+                        "`{other}`: grpo does not import Python reward functions; run it as a \
+                         scorer program instead ([[rewards]] kind = \"command\", docs/rewards.md \
+                         shows a Python scorer in a few lines)"
+                    ),
+                ))
+            }
+            other => {
+                return Err(Error::config(
+                    "reward_funcs",
+                    format!(
+                        "`{other}` is not one of TRL's rewards: accuracy_reward, \
+                         reasoning_accuracy_reward, think_format_reward, \
+                         get_soft_overlong_punishment (or give [[rewards]] tables)"
+                    ),
+                ))
+            }
+        };
+        tables.push(t);
+    }
+    Ok((tables, solution))
+}
 
 /// Every key: name, type, default (as text), one-line help.
 pub fn reference() -> Vec<KeyDoc> {
@@ -1108,34 +1534,6 @@ pub fn reference() -> Vec<KeyDoc> {
             section: k.section,
         })
         .collect()
-}
-
-/// Why an accepted TRL/HF key (one of [`ignored_trl_keys`], or a mapped one) is not honoured as
-/// TRL would, in one line.
-pub fn ignore_reason(key: &str) -> &'static str {
-    match key {
-        "load_in_4bit" => "the frozen base is kept as base_quantization = q4_0, grpo's 4-bit QLoRA type (NF4 is not implemented)",
-        "load_in_8bit" => "the frozen base is kept as base_quantization = q8_0",
-        "bf16" => "sets dtype = bf16 for sampling; training keeps f32 parameters",
-        "fp16" | "tf32" => "grpo computes in f32 (bf16 through dtype)",
-        "use_vllm" | "vllm_mode" | "vllm_gpu_memory_utilization" => "grpo samples with its own KV-cached sampler",
-        "attn_implementation" => "grpo's attention kernels are its own",
-        "trust_remote_code" => "grpo runs no model code from the hub; its architectures are built in",
-        "torch_compile" | "use_liger_loss" | "use_liger_kernel" | "cache_implementation" => "PyTorch-only speed-ups",
-        "push_to_hub" | "hub_model_id" => "grpo does not upload; `grpo export` writes the HF directory",
-        "gradient_checkpointing_kwargs" | "gradient_checkpointing_use_reentrant" => "gradient_checkpointing has no options in grpo",
-        "dataset_streaming" => "datasets are read from disk whole",
-        "dataset_config" => "a local dataset directory has one configuration",
-        k if k.starts_with("ddp_") || k.starts_with("dataloader_") || k == "ds3_gather_for_generation" => {
-            "PyTorch distributed and data-loader settings"
-        }
-        _ => "no effect in grpo",
-    }
-}
-
-/// The TRL/HF keys that are accepted and ignored with a warning (besides any `vllm_*` key).
-pub fn ignored_trl_keys() -> &'static [&'static str] {
-    IGNORED
 }
 
 fn suggest(key: &str) -> String {
@@ -1285,35 +1683,25 @@ impl TrainConfig {
         let mut script: BTreeMap<String, String> = BTreeMap::new();
         let mut resume_requested = false;
         let mut template_kwargs = serde_json::Map::new();
+        let (mut trl_rewards, mut trl_reward_model) = (Vec::new(), None);
+        let (mut needs_solution, mut answer_field_given) = (false, false);
         let mut apply =
             |k: String, v: Value, from: &str| -> Result<()> {
-                let k = match k.as_str() {
-                    "model_name_or_path" => "model".to_string(),
-                    "torch_dtype" => "dtype".to_string(),
-                    "num_generations_eval" => "eval_num_samples".to_string(),
-                    // The fill-in seed's names (single-step fill-in GRPO).
-                    "generator_checkpoint" => "model".to_string(),
-                    "judge_checkpoint" => "judge".to_string(),
-                    "group_size" => "num_generations".to_string(),
-                    "wandb_run_name" => "run_name".to_string(),
-                    "kl_beta" => "beta".to_string(),
-                    "out_dir" => "output_dir".to_string(),
-                    "save_interval" => "save_steps".to_string(),
-                    "eval_interval" => "eval_steps".to_string(),
-                    // The seeds' PPO-era names (TRL's PPOConfig and their scripts).
-                    "cliprange" | "clip_eps" | "clip_range" => "epsilon".to_string(),
-                    "save_freq" => "save_steps".to_string(),
-                    "init_kl_coef" => "kl_coef".to_string(),
-                    "target_kl" => "kl_target".to_string(),
-                    "horizon" => "kl_horizon".to_string(),
-                    // TRL's ModelConfig names for PEFT.
-                    "lora_r" => "lora.r".to_string(),
-                    "lora_alpha" => "lora.alpha".to_string(),
-                    "lora_dropout" => "lora.dropout".to_string(),
-                    "lora_target_modules" => "lora.target_modules".to_string(),
-                    "use_rslora" => "lora.use_rslora".to_string(),
-                    _ => k,
-                };
+                let k = ALIASES
+                    .iter()
+                    .find(|(a, _)| *a == k)
+                    .map_or(k, |(_, to)| to.to_string());
+                if v.is_null() {
+                    // YAML's `key: null` (TRL's dumps have many): unset, the default stays.
+                    return match trl_key(&k) {
+                        Some(_) => Ok(()),
+                        None if k == "rewards" || k == "wandb_log" => Ok(()),
+                        None => Err(Error::config(
+                            &k,
+                            format!("unknown key in {from}{}", suggest(&k)),
+                        )),
+                    };
+                }
                 if k == "use_peft" {
                     // TRL's switch: LoRA with its default rank 16 unless lora_r says otherwise.
                     if v == Value::Bool(true)
@@ -1384,7 +1772,7 @@ impl TrainConfig {
                     }
                     "load_in_4bit" | "load_in_8bit" => {
                         if v == Value::Bool(true) {
-                            let q = if k == "load_in_4bit" { "q4_0" } else { "q8_0" };
+                            let q = if k == "load_in_4bit" { "nf4" } else { "q8_0" };
                             merged.insert("base_quantization".into(), Value::String(q.into()));
                             ignored.push(k);
                         }
@@ -1402,11 +1790,56 @@ impl TrainConfig {
                         }
                         return Ok(());
                     }
-                    "use_dora" if v == Value::Bool(true) => {
-                        return Err(Error::config(
-                            "use_dora",
-                            "DoRA adapters are not supported: use LoRA (use_peft = true)",
+                    "use_dora" | "lora_modules_to_save" | "lora_target_parameters" => {
+                        let set = match &v {
+                            Value::Bool(b) => *b,
+                            Value::Array(a) => !a.is_empty(),
+                            _ => true,
+                        };
+                        if set {
+                            return Err(Error::config(
+                            &k,
+                            match k.as_str() {
+                                "use_dora" => {
+                                    "DoRA adapters are not supported: use LoRA (use_peft = true)"
+                                }
+                                "lora_modules_to_save" => {
+                                    "grpo trains adapters on projections only; leave it unset"
+                                }
+                                _ => "give the projections by name in lora_target_modules",
+                            },
                         ));
+                        }
+                        return Ok(());
+                    }
+                    "optim" => {
+                        return match v.as_str() {
+                            Some(o) if o.starts_with("adamw") => Ok(()),
+                            _ => Err(Error::config(
+                                "optim",
+                                format!(
+                                    "{v}: grpo's optimizer is AdamW (set adam_beta1, adam_beta2, \
+                                     adam_epsilon, weight_decay); give an adamw_* value or leave \
+                                     it unset"
+                                ),
+                            )),
+                        };
+                    }
+                    "reward_funcs" => {
+                        let (tables, solution) = trl_reward_funcs(&v)?;
+                        trl_rewards.extend(tables);
+                        needs_solution |= solution;
+                        return Ok(());
+                    }
+                    "reward_model_name_or_path" => {
+                        let Some(path) = v.as_str() else {
+                            return Err(type_err(&k, "a model directory", &v));
+                        };
+                        // TRL scores prompt + completion with the model's first logit.
+                        trl_reward_model = Some(serde_json::json!({
+                            "kind": "classifier", "name": "reward_model", "model": path,
+                            "input": "joined", "label": 0, "output": "logit"}));
+                        return Ok(());
                     }
                     _ => {}
                 }
@@ -1425,11 +1858,16 @@ impl TrainConfig {
                     return Ok(());
                 }
                 if KEYS.iter().any(|d| d.key == k) {
-                    merged.insert(k, v);
-                } else if IGNORED.contains(&k.as_str()) || k.starts_with("vllm_") {
-                    if k == "bf16" && v == Value::Bool(true) {
-                        merged.insert("dtype".into(), Value::String("bf16".into()));
+                    if k == "answer_field" {
+                        answer_field_given = true;
                     }
+                    merged.insert(k, v);
+                } else if k == "bf16" {
+                    if v == Value::Bool(true) {
+                        merged.insert("dtype".into(), Value::String("bf16".into()));
+                        ignored.push(k);
+                    }
+                } else if matches!(trl_key(&k), Some(TrlKey::Ignored(_))) {
                     ignored.push(k);
                 } else {
                     return Err(Error::config(
@@ -1451,6 +1889,17 @@ impl TrainConfig {
         }
         for (k, v) in parse_overrides(overrides)? {
             apply(k, v, "the command line")?;
+        }
+        // `trl grpo`'s rewards come first (its reward model, then its functions), as TRL orders
+        // them; TRL's accuracy rewards read the `solution` column.
+        if trl_reward_model.is_some() || !trl_rewards.is_empty() {
+            let mut all: Vec<Value> = trl_reward_model.into_iter().collect();
+            all.extend(trl_rewards);
+            all.append(&mut reward_tables);
+            reward_tables = all;
+        }
+        if needs_solution && !answer_field_given {
+            merged.insert("answer_field".into(), Value::String("solution".into()));
         }
         // `dataset_name`: a local dataset file, or a directory holding its splits.
         if let Some(name) = script.get("dataset_name") {
@@ -1582,6 +2031,47 @@ impl TrainConfig {
         for (k, x) in [("epsilon", epsilon), ("epsilon_high", epsilon_high)] {
             if x.is_nan() || x < 0.0 {
                 return bad(k, format!("must be >= 0, got {x}"));
+            }
+        }
+        let q = raw.top_entropy_quantile;
+        if !(0.0..=1.0).contains(&q) {
+            return bad(
+                "top_entropy_quantile",
+                format!("must be in [0, 1] (1 keeps every token), got {q}"),
+            );
+        }
+        if let Some(t) = raw.off_policy_mask_threshold {
+            if !t.is_finite() {
+                return bad(
+                    "off_policy_mask_threshold",
+                    format!("must be finite, got {t}"),
+                );
+            }
+        }
+        if raw.use_adaptive_entropy {
+            let (lo, hi, d) = (
+                raw.entropy_coef_min,
+                raw.entropy_coef_max,
+                raw.entropy_coef_delta,
+            );
+            if !(lo >= 0.0 && lo <= hi && hi.is_finite()) {
+                return bad(
+                    "entropy_coef_min",
+                    format!("needs 0 <= entropy_coef_min <= entropy_coef_max, got {lo} and {hi}"),
+                );
+            }
+            if !(d >= 0.0 && d.is_finite()) {
+                return bad("entropy_coef_delta", format!("must be >= 0, got {d}"));
+            }
+        }
+        for (k, x) in [
+            ("vespo_k_pos", raw.vespo_k_pos),
+            ("vespo_lambda_pos", raw.vespo_lambda_pos),
+            ("vespo_k_neg", raw.vespo_k_neg),
+            ("vespo_lambda_neg", raw.vespo_lambda_neg),
+        ] {
+            if !x.is_finite() {
+                return bad(k, format!("must be finite, got {x}"));
             }
         }
         let (beta, kl_coef) = (raw.beta, raw.kl_coef);
@@ -1835,6 +2325,15 @@ impl TrainConfig {
             stop: raw.stop,
             generation_batch_size: gbs,
             steps_per_generation: spg,
+            sampling_batch_size: match raw.sampling_batch_size {
+                Some(0) => {
+                    return bad(
+                        "sampling_batch_size",
+                        "must be at least 1 (unset: a whole round at once)".into(),
+                    )
+                }
+                other => other,
+            },
             per_device_train_batch_size: per_device,
             forward_chunk_tokens: raw.forward_chunk_tokens,
             gradient_accumulation_steps: accum,
@@ -1861,6 +2360,22 @@ impl TrainConfig {
             use_bias_correction_kl: raw.use_bias_correction_kl,
             sapo_temperature_pos: raw.sapo_temperature_pos.unwrap_or(1.0),
             sapo_temperature_neg: raw.sapo_temperature_neg.unwrap_or(1.05),
+            vespo: VespoParams {
+                k_pos: raw.vespo_k_pos,
+                lambda_pos: raw.vespo_lambda_pos,
+                k_neg: raw.vespo_k_neg,
+                lambda_neg: raw.vespo_lambda_neg,
+            },
+            top_entropy_quantile: raw.top_entropy_quantile,
+            off_policy_mask_threshold: raw.off_policy_mask_threshold,
+            adaptive_entropy: raw.use_adaptive_entropy.then_some(AdaptiveEntropy {
+                coef: raw.entropy_coef,
+                last_entropy: None,
+                min: raw.entropy_coef_min,
+                max: raw.entropy_coef_max,
+                delta: raw.entropy_coef_delta,
+                target: raw.entropy_target,
+            }),
             reward_std_floor: raw.reward_std_floor,
             multi_objective_aggregation: raw.multi_objective_aggregation,
             normalize_advantages_batch: raw.normalize_advantages_batch,
@@ -1932,6 +2447,7 @@ impl TrainConfig {
                 repetition_penalty: cfg.repetition_penalty,
                 stop_strings: cfg.stop.clone(),
                 eos_token_ids,
+                max_batch_sequences: cfg.sampling_batch_size.unwrap_or(0),
             },
             system_prompt: cfg.system_prompt.clone(),
             max_prompt_length: cfg.max_prompt_length,
@@ -2111,7 +2627,7 @@ lora_target_modules: [q_proj, k_proj]
             ("warmup_ratio = 2.0", "warmup_ratio"),
             ("adam_beta2 = 1.0", "adam_beta2"),
             ("beta = 0.1\nkl_coef = 0.1", "beta"),
-            ("loss_type = \"vespo\"", "loss_type"),
+            ("loss_type = \"ppo\"", "loss_type"),
             ("num_generations = \"eight\"", "num_generations"),
             (
                 "steps_per_generation = 3\ngradient_accumulation_steps = 2",
@@ -2372,13 +2888,13 @@ lora_target_modules: [q_proj, k_proj]
     fn ignored_trl_keys_are_not_keys() {
         for k in ignored_trl_keys() {
             assert!(
-                !KEYS.iter().any(|d| d.key == *k),
+                !KEYS.iter().any(|d| d.key == k),
                 "{k} is a key and in IGNORED"
             );
         }
         for k in ["report_to", "gradient_checkpointing"] {
             assert!(
-                KEYS.iter().any(|d| d.key == k) && !IGNORED.contains(&k),
+                KEYS.iter().any(|d| d.key == k) && !ignored_trl_keys().contains(&k),
                 "{k}"
             );
         }
@@ -2401,9 +2917,12 @@ lora_target_modules: [q_proj, k_proj]
                 .map(|k| k.kind)
                 .unwrap()
         };
-        assert_eq!(kind("loss_type"), "grpo|bnpo|dr_grpo|dapo|cispo|sapo");
+        assert_eq!(
+            kind("loss_type"),
+            "grpo|bnpo|dr_grpo|dapo|cispo|sapo|luspo|vespo"
+        );
         assert_eq!(kind("scale_rewards"), "group|batch|none");
-        assert_eq!(kind("base_quantization"), "none|q4_0|q4_1|q8_0");
+        assert_eq!(kind("base_quantization"), "none|q4_0|q4_1|nf4|q8_0");
         assert_eq!(kind("output_dir"), "path");
         assert_eq!(kind("eval_k"), "list of int");
         assert_eq!(kind("task.ops"), "list of \"+\" \"-\" \"*\"");
@@ -2425,9 +2944,19 @@ lora_target_modules: [q_proj, k_proj]
             include_str!("../testdata/to_toml/lora.expected.toml"),
             include_str!("../testdata/to_toml/overrides.expected.toml"),
         ];
-        for ((name, text, f, o), want) in golden_cases().into_iter().zip(expected) {
+        let files = ["default", "trl", "rewards", "lora", "overrides"];
+        for (((name, text, f, o), want), file) in
+            golden_cases().into_iter().zip(expected).zip(files)
+        {
             let c = TrainConfig::from_str(text, f, name, &o).unwrap();
             let got = c.to_toml();
+            // A deliberate change: GRPO_BLESS=1 rewrites the pinned files (review the diff).
+            if std::env::var_os("GRPO_BLESS").is_some() {
+                let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join(format!("testdata/to_toml/{file}.expected.toml"));
+                std::fs::write(path, &got).unwrap();
+                continue;
+            }
             assert!(got == want, "{name}: to_toml changed:\n{got}");
             // And it loads back to the same config.
             let c2 = TrainConfig::from_str(&got, Format::Toml, name, &[]).unwrap();
@@ -2636,5 +3165,88 @@ lora_target_modules: [q_proj, k_proj]
         assert!(e.contains("multiple of eval_steps"), "{e}");
         // Unset keys stay out of the resolved config, so older runs resolve as before.
         assert!(!c.to_toml().contains("dynamic_sampling"));
+    }
+}
+
+#[cfg(test)]
+mod trl_keys {
+    use super::*;
+
+    /// Every key of TRL 1.16's GRPOConfig (TrainingArguments included) and of `trl grpo`'s
+    /// script and model arguments, as `scripts/dump_trl_keys.py` wrote them.
+    fn trl_keys() -> Vec<(String, String, Value)> {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/trl/keys.json");
+        let v: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        v["keys"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|k| {
+                (
+                    k["key"].as_str().unwrap().to_string(),
+                    k["origin"].as_str().unwrap().to_string(),
+                    k["default"].clone(),
+                )
+            })
+            .collect()
+    }
+
+    /// The key table of docs/config.md: every TRL key and what grpo does with it.
+    fn trl_table() -> String {
+        let mut out = String::from("| key | TRL class | in grpo |\n| --- | --- | --- |\n");
+        for (key, origin, _) in trl_keys() {
+            let what = match trl_key(&key) {
+                Some(TrlKey::Key) => "implemented".to_string(),
+                Some(TrlKey::Alias(to)) => format!("read as `{to}`"),
+                Some(TrlKey::Mapped(how)) => how.to_string(),
+                Some(TrlKey::Ignored(why)) => format!("ignored (warned): {why}"),
+                None => "unknown".to_string(),
+            };
+            out.push_str(&format!("| `{key}` | {origin} | {what} |\n"));
+        }
+        out
+    }
+
+    /// docs/config.md lists every TRL key with its status, as [`trl_table`] makes it
+    /// (GRPO_BLESS=1 rewrites the table there).
+    #[test]
+    fn docs_list_every_trl_key() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/config.md");
+        let doc = std::fs::read_to_string(&path).unwrap();
+        let (begin, end) = ("<!-- trl-keys:begin -->\n", "<!-- trl-keys:end -->");
+        let i = doc
+            .find(begin)
+            .expect("docs/config.md has the trl-keys markers")
+            + begin.len();
+        let j = doc.find(end).unwrap();
+        let table = trl_table();
+        if std::env::var_os("GRPO_BLESS").is_some() {
+            std::fs::write(&path, format!("{}{table}{}", &doc[..i], &doc[j..])).unwrap();
+            return;
+        }
+        assert!(
+            doc[i..j] == table,
+            "docs/config.md's TRL key table is stale: rerun with GRPO_BLESS=1"
+        );
+        assert!(!table.contains("| unknown |"));
+    }
+
+    #[test]
+    fn every_trl_key_loads_at_its_default() {
+        let mut bad = vec![];
+        for (key, origin, default) in trl_keys() {
+            let mut doc = serde_json::Map::new();
+            doc.insert(key.clone(), default.clone());
+            let yaml = serde_yaml::to_string(&Value::Object(doc)).unwrap();
+            if let Err(e) = TrainConfig::from_str(&yaml, Format::Yaml, "trl.yaml", &[]) {
+                bad.push(format!("{key} ({origin}) = {default}: {e}"));
+            }
+        }
+        assert!(
+            bad.is_empty(),
+            "{} keys fail:\n{}",
+            bad.len(),
+            bad.join("\n")
+        );
     }
 }

@@ -27,6 +27,12 @@ named_enum! {
         /// SAPO: a smooth sigmoid gate on the ratio instead of hard clipping, its temperature
         /// set by the advantage's sign; reduced as `grpo`.
         Sapo = "sapo",
+        /// LUSPO: the clipped surrogate summed over each sequence's tokens (so a sequence
+        /// weighs by its length), then the mean over sequences; meant for sequence-level ratios.
+        Luspo = "luspo",
+        /// VESPO: a detached Gamma weight of the sequence's importance ratio (asymmetric by the
+        /// advantage's sign) times the advantage and the token's log-prob; reduced as `dapo`.
+        Vespo = "vespo",
     }
 }
 
@@ -82,6 +88,37 @@ pub struct LossOptions {
     /// `sapo`: the gate's temperature for tokens with positive / non-positive advantage.
     pub sapo_temperature_pos: f64,
     pub sapo_temperature_neg: f64,
+    /// `vespo`: the Gamma weight's shape `k` and rate `lambda` for non-negative / negative
+    /// advantages.
+    pub vespo: VespoParams,
+    /// Keep in the policy term only the tokens whose entropy is at or above this quantile of the
+    /// micro-batch's active-token entropies, taken from the top (1 = every token; TRL's
+    /// `top_entropy_quantile`).
+    pub top_entropy_quantile: f64,
+    /// DeepSeek-V3.2's off-policy sequence mask: drop sequences with a negative advantage whose
+    /// mean `old - current` log-prob gap exceeds this (None: off).
+    pub off_policy_mask_threshold: Option<f64>,
+}
+
+/// The shape and rate of VESPO's Gamma weight `phi(w) = exp(lambda) w^k exp(-lambda w)`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct VespoParams {
+    pub k_pos: f64,
+    pub lambda_pos: f64,
+    pub k_neg: f64,
+    pub lambda_neg: f64,
+}
+
+impl Default for VespoParams {
+    /// TRL 1.16's defaults.
+    fn default() -> Self {
+        VespoParams {
+            k_pos: 2.0,
+            lambda_pos: 3.0,
+            k_neg: 3.0,
+            lambda_neg: 2.0,
+        }
+    }
 }
 
 /// How a micro-batch's summed token losses are normalized. All but `dapo` also divide by the
@@ -140,6 +177,11 @@ pub struct LossOutput {
     pub clip_region: f32,
     /// Mean entropy over active tokens (when entropies were given).
     pub entropy: Option<f32>,
+    /// Entropy summed over the tokens the entropy bonus acts on (the active tokens, or the
+    /// high-entropy ones with `top_entropy_quantile` < 1), and their count: the adaptive entropy
+    /// controller's measurement.
+    pub bonus_entropy_sum: f32,
+    pub bonus_tokens: f32,
 }
 
 /// Inputs of one micro-batch.
@@ -236,6 +278,118 @@ pub fn sapo_surrogate(
     Ok(gate.broadcast_mul(&adv.unsqueeze(1)?)?.neg()?)
 }
 
+/// VESPO's detached sequence weight `phi(w) = exp(lambda + k ln w - lambda w)`, `w` the product
+/// of the sequence's token ratios (log-ratios clamped to ±20, `ln w` to [ln 1e-8, 20]), `k` and
+/// `lambda` by the advantage's sign (>= 0: the `pos` pair). `logps`, `old_logps`, `mask` [N, T],
+/// `adv` [N] -> [N, 1].
+pub fn vespo_weights(
+    logps: &Tensor,
+    old_logps: &Tensor,
+    mask: &Tensor,
+    adv: &Tensor,
+    p: &VespoParams,
+) -> Result<Tensor> {
+    let log_ratio = (logps.detach() - old_logps.detach())?.clamp(-20.0, 20.0)?; // [N, T]
+    let log_w = (log_ratio * mask)?
+        .sum_keepdim(D::Minus1)?
+        .clamp(1e-8f64.ln(), 20.0)?; // [N, 1]
+    let a: Vec<f32> = adv.to_vec1()?;
+    let pick = |pos: f64, neg: f64| -> Result<Tensor> {
+        let v: Vec<f32> = a
+            .iter()
+            .map(|&x| if x >= 0.0 { pos } else { neg } as f32)
+            .collect();
+        Ok(Tensor::from_vec(v, (a.len(), 1), adv.device())?)
+    };
+    let k = pick(p.k_pos, p.k_neg)?; // [N, 1]
+    let lambda = pick(p.lambda_pos.max(1e-4), p.lambda_neg.max(1e-4))?; // [N, 1]
+    let log_phi = ((&lambda + (k * &log_w)?)? - (lambda * log_w.exp()?)?)?; // [N, 1]
+    let phi: Vec<f32> = log_phi
+        .exp()?
+        .flatten_all()?
+        .to_vec1::<f32>()?
+        .into_iter()
+        .map(|x| if x.is_finite() { x } else { 0.0 })
+        .collect();
+    Ok(Tensor::from_vec(phi, (a.len(), 1), adv.device())?)
+}
+
+/// VESPO per token: `-phi * A * logp`, `phi` from [`vespo_weights`] ([N, 1]), `logps` [N, T],
+/// `adv` [N] -> [N, T].
+pub fn vespo_surrogate(phi: &Tensor, logps: &Tensor, adv: &Tensor) -> Result<Tensor> {
+    let wa = (phi * adv.unsqueeze(1)?)?; // [N, 1]
+    Ok(wa.broadcast_mul(logps)?.neg()?)
+}
+
+/// The `q`-quantile of `values`, interpolating linearly between order statistics (as
+/// `torch.quantile` does); None when `values` is empty.
+pub fn quantile(values: &[f32], q: f64) -> Option<f32> {
+    let mut v: Vec<f32> = values.to_vec();
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let pos = q.clamp(0.0, 1.0) * (v.len() - 1) as f64;
+    let (lo, hi) = (pos.floor() as usize, pos.ceil() as usize);
+    let frac = (pos - lo as f64) as f32;
+    Some(v[lo] + (v[hi] - v[lo]) * frac)
+}
+
+/// TRL's high-entropy token mask ("Beyond the 80/20 rule"): 1 where a token counts (`mask` [N, T])
+/// and its entropy (`entropies` [N, T]) is at least the `1 - top_quantile` quantile of the
+/// counting tokens' entropies; all zeros when no token counts. -> [N, T] f32.
+pub fn high_entropy_mask(entropies: &Tensor, mask: &Tensor, top_quantile: f64) -> Result<Tensor> {
+    let ent: Vec<f32> = entropies.detach().flatten_all()?.to_vec1()?;
+    let m: Vec<f32> = mask.flatten_all()?.to_vec1()?;
+    let active: Vec<f32> = ent
+        .iter()
+        .zip(&m)
+        .filter(|(_, &m)| m > 0.0)
+        .map(|(&e, _)| e)
+        .collect();
+    let out: Vec<f32> = match quantile(&active, 1.0 - top_quantile) {
+        None => vec![0.0; ent.len()],
+        Some(thr) => ent
+            .iter()
+            .zip(&m)
+            .map(|(&e, &m)| f32::from(m > 0.0 && e * m >= thr))
+            .collect(),
+    };
+    Ok(Tensor::from_vec(out, mask.dims(), mask.device())?)
+}
+
+/// DeepSeek-V3.2's off-policy sequence mask: keep a sequence (1) when its advantage is >= 0 or
+/// its mean `old - current` log-prob gap over counting tokens is <= `threshold`; drop it (0)
+/// otherwise. `logps`, `old_logps`, `mask` [N, T], `adv` [N] -> [N, 1] f32.
+pub fn off_policy_mask(
+    logps: &Tensor,
+    old_logps: &Tensor,
+    mask: &Tensor,
+    adv: &Tensor,
+    threshold: f64,
+) -> Result<Tensor> {
+    let (n, t) = logps.dims2()?;
+    let gap: Vec<f32> = (old_logps.detach() - logps.detach())?
+        .flatten_all()?
+        .to_vec1()?; // [N*T]
+    let m: Vec<f32> = mask.flatten_all()?.to_vec1()?;
+    let a: Vec<f32> = adv.to_vec1()?;
+    let keep: Vec<f32> = (0..n)
+        .map(|i| {
+            let row = i * t..(i + 1) * t;
+            // A token without a log-prob (NaN) is no evidence either way.
+            let sum: f32 = gap[row.clone()]
+                .iter()
+                .zip(&m[row.clone()])
+                .map(|(&g, &m)| if g.is_nan() { 0.0 } else { g * m })
+                .sum();
+            let count: f32 = m[row].iter().sum();
+            f32::from(a[i] >= 0.0 || sum / count.max(1.0) <= threshold as f32)
+        })
+        .collect();
+    Ok(Tensor::from_vec(keep, (a.len(), 1), adv.device())?)
+}
+
 /// Reduces masked per-token losses [N, T] to the scalar of `loss_type`.
 pub fn reduce(
     per_token: &Tensor,
@@ -253,9 +407,12 @@ pub fn reduce(
                 (masked.sum(D::Minus1)? / mask.sum(D::Minus1)?.clamp(1.0, f64::INFINITY)?)?; // [N]
             (per_seq.sum_all()? / (rows * accum))?
         }
+        LossType::Luspo => (masked.sum_all()? / (rows * accum))?,
         LossType::Bnpo => (masked.sum_all()? / (micro.active_tokens.max(1.0) * accum))?,
         LossType::DrGrpo => (masked.sum_all()? / (rows * r.max_completion_length as f64 * accum))?,
-        LossType::Dapo | LossType::Cispo => (masked.sum_all()? / r.dapo_tokens.max(1.0))?,
+        LossType::Dapo | LossType::Cispo | LossType::Vespo => {
+            (masked.sum_all()? / r.dapo_tokens.max(1.0))?
+        }
     })
 }
 
@@ -279,6 +436,10 @@ pub fn grpo_loss(inp: &LossInputs, opts: &LossOptions, red: &Reduction) -> Resul
     let log_w = log_importance_weights(inp.logps, old, inp.mask, opts.importance_sampling_level)?;
     let surrogate = match opts.loss_type {
         LossType::Cispo => cispo_surrogate(&log_w, inp.logps, inp.advantages, opts.epsilon_high)?,
+        LossType::Vespo => {
+            let phi = vespo_weights(inp.logps, old, inp.mask, inp.advantages, &opts.vespo)?;
+            vespo_surrogate(&phi, inp.logps, inp.advantages)?
+        }
         LossType::Sapo => sapo_surrogate(
             &log_w,
             inp.advantages,
@@ -288,7 +449,26 @@ pub fn grpo_loss(inp: &LossInputs, opts: &LossOptions, red: &Reduction) -> Resul
         _ => clipped_surrogate(&log_w, inp.advantages, opts)?,
     }; // [N, T] or [N, 1]
     let (n, t) = inp.logps.dims2()?;
-    let surrogate = surrogate.broadcast_as((n, t))?;
+    let mut surrogate = surrogate.broadcast_as((n, t))?; // [N, T]
+
+    // TRL 1.16's token masks on the policy term: off-policy sequences, then low-entropy tokens.
+    if let Some(th) = opts.off_policy_mask_threshold {
+        let keep = off_policy_mask(inp.logps, old, inp.mask, inp.advantages, th)?; // [N, 1]
+        surrogate = surrogate.broadcast_mul(&keep)?;
+    }
+    let entropy_mask = match (opts.top_entropy_quantile < 1.0, inp.entropies) {
+        (false, _) => None,
+        (true, Some(ent)) => Some(high_entropy_mask(ent, inp.mask, opts.top_entropy_quantile)?),
+        (true, None) => {
+            return Err(crate::Error::config(
+                "top_entropy_quantile",
+                "needs per-token entropies (invariant: the update computes them)",
+            ))
+        }
+    }; // [N, T] f32
+    if let Some(em) = &entropy_mask {
+        surrogate = (surrogate * em)?;
+    }
 
     // Clip statistics (TRL's clip_ratio/low_mean, high_mean, region_mean).
     let coef = log_w.detach().exp()?.broadcast_as((n, t))?.contiguous()?;
@@ -330,13 +510,27 @@ pub fn grpo_loss(inp: &LossInputs, opts: &LossOptions, red: &Reduction) -> Resul
     } else {
         policy
     };
-    let mut entropy = None;
+    let (mut entropy, mut bonus_entropy_sum, mut bonus_tokens) = (None, 0.0, 0.0);
     if let Some(ent) = inp.entropies {
         entropy = Some(masked_mean(ent, inp.mask)?);
+        // The bonus acts on the tokens the policy term keeps (all active ones, or the
+        // high-entropy subset); its mean is over the micro-batch's such tokens.
+        let bonus_mask = match &entropy_mask {
+            Some(em) => (em * inp.mask)?,
+            None => inp.mask.clone(),
+        }; // [N, T]
+        let ent_sum = (ent * &bonus_mask)?.sum_all()?; // []
+        bonus_entropy_sum = ent_sum.detach().to_scalar::<f32>()?;
+        bonus_tokens = bonus_mask.sum_all()?.to_scalar::<f32>()?;
         if opts.entropy_coef != 0.0 {
             let accum = red.accumulation_steps.max(1) as f64;
-            let den = red.totals(inp.mask)?.active_tokens.max(1.0);
-            let mean_ent = ((ent * inp.mask)?.sum_all()? / (den * accum))?;
+            let den = match &entropy_mask {
+                // The update takes the micro-batch in one piece when entropies are masked.
+                Some(_) => bonus_tokens as f64,
+                None => red.totals(inp.mask)?.active_tokens,
+            }
+            .max(1.0);
+            let mean_ent = (ent_sum / (den * accum))?;
             loss = (loss - (mean_ent * opts.entropy_coef)?)?;
         }
     }
@@ -348,7 +542,44 @@ pub fn grpo_loss(inp: &LossInputs, opts: &LossOptions, red: &Reduction) -> Resul
         clip_high,
         clip_region,
         entropy,
+        bonus_entropy_sum,
+        bonus_tokens,
     })
+}
+
+/// Adaptive entropy control (Skywork-OR1, TRL's `use_adaptive_entropy`): after each optimizer
+/// step the coefficient moves by `delta` up (entropy at or below `target`) or down, within
+/// [`min`, `max`]; a step applies it only while the last measured entropy is at or below the
+/// target (so not before the first measurement).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct AdaptiveEntropy {
+    pub coef: f64,
+    /// The entropy measured at the last optimizer step (None: not yet).
+    pub last_entropy: Option<f64>,
+    pub min: f64,
+    pub max: f64,
+    pub delta: f64,
+    pub target: f64,
+}
+
+impl AdaptiveEntropy {
+    /// The coefficient the next optimizer step applies.
+    pub fn apply_coef(&self) -> f64 {
+        match self.last_entropy {
+            Some(e) if e <= self.target => self.coef,
+            _ => 0.0,
+        }
+    }
+
+    /// Takes the step's mean entropy over the tokens the bonus acts on.
+    pub fn update(&mut self, entropy: f64) {
+        self.coef = if entropy <= self.target {
+            (self.coef + self.delta).min(self.max)
+        } else {
+            (self.coef - self.delta).max(self.min)
+        };
+        self.last_entropy = Some(entropy);
+    }
 }
 
 /// Adaptive KL coefficient (Ziegler et al.): moves `coef` so the observed KL approaches `target`,
@@ -436,6 +667,9 @@ mod tests {
             use_bias_correction_kl: false,
             sapo_temperature_pos: 1.0,
             sapo_temperature_neg: 1.05,
+            vespo: VespoParams::default(),
+            top_entropy_quantile: 1.0,
+            off_policy_mask_threshold: None,
         }
     }
 
@@ -498,6 +732,22 @@ mod tests {
                         } as f32;
                         -(1.0 / (1.0 + (-tau * (c1 - 1.0)).exp())) * 4.0 / tau * adv[i]
                     }
+                    LossType::Vespo => {
+                        // Detached: the sequence's summed log-ratio at the point `w_logp`.
+                        let lw: f32 = (0..t)
+                            .map(|k| (w_logp[i][k] - old[i][k]).clamp(-20.0, 20.0) * mask[i][k])
+                            .sum::<f32>()
+                            .clamp(1e-8f32.ln(), 20.0);
+                        let p = &o.vespo;
+                        let (k, lam) = if adv[i] >= 0.0 {
+                            (p.k_pos, p.lambda_pos)
+                        } else {
+                            (p.k_neg, p.lambda_neg)
+                        };
+                        let (k, lam) = (k as f32, lam as f32);
+                        let phi = (lam + k * lw - lam * lw.exp()).exp();
+                        -phi * adv[i] * logp[i][j]
+                    }
                     _ => -(c1 * adv[i]).min(c2 * adv[i]),
                 };
                 if o.beta != 0.0 {
@@ -519,7 +769,8 @@ mod tests {
             }
             LossType::Bnpo => total / active.max(1.0) / accum,
             LossType::DrGrpo => total / (n * r.max_completion_length) as f32 / accum,
-            LossType::Dapo | LossType::Cispo => total / r.dapo_tokens as f32,
+            LossType::Luspo => total / n as f32 / accum,
+            LossType::Dapo | LossType::Cispo | LossType::Vespo => total / r.dapo_tokens as f32,
         }
     }
 
@@ -563,6 +814,8 @@ mod tests {
             LossType::Dapo,
             LossType::Cispo,
             LossType::Sapo,
+            LossType::Luspo,
+            LossType::Vespo,
         ] {
             for level in [IsLevel::Token, IsLevel::Sequence] {
                 for beta in [0.0, 0.04] {
@@ -611,6 +864,85 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn token_masks_match_plain_twins() {
+        // torch.quantile's linear interpolation.
+        assert_eq!(quantile(&[3.0, 1.0, 2.0, 4.0], 0.5), Some(2.5));
+        assert_eq!(quantile(&[3.0, 1.0, 2.0, 4.0], 1.0), Some(4.0));
+        assert_eq!(quantile(&[5.0], 0.3), Some(5.0));
+        assert_eq!(quantile(&[], 0.3), None);
+        let ent = vec![vec![0.1f32, 2.0, 0.5, 9.0], vec![1.5, 0.2, 3.0, 0.7]];
+        let mask = vec![vec![1.0f32, 1.0, 1.0, 0.0], vec![1.0, 1.0, 1.0, 1.0]];
+        for q in [0.0, 0.2, 0.5, 1.0] {
+            let got = high_entropy_mask(&t2(&ent), &t2(&mask), q)
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap();
+            // Twin: the active entropies sorted; the threshold interpolated at 1 - q.
+            let mut act: Vec<f32> = ent
+                .iter()
+                .flatten()
+                .zip(mask.iter().flatten())
+                .filter(|(_, &m)| m > 0.0)
+                .map(|(&e, _)| e)
+                .collect();
+            act.sort_by(f32::total_cmp);
+            let pos = (1.0 - q as f32) * (act.len() - 1) as f32;
+            let (lo, hi) = (pos.floor() as usize, pos.ceil() as usize);
+            let thr = act[lo] + (act[hi] - act[lo]) * (pos - lo as f32);
+            for i in 0..2 {
+                for j in 0..4 {
+                    let want = f32::from(mask[i][j] > 0.0 && ent[i][j] >= thr);
+                    assert_eq!(got[i][j], want, "q {q} at ({i}, {j})");
+                }
+            }
+        }
+        // Off-policy mask: row 0 positive advantage (kept), row 1 negative with mean gap
+        // (0.5 + 0.1) / 2 = 0.3, row 2 negative with mean gap -0.2.
+        let logp = vec![vec![-1.0f32, -1.0], vec![-1.0, -1.0], vec![-1.0, -1.0]];
+        let old = vec![vec![0.0f32, 0.0], vec![-0.5, -0.9], vec![-1.2, -1.2]];
+        let m = vec![vec![1.0f32, 1.0]; 3];
+        let adv = Tensor::new(&[1.0f32, -1.0, -1.0], &Device::Cpu).unwrap();
+        for (th, want) in [
+            (0.25, [1.0, 0.0, 1.0]),
+            (0.35, [1.0, 1.0, 1.0]),
+            (-0.3, [1.0, 0.0, 0.0]),
+        ] {
+            let got = off_policy_mask(&t2(&logp), &t2(&old), &t2(&m), &adv, th)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            assert_eq!(got, want, "threshold {th}");
+        }
+    }
+
+    #[test]
+    fn adaptive_entropy_moves_within_bounds_and_applies_below_target() {
+        let mut a = AdaptiveEntropy {
+            coef: 0.01,
+            last_entropy: None,
+            min: 0.0,
+            max: 0.02,
+            delta: 0.005,
+            target: 1.0,
+        };
+        assert_eq!(a.apply_coef(), 0.0, "nothing measured yet");
+        a.update(0.5);
+        assert!((a.coef - 0.015).abs() < 1e-12 && a.apply_coef() == a.coef);
+        a.update(0.5);
+        a.update(0.5);
+        assert!((a.coef - 0.02).abs() < 1e-12, "capped at max");
+        a.update(2.0);
+        assert!((a.coef - 0.015).abs() < 1e-12);
+        assert_eq!(a.apply_coef(), 0.0, "entropy above target: no bonus");
+        for _ in 0..10 {
+            a.update(2.0);
+        }
+        assert_eq!(a.coef, 0.0, "floored at min");
     }
 
     #[test]

@@ -320,7 +320,12 @@ fn peft_and_transformers_accepted_grpo_files() {
 fn qlora_gradients_match_the_dequantized_base() {
     let c = load_case("qwen2_all_rslora", "qwen2");
     let dev = Device::Cpu;
-    for kind in [QuantType::Q4_0, QuantType::Q4_1, QuantType::Q8_0] {
+    for kind in [
+        QuantType::Q4_0,
+        QuantType::Q4_1,
+        QuantType::Q8_0,
+        QuantType::Nf4,
+    ] {
         let mut quant = c.base.build().unwrap();
         quant.quantize_projections(kind).unwrap();
         // The same base with each projection weight replaced by its dequantized value.

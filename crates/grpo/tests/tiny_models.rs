@@ -252,6 +252,42 @@ fn cached_greedy_decoding_matches_transformers_and_is_batch_independent() {
             let d = max_diff(&a[0][s].logprobs, &b[1][s].logprobs);
             assert!(d < 1e-4, "{name}: sample {s} logprobs differ by {d}");
         }
+        // Decoding in passes of whole groups (sampling_batch_size; 4 -> one group of 3 per
+        // pass) gives every group's completions, in order, as one pass does.
+        for cap in [4, 6] {
+            let chunked = SamplingParams {
+                max_batch_sequences: cap,
+                ..sp.clone()
+            };
+            let mut seen = vec![];
+            let (c, st) = grpo::sampler::generate_streaming(
+                &model,
+                None,
+                &batch,
+                3,
+                &chunked,
+                &mut |gi, si, _| {
+                    seen.push((gi, si));
+                    Ok(())
+                },
+            )
+            .unwrap();
+            assert_eq!(c.len(), 3);
+            assert_eq!(seen.len(), 9, "{name}: every completion reported once");
+            assert!((0..3).all(|gi| seen.iter().filter(|x| x.0 == gi).count() == 3));
+            assert_eq!(
+                st.generated_tokens,
+                c.iter().flatten().map(|x| x.ids.len()).sum::<usize>()
+            );
+            for (gi, group) in c.iter().enumerate() {
+                for (si, comp) in group.iter().enumerate() {
+                    assert_eq!(
+                        comp.ids, b[gi][si].ids,
+                        "{name}: cap {cap} group {gi} sample {si}"
+                    );
+                }
+            }
+        }
     }
 }
 

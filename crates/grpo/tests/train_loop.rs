@@ -703,10 +703,11 @@ fn lora_run_trains_adapters_and_resumes_exactly() {
     assert_eq!(m.config().num_layers, 2);
 }
 
-/// QLoRA on the tiny model: the base kept in Q8_0 / Q4_0, adapters on every projection train.
+/// QLoRA on the tiny model: the base kept in Q8_0 / Q4_0 / NF4, adapters on every projection
+/// train.
 #[test]
 fn qlora_run_trains() {
-    for q in ["q8_0", "q4_0"] {
+    for q in ["q8_0", "q4_0", "nf4"] {
         let steps = two_steps(&format!(
             "beta = 0.04\nlora.r = 4\nlora.target_modules = \"all-linear\"\nbase_quantization = \"{q}\""
         ));
@@ -905,7 +906,7 @@ fn a_trl_grpo_yaml_trains() {
     )
     .unwrap();
     assert!(c.ignored_keys.iter().any(|k| k == "load_in_4bit"));
-    assert_eq!(c.base_quantization, Some(grpo::models::QuantType::Q4_0));
+    assert_eq!(c.base_quantization, Some(grpo::models::QuantType::Nf4));
 }
 
 /// Each example config of a seed's scenario (examples/configs/) trains on a tiny model, with the
@@ -963,4 +964,96 @@ fn the_seed_example_configs_train() {
         };
         assert!(m.contains(want), "{name}: {m}");
     }
+}
+
+/// TRL 1.16's newer options through the trainer, from a TRL-style YAML: the vespo loss with the
+/// off-policy sequence mask, the high-entropy token mask and adaptive entropy control, TRL's
+/// reward_funcs (accuracy on the `solution` column), the seeds' gen_batch_size, keys set to null;
+/// the controller's state resumes exactly.
+#[test]
+fn trl_1_16_options_train_and_resume_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    tiny_model(&model);
+    let data = tmp.path().join("train.jsonl");
+    let rows: Vec<String> = (0..8)
+        .map(|i| format!("{{\"prompt\": \"{i} + 1 =\", \"solution\": \"{}\"}}", i + 1))
+        .collect();
+    std::fs::write(&data, rows.join("\n")).unwrap();
+    let yaml = |out: &Path| {
+        format!(
+            "model_name_or_path: {}\ndataset_name: {}\noutput_dir: {}\nloss_type: vespo\n\
+             num_iterations: 2\nper_device_train_batch_size: 4\n\
+             num_generations: 4\nmax_completion_length: 6\nlearning_rate: 1.0e-3\nmax_steps: 4\n\
+             save_steps: 2\nbeta: 0.04\ntop_entropy_quantile: 0.5\noff_policy_mask_threshold: 0.0\n\
+             use_adaptive_entropy: true\nentropy_coef: 0.01\nentropy_target: 100.0\n\
+             entropy_coef_delta: 0.005\ngen_batch_size: 4\nreport_to: none\n\
+             reward_funcs: [accuracy_reward, think_format_reward, get_soft_overlong_punishment]\n\
+             rewards: [{{kind: format, name: has_s, pattern: s}}]\n\
+             eval_steps: null\ndeepspeed: null\nhub_token: null\noptim: adamw_torch_fused\n\
+             seed: 7\nthreads: 2\n",
+            model.display(),
+            data.display(),
+            out.display()
+        )
+    };
+    let load =
+        |out: &Path| TrainConfig::from_str(&yaml(out), Format::Yaml, "trl.yaml", &[]).unwrap();
+    let full = tmp.path().join("full");
+    let cfg = load(&full);
+    assert_eq!(cfg.answer_field, "solution");
+    assert_eq!(cfg.sampling_batch_size, Some(4));
+    let names: Vec<&str> = cfg.rewards.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "accuracy_reward",
+            "think_format_reward",
+            "soft_overlong_punishment_reward",
+            "has_s"
+        ]
+    );
+    assert_eq!(train(&cfg, &RunControl::default()).unwrap().steps, 4);
+    let m = metrics(&full);
+    let coefs: Vec<f64> = m
+        .iter()
+        .filter_map(|r| r["entropy_coef"].as_f64())
+        .collect();
+    // Two optimizer steps per round; entropy is far below the target: +0.005 per step.
+    assert_eq!(coefs.len(), 2, "{m:?}");
+    assert!(
+        (coefs[0] - 0.02).abs() < 1e-9 && (coefs[1] - 0.03).abs() < 1e-9,
+        "{coefs:?}"
+    );
+    assert!(
+        m[0].get("rewards/accuracy_reward/mean").is_some(),
+        "{:?}",
+        m[0]
+    );
+    let state: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(full.join("checkpoint-2/trainer_state.json")).unwrap(),
+    )
+    .unwrap();
+    assert!(state.to_string().contains("adaptive_entropy"), "{state}");
+
+    // Killed after the first round, resumed: the same weights and metrics.
+    let part = tmp.path().join("part");
+    let ctl = RunControl {
+        max_rounds_this_run: Some(1),
+        ..Default::default()
+    };
+    assert_eq!(train(&load(&part), &ctl).unwrap().steps, 2);
+    let resume = RunControl {
+        resume: true,
+        ..Default::default()
+    };
+    assert_eq!(train(&load(&part), &resume).unwrap().steps, 4);
+    let (a, b) = (
+        weights(&full.join("checkpoint-4")),
+        weights(&part.join("checkpoint-4")),
+    );
+    for (k, v) in &a {
+        assert_eq!(v, &b[k], "{k} differs after resume");
+    }
+    assert_eq!(metrics(&full), metrics(&part));
 }

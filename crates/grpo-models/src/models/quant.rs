@@ -10,6 +10,10 @@
 //! weight instead of 32), and for many rows (training and reference forwards) dequantizes the
 //! weight into a scratch buffer and runs one f32 GEMM, which is several times faster than the
 //! per-row dot products of the quantized kernel at hundreds of rows.
+//!
+//! Besides GGML's types, QLoRA's own 4-bit NormalFloat ([`Nf4`], bitsandbytes' layout: blocks
+//! of 64 values, one f32 absmax each, two codes per byte) is kept here; it has no candle kernel,
+//! so every forward dequantizes.
 
 use std::sync::Arc;
 
@@ -25,14 +29,18 @@ pub enum QuantType {
     Q4_0,
     Q4_1,
     Q8_0,
+    /// QLoRA's 4-bit NormalFloat (bitsandbytes' `nf4`, block size 64).
+    Nf4,
 }
 
 impl QuantType {
-    pub fn ggml(self) -> GgmlDType {
+    /// The GGML type (None for NF4, which GGML does not have).
+    pub fn ggml(self) -> Option<GgmlDType> {
         match self {
-            QuantType::Q4_0 => GgmlDType::Q4_0,
-            QuantType::Q4_1 => GgmlDType::Q4_1,
-            QuantType::Q8_0 => GgmlDType::Q8_0,
+            QuantType::Q4_0 => Some(GgmlDType::Q4_0),
+            QuantType::Q4_1 => Some(GgmlDType::Q4_1),
+            QuantType::Q8_0 => Some(GgmlDType::Q8_0),
+            QuantType::Nf4 => None,
         }
     }
     pub fn name(self) -> &'static str {
@@ -40,13 +48,151 @@ impl QuantType {
             QuantType::Q4_0 => "q4_0",
             QuantType::Q4_1 => "q4_1",
             QuantType::Q8_0 => "q8_0",
+            QuantType::Nf4 => "nf4",
         }
     }
-    /// Values of 32 elements per block, and bytes per block.
+    /// Values per block, and bytes per block.
     fn block(self) -> (usize, usize) {
-        let d = self.ggml();
-        (d.block_size(), d.type_size())
+        match self.ggml() {
+            Some(d) => (d.block_size(), d.type_size()),
+            None => (NF4_BLOCK, NF4_BLOCK / 2 + 4),
+        }
     }
+}
+
+/// Values per NF4 block (bitsandbytes' QLoRA default).
+pub const NF4_BLOCK: usize = 64;
+
+/// The 16 NF4 values (QLoRA, appendix E): quantiles of a standard normal scaled to [-1, 1], with
+/// an exact 0. bitsandbytes' table, as f32.
+pub const NF4_CODE: [f32; 16] = [
+    -1.0,
+    -0.696_192_8,
+    -0.525_073_05,
+    -0.394_917_5,
+    -0.284_441_38,
+    -0.184_773_43,
+    -0.091_050_036,
+    0.0,
+    0.079_580_3,
+    0.160_930_2,
+    0.246_112_3,
+    0.337_915_24,
+    0.440_709_83,
+    0.562_617,
+    0.722_956_84,
+    1.0,
+];
+
+/// An NF4 weight [rows, cols] as bitsandbytes keeps one: the values flattened row-major, in
+/// blocks of 64 (the last may be shorter); per block the absmax, per value the index of the NF4
+/// value nearest to `value / absmax`, two per byte (the first in the high nibble).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Nf4 {
+    pub rows: usize,
+    pub cols: usize,
+    /// ceil(rows * cols / 2) bytes.
+    pub packed: Vec<u8>,
+    /// ceil(rows * cols / 64) scales.
+    pub absmax: Vec<f32>,
+}
+
+impl Nf4 {
+    /// The index of the NF4 value nearest to `x` (in [-1, 1]).
+    fn code_of(x: f32) -> u8 {
+        let mut best = 0;
+        for (i, c) in NF4_CODE.iter().enumerate().skip(1) {
+            if (x - c).abs() < (x - NF4_CODE[best]).abs() {
+                best = i;
+            }
+        }
+        best as u8
+    }
+
+    /// Quantizes `w` (row-major [rows, cols]).
+    pub fn quantize(w: &[f32], rows: usize, cols: usize) -> Result<Self> {
+        if w.len() != rows * cols {
+            candle_core::bail!("nf4: {} values for a [{rows}, {cols}] weight", w.len());
+        }
+        let absmax: Vec<f32> = w
+            .chunks(NF4_BLOCK)
+            .map(|b| b.iter().fold(0f32, |m, x| m.max(x.abs())))
+            .collect();
+        let mut packed = vec![0u8; w.len().div_ceil(2)];
+        packed
+            .par_chunks_mut(NF4_BLOCK / 2)
+            .zip(w.par_chunks(NF4_BLOCK).zip(absmax.par_iter()))
+            .for_each(|(out, (block, &m))| {
+                let inv = if m > 0.0 { 1.0 / m } else { 0.0 };
+                for (o, pair) in out.iter_mut().zip(block.chunks(2)) {
+                    // A missing last value is padded with 0 (code 7), as bitsandbytes pads.
+                    let lo = pair.get(1).map_or(7, |&x| Self::code_of(x * inv));
+                    *o = (Self::code_of(pair[0] * inv) << 4) | lo;
+                }
+            });
+        Ok(Nf4 {
+            rows,
+            cols,
+            packed,
+            absmax,
+        })
+    }
+
+    /// Dequantizes into `out` ([rows, cols] row-major) on rayon's threads.
+    pub fn dequantize_into(&self, out: &mut [f32]) {
+        out.par_chunks_mut(NF4_BLOCK)
+            .zip(
+                self.packed
+                    .par_chunks(NF4_BLOCK / 2)
+                    .zip(self.absmax.par_iter()),
+            )
+            .for_each(|(ys, (bytes, &m))| {
+                for (y, &b) in ys.chunks_mut(2).zip(bytes) {
+                    y[0] = NF4_CODE[(b >> 4) as usize] * m;
+                    if let Some(y1) = y.get_mut(1) {
+                        *y1 = NF4_CODE[(b & 15) as usize] * m;
+                    }
+                }
+            });
+    }
+
+    /// Whether rows can move whole (a row is whole blocks).
+    fn rows_are_blocks(&self) -> bool {
+        self.cols.is_multiple_of(NF4_BLOCK)
+    }
+
+    /// Row `r`'s bytes and scales.
+    fn row(&self, r: usize) -> (&[u8], &[f32]) {
+        let (b, s) = (self.cols / 2, self.cols / NF4_BLOCK);
+        (
+            &self.packed[r * b..(r + 1) * b],
+            &self.absmax[r * s..(r + 1) * s],
+        )
+    }
+
+    /// The rows `order` of the weights `parts` (all with the same columns), in that order.
+    fn gather(parts: &[(&Nf4, usize)]) -> Nf4 {
+        let cols = parts.first().map_or(0, |p| p.0.cols);
+        let mut out = Nf4 {
+            rows: parts.len(),
+            cols,
+            packed: Vec::with_capacity(parts.len() * cols / 2),
+            absmax: Vec::with_capacity(parts.len() * cols / NF4_BLOCK),
+        };
+        for (w, r) in parts {
+            let (b, s) = w.row(*r);
+            out.packed.extend_from_slice(b);
+            out.absmax.extend_from_slice(s);
+        }
+        out
+    }
+}
+
+/// Where a [`QuantProj`]'s weight lives.
+#[derive(Debug, Clone)]
+enum QWeight {
+    Ggml(Arc<QTensor>),
+    Nf4(Arc<Nf4>),
 }
 
 /// Rows up to which the forward uses candle's quantized kernel instead of dequantize + GEMM,
@@ -57,6 +203,7 @@ fn kernel_max_rows(kind: QuantType) -> usize {
     match kind {
         QuantType::Q4_0 | QuantType::Q8_0 => 20,
         QuantType::Q4_1 => 4,
+        QuantType::Nf4 => 0,
     }
 }
 
@@ -85,17 +232,17 @@ fn dequantize_rows<T: GgmlType>(bytes: &[u8], out: &mut [f32], row_len: usize) -
 /// `y = x W^T` with `W` [out, in] kept quantized.
 #[derive(Debug, Clone)]
 pub struct QuantProj {
-    w: Arc<QTensor>,
+    w: QWeight,
     kind: QuantType,
 }
 
 impl QuantProj {
-    /// Quantizes `weight` [out, in] (HF layout, any float dtype). `in` must be a multiple of the
-    /// block size (32).
+    /// Quantizes `weight` [out, in] (HF layout, any float dtype). For GGML types `in` must be a
+    /// multiple of the block size (32); NF4 takes any shape.
     pub fn quantize(weight: &Tensor, kind: QuantType) -> Result<Self> {
         let (_, i) = weight.dims2()?;
         let (bs, _) = kind.block();
-        if i % bs != 0 {
+        if kind.ggml().is_some() && i % bs != 0 {
             candle_core::bail!(
                 "cannot quantize a weight with {i} input features to {}: it needs a multiple of {bs}",
                 kind.name()
@@ -105,10 +252,18 @@ impl QuantProj {
             .to_device(&Device::Cpu)?
             .to_dtype(DType::F32)?
             .contiguous()?;
-        Ok(Self {
-            w: Arc::new(QTensor::quantize(&w, kind.ggml())?),
-            kind,
-        })
+        let q = match kind.ggml() {
+            Some(d) => QWeight::Ggml(Arc::new(QTensor::quantize(&w, d)?)),
+            None => {
+                let (o, _) = w.dims2()?;
+                QWeight::Nf4(Arc::new(Nf4::quantize(
+                    &w.flatten_all()?.to_vec1::<f32>()?,
+                    o,
+                    i,
+                )?))
+            }
+        };
+        Ok(Self { w: q, kind })
     }
 
     /// Stacks projections of the same input along `out` (q/k/v, gate/up) into one, exactly: the
@@ -117,48 +272,91 @@ impl QuantProj {
         let Some(first) = parts.first() else {
             candle_core::bail!("no projections to stack");
         };
-        let (_, i) = first.w.shape().dims2()?;
-        let mut bytes = Vec::new();
-        let mut rows = 0;
+        let (_, i) = first.dims()?;
         for p in parts {
-            let (o, pi) = p.w.shape().dims2()?;
-            if pi != i || p.kind != first.kind {
+            if p.dims()?.1 != i || p.kind != first.kind {
                 candle_core::bail!("stacked projections must share input size and type");
             }
-            bytes.extend_from_slice(&p.w.data()?);
-            rows += o;
         }
-        let storage = QStorage::from_data(bytes.into(), &Device::Cpu, first.kind.ggml())?;
-        Ok(Self {
-            w: Arc::new(QTensor::new(storage, (rows, i))?),
-            kind: first.kind,
-        })
+        let mut rows = vec![];
+        let mut bytes = Vec::new();
+        for p in parts {
+            match &p.w {
+                QWeight::Ggml(q) => bytes.extend_from_slice(&q.data()?),
+                QWeight::Nf4(w) if w.rows_are_blocks() => {
+                    rows.extend((0..w.rows).map(|r| (w.as_ref(), r)))
+                }
+                QWeight::Nf4(_) => candle_core::bail!(
+                    "nf4 projections stack only with input sizes that are multiples of {NF4_BLOCK}"
+                ),
+            }
+        }
+        Self::from_parts(first.kind, bytes, &rows, i)
+    }
+
+    /// A projection of `kind` from GGML bytes (whole rows of `cols`) or NF4 rows.
+    fn from_parts(
+        kind: QuantType,
+        bytes: Vec<u8>,
+        nf4_rows: &[(&Nf4, usize)],
+        cols: usize,
+    ) -> Result<Self> {
+        let w = match kind.ggml() {
+            Some(d) => {
+                let (bs, ts) = kind.block();
+                let rows = bytes.len() / (cols / bs * ts);
+                let storage = QStorage::from_data(bytes.into(), &Device::Cpu, d)?;
+                QWeight::Ggml(Arc::new(QTensor::new(storage, (rows, cols))?))
+            }
+            None => QWeight::Nf4(Arc::new(Nf4::gather(nf4_rows))),
+        };
+        Ok(Self { w, kind })
     }
 
     /// From a GGUF tensor kept as is (no re-quantization); `None` when its type is not `kind`.
     pub fn from_qtensor(q: Arc<QTensor>, kind: QuantType) -> Option<Self> {
-        (q.dtype() == kind.ggml() && q.rank() == 2).then_some(Self { w: q, kind })
+        (Some(q.dtype()) == kind.ggml() && q.rank() == 2).then_some(Self {
+            w: QWeight::Ggml(q),
+            kind,
+        })
+    }
+
+    /// The NF4 weight, when the projection is one.
+    pub fn nf4(&self) -> Option<&Nf4> {
+        match &self.w {
+            QWeight::Nf4(w) => Some(w),
+            QWeight::Ggml(_) => None,
+        }
     }
 
     /// Reorders the weight's rows: row `r` of the result is row `order[r]` (exact; each row's
     /// blocks move together). Undoes GGUF's q/k permutation without re-quantizing.
     pub fn permute_rows(&self, order: &[usize]) -> Result<Self> {
-        let (o, i) = self.w.shape().dims2()?;
+        let (o, i) = self.dims()?;
         if order.len() != o || order.iter().any(|&r| r >= o) {
             candle_core::bail!("row order does not match the weight's {o} rows");
         }
-        let (bs, ts) = self.kind.block();
-        let row = i / bs * ts;
-        let data = self.w.data()?;
-        let mut out = Vec::with_capacity(data.len());
-        for &r in order {
-            out.extend_from_slice(&data[r * row..(r + 1) * row]);
+        match &self.w {
+            QWeight::Ggml(q) => {
+                let (bs, ts) = self.kind.block();
+                let row = i / bs * ts;
+                let data = q.data()?;
+                let mut out = Vec::with_capacity(data.len());
+                for &r in order {
+                    out.extend_from_slice(&data[r * row..(r + 1) * row]);
+                }
+                Self::from_parts(self.kind, out, &[], i)
+            }
+            QWeight::Nf4(w) => {
+                if !w.rows_are_blocks() {
+                    candle_core::bail!(
+                        "nf4 rows move only with input sizes that are multiples of {NF4_BLOCK}"
+                    );
+                }
+                let rows: Vec<(&Nf4, usize)> = order.iter().map(|&r| (w.as_ref(), r)).collect();
+                Self::from_parts(self.kind, vec![], &rows, i)
+            }
         }
-        let storage = QStorage::from_data(out.into(), &Device::Cpu, self.kind.ggml())?;
-        Ok(Self {
-            w: Arc::new(QTensor::new(storage, (o, i))?),
-            kind: self.kind,
-        })
     }
 
     pub fn kind(&self) -> QuantType {
@@ -166,11 +364,17 @@ impl QuantProj {
     }
     /// (out, in)
     pub fn dims(&self) -> Result<(usize, usize)> {
-        self.w.shape().dims2()
+        match &self.w {
+            QWeight::Ggml(q) => q.shape().dims2(),
+            QWeight::Nf4(w) => Ok((w.rows, w.cols)),
+        }
     }
     /// Bytes the quantized weight occupies.
     pub fn size_in_bytes(&self) -> usize {
-        self.w.storage_size_in_bytes()
+        match &self.w {
+            QWeight::Ggml(q) => q.storage_size_in_bytes(),
+            QWeight::Nf4(w) => w.packed.len() + 4 * w.absmax.len(),
+        }
     }
     /// The weight dequantized, [out, in] f32 (rows in parallel).
     pub fn dequantize(&self) -> Result<Tensor> {
@@ -181,22 +385,33 @@ impl QuantProj {
     /// The weight dequantized into a plain buffer, [out, in] row-major.
     fn dequantize_vec(&self) -> Result<Vec<f32>> {
         let (o, i) = self.dims()?;
-        let data = self.w.data()?;
         let mut out = vec![0f32; o * i];
+        let q = match &self.w {
+            QWeight::Nf4(w) => {
+                w.dequantize_into(&mut out);
+                return Ok(out);
+            }
+            QWeight::Ggml(q) => q,
+        };
+        let data = q.data()?;
         let done = match self.kind {
             QuantType::Q4_0 => dequantize_rows::<BlockQ4_0>(&data, &mut out, i)?,
             QuantType::Q4_1 => dequantize_rows::<BlockQ4_1>(&data, &mut out, i)?,
             QuantType::Q8_0 => dequantize_rows::<BlockQ8_0>(&data, &mut out, i)?,
+            QuantType::Nf4 => false,
         };
         if done {
             return Ok(out);
         }
-        self.w.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1()
+        q.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1()
     }
 
     /// `x` [N, in] -> [N, out] through candle's quantized kernel (benchmarks; no backward).
     pub fn forward_kernel(&self, x: &Tensor) -> Result<Tensor> {
-        x.contiguous()?.apply_op1_no_bwd(self.w.as_ref())
+        match &self.w {
+            QWeight::Ggml(q) => x.contiguous()?.apply_op1_no_bwd(q.as_ref()),
+            QWeight::Nf4(_) => self.forward_dequant(x),
+        }
     }
 
     /// `x` [N, in] -> [N, out] by dequantizing the weight (benchmarks; no backward).
@@ -226,8 +441,10 @@ impl CustomOp1 for QuantProj {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let (n, k) = l.shape().dims2()?;
-        if n <= kernel_max_rows(self.kind) {
-            return self.w.cpu_fwd(s, l);
+        if let QWeight::Ggml(q) = &self.w {
+            if n <= kernel_max_rows(self.kind) {
+                return q.cpu_fwd(s, l);
+            }
         }
         let (o, _) = self.dims()?;
         let Some((x0, x1)) = l.contiguous_offsets() else {
@@ -292,9 +509,66 @@ mod tests {
         Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
     }
 
+    /// bitsandbytes' NF4 (scripts/make_nf4_fixtures.py): the same codes, scales and
+    /// dequantized values for every fixture weight.
+    #[test]
+    fn nf4_equals_bitsandbytes() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/nf4/nf4.safetensors");
+        let f = candle_core::safetensors::load(path, &Device::Cpu).unwrap();
+        let code: Vec<f32> = f["code"].to_vec1().unwrap();
+        assert_eq!(code, NF4_CODE.to_vec());
+        for name in ["small", "wide", "outliers", "partial"] {
+            let w = &f[&format!("weight_{name}")];
+            let (o, i) = w.dims2().unwrap();
+            let q = QuantProj::quantize(w, QuantType::Nf4).unwrap();
+            let nf4 = q.nf4().unwrap();
+            let packed: Vec<u8> = f[&format!("packed_{name}")].to_vec1().unwrap();
+            let absmax: Vec<f32> = f[&format!("absmax_{name}")].to_vec1().unwrap();
+            assert_eq!(nf4.absmax, absmax, "{name}: scales");
+            let differ = nf4
+                .packed
+                .iter()
+                .zip(&packed)
+                .filter(|(a, b)| a != b)
+                .count();
+            assert_eq!(
+                differ,
+                0,
+                "{name}: {differ} of {} bytes differ",
+                packed.len()
+            );
+            let want: Vec<f32> = f[&format!("dequant_{name}")]
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let got: Vec<f32> = q
+                .dequantize()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            assert_eq!(got, want, "{name}: dequantized");
+            assert_eq!(
+                q.size_in_bytes(),
+                (o * i).div_ceil(2) + 4 * (o * i).div_ceil(64)
+            );
+        }
+        // Rows of partial blocks quantize (blocks run across rows) but do not move.
+        let odd = QuantProj::quantize(&randn((4, 96), 1), QuantType::Nf4).unwrap();
+        assert!(odd.permute_rows(&[1, 0, 2, 3]).is_err());
+    }
+
     #[test]
     fn forward_matches_dequantized_weight_both_paths() {
-        for kind in [QuantType::Q4_0, QuantType::Q4_1, QuantType::Q8_0] {
+        for kind in [
+            QuantType::Q4_0,
+            QuantType::Q4_1,
+            QuantType::Q8_0,
+            QuantType::Nf4,
+        ] {
             let w = randn((48, 64), 1);
             let q = QuantProj::quantize(&w, kind).unwrap();
             let wd = q.dequantize().unwrap();
@@ -355,8 +629,14 @@ mod tests {
 
     #[test]
     fn stack_and_permute_are_exact() {
-        let a = QuantProj::quantize(&randn((32, 64), 6), QuantType::Q4_1).unwrap();
-        let b = QuantProj::quantize(&randn((64, 64), 7), QuantType::Q4_1).unwrap();
+        for kind in [QuantType::Q4_1, QuantType::Nf4] {
+            stack_and_permute_are_exact_for(kind);
+        }
+    }
+
+    fn stack_and_permute_are_exact_for(kind: QuantType) {
+        let a = QuantProj::quantize(&randn((32, 64), 6), kind).unwrap();
+        let b = QuantProj::quantize(&randn((64, 64), 7), kind).unwrap();
         let s = QuantProj::stack(&[&a, &b]).unwrap();
         let want = Tensor::cat(&[a.dequantize().unwrap(), b.dequantize().unwrap()], 0).unwrap();
         let got = s.dequantize().unwrap();

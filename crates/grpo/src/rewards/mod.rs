@@ -98,6 +98,8 @@ pub enum RewardFn {
     Equation,
     /// See [`rules::sides_match`].
     SidesMatch,
+    /// See [`rules::think_format`].
+    ThinkFormat,
     Length(Length),
     /// See [`rules::repetition_penalty`].
     Repetition {
@@ -177,6 +179,7 @@ impl Reward {
             RewardFn::Format(f) => each(&|it| f.score(it.completion)),
             RewardFn::Equation => each(&|it| rules::equation_holds(it.completion)),
             RewardFn::SidesMatch => each(&|it| rules::sides_match(it.completion)),
+            RewardFn::ThinkFormat => each(&|it| rules::think_format(it.completion)),
             RewardFn::Length(l) => each(&|it| l.score(it.completion_tokens)),
             RewardFn::Repetition { n, max_penalty } => {
                 each(&|it| rules::repetition_penalty(it.completion, *n, *max_penalty))
@@ -301,6 +304,7 @@ const KINDS: &[(&str, &[&str])] = &[
     ("format", Format::KEYS),
     ("equation", &[]),
     ("sides_match", &[]),
+    ("think_format", &[]),
     ("length", Length::KEYS),
     ("repetition", &["n", "max_penalty"]),
     ("diversity", &["n"]),
@@ -339,6 +343,7 @@ pub enum RewardKind {
     Format(Format),
     Equation,
     SidesMatch,
+    ThinkFormat,
     Length(Length),
     Repetition {
         n: usize,
@@ -430,6 +435,7 @@ impl RewardSpec {
             "format" => RewardKind::Format(Format::from_table(&t)?),
             "equation" => RewardKind::Equation,
             "sides_match" => RewardKind::SidesMatch,
+            "think_format" => RewardKind::ThinkFormat,
             "length" => RewardKind::Length(Length::from_table(&t, max_completion_length)?),
             "repetition" => {
                 let max_penalty = t.f32("max_penalty", -1.0)?;
@@ -499,6 +505,7 @@ impl RewardSpec {
             RewardKind::Format(f) => RewardFn::Format(f.clone()),
             RewardKind::Equation => RewardFn::Equation,
             RewardKind::SidesMatch => RewardFn::SidesMatch,
+            RewardKind::ThinkFormat => RewardFn::ThinkFormat,
             RewardKind::Length(l) => RewardFn::Length(*l),
             &RewardKind::Repetition { n, max_penalty } => RewardFn::Repetition { n, max_penalty },
             &RewardKind::Diversity { n } => RewardFn::Diversity { n },

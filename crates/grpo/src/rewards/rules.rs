@@ -52,6 +52,9 @@ pub struct AnswerMatch {
     pub rel_tol: f64,
     /// String comparison ignores case.
     pub ignore_case: bool,
+    /// Read the answer only after the last occurrence of this delimiter (e.g. `</think>`); a
+    /// completion without it scores 0 (TRL's `reasoning_accuracy_reward`).
+    pub after: Option<String>,
 }
 
 impl AnswerMatch {
@@ -61,6 +64,7 @@ impl AnswerMatch {
             abs_tol: 1e-6,
             rel_tol: 1e-9,
             ignore_case: true,
+            after: None,
         }
     }
 
@@ -70,6 +74,7 @@ impl AnswerMatch {
         "tolerance",
         "rel_tolerance",
         "ignore_case",
+        "after",
     ];
 
     pub fn from_table(t: &Table) -> Result<Self> {
@@ -82,7 +87,11 @@ impl AnswerMatch {
             abs_tol: t.f64("tolerance", d.abs_tol)?,
             rel_tol: t.f64("rel_tolerance", d.rel_tol)?,
             ignore_case: t.bool("ignore_case", true)?,
+            after: t.opt_str("after")?.map(str::to_string),
         };
+        if m.after.as_deref() == Some("") {
+            return Err(t.err("after", "must not be empty (e.g. \"</think>\")"));
+        }
         if m.abs_tol < 0.0 || m.rel_tol < 0.0 {
             return Err(t.err("tolerance", "must be >= 0"));
         }
@@ -92,6 +101,13 @@ impl AnswerMatch {
     pub fn score(&self, completion: &str, answer: Option<&str>) -> f32 {
         let Some(want) = answer else {
             return f32::NAN;
+        };
+        let completion = match &self.after {
+            None => completion,
+            Some(d) => match completion.rfind(d.as_str()) {
+                Some(i) => &completion[i + d.len()..],
+                None => return 0.0,
+            },
         };
         if self.extract == Extract::Contains {
             let want = want.trim();
@@ -543,6 +559,15 @@ pub fn sides_match(text: &str) -> f32 {
     }
 }
 
+/// `kind = "think_format"`: 1 when the text opens with `<think>`, has no second `<think>`, and
+/// closes the reasoning with `</think>` (TRL's `think_format_reward`), else 0.
+pub fn think_format(text: &str) -> f32 {
+    let ok = text
+        .strip_prefix("<think>")
+        .is_some_and(|rest| !rest.contains("<think>") && rest.contains("</think>"));
+    f32::from(u8::from(ok))
+}
+
 pub fn repetition_penalty(text: &str, n: usize, max_penalty: f32) -> f32 {
     let grams = ngrams(text, n);
     if grams.is_empty() {
@@ -582,6 +607,42 @@ pub fn group_diversity(texts: &[&str], groups: &[usize], n: usize) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn think_format_as_trl() {
+        // TRL's docstring examples, and its regex's edges: one opening tag at the very start.
+        for (text, want) in [
+            (
+                "<think>\nThis is my reasoning.\n</think>\nThis is my answer.",
+                1.0,
+            ),
+            ("<think>\nThis is my reasoning.\nThis is my answer.", 0.0),
+            ("<think>a</think>", 1.0),
+            (" <think>a</think>", 0.0),
+            ("<think>a<think>b</think>", 0.0),
+            ("<think>a</think> then <think>", 0.0),
+            ("</think><think>", 0.0),
+        ] {
+            assert_eq!(think_format(text), want, "{text:?}");
+        }
+    }
+
+    #[test]
+    fn answer_after_the_reasoning_delimiter() {
+        let m = AnswerMatch {
+            after: Some("</think>".into()),
+            ..AnswerMatch::new(Extract::Boxed)
+        };
+        let want = Some("\\frac{1}{3}");
+        // TRL's reasoning_accuracy_reward docstring: 1, 0, 0.
+        let c = [
+            "<think> Reasoning content </think> The final answer is \\boxed{\\frac{1}{3}}",
+            "<think> Reasoning content </think> The final answer is \\boxed{\\frac{1}{2}}",
+            "<think> Reasoning content with partial answers \\boxed{\\frac{1}{3}} but no final answer",
+        ];
+        let got: Vec<f32> = c.iter().map(|t| m.score(t, want)).collect();
+        assert_eq!(got, vec![1.0, 0.0, 0.0]);
+    }
 
     #[test]
     fn sides_match_or_not() {

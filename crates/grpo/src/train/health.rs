@@ -261,6 +261,7 @@ mod tests {
                 clip_region: 0.0,
                 grad_norm: grad,
                 learning_rate: 1e-5,
+                entropy_coef: None,
             }),
             kl_reward_seq_kl: None,
             kl_reward_coef: None,

@@ -36,6 +36,8 @@ pub mod names {
     pub const CLIP_REGION: &str = "clip_ratio/region_mean";
     pub const GRAD_NORM: &str = "grad_norm";
     pub const LEARNING_RATE: &str = "learning_rate";
+    /// The entropy bonus's coefficient after the round (TRL's name; adaptive control moves it).
+    pub const ENTROPY_COEF: &str = "entropy_coef";
     pub const KL_REWARD_SEQ_KL: &str = "kl_reward/seq_kl";
     pub const KL_REWARD_COEF: &str = "kl_reward/coef";
     pub const TIME_GENERATE: &str = "time/generate";
@@ -110,6 +112,8 @@ pub struct UpdateMetrics {
     pub grad_norm: f64,
     /// At the last step.
     pub learning_rate: f64,
+    /// After the last step, when an entropy bonus is on.
+    pub entropy_coef: Option<f64>,
 }
 
 /// Dynamic sampling's groups in a round.
@@ -214,7 +218,11 @@ pub fn reward_metrics(
 }
 
 /// The round's update statistics, averaged over its optimizer steps (None without a step).
-pub fn update_metrics(steps: &[StepStats], beta: f64) -> Option<UpdateMetrics> {
+pub fn update_metrics(
+    steps: &[StepStats],
+    beta: f64,
+    entropy_bonus: bool,
+) -> Option<UpdateMetrics> {
     if steps.is_empty() {
         return None;
     }
@@ -231,6 +239,10 @@ pub fn update_metrics(steps: &[StepStats], beta: f64) -> Option<UpdateMetrics> {
         clip_region: avg(&|s| s.clip_region),
         grad_norm: avg(&|s| s.grad_norm),
         learning_rate: steps.last().map_or(0.0, |s| s.lr),
+        entropy_coef: steps
+            .last()
+            .filter(|_| entropy_bonus)
+            .map(|s| s.entropy_coef),
     })
 }
 
@@ -351,6 +363,9 @@ impl StepMetrics {
             push(CLIP_REGION, u.clip_region);
             push(GRAD_NORM, u.grad_norm);
             push(LEARNING_RATE, u.learning_rate);
+            if let Some(c) = u.entropy_coef {
+                push(ENTROPY_COEF, c);
+            }
         }
         if let Some(k) = self.kl_reward_seq_kl {
             push(KL_REWARD_SEQ_KL, k);
@@ -445,6 +460,7 @@ mod tests {
                     ..Default::default()
                 }],
                 0.04,
+                false,
             ),
             kl_reward_seq_kl: None,
             kl_reward_coef: None,

@@ -179,6 +179,7 @@ fn run<P: LoadPolicy>(
             StepCounter {
                 step: &mut r.state.step,
                 consecutive_nonfinite: &mut r.state.consecutive_nonfinite,
+                adaptive_entropy: r.state.adaptive_entropy.as_mut(),
             },
             world,
             &mut |s| bar.set_position(s),
@@ -197,7 +198,11 @@ fn run<P: LoadPolicy>(
             metrics::RoundFacts {
                 adv: &adv,
                 rewards: metrics::reward_metrics(episodes, &r.data.rewards, &sampled.reward_secs),
-                update: metrics::update_metrics(&steps, r.update.loss.beta),
+                update: metrics::update_metrics(
+                    &steps,
+                    r.update.loss.beta,
+                    cfg.entropy_coef != 0.0 || cfg.adaptive_entropy.is_some(),
+                ),
                 kl_reward_seq_kl: kl_penalty.map(|k| k.1),
                 kl_reward_coef: r.state.adaptive_kl.as_ref().map(|a| a.coef),
                 times: RoundTimes {

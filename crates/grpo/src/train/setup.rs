@@ -19,7 +19,7 @@ use crate::hub::{self, ModelSource};
 use crate::inputs::{load_run_data, reward_weights, RunData};
 use crate::logprobs::Entropy;
 use crate::lora;
-use crate::loss::{AdaptiveKl, KlMode, LossOptions};
+use crate::loss::{AdaptiveEntropy, AdaptiveKl, KlMode, LossOptions};
 use crate::metrics::MetricsWriter;
 use crate::models::CausalLm;
 use crate::optim::{AdamW, AdamWConfig};
@@ -37,6 +37,9 @@ pub struct TrainerState {
     pub round: u64,
     pub order: PromptOrder,
     pub adaptive_kl: Option<AdaptiveKl>,
+    /// Adaptive entropy control's coefficient and last measurement.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adaptive_entropy: Option<AdaptiveEntropy>,
     pub consecutive_nonfinite: usize,
     /// Dynamic sampling's extra passes so far (their random streams).
     #[serde(default, skip_serializing_if = "is_zero")]
@@ -267,6 +270,7 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
             round: 0,
             order: PromptOrder::new(data.train.len(), cfg.seed, cfg.shuffle_dataset),
             adaptive_kl: cfg.kl.adaptive_controller(),
+            adaptive_entropy: cfg.adaptive_entropy.clone(),
             consecutive_nonfinite: 0,
             extra_passes: 0,
             best_metric: None,
@@ -351,6 +355,7 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
                 repetition_penalty: cfg.repetition_penalty,
                 stop_strings: cfg.stop.clone(),
                 eos_token_ids: eos_ids,
+                max_batch_sequences: cfg.sampling_batch_size.unwrap_or(0),
             },
             adv_opts: AdvantageOptions {
                 scale: cfg.scale_rewards,
@@ -429,8 +434,11 @@ pub fn update_options(cfg: &TrainConfig, pad: u32) -> UpdateOptions {
             use_bias_correction_kl: cfg.use_bias_correction_kl,
             sapo_temperature_pos: cfg.sapo_temperature_pos,
             sapo_temperature_neg: cfg.sapo_temperature_neg,
+            vespo: cfg.vespo,
+            top_entropy_quantile: cfg.top_entropy_quantile,
+            off_policy_mask_threshold: cfg.off_policy_mask_threshold,
         },
-        entropy: if cfg.entropy_coef != 0.0 {
+        entropy: if cfg.entropy_coef != 0.0 || cfg.adaptive_entropy.is_some() {
             Entropy::WithGrad
         } else {
             Entropy::Detached

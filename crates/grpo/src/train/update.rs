@@ -11,7 +11,7 @@ use candle_core::Tensor;
 use super::policy::{Policy, TrainForward};
 use super::world::World;
 use crate::logprobs::{forward_chunks, Entropy};
-use crate::loss::{grpo_loss, LossInputs, LossOptions, MicroTotals, Reduction};
+use crate::loss::{grpo_loss, AdaptiveEntropy, LossInputs, LossOptions, MicroTotals, Reduction};
 use crate::optim::{accumulate, clip_factor, lr_lambda, AdamW, LrSchedule};
 use crate::rollout::TrainBatch;
 use crate::seeding::mix_seed;
@@ -72,6 +72,11 @@ pub struct StepStats {
     pub clip_region: f64,
     pub grad_norm: f64,
     pub lr: f64,
+    /// Entropy summed over the tokens the entropy bonus acts on, and their count.
+    pub bonus_entropy_sum: f64,
+    pub bonus_tokens: f64,
+    /// The entropy coefficient after the step (adaptive entropy control moves it).
+    pub entropy_coef: f64,
     /// Loss and gradient norm were finite (else the update was skipped).
     pub finite: bool,
 }
@@ -80,6 +85,8 @@ pub struct StepStats {
 pub struct StepCounter<'a> {
     pub step: &'a mut u64,
     pub consecutive_nonfinite: &'a mut usize,
+    /// Adaptive entropy control's state, when on.
+    pub adaptive_entropy: Option<&'a mut AdaptiveEntropy>,
 }
 
 /// The optimizer steps of one round; `on_step(step)` after each. Stops at `schedule.total_steps`.
@@ -90,7 +97,7 @@ pub fn update_round<P: Policy>(
     batch: &TrainBatch,
     opts: &UpdateOptions,
     schedule: &Schedule,
-    counter: StepCounter,
+    mut counter: StepCounter,
     world: &dyn World,
     on_step: &mut dyn FnMut(u64),
 ) -> Result<Vec<StepStats>> {
@@ -115,18 +122,40 @@ pub fn update_round<P: Policy>(
                 return Ok(stats);
             }
             let step = *counter.step;
+            let adaptive_opts;
+            let step_opts = match counter.adaptive_entropy.as_deref() {
+                Some(ae) => {
+                    adaptive_opts = UpdateOptions {
+                        loss: LossOptions {
+                            entropy_coef: ae.apply_coef(),
+                            ..opts.loss.clone()
+                        },
+                        ..opts.clone()
+                    };
+                    &adaptive_opts
+                }
+                None => opts,
+            };
             // LoRA dropout masks: one stream per optimizer step (exact resume).
-            let st = update_policy(
+            let mut st = update_policy(
                 policy,
                 opt,
                 batch,
                 window,
                 &red,
-                opts,
+                step_opts,
                 schedule.lr(step),
                 0x4452_4f50 ^ step,
                 world,
             )?;
+            st.entropy_coef = opts.loss.entropy_coef;
+            if let Some(ae) = counter.adaptive_entropy.as_deref_mut() {
+                // The window's entropy over the world's bonus tokens.
+                let mut m = [st.bonus_entropy_sum, st.bonus_tokens];
+                world.sum_f64(&mut m)?;
+                ae.update(m[0] / m[1].max(1.0));
+                st.entropy_coef = ae.coef;
+            }
             if st.finite {
                 *counter.consecutive_nonfinite = 0;
             } else {
@@ -213,7 +242,13 @@ pub fn policy_gradients<P: Policy>(
         let rows = &batch.rows[range.clone()];
         let prompts: Vec<&[u32]> = rows.iter().map(|r| r.prompt_ids.as_slice()).collect();
         let comps: Vec<&[u32]> = rows.iter().map(|r| r.completion_ids.as_slice()).collect();
-        for part in forward_chunks(&prompts, &comps, opts.forward_chunk_tokens) {
+        // The high-entropy mask's quantile is over the micro-batch: take it in one piece.
+        let chunk_tokens = if opts.loss.top_entropy_quantile < 1.0 {
+            usize::MAX
+        } else {
+            opts.forward_chunk_tokens
+        };
+        for part in forward_chunks(&prompts, &comps, chunk_tokens) {
             let part = range.start + part.start..range.start + part.end;
             let mb = batch.micro(part, &device)?;
             let (logps, ents) = fwd.logprobs(&mb, opts.pad, opts.temperature, opts.entropy)?; // [n, Tc] f32
@@ -240,6 +275,8 @@ pub fn policy_gradients<P: Policy>(
             st.clip_low += out.clip_low as f64 * w;
             st.clip_high += out.clip_high as f64 * w;
             st.clip_region += out.clip_region as f64 * w;
+            st.bonus_entropy_sum += out.bonus_entropy_sum as f64;
+            st.bonus_tokens += out.bonus_tokens as f64;
             st.mean_logp += (logps.detach() * &mb.mask)?.sum_all()?.to_scalar::<f32>()? as f64
                 / totals.active_tokens.max(1.0)
                 / k;
