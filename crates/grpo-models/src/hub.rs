@@ -1318,10 +1318,209 @@ fn cached_snapshot(cache: &Path, id: &str) -> Option<PathBuf> {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Hub datasets (`dataset_name` = a hub id)
+// ---------------------------------------------------------------------------------------------
+
+/// The data formats grpo reads, in the order a split's file is looked for.
+const DATASET_EXTS: [&str; 5] = ["jsonl", "json", "parquet", "csv", "txt"];
+
+/// The file of split `split` among a dataset repository's files: `{split}.{ext}` at the top or
+/// under `data/`, else the one `data/{split}-*.parquet` shard (the hub's own layout, also under
+/// a configuration's directory `*/`). An error says what is there when none or several match.
+pub fn dataset_split_in(files: &[&str], id: &str, split: &str) -> Result<String> {
+    for ext in DATASET_EXTS {
+        for dir in ["", "data/"] {
+            let name = format!("{dir}{split}.{ext}");
+            if files.contains(&name.as_str()) {
+                return Ok(name);
+            }
+        }
+    }
+    let shard = |f: &&str| {
+        let base = f.rsplit('/').next().unwrap_or(f);
+        f.contains('/')
+            && f.matches('/').count() <= 2
+            && base.starts_with(&format!("{split}-"))
+            && base.ends_with(".parquet")
+    };
+    let shards: Vec<&str> = files.iter().copied().filter(shard).collect();
+    let in_data: Vec<&str> = shards
+        .iter()
+        .copied()
+        .filter(|f| f.starts_with("data/"))
+        .collect();
+    match (in_data.as_slice(), shards.as_slice()) {
+        ([one], _) | ([], [one]) => Ok(one.to_string()),
+        _ => Err(Error::Download(format!(
+            "dataset `{id}` on the Hugging Face hub has {} for split `{split}`: grpo reads one \
+             file per split ({split}.jsonl, .json, .parquet, .csv, .txt, or one \
+             data/{split}-*.parquet shard). Download it (`huggingface-cli download --repo-type \
+             dataset {id} --local-dir DIR`), join the shards into one file and give it as \
+             train_file",
+            if shards.is_empty() {
+                "no data file".to_string()
+            } else {
+                format!("{} parquet shards", shards.len())
+            }
+        ))),
+    }
+}
+
+/// Split `split` of hub dataset `id` (`owner/name`), fetched through the hub client into its
+/// cache (`datasets--owner--name`; `HF_ENDPOINT`, `HF_HOME`, `HF_TOKEN`, `HF_HUB_OFFLINE` are
+/// honoured) and verified against the size the hub states; the local file. Offline, or with the
+/// hub unreachable, a cached copy is used.
+pub fn fetch_dataset_split(id: &str, split: &str) -> Result<PathBuf> {
+    fetch_dataset_split_from(id, split, &HubSettings::from_env())
+}
+
+fn fetch_dataset_split_from(id: &str, split: &str, hub: &HubSettings) -> Result<PathBuf> {
+    let cache = Cache::new(hub.cache.clone());
+    let repo = Repo::new(id.to_string(), RepoType::Dataset);
+    // The file a fetch chose for this split is recorded beside the cache, for offline runs.
+    let marker = hub
+        .cache
+        .join(repo.folder_name())
+        .join(format!("grpo-split-{split}"));
+    let cached = || {
+        let in_cache = cache.repo(repo.clone());
+        fs::read_to_string(&marker)
+            .ok()
+            .and_then(|f| in_cache.get(f.trim()))
+            .or_else(|| {
+                DATASET_EXTS.iter().find_map(|ext| {
+                    in_cache
+                        .get(&format!("{split}.{ext}"))
+                        .or_else(|| in_cache.get(&format!("data/{split}.{ext}")))
+                })
+            })
+    };
+    let unreachable = |cause: String| {
+        Error::Download(format!(
+            "could not download dataset `{id}` from the Hugging Face hub at {}: {cause}. Download \
+             it on a machine with access (`huggingface-cli download --repo-type dataset {id} \
+             --local-dir DIR`) and give DIR as dataset_name, or set HF_ENDPOINT to a reachable \
+             mirror.",
+            hub.endpoint
+        ))
+    };
+    if hub.offline {
+        return cached().ok_or_else(|| {
+            Error::Download(format!(
+                "HF_HUB_OFFLINE is set and split `{split}` of dataset `{id}` is not in the hub \
+                 cache {}; unset HF_HUB_OFFLINE, or give a local file or directory as \
+                 dataset_name",
+                hub.cache.display()
+            ))
+        });
+    }
+    let mut builder = ApiBuilder::from_cache(cache.clone())
+        .with_endpoint(hub.endpoint.clone())
+        .with_progress(hub.progress)
+        .with_retries(2);
+    if let Some(token) = &hub.token {
+        builder = builder.with_token(Some(token.clone()));
+    }
+    let api = builder
+        .build()
+        .map_err(|e| unreachable(format!("setting up the client: {e}")))?;
+    let info = match api.repo(repo.clone()).info() {
+        Ok(info) => info,
+        Err(e) => {
+            let status = match &e {
+                ApiError::RequestError(b) => match b.as_ref() {
+                    ureq::Error::Status(code, _) => Some(*code),
+                    ureq::Error::Transport(_) => None,
+                },
+                _ => None,
+            };
+            return match status {
+                Some(401 | 403 | 404) => Err(Error::Download(format!(
+                    "dataset `{id}` was not found on the Hugging Face hub at {} (HTTP {}): check \
+                     the id; a private or gated dataset needs HF_TOKEN",
+                    hub.endpoint,
+                    status.unwrap_or_default()
+                ))),
+                _ => match cached() {
+                    Some(p) => {
+                        warn!("the Hugging Face hub is unreachable ({e}); using the cached split `{split}` of `{id}`");
+                        Ok(p)
+                    }
+                    None => Err(unreachable(e.to_string())),
+                },
+            };
+        }
+    };
+    let files: Vec<&str> = info.siblings.iter().map(|s| s.rfilename.as_str()).collect();
+    let name = dataset_split_in(&files, id, split)?;
+    info!("fetching {name} of dataset `{id}` from {}", hub.endpoint);
+    let pinned = api.repo(Repo::with_revision(
+        id.to_string(),
+        RepoType::Dataset,
+        info.sha.clone(),
+    ));
+    let path = pinned
+        .get(&name)
+        .map_err(|e| unreachable(format!("file {name}: {e}")))?;
+    cache
+        .repo(repo)
+        .create_ref(&info.sha)
+        .map_err(|e| Error::io(format!("writing the hub cache ref for dataset `{id}`"), e))?;
+    if let Some(dir) = marker.parent() {
+        fs::create_dir_all(dir).ok();
+    }
+    fs::write(&marker, &name).ok();
+    Ok(path)
+}
+
+// ---------------------------------------------------------------------------------------------
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_dataset_split_is_found_as_the_hub_lays_it_out() {
+        let pick = |files: &[&str], split: &str| dataset_split_in(files, "o/d", split);
+        let hub = [
+            "README.md",
+            "data/train-00000-of-00001.parquet",
+            "data/test-00000-of-00001.parquet",
+        ];
+        assert_eq!(
+            pick(&hub, "train").unwrap(),
+            "data/train-00000-of-00001.parquet"
+        );
+        assert_eq!(
+            pick(&hub, "test").unwrap(),
+            "data/test-00000-of-00001.parquet"
+        );
+        let e = pick(&hub, "validation").unwrap_err().to_string();
+        assert!(
+            e.contains("no data file") && e.contains("validation"),
+            "{e}"
+        );
+        // Plain files win, at the top or under data/; a configuration's directory works too.
+        assert_eq!(
+            pick(&["train.csv", "data/train.jsonl"], "train").unwrap(),
+            "data/train.jsonl"
+        );
+        assert_eq!(
+            pick(&["default/train-00000-of-00001.parquet"], "train").unwrap(),
+            "default/train-00000-of-00001.parquet"
+        );
+        let many = [
+            "data/train-00000-of-00002.parquet",
+            "data/train-00001-of-00002.parquet",
+        ];
+        let e = pick(&many, "train").unwrap_err().to_string();
+        assert!(
+            e.contains("2 parquet shards") && e.contains("huggingface-cli"),
+            "{e}"
+        );
+        // A split's name must start the file name.
+        assert!(pick(&["data/pretrain-00000-of-00001.parquet"], "train").is_err());
+    }
 
     #[test]
     fn adapters_name_their_base_portably() {

@@ -752,7 +752,7 @@ impl FromValue for Option<u64> {
 
 /// The file of split `split` of TRL's `dataset_name`: the name itself when it is a file, else in
 /// that directory `{split}.jsonl|.json|.parquet|.csv|.txt`, or `data/{split}-*.parquet` as the
-/// hub lays datasets out. A hub id that is not on disk is an error saying to download it.
+/// hub lays datasets out; else a hub id, whose split is fetched into the hub cache.
 fn dataset_split_file(name: &str, split: &str) -> Result<String> {
     let p = Path::new(name);
     if p.is_file() {
@@ -794,14 +794,24 @@ fn dataset_split_file(name: &str, split: &str) -> Result<String> {
             ),
         ));
     }
-    Err(Error::config(
-        "dataset_name",
-        format!(
-            "{name}: not a local file or directory. grpo reads datasets from disk: download it \
-             (`huggingface-cli download --repo-type dataset {name} --local-dir DIR`) and give \
-             DIR, or set train_file"
-        ),
-    ))
+    // A hub id (`owner/name`): the split fetched through the hub client into its cache.
+    let hub_id = name.split('/').count() == 2
+        && !name.starts_with('.')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./".contains(c));
+    if !hub_id {
+        return Err(Error::config(
+            "dataset_name",
+            format!(
+                "{name}: not a local file or directory, nor a hub dataset id (owner/name): give \
+                 a dataset file, a directory holding its splits, or a hub id"
+            ),
+        ));
+    }
+    let path = crate::hub::fetch_dataset_split(name, split)
+        .map_err(|e| Error::config("dataset_name", e.to_string()))?;
+    Ok(path.display().to_string())
 }
 
 /// `report_to` as TRL spells it, checked: `all` is every tracker grpo has, `none` (alone) none;
@@ -1103,7 +1113,7 @@ const MAPPED: &[(&str, &str)] = &[
     ("lora_target_parameters", "refused when set: adapters go on projections by name (lora_target_modules)"),
     ("model_revision", "main only (a hub model's main revision); another is refused with how to use it"),
     ("resume_from_checkpoint", "true: resume from the newest checkpoint in output_dir (as --resume); a path is refused with how to resume"),
-    ("dataset_name", "a local dataset file, or a directory holding its splits: train_file / eval_file"),
+    ("dataset_name", "a local dataset file, a directory holding its splits, or a hub dataset id whose split files are fetched into the hub cache: train_file / eval_file"),
     ("dataset_train_split", "the split of dataset_name used as train_file"),
     ("dataset_test_split", "the split of dataset_name used as eval_file"),
     ("reward_funcs", "TRL's built-in rewards as grpo rules (accuracy_reward, reasoning_accuracy_reward, think_format_reward, get_soft_overlong_punishment); dotted Python paths are refused with how to use a command scorer"),
@@ -1901,7 +1911,7 @@ impl TrainConfig {
         if needs_solution && !answer_field_given {
             merged.insert("answer_field".into(), Value::String("solution".into()));
         }
-        // `dataset_name`: a local dataset file, or a directory holding its splits.
+        // `dataset_name`: a local dataset file, a directory holding its splits, or a hub id.
         if let Some(name) = script.get("dataset_name") {
             let train_split = script
                 .get("dataset_train_split")

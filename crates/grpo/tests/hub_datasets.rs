@@ -1,0 +1,94 @@
+//! `dataset_name` as a hub id: the split is fetched through the hub client (from a mock hub on
+//! 127.0.0.1 set as HF_ENDPOINT) into the hub cache, trains, and is found again offline. One test
+//! in its own process, since it sets the HF_* environment.
+
+use std::path::{Path, PathBuf};
+
+use grpo::config::{Format, TrainConfig};
+use grpo::train::{train, RunControl};
+
+#[path = "support/mock_hub.rs"]
+mod mock_hub;
+#[path = "support/tiny_llama.rs"]
+mod support;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+#[test]
+fn a_hub_dataset_is_fetched_trained_on_and_found_offline() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    support::tiny_llama(&model, &fixtures());
+    let rows: Vec<String> = (0..8)
+        .map(|i| format!("{{\"prompt\": \"{i} + 1 =\", \"solution\": \"{}\"}}", i + 1))
+        .collect();
+    let train_rows = rows.join("\n").into_bytes();
+    let test_rows = rows[..2].join("\n").into_bytes();
+    let endpoint = mock_hub::serve_dataset(
+        "someone/tiny-math",
+        vec![
+            ("README.md".into(), b"# tiny".to_vec()),
+            ("data/train-00000-of-00001.jsonl".into(), b"{}".to_vec()),
+            ("data/train.jsonl".into(), train_rows.clone()),
+            ("data/test-00000-of-00001.parquet".into(), test_rows.clone()),
+        ],
+    );
+    let home = tmp.path().join("hf");
+    std::env::set_var("HF_ENDPOINT", &endpoint);
+    std::env::set_var("HF_HOME", &home);
+    std::env::remove_var("HF_HUB_OFFLINE");
+    let out = tmp.path().join("out");
+    let yaml = format!(
+        "model_name_or_path: {}\ndataset_name: someone/tiny-math\ndataset_train_split: train\n\
+         output_dir: {}\nper_device_train_batch_size: 4\nnum_generations: 4\n\
+         max_completion_length: 4\nmax_steps: 1\nreport_to: none\nreward_funcs: [accuracy_reward]\n\
+         threads: 2\n",
+        model.display(),
+        out.display()
+    );
+    let cfg = TrainConfig::from_str(&yaml, Format::Yaml, "trl.yaml", &[]).unwrap();
+    let file = cfg.train_file.clone().unwrap();
+    assert!(
+        file.starts_with(home.join("hub/datasets--someone--tiny-math")),
+        "{file:?}"
+    );
+    assert_eq!(std::fs::read(&file).unwrap(), train_rows);
+    assert_eq!(train(&cfg, &RunControl::default()).unwrap().steps, 1);
+
+    // The test split is the one parquet shard; offline, both come from the cache.
+    let with_test = format!("{yaml}dataset_test_split: test\n");
+    let cfg = TrainConfig::from_str(&with_test, Format::Yaml, "trl.yaml", &[]).unwrap();
+    assert_eq!(std::fs::read(cfg.eval_file.unwrap()).unwrap(), test_rows);
+    std::env::set_var("HF_HUB_OFFLINE", "1");
+    let cfg = TrainConfig::from_str(&with_test, Format::Yaml, "trl.yaml", &[]).unwrap();
+    assert_eq!(cfg.train_file.unwrap(), file);
+    // A split nobody fetched, offline: the error says so and names the key.
+    let e = TrainConfig::from_str(
+        &format!("{yaml}dataset_test_split: validation\n"),
+        Format::Yaml,
+        "trl.yaml",
+        &[],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("dataset_name") && e.contains("HF_HUB_OFFLINE"),
+        "{e}"
+    );
+    std::env::remove_var("HF_HUB_OFFLINE");
+    // An unknown dataset: the hub's 404, named.
+    let e = TrainConfig::from_str(
+        &yaml.replace("someone/tiny-math", "someone/nothing-here"),
+        Format::Yaml,
+        "trl.yaml",
+        &[],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("someone/nothing-here") && e.contains("404"),
+        "{e}"
+    );
+}
