@@ -366,3 +366,138 @@ fn qlora_gradients_match_the_dequantized_base() {
         assert!(quant.quantized_bytes() > 0);
     }
 }
+
+/// Files that load everywhere, checked in committed-fixture style: `tests/fixtures/interop` holds
+/// an `all-linear` adapter and its merged bf16 sharded export as grpo writes them, and what peft
+/// and transformers made of them (`scripts/check_interop.py`). Here grpo writes both again (they
+/// must be the bytes that were checked; GRPO_BLESS=1 rewrites them, then rerun the script), and
+/// its own adapted model and export give the tokens and logits peft and transformers gave.
+#[test]
+fn peft_and_transformers_load_what_grpo_writes() {
+    let c = load_case("qwen2_all_rslora", "qwen2");
+    let dir = fixtures().join("interop");
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = lora::LoraConfig {
+        target_modules: vec!["all-linear".into()],
+        ..c.adapter.config.clone()
+    };
+    let adapter = tmp.path().join("adapter");
+    lora::save_peft(
+        &adapter,
+        &cfg,
+        c.base.config.arch,
+        "tests/fixtures/tiny/qwen2",
+        &c.adapter.tensors,
+    )
+    .unwrap();
+    let merged = tmp.path().join("merged_bf16");
+    let opts = grpo::export::ExportOptions {
+        dtype: DType::BF16,
+        max_shard_bytes: Some(80_000),
+    };
+    let base = fixtures().join("tiny/qwen2").display().to_string();
+    grpo::export::export(&adapter, &merged, true, Some(&base), &opts).unwrap();
+    let files = |d: &Path| -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    for sub in ["adapter", "merged_bf16"] {
+        let (new, old) = (tmp.path().join(sub), dir.join(sub));
+        if std::env::var_os("GRPO_BLESS").is_some() {
+            let _ = std::fs::remove_dir_all(&old);
+            std::fs::create_dir_all(&old).unwrap();
+            for f in files(&new) {
+                std::fs::copy(new.join(&f), old.join(&f)).unwrap();
+            }
+            continue;
+        }
+        assert_eq!(
+            files(&new),
+            files(&old),
+            "{sub}: the files grpo writes changed"
+        );
+        for f in files(&new) {
+            assert!(
+                std::fs::read(new.join(&f)).unwrap() == std::fs::read(old.join(&f)).unwrap(),
+                "{sub}/{f} is no longer what peft/transformers checked: GRPO_BLESS=1, then \
+                 scripts/check_interop.py"
+            );
+        }
+    }
+    let want: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    // peft expanded `all-linear` to the modules grpo puts adapters on.
+    let model = c.base.build().unwrap();
+    let mut ours: Vec<String> = lora::targeted(&model, &cfg)
+        .unwrap()
+        .into_iter()
+        .map(|(m, _, _)| m)
+        .collect();
+    ours.sort();
+    let theirs: Vec<String> = want["peft_lora_modules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m.as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(ours, theirs);
+    // peft's adapted logits; transformers' and peft's greedy tokens.
+    let logits =
+        candle_core::safetensors::load(dir.join("expected.safetensors"), &Device::Cpu).unwrap();
+    let ids: Vec<u32> = want["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+    let (adapted, _) = grpo::export::load_for_inference(
+        Some(&dir.join("adapter").display().to_string()),
+        Some(&base),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let (_, ours) = loss_and_logits(&adapted, &[ids.clone()], Mode::Infer);
+    let d = max_diff(&ours.squeeze(0).unwrap(), &logits["peft_logits"]);
+    assert!(
+        d < 1e-4 * max_abs(&logits["peft_logits"]).max(1.0),
+        "peft logits differ by {d}"
+    );
+    let exported = load_model(
+        &ModelSource::HfDir(dir.join("merged_bf16")),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap()
+    .build()
+    .unwrap();
+    let greedy = |m: &CausalLm| -> Vec<u32> {
+        let params = grpo::sampler::SamplingParams {
+            max_new_tokens: 8,
+            min_new_tokens: 8,
+            temperature: 0.0,
+            ..Default::default()
+        };
+        let p = [grpo::sampler::PromptInput {
+            ids: ids.clone(),
+            seed: 0,
+        }];
+        grpo::sampler::generate(m, None, &p, 1, &params).unwrap().0[0][0]
+            .ids
+            .clone()
+    };
+    let tokens = |k: &str| -> Vec<u32> {
+        want[k]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    assert_eq!(greedy(&exported), tokens("transformers_bf16_export_greedy"));
+    assert_eq!(greedy(&adapted), tokens("peft_greedy"));
+}
