@@ -461,7 +461,7 @@ fn peft_and_transformers_load_what_grpo_writes() {
         &Device::Cpu,
     )
     .unwrap();
-    let (_, ours) = loss_and_logits(&adapted, &[ids.clone()], Mode::Infer);
+    let (_, ours) = loss_and_logits(&adapted, std::slice::from_ref(&ids), Mode::Infer);
     let d = max_diff(&ours.squeeze(0).unwrap(), &logits["peft_logits"]);
     assert!(
         d < 1e-4 * max_abs(&logits["peft_logits"]).max(1.0),
