@@ -1108,6 +1108,31 @@ impl HubSettings {
     }
 }
 
+impl HubSettings {
+    /// hf-hub's client for these settings.
+    fn client(&self) -> std::result::Result<hf_hub::api::sync::Api, ApiError> {
+        let mut builder = ApiBuilder::from_cache(Cache::new(self.cache.clone()))
+            .with_endpoint(self.endpoint.clone())
+            .with_progress(self.progress)
+            .with_retries(2);
+        if let Some(token) = &self.token {
+            builder = builder.with_token(Some(token.clone()));
+        }
+        builder.build()
+    }
+}
+
+/// The HTTP status of a hub error that has one (None: no answer at all).
+fn http_status(err: &ApiError) -> Option<u16> {
+    match err {
+        ApiError::RequestError(e) => match e.as_ref() {
+            ureq::Error::Status(code, _) => Some(*code),
+            ureq::Error::Transport(_) => None,
+        },
+        _ => None,
+    }
+}
+
 fn hub_unreachable(id: &str, hub: &HubSettings, cause: impl std::fmt::Display) -> Error {
     Error::Download(format!(
         "could not download model `{id}` from the Hugging Face hub at {}: {cause}. Download it on \
@@ -1119,13 +1144,7 @@ fn hub_unreachable(id: &str, hub: &HubSettings, cause: impl std::fmt::Display) -
 }
 
 fn hub_error(id: &str, hub: &HubSettings, what: &str, err: &ApiError) -> Error {
-    let status = match err {
-        ApiError::RequestError(e) => match e.as_ref() {
-            ureq::Error::Status(code, _) => Some(*code),
-            ureq::Error::Transport(_) => None,
-        },
-        _ => None,
-    };
+    let status = http_status(err);
     match status {
         Some(401 | 403) => Error::Download(format!(
             "the Hugging Face hub at {} refused access to {what} of model `{id}` (HTTP {}): the \
@@ -1155,21 +1174,14 @@ fn fetch_from_hub(id: &str, hub: &HubSettings) -> Result<PathBuf> {
             ))
         });
     }
-    let mut builder = ApiBuilder::from_cache(Cache::new(hub.cache.clone()))
-        .with_endpoint(hub.endpoint.clone())
-        .with_progress(hub.progress)
-        .with_retries(2);
-    if let Some(token) = &hub.token {
-        builder = builder.with_token(Some(token.clone()));
-    }
-    let api = builder
-        .build()
+    let api = hub
+        .client()
         .map_err(|e| hub_unreachable(id, hub, format!("setting up the client: {e}")))?;
 
     let info = match api.model(id.to_string()).info() {
         Ok(info) => info,
         Err(e) => {
-            let transport = !matches!(&e, ApiError::RequestError(b) if matches!(b.as_ref(), ureq::Error::Status(..)));
+            let transport = http_status(&e).is_none();
             if transport {
                 if let Some(dir) = cached_snapshot(&hub.cache, id) {
                     warn!(
@@ -1414,32 +1426,18 @@ fn fetch_dataset_split_from(id: &str, split: &str, hub: &HubSettings) -> Result<
             ))
         });
     }
-    let mut builder = ApiBuilder::from_cache(cache.clone())
-        .with_endpoint(hub.endpoint.clone())
-        .with_progress(hub.progress)
-        .with_retries(2);
-    if let Some(token) = &hub.token {
-        builder = builder.with_token(Some(token.clone()));
-    }
-    let api = builder
-        .build()
+    let api = hub
+        .client()
         .map_err(|e| unreachable(format!("setting up the client: {e}")))?;
     let info = match api.repo(repo.clone()).info() {
         Ok(info) => info,
         Err(e) => {
-            let status = match &e {
-                ApiError::RequestError(b) => match b.as_ref() {
-                    ureq::Error::Status(code, _) => Some(*code),
-                    ureq::Error::Transport(_) => None,
-                },
-                _ => None,
-            };
-            return match status {
+            return match http_status(&e) {
                 Some(401 | 403 | 404) => Err(Error::Download(format!(
                     "dataset `{id}` was not found on the Hugging Face hub at {} (HTTP {}): check \
                      the id; a private or gated dataset needs HF_TOKEN",
                     hub.endpoint,
-                    status.unwrap_or_default()
+                    http_status(&e).unwrap_or_default()
                 ))),
                 _ => match cached() {
                     Some(p) => {

@@ -1122,6 +1122,7 @@ const MAPPED: &[(&str, &str)] = &[
     ("chat_template_kwargs", "variables for the chat template (e.g. enable_thinking)"),
     ("optim", "adamw_* values are grpo's AdamW; another optimizer is refused"),
     ("wandb_log", "true: adds wandb to report_to (the seeds' switch)"),
+    ("adap_kl_ctrl", "TRL PPOConfig's switch for the seeds' kl_ctl: true makes kl_coef adaptive (kl_target, TRL's default 6.0 unless given), false keeps it fixed"),
 ];
 
 /// TRL / HF keys accepted and ignored, each with its reason (listed in the warning at start).
@@ -1695,6 +1696,7 @@ impl TrainConfig {
         let mut template_kwargs = serde_json::Map::new();
         let (mut trl_rewards, mut trl_reward_model) = (Vec::new(), None);
         let (mut needs_solution, mut answer_field_given) = (false, false);
+        let mut adaptive_kl: Option<bool> = None;
         let mut apply =
             |k: String, v: Value, from: &str| -> Result<()> {
                 let k = ALIASES
@@ -1853,6 +1855,10 @@ impl TrainConfig {
                     }
                     _ => {}
                 }
+                if k == "adap_kl_ctrl" {
+                    adaptive_kl = Some(v == Value::Bool(true));
+                    return Ok(());
+                }
                 if k == "wandb_log" {
                     // The seeds' switch: W&B beside what report_to already names.
                     wandb_log = v == Value::Bool(true);
@@ -1907,6 +1913,15 @@ impl TrainConfig {
             all.extend(trl_rewards);
             all.append(&mut reward_tables);
             reward_tables = all;
+        }
+        match adaptive_kl {
+            Some(true) if !merged.contains_key("kl_target") => {
+                merged.insert("kl_target".into(), Value::from(6.0));
+            }
+            Some(false) => {
+                merged.remove("kl_target");
+            }
+            _ => {}
         }
         if needs_solution && !answer_field_given {
             merged.insert("answer_field".into(), Value::String("solution".into()));
@@ -3049,6 +3064,22 @@ lora_target_modules: [q_proj, k_proj]
         assert_eq!(coef, 0.05);
         let a = adaptive.unwrap();
         assert_eq!((a.target, a.horizon), (6.0, 5000.0));
+        // TRL PPOConfig's adap_kl_ctrl: on with its default target, or off (a fixed coef).
+        let c = load(
+            "init_kl_coef = 0.2\nadap_kl_ctrl = true\n",
+            Format::Toml,
+            &[],
+        )
+        .unwrap();
+        assert!(matches!(c.kl, KlMode::Reward { adaptive: Some(a), .. } if a.target == 6.0));
+        let c = load(
+            "init_kl_coef = 0.2\nadap_kl_ctrl = false\ntarget_kl = 3.0\ngen_batch_size = 8\n",
+            Format::Toml,
+            &[],
+        )
+        .unwrap();
+        assert!(matches!(c.kl, KlMode::Reward { adaptive: None, coef } if coef == 0.2));
+        assert_eq!(c.sampling_batch_size, Some(8));
     }
 
     #[test]
