@@ -83,17 +83,31 @@ fn main() -> ExitCode {
     // SAFETY: as above.
     unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_LARGE_OS_PAGES, 1) };
     let cli = Cli::parse();
+    // Under an MPI launcher the ranks other than 0 log only warnings and errors, each line
+    // naming its rank; rank 0 logs as one process does.
+    let rank = launcher_rank();
+    let level = match rank {
+        Some(r) if r > 0 => "warn".to_string(),
+        _ => cli.log_level.clone(),
+    };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cli.log_level));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&level));
     // Colours only on a terminal, and not with NO_COLOR set: a log file or a pipe gets plain text.
     let colour = std::io::stderr().is_terminal()
         && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
-    tracing_subscriber::fmt()
+    let fmt = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(colour)
-        .with_target(false)
-        .init();
+        .with_target(false);
+    match rank {
+        Some(r) if r > 0 => fmt
+            .with_thread_names(true)
+            .with_span_events(tracing_subscriber::fmt::format::FmtSpan::NONE)
+            .event_format(RankFormat(r))
+            .init(),
+        _ => fmt.init(),
+    }
     let result = match cli.command {
         Command::Train(args) => train::run(args),
         Command::Config(args) => config_cmd::run(args),
@@ -111,5 +125,38 @@ fn main() -> ExitCode {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// This process's rank under an MPI launcher of several processes (None: one process).
+fn launcher_rank() -> Option<usize> {
+    grpo::train::launcher_world_size()?;
+    [
+        "OMPI_COMM_WORLD_RANK",
+        "PMI_RANK",
+        "PMIX_RANK",
+        "SLURM_PROCID",
+    ]
+    .iter()
+    .find_map(|k| std::env::var(k).ok()?.trim().parse().ok())
+}
+
+/// Log lines of a rank other than 0: `rank N: LEVEL message`.
+struct RankFormat(usize);
+
+impl<S, N> tracing_subscriber::fmt::FormatEvent<S, N> for RankFormat
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    N: for<'a> tracing_subscriber::fmt::FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        ctx: &tracing_subscriber::fmt::FmtContext<'_, S, N>,
+        mut writer: tracing_subscriber::fmt::format::Writer<'_>,
+        event: &tracing::Event<'_>,
+    ) -> std::fmt::Result {
+        write!(writer, "rank {}: {} ", self.0, event.metadata().level())?;
+        ctx.field_format().format_fields(writer.by_ref(), event)?;
+        writeln!(writer)
     }
 }

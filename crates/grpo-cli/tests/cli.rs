@@ -862,3 +862,25 @@ fn pretrain_makes_a_generator_and_a_judge_that_the_other_commands_load() {
         stderr(&o)
     );
 }
+
+/// Started by a launcher as one of several processes, a grpo built without MPI stops with the
+/// fix instead of training alone (every process would write the same directory).
+#[cfg(not(feature = "mpi"))]
+#[test]
+fn a_launch_of_several_processes_without_mpi_says_to_rebuild() {
+    let tmp = tempfile::tempdir().unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_grpo"))
+        .args(["train", "--max_steps=1"])
+        .arg(format!("--output_dir={}", tmp.path().join("out").display()))
+        .env("OMPI_COMM_WORLD_SIZE", "2")
+        .env("OMPI_COMM_WORLD_RANK", "1")
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(
+        e.contains("--features mpi") && e.contains("2 processes"),
+        "{e}"
+    );
+    assert!(!tmp.path().join("out").exists(), "nothing is written");
+}

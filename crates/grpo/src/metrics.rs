@@ -65,6 +65,20 @@ impl MetricsWriter {
         })
     }
 
+    /// A writer that writes nothing anywhere (the ranks of a data-parallel run other than 0).
+    pub fn discard() -> Result<Self> {
+        let jsonl = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/null")
+            .map_err(|e| Error::io("cannot open /dev/null", e))?;
+        Ok(Self {
+            dir: std::env::temp_dir(),
+            jsonl,
+            tb: None,
+            trackers: Default::default(),
+        })
+    }
+
     /// Sends what is logged from now on to `trackers` too.
     pub fn with_trackers(mut self, trackers: crate::trackers::Trackers) -> Self {
         self.trackers = trackers;

@@ -494,7 +494,8 @@ fn the_trainers_update_equals_trl() {
         let p = policy();
         let all_rows = 0..batch.rows.len();
         let window = std::slice::from_ref(&all_rows);
-        let (grads, st) = policy_gradients(&p, &batch, window, &red, &opts, 0).unwrap();
+        let (grads, st) =
+            policy_gradients(&p, &batch, window, &red, &opts, 0, &SingleProcess).unwrap();
         let want = case["loss"].as_f64().unwrap();
         assert!(
             (st.loss - want).abs() < 1e-5,

@@ -17,6 +17,7 @@ mod metrics;
 mod policy;
 mod round;
 mod setup;
+mod shard;
 mod update;
 mod world;
 
@@ -35,7 +36,9 @@ pub use setup::{update_options, BestModel, LoadPolicy, Loaded, TrainerState};
 pub use update::{
     policy_gradients, update_policy, update_round, Schedule, StepCounter, StepStats, UpdateOptions,
 };
-pub use world::{SingleProcess, World};
+#[cfg(feature = "mpi")]
+pub use world::MpiWorld;
+pub use world::{launcher_world_size, SingleProcess, World};
 
 use crate::advantages::round_advantages;
 use crate::config::{PolicyType, TrainConfig};
@@ -72,15 +75,28 @@ pub struct TrainOutcome {
 
 /// Runs GRPO training as configured, in this process.
 pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
-    if let Some(n) = cfg.threads {
+    // The world: this process, or every rank of an MPI launch.
+    let world = world::from_launcher()?;
+    let w = world.as_world();
+    // A rank's threads default to the cores the launcher bound it to.
+    let threads = cfg.threads.or_else(|| {
+        (w.size() > 1).then(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+    });
+    if let Some(n) = threads {
         if let Err(e) = crate::threads::set_global_threads(n) {
             tracing::warn!("threads: {e}");
         }
     }
-    crate::threads::on_pool(|| match cfg.policy {
-        PolicyType::CausalLm => run::<CausalLmPolicy>(cfg, ctl, &SingleProcess),
-        PolicyType::FillIn => run::<FillInPolicy>(cfg, ctl, &SingleProcess),
-    })
+    let out = crate::threads::on_pool(|| match cfg.policy {
+        PolicyType::CausalLm => run::<CausalLmPolicy>(cfg, ctl, w),
+        PolicyType::FillIn => run::<FillInPolicy>(cfg, ctl, w),
+    });
+    if let (Err(e), true) = (&out, w.size() > 1) {
+        // One rank failing ends the job, naming itself, instead of leaving the others waiting.
+        eprintln!("error: grpo rank {} of {}: {e}", w.rank(), w.size());
+        world.abort_job(1);
+    }
+    out
 }
 
 fn run<P: LoadPolicy>(
@@ -88,7 +104,8 @@ fn run<P: LoadPolicy>(
     ctl: &RunControl,
     world: &dyn World,
 ) -> Result<TrainOutcome> {
-    let mut r = Run::<P>::start(cfg, ctl.resume)?;
+    let mut r = Run::<P>::start(cfg, ctl.resume, world)?;
+    let main = world.is_main();
     let (p, g) = (r.p, r.g);
     let total_steps = r.schedule.total_steps;
     let bar = progress_bar(total_steps, r.state.step);
@@ -97,7 +114,8 @@ fn run<P: LoadPolicy>(
     let mut rounds_this_run = 0u64;
     let mut interrupted = false;
     let mut health = Health::new(HealthOptions::default());
-    let evaluates = cfg.eval_steps > 0 && !r.data.eval.is_empty();
+    // Rank 0 evaluates (the policy is the same on every rank).
+    let evaluates = cfg.eval_steps > 0 && !r.data.eval.is_empty() && main;
     if evaluates && r.state.step == 0 {
         let ev = evaluate(&mut r, 0)?;
         let acc = ev
@@ -121,7 +139,7 @@ fn run<P: LoadPolicy>(
         // 1-3. Rollout with the current policy (rewards that allow it score each group on a
         //      second thread as soon as it has finished), old and reference log-probs, scores;
         //      with dynamic sampling, more prompts until P groups carry a signal.
-        let sampled = round::sample_round(&mut r)?;
+        let sampled = round::sample_round(&mut r, world)?;
         let (episodes, old_logps, ref_logps) =
             (&sampled.episodes, &sampled.old_logps, &sampled.ref_logps);
         let p = episodes.len() / g;
@@ -152,7 +170,8 @@ fn run<P: LoadPolicy>(
         let batch = TrainBatch::from_round(
             episodes,
             &adv.advantages,
-            &|e| !(cfg.drop_zero_std_groups && adv.zero_std[e.group]),
+            // This rank's groups (all of them in one process).
+            &|e| sampled.own[e.group] && !(cfg.drop_zero_std_groups && adv.zero_std[e.group]),
             cfg.mask_truncated_completions,
             old_logps.as_deref().filter(|_| r.needs_old),
             ref_logps.as_deref().filter(|_| r.kl_needs_ref),
@@ -160,7 +179,7 @@ fn run<P: LoadPolicy>(
 
         // 5. Update: optimizer steps over the batch, then (TRL) mix the policy into the reference.
         let t0 = Instant::now();
-        if batch.rows.is_empty() {
+        if batch.rows.is_empty() && main {
             say(
                 &bar,
                 format!(
@@ -257,10 +276,14 @@ fn run<P: LoadPolicy>(
         }
 
         // 7. Checkpoint (every save_steps, at the end, and when asked to stop).
-        let stop_now = ctl.stop.load(Ordering::SeqCst)
+        // Any rank asked to stop (Slurm's SIGTERM): every rank stops after this round.
+        let stop_now = world.any(ctl.stop.load(Ordering::SeqCst))?
             || ctl
                 .max_rounds_this_run
                 .is_some_and(|k| rounds_this_run >= k);
+        if world.size() > 1 && (r.state.round.is_multiple_of(CHECKSUM_ROUNDS) || at_end) {
+            check_same_parameters(&r.policy, world)?;
+        }
         let periodic =
             cfg.save_steps > 0 && crossed(r.state.step, r.updates_per_round, cfg.save_steps as u64);
         if world.is_main() && (periodic || at_end || stop_now) {
@@ -296,6 +319,39 @@ fn run<P: LoadPolicy>(
         interrupted,
         last_eval,
     })
+}
+
+/// Rounds between the checks that every rank holds the same parameters.
+const CHECKSUM_ROUNDS: u64 = 10;
+
+/// Every rank's parameters must be the same after each update; a rank that drifted (a
+/// non-deterministic reduction, a bad node) is an error naming it, not a silent divergence.
+fn check_same_parameters<P: Policy>(policy: &P, world: &dyn World) -> Result<()> {
+    let mut sum = 0f64;
+    for v in policy.vars() {
+        let x: Vec<f32> = v
+            .flatten_all()?
+            .to_dtype(candle_core::DType::F32)?
+            .to_vec1()?;
+        sum += x
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| x as f64 * (1.0 + (i % 7) as f64))
+            .sum::<f64>();
+    }
+    let all = world.all_gather_bytes(sum.to_le_bytes().to_vec())?;
+    let sums: Vec<f64> = all
+        .iter()
+        .map(|b| f64::from_le_bytes(b.as_slice().try_into().unwrap_or([0; 8])))
+        .collect();
+    if let Some(r) = sums.iter().position(|&s| s.to_bits() != sums[0].to_bits()) {
+        return Err(Error::Generate(format!(
+            "rank {r}'s parameters differ from rank 0's (checksums {:e} and {:e}): the ranks \
+             diverged; stopping",
+            sums[r], sums[0]
+        )));
+    }
+    Ok(())
 }
 
 /// Evaluation on the held-out prompts as the config's `eval_*` keys say (see [`crate::eval`]):

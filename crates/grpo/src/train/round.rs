@@ -7,6 +7,8 @@ use std::time::Instant;
 
 use super::policy::Policy;
 use super::setup::Run;
+use super::shard::{gather_episodes, owned_groups};
+use super::world::World;
 use crate::advantages::{combine_rewards, groups_with_signal};
 use crate::loss::KlMode;
 use crate::rollout::{self, Episode, GroupSampler};
@@ -32,6 +34,9 @@ pub struct Sampled {
     /// Dynamic sampling: groups sampled, dropped (all rewards equal) and kept.
     pub groups_sampled: usize,
     pub groups_dropped: usize,
+    /// Per group: whether this rank trains on it (every group in one process). Episodes are
+    /// the world's; log-probs are filled for this rank's own episodes only.
+    pub own: Vec<bool>,
 }
 
 impl Sampled {
@@ -59,6 +64,7 @@ impl Sampled {
         self.t_score += other.t_score;
         self.groups_sampled += other.groups_sampled;
         self.groups_dropped += other.groups_dropped;
+        self.own.append(&mut other.own);
     }
 
     /// Keeps the groups `keep` says yes to (in order, at most `max`), renumbered.
@@ -77,6 +83,7 @@ impl Sampled {
         if let Some(v) = self.ref_logps.as_mut() {
             take(v);
         }
+        self.own = chosen.iter().map(|&gi| self.own[gi]).collect();
         let old = std::mem::take(&mut self.episodes);
         self.episodes = chosen
             .iter()
@@ -103,12 +110,12 @@ fn signal(episodes: &[Episode], weights: &[f32], g: usize) -> Result<Vec<bool>> 
 /// Samples, takes log-probs and scores the round's `P` groups; with dynamic sampling, drops the
 /// groups without signal and samples more until `P` carry one or `max_extra_passes` extra
 /// passes ran.
-pub fn sample_round<P: Policy>(r: &mut Run<P>) -> Result<Sampled> {
+pub fn sample_round<P: Policy>(r: &mut Run<P>, world: &dyn World) -> Result<Sampled> {
     let (p, g, max_extra) = (r.p, r.g, r.max_extra_passes);
     let seeds: Vec<u64> = (0..p)
         .map(|i| mix_seed(r.cfg.seed, r.state.round * p as u64 + i as u64))
         .collect();
-    let mut round = sample_pass(r, &seeds)?;
+    let mut round = sample_pass(r, &seeds, world)?;
     if !r.dynamic_sampling {
         return Ok(round);
     }
@@ -125,7 +132,7 @@ pub fn sample_round<P: Policy>(r: &mut Run<P>) -> Result<Sampled> {
             .collect();
         r.state.extra_passes += 1;
         extra += 1;
-        let mut more = sample_pass(r, &seeds)?;
+        let mut more = sample_pass(r, &seeds, world)?;
         let keep = signal(&more.episodes, &r.weights, g)?;
         more.groups_sampled = keep.len();
         more.groups_dropped = keep.iter().filter(|k| !**k).count();
@@ -143,16 +150,25 @@ pub fn sample_round<P: Policy>(r: &mut Run<P>) -> Result<Sampled> {
 }
 
 /// One pass: `seeds.len()` prompts from the order, `G` completions each (rewards that allow it
-/// scored on a second thread while sampling runs), log-probs, every reward.
-fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64]) -> Result<Sampled> {
+/// scored on a second thread while sampling runs), log-probs, every reward. Across ranks each
+/// samples and scores its own groups, and the scored episodes are gathered.
+fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> Result<Sampled> {
     let cfg = r.cfg;
-    // 1. Rollout with the current policy.
+    // 1. Rollout with the current policy: the world's prompts, this rank's groups.
     let t0 = Instant::now();
     let sampler = r.policy.freeze(cfg.gradient_checkpointing)?;
-    let batch_idx = r.state.order.next_batch(seeds.len());
+    let all_idx = r.state.order.next_batch(seeds.len());
+    let mine = owned_groups(
+        seeds.len(),
+        cfg.per_device_train_batch_size / r.g,
+        world.size(),
+        world.rank(),
+    );
+    let batch_idx: Vec<usize> = mine.iter().map(|&i| all_idx[i]).collect();
+    let seeds: Vec<u64> = mine.iter().map(|&i| seeds[i]).collect();
     let prompt_ids: Vec<Vec<u32>> = batch_idx
         .iter()
-        .zip(seeds)
+        .zip(&seeds)
         .map(|(&i, &seed)| match &r.fill {
             // A fill-in input masked on the fly: its masks drawn from the prompt's seed.
             Some(f) => f.input(&r.train_ids[i], seed),
@@ -164,7 +180,7 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64]) -> Result<Sampled> {
         &r.tok,
         &batch_idx,
         prompt_ids,
-        seeds,
+        &seeds,
         r.g,
         &r.sampling,
         &r.data.train,
@@ -211,16 +227,56 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64]) -> Result<Sampled> {
     )?;
     // What scoring added to the step: waiting for the early scorer, then the late rewards.
     let t_score = wait_s + t0.elapsed().as_secs_f64();
+    let mut generated = [gen_stats.generated_tokens as f64];
+    let n_all = all_idx.len();
+    if world.size() == 1 {
+        return Ok(Sampled {
+            groups_sampled: n_all,
+            episodes,
+            old_logps,
+            ref_logps,
+            reward_secs,
+            generated_tokens: gen_stats.generated_tokens,
+            t_generate,
+            t_reference,
+            t_score,
+            groups_dropped: 0,
+            own: vec![true; n_all],
+        });
+    }
+    // 4. The world's scored episodes, in global group order; log-probs stay with their rank.
+    for e in &mut episodes {
+        e.group = mine[e.group];
+    }
+    let gathered = gather_episodes(world, &episodes)?;
+    world.sum_f64(&mut generated)?;
+    let mut own = vec![false; n_all];
+    for &i in &mine {
+        own[i] = true;
+    }
+    let spread = |local: Option<Vec<Vec<f32>>>| {
+        local.map(|l| {
+            let mut it = l.into_iter();
+            gathered
+                .iter()
+                .map(|e| match own[e.group] {
+                    true => it.next().unwrap_or_default(),
+                    false => vec![],
+                })
+                .collect()
+        })
+    };
     Ok(Sampled {
-        groups_sampled: seeds.len(),
-        episodes,
-        old_logps,
-        ref_logps,
+        groups_sampled: n_all,
+        old_logps: spread(old_logps),
+        ref_logps: spread(ref_logps),
+        episodes: gathered,
         reward_secs,
-        generated_tokens: gen_stats.generated_tokens,
+        generated_tokens: generated[0] as usize,
         t_generate,
         t_reference,
         t_score,
         groups_dropped: 0,
+        own,
     })
 }

@@ -10,6 +10,7 @@ use candle_core::{DType, Device, Var};
 
 use super::policy::{CausalLmPolicy, Policy, Reference};
 use super::update::{Schedule, UpdateOptions};
+use super::world::World;
 use crate::advantages::AdvantageOptions;
 use crate::checkpoint::{self, CheckpointData};
 use crate::config::TrainConfig;
@@ -153,8 +154,10 @@ pub struct Run<'a, P: Policy = CausalLmPolicy> {
 impl<'a, P: LoadPolicy> Run<'a, P> {
     /// Sets up a run as `cfg` says, continuing from the newest checkpoint in `output_dir` when
     /// `resume`.
-    pub fn start(cfg: &'a TrainConfig, resume: bool) -> Result<Run<'a, P>> {
-        if !cfg.ignored_keys.is_empty() {
+    pub fn start(cfg: &'a TrainConfig, resume: bool, world: &dyn World) -> Result<Run<'a, P>> {
+        let main = world.is_main();
+        check_world(cfg, world)?;
+        if main && !cfg.ignored_keys.is_empty() {
             let lines: Vec<String> = cfg
                 .ignored_keys
                 .iter()
@@ -291,32 +294,43 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
                     dir.display()
                 );
             }
-            crate::metrics::truncate_after(out_dir, state.step)?;
+            if main {
+                crate::metrics::truncate_after(out_dir, state.step)?;
+            }
             tracing::info!("resumed from {} at step {}", c.dir.display(), state.step);
         }
         let config_toml = cfg.to_toml();
         let config_path = out_dir.join("config.toml");
-        std::fs::write(&config_path, &config_toml)
-            .map_err(|e| Error::io(format!("cannot write {}", config_path.display()), e))?;
-        let trackers = crate::trackers::Trackers::open(
-            &cfg.report_to,
-            &crate::trackers::RunInfo {
-                output_dir: out_dir.clone(),
-                run_name: cfg.run_name.clone().unwrap_or_else(|| {
-                    out_dir
-                        .file_name()
-                        .map_or_else(|| "grpo".into(), |n| n.to_string_lossy().into_owned())
-                }),
-                config: cfg.resolved().clone().into_iter().collect(),
-                resume: resume_from.is_some(),
-                wandb_project: cfg.wandb_project.clone(),
-            },
-        );
-        let metrics =
+        if main {
+            std::fs::write(&config_path, &config_toml)
+                .map_err(|e| Error::io(format!("cannot write {}", config_path.display()), e))?;
+        }
+        let trackers = match main {
+            false => Default::default(),
+            true => crate::trackers::Trackers::open(
+                &cfg.report_to,
+                &crate::trackers::RunInfo {
+                    output_dir: out_dir.clone(),
+                    run_name: cfg.run_name.clone().unwrap_or_else(|| {
+                        out_dir
+                            .file_name()
+                            .map_or_else(|| "grpo".into(), |n| n.to_string_lossy().into_owned())
+                    }),
+                    config: cfg.resolved().clone().into_iter().collect(),
+                    resume: resume_from.is_some(),
+                    wandb_project: cfg.wandb_project.clone(),
+                },
+            ),
+        };
+        let metrics = if main {
             MetricsWriter::open(out_dir, cfg.report_to.iter().any(|r| r == "tensorboard"))?
-                .with_trackers(trackers);
+                .with_trackers(trackers)
+        } else {
+            MetricsWriter::discard()?
+        };
 
-        let p = cfg.prompts_per_step();
+        // Every rank's batch is per_device_train_batch_size: the round's groups are the world's.
+        let p = cfg.prompts_per_step() * world.size();
         let updates_per_round = (cfg.num_iterations * cfg.steps_per_generation
             / cfg.gradient_accumulation_steps) as u64;
         let rounds_per_epoch = (data.train.len() as f64 / p as f64).max(1.0);
@@ -418,6 +432,38 @@ impl<P: Policy> Run<'_, P> {
             keep.as_deref(),
         )
     }
+}
+
+/// What a data-parallel run needs of the config: whole groups in each rank's micro-batch, and
+/// none of the options whose statistics are not reduced over the world yet.
+fn check_world(cfg: &TrainConfig, world: &dyn World) -> Result<()> {
+    let n = world.size();
+    if n == 1 {
+        return Ok(());
+    }
+    let g = cfg.num_generations;
+    if !cfg.per_device_train_batch_size.is_multiple_of(g) {
+        return Err(Error::config(
+            "per_device_train_batch_size",
+            format!(
+                "{}: with {n} ranks each rank's micro-batch holds whole groups: make it a \
+                 multiple of num_generations ({g})",
+                cfg.per_device_train_batch_size
+            ),
+        ));
+    }
+    let refused = [
+        (cfg.dynamic_sampling, "dynamic_sampling"),
+        (matches!(cfg.kl, KlMode::Reward { .. }), "kl_coef"),
+        (cfg.top_entropy_quantile < 1.0, "top_entropy_quantile"),
+    ];
+    if let Some((_, key)) = refused.iter().find(|(on, _)| *on) {
+        return Err(Error::config(
+            *key,
+            format!("is not supported across {n} ranks yet: run it in one process"),
+        ));
+    }
+    Ok(())
 }
 
 /// The update's options, from the config.

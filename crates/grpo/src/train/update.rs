@@ -195,8 +195,35 @@ pub fn update_policy<P: Policy>(
     dropout_stream: u64,
     world: &dyn World,
 ) -> Result<StepStats> {
-    let (mut grads, mut st) = policy_gradients(policy, batch, window, red, opts, dropout_stream)?;
+    let (mut grads, mut st) =
+        policy_gradients(policy, batch, window, red, opts, dropout_stream, world)?;
     world.sum_grads(&mut grads)?;
+    // Each rank's statistics are its share of the world's (global normalizers): sum them.
+    let mut sums = [
+        st.loss,
+        st.policy_loss,
+        st.kl,
+        st.entropy,
+        st.mean_logp,
+        st.clip_low,
+        st.clip_high,
+        st.clip_region,
+        st.bonus_entropy_sum,
+        st.bonus_tokens,
+    ];
+    world.sum_f64(&mut sums)?;
+    [
+        st.loss,
+        st.policy_loss,
+        st.kl,
+        st.entropy,
+        st.mean_logp,
+        st.clip_low,
+        st.clip_high,
+        st.clip_region,
+        st.bonus_entropy_sum,
+        st.bonus_tokens,
+    ] = sums;
     let (norm, scale) = clip_factor(&grads, opts.max_grad_norm)?;
     st.lr = lr;
     st.grad_norm = norm;
@@ -210,6 +237,8 @@ pub fn update_policy<P: Policy>(
 /// The gradient of the GRPO loss for every parameter of `policy` (in [`Policy::vars`] order) over
 /// the micro-batches `window`, each split into forward chunks of whole groups; and the step's loss
 /// statistics. Every parameter must receive a gradient (an op without a backward is an error).
+/// Across ranks, each micro-batch is this rank's part of the world's: its normalizers count the
+/// world's rows and tokens, so the ranks' gradients and statistics sum to the world's.
 pub fn policy_gradients<P: Policy>(
     policy: &P,
     batch: &TrainBatch,
@@ -217,6 +246,7 @@ pub fn policy_gradients<P: Policy>(
     red: &Reduction,
     opts: &UpdateOptions,
     dropout_stream: u64,
+    world: &dyn World,
 ) -> Result<(Vec<Tensor>, StepStats)> {
     let fwd = policy.for_update(
         mix_seed(opts.seed, dropout_stream),
@@ -231,9 +261,14 @@ pub fn policy_gradients<P: Policy>(
     let mut st = StepStats::default();
     let k = window.len() as f64;
     for range in window {
+        let mut t = [
+            range.len() as f64,
+            batch.active_tokens_in(range.clone()) as f64,
+        ];
+        world.sum_f64(&mut t)?;
         let totals = MicroTotals {
-            rows: range.len(),
-            active_tokens: batch.active_tokens_in(range.clone()) as f64,
+            rows: t[0] as usize,
+            active_tokens: t[1],
         };
         let red = Reduction {
             micro: Some(totals),

@@ -1,0 +1,275 @@
+//! Data-parallel training on MPI (`--features mpi`; `.ci/run` installs Open MPI and runs these):
+//! `mpirun -np 2` with 1 thread per rank against 1 process with 2 threads on the same global batch
+//! (the one process's per-device batch is the two ranks' together) on a tiny model. Rewards and
+//! advantages are the same to the bit (each group is sampled from the same seed on whichever rank
+//! owns it), losses and KL to float tolerance, parameters after 3 steps within 1e-5 relative.
+#![cfg(feature = "mpi")]
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+#[path = "../../grpo/tests/support/tiny_llama.rs"]
+mod support;
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+fn grpo() -> &'static str {
+    env!("CARGO_BIN_EXE_grpo")
+}
+
+/// `grpo train` with `args`, alone or under `mpirun -np ranks`.
+fn train(ranks: usize, args: &[String]) {
+    let out = launch(ranks, args);
+    assert!(
+        out.status.success(),
+        "{ranks} rank(s) failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn launch(ranks: usize, args: &[String]) -> std::process::Output {
+    let mut cmd = if ranks == 1 {
+        Command::new(grpo())
+    } else {
+        let mut c = Command::new("mpirun");
+        c.args([
+            "-np",
+            &ranks.to_string(),
+            "--oversubscribe",
+            "--bind-to",
+            "none",
+        ])
+        .args(["-x", "RAYON_NUM_THREADS=1", grpo()]);
+        c
+    };
+    cmd.arg("train")
+        .args(args)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
+        .env("NO_COLOR", "1");
+    cmd.output().expect("mpirun (Open MPI) is installed")
+}
+
+fn metrics(dir: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn weights(dir: &Path) -> HashMap<String, Vec<f32>> {
+    let file = ["model.safetensors", "adapter_model.safetensors"]
+        .iter()
+        .map(|f| dir.join(f))
+        .find(|f| f.is_file())
+        .unwrap();
+    let t = candle_core::safetensors::load(file, &candle_core::Device::Cpu).unwrap();
+    t.into_iter()
+        .map(|(k, v)| {
+            let v = v.to_dtype(candle_core::DType::F32).unwrap();
+            (k, v.flatten_all().unwrap().to_vec1().unwrap())
+        })
+        .collect()
+}
+
+/// The same run: identical rewards and advantage statistics, close losses, close weights.
+fn assert_same_run(one: &Path, two: &Path, step: usize) {
+    let (a, b) = (metrics(one), metrics(two));
+    assert_eq!(a.len(), b.len(), "{a:?}\n{b:?}");
+    assert!(
+        a.iter()
+            .any(|x| x["frac_reward_zero_std"].as_f64() < Some(1.0)),
+        "no group had a signal: {a:?}"
+    );
+    for (x, y) in a.iter().zip(&b) {
+        for (k, v) in x.as_object().unwrap() {
+            let Some(v) = v.as_f64() else { continue };
+            if k.starts_with("time") || k.starts_with("memory") || k == "tokens_per_second" {
+                continue;
+            }
+            let w = y[k]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{k} missing with 2 ranks"));
+            let exact = k.starts_with("reward")
+                || k.starts_with("completions/")
+                || k == "frac_reward_zero_std"
+                || k.starts_with("advantage");
+            let tol = if exact { 0.0 } else { 1e-4 * v.abs().max(1e-2) };
+            assert!(
+                (v - w).abs() <= tol,
+                "step {}: {k} = {v} vs {w} with 2 ranks",
+                x["step"]
+            );
+        }
+    }
+    let ck = format!("checkpoint-{step}");
+    let (wa, wb) = (weights(&one.join(&ck)), weights(&two.join(&ck)));
+    assert_eq!(wa.len(), wb.len());
+    // Relative to the parameter's norm: ||a - b|| / ||a||, the worst tensor.
+    let mut worst = (0f64, String::new());
+    for (k, va) in &wa {
+        let vb = &wb[k];
+        let n: f64 = va
+            .iter()
+            .map(|&x| (x as f64).powi(2))
+            .sum::<f64>()
+            .sqrt()
+            .max(1e-12);
+        let d: f64 = va
+            .iter()
+            .zip(vb)
+            .map(|(&x, &y)| (x as f64 - y as f64).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        if d / n > worst.0 {
+            worst = (d / n, k.clone());
+        }
+    }
+    eprintln!(
+        "{}: parameters within {:.2e} (relative, {})",
+        two.display(),
+        worst.0,
+        worst.1
+    );
+    // And training moved them (the comparison is not of two untouched models).
+    let first = weights(&one.join(format!("checkpoint-{}", step - 1)));
+    let moved = wa.iter().any(|(k, v)| v != &first[k]);
+    assert!(moved, "{}: the parameters did not change", one.display());
+    assert!(
+        worst.0 < 1e-5,
+        "parameters differ by {:e} (relative) in {}",
+        worst.0,
+        worst.1
+    );
+}
+
+/// A config with rewards that differ within groups even for a random tiny model (so that every
+/// step has advantages to follow): a format rule and group diversity.
+fn config_file(dir: &Path) -> PathBuf {
+    let path = dir.join("run.toml");
+    std::fs::write(
+        &path,
+        "[[rewards]]\nkind = \"format\"\npattern = \"[xzqjkv]\"\n\
+         [[rewards]]\nkind = \"diversity\"\nweight = 0.5\n",
+    )
+    .unwrap();
+    path
+}
+
+fn args(
+    model: &Path,
+    out: &Path,
+    per_device: usize,
+    threads: usize,
+    extra: &[&str],
+) -> Vec<String> {
+    let mut a: Vec<String> = [
+        format!(
+            "--config={}",
+            config_file(model.parent().unwrap()).display()
+        ),
+        format!("--model={}", model.display()),
+        format!("--output_dir={}", out.display()),
+        format!("--per_device_train_batch_size={per_device}"),
+        format!("--threads={threads}"),
+        "--num_generations=4".into(),
+        "--max_completion_length=6".into(),
+        "--learning_rate=1e-4".into(),
+        "--lr_scheduler_type=constant".into(),
+        "--max_steps=3".into(),
+        "--save_steps=1".into(),
+        "--eval_steps=0".into(),
+        "--report_to=none".into(),
+        "--task.train_size=40".into(),
+        "--task.eval_size=4".into(),
+        "--seed=5".into(),
+    ]
+    .into();
+    a.extend(extra.iter().map(|s| s.to_string()));
+    a
+}
+
+#[test]
+fn two_ranks_train_as_one_process_does() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    support::tiny_llama(&model, &fixtures());
+    for (name, extra) in [
+        ("dapo-beta", &["--beta=0.04", "--num_iterations=2"][..]),
+        (
+            "batch-bnpo",
+            &["--scale_rewards=batch", "--loss_type=bnpo"][..],
+        ),
+        // LoRA dropout draws its masks per rank (the same distribution, other draws): off here.
+        (
+            "grpo-lora",
+            &[
+                "--loss_type=grpo",
+                "--lora.r=4",
+                "--lora.target_modules=all-linear",
+                "--lora.dropout=0",
+            ][..],
+        ),
+    ] {
+        let one = tmp.path().join(format!("{name}-1"));
+        let two = tmp.path().join(format!("{name}-2"));
+        train(1, &args(&model, &one, 8, 2, extra));
+        train(2, &args(&model, &two, 4, 1, extra));
+        assert_same_run(&one, &two, 3);
+        // Rank 0 alone wrote the run.
+        assert!(two.join("config.toml").is_file() && !two.join("rank1").exists());
+    }
+}
+
+#[test]
+fn a_two_rank_checkpoint_resumes_in_one_process_and_back() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    support::tiny_llama(&model, &fixtures());
+    let extra = ["--beta=0.04"];
+    let straight = tmp.path().join("straight");
+    train(1, &args(&model, &straight, 8, 2, &extra));
+    // 2 ranks to step 1, 1 process to step 2, 2 ranks to step 3.
+    let mixed = tmp.path().join("mixed");
+    let upto = |n: usize| format!("--max_steps={n}");
+    let mut a = args(&model, &mixed, 4, 1, &extra);
+    a.push(upto(1));
+    train(2, &a);
+    let mut a = args(&model, &mixed, 8, 2, &extra);
+    a.extend([upto(2), "--resume_from_checkpoint=true".into()]);
+    train(1, &a);
+    let mut a = args(&model, &mixed, 4, 1, &extra);
+    a.extend([upto(3), "--resume_from_checkpoint=true".into()]);
+    train(2, &a);
+    assert_same_run(&straight, &mixed, 3);
+}
+
+/// A rank that fails ends the job, naming itself and the cause.
+#[test]
+fn a_failing_rank_ends_the_job_naming_itself() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    support::tiny_llama(&model, &fixtures());
+    let out = launch(
+        2,
+        &args(
+            &model,
+            &tmp.path().join("bad"),
+            4,
+            1,
+            &["--dynamic_sampling=true"],
+        ),
+    );
+    assert!(!out.status.success());
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        e.contains("grpo rank") && e.contains("of 2") && e.contains("dynamic_sampling"),
+        "{e}"
+    );
+}
