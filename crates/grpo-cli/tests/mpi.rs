@@ -111,6 +111,9 @@ fn assert_same_run(one: &Path, two: &Path, step: usize) {
     let ck = format!("checkpoint-{step}");
     let (wa, wb) = (weights(&one.join(&ck)), weights(&two.join(&ck)));
     assert_eq!(wa.len(), wb.len());
+    // Evaluations before training saw the same model: the same answers, written once.
+    let e0 = |d: &Path| std::fs::read_to_string(d.join("eval/step-0.jsonl")).ok();
+    assert_eq!(e0(one), e0(two), "eval answers before training");
     // Relative to the parameter's norm: ||a - b|| / ||a||, the worst tensor.
     let mut worst = (0f64, String::new());
     for (k, va) in &wa {
@@ -201,7 +204,17 @@ fn two_ranks_train_as_one_process_does() {
     let model = tmp.path().join("model");
     support::tiny_llama(&model, &fixtures());
     for (name, extra) in [
-        ("dapo-beta", &["--beta=0.04", "--num_iterations=2"][..]),
+        // With evaluation: the held-out prompts are shared out and the answers gathered.
+        (
+            "dapo-beta-eval",
+            &[
+                "--beta=0.04",
+                "--num_iterations=2",
+                "--eval_steps=1",
+                "--eval_num_samples=2",
+                "--eval_k=1,2",
+            ][..],
+        ),
         (
             "batch-bnpo",
             &["--scale_rewards=batch", "--loss_type=bnpo"][..],
@@ -222,6 +235,10 @@ fn two_ranks_train_as_one_process_does() {
         train(1, &args(&model, &one, 8, 2, extra));
         train(2, &args(&model, &two, 4, 1, extra));
         assert_same_run(&one, &two, 3);
+        if name.ends_with("eval") {
+            let rows = std::fs::read_to_string(two.join("eval/step-0.jsonl")).unwrap();
+            assert_eq!(rows.lines().count(), 4, "every held-out prompt, once");
+        }
         // Rank 0 alone wrote the run.
         assert!(two.join("config.toml").is_file() && !two.join("rank1").exists());
     }

@@ -372,6 +372,20 @@ pub fn evaluate(
     opts: &EvalOptions,
     mut out: Option<RowSink<'_>>,
 ) -> Result<EvalReport> {
+    evaluate_sharded(model, tok, examples, rewards, opts, out.take(), None)
+}
+
+/// [`evaluate`], the prompts shared among the processes of `shard` (every process gets the
+/// whole report; give `out` on one of them).
+pub fn evaluate_sharded(
+    model: &dyn GroupSampler,
+    tok: &Tokenizer,
+    examples: &[Example],
+    rewards: &[Reward],
+    opts: &EvalOptions,
+    mut out: Option<RowSink<'_>>,
+    shard: Option<EvalShard<'_>>,
+) -> Result<EvalReport> {
     opts.validate()?;
     let n = opts.num_samples;
     let total = opts
@@ -394,9 +408,11 @@ pub fn evaluate(
         temperature: 0.0,
         ..opts.sampling.clone()
     };
-    let names = rewards.iter().map(|r| r.name.clone()).collect();
-    let mut tally = Tally::new(n, opts.sorted_ks(), names);
-    let indices: Vec<usize> = (0..total).collect();
+    // This process's prompts: all of them, or every size-th from its rank.
+    let (rank, size) = shard.as_ref().map_or((0, 1), |s| (s.rank, s.size));
+    let indices: Vec<usize> = (0..total).filter(|i| i % size == rank).collect();
+    let mut sampled_all: Vec<Episode> = vec![];
+    let mut greedy_all: Vec<Episode> = vec![];
     for chunk in indices.chunks(prompts_per_batch(n)) {
         let ids = chunk
             .iter()
@@ -409,39 +425,69 @@ pub fn evaluate(
                 )
             })
             .collect::<Result<Vec<_>>>()?;
+        // A prompt's samples depend on its index only, wherever it is evaluated.
         let seeds: Vec<u64> = chunk
             .iter()
             .map(|&i| mix_seed(opts.seed, i as u64))
             .collect();
-        let mut sampled = vec![];
-        if n > 0 {
-            let (eps, _) =
-                rollout::rollout(model, tok, chunk, ids.clone(), &seeds, n, &opts.sampling)?;
-            sampled = eps;
-            rollout::score(&mut sampled, examples, rewards, &all, None)?;
-        }
-        let mut greedy = vec![];
-        if opts.greedy {
-            let (eps, _) = rollout::rollout(model, tok, chunk, ids, &seeds, 1, &greedy_params)?;
-            greedy = eps;
-            rollout::score(&mut greedy, examples, rewards, &all, None)?;
-        }
-        for (j, &i) in chunk.iter().enumerate() {
-            let samples = &sampled[(j * n).min(sampled.len())..((j + 1) * n).min(sampled.len())];
-            let correct: Vec<Option<bool>> = samples
-                .iter()
-                .map(|e| correctness(&e.rewards, &acc))
-                .collect();
-            let g = greedy.get(j).map(|e| (e, correctness(&e.rewards, &acc)));
-            let scores: Vec<&[f32]> = samples.iter().map(|e| e.rewards.as_slice()).collect();
-            tally.add(&correct, &scores, g.map(|(e, c)| (c, e.rewards.as_slice())));
-            if let Some(f) = out.as_mut() {
-                f(&prompt_row(&examples[i], rewards, samples, &correct, g))?;
+        let tag = |mut eps: Vec<Episode>| {
+            for e in &mut eps {
+                e.group = chunk[e.group];
             }
+            eps
+        };
+        if n > 0 {
+            let (mut eps, _) =
+                rollout::rollout(model, tok, chunk, ids.clone(), &seeds, n, &opts.sampling)?;
+            rollout::score(&mut eps, examples, rewards, &all, None)?;
+            sampled_all.extend(tag(eps));
+        }
+        if opts.greedy {
+            let (mut eps, _) = rollout::rollout(model, tok, chunk, ids, &seeds, 1, &greedy_params)?;
+            rollout::score(&mut eps, examples, rewards, &all, None)?;
+            greedy_all.extend(tag(eps));
         }
         tracing::debug!("eval: {} of {total} prompts", chunk[chunk.len() - 1] + 1);
     }
+    // Every process's answers, then the tally in prompt order (as one process makes it).
+    if let Some(s) = &shard {
+        for eps in [&mut sampled_all, &mut greedy_all] {
+            let mine = rollout::encode_episodes(eps)?;
+            let mut gathered = vec![];
+            for (r, b) in (s.gather)(mine)?.into_iter().enumerate() {
+                gathered.extend(rollout::decode_episodes(&b, &format!("rank {r}"))?);
+            }
+            gathered.sort_by_key(|e| e.group);
+            *eps = gathered;
+        }
+    }
+    let names = rewards.iter().map(|r| r.name.clone()).collect();
+    let mut tally = Tally::new(n, opts.sorted_ks(), names);
+    for i in 0..total {
+        let samples =
+            &sampled_all[(i * n).min(sampled_all.len())..((i + 1) * n).min(sampled_all.len())];
+        let correct: Vec<Option<bool>> = samples
+            .iter()
+            .map(|e| correctness(&e.rewards, &acc))
+            .collect();
+        let g = greedy_all
+            .get(i)
+            .map(|e| (e, correctness(&e.rewards, &acc)));
+        let scores: Vec<&[f32]> = samples.iter().map(|e| e.rewards.as_slice()).collect();
+        tally.add(&correct, &scores, g.map(|(e, c)| (c, e.rewards.as_slice())));
+        if let Some(f) = out.as_mut() {
+            f(&prompt_row(&examples[i], rewards, samples, &correct, g))?;
+        }
+    }
     Ok(tally.report())
+}
+
+/// Evaluation shared among the processes of a data-parallel run: this one's `rank` of `size`
+/// evaluates every `size`-th prompt, and `gather` brings every process's bytes (in rank order).
+pub struct EvalShard<'a> {
+    pub rank: usize,
+    pub size: usize,
+    pub gather: &'a dyn Fn(Vec<u8>) -> Result<Vec<Vec<u8>>>,
 }
 
 /// A model to evaluate or sample from, with its tokenizer and EOS ids: `spec` as `--model` takes

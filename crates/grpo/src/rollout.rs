@@ -35,6 +35,54 @@ impl Episode {
     }
 }
 
+/// An episode on the wire between processes (rewards as bits: NaN means missing, and JSON has no
+/// NaN).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct EpisodeWire {
+    example: usize,
+    group: usize,
+    prompt_ids: Vec<u32>,
+    completion_ids: Vec<u32>,
+    text: String,
+    stop_reason: StopReason,
+    rewards: Vec<u32>,
+}
+
+/// `episodes` as bytes for another process ([`decode_episodes`] reads them back exactly).
+pub fn encode_episodes(episodes: &[Episode]) -> Result<Vec<u8>> {
+    let wire: Vec<EpisodeWire> = episodes
+        .iter()
+        .map(|e| EpisodeWire {
+            example: e.example,
+            group: e.group,
+            prompt_ids: e.prompt_ids.clone(),
+            completion_ids: e.completion_ids.clone(),
+            text: e.text.clone(),
+            stop_reason: e.stop_reason,
+            rewards: e.rewards.iter().map(|r| r.to_bits()).collect(),
+        })
+        .collect();
+    serde_json::to_vec(&wire).map_err(|e| Error::Generate(format!("encoding episodes: {e}")))
+}
+
+/// Episodes from [`encode_episodes`]'s bytes; `from` names the sender in errors.
+pub fn decode_episodes(bytes: &[u8], from: &str) -> Result<Vec<Episode>> {
+    let wire: Vec<EpisodeWire> = serde_json::from_slice(bytes)
+        .map_err(|e| Error::Generate(format!("decoding {from}'s episodes: {e}")))?;
+    Ok(wire
+        .into_iter()
+        .map(|w| Episode {
+            example: w.example,
+            group: w.group,
+            prompt_ids: w.prompt_ids,
+            completion_ids: w.completion_ids,
+            text: w.text,
+            stop_reason: w.stop_reason,
+            rewards: w.rewards.into_iter().map(f32::from_bits).collect(),
+        })
+        .collect())
+}
+
 /// What rollout samples from: a policy frozen at its current weights (and the reference model,
 /// which only scores). The causal LM samples with the KV-cached batched sampler.
 pub trait GroupSampler {

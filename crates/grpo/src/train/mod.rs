@@ -114,18 +114,19 @@ fn run<P: LoadPolicy>(
     let mut rounds_this_run = 0u64;
     let mut interrupted = false;
     let mut health = Health::new(HealthOptions::default());
-    // Rank 0 evaluates (the policy is the same on every rank).
-    let evaluates = cfg.eval_steps > 0 && !r.data.eval.is_empty() && main;
+    let evaluates = cfg.eval_steps > 0 && !r.data.eval.is_empty();
     if evaluates && r.state.step == 0 {
-        let ev = evaluate(&mut r, 0)?;
+        let ev = evaluate(&mut r, 0, world)?;
         let acc = ev
             .iter()
             .find(|(n, _)| n == names::EVAL_ACCURACY)
             .map_or(f64::NAN, |x| x.1);
-        say(
-            &bar,
-            format!("step    0  eval acc {acc:.3} (before training)"),
-        );
+        if main {
+            say(
+                &bar,
+                format!("step    0  eval acc {acc:.3} (before training)"),
+            );
+        }
         r.metrics.log(0, &ev)?;
     }
     tracing::info!(
@@ -247,7 +248,7 @@ fn run<P: LoadPolicy>(
         if evaluates && (r.state.step.is_multiple_of(cfg.eval_steps as u64) || at_end) {
             let t0 = Instant::now();
             let step = r.state.step;
-            let ev = evaluate(&mut r, step)?;
+            let ev = evaluate(&mut r, step, world)?;
             m.eval_seconds = Some(t0.elapsed().as_secs_f64());
             m.eval = ev.clone();
             last_eval = Some(ev);
@@ -356,19 +357,29 @@ fn check_same_parameters<P: Policy>(policy: &P, world: &dyn World) -> Result<()>
 
 /// Evaluation on the held-out prompts as the config's `eval_*` keys say (see [`crate::eval`]):
 /// pass@k, sampled and greedy accuracy, mean rewards. Every answer goes to `eval/step-N.jsonl`.
-fn evaluate<P: Policy>(r: &mut Run<P>, step: u64) -> Result<Vec<(String, f64)>> {
+/// Across ranks the prompts are shared out and the answers gathered; rank 0 writes them.
+fn evaluate<P: Policy>(r: &mut Run<P>, step: u64, world: &dyn World) -> Result<Vec<(String, f64)>> {
     let model = r.policy.freeze(r.cfg.gradient_checkpointing)?;
     let opts = r.cfg.eval_options(r.sampling.eos_token_ids.clone());
     let file = format!("eval/step-{step}.jsonl");
     let metrics = &mut r.metrics;
     let mut log = |row: &serde_json::Value| metrics.log_json(&file, row);
-    let report = crate::eval::evaluate(
+    let gather = |b: Vec<u8>| world.all_gather_bytes(b);
+    let shard = (world.size() > 1).then_some(crate::eval::EvalShard {
+        rank: world.rank(),
+        size: world.size(),
+        gather: &gather,
+    });
+    let report = crate::eval::evaluate_sharded(
         &model,
         &r.tok,
         &r.data.eval,
         &r.data.rewards,
         &opts,
-        Some(&mut log),
+        world
+            .is_main()
+            .then_some(&mut log as crate::eval::RowSink<'_>),
+        shard,
     )?;
     Ok(report.metrics)
 }

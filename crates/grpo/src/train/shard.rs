@@ -6,12 +6,9 @@
 //! owns the `r`-th run of `gpm`. So rank `r`'s `m`-th micro-batch is its part of the one-process
 //! run's `m`-th micro-batch (per-device rows x ranks), and the summed gradients are that run's.
 
-use serde::{Deserialize, Serialize};
-
 use super::world::World;
-use crate::rollout::Episode;
-use crate::sampler::StopReason;
-use crate::{Error, Result};
+use crate::rollout::{decode_episodes, encode_episodes, Episode};
+use crate::Result;
 
 /// The global indices of the groups rank `rank` of `size` owns among `p`, in order; `gpm` groups
 /// per rank per micro-batch.
@@ -22,48 +19,16 @@ pub fn owned_groups(p: usize, gpm: usize, size: usize, rank: usize) -> Vec<usize
         .collect()
 }
 
-/// An episode on the wire (rewards as bits: NaN means missing and JSON has no NaN).
-#[derive(Serialize, Deserialize)]
-struct Wire {
-    example: usize,
-    group: usize,
-    prompt_ids: Vec<u32>,
-    completion_ids: Vec<u32>,
-    text: String,
-    stop_reason: StopReason,
-    rewards: Vec<u32>,
-}
-
 /// Every rank's scored episodes, in global group order (`G` per group). `mine` are this rank's,
 /// their `group` the global index.
 pub fn gather_episodes(world: &dyn World, mine: &[Episode]) -> Result<Vec<Episode>> {
-    let wire: Vec<Wire> = mine
-        .iter()
-        .map(|e| Wire {
-            example: e.example,
-            group: e.group,
-            prompt_ids: e.prompt_ids.clone(),
-            completion_ids: e.completion_ids.clone(),
-            text: e.text.clone(),
-            stop_reason: e.stop_reason,
-            rewards: e.rewards.iter().map(|r| r.to_bits()).collect(),
-        })
-        .collect();
-    let bytes = serde_json::to_vec(&wire)
-        .map_err(|e| Error::Generate(format!("encoding episodes: {e}")))?;
     let mut all = vec![];
-    for (rank, b) in world.all_gather_bytes(bytes)?.into_iter().enumerate() {
-        let w: Vec<Wire> = serde_json::from_slice(&b)
-            .map_err(|e| Error::Generate(format!("decoding rank {rank}'s episodes: {e}")))?;
-        all.extend(w.into_iter().map(|w| Episode {
-            example: w.example,
-            group: w.group,
-            prompt_ids: w.prompt_ids,
-            completion_ids: w.completion_ids,
-            text: w.text,
-            stop_reason: w.stop_reason,
-            rewards: w.rewards.into_iter().map(f32::from_bits).collect(),
-        }));
+    for (rank, b) in world
+        .all_gather_bytes(encode_episodes(mine)?)?
+        .into_iter()
+        .enumerate()
+    {
+        all.extend(decode_episodes(&b, &format!("rank {rank}"))?);
     }
     // Stable: a group's completions keep their sample order.
     all.sort_by_key(|e| e.group);
@@ -92,6 +57,7 @@ mod tests {
 
     #[test]
     fn episodes_round_trip_in_group_order_with_missing_rewards() {
+        use crate::sampler::StopReason;
         use crate::train::world::SingleProcess;
         let e = |group: usize, r: f32| Episode {
             example: group * 10,
