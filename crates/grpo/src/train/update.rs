@@ -81,6 +81,24 @@ pub struct StepStats {
     pub finite: bool,
 }
 
+impl StepStats {
+    /// The statistics that are sums of per-rank shares (each normalized by the world's counts).
+    fn shares_mut(&mut self) -> [&mut f64; 10] {
+        [
+            &mut self.loss,
+            &mut self.policy_loss,
+            &mut self.kl,
+            &mut self.entropy,
+            &mut self.mean_logp,
+            &mut self.clip_low,
+            &mut self.clip_high,
+            &mut self.clip_region,
+            &mut self.bonus_entropy_sum,
+            &mut self.bonus_tokens,
+        ]
+    }
+}
+
 /// Where the optimizer-step counter and the non-finite streak live (the trainer's state).
 pub struct StepCounter<'a> {
     pub step: &'a mut u64,
@@ -199,31 +217,11 @@ pub fn update_policy<P: Policy>(
         policy_gradients(policy, batch, window, red, opts, dropout_stream, world)?;
     world.sum_grads(&mut grads)?;
     // Each rank's statistics are its share of the world's (global normalizers): sum them.
-    let mut sums = [
-        st.loss,
-        st.policy_loss,
-        st.kl,
-        st.entropy,
-        st.mean_logp,
-        st.clip_low,
-        st.clip_high,
-        st.clip_region,
-        st.bonus_entropy_sum,
-        st.bonus_tokens,
-    ];
+    let mut sums = st.shares_mut().map(|x| *x);
     world.sum_f64(&mut sums)?;
-    [
-        st.loss,
-        st.policy_loss,
-        st.kl,
-        st.entropy,
-        st.mean_logp,
-        st.clip_low,
-        st.clip_high,
-        st.clip_region,
-        st.bonus_entropy_sum,
-        st.bonus_tokens,
-    ] = sums;
+    for (x, sum) in st.shares_mut().into_iter().zip(sums) {
+        *x = sum;
+    }
     let (norm, scale) = clip_factor(&grads, opts.max_grad_norm)?;
     st.lr = lr;
     st.grad_norm = norm;
