@@ -129,7 +129,7 @@ fn main() -> ExitCode {
 }
 
 /// This process's rank under an MPI launcher of several processes (None: one process).
-fn launcher_rank() -> Option<usize> {
+pub(crate) fn launcher_rank() -> Option<usize> {
     grpo::train::launcher_world_size()?;
     [
         "OMPI_COMM_WORLD_RANK",

@@ -40,7 +40,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
             eprintln!("\nsecond Ctrl-C: exiting without a checkpoint");
             std::process::exit(130);
         }
-        eprintln!("\nCtrl-C: finishing the current step, then saving a checkpoint (Ctrl-C again to quit now)");
+        eprintln!("\nstop requested (Ctrl-C or SIGTERM): finishing the current step, then saving a checkpoint (Ctrl-C again to quit now)");
     })
     .context("cannot install the Ctrl-C handler")?;
     let outcome = train(
@@ -51,6 +51,10 @@ pub fn run(a: TrainArgs) -> Result<()> {
             max_rounds_this_run: None,
         },
     )?;
+    // Under an MPI launcher rank 0 wrote the run and reports it; the other ranks are done.
+    if crate::launcher_rank().is_some_and(|r| r > 0) {
+        return Ok(());
+    }
     // The run report (plots + HTML); a failure here never fails the finished run.
     match crate::report::write_report(&cfg.output_dir) {
         Ok(r) => {

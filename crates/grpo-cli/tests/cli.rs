@@ -884,3 +884,53 @@ fn a_launch_of_several_processes_without_mpi_says_to_rebuild() {
     );
     assert!(!tmp.path().join("out").exists(), "nothing is written");
 }
+
+/// SIGTERM (Slurm's preemption, `kill`) stops training after the current step and saves a
+/// checkpoint, as Ctrl-C does.
+#[test]
+fn sigterm_saves_a_checkpoint_and_stops() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    tiny_model(&model);
+    let out = tmp.path().join("out");
+    let child = Command::new(env!("CARGO_BIN_EXE_grpo"))
+        .args([
+            "train",
+            &format!("--model={}", model.display()),
+            &format!("--output_dir={}", out.display()),
+            "--max_steps=10000",
+            "--save_steps=0",
+            "--eval_steps=0",
+            "--num_generations=4",
+            "--per_device_train_batch_size=4",
+            "--max_completion_length=4",
+            "--report_to=none",
+            "--threads=1",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait for the first step to be logged, then ask it to stop.
+    let metrics = out.join("metrics.jsonl");
+    let t0 = std::time::Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(true, |m| m.is_empty()) {
+        assert!(t0.elapsed().as_secs() < 120, "no step logged");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let kill = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains("interrupted"), "{stdout}");
+    let saved: Vec<_> = std::fs::read_dir(&out)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("checkpoint-"))
+        .collect();
+    assert_eq!(saved.len(), 1, "one checkpoint at the stop");
+}
