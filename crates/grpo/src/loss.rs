@@ -258,6 +258,17 @@ pub fn cispo_surrogate(
     Ok(wa.broadcast_mul(logps)?.neg()?)
 }
 
+/// Per sequence, `pos` where `is_pos(advantage)`, else `neg`: `adv` [N] -> [N, 1] f32.
+fn per_sign(adv: &Tensor, is_pos: impl Fn(f32) -> bool, pos: f64, neg: f64) -> Result<Tensor> {
+    let v: Vec<f32> = adv
+        .to_vec1::<f32>()?
+        .into_iter()
+        .map(|a| if is_pos(a) { pos } else { neg } as f32)
+        .collect();
+    let n = v.len();
+    Ok(Tensor::from_vec(v, (n, 1), adv.device())?)
+}
+
 /// SAPO per token: `-sigmoid(tau * (r - 1)) * 4 / tau * A`, `tau` = `temp_pos` where A > 0,
 /// else `temp_neg`. `log_w` [N, T] or [N, 1], `adv` [N] -> [N, T or 1].
 pub fn sapo_surrogate(
@@ -266,12 +277,7 @@ pub fn sapo_surrogate(
     temp_pos: f64,
     temp_neg: f64,
 ) -> Result<Tensor> {
-    let a: Vec<f32> = adv.to_vec1()?;
-    let tau: Vec<f32> = a
-        .iter()
-        .map(|&x| if x > 0.0 { temp_pos } else { temp_neg } as f32)
-        .collect();
-    let tau = Tensor::from_vec(tau, (a.len(), 1), adv.device())?; // [N, 1]
+    let tau = per_sign(adv, |a| a > 0.0, temp_pos, temp_neg)?; // [N, 1]
     let z = (log_w.exp()? - 1.0)?.broadcast_mul(&tau)?; // [N, T or 1]
                                                         // sigmoid from ops that all record a backward.
     let gate = ((z.neg()?.exp()? + 1.0)?.recip()? * 4.0)?.broadcast_div(&tau)?;
@@ -293,16 +299,9 @@ pub fn vespo_weights(
     let log_w = (log_ratio * mask)?
         .sum_keepdim(D::Minus1)?
         .clamp(1e-8f64.ln(), 20.0)?; // [N, 1]
-    let a: Vec<f32> = adv.to_vec1()?;
-    let pick = |pos: f64, neg: f64| -> Result<Tensor> {
-        let v: Vec<f32> = a
-            .iter()
-            .map(|&x| if x >= 0.0 { pos } else { neg } as f32)
-            .collect();
-        Ok(Tensor::from_vec(v, (a.len(), 1), adv.device())?)
-    };
-    let k = pick(p.k_pos, p.k_neg)?; // [N, 1]
-    let lambda = pick(p.lambda_pos.max(1e-4), p.lambda_neg.max(1e-4))?; // [N, 1]
+    let nonneg = |a: f32| a >= 0.0;
+    let k = per_sign(adv, nonneg, p.k_pos, p.k_neg)?; // [N, 1]
+    let lambda = per_sign(adv, nonneg, p.lambda_pos.max(1e-4), p.lambda_neg.max(1e-4))?; // [N, 1]
     let log_phi = ((&lambda + (k * &log_w)?)? - (lambda * log_w.exp()?)?)?; // [N, 1]
     let phi: Vec<f32> = log_phi
         .exp()?
@@ -311,7 +310,8 @@ pub fn vespo_weights(
         .into_iter()
         .map(|x| if x.is_finite() { x } else { 0.0 })
         .collect();
-    Ok(Tensor::from_vec(phi, (a.len(), 1), adv.device())?)
+    let n = phi.len();
+    Ok(Tensor::from_vec(phi, (n, 1), adv.device())?)
 }
 
 /// VESPO per token: `-phi * A * logp`, `phi` from [`vespo_weights`] ([N, 1]), `logps` [N, T],
