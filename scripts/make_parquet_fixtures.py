@@ -4,7 +4,8 @@
 
 prompts.parquet (snappy, as pandas/HF datasets write by default): a string prompt, an int64 answer
 and a float metadata column, with a null prompt in row 3. chat.parquet (gzip): the prompt as a list
-of {role, content} messages, as HF chat datasets store it.
+of {role, content} messages, as HF chat datasets store it. wrong_types.parquet: a prompt column of int64 and a messages
+column of strings, for the bad-input corpus.
 """
 import pathlib
 
@@ -36,5 +37,14 @@ pq.write_table(
     }),
     out / "chat.parquet",
     compression="gzip",
+)
+# The bad-input corpus: a prompt column of integers and a messages column of plain strings.
+pq.write_table(
+    pa.table({
+        "prompt": pa.array([1, 2], type=pa.int64()),
+        "messages": pa.array([["a", "b"], ["c"]], type=pa.list_(pa.string())),
+        "answer": ["1", "2"],
+    }),
+    out / "wrong_types.parquet",
 )
 print("wrote", sorted(p.name for p in out.glob("*.parquet")))

@@ -113,3 +113,136 @@ impl ModelArgs {
 fn rayon_global(n: usize) -> std::result::Result<(), String> {
     grpo::threads::set_global_threads(n).map_err(|e| e.to_string())
 }
+
+/// A command's trailing words after clap: the `--key=value` overrides, with the command's own
+/// flags and options pulled out wherever they stand (clap stops at the first override, so
+/// `grpo train --max_steps=4 --resume` must find `--resume` here).
+#[derive(Debug, Default)]
+pub struct Trailing {
+    pub overrides: Vec<String>,
+    /// The command's flags that were given (`resume`).
+    pub flags: Vec<&'static str>,
+    /// The command's options that were given, with their values (`config`).
+    pub options: Vec<(&'static str, String)>,
+}
+
+impl Trailing {
+    pub fn flag(&self, name: &str) -> bool {
+        self.flags.contains(&name)
+    }
+
+    pub fn option(&self, name: &str) -> Option<&str> {
+        self.options
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Splits `words` into overrides and the command's `flags` / `options`. An override's value
+/// may be the next word (`--temperature -1`, `--seed 3`): a word that does not start with `--`
+/// after a `--key` without `=` is its value. A word that is neither is an error naming it.
+pub fn split_trailing(
+    words: &[String],
+    flags: &[&'static str],
+    options: &[&'static str],
+) -> Result<Trailing> {
+    let mut out = Trailing::default();
+    let mut i = 0;
+    let is_value = |w: &String| !w.starts_with("--");
+    while i < words.len() {
+        let w = &words[i];
+        let Some(body) = w.strip_prefix("--") else {
+            bail!(
+                "unexpected argument `{w}`: settings are given as --key=value (e.g. --learning_rate=1e-5)"
+            );
+        };
+        let (name, inline) = match body.split_once('=') {
+            Some((n, v)) => (n, Some(v.to_string())),
+            None => (body, None),
+        };
+        let canon = name.replace('-', "_");
+        let next = words.get(i + 1).filter(|w| is_value(w)).cloned();
+        if let Some(f) = flags.iter().find(|f| **f == canon) {
+            if inline.is_some() {
+                bail!("--{name} takes no value");
+            }
+            out.flags.push(f);
+            i += 1;
+        } else if let Some(o) = options.iter().find(|o| **o == canon) {
+            let (value, used) = match (inline, next) {
+                (Some(v), _) => (v, 1),
+                (None, Some(v)) => (v, 2),
+                (None, None) => bail!("--{name} needs a value: --{name} PATH"),
+            };
+            if out.option(o).is_some() {
+                bail!("--{name} is given twice");
+            }
+            out.options.push((o, value));
+            i += used;
+        } else {
+            match (inline, next) {
+                (Some(_), _) => {
+                    out.overrides.push(w.clone());
+                    i += 1;
+                }
+                (None, Some(v)) => {
+                    out.overrides.push(format!("--{name}={v}"));
+                    i += 2;
+                }
+                (None, None) => {
+                    out.overrides.push(w.clone());
+                    i += 1;
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The config file (`--config` before or among the overrides) and the trailing words, split as
+/// [`split_trailing`] does with the command's `flags`.
+pub fn config_and_trailing(
+    config: Option<std::path::PathBuf>,
+    words: &[String],
+    flags: &[&'static str],
+) -> Result<(Option<std::path::PathBuf>, Trailing)> {
+    let t = split_trailing(words, flags, &["config"])?;
+    let config = match (config, t.option("config")) {
+        (Some(_), Some(_)) => bail!("--config is given twice"),
+        (Some(c), None) => Some(c),
+        (None, c) => c.map(std::path::PathBuf::from),
+    };
+    Ok((config, t))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn words(s: &str) -> Vec<String> {
+        s.split_whitespace().map(String::from).collect()
+    }
+
+    #[test]
+    fn flags_and_options_anywhere_and_values_as_next_words() {
+        let t = split_trailing(
+            &words("--max_steps=4 --output_dir=x --resume --temperature -1 --config a.toml --seed 3 --use_peft"),
+            &["resume"],
+            &["config"],
+        )
+        .unwrap();
+        assert!(t.flag("resume"));
+        assert_eq!(t.option("config"), Some("a.toml"));
+        assert_eq!(
+            t.overrides,
+            words("--max_steps=4 --output_dir=x --temperature=-1 --seed=3 --use_peft")
+        );
+        let e = split_trailing(&words("--seed=1 stray"), &[], &[]).unwrap_err();
+        assert!(e.to_string().contains("unexpected argument `stray`"), "{e}");
+        let e = split_trailing(&words("--config"), &[], &["config"]).unwrap_err();
+        assert!(e.to_string().contains("--config needs a value"), "{e}");
+        let e = split_trailing(&words("--resume=1"), &["resume"], &[]).unwrap_err();
+        assert!(e.to_string().contains("takes no value"), "{e}");
+    }
+}

@@ -24,9 +24,11 @@ pub struct ConfigArgs {
 }
 
 pub fn run(a: ConfigArgs) -> Result<()> {
-    if a.resolve {
-        let cfg = TrainConfig::load(a.config.as_deref(), &a.overrides)
-            .context("invalid configuration")?;
+    let (config, t) =
+        crate::common::config_and_trailing(a.config, &a.overrides, &["print", "resolve"])?;
+    if a.resolve || t.flag("resolve") {
+        let cfg =
+            TrainConfig::load(config.as_deref(), &t.overrides).context("invalid configuration")?;
         print!("{}", cfg.to_toml());
         return Ok(());
     }

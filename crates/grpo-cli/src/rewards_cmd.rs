@@ -42,10 +42,12 @@ pub struct CheckArgs {
 
 pub fn run(cmd: RewardsCommand) -> Result<()> {
     let RewardsCommand::Check(a) = cmd;
+    let (config, t) = crate::common::config_and_trailing(a.config, &a.overrides, &["json"])?;
+    let json = a.json || t.flag("json");
     let cfg =
-        TrainConfig::load(a.config.as_deref(), &a.overrides).context("invalid configuration")?;
+        TrainConfig::load(config.as_deref(), &t.overrides).context("invalid configuration")?;
     let report = check_samples(&cfg, &a.samples)?;
-    if a.json {
+    if json {
         for line in report.json_lines() {
             println!("{line}");
         }

@@ -31,22 +31,20 @@ pub struct TrainArgs {
 }
 
 pub fn run(a: TrainArgs) -> Result<()> {
+    let (config, t) = crate::common::config_and_trailing(a.config, &a.overrides, &["resume"])?;
     let cfg =
-        TrainConfig::load(a.config.as_deref(), &a.overrides).context("invalid configuration")?;
+        TrainConfig::load(config.as_deref(), &t.overrides).context("invalid configuration")?;
+    let resume = a.resume || t.flag("resume") || cfg.resume_from_checkpoint;
     let stop = Arc::new(AtomicBool::new(false));
     let flag = stop.clone();
-    ctrlc::set_handler(move || {
-        if flag.swap(true, Ordering::SeqCst) {
-            eprintln!("\nsecond Ctrl-C: exiting without a checkpoint");
-            std::process::exit(130);
-        }
-        eprintln!("\nstop requested (Ctrl-C or SIGTERM): finishing the current step, then saving a checkpoint (Ctrl-C again to quit now)");
-    })
-    .context("cannot install the Ctrl-C handler")?;
+    // save_on_signal = false: the signals keep their default action (the process ends at once).
+    if cfg.save_on_signal {
+        catch_stop_signals(flag)?;
+    }
     let outcome = train(
         &cfg,
         &RunControl {
-            resume: a.resume || cfg.resume_from_checkpoint,
+            resume,
             stop,
             max_rounds_this_run: None,
         },
@@ -83,5 +81,19 @@ pub fn run(a: TrainArgs) -> Result<()> {
     if outcome.interrupted {
         println!("interrupted: continue with `grpo train --resume` and the same config");
     }
+    Ok(())
+}
+
+/// SIGINT (Ctrl-C) and SIGTERM (Slurm, Kubernetes, `kill`) set `flag`: the loop finishes its
+/// step, saves a checkpoint and returns. A second signal exits at once.
+fn catch_stop_signals(flag: Arc<AtomicBool>) -> Result<()> {
+    ctrlc::set_handler(move || {
+        if flag.swap(true, Ordering::SeqCst) {
+            eprintln!("\nsecond Ctrl-C: exiting without a checkpoint");
+            std::process::exit(130);
+        }
+        eprintln!("\nstop requested (Ctrl-C or SIGTERM): finishing the current step, then saving a checkpoint (Ctrl-C again to quit now)");
+    })
+    .context("cannot install the Ctrl-C handler")?;
     Ok(())
 }

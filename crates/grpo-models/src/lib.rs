@@ -15,7 +15,9 @@
 //! - [`threads`]: the rayon pool and memory readings.
 
 pub mod error;
+pub mod faults;
 pub mod files;
+pub mod gguf_check;
 pub mod hub;
 pub mod kv_cache;
 pub mod models;

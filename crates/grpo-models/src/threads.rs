@@ -36,6 +36,37 @@ pub fn rss_gb() -> Option<(f64, f64)> {
     Some((kb("VmRSS:")? / 1e6 * 1.024, kb("VmHWM:")? / 1e6 * 1.024))
 }
 
+/// What the process holds now (Linux; None elsewhere): long runs log it every round so that a
+/// leak shows as a trend.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ProcessResources {
+    /// Resident memory now and at its peak, GB.
+    pub rss_gb: f64,
+    pub rss_peak_gb: f64,
+    /// Open file descriptors.
+    pub open_fds: usize,
+    /// Live child processes (scorer programs, tracker bridges).
+    pub child_processes: usize,
+}
+
+pub fn process_resources() -> Option<ProcessResources> {
+    let (rss_gb, rss_peak_gb) = rss_gb()?;
+    let open_fds = std::fs::read_dir("/proc/self/fd").ok()?.count();
+    // Each thread lists the children it started.
+    let child_processes = std::fs::read_dir("/proc/self/task")
+        .ok()?
+        .filter_map(|t| t.ok())
+        .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
+        .map(|c| c.split_whitespace().count())
+        .sum();
+    Some(ProcessResources {
+        rss_gb,
+        rss_peak_gb,
+        open_fds,
+        child_processes,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -43,5 +74,26 @@ mod tests {
         if let Some((cur, peak)) = super::rss_gb() {
             assert!(cur > 0.0 && peak >= cur, "rss {cur} peak {peak}");
         }
+    }
+
+    #[test]
+    fn resources_count_files_and_children() {
+        let Some(before) = super::process_resources() else {
+            return;
+        };
+        let f = std::fs::File::open("/proc/self/status").unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("5")
+            .spawn()
+            .unwrap();
+        let during = super::process_resources().unwrap();
+        child.kill().unwrap();
+        child.wait().unwrap();
+        drop(f);
+        assert!(during.open_fds > before.open_fds, "{before:?} {during:?}");
+        assert!(
+            during.child_processes > before.child_processes,
+            "{before:?} {during:?}"
+        );
     }
 }

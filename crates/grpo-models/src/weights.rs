@@ -64,16 +64,22 @@ pub fn load_tokenizer(source: &ModelSource) -> Result<Tokenizer> {
         }
         ModelSource::HfDir(dir) => Err(missing(dir)),
         ModelSource::Gguf(path) => {
-            let mut file =
-                File::open(path).map_err(|e| Error::file(path, format!("cannot open: {e}")))?;
-            let content = gguf_file::Content::read(&mut file)
-                .map_err(|e| Error::file(path, format!("not a valid GGUF file: {e}")))?;
+            let (_, content) = open_gguf(path)?;
             if !content.metadata.contains_key("tokenizer.ggml.tokens") {
                 return Err(missing(path));
             }
             Tokenizer::from_gguf(&content, path)
         }
     }
+}
+
+/// A GGUF file, its header bounds-checked ([`crate::gguf_check`]) and then read.
+pub fn open_gguf(path: &Path) -> Result<(File, gguf_file::Content)> {
+    crate::gguf_check::check_gguf(path)?;
+    let mut file = File::open(path).map_err(|e| Error::file(path, format!("cannot open: {e}")))?;
+    let content = gguf_file::Content::read(&mut file)
+        .map_err(|e| Error::file(path, format!("not a valid GGUF file: {e}")))?;
+    Ok((file, content))
 }
 
 /// Loads `source` with weights in `dtype` on `device`.
@@ -287,9 +293,7 @@ pub fn gguf_quantized_projections(
     path: &Path,
     kind: crate::models::QuantType,
 ) -> Result<HashMap<String, crate::models::QuantProj>> {
-    let mut file = File::open(path).map_err(|e| Error::file(path, format!("cannot open: {e}")))?;
-    let content = gguf_file::Content::read(&mut file)
-        .map_err(|e| Error::file(path, format!("not a valid GGUF file: {e}")))?;
+    let (mut file, content) = open_gguf(path)?;
     let config = ModelConfig::from_gguf(&content.metadata, path)?;
     let mut out = HashMap::new();
     let mut names: Vec<&String> = content.tensor_infos.keys().collect();
@@ -331,9 +335,7 @@ pub fn gguf_quantized_projections(
 }
 
 fn load_gguf(path: &Path, dtype: DType, device: &Device) -> Result<LoadedModel> {
-    let mut file = File::open(path).map_err(|e| Error::file(path, format!("cannot open: {e}")))?;
-    let content = gguf_file::Content::read(&mut file)
-        .map_err(|e| Error::file(path, format!("not a valid GGUF file: {e}")))?;
+    let (mut file, content) = open_gguf(path)?;
     let mut config = ModelConfig::from_gguf(&content.metadata, path)?;
     let mut tensors = HashMap::new();
     let mut names: Vec<&String> = content.tensor_infos.keys().collect();

@@ -254,6 +254,46 @@ pub fn resolve_run_dir(path: &Path) -> Result<PathBuf> {
     }
 }
 
+/// Puts `output_dir` back in order after a process was killed inside [`save_checkpoint`]: a
+/// checkpoint moved aside to be replaced (`.old-checkpoint-<step>-<pid>`) goes back when its
+/// replacement never arrived, else it is deleted; half-written `.tmp-checkpoint-*` directories
+/// are deleted. Nothing else is touched.
+pub fn recover(output_dir: &Path) -> Result<()> {
+    let Ok(rd) = std::fs::read_dir(output_dir) else {
+        return Ok(());
+    };
+    let mut names: Vec<String> = rd
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    for name in names {
+        let path = output_dir.join(&name);
+        if let Some(rest) = name.strip_prefix(".old-checkpoint-") {
+            let step = rest.split('-').next().unwrap_or_default();
+            let target = output_dir.join(format!("checkpoint-{step}"));
+            if step.parse::<u64>().is_ok() && !target.exists() {
+                tracing::warn!(
+                    "{}: restored from {name} (a run was stopped while replacing it)",
+                    target.display()
+                );
+                std::fs::rename(&path, &target)
+                    .map_err(|e| Error::file(&path, format!("cannot restore: {e}")))?;
+                continue;
+            }
+        } else if !name.starts_with(".tmp-checkpoint-") {
+            continue;
+        }
+        tracing::warn!(
+            "{}: deleting an unfinished checkpoint write",
+            path.display()
+        );
+        std::fs::remove_dir_all(&path)
+            .map_err(|e| Error::file(&path, format!("cannot delete: {e}")))?;
+    }
+    Ok(())
+}
+
 /// Writes `checkpoint-<step>` atomically and applies `save_total_limit`, which never deletes
 /// `keep` (the best checkpoint, as HF's Trainer keeps it).
 pub fn save_checkpoint(
@@ -286,6 +326,7 @@ pub fn save_checkpoint(
                 }
             }
         }
+        crate::faults::kill_point("checkpoint.model_written");
         save_tensors(&tmp.join("optimizer.safetensors"), data.optimizer)?;
         let state = serde_json::to_vec_pretty(data.trainer_state).unwrap_or_default();
         write_file(&tmp.join("trainer_state.json"), &state)?;
@@ -310,9 +351,11 @@ pub fn save_checkpoint(
         std::process::id()
     ));
     let had_old = final_dir.exists();
+    crate::faults::kill_point("checkpoint.before_rename");
     if had_old {
         std::fs::rename(&final_dir, &aside)
             .map_err(|e| Error::file(&final_dir, format!("cannot replace: {e}")))?;
+        crate::faults::kill_point("checkpoint.replacing");
     }
     std::fs::rename(&tmp, &final_dir).map_err(|e| {
         let _ = std::fs::remove_dir_all(&tmp);

@@ -199,7 +199,9 @@ pub struct TrainConfig {
     pub lr_scheduler_type: LrSchedule,
     pub warmup_ratio: f64,
     pub warmup_steps: usize,
-    pub max_consecutive_nonfinite: usize,
+    pub max_bad_steps: usize,
+    /// SIGTERM / SIGINT finish the step and save a checkpoint (else they end the process).
+    pub save_on_signal: bool,
     // loss
     pub loss_type: LossType,
     pub beta: f64,
@@ -952,6 +954,7 @@ config_keys! {
         device: DeviceSpec = "", "where training runs: cpu, cuda or cuda:N (needs a build with --features cuda)";
         max_steps: Option<i64> = "-1", "optimizer steps to run (-1: from num_train_epochs)";
         num_train_epochs: f64 = "1.0", "passes over the prompts when max_steps is -1";
+        save_on_signal: bool = "true", "SIGTERM / SIGINT (Slurm or Kubernetes preemption, Ctrl-C) finish the current step, save a checkpoint and exit 0 (false: exit at once, 143 / 130, without one)";
     }
     "data" {
         train_file: Option<PathBuf> = "", "prompts (.jsonl, .csv, .parquet, or .txt with one prompt per line); unset: the built-in task";
@@ -1001,7 +1004,7 @@ config_keys! {
         lr_scheduler_type: LrSchedule = "\"linear\"", "learning-rate schedule";
         warmup_ratio: f64 = "0.0", "share of steps spent warming up";
         warmup_steps: usize = "0", "warm-up steps (wins over warmup_ratio when > 0)";
-        max_consecutive_nonfinite: usize = "3", "stop after this many skipped non-finite steps in a row";
+        max_bad_steps: usize = "3", "a NaN or Inf in a step's rewards, log-probs, loss or gradients skips its update (counted in skipped_steps); this many in a row stop the run with an error";
         gradient_checkpointing: bool = "false", "keep only each block's input during the forward and recompute the block in the backward (less memory, one more forward); sampling then also skips the packed copy of the weights for the decoding GEMM (slower generation, lower peak with LoRA)";
     }
     "lora" {
@@ -1094,6 +1097,8 @@ const ALIASES: &[(&str, &str)] = &[
     ("target_kl", "kl_target"),
     ("horizon", "kl_horizon"),
     ("gen_batch_size", "sampling_batch_size"),
+    // grpo's own earlier name.
+    ("max_consecutive_nonfinite", "max_bad_steps"),
     // TRL's ModelConfig names for PEFT.
     ("lora_r", "lora.r"),
     ("lora_alpha", "lora.alpha"),
@@ -1229,7 +1234,7 @@ const IGNORED: &[(&str, &str)] = &[
     ),
     (
         "logging_nan_inf_filter",
-        "a non-finite step is skipped and logged (max_consecutive_nonfinite)",
+        "a non-finite step is skipped and logged (max_bad_steps)",
     ),
     ("logging_dir", "TensorBoard events go to output_dir/tb"),
     ("logging_strategy", "grpo logs every logging_steps steps"),
@@ -1622,12 +1627,21 @@ fn parse_overrides(overrides: &[String]) -> Result<Vec<(String, Value)>> {
         .iter()
         .map(|o| {
             let body = o.trim_start_matches('-');
-            let (k, v) = body.split_once('=').ok_or_else(|| {
-                Error::config(
-                    body,
-                    format!("override `{o}` has no value: write --{body}=VALUE"),
-                )
-            })?;
+            // A bare `--flag` of a true/false key is `--flag=true`, as in TRL's argument parser.
+            let is_bool = |k: &str| {
+                KEYS.iter()
+                    .any(|d| d.key == k && matches!(d.default, "true" | "false"))
+            };
+            let (k, v) = match body.split_once('=') {
+                Some(kv) => kv,
+                None if is_bool(body) => (body, "true"),
+                None => {
+                    return Err(Error::config(
+                        body,
+                        format!("override `{o}` has no value: write --{body}=VALUE"),
+                    ))
+                }
+            };
             if k == "rewards" {
                 return Err(Error::config("rewards", "set rewards in the config file"));
             }
@@ -2372,7 +2386,8 @@ impl TrainConfig {
             lr_scheduler_type: raw.lr_scheduler_type,
             warmup_ratio: raw.warmup_ratio,
             warmup_steps: raw.warmup_steps,
-            max_consecutive_nonfinite: raw.max_consecutive_nonfinite.max(1),
+            max_bad_steps: raw.max_bad_steps.max(1),
+            save_on_signal: raw.save_on_signal,
             loss_type: raw.loss_type,
             beta,
             epsilon,

@@ -150,11 +150,11 @@ pub fn load_examples(path: &Path, fields: &DataFields) -> Result<Loaded> {
         "jsonl" | "json" | "ndjson" => numbered_lines(path)?
             .into_iter()
             .map(|(n, l)| {
-                let r = match serde_json::from_str::<Value>(&l) {
+                let r = l.and_then(|l| match serde_json::from_str::<Value>(&l) {
                     Ok(Value::Object(m)) => Ok(m),
                     Ok(_) => Err("expected a JSON object".to_string()),
                     Err(e) => Err(format!("invalid JSON: {e}")),
-                };
+                });
                 (n, r)
             })
             .collect(),
@@ -184,12 +184,15 @@ pub fn load_examples(path: &Path, fields: &DataFields) -> Result<Loaded> {
         "txt" | "text" => numbered_lines(path)?
             .into_iter()
             .map(|(n, l)| {
-                let mut m = Map::new();
-                m.insert(
-                    fields.prompt_field.clone(),
-                    Value::String(l.trim_end().to_string()),
-                );
-                (n, Ok(m))
+                let r = l.map(|l| {
+                    let mut m = Map::new();
+                    m.insert(
+                        fields.prompt_field.clone(),
+                        Value::String(l.trim_end().to_string()),
+                    );
+                    m
+                });
+                (n, r)
             })
             .collect(),
         _ => {
@@ -222,15 +225,37 @@ pub fn load_examples(path: &Path, fields: &DataFields) -> Result<Loaded> {
     Ok(out)
 }
 
-/// The non-blank lines of a text file, numbered from 1.
-fn numbered_lines(path: &Path) -> Result<Vec<(usize, String)>> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| Error::file(path, format!("cannot read: {e}")))?;
-    Ok(text
-        .lines()
+/// The longest line a dataset may hold: a prompt is at most a few hundred kB of text; a longer
+/// line is a file that is not a dataset of prompts (a binary, a dump on one line).
+pub const MAX_LINE_BYTES: usize = 16 << 20;
+
+/// The non-blank lines of a text file, numbered from 1; a line that is not UTF-8 or longer than
+/// [`MAX_LINE_BYTES`] is that row's error.
+fn numbered_lines(path: &Path) -> Result<Vec<(usize, std::result::Result<String, String>)>> {
+    let bytes = std::fs::read(path).map_err(|e| Error::file(path, format!("cannot read: {e}")))?;
+    Ok(bytes
+        .split(|&b| b == b'\n')
         .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| (i + 1, l.to_string()))
+        .filter(|(_, l)| !l.iter().all(u8::is_ascii_whitespace))
+        .map(|(i, l)| {
+            let line = if l.len() > MAX_LINE_BYTES {
+                Err(format!(
+                    "the line is {:.1} MB long; a row may be at most {} MB",
+                    l.len() as f64 / 1e6,
+                    MAX_LINE_BYTES >> 20
+                ))
+            } else {
+                std::str::from_utf8(l)
+                    .map(|t| t.trim_end_matches('\r').to_string())
+                    .map_err(|e| {
+                        format!(
+                            "not valid UTF-8 (byte {} of the line); save the file as UTF-8",
+                            e.valid_up_to() + 1
+                        )
+                    })
+            };
+            (i + 1, line)
+        })
         .collect())
 }
 

@@ -17,7 +17,7 @@
 //! - [`train`]: the training loop.
 
 pub use grpo_models::{
-    error, files, hub, kv_cache, models, sampler, seeding, threads, tokenizer, weights,
+    error, faults, files, hub, kv_cache, models, sampler, seeding, threads, tokenizer, weights,
 };
 
 pub mod advantages;

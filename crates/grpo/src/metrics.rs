@@ -135,28 +135,51 @@ impl MetricsWriter {
     }
 }
 
-/// For resume: drops lines of `metrics.jsonl` and `completions.jsonl` with `step` > `step`, so a
-/// resumed run does not log the same steps twice. Written via a temp file and a rename.
+/// For resume: drops the lines of `metrics.jsonl`, `completions.jsonl` and `health.jsonl` with
+/// `step` > `step`, and a last line cut short by a kill; deletes `eval/step-N.jsonl` for N >
+/// `step`. So a resumed run does not log the same steps twice. Files are replaced atomically.
 pub fn truncate_after(dir: &Path, step: u64) -> Result<()> {
-    for name in ["metrics.jsonl", "completions.jsonl"] {
+    retain_steps(dir, |s| s <= step)
+}
+
+/// For a fresh run in an `output_dir` that holds an earlier run's logs: drops every logged step
+/// of `metrics.jsonl`, `completions.jsonl`, `health.jsonl` and `eval/`, so the two runs' lines
+/// do not mix. Returns whether there was anything to drop.
+pub fn clear_logs(dir: &Path) -> Result<bool> {
+    let had = dir.join("metrics.jsonl").is_file() || dir.join("completions.jsonl").is_file();
+    retain_steps(dir, |_| false)?;
+    Ok(had)
+}
+
+fn retain_steps(dir: &Path, keep: impl Fn(u64) -> bool) -> Result<()> {
+    for name in ["metrics.jsonl", "completions.jsonl", "health.jsonl"] {
         let path = dir.join(name);
         let Ok(f) = File::open(&path) else { continue };
         let mut kept = String::new();
         for line in BufReader::new(f).lines() {
             let line = line.map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
-            let s = serde_json::from_str::<Value>(&line)
-                .ok()
-                .and_then(|v| v.get("step").and_then(Value::as_u64));
-            if s.is_none_or(|s| s <= step) {
+            // A line that is not JSON was cut short by a kill: it goes.
+            let Ok(v) = serde_json::from_str::<Value>(&line) else {
+                continue;
+            };
+            if v.get("step").and_then(Value::as_u64).is_none_or(&keep) {
                 kept.push_str(&line);
                 kept.push('\n');
             }
         }
-        let tmp = dir.join(format!(".{name}.tmp"));
-        std::fs::write(&tmp, kept)
-            .map_err(|e| Error::io(format!("cannot write {}", tmp.display()), e))?;
-        std::fs::rename(&tmp, &path)
-            .map_err(|e| Error::io(format!("cannot replace {}", path.display()), e))?;
+        crate::files::write_atomic(&path, kept.as_bytes())?;
+    }
+    let eval = dir.join("eval");
+    for e in std::fs::read_dir(&eval).into_iter().flatten().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let n = name
+            .strip_prefix("step-")
+            .and_then(|r| r.strip_suffix(".jsonl"))
+            .and_then(|n| n.parse::<u64>().ok());
+        if n.is_some_and(|n| !keep(n)) {
+            std::fs::remove_file(e.path())
+                .map_err(|err| Error::io(format!("cannot delete {}", e.path().display()), err))?;
+        }
     }
     Ok(())
 }
@@ -353,5 +376,21 @@ mod tests {
             std::fs::read_to_string(dir.path().join("completions.jsonl")).unwrap(),
             ""
         );
+        // A kill mid-line, and eval answers of steps after the checkpoint.
+        let m = dir.path().join("metrics.jsonl");
+        let before = std::fs::read_to_string(&m).unwrap();
+        std::fs::write(&m, format!("{before}{{\"step\":2,\"rew")).unwrap();
+        std::fs::create_dir_all(dir.path().join("eval")).unwrap();
+        for n in [0, 1, 2, 10] {
+            std::fs::write(dir.path().join(format!("eval/step-{n}.jsonl")), "{}\n").unwrap();
+        }
+        truncate_after(dir.path(), 1).unwrap();
+        assert_eq!(std::fs::read_to_string(&m).unwrap(), before);
+        let mut left: Vec<String> = std::fs::read_dir(dir.path().join("eval"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["step-0.jsonl", "step-1.jsonl"]);
     }
 }

@@ -483,7 +483,7 @@ fn the_trainers_update_equals_trl() {
             steps_per_generation: 1,
             num_iterations: case["num_iterations"].as_u64().unwrap() as usize,
             max_completion_length: lc,
-            max_consecutive_nonfinite: 3,
+            max_bad_steps: 3,
         };
         let red = Reduction {
             accumulation_steps: 1,
@@ -609,7 +609,7 @@ fn update_round_walks_passes_and_accumulation_windows() {
         steps_per_generation: 4,
         num_iterations: 2,
         max_completion_length: 6,
-        max_consecutive_nonfinite: 3,
+        max_bad_steps: 3,
     };
     let mut opt = AdamW::new(
         policy
@@ -643,6 +643,7 @@ fn update_round_walks_passes_and_accumulation_windows() {
         StepCounter {
             step: &mut step,
             consecutive_nonfinite: &mut nonfinite,
+            skipped_steps: &mut 0,
             adaptive_entropy: None,
         },
         &SingleProcess,

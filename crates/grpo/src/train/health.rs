@@ -268,7 +268,8 @@ mod tests {
             times: RoundTimes::default(),
             tokens_per_second: 0.0,
             epoch: 0.0,
-            rss_peak_gb: None,
+            resources: None,
+            skipped_steps: 0,
             eval_seconds: None,
             eval: acc
                 .map(|a| vec![(names::EVAL_ACCURACY.to_string(), a)])

@@ -49,6 +49,11 @@ pub mod names {
     pub const TOKENS_PER_SECOND: &str = "tokens_per_second";
     pub const EPOCH: &str = "epoch";
     pub const RSS_PEAK_GB: &str = "memory/rss_peak_gb";
+    pub const RSS_GB: &str = "memory/rss_gb";
+    pub const OPEN_FDS: &str = "memory/open_fds";
+    pub const CHILD_PROCESSES: &str = "memory/child_processes";
+    /// Optimizer steps skipped so far because a number was not finite (the run's total).
+    pub const SKIPPED_STEPS: &str = "skipped_steps";
     /// Fill-in runs: masked positions per input, fills equal to the original, the judge's score.
     pub use crate::fill_in::{FILL_ACCURACY, FILL_JUDGE_SCORE, FILL_MASKED_POSITIONS};
     /// The parts of a step, as `time/<part>`.
@@ -158,7 +163,10 @@ pub struct StepMetrics {
     pub times: RoundTimes,
     pub tokens_per_second: f64,
     pub epoch: f64,
-    pub rss_peak_gb: Option<f64>,
+    /// Memory, open files and child processes after the round.
+    pub resources: Option<crate::threads::ProcessResources>,
+    /// Optimizer steps skipped so far for non-finite numbers (the run's total).
+    pub skipped_steps: u64,
     /// Seconds of the evaluation after this round, and its metrics (`eval/...`).
     pub eval_seconds: Option<f64>,
     pub eval: Vec<(String, f64)>,
@@ -315,7 +323,8 @@ impl StepMetrics {
             times: f.times,
             tokens_per_second: f.generated_tokens as f64 / f.times.step.max(1e-9),
             epoch: f.epoch,
-            rss_peak_gb: crate::threads::rss_gb().map(|(_, peak)| peak),
+            resources: crate::threads::process_resources(),
+            skipped_steps: 0,
             eval_seconds: None,
             eval: vec![],
             policy: vec![],
@@ -380,9 +389,13 @@ impl StepMetrics {
         push(TIME_STEP, self.times.step);
         push(TOKENS_PER_SECOND, self.tokens_per_second);
         push(EPOCH, self.epoch);
-        if let Some(p) = self.rss_peak_gb {
-            push(RSS_PEAK_GB, p);
+        if let Some(r) = self.resources {
+            push(RSS_PEAK_GB, r.rss_peak_gb);
+            push(RSS_GB, r.rss_gb);
+            push(OPEN_FDS, r.open_fds as f64);
+            push(CHILD_PROCESSES, r.child_processes as f64);
         }
+        push(SKIPPED_STEPS, self.skipped_steps as f64);
         if let Some(s) = self.eval_seconds {
             push(TIME_EVAL, s);
         }
@@ -470,7 +483,8 @@ mod tests {
             },
             tokens_per_second: 100.0,
             epoch: 0.0,
-            rss_peak_gb: None,
+            resources: None,
+            skipped_steps: 0,
             eval_seconds: Some(1.0),
             eval: vec![(names::EVAL_ACCURACY.into(), 0.75)],
             policy: vec![],

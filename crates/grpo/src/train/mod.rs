@@ -34,7 +34,8 @@ pub use metrics::{names, RewardMetrics, RoundTimes, StepMetrics, UpdateMetrics};
 pub use policy::{CausalLmForward, CausalLmPolicy, Policy, Reference, TrainForward};
 pub use setup::{update_options, BestModel, LoadPolicy, Loaded, TrainerState};
 pub use update::{
-    policy_gradients, update_policy, update_round, Schedule, StepCounter, StepStats, UpdateOptions,
+    policy_gradients, skip_round, update_policy, update_round, Schedule, StepCounter, StepStats,
+    UpdateOptions,
 };
 #[cfg(feature = "mpi")]
 pub use world::MpiWorld;
@@ -179,31 +180,47 @@ fn run<P: LoadPolicy>(
         );
 
         // 5. Update: optimizer steps over the batch, then (TRL) mix the policy into the reference.
+        //    An infinite reward skips the round's update (a bad step, as a NaN loss is).
         let t0 = Instant::now();
-        if batch.rows.is_empty() && main {
-            say(
-                &bar,
-                format!(
-                    "step {}: every group had equal rewards; no update this round",
-                    r.state.step + 1
-                ),
-            );
-            r.state.step = (r.state.step + r.updates_per_round).min(total_steps);
-        }
-        let steps = update_round(
-            &r.policy,
-            &mut r.opt,
-            &batch,
-            &r.update,
-            &r.schedule,
-            StepCounter {
-                step: &mut r.state.step,
-                consecutive_nonfinite: &mut r.state.consecutive_nonfinite,
-                adaptive_entropy: r.state.adaptive_entropy.as_mut(),
-            },
-            world,
-            &mut |s| bar.set_position(s),
-        )?;
+        let counter = StepCounter {
+            step: &mut r.state.step,
+            consecutive_nonfinite: &mut r.state.consecutive_nonfinite,
+            skipped_steps: &mut r.state.skipped_steps,
+            adaptive_entropy: r.state.adaptive_entropy.as_mut(),
+        };
+        let steps = if let Some(why) = infinite_reward(episodes, &r.data.rewards) {
+            skip_round(
+                r.updates_per_round,
+                &r.schedule,
+                counter,
+                &why,
+                r.update.max_bad_steps,
+            )?
+        } else {
+            if batch.rows.is_empty() {
+                if main {
+                    say(
+                        &bar,
+                        format!(
+                            "step {}: every group had equal rewards; no update this round",
+                            *counter.step + 1
+                        ),
+                    );
+                }
+                *counter.step = (*counter.step + r.updates_per_round).min(total_steps);
+            }
+            update_round(
+                &r.policy,
+                &mut r.opt,
+                &batch,
+                &r.update,
+                &r.schedule,
+                counter,
+                world,
+                &mut |s| bar.set_position(s),
+            )?
+        };
+        bar.set_position(r.state.step);
         let t_update = t0.elapsed().as_secs_f64();
         trace_memory("update");
         r.state.round += 1;
@@ -253,6 +270,7 @@ fn run<P: LoadPolicy>(
             m.eval = ev.clone();
             last_eval = Some(ev);
         }
+        m.skipped_steps = r.state.skipped_steps;
         let warnings = health.check(r.state.step, &m);
         m.health = warnings.iter().map(|w| w.kind.name()).collect();
         if world.is_main()
@@ -319,6 +337,20 @@ fn run<P: LoadPolicy>(
         best_checkpoint,
         interrupted,
         last_eval,
+    })
+}
+
+/// Why a round's rewards cannot train (a reward of +/-inf: a scorer's overflow), naming the
+/// reward and the completion. NaN is a reward's "no score" (TRL's None) and is left out of the
+/// group's statistics instead.
+fn infinite_reward(episodes: &[Episode], rewards: &[Reward]) -> Option<String> {
+    episodes.iter().enumerate().find_map(|(i, e)| {
+        let j = e.rewards.iter().position(|x| x.is_infinite())?;
+        let name = rewards.get(j).map_or("?", |r| r.name.as_str());
+        Some(format!(
+            "reward `{name}` is {} for completion {i} of the round",
+            e.rewards[j]
+        ))
     })
 }
 

@@ -189,6 +189,7 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> R
     )?;
     let t_generate = t0.elapsed().as_secs_f64() - early.wait_s;
     super::trace_memory("rollout");
+    crate::faults::kill_point("train.sampled");
 
     // 2. Old (sampling-policy) and reference log-probs, without a graph.
     let t0 = Instant::now();
@@ -227,6 +228,12 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> R
     )?;
     // What scoring added to the step: waiting for the early scorer, then the late rewards.
     let t_score = wait_s + t0.elapsed().as_secs_f64();
+    crate::faults::kill_point("train.scored");
+    if crate::faults::fires("rewards.inf") {
+        if let Some(x) = episodes.first_mut().and_then(|e| e.rewards.first_mut()) {
+            *x = f32::INFINITY;
+        }
+    }
     let mut generated = [gen_stats.generated_tokens as f64];
     let n_all = all_idx.len();
     if world.size() == 1 {

@@ -42,6 +42,13 @@ pub struct TrainerState {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub adaptive_entropy: Option<AdaptiveEntropy>,
     pub consecutive_nonfinite: usize,
+    /// Optimizer steps skipped over the run for non-finite numbers (`skipped_steps`).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub skipped_steps: u64,
+    /// AdamW's own step count (its bias correction) where it differs from `step`: skipped
+    /// steps and rounds without signal advance `step` without an AdamW step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer_steps: Option<u64>,
     /// Dynamic sampling's extra passes so far (their random streams).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub extra_passes: u64,
@@ -175,20 +182,34 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
             );
         }
         let out_dir = &cfg.output_dir;
-        std::fs::create_dir_all(out_dir)
-            .map_err(|e| Error::io(format!("cannot create output_dir {}", out_dir.display()), e))?;
+        if main {
+            // What a kill in the middle of a checkpoint write left behind.
+            checkpoint::recover(out_dir)?;
+        }
         let resume_from = if resume {
-            let latest = checkpoint::latest_checkpoint(out_dir)?;
-            if latest.is_none() {
-                tracing::warn!(
-                    "--resume: no checkpoint in {}, starting fresh",
-                    out_dir.display()
-                );
-            }
-            latest
+            // As TRL: resuming needs a checkpoint; a fresh start must be asked for.
+            let latest = checkpoint::latest_checkpoint(out_dir)?.ok_or_else(|| {
+                Error::file(
+                    out_dir,
+                    "--resume: no checkpoint-<step> directory here to resume from; check \
+                     output_dir, or leave out --resume (and resume_from_checkpoint) to start a \
+                     fresh run",
+                )
+            })?;
+            Some(latest)
         } else {
             None
         };
+        std::fs::create_dir_all(out_dir)
+            .map_err(|e| Error::io(format!("cannot create output_dir {}", out_dir.display()), e))?;
+        // A generator that cannot be one is refused before any reward model (the built-in
+        // fill-in judge is pretrained for minutes) is loaded.
+        if let (crate::config::PolicyType::FillIn, Some(m)) = (cfg.policy, cfg.model.as_deref()) {
+            let dir = std::path::Path::new(m);
+            if dir.join("config.json").is_file() {
+                crate::models::masked_lm::masked_lm_config(dir)?;
+            }
+        }
         let mut data = load_run_data(cfg, &device)?;
         // The frozen reference is loaded only when a KL or a reward (coherence) needs it.
         let kl_needs_ref = !matches!(cfg.kl, KlMode::None);
@@ -275,6 +296,8 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
             adaptive_kl: cfg.kl.adaptive_controller(),
             adaptive_entropy: cfg.adaptive_entropy.clone(),
             consecutive_nonfinite: 0,
+            skipped_steps: 0,
+            optimizer_steps: None,
             extra_passes: 0,
             best_metric: None,
             best_global_step: None,
@@ -287,7 +310,13 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
                     format!("unreadable trainer state: {e}"),
                 )
             })?;
-            opt.load_state(&c.optimizer, state.step)?;
+            opt.load_state(&c.optimizer, state.optimizer_steps.unwrap_or(state.step))
+                .map_err(|e| {
+                    Error::file(
+                        c.dir.join("optimizer.safetensors"),
+                        format!("does not fit this run's model: {e}; resume with the model and LoRA settings the checkpoint was made with"),
+                    )
+                })?;
             if let (Some(dir), true) = (&resume_from, cfg.sync_ref_model) {
                 tracing::warn!(
                     "{}: sync_ref_model with resume restarts the reference from the base model",
@@ -299,11 +328,17 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
             }
             tracing::info!("resumed from {} at step {}", c.dir.display(), state.step);
         }
+        if main && ckpt.is_none() && crate::metrics::clear_logs(out_dir)? {
+            tracing::warn!(
+                "{}: an earlier run's logs were here; this fresh run replaces them (use \
+                 --resume to continue that run instead)",
+                out_dir.display()
+            );
+        }
         let config_toml = cfg.to_toml();
         let config_path = out_dir.join("config.toml");
         if main {
-            std::fs::write(&config_path, &config_toml)
-                .map_err(|e| Error::io(format!("cannot write {}", config_path.display()), e))?;
+            crate::files::write_atomic(&config_path, config_toml.as_bytes())?;
         }
         let trackers = match main {
             false => Default::default(),
@@ -414,6 +449,8 @@ impl<P: Policy> Run<'_, P> {
             self.state.best_global_step = Some(self.state.step);
             self.state.best_model_checkpoint = Some(dir.display().to_string());
         }
+        let adam = self.opt.steps_taken();
+        self.state.optimizer_steps = (adam != self.state.step).then_some(adam);
         let keep = self.state.best_model_checkpoint.as_ref().map(PathBuf::from);
         let tensors = self.policy.named_tensors();
         let optimizer = self.opt.state_tensors()?;
@@ -500,7 +537,7 @@ pub fn update_options(cfg: &TrainConfig, pad: u32) -> UpdateOptions {
         steps_per_generation: cfg.steps_per_generation,
         num_iterations: cfg.num_iterations,
         max_completion_length: cfg.max_completion_length,
-        max_consecutive_nonfinite: cfg.max_consecutive_nonfinite,
+        max_bad_steps: cfg.max_bad_steps,
     }
 }
 

@@ -41,7 +41,7 @@ pub struct UpdateOptions {
     pub num_iterations: usize,
     pub max_completion_length: usize,
     /// Stop after this many non-finite steps in a row.
-    pub max_consecutive_nonfinite: usize,
+    pub max_bad_steps: usize,
 }
 
 /// The learning rate at each optimizer step.
@@ -103,6 +103,8 @@ impl StepStats {
 pub struct StepCounter<'a> {
     pub step: &'a mut u64,
     pub consecutive_nonfinite: &'a mut usize,
+    /// Steps skipped for non-finite numbers over the whole run.
+    pub skipped_steps: &'a mut u64,
     /// Adaptive entropy control's state, when on.
     pub adaptive_entropy: Option<&'a mut AdaptiveEntropy>,
 }
@@ -174,26 +176,66 @@ pub fn update_round<P: Policy>(
                 ae.update(m[0] / m[1].max(1.0));
                 st.entropy_coef = ae.coef;
             }
-            if st.finite {
-                *counter.consecutive_nonfinite = 0;
-            } else {
-                *counter.consecutive_nonfinite += 1;
-                tracing::warn!(
-                    "step {}: non-finite loss or gradient, update skipped ({} in a row)",
-                    step + 1,
-                    counter.consecutive_nonfinite
-                );
-                if *counter.consecutive_nonfinite >= opts.max_consecutive_nonfinite {
-                    return Err(Error::Generate(format!(
-                        "{} non-finite steps in a row: stopping (raise max_consecutive_nonfinite, or lower learning_rate)",
-                        counter.consecutive_nonfinite
-                    )));
-                }
-            }
-            *counter.step += 1;
+            let bad = (!st.finite).then_some("a non-finite loss or gradient");
+            count_step(&mut counter, bad, opts.max_bad_steps)?;
             on_step(*counter.step);
             stats.push(st);
         }
+    }
+    Ok(stats)
+}
+
+/// Counts one optimizer step; a `bad` one (its update skipped, `bad` says why) extends the
+/// streak of bad steps, and `max_bad_steps` in a row stop the run.
+fn count_step(counter: &mut StepCounter, bad: Option<&str>, max_bad_steps: usize) -> Result<()> {
+    *counter.step += 1;
+    let Some(why) = bad else {
+        *counter.consecutive_nonfinite = 0;
+        return Ok(());
+    };
+    *counter.consecutive_nonfinite += 1;
+    *counter.skipped_steps += 1;
+    tracing::warn!(
+        "step {}: {why}; update skipped ({} in a row, {} in this run)",
+        counter.step,
+        counter.consecutive_nonfinite,
+        counter.skipped_steps
+    );
+    if *counter.consecutive_nonfinite >= max_bad_steps {
+        return Err(Error::Generate(format!(
+            "{} steps in a row skipped for non-finite numbers (the last: {why}): stopping. \
+             Look at the rewards and the learning rate; max_bad_steps (now {max_bad_steps}) \
+             sets how many are tolerated",
+            counter.consecutive_nonfinite
+        )));
+    }
+    Ok(())
+}
+
+/// A round whose data is bad before any forward (an infinite reward): each of its optimizer
+/// steps is counted and skipped, as a non-finite step is, and the weights and moments stay as
+/// they are.
+pub fn skip_round(
+    updates_per_round: u64,
+    schedule: &Schedule,
+    mut counter: StepCounter,
+    why: &str,
+    max_bad_steps: usize,
+) -> Result<Vec<StepStats>> {
+    let mut stats = Vec::new();
+    for _ in 0..updates_per_round {
+        if *counter.step >= schedule.total_steps {
+            break;
+        }
+        let lr = schedule.lr(*counter.step);
+        count_step(&mut counter, Some(why), max_bad_steps)?;
+        stats.push(StepStats {
+            lr,
+            loss: f64::NAN,
+            grad_norm: f64::NAN,
+            finite: false,
+            ..Default::default()
+        });
     }
     Ok(stats)
 }
@@ -222,6 +264,15 @@ pub fn update_policy<P: Policy>(
     for (x, sum) in st.shares_mut().into_iter().zip(sums) {
         *x = sum;
     }
+    if crate::faults::fires("update.nan_grad") {
+        if let Some(g) = grads.first_mut() {
+            *g = (&*g * f64::NAN)?;
+        }
+    }
+    if crate::faults::fires("update.nan_loss") {
+        st.loss = f64::NAN;
+    }
+    crate::faults::kill_point("update.before_step");
     let (norm, scale) = clip_factor(&grads, opts.max_grad_norm)?;
     st.lr = lr;
     st.grad_norm = norm;
@@ -259,6 +310,7 @@ pub fn policy_gradients<P: Policy>(
     let mut st = StepStats::default();
     let k = window.len() as f64;
     for range in window {
+        crate::faults::kill_point("update.micro_batch");
         let mut t = [
             range.len() as f64,
             batch.active_tokens_in(range.clone()) as f64,
@@ -284,7 +336,10 @@ pub fn policy_gradients<P: Policy>(
         for part in forward_chunks(&prompts, &comps, chunk_tokens) {
             let part = range.start + part.start..range.start + part.end;
             let mb = batch.micro(part, &device)?;
-            let (logps, ents) = fwd.logprobs(&mb, opts.pad, opts.temperature, opts.entropy)?; // [n, Tc] f32
+            let (mut logps, ents) = fwd.logprobs(&mb, opts.pad, opts.temperature, opts.entropy)?; // [n, Tc] f32
+            if crate::faults::fires("update.nan_logits") {
+                logps = (logps * f64::NAN)?;
+            }
             let out = grpo_loss(
                 &LossInputs {
                     logps: &logps,
