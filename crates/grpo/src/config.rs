@@ -1627,14 +1627,16 @@ fn parse_overrides(overrides: &[String]) -> Result<Vec<(String, Value)>> {
         .iter()
         .map(|o| {
             let body = o.trim_start_matches('-');
-            // A bare `--flag` of a true/false key is `--flag=true`, as in TRL's argument parser.
-            let is_bool = |k: &str| {
+            // A bare `--flag` is `--flag=true`, as in TRL's argument parser, unless the key
+            // is one of grpo's that is not true/false (TRL's and the seeds' names are checked
+            // when they are read).
+            let needs_value = |k: &str| {
                 KEYS.iter()
-                    .any(|d| d.key == k && matches!(d.default, "true" | "false"))
+                    .any(|d| d.key == k && !matches!(d.default, "true" | "false"))
             };
             let (k, v) = match body.split_once('=') {
                 Some(kv) => kv,
-                None if is_bool(body) => (body, "true"),
+                None if !needs_value(body) => (body, "true"),
                 None => {
                     return Err(Error::config(
                         body,
@@ -2651,6 +2653,16 @@ lora_target_modules: [q_proj, k_proj]
         assert_eq!(c.stop, vec!["###", "END"]);
         assert_eq!(c.kl, KlMode::Loss { beta: 0.04 });
         assert!(load("", Format::Toml, &["--beta"]).is_err());
+        // A bare flag is true: grpo's own booleans, and TRL's (use_peft turns LoRA on).
+        let c = load("", Format::Toml, &["--save_on_signal=false", "--use_peft"]).unwrap();
+        assert!(!c.save_on_signal && c.lora.is_some());
+        let c = load(
+            "save_on_signal = false",
+            Format::Toml,
+            &["--save_on_signal"],
+        )
+        .unwrap();
+        assert!(c.save_on_signal);
     }
 
     #[test]
