@@ -430,8 +430,10 @@ fn nan_and_inf_steps_are_skipped_counted_and_stop_the_run_when_they_persist() {
     assert!(!t.contains("panicked"), "{t}");
 }
 
-/// 300 steps with a scorer program: resident memory at the end within 5% of step 50, open file
-/// descriptors and child processes constant, every step logging the same number of lines.
+/// 300 steps with a scorer program and a checkpoint every 25: resident memory at the end within
+/// 5% of step 50, open file descriptors and child processes constant, every step logging the
+/// same number of lines. (The first checkpoint write raises the high-water mark once, by its
+/// serialization buffers, which the allocator keeps for the next one; it comes before step 50.)
 #[test]
 fn a_300_step_soak_does_not_grow() {
     let tmp = tempfile::tempdir().unwrap();
@@ -446,7 +448,7 @@ fn a_300_step_soak_does_not_grow() {
         &model,
         &out,
         &format!(
-            "max_steps = 300\nsave_steps = 100\nsave_total_limit = 1\neval_steps = 0\n\
+            "max_steps = 300\nsave_steps = 25\nsave_total_limit = 1\neval_steps = 0\n\
              num_generations = 2\nper_device_train_batch_size = 4\nmax_completion_length = 4\n\
              [[rewards]]\nkind = \"command\"\ncommand = [\"python3\", \"{}\"]\n",
             scorer.display()
