@@ -13,6 +13,8 @@ stamp=$(date +%Y%m%d-%H%M%S)
 res="$root/bench/results"
 mkdir -p "$res"
 cd "$root"
+# NO_AVX512=1: AVX-512 off in grpo and torch alike (see bench/no_avx512.sh).
+. "$root/bench/no_avx512.sh"
 # GRPO_BIN=path/to/grpo: measure that binary (e.g. an older build, for a before/after) instead.
 if [ -z "${GRPO_BIN:-}" ]; then cargo build --release -p grpo-cli; fi
 grpo_bin=${GRPO_BIN:-$root/target/release/grpo}

@@ -217,6 +217,7 @@ fn bench_generate(a: GenBenchArgs) -> Result<()> {
             let best = tps.iter().cloned().fold(0.0, f64::max);
             let line = serde_json::json!({
                 "bench": "grpo_generate",
+                "isa": grpo::kernels::Isa::active().name(),
                 "prompts": p,
                 "samples_per_prompt": g,
                 "batch": p * g,
@@ -270,6 +271,7 @@ fn bench_gemm(a: GemmArgs) -> Result<()> {
         let gflops_t = 2.0 * (m * k * nn) as f64 / best_t / 1e9;
         let line = serde_json::json!({
             "bench": "gemm_f32",
+            "isa": grpo::kernels::Isa::active().name(),
             "m": m, "k": k, "n": nn,
             "best_s": best,
             "gflops": (gflops * 10.0).round() / 10.0,

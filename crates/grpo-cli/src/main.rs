@@ -113,6 +113,11 @@ fn main() -> ExitCode {
             .init(),
         _ => fmt.init(),
     }
+    // GRPO_ISA / GRPO_KERNELS: a bad value is an error here, not a silent `auto`.
+    if let Err(e) = grpo::kernels::check_env() {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
     let result = match cli.command {
         Command::Train(args) => train::run(args),
         Command::Config(args) => config_cmd::run(args),

@@ -19,6 +19,7 @@ pub mod faults;
 pub mod files;
 pub mod gguf_check;
 pub mod hub;
+pub mod kernels;
 pub mod kv_cache;
 pub mod models;
 pub mod sampler;

@@ -154,6 +154,8 @@ pub struct TrainConfig {
     pub seed: u64,
     pub threads: Option<usize>,
     pub device: DeviceSpec,
+    /// `kernels`: None leaves the process's setting.
+    pub kernels: Option<crate::kernels::Kernels>,
     pub max_steps: Option<u64>,
     pub num_train_epochs: f64,
     // data
@@ -875,6 +877,21 @@ impl FromValue for DeviceSpec {
     }
 }
 
+/// Unset: the process's setting (`GRPO_KERNELS`, else fused).
+impl FromValue for Option<crate::kernels::Kernels> {
+    fn kind() -> Cow<'static, str> {
+        "auto|fused|portable".into()
+    }
+    fn from_value(key: &str, v: Option<&Value>) -> Result<Self> {
+        match Option::<String>::from_value(key, v)? {
+            None => Ok(None),
+            Some(s) => crate::kernels::Kernels::parse(&s)
+                .map(Some)
+                .map_err(|e| Error::config(key, e)),
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The keys
 
@@ -952,6 +969,7 @@ config_keys! {
         seed: u64 = "42", "seeds prompt order and sampling; a run is reproducible from it";
         threads: Option<usize> = "", "CPU threads (unset: all cores)";
         device: DeviceSpec = "", "where training runs: cpu, cuda or cuda:N (needs a build with --features cuda)";
+        kernels: Option<crate::kernels::Kernels> = "", "CPU kernels: auto or fused (grpo's fused f32 kernels where they apply), or portable (candle ops only: the path a GPU runs, on the CPU); unset: GRPO_KERNELS, else fused";
         max_steps: Option<i64> = "-1", "optimizer steps to run (-1: from num_train_epochs)";
         num_train_epochs: f64 = "1.0", "passes over the prompts when max_steps is -1";
         save_on_signal: bool = "true", "SIGTERM / SIGINT (Slurm or Kubernetes preemption, Ctrl-C) finish the current step, save a checkpoint and exit 0 (false: exit at once, 143 / 130, without one)";
@@ -2342,6 +2360,7 @@ impl TrainConfig {
             seed: raw.seed,
             threads: raw.threads.filter(|&n| n > 0),
             device: raw.device,
+            kernels: raw.kernels,
             max_steps,
             num_train_epochs: raw.num_train_epochs,
             train_file: raw.train_file,
@@ -2898,6 +2917,25 @@ lora_target_modules: [q_proj, k_proj]
         );
         assert!(c.to_toml().contains("max_completion_length = 100\n"));
         assert!(c.set_max_completion_length(0).is_err());
+    }
+
+    #[test]
+    fn kernels_key_parses_and_stays_out_of_the_toml_when_unset() {
+        use crate::kernels::Kernels;
+        let c = load("", Format::Toml, &[]).unwrap();
+        assert_eq!(c.kernels, None);
+        assert!(!c.to_toml().lines().any(|l| l.starts_with("kernels")));
+        for (v, want) in [("portable", Kernels::Portable), ("auto", Kernels::Fused)] {
+            let c = load(&format!("kernels = \"{v}\""), Format::Toml, &[]).unwrap();
+            assert_eq!(c.kernels, Some(want));
+            assert!(c.to_toml().contains(&format!("kernels = \"{v}\"")));
+        }
+        let c = load("", Format::Toml, &["--kernels=portable"]).unwrap();
+        assert_eq!(c.kernels, Some(Kernels::Portable));
+        let e = load("kernels = \"gpu\"", Format::Toml, &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`kernels`") && e.contains("portable"), "{e}");
     }
 
     #[test]

@@ -17,7 +17,8 @@
 //! - [`train`]: the training loop.
 
 pub use grpo_models::{
-    error, faults, files, hub, kv_cache, models, sampler, seeding, threads, tokenizer, weights,
+    error, faults, files, hub, kernels, kv_cache, models, sampler, seeding, threads, tokenizer,
+    weights,
 };
 
 pub mod advantages;

@@ -246,7 +246,7 @@ pub fn completion_logprobs(
     // On the CPU in f32 the fused attention reads only each token's own pack, so all packs go
     // into one row: no padding, and one large matmul per projection. Elsewhere attention scores
     // every key slot of a row, so each pack gets its own right-padded row.
-    let one_row = model.device().is_cpu() && model.dtype() == candle_core::DType::F32;
+    let one_row = crate::kernels::cpu_fused(model.device(), model.dtype());
     let n_rows = if one_row { 1 } else { packs.len() };
     let t = match one_row {
         true => lens.iter().sum(),

@@ -3,9 +3,11 @@
 //!
 //! Written here rather than taken from candle-nn: candle-nn's `AdamW` has no way to save or load
 //! its moments (so no exact resume), allocates about 14 temporaries per parameter per step, and
-//! silently skips parameters without a gradient. This one keeps the moments in host memory, updates
-//! each parameter in one fused pass (clip scale, decay, both moments, the step) in place, and
-//! treats a missing gradient as an error.
+//! silently skips parameters without a gradient. On the CPU this one keeps the moments in host
+//! memory and updates each parameter in one fused pass (clip scale, decay, both moments, the
+//! step) in place; on a GPU, and under `kernels = "portable"`, the moments are tensors on the
+//! parameter's device and the same formula runs as candle ops there (no host round trip). A
+//! missing gradient is an error.
 
 use std::cell::RefCell;
 
@@ -55,8 +57,36 @@ pub struct AdamWConfig {
 struct Slot {
     name: String,
     var: Var,
-    exp_avg: Vec<f32>,
-    exp_avg_sq: Vec<f32>,
+    moments: Moments,
+}
+
+/// AdamW's first and second moments of one parameter.
+enum Moments {
+    /// In host memory, updated by the fused in-place step (f32 CPU parameters).
+    Host {
+        exp_avg: Vec<f32>,
+        exp_avg_sq: Vec<f32>,
+    },
+    /// f32 tensors on the parameter's device, updated by candle ops (GPU, portable kernels).
+    Device { exp_avg: Tensor, exp_avg_sq: Tensor },
+}
+
+impl Moments {
+    fn zeros(var: &Var) -> Result<Moments> {
+        Ok(if crate::kernels::cpu_fused(var.device(), var.dtype()) {
+            let n = var.elem_count();
+            Moments::Host {
+                exp_avg: vec![0.0; n],
+                exp_avg_sq: vec![0.0; n],
+            }
+        } else {
+            let z = Tensor::zeros(var.shape(), candle_core::DType::F32, var.device())?;
+            Moments::Device {
+                exp_avg: z.clone(),
+                exp_avg_sq: z,
+            }
+        })
+    }
 }
 
 /// AdamW over named `Var`s (f32).
@@ -67,10 +97,9 @@ pub struct AdamW {
     step: u64,
 }
 
-/// The update of one parameter, run in place on its storage.
-struct FusedStep<'a> {
-    exp_avg: RefCell<&'a mut [f32]>,
-    exp_avg_sq: RefCell<&'a mut [f32]>,
+/// The scalars of one AdamW step of one parameter.
+#[derive(Debug, Clone, Copy)]
+struct StepScalars {
     lr: f32,
     beta1: f32,
     beta2: f32,
@@ -82,20 +111,54 @@ struct FusedStep<'a> {
     grad_scale: f32,
 }
 
+impl StepScalars {
+    /// The step as candle ops on the parameter's device: `(p, exp_avg, exp_avg_sq)` after it.
+    /// The same formula, operation for operation, as [`FusedStep::apply`].
+    fn tensors(
+        &self,
+        p: &Tensor,
+        g: &Tensor,
+        m: &Tensor,
+        v: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let scalar = |x: f32| Tensor::new(x, p.device());
+        let gi = g.broadcast_mul(&scalar(self.grad_scale)?)?; // [..] f32
+        let p = p.broadcast_mul(&scalar(1.0 - self.lr * self.weight_decay)?)?;
+        let m = (m + (&gi - m)?.broadcast_mul(&scalar(1.0 - self.beta1)?)?)?;
+        let v = (v.broadcast_mul(&scalar(self.beta2)?)?
+            + gi.broadcast_mul(&scalar(1.0 - self.beta2)?)?.mul(&gi)?)?;
+        let denom = v
+            .sqrt()?
+            .broadcast_div(&scalar(self.bias_correction2_sqrt)?)?
+            .broadcast_add(&scalar(self.eps)?)?;
+        let step_size = scalar(self.lr / self.bias_correction1)?;
+        let p = (p - m.broadcast_mul(&step_size)?.div(&denom)?)?;
+        Ok((p, m, v))
+    }
+}
+
+/// The update of one parameter, run in place on its storage.
+struct FusedStep<'a> {
+    exp_avg: RefCell<&'a mut [f32]>,
+    exp_avg_sq: RefCell<&'a mut [f32]>,
+    s: StepScalars,
+}
+
 impl FusedStep<'_> {
     /// torch.optim.AdamW (single-tensor path) on plain slices.
     fn apply(&self, p: &mut [f32], g: &[f32]) {
         let mut m_ref = self.exp_avg.borrow_mut();
         let mut v_ref = self.exp_avg_sq.borrow_mut();
         let (m, v): (&mut [f32], &mut [f32]) = (&mut m_ref, &mut v_ref);
-        let step_size = self.lr / self.bias_correction1;
-        let decay = 1.0 - self.lr * self.weight_decay;
+        let s = &self.s;
+        let step_size = s.lr / s.bias_correction1;
+        let decay = 1.0 - s.lr * s.weight_decay;
         let (b1, b2, eps, gs, bc2) = (
-            self.beta1,
-            self.beta2,
-            self.eps,
-            self.grad_scale,
-            self.bias_correction2_sqrt,
+            s.beta1,
+            s.beta2,
+            s.eps,
+            s.grad_scale,
+            s.bias_correction2_sqrt,
         );
         const CHUNK: usize = 1 << 14;
         p.par_chunks_mut(CHUNK)
@@ -164,13 +227,8 @@ impl AdamW {
                     ),
                 ));
             }
-            let n = var.elem_count();
-            slots.push(Slot {
-                name,
-                var,
-                exp_avg: vec![0.0; n],
-                exp_avg_sq: vec![0.0; n],
-            });
+            let moments = Moments::zeros(&var)?;
+            slots.push(Slot { name, var, moments });
         }
         Ok(Self {
             cfg,
@@ -210,9 +268,8 @@ impl AdamW {
                     slot.var.shape()
                 )));
             }
-            let op = FusedStep {
-                exp_avg: RefCell::new(&mut slot.exp_avg),
-                exp_avg_sq: RefCell::new(&mut slot.exp_avg_sq),
+            let grad = grad.to_dtype(candle_core::DType::F32)?.contiguous()?;
+            let step = StepScalars {
                 lr: lr as f32,
                 beta1: c.beta1 as f32,
                 beta2: c.beta2 as f32,
@@ -222,17 +279,35 @@ impl AdamW {
                 bias_correction2_sqrt: (1.0 - c.beta2.powi(t)).sqrt() as f32,
                 grad_scale,
             };
-            let grad = grad.to_dtype(candle_core::DType::F32)?.contiguous()?;
-            if slot.var.device().is_cpu() && slot.var.is_contiguous() {
-                slot.var.as_tensor().inplace_op2(&grad, &op)?;
-            } else {
-                // Other devices: update on the host and upload.
-                let mut p = slot.var.flatten_all()?.to_vec1::<f32>()?;
-                let g = grad.flatten_all()?.to_vec1::<f32>()?;
-                op.apply(&mut p, &g);
-                let dev = slot.var.device().clone();
-                slot.var
-                    .set(&Tensor::from_vec(p, slot.var.shape(), &dev)?)?;
+            match &mut slot.moments {
+                Moments::Host {
+                    exp_avg,
+                    exp_avg_sq,
+                } => {
+                    let op = FusedStep {
+                        exp_avg: RefCell::new(exp_avg),
+                        exp_avg_sq: RefCell::new(exp_avg_sq),
+                        s: step,
+                    };
+                    if slot.var.device().is_cpu() && slot.var.is_contiguous() {
+                        slot.var.as_tensor().inplace_op2(&grad, &op)?;
+                    } else {
+                        let mut p = slot.var.flatten_all()?.to_vec1::<f32>()?;
+                        op.apply(&mut p, &grad.flatten_all()?.to_vec1::<f32>()?);
+                        let dev = slot.var.device().clone();
+                        slot.var
+                            .set(&Tensor::from_vec(p, slot.var.shape(), &dev)?)?;
+                    }
+                }
+                Moments::Device {
+                    exp_avg,
+                    exp_avg_sq,
+                } => {
+                    let (p, m, v) =
+                        step.tensors(slot.var.as_tensor(), &grad, exp_avg, exp_avg_sq)?;
+                    slot.var.set(&p)?;
+                    (*exp_avg, *exp_avg_sq) = (m, v);
+                }
             }
         }
         Ok(())
@@ -244,14 +319,21 @@ impl AdamW {
         let mut out = Vec::with_capacity(2 * self.slots.len());
         for s in &self.slots {
             let shape = s.var.shape();
-            out.push((
-                format!("exp_avg.{}", s.name),
-                Tensor::from_slice(&s.exp_avg, shape, &cpu)?,
-            ));
-            out.push((
-                format!("exp_avg_sq.{}", s.name),
-                Tensor::from_slice(&s.exp_avg_sq, shape, &cpu)?,
-            ));
+            let (m, v) = match &s.moments {
+                Moments::Host {
+                    exp_avg,
+                    exp_avg_sq,
+                } => (
+                    Tensor::from_slice(exp_avg, shape, &cpu)?,
+                    Tensor::from_slice(exp_avg_sq, shape, &cpu)?,
+                ),
+                Moments::Device {
+                    exp_avg,
+                    exp_avg_sq,
+                } => (exp_avg.to_device(&cpu)?, exp_avg_sq.to_device(&cpu)?),
+            };
+            out.push((format!("exp_avg.{}", s.name), m));
+            out.push((format!("exp_avg_sq.{}", s.name), v));
         }
         Ok(out)
     }
@@ -263,10 +345,7 @@ impl AdamW {
         steps_taken: u64,
     ) -> Result<()> {
         for s in &mut self.slots {
-            for (prefix, buf) in [
-                ("exp_avg", &mut s.exp_avg),
-                ("exp_avg_sq", &mut s.exp_avg_sq),
-            ] {
+            let read = |prefix: &str| -> Result<Tensor> {
                 let key = format!("{prefix}.{}", s.name);
                 let t = state
                     .get(&key)
@@ -278,10 +357,24 @@ impl AdamW {
                         s.var.shape()
                     )));
                 }
-                *buf = t
-                    .flatten_all()?
-                    .to_dtype(candle_core::DType::F32)?
-                    .to_vec1()?;
+                Ok(t.to_dtype(candle_core::DType::F32)?)
+            };
+            let (m, v) = (read("exp_avg")?, read("exp_avg_sq")?);
+            match &mut s.moments {
+                Moments::Host {
+                    exp_avg,
+                    exp_avg_sq,
+                } => {
+                    *exp_avg = m.flatten_all()?.to_vec1()?;
+                    *exp_avg_sq = v.flatten_all()?.to_vec1()?;
+                }
+                Moments::Device {
+                    exp_avg,
+                    exp_avg_sq,
+                } => {
+                    *exp_avg = m.to_device(s.var.device())?.contiguous()?;
+                    *exp_avg_sq = v.to_device(s.var.device())?.contiguous()?;
+                }
             }
         }
         self.step = steps_taken;

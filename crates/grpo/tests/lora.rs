@@ -11,6 +11,9 @@ use grpo::lora;
 use grpo::models::{CausalLm, Mode, QuantType, SeqBatch};
 use grpo::weights::load_model;
 
+#[path = "support/rerun.rs"]
+mod rerun;
+
 const CASES: &[(&str, &str)] = &[
     ("llama_qv", "llama"),
     ("qwen2_all_rslora", "qwen2"),
@@ -500,4 +503,10 @@ fn peft_and_transformers_load_what_grpo_writes() {
     };
     assert_eq!(greedy(&exported), tokens("transformers_bf16_export_greedy"));
     assert_eq!(greedy(&adapted), tokens("peft_greedy"));
+}
+
+/// This file's tests again, in a child process with ("GRPO_KERNELS", "portable").
+#[test]
+fn every_peft_test_passes_on_the_portable_kernels() {
+    rerun::rerun_with(&[("GRPO_KERNELS", "portable")], 3);
 }

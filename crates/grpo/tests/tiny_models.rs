@@ -13,6 +13,9 @@ use grpo::sampler::{generate, PromptInput, SamplingParams};
 use grpo::weights::{load_model, LoadedModel};
 use serde_json::Value;
 
+#[path = "support/rerun.rs"]
+mod rerun;
+
 const ARCHS: [&str; 5] = ["llama", "llama3", "qwen2", "qwen3", "gpt2"];
 
 fn fixture_dir(name: &str) -> PathBuf {
@@ -527,6 +530,9 @@ fn shared_prompt_packing_equals_one_row_per_completion() {
 #[test]
 fn gradient_sink_equals_autograd_and_accumulates() {
     use grpo::models::grad_sink::GradSink;
+    if grpo::kernels::kernels() == grpo::kernels::Kernels::Portable {
+        return; // the sink is CPU code, which the portable kernels (a GPU's path) do not run
+    }
     for name in ARCHS {
         let (m, _) = load(name, DType::F32);
         let (model, vars) = trainable(&m, DType::F32);
@@ -643,4 +649,16 @@ fn one_row_packing_matches_rows_per_pack() {
             }
         }
     }
+}
+
+/// This file's tests again, in a child process with ("GRPO_KERNELS", "portable").
+#[test]
+fn every_transformers_test_passes_on_the_portable_kernels() {
+    rerun::rerun_with(&[("GRPO_KERNELS", "portable")], 3);
+}
+
+/// This file's tests again, in a child process with ("GRPO_ISA", "avx2").
+#[test]
+fn every_transformers_test_passes_with_the_avx2_kernels() {
+    rerun::rerun_with(&[("GRPO_ISA", "avx2")], 3);
 }

@@ -25,6 +25,9 @@ use grpo::train::{
 };
 use serde_json::Value;
 
+#[path = "support/rerun.rs"]
+mod rerun;
+
 fn dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/grpo")
 }
@@ -755,4 +758,10 @@ fn adaptive_entropy_control_equals_trl() {
     }
     let last = a["last_entropy"].as_f64().unwrap();
     assert!((ae.last_entropy.unwrap() - last).abs() < 1e-4 * last);
+}
+
+/// This file's tests again, in a child process with ("GRPO_KERNELS", "portable").
+#[test]
+fn every_golden_test_passes_on_the_portable_kernels() {
+    rerun::rerun_with(&[("GRPO_KERNELS", "portable")], 3);
 }

@@ -9,7 +9,7 @@
 //! - rows: residual add and RMSNorm, SiLU(gate) * up;
 //! - (row, KV head) pairs: q/k norms (Qwen3), RoPE, and attention over the cache
 //!   ([`super::fused_attention::decode_head`]), reading a group's shared prompt from its leader;
-//! - column panels: the packed projections ([`PackedWeight::panels_avx512`]) and their biases.
+//! - column panels: the packed projections ([`PackedWeight::panels_simd`], AVX2 or AVX-512) and their biases.
 //!
 //! Each element is computed with the same operations in the same order as on the tensor path, so
 //! the two agree to rounding (tests compare logits and the cache). The step's new keys and
@@ -321,6 +321,8 @@ pub fn step(
     };
     let scale = 1.0 / (d as f32).sqrt();
     let eps = plan.eps;
+    // AVX2 or AVX-512, which the CPU runs: `PackedWeight::available` was checked above.
+    let isa = crate::kernels::Isa::active();
 
     // `y[.., cols of this thread's panels] = x W (+ bias)`.
     // SAFETY (callers): `x` holds `b` rows of the weight's `in`, `y` is `b` rows of its `out`;
@@ -329,7 +331,7 @@ pub fn step(
     let gemm = |p: &PackedWeight, bias: Option<&[f32]>, x: Shared, y: Shared, t, nt| unsafe {
         let (k, n) = p.dims();
         let panels = share(p.panel_count(), t, nt);
-        p.panels_avx512(x.get(0..b * k), 0..b, panels.clone(), y.ptr);
+        p.panels_simd(isa, x.get(0..b * k), 0..b, panels.clone(), y.ptr);
         if let Some(bias) = bias {
             let cols = (panels.start * PANEL).min(n)..(panels.end * PANEL).min(n);
             for r in 0..b {

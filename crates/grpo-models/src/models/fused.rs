@@ -10,8 +10,8 @@
 //! - [`rope_heads`]: rotate-half RoPE from `[B, T, H*D]` straight into `[B, H, T, D]`;
 //! - [`logprob_entropy`]: per-row `log softmax(z / t)[target]` and the entropy of `softmax(z / t)`.
 //!
-//! They apply to f32 tensors on the CPU ([`applies`]); other devices and dtypes take the
-//! compositions. Each has a test against its composition, values and gradients.
+//! They apply to f32 tensors on the CPU ([`applies`]); other devices and dtypes, and every
+//! tensor under `kernels = "portable"`, take the compositions. Each has a test against its composition, values and gradients.
 
 use candle_core::{
     bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Storage, Tensor,
@@ -20,9 +20,10 @@ use rayon::prelude::*;
 
 use super::vmath;
 
-/// Whether the fused kernels can run on `x`: f32 on the CPU.
+/// Whether the fused kernels run on `x`: f32 on the CPU, unless `kernels = "portable"` (see
+/// [`crate::kernels`]).
 pub fn applies(x: &Tensor) -> bool {
-    x.device().is_cpu() && x.dtype() == DType::F32
+    crate::kernels::cpu_fused(x.device(), x.dtype())
 }
 
 /// A tensor seen as `n` rows of `cols` contiguous values, row `r` starting at
@@ -518,8 +519,9 @@ fn logprob_entropy_grad_body(l: &[f32], c: [f32; 5], o: &mut [f32]) {
     }
 }
 
-vmath::avx512_dispatch!(
-    fn logprob_entropy_grad(l: &[f32], c: [f32; 5], o: &mut [f32]) = logprob_entropy_grad_body
+crate::kernels::isa_dispatch!(
+    fn logprob_entropy_grad / logprob_entropy_grad_on(l: &[f32], c: [f32; 5], o: &mut [f32]) =
+        logprob_entropy_grad_body
 );
 
 impl CustomOp2 for LogprobEntropyOp {

@@ -24,6 +24,7 @@ use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::fused::{applies, f32s, read};
+use crate::kernels::Isa;
 /// Additive mask value for disallowed attention positions. Finite, so a row that is entirely
 /// masked (a padding query) gives a uniform softmax instead of NaN, which would poison gradients.
 pub const MASK_VALUE: f32 = -1e30;
@@ -163,6 +164,8 @@ struct AttentionOp {
     /// Probabilities per (block, KV head) task, `[g, block len]` each, kept for the backward.
     probs: Mutex<Option<Vec<Vec<f32>>>>,
     keep_probs: bool,
+    /// The variant its forward and backward run (lowered to what the CPU runs).
+    isa: Isa,
 }
 
 /// `x` [rows, cols] -> [cols, rows + 16] (zero columns at the end, so that 16-key tiles may
@@ -274,7 +277,7 @@ fn dot16<const D: usize>(a: &[f32], b: &[f32]) -> f32 {
 /// receives the softmax-weighted sum of their values. The cache is read in place (decoding is
 /// bound by reading it); a prompt shared by a group is one segment read from one row.
 #[inline(always)]
-fn decode_head_body<const D: usize>(
+fn decode_head_body<const D: usize, const ISA: u8>(
     q: &[f32],
     segs: &[(&[f32], &[f32])],
     scale: f32,
@@ -289,17 +292,20 @@ fn decode_head_body<const D: usize>(
     for (k, _) in segs {
         let ns = k.len() / d;
         let mut z = vec![0f32; g * ns]; // [g, ns]
-        #[cfg(target_arch = "x86_64")]
-        let done = if d.is_multiple_of(16) && super::vmath::has_avx512() {
-            // SAFETY: AVX-512F is there; q holds g rows of d, k ns rows of d, z g * ns scores.
-            unsafe { decode_scores_avx512(q, k, d, scale, &mut z) };
-            true
-        } else {
-            false
-        };
-        #[cfg(not(target_arch = "x86_64"))]
-        let done = false;
-        if !done {
+        let simd = d.is_multiple_of(16) && ISA != BASELINE;
+        if simd {
+            #[cfg(target_arch = "x86_64")]
+            {
+                // SAFETY: `ISA` is a level the CPU runs (`decode_head_on` lowers it); q holds g
+                // rows of d, k ns rows of d, z g * ns scores; d % 16 == 0.
+                if ISA == AVX512 {
+                    unsafe { decode_scores_avx512(q, k, d, scale, &mut z) };
+                } else {
+                    unsafe { decode_scores_avx2(q, k, d, scale, &mut z) };
+                }
+            }
+        }
+        if !simd || cfg!(not(target_arch = "x86_64")) {
             for i in 0..g {
                 let qi = &q[i * d..(i + 1) * d];
                 for (t, zt) in z[i * ns..(i + 1) * ns].iter_mut().enumerate() {
@@ -326,6 +332,13 @@ fn decode_head_body<const D: usize>(
         }
     }
 }
+
+/// [`Isa`] levels as const generic parameters of [`decode_head_body`].
+const BASELINE: u8 = 0;
+#[cfg(target_arch = "x86_64")]
+const AVX2: u8 = 1;
+#[cfg(target_arch = "x86_64")]
+const AVX512: u8 = 2;
 
 /// The scores `p[i, t] = scale * q[i] . k[t]` of [`decode_head_body`] for `d` a multiple of 16:
 /// each key row is loaded once for all query heads, the dot products in 16-wide FMAs.
@@ -357,22 +370,92 @@ unsafe fn decode_scores_avx512(q: &[f32], k: &[f32], d: usize, scale: f32, p: &m
     }
 }
 
-#[inline(always)]
-fn decode_head_d(q: &[f32], segs: &[(&[f32], &[f32])], scale: f32, o: &mut [f32], d: usize) {
-    match d {
-        64 => decode_head_body::<64>(q, segs, scale, o, d),
-        128 => decode_head_body::<128>(q, segs, scale, o, d),
-        _ => decode_head_body::<0>(q, segs, scale, o, d),
+/// [`decode_scores_avx512`] in AVX2: the 16 lanes as two 8-lane registers, the same FMAs, and
+/// the same halving reduction tree (lanes `i + 8`, then `i + 4`, `i + 2`, `i + 1`), so the
+/// scores are bit-identical.
+///
+/// # Safety
+/// AVX2 and FMA must be available; otherwise as [`decode_scores_avx512`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn decode_scores_avx2(q: &[f32], k: &[f32], d: usize, scale: f32, p: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let (g, n, c) = (q.len() / d, k.len() / d, d / 16);
+    debug_assert!(d.is_multiple_of(16) && p.len() >= g * n);
+    let (qp, kp, pp) = (q.as_ptr(), k.as_ptr(), p.as_mut_ptr());
+    for t in 0..n {
+        let kt = kp.add(t * d);
+        for i in 0..g {
+            let qi = qp.add(i * d);
+            let mut lo = _mm256_mul_ps(_mm256_loadu_ps(qi), _mm256_loadu_ps(kt));
+            let mut hi = _mm256_mul_ps(_mm256_loadu_ps(qi.add(8)), _mm256_loadu_ps(kt.add(8)));
+            for j in 1..c {
+                let (qj, kj) = (qi.add(16 * j), kt.add(16 * j));
+                lo = _mm256_fmadd_ps(_mm256_loadu_ps(qj), _mm256_loadu_ps(kj), lo);
+                hi = _mm256_fmadd_ps(_mm256_loadu_ps(qj.add(8)), _mm256_loadu_ps(kj.add(8)), hi);
+            }
+            let s8 = _mm256_add_ps(lo, hi);
+            let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
+            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+            let s1 = _mm_add_ss(s2, _mm_shuffle_ps::<0b01>(s2, s2));
+            *pp.add(i * n + t) = _mm_cvtss_f32(s1) * scale;
+        }
     }
 }
 
-super::vmath::avx512_dispatch!(
-    /// Decoding attention of one (row, KV head): `q` `[g, d]` query heads; `segs` the cached
-    /// keys and values `[n_s, d]`, segment after segment in key order (at least one key in all);
-    /// `o` `[g, d]` the output; `scale` multiplies the scores.
-    pub fn decode_head(q: &[f32], segs: &[(&[f32], &[f32])], scale: f32, o: &mut [f32], d: usize) =
-        decode_head_d
-);
+#[inline(always)]
+fn decode_head_d<const ISA: u8>(
+    q: &[f32],
+    segs: &[(&[f32], &[f32])],
+    scale: f32,
+    o: &mut [f32],
+    d: usize,
+) {
+    match d {
+        64 => decode_head_body::<64, ISA>(q, segs, scale, o, d),
+        128 => decode_head_body::<128, ISA>(q, segs, scale, o, d),
+        _ => decode_head_body::<0, ISA>(q, segs, scale, o, d),
+    }
+}
+
+/// Decoding attention of one (row, KV head): `q` `[g, d]` query heads; `segs` the cached keys
+/// and values `[n_s, d]`, segment after segment in key order (at least one key in all); `o`
+/// `[g, d]` the output; `scale` multiplies the scores. Runs at the active [`Isa`].
+#[inline]
+pub fn decode_head(q: &[f32], segs: &[(&[f32], &[f32])], scale: f32, o: &mut [f32], d: usize) {
+    decode_head_on(Isa::active(), q, segs, scale, o, d)
+}
+
+/// [`decode_head`] compiled for `isa` (lowered to what this CPU runs).
+pub fn decode_head_on(
+    isa: Isa,
+    q: &[f32],
+    segs: &[(&[f32], &[f32])],
+    scale: f32,
+    o: &mut [f32],
+    d: usize,
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f")]
+        unsafe fn avx512(q: &[f32], s: &[(&[f32], &[f32])], sc: f32, o: &mut [f32], d: usize) {
+            decode_head_d::<AVX512>(q, s, sc, o, d)
+        }
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn avx2(q: &[f32], s: &[(&[f32], &[f32])], sc: f32, o: &mut [f32], d: usize) {
+            decode_head_d::<AVX2>(q, s, sc, o, d)
+        }
+        match isa.usable() {
+            // SAFETY: `usable` lowers `isa` to what the CPU was detected to run.
+            Isa::Avx512 => return unsafe { avx512(q, segs, scale, o, d) },
+            // SAFETY: as above.
+            Isa::Avx2 => return unsafe { avx2(q, segs, scale, o, d) },
+            Isa::Baseline => {}
+        }
+    }
+    let _ = isa;
+    decode_head_d::<BASELINE>(q, segs, scale, o, d)
+}
 
 /// Inputs of one (block, KV head) task.
 struct Task<'a> {
@@ -511,9 +594,12 @@ impl AttentionOp {
 
     fn run_forward(&self, x: &Task) -> (Vec<f32>, Vec<f32>) {
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU supports AVX-512F (checked above).
-            return unsafe { self.forward_avx512(x) };
+        match self.isa {
+            // SAFETY: `self.isa` was lowered to what the CPU runs when the op was made.
+            Isa::Avx512 => return unsafe { self.forward_avx512(x) },
+            // SAFETY: as above.
+            Isa::Avx2 => return unsafe { self.forward_avx2(x) },
+            Isa::Baseline => {}
         }
         self.forward_d(x)
     }
@@ -521,6 +607,12 @@ impl AttentionOp {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
     unsafe fn forward_avx512(&self, x: &Task) -> (Vec<f32>, Vec<f32>) {
+        self.forward_d(x)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn forward_avx2(&self, x: &Task) -> (Vec<f32>, Vec<f32>) {
         self.forward_d(x)
     }
 
@@ -535,9 +627,12 @@ impl AttentionOp {
 
     fn run_backward(&self, x: &Task, p: &[f32], dout: &[f32]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU supports AVX-512F (checked above).
-            return unsafe { self.backward_avx512(x, p, dout) };
+        match self.isa {
+            // SAFETY: `self.isa` was lowered to what the CPU runs when the op was made.
+            Isa::Avx512 => return unsafe { self.backward_avx512(x, p, dout) },
+            // SAFETY: as above.
+            Isa::Avx2 => return unsafe { self.backward_avx2(x, p, dout) },
+            Isa::Baseline => {}
         }
         self.backward_d(x, p, dout)
     }
@@ -545,6 +640,17 @@ impl AttentionOp {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
     unsafe fn backward_avx512(
+        &self,
+        x: &Task,
+        p: &[f32],
+        dout: &[f32],
+    ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        self.backward_d(x, p, dout)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn backward_avx2(
         &self,
         x: &Task,
         p: &[f32],
@@ -702,6 +808,19 @@ pub fn attention(
     spans: &Arc<Spans>,
     scale: f64,
 ) -> Result<Tensor> {
+    attention_on(Isa::active(), q, k, v, spans, scale)
+}
+
+/// [`attention`] whose forward and backward run the `isa` variant (lowered to what this CPU
+/// runs).
+pub fn attention_on(
+    isa: Isa,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    spans: &Arc<Spans>,
+    scale: f64,
+) -> Result<Tensor> {
     let (b, h, s, d) = q.dims4()?;
     let (bk, hkv, tk, dk) = k.dims4()?;
     if bk != b || dk != d || hkv == 0 || h % hkv != 0 || v.dims4()? != (b, hkv, tk, d) {
@@ -728,6 +847,7 @@ pub fn attention(
         scale: scale as f32,
         probs: Mutex::new(None),
         keep_probs,
+        isa: isa.usable(),
     };
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
     if keep_probs {
@@ -782,6 +902,18 @@ mod tests {
             let scale = 1.0 / (d as f32).sqrt();
             let mut o = vec![f32::NAN; g * d];
             decode_head(&q, &[(&k, &v)], scale, &mut o, d);
+            // Every variant gives the same bits (AVX2 mirrors AVX-512's FMAs and reduction);
+            // the baseline's plain dot products differ in rounding only.
+            for isa in Isa::ALL {
+                let mut oi = vec![f32::NAN; g * d];
+                decode_head_on(isa, &q, &[(&k, &v)], scale, &mut oi, d);
+                if isa.usable() >= Isa::Avx2 && Isa::active() >= Isa::Avx2 {
+                    assert_eq!(oi, o, "{isa} g{g} n{n} d{d}");
+                }
+                for (a, b) in o.iter().zip(&oi) {
+                    assert!((a - b).abs() < 1e-6, "{isa} g{g} n{n} d{d}: {b} vs {a}");
+                }
+            }
             // The same keys in two segments (a shared prompt read from another row) give the same.
             let cut = n / 2 * d;
             let mut o2 = vec![f32::NAN; g * d];
@@ -851,19 +983,26 @@ mod tests {
             let m = mask(b, s, &dev);
             let scale = 1.0 / (d as f64).sqrt();
             let want = composition(&q, &k, &v, &m, scale);
-            let got = attention(&q, &k, &v, &spans_of(&m), scale).unwrap();
-            assert!(
-                max_diff(&want, &got) < 1e-5,
-                "values {}",
-                max_diff(&want, &got)
-            );
             // A weighted sum, so every output element has its own upstream gradient.
             let w = Tensor::randn(0f32, 1.0, (b, s, h * d), &dev).unwrap();
-            let gw = (want * &w).unwrap().sum_all().unwrap().backward().unwrap();
-            let gg = (got * &w).unwrap().sum_all().unwrap().backward().unwrap();
-            for (name, x) in [("q", &q), ("k", &k), ("v", &v)] {
-                let (a, c) = (gw.get(x).unwrap(), gg.get(x).unwrap());
-                assert!(max_diff(a, c) < 1e-4, "{name}: {}", max_diff(a, c));
+            let gw = (&want * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            let mut first: Option<Vec<Vec<f32>>> = None;
+            for isa in Isa::ALL {
+                let got = attention_on(isa, &q, &k, &v, &spans_of(&m), scale).unwrap();
+                let diff = max_diff(&want, &got);
+                assert!(diff < 1e-5, "{isa} values {diff}");
+                let gg = (&got * &w).unwrap().sum_all().unwrap().backward().unwrap();
+                let mut bits = vec![got.flatten_all().unwrap().to_vec1::<f32>().unwrap()];
+                for (name, x) in [("q", &q), ("k", &k), ("v", &v)] {
+                    let (a, c) = (gw.get(x).unwrap(), gg.get(x).unwrap());
+                    assert!(max_diff(a, c) < 1e-4, "{isa} {name}: {}", max_diff(a, c));
+                    bits.push(c.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+                }
+                // Every variant runs the same operations in the same order: the same bits.
+                match &first {
+                    None => first = Some(bits),
+                    Some(f) => assert!(f == &bits, "{isa} differs from the baseline"),
+                }
             }
         }
     }

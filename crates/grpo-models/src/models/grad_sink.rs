@@ -43,7 +43,7 @@ impl GradSink {
     pub fn new(vars: &[Var]) -> Self {
         let accs = vars
             .iter()
-            .filter(|v| v.device().is_cpu() && v.dtype() == DType::F32 && v.is_contiguous())
+            .filter(|v| crate::kernels::cpu_fused(v.device(), v.dtype()) && v.is_contiguous())
             .map(|v| {
                 let acc = GradAcc {
                     shape: v.shape().clone(),

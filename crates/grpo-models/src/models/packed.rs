@@ -6,14 +6,18 @@
 //! 1024-cube product reaches 240 (`examples/decode_gemm.rs` measures both). This kernel keeps
 //! the weight in panels of [`PANEL`] output columns, each panel `[in, PANEL]` contiguous, so a
 //! tile of up to 12 input rows times one panel streams the panel once, with the 24 accumulators
-//! in AVX-512 registers: 170-260 GFLOP/s for the same shapes.
+//! in AVX-512 registers: 170-260 GFLOP/s for the same shapes. With AVX2 (16 registers of 8) a
+//! tile is cut into passes of up to 6 rows times half a panel (12 accumulators); each output
+//! element is the same chain of FMAs in the same order, so the two variants agree bit for bit.
 //!
 //! Only the forward exists: a packed projection is for detached (sampling and scoring) models,
-//! built by [`super::CausalLm::pack_for_decoding`]. Where AVX-512 is missing the packed layout is
-//! not used at all ([`PackedWeight::available`]); the portable loop [`matmul_portable`] is the
-//! kernel's twin in tests and the fallback of last resort.
+//! built by [`super::CausalLm::pack_for_decoding`]. Without AVX2 (or with `kernels =
+//! "portable"`) the packed layout is not used at all ([`PackedWeight::available`]); the plain
+//! loop [`matmul_portable`] is the kernels' twin in tests and the fallback of last resort.
 
 use candle_core::{bail, CpuStorage, DType, Device, Result, Storage, Tensor};
+
+use crate::kernels::Isa;
 use rayon::prelude::*;
 
 /// Output columns per panel: two AVX-512 registers.
@@ -47,16 +51,10 @@ fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
 }
 
 impl PackedWeight {
-    /// Whether the packed kernel runs at full speed here (x86-64 with AVX-512F).
+    /// Whether decoding models pack their projections: the fused kernels are on and the CPU
+    /// runs an AVX2 or AVX-512 variant of the kernel ([`crate::kernels`]).
     pub fn available() -> bool {
-        #[cfg(target_arch = "x86_64")]
-        {
-            std::arch::is_x86_feature_detected!("avx512f")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
+        crate::kernels::kernels() == crate::kernels::Kernels::Fused && Isa::active() >= Isa::Avx2
     }
 
     fn panels(&self) -> usize {
@@ -149,17 +147,18 @@ impl PackedWeight {
         Tensor::from_vec(y, shape, &Device::Cpu)
     }
 
-    /// `x` [rows, in] row-major -> [rows, out].
+    /// `x` [rows, in] row-major -> [rows, out], at the active [`Isa`].
     pub fn matmul(&self, x: &[f32], rows: usize) -> Vec<f32> {
-        #[cfg(target_arch = "x86_64")]
-        if Self::available() {
-            return self.matmul_avx512(x, rows);
-        }
-        matmul_portable(self, x, rows)
+        self.matmul_on(Isa::active(), x, rows)
     }
 
-    #[cfg(target_arch = "x86_64")]
-    fn matmul_avx512(&self, x: &[f32], rows: usize) -> Vec<f32> {
+    /// [`Self::matmul`] with the `isa` variant of the kernel (lowered to what this CPU runs; the
+    /// baseline is [`matmul_portable`]).
+    pub fn matmul_on(&self, isa: Isa, x: &[f32], rows: usize) -> Vec<f32> {
+        let isa = isa.usable();
+        if isa == Isa::Baseline {
+            return matmul_portable(self, x, rows);
+        }
         let (n, panels) = (self.n, self.panels());
         let mut y: Vec<f32> = Vec::with_capacity(rows * n);
         let yp = SendPtr(y.as_mut_ptr());
@@ -170,9 +169,9 @@ impl PackedWeight {
         (0..tasks * blocks).into_par_iter().for_each(|tb| {
             let (t, b) = (tb % tasks, tb / tasks);
             let (r0, r1) = (b * BLOCK_ROWS, ((b + 1) * BLOCK_ROWS).min(rows));
-            // SAFETY: AVX-512F was detected (`available`); `x` holds `rows` rows; task `tb`
-            // writes rows r0..r1 of its own panels, which no other task writes.
-            unsafe { self.panels_avx512(x, r0..r1, share(panels, t, tasks), yp.get()) };
+            // SAFETY: `isa` is AVX2 or AVX-512 and the CPU runs it (`usable`); `x` holds `rows`
+            // rows; task `tb` writes rows r0..r1 of its own panels, which no other task writes.
+            unsafe { self.panels_simd(isa, x, r0..r1, share(panels, t, tasks), yp.get()) };
         });
         // SAFETY: the tasks above wrote every element of the rows x n output.
         unsafe { y.set_len(rows * n) };
@@ -184,12 +183,12 @@ impl PackedWeight {
     /// step's thread team ([`super::decode_cpu`]) gives each thread its share of panels.
     ///
     /// # Safety
-    /// AVX-512F must be available ([`Self::available`]); `x` must hold `rows.end` rows of `in`;
-    /// `y` must be valid for writes of `rows.end` rows of `out`, and no other thread may touch
-    /// the rows x columns block written here meanwhile.
-    #[cfg(target_arch = "x86_64")]
-    pub(crate) unsafe fn panels_avx512(
+    /// `isa` must be AVX2 or AVX-512 and the CPU must run it (see [`Isa::usable`]); `x` must
+    /// hold `rows.end` rows of `in`; `y` must be valid for writes of `rows.end` rows of `out`,
+    /// and no other thread may touch the rows x columns block written here meanwhile.
+    pub(crate) unsafe fn panels_simd(
         &self,
+        isa: Isa,
         x: &[f32],
         rows: std::ops::Range<usize>,
         panels: std::ops::Range<usize>,
@@ -214,10 +213,20 @@ impl PackedWeight {
                     let ahead = next.map_or(&[][..], |nx| {
                         &nx[(tile * share).min(nx.len())..((tile + 1) * share).min(nx.len())]
                     });
-                    // SAFETY: (caller) AVX-512F; `xs` holds `mr` rows of `k`, `w` one panel of
-                    // `k` rows; the tile writes rows r..r+mr, columns p*PANEL..+cols of `y`.
+                    let yt = y.add(r * n + p * PANEL);
+                    // SAFETY: (caller) the CPU runs `isa`; `xs` holds `mr` rows of `k`, `w` one
+                    // panel of `k` rows; the tile writes rows r..r+mr, columns p*PANEL..+cols.
+                    #[cfg(target_arch = "x86_64")]
                     unsafe {
-                        avx512::tile(xs, w, k, mr, y.add(r * n + p * PANEL), n, cols, ahead);
+                        match isa {
+                            Isa::Avx512 => avx512::tile(xs, w, k, mr, yt, n, cols, ahead),
+                            _ => avx2::tile(xs, w, k, mr, yt, n, cols, ahead),
+                        }
+                    }
+                    #[cfg(not(target_arch = "x86_64"))]
+                    {
+                        let _ = (isa, xs, w, yt, ahead);
+                        unreachable!("no SIMD packed kernel on this architecture");
                     }
                     r += mr;
                     tile += 1;
@@ -240,7 +249,7 @@ pub(crate) fn share(n: usize, t: usize, parts: usize) -> std::ops::Range<usize> 
 /// The output pointer, shared by tasks that write disjoint tiles.
 #[derive(Clone, Copy)]
 struct SendPtr(*mut f32);
-// SAFETY: tasks write disjoint elements through it (see `matmul_avx512`).
+// SAFETY: tasks write disjoint elements through it (see `PackedWeight::matmul_on`).
 unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
 impl SendPtr {
@@ -249,7 +258,7 @@ impl SendPtr {
     }
 }
 
-/// The packed product in plain loops: the AVX-512 kernel's twin, and the path without AVX-512.
+/// The packed product in plain loops: the SIMD kernels' twin, and the path without them.
 pub fn matmul_portable(w: &PackedWeight, x: &[f32], rows: usize) -> Vec<f32> {
     let (k, n) = (w.k, w.n);
     let mut y = vec![0f32; rows * n];
@@ -361,6 +370,108 @@ mod avx512 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::PANEL;
+    use std::arch::x86_64::*;
+
+    /// Rows per pass: 6 rows x 2 registers = 12 accumulators of AVX2's 16.
+    const PASS_ROWS: usize = 6;
+
+    /// The AVX-512 `tile` in AVX2: `mr` (1..=12) rows of `x` times one panel `w` into `y`, as
+    /// passes of up to [`PASS_ROWS`] rows times 16 columns (a half panel), each streaming its
+    /// half of the panel once. The prefetch of `ahead` is spread over the passes.
+    ///
+    /// # Safety
+    /// AVX2 and FMA must be available; `y` must be valid for `mr` rows of `cols` columns.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn tile(
+        x: &[f32],
+        w: &[f32],
+        k: usize,
+        mr: usize,
+        y: *mut f32,
+        ldy: usize,
+        cols: usize,
+        ahead: &[f32],
+    ) {
+        let parts = mr.div_ceil(PASS_ROWS).max(1);
+        let halves = cols.div_ceil(16).max(1);
+        let passes = parts * halves;
+        let per = ahead.len().div_ceil(passes);
+        let mut pass = 0;
+        let mut r = 0;
+        for part in 0..parts {
+            let rows = mr / parts + usize::from(part < mr % parts);
+            for h in 0..halves {
+                let hc = cols.saturating_sub(16 * h).min(16);
+                let ah = &ahead[(pass * per).min(ahead.len())..((pass + 1) * per).min(ahead.len())];
+                let (xs, wh, yh) = (&x[r * k..], &w[16 * h..], y.add(r * ldy + 16 * h));
+                match rows {
+                    6 => pass_n::<6>(xs, wh, k, yh, ldy, hc, ah),
+                    5 => pass_n::<5>(xs, wh, k, yh, ldy, hc, ah),
+                    4 => pass_n::<4>(xs, wh, k, yh, ldy, hc, ah),
+                    3 => pass_n::<3>(xs, wh, k, yh, ldy, hc, ah),
+                    2 => pass_n::<2>(xs, wh, k, yh, ldy, hc, ah),
+                    _ => pass_n::<1>(xs, wh, k, yh, ldy, hc, ah),
+                }
+                pass += 1;
+            }
+            r += rows;
+        }
+    }
+
+    /// Floats per cache line.
+    const LINE: usize = 16;
+
+    /// `MR` rows of `x` ([MR, k]) times 16 columns of a panel (`w` starts at the half's first
+    /// column; rows are [`PANEL`] apart) into the first `cols` columns of `y`.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn pass_n<const MR: usize>(
+        x: &[f32],
+        w: &[f32],
+        k: usize,
+        y: *mut f32,
+        ldy: usize,
+        cols: usize,
+        ahead: &[f32],
+    ) {
+        debug_assert!(x.len() >= MR * k && w.len() >= k.saturating_sub(1) * PANEL + 16);
+        let (xp, wp) = (x.as_ptr(), w.as_ptr());
+        let mut lo = [_mm256_setzero_ps(); MR];
+        let mut hi = [_mm256_setzero_ps(); MR];
+        let lines = ahead.len().div_ceil(LINE);
+        let rate = (lines << 16).div_ceil(k.max(1));
+        let (mut due, mut line) = (0usize, 0usize);
+        for kk in 0..k {
+            due += rate;
+            while line < lines && (line << 16) < due {
+                _mm_prefetch::<_MM_HINT_T1>(ahead.as_ptr().add(line * LINE) as *const i8);
+                line += 1;
+            }
+            let w0 = _mm256_loadu_ps(wp.add(kk * PANEL));
+            let w1 = _mm256_loadu_ps(wp.add(kk * PANEL + 8));
+            for i in 0..MR {
+                let xv = _mm256_set1_ps(*xp.add(i * k + kk));
+                lo[i] = _mm256_fmadd_ps(xv, w0, lo[i]);
+                hi[i] = _mm256_fmadd_ps(xv, w1, hi[i]);
+            }
+        }
+        for i in 0..MR {
+            let yi = y.add(i * ldy);
+            if cols == 16 {
+                _mm256_storeu_ps(yi, lo[i]);
+                _mm256_storeu_ps(yi.add(8), hi[i]);
+            } else {
+                let mut buf = [0f32; 16];
+                _mm256_storeu_ps(buf.as_mut_ptr(), lo[i]);
+                _mm256_storeu_ps(buf.as_mut_ptr().add(8), hi[i]);
+                std::ptr::copy_nonoverlapping(buf.as_ptr(), yi, cols);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -413,6 +524,18 @@ mod tests {
                     max_diff(&pw.matmul(&xv, rows), &want) < tol,
                     "{rows}x{k}x{n}"
                 );
+                // AVX2 and AVX-512 run the same FMA chains: the same bits.
+                let simd: Vec<Vec<f32>> = [Isa::Avx2, Isa::Avx512]
+                    .into_iter()
+                    .filter(|isa| isa.usable() == *isa)
+                    .map(|isa| pw.matmul_on(isa, &xv, rows))
+                    .collect();
+                for y in &simd {
+                    assert!(max_diff(y, &want) < tol, "{rows}x{k}x{n}");
+                    assert_eq!(y, &simd[0], "{rows}x{k}x{n}");
+                }
+                let base = pw.matmul_on(Isa::Baseline, &xv, rows);
+                assert!(max_diff(&base, &want) < tol);
                 assert!(max_diff(&matmul_portable(&pw, &xv, rows), &want) < tol);
                 let back = pw.to_in_out()?.flatten_all()?.to_vec1::<f32>()?;
                 let wt = w.t()?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;

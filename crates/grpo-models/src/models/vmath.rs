@@ -1,50 +1,15 @@
 //! Elementwise math that vectorizes: an `exp` without a libm call, and row kernels built on it
-//! (softmax statistics, SiLU) compiled twice, for AVX-512 and for the baseline target, with the
-//! choice made at run time ([`avx512_dispatch!`]).
+//! (softmax statistics, SiLU) compiled for AVX-512, for AVX2 + FMA and for the baseline target,
+//! with the choice made at run time ([`crate::kernels::Isa`]).
 //!
 //! libm's `expf` is a call per element, so a loop around it never vectorizes; in a training step
 //! it ran about 700 M times (the vocabulary softmax of every completion token, SiLU of every MLP
 //! activation, attention probabilities) and took 4-5% of the step. [`exp`] is branch-free plain
 //! arithmetic (range reduction to `|r| <= ln 2 / 2`, a degree-6 polynomial, the exponent put in
-//! by bits), so a loop of it becomes 16-wide AVX-512 code. Its error is at most 2 ulp
+//! by bits), so a loop of it becomes 16-wide AVX-512 code (two 8-wide AVX2 registers). Its error is at most 2 ulp
 //! (`exp_is_within_two_ulp_of_f64`).
 
-/// Whether AVX-512F is there (x86-64 only; `is_x86_feature_detected` caches it).
-#[inline]
-pub fn has_avx512() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512f")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
-/// Defines `fn $name(args) -> ret` that runs `$body(args)` compiled with AVX-512F enabled when
-/// the CPU has it, else as compiled for the baseline target. `$body` should be
-/// `#[inline(always)]` so that it is compiled into each variant.
-macro_rules! avx512_dispatch {
-    ($(#[$m:meta])* $vis:vis fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? = $body:path) => {
-        $(#[$m])*
-        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(enable = "avx512f")]
-                unsafe fn fast($($arg: $ty),*) $(-> $ret)? {
-                    $body($($arg),*)
-                }
-                if $crate::models::vmath::has_avx512() {
-                    // SAFETY: AVX-512F was detected just above.
-                    return unsafe { fast($($arg),*) };
-                }
-            }
-            $body($($arg),*)
-        }
-    };
-}
-pub(crate) use avx512_dispatch;
+use crate::kernels::isa_dispatch;
 
 /// Below this `e^x` is 0 (f32 subnormals are not produced: the true value is under 2^-126).
 const EXP_LO: f32 = -87.336_55;
@@ -128,10 +93,10 @@ fn softmax_stats_body(l: &[f32], scale: f32) -> (f32, f32, f32) {
     (max, sum, szs)
 }
 
-avx512_dispatch!(
+isa_dispatch!(
     /// `(max, sum of e^(z - max), sum of e^(z - max) * z)` of `z = l * scale`: the softmax
     /// normalizer and, through the last sum, the entropy.
-    pub fn softmax_stats(l: &[f32], scale: f32) -> (f32, f32, f32) = softmax_stats_body
+    pub fn softmax_stats / softmax_stats_on(l: &[f32], scale: f32) -> (f32, f32, f32) = softmax_stats_body
 );
 
 #[inline(always)]
@@ -142,9 +107,9 @@ fn exp_sub_sum_body(z: &mut [f32], shift: f32) -> f32 {
     sum(z)
 }
 
-avx512_dispatch!(
+isa_dispatch!(
     /// `z[i] = e^(z[i] - shift)` in place; returns the sum of the results.
-    pub fn exp_sub_sum(z: &mut [f32], shift: f32) -> f32 = exp_sub_sum_body
+    pub fn exp_sub_sum / exp_sub_sum_on(z: &mut [f32], shift: f32) -> f32 = exp_sub_sum_body
 );
 
 /// Sum with 16 partial sums (vectorizes; fixed order).
@@ -176,9 +141,9 @@ fn max_body(x: &[f32]) -> f32 {
         .fold(f32::NEG_INFINITY, |a, &b| a.max(b))
 }
 
-avx512_dispatch!(
+isa_dispatch!(
     /// The largest element (`-inf` for an empty slice; NaNs are skipped).
-    pub fn max(x: &[f32]) -> f32 = max_body
+    pub fn max / max_on(x: &[f32]) -> f32 = max_body
 );
 
 #[inline(always)]
@@ -198,9 +163,9 @@ fn exp_scaled_body(x: &[f32], shift: f32, t: f32, out: &mut [f32]) -> f64 {
     s.iter().sum::<f64>() + tail.iter().map(|&v| v as f64).sum::<f64>()
 }
 
-avx512_dispatch!(
+isa_dispatch!(
     /// `out[i] = e^((x[i] - shift) / t)`; returns their sum in f64 (8 partial sums).
-    pub fn exp_scaled(x: &[f32], shift: f32, t: f32, out: &mut [f32]) -> f64 = exp_scaled_body
+    pub fn exp_scaled / exp_scaled_on(x: &[f32], shift: f32, t: f32, out: &mut [f32]) -> f64 = exp_scaled_body
 );
 
 #[inline(always)]
@@ -215,9 +180,9 @@ fn silu_mul_body(g: &[f32], u: &[f32], o: &mut [f32]) {
     }
 }
 
-avx512_dispatch!(
+isa_dispatch!(
     /// `o = silu(g) * u`, elementwise.
-    pub fn silu_mul(g: &[f32], u: &[f32], o: &mut [f32]) = silu_mul_body
+    pub fn silu_mul / silu_mul_on(g: &[f32], u: &[f32], o: &mut [f32]) = silu_mul_body
 );
 
 #[inline(always)]
@@ -231,9 +196,9 @@ fn silu_mul_grad_body(g: &[f32], u: &[f32], dy: &[f32], dg: &mut [f32], du: &mut
     }
 }
 
-avx512_dispatch!(
+isa_dispatch!(
     /// The gradients of `silu(g) * u` given the output's `dy`: `dg` and `du`.
-    pub fn silu_mul_grad(g: &[f32], u: &[f32], dy: &[f32], dg: &mut [f32], du: &mut [f32]) =
+    pub fn silu_mul_grad / silu_mul_grad_on(g: &[f32], u: &[f32], dy: &[f32], dg: &mut [f32], du: &mut [f32]) =
         silu_mul_grad_body
 );
 
@@ -264,30 +229,48 @@ mod tests {
         assert!(exp(f32::NAN).is_nan());
     }
 
-    /// The bodies as compiled for the baseline target (what a CPU without AVX-512 runs) agree
-    /// with the dispatched kernels bit for bit: same operations, same order.
+    /// Every variant (AVX-512, AVX2 + FMA, baseline) of every kernel agrees with the body as
+    /// compiled for the baseline target bit for bit: same operations, same order.
     #[test]
-    fn baseline_and_dispatched_kernels_agree() {
+    fn every_isa_variant_equals_the_baseline_body() {
+        use crate::kernels::Isa;
         let l: Vec<f32> = (0..1003)
             .map(|i| ((i * 53) % 211) as f32 * 0.07 - 7.0)
             .collect();
-        assert_eq!(softmax_stats_body(&l, 0.9), softmax_stats(&l, 0.9));
-        assert_eq!(max_body(&l), max(&l));
-        let (mut a, mut b) = (vec![0f32; l.len()], vec![0f32; l.len()]);
-        assert_eq!(
-            exp_scaled_body(&l, 1.0, 0.8, &mut a),
-            exp_scaled(&l, 1.0, 0.8, &mut b)
-        );
-        assert_eq!(a, b);
-        let (mut a, mut b) = (l.clone(), l.clone());
-        assert_eq!(exp_sub_sum_body(&mut a, 0.5), exp_sub_sum(&mut b, 0.5));
-        assert_eq!(a, b);
         let (g, u) = l.split_at(501);
-        let u = &u[..501];
-        let (mut a, mut b) = (vec![0f32; 501], vec![0f32; 501]);
-        silu_mul_body(g, u, &mut a);
-        silu_mul(g, u, &mut b);
-        assert_eq!(a, b);
+        let (u, dy) = (&u[..501], &l[..501]);
+        for isa in Isa::ALL {
+            for n in [0usize, 1, 15, 16, 17, 31, 1003] {
+                let l = &l[..n];
+                assert_eq!(
+                    softmax_stats_body(l, 0.9),
+                    softmax_stats_on(isa, l, 0.9),
+                    "{isa}"
+                );
+                assert_eq!(max_body(l).to_bits(), max_on(isa, l).to_bits(), "{isa}");
+                let (mut a, mut b) = (vec![0f32; n], vec![0f32; n]);
+                assert_eq!(
+                    exp_scaled_body(l, 1.0, 0.8, &mut a),
+                    exp_scaled_on(isa, l, 1.0, 0.8, &mut b)
+                );
+                assert_eq!(a, b, "{isa}");
+                let (mut a, mut b) = (l.to_vec(), l.to_vec());
+                assert_eq!(
+                    exp_sub_sum_body(&mut a, 0.5),
+                    exp_sub_sum_on(isa, &mut b, 0.5)
+                );
+                assert_eq!(a, b, "{isa}");
+            }
+            let (mut a, mut b) = (vec![0f32; 501], vec![0f32; 501]);
+            silu_mul_body(g, u, &mut a);
+            silu_mul_on(isa, g, u, &mut b);
+            assert_eq!(a, b, "{isa}");
+            let (mut a1, mut a2) = (vec![0f32; 501], vec![0f32; 501]);
+            let (mut b1, mut b2) = (vec![0f32; 501], vec![0f32; 501]);
+            silu_mul_grad_body(g, u, dy, &mut a1, &mut a2);
+            silu_mul_grad_on(isa, g, u, dy, &mut b1, &mut b2);
+            assert_eq!((a1, a2), (b1, b2), "{isa}");
+        }
     }
 
     /// The plain twins: the same formulas in f64 with libm's exp.

@@ -175,6 +175,16 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
                 lines.join("\n")
             );
         }
+        if let Some(k) = cfg.kernels {
+            crate::kernels::set_kernels(k);
+        }
+        if main {
+            tracing::info!(
+                "kernels: {} (CPU instruction set {})",
+                crate::kernels::kernels().name(),
+                crate::kernels::Isa::active()
+            );
+        }
         let device = cfg.device.device()?;
         if cfg.dtype != crate::config::DTypeOpt::F32 {
             tracing::warn!(

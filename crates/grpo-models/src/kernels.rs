@@ -1,0 +1,294 @@
+//! Which CPU kernels run: two process-wide choices, each read once.
+//!
+//! - [`Kernels`] (`kernels` in a run's config, `GRPO_KERNELS` in the environment): `fused` runs
+//!   grpo's hand-written CPU custom ops where they apply (fused attention, RMSNorm, SiLU, RoPE,
+//!   log-softmax with entropy, the packed decoding GEMM and the fused decoding step); `portable`
+//!   turns them all off, so that every forward and backward is made of candle ops that have a
+//!   CUDA implementation: the path a GPU runs, here run on the CPU, which is how CI tests it.
+//! - [`Isa`] (`GRPO_ISA`): the instruction set the hand-written kernels are compiled for, chosen
+//!   at run time from what the CPU has: AVX-512F, AVX2 with FMA, or the baseline target (SSE2 on
+//!   x86-64; NEON or none elsewhere). Forcing a lower one makes tests and benchmarks run every
+//!   variant on one machine; a request above what the CPU has falls back to the best it has.
+//!
+//! Every variant of a kernel performs the same float operations in the same order (FMAs where
+//! the AVX-512 kernel has them, the same lane layout, the same reduction tree), so `avx512` and
+//! `avx2` give bit-identical results; the baseline variants differ from them only where they
+//! use a multiply and an add in place of an FMA (the packed GEMM), and are tested against plain
+//! twins within a tolerance.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::OnceLock;
+
+/// An instruction-set level of the hand-written CPU kernels, lowest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Isa {
+    /// The baseline target, no run-time features (SSE2 on x86-64).
+    Baseline,
+    /// AVX2 with FMA (x86-64).
+    Avx2,
+    /// AVX-512F (x86-64).
+    Avx512,
+}
+
+impl Isa {
+    /// Every level, lowest first.
+    pub const ALL: [Isa; 3] = [Isa::Baseline, Isa::Avx2, Isa::Avx512];
+
+    /// The name `GRPO_ISA` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Baseline => "baseline",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+        }
+    }
+
+    /// Parses a `GRPO_ISA` value: `auto` (None), `avx512`, `avx2` or `baseline`.
+    pub fn parse(s: &str) -> Result<Option<Isa>, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Ok(None),
+            "avx512" | "avx512f" | "avx-512" => Ok(Some(Isa::Avx512)),
+            "avx2" => Ok(Some(Isa::Avx2)),
+            "baseline" | "scalar" | "generic" => Ok(Some(Isa::Baseline)),
+            other => Err(format!(
+                "GRPO_ISA=`{other}` is not an instruction set: use auto, avx512, avx2 or baseline"
+            )),
+        }
+    }
+
+    /// The best level this CPU runs.
+    pub fn detected() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return Isa::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Baseline
+    }
+
+    /// `self`, lowered to what this CPU runs: the level a kernel may be dispatched to.
+    #[inline]
+    pub fn usable(self) -> Isa {
+        self.min(Isa::detected())
+    }
+
+    /// The level the kernels run at: `GRPO_ISA` (read once; `auto` or unset is the best the CPU
+    /// has), lowered to what the CPU runs. An unreadable value is reported by
+    /// [`check_env`] at start; here it counts as `auto`.
+    #[inline]
+    pub fn active() -> Isa {
+        static ACTIVE: OnceLock<Isa> = OnceLock::new();
+        *ACTIVE.get_or_init(|| {
+            let want = std::env::var("GRPO_ISA")
+                .ok()
+                .and_then(|v| Isa::parse(&v).ok().flatten());
+            want.unwrap_or(Isa::Avx512).usable()
+        })
+    }
+}
+
+impl std::fmt::Display for Isa {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Which implementation of the model's layers runs on the CPU (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Kernels {
+    /// grpo's fused CPU kernels where they apply (f32 on the CPU), candle ops elsewhere.
+    #[default]
+    Fused,
+    /// candle ops only: the GPU's path, on whatever device the tensors are.
+    Portable,
+}
+
+impl Kernels {
+    /// Parses a `kernels` / `GRPO_KERNELS` value: `auto` or `fused`, or `portable`.
+    pub fn parse(s: &str) -> Result<Kernels, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" | "fused" => Ok(Kernels::Fused),
+            "portable" => Ok(Kernels::Portable),
+            other => Err(format!(
+                "`{other}` is not a kernel set: use auto, fused or portable"
+            )),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernels::Fused => "fused",
+            Kernels::Portable => "portable",
+        }
+    }
+}
+
+/// 0: not read yet; 1: fused; 2: portable.
+static KERNELS: AtomicU8 = AtomicU8::new(0);
+
+/// The kernel set in force: the last [`set_kernels`], else `GRPO_KERNELS`, else fused.
+#[inline]
+pub fn kernels() -> Kernels {
+    match KERNELS.load(Ordering::Relaxed) {
+        1 => Kernels::Fused,
+        2 => Kernels::Portable,
+        _ => {
+            let k = std::env::var("GRPO_KERNELS")
+                .ok()
+                .and_then(|v| Kernels::parse(&v).ok())
+                .unwrap_or_default();
+            set_kernels(k);
+            k
+        }
+    }
+}
+
+/// Sets the kernel set for the whole process (a run's `kernels` key). Models built before keep
+/// what they packed; set it before loading.
+pub fn set_kernels(k: Kernels) {
+    KERNELS.store(
+        match k {
+            Kernels::Fused => 1,
+            Kernels::Portable => 2,
+        },
+        Ordering::Relaxed,
+    );
+}
+
+/// Whether grpo's own CPU code (fused ops, in-place updates, gradient sinks) runs on tensors of
+/// `device` and `dtype`: f32 on the CPU with the fused kernel set. Everything else takes the
+/// portable path of candle ops.
+#[inline]
+pub fn cpu_fused(device: &candle_core::Device, dtype: candle_core::DType) -> bool {
+    device.is_cpu() && dtype == candle_core::DType::F32 && kernels() == Kernels::Fused
+}
+
+/// Checks `GRPO_ISA` and `GRPO_KERNELS`: an error naming the variable and its accepted values,
+/// for a program to report at start (the kernels themselves treat a bad value as `auto`).
+pub fn check_env() -> Result<(), String> {
+    if let Ok(v) = std::env::var("GRPO_ISA") {
+        if let Some(isa) = Isa::parse(&v)? {
+            if isa.usable() != isa {
+                tracing::warn!(
+                    "GRPO_ISA={isa}: this CPU does not run it; the kernels use {}",
+                    isa.usable()
+                );
+            }
+        }
+    }
+    if let Ok(v) = std::env::var("GRPO_KERNELS") {
+        Kernels::parse(&v).map_err(|e| format!("GRPO_KERNELS: {e}"))?;
+    }
+    Ok(())
+}
+
+/// Defines `$vis fn $name(args) -> ret`, which runs `$body(args)` compiled for the active
+/// [`Isa`], and `$vis fn $on(isa, args) -> ret`, which runs it compiled for `isa` (lowered to
+/// what the CPU runs): for tests and benchmarks of each variant. `$body` should be
+/// `#[inline(always)]` so that it is compiled into each variant.
+macro_rules! isa_dispatch {
+    ($(#[$m:meta])* $vis:vis fn $name:ident / $on:ident ($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? = $body:path) => {
+        $(#[$m])*
+        #[inline]
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+            $on($crate::kernels::Isa::active(), $($arg),*)
+        }
+
+        /// The same, compiled for `isa` (lowered to what this CPU runs).
+        #[allow(dead_code)]
+        $vis fn $on(isa: $crate::kernels::Isa, $($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f")]
+                unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
+                    $body($($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
+                    $body($($arg),*)
+                }
+                match isa.usable() {
+                    // SAFETY: `usable` lowers `isa` to what the CPU was detected to run.
+                    $crate::kernels::Isa::Avx512 => return unsafe { avx512($($arg),*) },
+                    // SAFETY: as above.
+                    $crate::kernels::Isa::Avx2 => return unsafe { avx2($($arg),*) },
+                    $crate::kernels::Isa::Baseline => {}
+                }
+            }
+            let _ = isa;
+            $body($($arg),*)
+        }
+    };
+}
+pub(crate) use isa_dispatch;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_parse_and_errors_name_the_choices() {
+        assert_eq!(Isa::parse("AVX2"), Ok(Some(Isa::Avx2)));
+        assert_eq!(Isa::parse("auto"), Ok(None));
+        assert_eq!(Isa::parse("baseline"), Ok(Some(Isa::Baseline)));
+        let e = Isa::parse("sse9").unwrap_err();
+        assert!(
+            e.contains("GRPO_ISA") && e.contains("avx512, avx2 or baseline"),
+            "{e}"
+        );
+        assert_eq!(Kernels::parse("portable"), Ok(Kernels::Portable));
+        assert_eq!(Kernels::parse("auto"), Ok(Kernels::Fused));
+        assert!(Kernels::parse("gpu")
+            .unwrap_err()
+            .contains("auto, fused or portable"));
+    }
+
+    #[test]
+    fn a_level_is_lowered_to_what_the_cpu_runs() {
+        for isa in Isa::ALL {
+            assert!(isa.usable() <= Isa::detected());
+            assert!(isa.usable() <= isa);
+        }
+        assert_eq!(Isa::Baseline.usable(), Isa::Baseline);
+        assert!(Isa::active() <= Isa::detected());
+    }
+
+    /// The model tests (every kernel against its composition or plain twin, the fused decoding
+    /// step against the tensor path, the encoders against transformers) run again at each
+    /// level below the CPU's best, with `GRPO_ISA` forcing it, and on the portable kernels:
+    /// every variant is exercised on this machine.
+    #[test]
+    fn model_tests_pass_at_every_lower_isa_and_on_the_portable_kernels() {
+        if std::env::var_os("GRPO_ISA").is_some() || std::env::var_os("GRPO_KERNELS").is_some() {
+            return; // a rerun itself
+        }
+        let exe = std::env::current_exe().unwrap();
+        let lower = Isa::ALL.into_iter().filter(|&i| i < Isa::detected());
+        let runs = lower
+            .map(|isa| ("GRPO_ISA", isa.name()))
+            .chain([("GRPO_KERNELS", "portable")]);
+        for (var, value) in runs {
+            let out = std::process::Command::new(&exe)
+                .args(["models::", "sampler::", "--test-threads=2"])
+                .env(var, value)
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout);
+            let passed = text
+                .lines()
+                .find_map(|l| l.strip_prefix("test result: ok. "))
+                .and_then(|l| l.split(' ').next()?.parse::<usize>().ok());
+            assert!(
+                out.status.success() && passed.is_some_and(|n| n > 20),
+                "{var}={value}:\n{text}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+}
