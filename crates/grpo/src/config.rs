@@ -50,6 +50,16 @@ pub enum DTypeOpt {
     Bf16,
 }
 
+impl DTypeOpt {
+    /// The models' compute dtype (parameters, AdamW's moments and the loss stay f32).
+    pub fn compute(self) -> candle_core::DType {
+        match self {
+            DTypeOpt::F32 => candle_core::DType::F32,
+            DTypeOpt::Bf16 => candle_core::DType::BF16,
+        }
+    }
+}
+
 /// Where training runs (`device`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DeviceSpec {
@@ -964,7 +974,7 @@ config_keys! {
         judge: Option<PathBuf> = "", "fill_in: the judge (a *ForSequenceClassification directory) whose probability of the label `real` (else its last label) rewards the fills when no [[rewards]] are given (unset: the built-in task's pretrained judge)";
         policy: PolicyType = "", "what is trained: causal_lm (completions token by token; unset) or fill_in (a masked-LM generator filling every masked position at once)";
         model: Option<String> = "", "HF directory, .gguf file or hub id (unset: SmolLM2-135M-Instruct, fetched once)";
-        dtype: DTypeOpt = "\"f32\"", "precision of the weights for sampling and reference (training keeps f32 parameters)";
+        dtype: DTypeOpt = "\"f32\"", "compute precision of sampling, the reference and the training forward: f32, or bf16 (mixed precision: bf16 weights and activations, f32 master parameters, AdamW moments, log-softmax and loss)";
         output_dir: PathBuf = "\"runs/grpo\"", "where metrics, samples and checkpoints go";
         seed: u64 = "42", "seeds prompt order and sampling; a run is reproducible from it";
         threads: Option<usize> = "", "CPU threads (unset: all cores)";
@@ -1128,7 +1138,7 @@ const ALIASES: &[(&str, &str)] = &[
 /// Keys that are read with their own rule (not a key of the table): what each does.
 const MAPPED: &[(&str, &str)] = &[
     ("use_peft", "true: LoRA at rank 16 unless lora_r says otherwise"),
-    ("bf16", "true: dtype = bf16 for sampling and reference; training keeps f32 parameters"),
+    ("bf16", "true: dtype = bf16 on a GPU (mixed precision: bf16 weights and activations over f32 master parameters, f32 optimizer and loss); on the CPU training stays f32 (warned), as candle has no fast bf16 GEMM there: set dtype = \"bf16\" to force it"),
     ("load_in_4bit", "base_quantization = nf4 (QLoRA's 4-bit NormalFloat, bitsandbytes' blocks of 64)"),
     ("load_in_8bit", "base_quantization = q8_0"),
     ("use_dora", "true is refused: DoRA adapters are not supported"),
@@ -1723,6 +1733,8 @@ impl TrainConfig {
             }
         }
         let mut ignored = Vec::new();
+        // TRL's `bf16 = true`: bf16 on a GPU, f32 on the CPU (warned), see MAPPED.
+        let mut trl_bf16 = false;
         let mut reward_tables = vec![];
         let mut wandb_log = false;
         let mut script: BTreeMap<String, String> = BTreeMap::new();
@@ -1913,10 +1925,7 @@ impl TrainConfig {
                     }
                     merged.insert(k, v);
                 } else if k == "bf16" {
-                    if v == Value::Bool(true) {
-                        merged.insert("dtype".into(), Value::String("bf16".into()));
-                        ignored.push(k);
-                    }
+                    trl_bf16 = v == Value::Bool(true);
                 } else if matches!(trl_key(&k), Some(TrlKey::Ignored(_))) {
                     ignored.push(k);
                 } else {
@@ -1994,6 +2003,17 @@ impl TrainConfig {
             };
             to.push(Value::String("wandb".into()));
             merged.insert("report_to".into(), Value::Array(to));
+        }
+        if trl_bf16 {
+            let on_gpu =
+                matches!(merged.get("device"), Some(Value::String(d)) if d.starts_with("cuda"));
+            match on_gpu {
+                true => merged.insert("dtype".into(), Value::String("bf16".into())),
+                false => {
+                    ignored.push("bf16".into());
+                    None
+                }
+            };
         }
         ignored.sort();
         ignored.dedup();
@@ -2596,9 +2616,13 @@ mod tests {
         let c = load(y, Format::Yaml, &[]).unwrap();
         assert_eq!(c.loss_type, LossType::DrGrpo);
         assert_eq!(c.scale_rewards, ScaleRewards::None);
-        assert_eq!(c.dtype, DTypeOpt::Bf16);
+        // TRL's bf16 = true trains in f32 on the CPU (listed as ignored), bf16 on a GPU.
+        assert_eq!(c.dtype, DTypeOpt::F32);
         assert_eq!(c.prompts_per_step(), 4);
         assert_eq!(c.ignored_keys, vec!["bf16", "use_vllm"]);
+        let g = load(y, Format::Yaml, &["--device=cuda"]).unwrap();
+        assert_eq!(g.dtype, DTypeOpt::Bf16);
+        assert_eq!(g.ignored_keys, vec!["use_vllm"]);
         assert!(c.gradient_checkpointing, "a real key now");
         assert!(c.report_to.is_empty());
         // TRL's PEFT switches map onto lora.*.

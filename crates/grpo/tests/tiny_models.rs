@@ -662,3 +662,97 @@ fn every_transformers_test_passes_on_the_portable_kernels() {
 fn every_transformers_test_passes_with_the_avx2_kernels() {
     rerun::rerun_with(&[("GRPO_ISA", "avx2")], 3);
 }
+
+/// `dtype = bf16` (mixed precision): a bf16 model built from f32 master parameters. Its
+/// log-probs stay near the f32 model's, the sampler's log-probs near the training forward's
+/// (the train/inference mismatch, measured and bounded here), and every f32 parameter gets an
+/// f32 gradient near the f32 model's.
+#[test]
+fn bf16_mixed_precision_stays_within_stated_tolerances() {
+    let rel = |a: &Tensor, b: &Tensor| -> f32 {
+        let n = |t: &Tensor| {
+            t.sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+                .sqrt()
+        };
+        n(&(a - b).unwrap()) / n(b).max(1e-12)
+    };
+    let (mut worst_lp, mut worst_sampler, mut worst_grad) = (0f32, 0f32, 0f32);
+    let (mut sum_sampler, mut n_sampler) = (0f32, 0usize);
+    for name in ARCHS {
+        let (m, _) = load(name, DType::F32);
+        let (f32_model, vars) = trainable(&m, DType::F32);
+        let bf16_model = build(&m, &vars, DType::BF16);
+        assert_eq!(bf16_model.dtype(), DType::BF16);
+        let batch = padded_batch();
+        let lp32 = next_token_logprobs(&f32_model, &batch, 0.7, Mode::Train).unwrap();
+        let lp16 = next_token_logprobs(&bf16_model, &batch, 0.7, Mode::Train).unwrap();
+        assert_eq!(lp16.dtype(), DType::F32, "{name}: log-softmax runs in f32");
+        let d = max_diff(
+            &lp32.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            &lp16.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        );
+        worst_lp = worst_lp.max(d);
+
+        // Sampling from the bf16 model against the bf16 training forward over the same tokens.
+        let prompt = vec![5u32, 17, 33, 2, 90];
+        let params = SamplingParams {
+            max_new_tokens: 10,
+            min_new_tokens: 10,
+            temperature: 0.7,
+            eos_token_ids: m.eos_token_ids.clone(),
+            ..Default::default()
+        };
+        let detached = build(&m, &vars, DType::BF16);
+        let input = PromptInput {
+            ids: prompt.clone(),
+            seed: 3,
+        };
+        let (out, _) = generate(&detached, None, &[input], 2, &params).unwrap();
+        for c in &out[0] {
+            let seq = [prompt.clone(), c.ids.clone()].concat();
+            let b = SeqBatch::right_padded(&[seq], 0, &Device::Cpu).unwrap();
+            let lp = next_token_logprobs(&bf16_model, &b, 0.7, Mode::Train).unwrap();
+            let lp = lp.to_vec2::<f32>().unwrap().remove(0);
+            let lp = &lp[prompt.len() - 1..];
+            worst_sampler = worst_sampler.max(max_diff(lp, &c.logprobs));
+            for (a, b) in lp.iter().zip(&c.logprobs) {
+                (sum_sampler, n_sampler) = (sum_sampler + (a - b).abs(), n_sampler + 1);
+            }
+        }
+
+        let g32 = loss(&f32_model, &batch).backward().unwrap();
+        let g16 = loss(&bf16_model, &batch).backward().unwrap();
+        for (k, v) in &vars {
+            let (a, b) = (g16.get(v), g32.get(v).unwrap());
+            let a = a.unwrap_or_else(|| panic!("{name}: no bf16 gradient for {k}"));
+            assert_eq!(a.dtype(), DType::F32, "{name}: {k}'s gradient is f32");
+            worst_grad = worst_grad.max(rel(a, b));
+        }
+    }
+    let mean_sampler = sum_sampler / n_sampler.max(1) as f32;
+    eprintln!(
+        "bf16 vs f32: log-probs {worst_lp:.4}; sampler vs training forward: max {worst_sampler:.4}, \
+         mean {mean_sampler:.4}; gradients {worst_grad:.4} (relative)"
+    );
+    // The bounds docs/training.md states (measured: 0.119; 0.230 and 0.043; 0.058). bf16 keeps
+    // 8 bits of mantissa: every matmul output is rounded to 0.4%, and the decoding path (cached
+    // keys, one token at a time) rounds at other places than the all-position forward.
+    assert!(worst_lp < 0.25, "log-probs differ by {worst_lp}");
+    assert!(
+        worst_sampler < 0.4,
+        "sampler vs training forward: max {worst_sampler}"
+    );
+    assert!(
+        mean_sampler < 0.08,
+        "sampler vs training forward: mean {mean_sampler}"
+    );
+    assert!(
+        worst_grad < 0.1,
+        "gradients differ by {worst_grad} (relative)"
+    );
+}

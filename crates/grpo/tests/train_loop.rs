@@ -1057,3 +1057,52 @@ fn trl_1_16_options_train_and_resume_exactly() {
     }
     assert_eq!(metrics(&full), metrics(&part));
 }
+
+/// `dtype = bf16`: mixed-precision training (bf16 sampling, reference and training forward
+/// over f32 master parameters) trains, keeps f32 parameters and AdamW moments in its
+/// checkpoints, and resumes exactly.
+#[test]
+fn bf16_mixed_precision_trains_and_resumes_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    tiny_model(&model);
+    let extra = "beta = 0.04\ndtype = \"bf16\"";
+    let full = tmp.path().join("full");
+    let out = train(&config(&model, &full, extra), &RunControl::default()).unwrap();
+    assert_eq!(out.steps, 4);
+    let part = tmp.path().join("part");
+    let ctl = RunControl {
+        max_rounds_this_run: Some(2),
+        ..Default::default()
+    };
+    train(&config(&model, &part, extra), &ctl).unwrap();
+    let resume = RunControl {
+        resume: true,
+        ..Default::default()
+    };
+    train(&config(&model, &part, extra), &resume).unwrap();
+    let (a, b) = (
+        weights(&full.join("checkpoint-4")),
+        weights(&part.join("checkpoint-4")),
+    );
+    assert_eq!(a, b, "bf16 run after resume");
+    assert_eq!(metrics(&full), metrics(&part));
+    let base = weights(&model);
+    assert!(base.iter().any(|(k, v)| v != &a[k]), "weights changed");
+    for dir in [full.join("checkpoint-4")] {
+        for f in ["model.safetensors", "optimizer.safetensors"] {
+            let st =
+                candle_core::safetensors::load(dir.join(f), &candle_core::Device::Cpu).unwrap();
+            assert!(
+                st.values().all(|t| t.dtype() == candle_core::DType::F32),
+                "{f} is f32"
+            );
+        }
+    }
+    for l in metrics(&full).iter().filter(|l| l.get("loss").is_some()) {
+        for k in ["loss", "kl", "grad_norm"] {
+            let v = l[k].as_f64().unwrap();
+            assert!(v.is_finite(), "{k} = {v}");
+        }
+    }
+}

@@ -103,6 +103,7 @@ fn fixture_policy(m: &grpo::weights::LoadedModel) -> CausalLmPolicy {
         names,
         vars,
         device: Device::Cpu,
+        dtype: DType::F32,
         lora: None,
         base_model_name: "fixture".into(),
         generation_config: None,

@@ -165,6 +165,7 @@ struct AttentionOp {
     probs: Mutex<Option<Vec<Vec<f32>>>>,
     keep_probs: bool,
     /// The variant its forward and backward run (lowered to what the CPU runs).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     isa: Isa,
 }
 

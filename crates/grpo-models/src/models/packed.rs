@@ -23,6 +23,7 @@ use rayon::prelude::*;
 /// Output columns per panel: two AVX-512 registers.
 pub const PANEL: usize = 32;
 /// Input rows per register tile.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const TILE_ROWS: usize = 12;
 /// Input rows per parallel task (a block of rows reuses each panel from cache).
 const BLOCK_ROWS: usize = 192;
@@ -194,42 +195,45 @@ impl PackedWeight {
         panels: std::ops::Range<usize>,
         y: *mut f32,
     ) {
-        let (k, n) = (self.k, self.n);
-        for blk in rows.clone().step_by(BLOCK_ROWS) {
-            let (r0, r1) = (blk, (blk + BLOCK_ROWS).min(rows.end));
-            let tiles = (r1 - r0).div_ceil(TILE_ROWS);
-            for p in panels.clone() {
-                let cols = (n - p * PANEL).min(PANEL);
-                let w = &self.data[p * k * PANEL..(p + 1) * k * PANEL];
-                // The next panel, a share per tile, fetched while this one computes.
-                let next = self.data.get((p + 1) * k * PANEL..(p + 2) * k * PANEL);
-                let share = (k * PANEL).div_ceil(tiles);
-                let (mut r, mut tile) = (r0, 0);
-                while r < r1 {
-                    // Tiles of near-equal height (64 rows: 11,11,11,11,10,10, not 12 x 5 + 4):
-                    // a short tile streams the whole panel for few rows.
-                    let mr = (r1 - r0) / tiles + usize::from(tile < (r1 - r0) % tiles);
-                    let xs = &x[r * k..(r + mr) * k];
-                    let ahead = next.map_or(&[][..], |nx| {
-                        &nx[(tile * share).min(nx.len())..((tile + 1) * share).min(nx.len())]
-                    });
-                    let yt = y.add(r * n + p * PANEL);
-                    // SAFETY: (caller) the CPU runs `isa`; `xs` holds `mr` rows of `k`, `w` one
-                    // panel of `k` rows; the tile writes rows r..r+mr, columns p*PANEL..+cols.
-                    #[cfg(target_arch = "x86_64")]
-                    unsafe {
-                        match isa {
-                            Isa::Avx512 => avx512::tile(xs, w, k, mr, yt, n, cols, ahead),
-                            _ => avx2::tile(xs, w, k, mr, yt, n, cols, ahead),
+        // Without x86-64 no SIMD level is ever usable (`Isa::detected` is the baseline).
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (isa, x, rows, panels, y);
+            unreachable!("no SIMD packed kernel on this architecture");
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            let (k, n) = (self.k, self.n);
+            for blk in rows.clone().step_by(BLOCK_ROWS) {
+                let (r0, r1) = (blk, (blk + BLOCK_ROWS).min(rows.end));
+                let tiles = (r1 - r0).div_ceil(TILE_ROWS);
+                for p in panels.clone() {
+                    let cols = (n - p * PANEL).min(PANEL);
+                    let w = &self.data[p * k * PANEL..(p + 1) * k * PANEL];
+                    // The next panel, a share per tile, fetched while this one computes.
+                    let next = self.data.get((p + 1) * k * PANEL..(p + 2) * k * PANEL);
+                    let share = (k * PANEL).div_ceil(tiles);
+                    let (mut r, mut tile) = (r0, 0);
+                    while r < r1 {
+                        // Tiles of near-equal height (64 rows: 11,11,11,11,10,10, not 12 x 5 + 4):
+                        // a short tile streams the whole panel for few rows.
+                        let mr = (r1 - r0) / tiles + usize::from(tile < (r1 - r0) % tiles);
+                        let xs = &x[r * k..(r + mr) * k];
+                        let ahead = next.map_or(&[][..], |nx| {
+                            &nx[(tile * share).min(nx.len())..((tile + 1) * share).min(nx.len())]
+                        });
+                        let yt = y.add(r * n + p * PANEL);
+                        // SAFETY: (caller) the CPU runs `isa`; `xs` holds `mr` rows of `k`, `w` one
+                        // panel of `k` rows; the tile writes rows r..r+mr, columns p*PANEL..+cols.
+                        unsafe {
+                            match isa {
+                                Isa::Avx512 => avx512::tile(xs, w, k, mr, yt, n, cols, ahead),
+                                _ => avx2::tile(xs, w, k, mr, yt, n, cols, ahead),
+                            }
                         }
+                        r += mr;
+                        tile += 1;
                     }
-                    #[cfg(not(target_arch = "x86_64"))]
-                    {
-                        let _ = (isa, xs, w, yt, ahead);
-                        unreachable!("no SIMD packed kernel on this architecture");
-                    }
-                    r += mr;
-                    tile += 1;
                 }
             }
         }

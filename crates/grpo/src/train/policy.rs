@@ -82,6 +82,10 @@ pub struct CausalLmPolicy {
     pub names: Vec<String>,
     pub vars: Vec<Var>,
     pub device: Device,
+    /// The models' compute dtype (`dtype`): f32, or bf16 weights and activations built from
+    /// the f32 master parameters (the cast is part of the graph, so gradients reach them in
+    /// f32; log-softmax and the loss run in f32).
+    pub dtype: DType,
     /// LoRA: the frozen base model (with adapters off it is also the reference) and the options.
     pub lora: Option<(CausalLm, LoraConfig)>,
     /// What LoRA checkpoints name as their base (`base_model_name_or_path`).
@@ -100,7 +104,7 @@ impl CausalLmPolicy {
         match &self.lora {
             None => {
                 let tensors: HashMap<String, Tensor> = self.tensors(track).into_iter().collect();
-                CausalLm::from_tensors(&self.cfg, tensors, DType::F32, &self.device)
+                CausalLm::from_tensors(&self.cfg, tensors, self.dtype, &self.device)
             }
             Some((base, lcfg)) => {
                 let mut m = base.clone();
@@ -151,8 +155,12 @@ impl Policy for CausalLmPolicy {
         // Projection weights' gradients go straight into accumulators (CPU, f32); the rest
         // (embedding, norms, biases, LoRA adapters) through candle's autograd, or, for blocks
         // recomputed by gradient checkpointing, into the checkpoint store.
-        let sink = GradSink::new(&self.vars);
-        if self.lora.is_none() {
+        // (The sink is fused CPU f32 code: a bf16 model keeps candle's autograd.)
+        let sink = match self.dtype {
+            DType::F32 => GradSink::new(&self.vars),
+            _ => GradSink::default(),
+        };
+        if self.lora.is_none() && self.dtype == DType::F32 {
             model.attach_grad_sink(&sink)?;
         }
         let ckpt = match gradient_checkpointing {
@@ -169,7 +177,7 @@ impl Policy for CausalLmPolicy {
     }
 
     fn frozen_from(&self, tensors: HashMap<String, Tensor>) -> Result<CausalLm> {
-        CausalLm::from_tensors(&self.cfg, tensors, DType::F32, &self.device)
+        CausalLm::from_tensors(&self.cfg, tensors, self.dtype, &self.device)
     }
 
     fn model_files<'a>(

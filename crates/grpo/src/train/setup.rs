@@ -187,9 +187,15 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
         }
         let device = cfg.device.device()?;
         if cfg.dtype != crate::config::DTypeOpt::F32 {
-            tracing::warn!(
-                "dtype = bf16 is not used by training yet: sampling, reference and training run in f32"
-            );
+            if cfg.policy == crate::config::PolicyType::FillIn {
+                tracing::warn!("dtype = bf16 is not used by fill-in policies: they run in f32");
+            } else if cfg.device == crate::config::DeviceSpec::Cpu && main {
+                tracing::warn!(
+                    "dtype = bf16 on the CPU: candle multiplies bf16 matrices with a plain loop \
+                     there (its GEMM has no bf16 kernels), many times slower than f32; bf16 is \
+                     meant for GPUs (set dtype = \"f32\" on the CPU)"
+                );
+            }
         }
         let out_dir = &cfg.output_dir;
         if main {
@@ -574,7 +580,7 @@ impl LoadPolicy for CausalLmPolicy {
                 (true, None) => Some(CausalLm::from_tensors(
                     &base.config,
                     base.tensors.clone(),
-                    DType::F32,
+                    cfg.dtype.compute(),
                     device,
                 )?),
             },
@@ -626,7 +632,7 @@ fn policy_parameters(
             let mut frozen = CausalLm::from_tensors(
                 &build_cfg,
                 std::mem::take(&mut base.tensors),
-                DType::F32,
+                cfg.dtype.compute(),
                 device,
             )?;
             if let Some(q) = cfg.base_quantization {
@@ -680,6 +686,7 @@ fn policy_parameters(
         names,
         vars,
         device: device.clone(),
+        dtype: cfg.dtype.compute(),
         lora: frozen_base,
         base_model_name: hub::portable_model_name(cfg.model.as_deref(), source),
         generation_config: checkpoint::source_generation_config(source.path()),
