@@ -190,6 +190,9 @@ fn cases() -> Vec<Case> {
         c("bf16 and dtype", toml("bf16 = true\ndtype = \"f32\"", ""), resolve, &["bf16", "dtype"]),
         c("fill-in policy on a causal LM", toml("policy = \"fill_in\"", ""), train, &["config.json", "masked-LM"]),
         c("bad fault spec", toml("", ""), &["config", "--print"], &["GRPO_FAULTS"]),
+        c("bad instruction set", toml("", ""), &["config", "--print"], &["GRPO_ISA", "avx2"]),
+        c("bad kernel set in the environment", toml("", ""), &["config", "--print"], &["GRPO_KERNELS", "portable"]),
+        c("bad kernels key", toml("kernels = \"gpu\"", ""), resolve, &["kernels", "portable"]),
         // ---- datasets
         c("empty train file", both(toml("train_file = \"{d}/t.jsonl\"", ""), file("t.jsonl", Vec::new)), train, &["t.jsonl", "no usable rows"]),
         c("missing prompt field", both(toml("train_file = \"{d}/t.jsonl\"", ""), file("t.jsonl", || b"{\"prompt\": \"a\"}\n{\"question\": \"b\"}\n".to_vec())), train, &["t.jsonl", "line 2", "prompt"]),
@@ -292,9 +295,12 @@ fn run_case(case: &Case, root: &Path) -> Result<(), String> {
         .env("RUST_LOG", "error")
         .env("GRPO_CACHE_DIR", d.join("cache"))
         .env("HF_HUB_OFFLINE", "1");
-    if case.name == "bad fault spec" {
-        cmd.env("GRPO_FAULTS", "write");
-    }
+    match case.name {
+        "bad fault spec" => cmd.env("GRPO_FAULTS", "write"),
+        "bad instruction set" => cmd.env("GRPO_ISA", "sse9"),
+        "bad kernel set in the environment" => cmd.env("GRPO_KERNELS", "gpu"),
+        _ => &mut cmd,
+    };
     let o = cmd.output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr).into_owned();
     let why = |w: &str| Err(format!("{}: {w}\n--- stderr:\n{err}", case.name));

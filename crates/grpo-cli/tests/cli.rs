@@ -627,6 +627,55 @@ fn train_writes_checkpoints_metrics_and_the_report() {
     assert!(out.join("plots").join("reward.png").is_file());
 }
 
+/// The same tiny run three ways: the AVX2 variants of grpo's kernels give the same weights bit
+/// for bit as the best the CPU has (they run the same operations in the same order), and
+/// `--kernels=portable` (the candle ops a GPU runs) trains too, saying so in its log.
+#[test]
+fn train_at_avx2_is_bit_identical_and_the_portable_kernels_train() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    tiny_model(&model);
+    let run = |name: &str, env: &[(&str, &str)], extra: &[&str]| {
+        let out = tmp.path().join(name);
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_grpo"));
+        cmd.args(["train", "--max_steps=2", "--num_generations=4"])
+            .args([
+                "--per_device_train_batch_size=8",
+                "--max_completion_length=4",
+            ])
+            .args(["--learning_rate=1e-3", "--save_steps=2", "--threads=2"])
+            .args([
+                "--eval_steps=0",
+                "--task.train_size=16",
+                "--task.eval_size=4",
+            ])
+            .arg(format!("--model={}", model.display()))
+            .arg(format!("--output_dir={}", out.display()))
+            .args(extra)
+            .env("RUST_LOG", "info");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let o = cmd.output().unwrap();
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        let weights = std::fs::read(out.join("checkpoint-2/model.safetensors")).unwrap();
+        (weights, stderr(&o))
+    };
+    let (best, log) = run("best", &[], &[]);
+    assert!(log.contains("kernels: fused"), "{log}");
+    if grpo::kernels::Isa::detected() >= grpo::kernels::Isa::Avx2 {
+        let (avx2, log) = run("avx2", &[("GRPO_ISA", "avx2")], &[]);
+        assert!(
+            log.contains("kernels: fused (CPU instruction set avx2)"),
+            "{log}"
+        );
+        assert!(avx2 == best, "GRPO_ISA=avx2 changed the trained weights");
+    }
+    let (portable, log) = run("portable", &[], &["--kernels=portable"]);
+    assert!(log.contains("kernels: portable"), "{log}");
+    assert_eq!(portable.len(), best.len());
+}
+
 #[test]
 fn log_lines_are_not_coloured_when_stderr_is_not_a_terminal() {
     let dir = tempfile::tempdir().unwrap();
