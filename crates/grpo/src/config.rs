@@ -1105,7 +1105,6 @@ config_keys! {
 /// TRL's, PEFT's and the seeds' names for grpo's keys (the value is used as it is).
 const ALIASES: &[(&str, &str)] = &[
     ("model_name_or_path", "model"),
-    ("torch_dtype", "dtype"),
     ("num_generations_eval", "eval_num_samples"),
     // The fill-in seed's names (single-step fill-in GRPO).
     ("generator_checkpoint", "model"),
@@ -1138,6 +1137,7 @@ const ALIASES: &[(&str, &str)] = &[
 /// Keys that are read with their own rule (not a key of the table): what each does.
 const MAPPED: &[(&str, &str)] = &[
     ("use_peft", "true: LoRA at rank 16 unless lora_r says otherwise"),
+    ("torch_dtype", "sets dtype on a GPU; on the CPU a half-precision torch_dtype is ignored (warned) and training stays f32, as candle has no fast bf16 GEMM there: set dtype = \"bf16\" to force it"),
     ("bf16", "true: dtype = bf16 on a GPU (mixed precision: bf16 weights and activations over f32 master parameters, f32 optimizer and loss); on the CPU training stays f32 (warned), as candle has no fast bf16 GEMM there: set dtype = \"bf16\" to force it"),
     ("load_in_4bit", "base_quantization = nf4 (QLoRA's 4-bit NormalFloat, bitsandbytes' blocks of 64)"),
     ("load_in_8bit", "base_quantization = q8_0"),
@@ -1735,6 +1735,8 @@ impl TrainConfig {
         let mut ignored = Vec::new();
         // TRL's `bf16 = true`: bf16 on a GPU, f32 on the CPU (warned), see MAPPED.
         let mut trl_bf16 = false;
+        let mut trl_torch_dtype: Option<String> = None;
+        let mut dtype_given = false;
         let mut reward_tables = vec![];
         let mut wandb_log = false;
         let mut script: BTreeMap<String, String> = BTreeMap::new();
@@ -1745,10 +1747,16 @@ impl TrainConfig {
         let mut adaptive_kl: Option<bool> = None;
         let mut apply =
             |k: String, v: Value, from: &str| -> Result<()> {
+                if k == "torch_dtype" {
+                    // Like `bf16`: decided below, once the device is known.
+                    trl_torch_dtype = v.as_str().map(str::to_string);
+                    return Ok(());
+                }
                 let k = ALIASES
                     .iter()
                     .find(|(a, _)| *a == k)
                     .map_or(k, |(_, to)| to.to_string());
+                dtype_given |= k == "dtype";
                 if v.is_null() {
                     // YAML's `key: null` (TRL's dumps have many): unset, the default stays.
                     return match trl_key(&k) {
@@ -2004,9 +2012,21 @@ impl TrainConfig {
             to.push(Value::String("wandb".into()));
             merged.insert("report_to".into(), Value::Array(to));
         }
+        let on_gpu =
+            matches!(merged.get("device"), Some(Value::String(d)) if d.starts_with("cuda"));
+        if let Some(t) = trl_torch_dtype.filter(|_| !dtype_given) {
+            let half = matches!(
+                t.as_str(),
+                "bfloat16" | "bf16" | "float16" | "fp16" | "half"
+            );
+            match on_gpu || !half {
+                true => {
+                    merged.insert("dtype".into(), Value::String(t));
+                }
+                false => ignored.push("torch_dtype".into()),
+            }
+        }
         if trl_bf16 {
-            let on_gpu =
-                matches!(merged.get("device"), Some(Value::String(d)) if d.starts_with("cuda"));
             match on_gpu {
                 true => merged.insert("dtype".into(), Value::String("bf16".into())),
                 false => {
@@ -2623,6 +2643,21 @@ mod tests {
         let g = load(y, Format::Yaml, &["--device=cuda"]).unwrap();
         assert_eq!(g.dtype, DTypeOpt::Bf16);
         assert_eq!(g.ignored_keys, vec!["use_vllm"]);
+        // The same for the model arguments' torch_dtype.
+        let t = load("torch_dtype: bfloat16\n", Format::Yaml, &[]).unwrap();
+        assert_eq!(
+            (t.dtype, t.ignored_keys),
+            (DTypeOpt::F32, vec!["torch_dtype".to_string()])
+        );
+        let t = load(
+            "torch_dtype: bfloat16\n",
+            Format::Yaml,
+            &["--device=cuda:1"],
+        )
+        .unwrap();
+        assert_eq!((t.dtype, t.ignored_keys.len()), (DTypeOpt::Bf16, 0));
+        let t = load("torch_dtype: float32\n", Format::Yaml, &[]).unwrap();
+        assert_eq!((t.dtype, t.ignored_keys.len()), (DTypeOpt::F32, 0));
         assert!(c.gradient_checkpointing, "a real key now");
         assert!(c.report_to.is_empty());
         // TRL's PEFT switches map onto lora.*.

@@ -185,7 +185,25 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
                 crate::kernels::Isa::active()
             );
         }
-        let device = cfg.device.device()?;
+        // One process per GPU: under a launcher, rank r of a node takes GPU N + r.
+        let device = match cfg.device {
+            crate::config::DeviceSpec::Cuda(n) => {
+                crate::config::DeviceSpec::Cuda(super::world::rank_gpu(n, world.size())).device()?
+            }
+            spec => spec.device()?,
+        };
+        if cfg.gradient_checkpointing
+            && main
+            && !crate::kernels::cpu_fused(&device, cfg.dtype.compute())
+        {
+            tracing::warn!(
+                "gradient_checkpointing is a CPU f32 kernel: not used with device = {}, dtype = \
+                 {:?}, kernels = {} (the update keeps every activation)",
+                cfg.device,
+                cfg.dtype,
+                crate::kernels::kernels().name()
+            );
+        }
         if cfg.dtype != crate::config::DTypeOpt::F32 {
             if cfg.policy == crate::config::PolicyType::FillIn {
                 tracing::warn!("dtype = bf16 is not used by fill-in policies: they run in f32");

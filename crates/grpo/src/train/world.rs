@@ -69,6 +69,36 @@ pub fn launcher_world_size() -> Option<usize> {
     .filter(|&n| n > 1)
 }
 
+/// This process's rank among those of its node, as the launcher says (0 without one).
+pub fn local_rank() -> usize {
+    [
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "MPI_LOCALRANKID",
+        "PMIX_LOCAL_RANK",
+        "SLURM_LOCALID",
+    ]
+    .iter()
+    .find_map(|k| std::env::var(k).ok()?.trim().parse::<usize>().ok())
+    .unwrap_or(0)
+}
+
+/// The GPU a rank trains on with `device = "cuda:N"`: one process per GPU, so GPU
+/// `N + local rank`, unless the launcher gave each process a single visible GPU
+/// (`CUDA_VISIBLE_DEVICES` with one entry, as `srun --gpus-per-task=1` does): then that one.
+pub fn rank_gpu(configured: usize, world_size: usize) -> usize {
+    let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+    gpu_of(configured, world_size, local_rank(), visible.as_deref())
+}
+
+fn gpu_of(configured: usize, world_size: usize, local: usize, visible: Option<&str>) -> usize {
+    let one_visible =
+        visible.is_some_and(|v| v.split(',').filter(|s| !s.trim().is_empty()).count() == 1);
+    match world_size > 1 && !one_visible {
+        true => configured + local,
+        false => configured,
+    }
+}
+
 /// Gradients are summed in buckets of this many values (one all-reduce each).
 #[cfg(feature = "mpi")]
 const BUCKET: usize = 1 << 22;
@@ -82,6 +112,10 @@ pub struct MpiWorld {
     /// the job when one waits longer than the timeout (a rank stuck, or gone without a word).
     waiting_since: std::sync::Arc<std::sync::atomic::AtomicU64>,
     start: std::time::Instant,
+    /// NCCL for gradients on a GPU (the `nccl` feature): one communicator per process, made at
+    /// the first all-reduce of CUDA gradients, its unique id sent from rank 0 over MPI.
+    #[cfg(feature = "nccl")]
+    nccl: std::sync::OnceLock<nccl::DeviceComm>,
 }
 
 /// How long a rank may wait in one collective before the job is ended (`GRPO_MPI_TIMEOUT`, in
@@ -115,6 +149,8 @@ impl MpiWorld {
             comm,
             waiting_since: Default::default(),
             start: std::time::Instant::now(),
+            #[cfg(feature = "nccl")]
+            nccl: std::sync::OnceLock::new(),
         };
         world.watch(collective_timeout());
         Ok(world)
@@ -185,6 +221,21 @@ impl World for MpiWorld {
     fn sum_grads(&self, grads: &mut [Tensor]) -> Result<()> {
         use mpi::collective::SystemOperation;
         use mpi::traits::CommunicatorCollectives;
+        // Gradients on a GPU: NCCL sums them there, one all-reduce per tensor, no host copy.
+        #[cfg(feature = "nccl")]
+        if let Some(candle_core::Device::Cuda(dev)) = grads.first().map(|g| g.device().clone()) {
+            let comm = match self.nccl.get() {
+                Some(c) => c,
+                None => {
+                    let c = nccl::DeviceComm::new(self, &dev)?;
+                    self.nccl.get_or_init(|| c)
+                }
+            };
+            for g in grads.iter_mut() {
+                *g = self.timed(|| comm.sum(g))?;
+            }
+            return Ok(());
+        }
         // Buckets of whole tensors (a larger tensor alone), each summed by one all-reduce.
         let mut i = 0;
         while i < grads.len() {
@@ -250,6 +301,92 @@ impl World for MpiWorld {
     }
 }
 
+/// NCCL between the GPUs of an MPI job: one process per GPU, the communicator bootstrapped over
+/// MPI (rank 0 makes NCCL's unique id and every rank receives it). Built with the `nccl`
+/// feature; NCCL itself is loaded at run time (cudarc's dynamic loading).
+#[cfg(feature = "nccl")]
+mod nccl {
+    use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id, ReduceOp};
+    use candle_core::{CudaDevice, CudaStorage, DType, Storage, Tensor};
+
+    use super::{MpiWorld, World};
+    use crate::{Error, Result};
+
+    pub struct DeviceComm {
+        comm: Comm,
+        dev: CudaDevice,
+    }
+
+    fn err(what: &str, e: impl std::fmt::Debug) -> Error {
+        Error::Generate(format!(
+            "NCCL {what}: {e:?} (is libnccl installed, one GPU per rank?)"
+        ))
+    }
+
+    impl DeviceComm {
+        /// Collective: every rank calls it at the same point (its first gradient all-reduce).
+        pub fn new(world: &MpiWorld, dev: &CudaDevice) -> Result<DeviceComm> {
+            let mine = match world.rank() {
+                0 => {
+                    let id = Id::new().map_err(|e| err("unique id", e))?;
+                    id.internal().iter().map(|&c| c as u8).collect()
+                }
+                _ => Vec::new(),
+            };
+            let all = world.all_gather_bytes(mine)?;
+            let bytes = all.first().filter(|b| b.len() == 128).ok_or_else(|| {
+                Error::Generate("NCCL: rank 0 sent no unique id of 128 bytes".into())
+            })?;
+            let mut internal = [0 as std::ffi::c_char; 128];
+            for (d, &b) in internal.iter_mut().zip(bytes) {
+                *d = b as std::ffi::c_char;
+            }
+            let comm = Comm::from_rank(
+                dev.cuda_stream(),
+                world.rank(),
+                world.size(),
+                Id::uninit(internal),
+            )
+            .map_err(|e| err("communicator", e))?;
+            Ok(DeviceComm {
+                comm,
+                dev: dev.clone(),
+            })
+        }
+
+        /// `g` summed over every rank (f32; the result keeps `g`'s dtype and shape).
+        pub fn sum(&self, g: &Tensor) -> Result<Tensor> {
+            let x = g.to_dtype(DType::F32)?.contiguous()?; // [..] f32 on this GPU
+            let n = x.elem_count();
+            let out = {
+                let (st, l) = x.storage_and_layout();
+                let Storage::Cuda(cs) = &*st else {
+                    return Err(Error::Generate("NCCL: a gradient is not on the GPU".into()));
+                };
+                let src = cs.as_cuda_slice::<f32>()?;
+                let src = src.slice(l.start_offset()..l.start_offset() + n);
+                let mut out = self
+                    .dev
+                    .cuda_stream()
+                    .alloc_zeros::<f32>(n)
+                    .map_err(|e| err("allocation", e))?;
+                self.comm
+                    .all_reduce(&src, &mut out, &ReduceOp::Sum)
+                    .map_err(|e| err("all-reduce", e))?;
+                out
+            };
+            let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(out, self.dev.clone()));
+            let t = Tensor::from_storage(
+                storage,
+                g.shape(),
+                candle_core::op::BackpropOp::none(),
+                false,
+            );
+            Ok(t.to_dtype(g.dtype())?)
+        }
+    }
+}
+
 /// The world a run trains in: MPI's when a launcher started several processes, else this one
 /// process. Without the `mpi` feature, a multi-process launch is an error (each process would
 /// train alone and write the same output).
@@ -291,5 +428,19 @@ impl WorldHandle for MpiWorld {
     }
     fn as_world(&self) -> &dyn World {
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gpu_of;
+
+    #[test]
+    fn each_rank_of_a_node_takes_its_own_gpu() {
+        assert_eq!(gpu_of(0, 1, 0, None), 0);
+        assert_eq!(gpu_of(0, 4, 3, None), 3);
+        assert_eq!(gpu_of(2, 4, 1, Some("0,1,2,3")), 3);
+        // srun --gpus-per-task=1: each process sees one GPU, ordinal 0.
+        assert_eq!(gpu_of(0, 4, 3, Some("3")), 0);
     }
 }
