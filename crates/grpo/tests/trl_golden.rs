@@ -212,7 +212,9 @@ fn loss_and_every_gradient_equal_trl() {
         let list: Vec<Var> = vars.values().cloned().collect();
         let sink = GradSink::new(&list);
         if ci % 4 >= 2 {
-            assert!(model.attach_grad_sink(&sink).unwrap() > 0);
+            // The sink is fused CPU code: on the portable kernels nothing attaches.
+            let fused = grpo::kernels::kernels() == grpo::kernels::Kernels::Fused;
+            assert_eq!(model.attach_grad_sink(&sink).unwrap() > 0, fused);
         }
         let t = case["temperature"].as_f64().unwrap();
         let (logps, ents) = completion_logprobs(
