@@ -5,6 +5,7 @@
 //! them) makes that a failure.
 
 use std::net::TcpListener;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -65,10 +66,15 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// The `mlflow server` process, in a process group of its own: it starts uvicorn and huey
+/// workers that outlive a kill of the parent alone (a CI run left 20 of them spinning), so the
+/// whole group is killed.
 struct Server(Child);
 
 impl Drop for Server {
     fn drop(&mut self) {
+        let group = format!("-{}", self.0.id());
+        let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
@@ -107,6 +113,7 @@ fn mlflow_gets_params_every_step_and_the_files_and_a_resume_continues_its_run() 
             .current_dir(tmp.path())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
+            .process_group(0)
             .spawn()
             .unwrap(),
     );

@@ -284,6 +284,48 @@ pub fn matmul_portable(w: &PackedWeight, x: &[f32], rows: usize) -> Vec<f32> {
     y
 }
 
+/// The cache lines of `ahead` (a share of the next panel) prefetched into L2 evenly over the
+/// `k` steps of a tile, so that streaming the weight from memory overlaps with the FMAs.
+#[cfg(target_arch = "x86_64")]
+struct Prefetch<'a> {
+    ahead: &'a [f32],
+    lines: usize,
+    /// Lines per k step, in 1/65536ths.
+    rate: usize,
+    due: usize,
+    line: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<'a> Prefetch<'a> {
+    /// Floats per cache line.
+    const LINE: usize = 16;
+
+    fn new(ahead: &'a [f32], k: usize) -> Self {
+        let lines = ahead.len().div_ceil(Self::LINE);
+        Prefetch {
+            ahead,
+            lines,
+            rate: (lines << 16).div_ceil(k.max(1)),
+            due: 0,
+            line: 0,
+        }
+    }
+
+    /// One k step: the lines now due.
+    #[inline(always)]
+    fn step(&mut self) {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        self.due += self.rate;
+        while self.line < self.lines && (self.line << 16) < self.due {
+            let p = self.ahead[self.line * Self::LINE..].as_ptr() as *const i8;
+            // SAFETY: a prefetch is a hint; `p` points into `ahead`.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(p) };
+            self.line += 1;
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::PANEL;
@@ -323,9 +365,6 @@ mod avx512 {
         }
     }
 
-    /// Floats per cache line.
-    const LINE: usize = 16;
-
     #[target_feature(enable = "avx512f")]
     unsafe fn tile_n<const MR: usize>(
         x: &[f32],
@@ -340,17 +379,9 @@ mod avx512 {
         let (xp, wp) = (x.as_ptr(), w.as_ptr());
         let mut lo = [_mm512_setzero_ps(); MR];
         let mut hi = [_mm512_setzero_ps(); MR];
-        // Lines of `ahead` per k step, in 1/65536ths.
-        let lines = ahead.len().div_ceil(LINE);
-        let rate = (lines << 16).div_ceil(k.max(1));
-        let mut due = 0usize;
-        let mut line = 0usize;
+        let mut fetch = super::Prefetch::new(ahead, k);
         for kk in 0..k {
-            due += rate;
-            while line < lines && (line << 16) < due {
-                _mm_prefetch::<_MM_HINT_T1>(ahead.as_ptr().add(line * LINE) as *const i8);
-                line += 1;
-            }
+            fetch.step();
             let w0 = _mm512_loadu_ps(wp.add(kk * PANEL));
             let w1 = _mm512_loadu_ps(wp.add(kk * PANEL + 16));
             for i in 0..MR {
@@ -425,9 +456,6 @@ mod avx2 {
         }
     }
 
-    /// Floats per cache line.
-    const LINE: usize = 16;
-
     /// `MR` rows of `x` ([MR, k]) times 16 columns of a panel (`w` starts at the half's first
     /// column; rows are [`PANEL`] apart) into the first `cols` columns of `y`.
     #[target_feature(enable = "avx2,fma")]
@@ -444,15 +472,9 @@ mod avx2 {
         let (xp, wp) = (x.as_ptr(), w.as_ptr());
         let mut lo = [_mm256_setzero_ps(); MR];
         let mut hi = [_mm256_setzero_ps(); MR];
-        let lines = ahead.len().div_ceil(LINE);
-        let rate = (lines << 16).div_ceil(k.max(1));
-        let (mut due, mut line) = (0usize, 0usize);
+        let mut fetch = super::Prefetch::new(ahead, k);
         for kk in 0..k {
-            due += rate;
-            while line < lines && (line << 16) < due {
-                _mm_prefetch::<_MM_HINT_T1>(ahead.as_ptr().add(line * LINE) as *const i8);
-                line += 1;
-            }
+            fetch.step();
             let w0 = _mm256_loadu_ps(wp.add(kk * PANEL));
             let w1 = _mm256_loadu_ps(wp.add(kk * PANEL + 8));
             for i in 0..MR {
