@@ -56,20 +56,24 @@ impl Isa {
         }
     }
 
-    /// The best level this CPU runs.
+    /// The best level this CPU runs (detected once: every kernel call lowers its level by it).
+    #[inline]
     pub fn detected() -> Isa {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                return Isa::Avx512;
-            }
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
+        static DETECTED: OnceLock<Isa> = OnceLock::new();
+        *DETECTED.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
             {
-                return Isa::Avx2;
+                if std::arch::is_x86_feature_detected!("avx512f") {
+                    return Isa::Avx512;
+                }
+                if std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                {
+                    return Isa::Avx2;
+                }
             }
-        }
-        Isa::Baseline
+            Isa::Baseline
+        })
     }
 
     /// `self`, lowered to what this CPU runs: the level a kernel may be dispatched to.
