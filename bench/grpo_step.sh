@@ -2,6 +2,7 @@
 # One GRPO step, grpo vs TRL GRPOTrainer, side by side in one run (same model, prompts, rewards,
 # 8 prompts x 4 generations x 64 tokens, beta 0.04, dapo, lr 2e-5, f32, 2 threads).
 #   bench/grpo_step.sh [STEPS [PEER_STEPS]]   # default 8 steps each (PEER_STEPS 0: grpo only); results in bench/results/grpo-step-<date>.*
+#   DEVICE=cuda [BF16=1] bench/grpo_step.sh 5 5  # both on a GPU (see DEVICE below)
 # Needs ../shared/bench/peers/setup.sh once (venv, f32 SmolLM2). Run on a quiet machine.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -15,15 +16,28 @@ mkdir -p "$res"
 cd "$root"
 # NO_AVX512=1: AVX-512 off in grpo and torch alike (see bench/no_avx512.sh).
 . "$root/bench/no_avx512.sh"
+# DEVICE=cuda: both on the GPU (grpo built with --features cuda; TRL through
+# bench/trl_step_device.py, which only turns off the peer's use_cpu). BF16=1: both in bf16 mixed
+# precision (grpo dtype = bf16, TRL bf16 = true). Results are named grpo-step-cuda-<date>.*
+device=${DEVICE:-cpu}
+dev_args=(); peer_script="$peers/trl_grpo_bench.py"; peer_args=()
+if [ "$device" != cpu ]; then
+  dev_args+=(--device="$device"); peer_script="$root/bench/trl_step_device.py"
+  stamp="$device-$stamp"
+  if [ "${BF16:-0}" = 1 ]; then dev_args+=(--dtype=bf16); peer_args+=(--bf16); stamp="bf16-$stamp"; fi
+fi
 # GRPO_BIN=path/to/grpo: measure that binary (e.g. an older build, for a before/after) instead.
-if [ -z "${GRPO_BIN:-}" ]; then cargo build --release -p grpo-cli; fi
+if [ -z "${GRPO_BIN:-}" ]; then
+  if [ "$device" != cpu ]; then cargo build --release -p grpo-cli --features cuda
+  else cargo build --release -p grpo-cli; fi
+fi
 grpo_bin=${GRPO_BIN:-$root/target/release/grpo}
 data=$(mktemp --suffix=.jsonl)
 python3 "$peers/addition_task.py" $((steps * 8)) 0 > "$data"
 out=$(mktemp -d)
 /usr/bin/time -v "$grpo_bin" train --config bench/configs/trl_peer.toml \
     --model="$PEERS_DIR/smollm2-135m-instruct-f32" --train_file="$data" --output_dir="$out" \
-    --max_steps="$steps" 2> "$res/grpo-step-$stamp.time" | tail -3
+    --max_steps="$steps" ${dev_args[@]+"${dev_args[@]}"} 2> "$res/grpo-step-$stamp.time" | tail -3
 cp "$out/metrics.jsonl" "$res/grpo-step-$stamp.metrics.jsonl"
 grep "Maximum resident" "$res/grpo-step-$stamp.time"
 python3 - "$res/grpo-step-$stamp.metrics.jsonl" <<'PY'
@@ -39,8 +53,8 @@ print(json.dumps({"bench": "grpo_step", "steps": len(rows), "s_per_step_median":
                   "kl_last5": statistics.mean(kl[-5:]), "elapsed_s": sum(r["time/step"] for r in rows)}))
 PY
 if [ "$peer_steps" -gt 0 ] && [ -x "$PEERS_DIR/venv/bin/python" ]; then
-  /usr/bin/time -v "$PEERS_DIR/venv/bin/python" "$peers/trl_grpo_bench.py" --steps "$peer_steps" --prompts 8 \
-      --generations 4 --max-tokens 64 --seed 0 --lr 2e-5 --beta 0.04 \
+  /usr/bin/time -v "$PEERS_DIR/venv/bin/python" "$peer_script" --steps "$peer_steps" --prompts 8 \
+      --generations 4 --max-tokens 64 --seed 0 --lr 2e-5 --beta 0.04 ${peer_args[@]+"${peer_args[@]}"} \
       2> "$res/trl-step-$stamp.time" | tee "$res/trl-step-$stamp.jsonl" | tail -2
   grep "Maximum resident" "$res/trl-step-$stamp.time"
 fi

@@ -629,7 +629,8 @@ fn train_writes_checkpoints_metrics_and_the_report() {
 
 /// The same tiny run three ways: the AVX2 variants of grpo's kernels give the same weights bit
 /// for bit as the best the CPU has (they run the same operations in the same order), and
-/// `--kernels=portable` (the candle ops a GPU runs) trains too, saying so in its log.
+/// `--kernels=portable` (the candle ops a GPU runs) trains too, saying so in its log, also with
+/// an NF4 base (QLoRA) and top-k / top-p sampling.
 #[test]
 fn train_at_avx2_is_bit_identical_and_the_portable_kernels_train() {
     let tmp = tempfile::tempdir().unwrap();
@@ -658,22 +659,39 @@ fn train_at_avx2_is_bit_identical_and_the_portable_kernels_train() {
         }
         let o = cmd.output().unwrap();
         assert!(o.status.success(), "{name}: {}", stderr(&o));
-        let weights = std::fs::read(out.join("checkpoint-2/model.safetensors")).unwrap();
-        (weights, stderr(&o))
+        (out.join("checkpoint-2"), stderr(&o))
     };
-    let (best, log) = run("best", &[], &[]);
+    let weights = |(dir, log): (std::path::PathBuf, String)| {
+        (std::fs::read(dir.join("model.safetensors")).unwrap(), log)
+    };
+    let (best, log) = weights(run("best", &[], &[]));
     assert!(log.contains("kernels: fused"), "{log}");
     if grpo::kernels::Isa::detected() >= grpo::kernels::Isa::Avx2 {
-        let (avx2, log) = run("avx2", &[("GRPO_ISA", "avx2")], &[]);
+        let (avx2, log) = weights(run("avx2", &[("GRPO_ISA", "avx2")], &[]));
         assert!(
             log.contains("kernels: fused (CPU instruction set avx2)"),
             "{log}"
         );
         assert!(avx2 == best, "GRPO_ISA=avx2 changed the trained weights");
     }
-    let (portable, log) = run("portable", &[], &["--kernels=portable"]);
+    let (portable, log) = weights(run("portable", &[], &["--kernels=portable"]));
     assert!(log.contains("kernels: portable"), "{log}");
     assert_eq!(portable.len(), best.len());
+    // QLoRA and truncated sampling on the portable path: the base dequantized by candle ops on
+    // the device, tokens chosen on the device.
+    let (dir, log) = run(
+        "qlora",
+        &[],
+        &[
+            "--kernels=portable",
+            "--lora.r=4",
+            "--base_quantization=nf4",
+            "--top_k=8",
+            "--top_p=0.9",
+        ],
+    );
+    assert!(log.contains("kernels: portable"), "{log}");
+    assert!(dir.join("adapter_model.safetensors").is_file(), "{log}");
 }
 
 #[test]

@@ -311,11 +311,26 @@ impl CausalLm {
                 return Ok(logits);
             }
         }
+        Ok(self
+            .decode_logits_tensor(ids, positions, mask, cache)?
+            .flatten_all()?
+            .to_vec1()?) // [B*V]
+    }
+
+    /// [`CausalLm::decode_logits`] as a tensor on the model's device (candle ops only), for a
+    /// sampler that chooses tokens there: [B, V] in the model's dtype.
+    pub fn decode_logits_tensor(
+        &self,
+        ids: &[u32],
+        positions: &[u32],
+        mask: &AttnMask,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
         let b = ids.len();
         let ids = Tensor::from_vec(ids.to_vec(), (b, 1), &self.device)?;
         let pos = Tensor::from_vec(positions.to_vec(), (b, 1), &self.device)?;
         let h = self.forward_cached(&ids, &pos, mask, cache)?; // [B, 1, H]
-        Ok(self.logits(&h.squeeze(1)?)?.flatten_all()?.to_vec1()?) // [B*V]
+        self.logits(&h.squeeze(1)?) // [B, V]
     }
 
     /// Bytes held by quantized projection weights.

@@ -14,8 +14,15 @@
 //! Besides GGML's types, QLoRA's own 4-bit NormalFloat ([`Nf4`], bitsandbytes' layout: blocks
 //! of 64 values, one f32 absmax each, two codes per byte) is kept here; it has no candle kernel,
 //! so every forward dequantizes.
+//!
+//! Off the fused CPU path (a GPU, bf16, `kernels = "portable"`) the quantized bytes are copied
+//! once to the input's device and every forward dequantizes there with candle ops (NF4: two
+//! 256-entry byte tables and the block scales; GGML: candle's dequantize kernels), then runs one
+//! matmul in the input's dtype. The dequantized weight is a constant of the graph, so autograd
+//! gives the input its gradient `dY W` and the weight none: the same product and backward as the
+//! custom op, with nothing kept but the quantized bytes.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use candle_core::quantized::k_quants::{BlockQ4_0, BlockQ4_1, BlockQ8_0, GgmlType};
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
@@ -234,6 +241,83 @@ fn dequantize_rows<T: GgmlType>(bytes: &[u8], out: &mut [f32], row_len: usize) -
 pub struct QuantProj {
     w: QWeight,
     kind: QuantType,
+    /// The quantized weight on the device of the portable forward, copied there at its first
+    /// call (shared by clones).
+    on_device: Arc<OnceLock<OnDevice>>,
+}
+
+/// A quantized weight as candle tensors on one device (the portable forward's copy).
+#[derive(Debug)]
+enum OnDevice {
+    Nf4 {
+        /// [blocks * 32] u8: the codes, two per byte, padded to whole blocks with code 7 (0.0).
+        packed: Tensor,
+        /// [blocks, 1] f32
+        absmax: Tensor,
+        /// [256] f32 each: a byte's high and low nibble's NF4 value.
+        high: Tensor,
+        low: Tensor,
+    },
+    Ggml(Arc<QTensor>),
+}
+
+impl OnDevice {
+    fn new(w: &QWeight, device: &Device) -> Result<Self> {
+        Ok(match w {
+            QWeight::Ggml(q) if device.is_cpu() => OnDevice::Ggml(q.clone()),
+            QWeight::Ggml(q) => {
+                let storage = QStorage::from_data(q.data()?, device, q.dtype())?;
+                OnDevice::Ggml(Arc::new(QTensor::new(storage, q.shape())?))
+            }
+            QWeight::Nf4(w) => {
+                let blocks = w.absmax.len();
+                let mut packed = w.packed.clone();
+                packed.resize(blocks * NF4_BLOCK / 2, 0x77);
+                let table = |f: fn(u8) -> u8| -> Result<Tensor> {
+                    let v: Vec<f32> = (0..=255u8).map(|b| NF4_CODE[f(b) as usize]).collect();
+                    Tensor::from_vec(v, 256, device)
+                };
+                OnDevice::Nf4 {
+                    packed: Tensor::from_vec(packed, blocks * NF4_BLOCK / 2, device)?,
+                    absmax: Tensor::from_vec(w.absmax.clone(), (blocks, 1), device)?,
+                    high: table(|b| b >> 4)?,
+                    low: table(|b| b & 15)?,
+                }
+            }
+        })
+    }
+
+    fn device(&self) -> Device {
+        match self {
+            OnDevice::Nf4 { packed, .. } => packed.device().clone(),
+            OnDevice::Ggml(q) => q.device(),
+        }
+    }
+
+    /// The weight [out, in] f32, dequantized on the device with candle ops.
+    fn dequantize(&self, (o, i): (usize, usize)) -> Result<Tensor> {
+        match self {
+            OnDevice::Ggml(q) => q.dequantize(&q.device())?.reshape((o, i)),
+            OnDevice::Nf4 {
+                packed,
+                absmax,
+                high,
+                low,
+            } => {
+                // u32 ids: candle's index_select reads a u8 id of 255 as "none" (a zero row).
+                let ids = packed.to_dtype(DType::U32)?; // [blocks*32]
+                let hi = high.index_select(&ids, 0)?; // [blocks*32] f32
+                let lo = low.index_select(&ids, 0)?;
+                let blocks = absmax.dim(0)?;
+                Tensor::stack(&[hi, lo], 1)? // [blocks*32, 2]: the high nibble first
+                    .reshape((blocks, NF4_BLOCK))?
+                    .broadcast_mul(absmax)? // [blocks, 64]
+                    .flatten_all()?
+                    .narrow(0, 0, o * i)?
+                    .reshape((o, i))
+            }
+        }
+    }
 }
 
 impl QuantProj {
@@ -263,7 +347,15 @@ impl QuantProj {
                 )?))
             }
         };
-        Ok(Self { w: q, kind })
+        Ok(Self::of(q, kind))
+    }
+
+    fn of(w: QWeight, kind: QuantType) -> Self {
+        Self {
+            w,
+            kind,
+            on_device: Default::default(),
+        }
     }
 
     /// Stacks projections of the same input along `out` (q/k/v, gate/up) into one, exactly: the
@@ -310,15 +402,12 @@ impl QuantProj {
             }
             None => QWeight::Nf4(Arc::new(Nf4::gather(nf4_rows))),
         };
-        Ok(Self { w, kind })
+        Ok(Self::of(w, kind))
     }
 
     /// From a GGUF tensor kept as is (no re-quantization); `None` when its type is not `kind`.
     pub fn from_qtensor(q: Arc<QTensor>, kind: QuantType) -> Option<Self> {
-        (Some(q.dtype()) == kind.ggml() && q.rank() == 2).then_some(Self {
-            w: QWeight::Ggml(q),
-            kind,
-        })
+        (Some(q.dtype()) == kind.ggml() && q.rank() == 2).then(|| Self::of(QWeight::Ggml(q), kind))
     }
 
     /// The NF4 weight, when the projection is one.
@@ -419,18 +508,45 @@ impl QuantProj {
         x.matmul(&self.dequantize()?.t()?)
     }
 
+    /// The weight [out, in] f32 dequantized on `device` with candle ops (the portable path; its
+    /// quantized bytes are copied there once).
+    pub fn dequantize_on(&self, device: &Device) -> Result<Tensor> {
+        let dims = self.dims()?;
+        let cached = match self.on_device.get() {
+            Some(d) => d,
+            None => {
+                let d = OnDevice::new(&self.w, device)?;
+                self.on_device.get_or_init(|| d)
+            }
+        };
+        if cached.device().same_device(device) {
+            return cached.dequantize(dims);
+        }
+        OnDevice::new(&self.w, device)?.dequantize(dims)
+    }
+
+    /// `x` [N, in] -> [N, out] in `x`'s dtype, on its device, with candle ops only.
+    fn forward_portable(&self, x: &Tensor) -> Result<Tensor> {
+        let w = self.dequantize_on(x.device())?.to_dtype(x.dtype())?; // [out, in]
+        x.matmul(&w.t()?)
+    }
+
     /// `x` [.., in] -> [.., out]. Records a backward to `x` when `x` tracks gradients.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (o, i) = self.dims()?;
         let dims = x.dims().to_vec();
         let rows = x.elem_count() / i;
-        let x2 = x.reshape((rows, i))?.to_dtype(DType::F32)?.contiguous()?; // [N, in]
-        let y = x2.apply_op1(self.clone())?; // [N, out]
+        let y = if crate::kernels::cpu_fused(x.device(), x.dtype()) {
+            let x2 = x.reshape((rows, i))?.contiguous()?; // [N, in] f32
+            x2.apply_op1(self.clone())? // [N, out]
+        } else {
+            self.forward_portable(&x.reshape((rows, i))?)? // [N, out]
+        };
         let mut shape = dims;
         if let Some(last) = shape.last_mut() {
             *last = o;
         }
-        y.reshape(shape)?.to_dtype(x.dtype())
+        y.reshape(shape)
     }
 }
 
@@ -593,6 +709,76 @@ mod tests {
                 assert!(d < tol, "{kind:?} rows {rows}: {d}");
             }
         }
+    }
+
+    /// The portable path's dequantization (candle ops on the device) gives the host's weight bit
+    /// for bit, for every type and for NF4 shapes that end inside a block or inside a byte; its
+    /// forward and input gradient equal the custom op's, and a bf16 input stays bf16.
+    #[test]
+    fn portable_path_equals_the_custom_op() {
+        for (kind, (o, i)) in [
+            (QuantType::Q4_0, (48, 64)),
+            (QuantType::Q4_1, (16, 96)),
+            (QuantType::Q8_0, (24, 64)),
+            (QuantType::Nf4, (48, 64)),
+            (QuantType::Nf4, (5, 13)),
+        ] {
+            let q = QuantProj::quantize(&randn((o, i), 11), kind).unwrap();
+            let host = q.dequantize().unwrap().flatten_all().unwrap();
+            let dev = q.dequantize_on(&Device::Cpu).unwrap();
+            assert_eq!(dev.dims2().unwrap(), (o, i));
+            let (a, b) = (
+                host.to_vec1::<f32>().unwrap(),
+                dev.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            );
+            let bad = a
+                .iter()
+                .zip(&b)
+                .position(|(x, y)| x.to_bits() != y.to_bits());
+            assert!(
+                bad.is_none(),
+                "{kind:?} [{o}, {i}] at {bad:?}: {:?}",
+                bad.map(|k| (a[k], b[k]))
+            );
+            let x = candle_core::Var::from_tensor(&randn((40, i), 12)).unwrap();
+            let gy = randn((40, o), 13);
+            let run = |portable: bool| {
+                let y = match portable {
+                    true => q.forward_portable(x.as_tensor()).unwrap(),
+                    false => x.as_tensor().apply_op1(q.clone()).unwrap(),
+                };
+                let g = (&y * &gy).unwrap().sum_all().unwrap().backward().unwrap();
+                (y, g.get(x.as_tensor()).unwrap().clone())
+            };
+            let ((y1, g1), (y2, g2)) = (run(true), run(false));
+            let d = |a: &Tensor, b: &Tensor| {
+                (a - b)
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap()
+            };
+            assert!(d(&y1, &y2) < 1e-5, "{kind:?} forward {}", d(&y1, &y2));
+            assert!(d(&g1, &g2) < 1e-5, "{kind:?} gradient {}", d(&g1, &g2));
+            let yb = q
+                .forward(&x.as_tensor().to_dtype(DType::BF16).unwrap())
+                .unwrap();
+            assert_eq!(yb.dtype(), DType::BF16);
+            let yb = yb.to_dtype(DType::F32).unwrap();
+            assert!(d(&yb, &y2) < 0.05 * (1.0 + max_abs(&y2)), "{kind:?} bf16");
+        }
+    }
+
+    fn max_abs(t: &Tensor) -> f32 {
+        t.abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
     }
 
     #[test]

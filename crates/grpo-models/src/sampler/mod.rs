@@ -10,6 +10,13 @@
 //! i.e. under the sampling temperature but *before* the repetition penalty and top-k / top-p / min-p
 //! truncation. This is the quantity the trainer's forward computes (same temperature), so the two can
 //! be compared directly. With T = 0 (greedy) the log-prob is taken at T = 1.
+//!
+//! Tokens are chosen on the host from each step's logits when grpo's fused CPU kernels run (f32
+//! on the CPU), and on the logits' device otherwise ([`device`]: a GPU, bf16, `kernels =
+//! "portable"`), where only a few hundred numbers per row come back instead of the vocabulary.
+//! Both draw the row's one uniform per token from the row's RNG and pick by inverse CDF.
+
+mod device;
 
 use crate::seeding::mix_seed;
 use std::time::Instant;
@@ -253,9 +260,12 @@ pub fn generate_streaming(
         &mut prompt_cache,
     )?; // [P, Lmax, H]
     let last = h.narrow(1, lmax - 1, 1)?.squeeze(1)?; // [P, H]
-    let all_logits: Vec<f32> = model.logits(&last)?.flatten_all()?.to_vec1()?; // [P*V]
-    let v = all_logits.len() / prompts.len();
-    let first_logits: Vec<&[f32]> = all_logits.chunks(v).collect();
+    let first = model.logits(&last)?; // [P, V]
+    let on_device = device::applies(&device, model.dtype());
+    let all_logits: Vec<f32> = match on_device {
+        true => vec![],
+        false => first.flatten_all()?.to_vec1()?, // [P*V]
+    };
     stats.prompt_tokens = seqs.iter().map(|s| s.len()).sum();
     drop(h);
     stats.prefill_s = t0.elapsed().as_secs_f64();
@@ -278,11 +288,27 @@ pub fn generate_streaming(
         }
     }
     let ts = Instant::now();
-    rows.par_iter_mut()
-        .try_for_each(|row| step_row(row, first_logits[row.prompt], params, tokenizer))?;
+    if on_device {
+        let idx: Vec<u32> = rows.iter().map(|r| r.prompt as u32).collect();
+        let idx = Tensor::from_vec(idx, rows.len(), &device)?;
+        let all: Vec<usize> = (0..rows.len()).collect();
+        step_rows_on_device(
+            &mut rows,
+            &all,
+            &first.index_select(&idx, 0)?,
+            params,
+            tokenizer,
+        )?;
+    } else {
+        let v = all_logits.len() / prompts.len();
+        rows.par_iter_mut().try_for_each(|row| {
+            let at = row.prompt * v;
+            step_row(row, &all_logits[at..at + v], params, tokenizer)
+        })?;
+    }
     stats.sample_s += ts.elapsed().as_secs_f64();
-    drop(first_logits);
     drop(all_logits);
+    drop(first);
 
     // Finished samples' completions, each reported once through `on_done`.
     let mut out: Vec<Option<Completion>> = (0..rows.len()).map(|_| None).collect();
@@ -338,20 +364,28 @@ pub fn generate_streaming(
                 .collect();
             let shared = SharedPrefix { leader, end: lmax };
             let mask = AttnMask::LeftPad(pads, Some(shared));
-            let logits = model.decode_logits(&ids, &pos, &mask, &mut cache)?; // [b*V]
-            stats.decode_steps += 1;
-            let ts = Instant::now();
-            let v = logits.len() / b;
-            let mut slot_of = vec![usize::MAX; rows.len()];
-            batch.iter().enumerate().for_each(|(i, &r)| slot_of[r] = i);
-            rows.par_iter_mut()
-                .enumerate()
-                .filter(|(r, row)| row.done.is_none() && slot_of[*r] != usize::MAX)
-                .try_for_each(|(r, row)| {
-                    let i = slot_of[r];
-                    step_row(row, &logits[i * v..(i + 1) * v], params, tokenizer)
-                })?;
-            stats.sample_s += ts.elapsed().as_secs_f64();
+            if on_device {
+                let logits = model.decode_logits_tensor(&ids, &pos, &mask, &mut cache)?; // [b, V]
+                stats.decode_steps += 1;
+                let ts = Instant::now();
+                step_rows_on_device(&mut rows, &batch, &logits, params, tokenizer)?;
+                stats.sample_s += ts.elapsed().as_secs_f64();
+            } else {
+                let logits = model.decode_logits(&ids, &pos, &mask, &mut cache)?; // [b*V]
+                stats.decode_steps += 1;
+                let ts = Instant::now();
+                let v = logits.len() / b;
+                let mut slot_of = vec![usize::MAX; rows.len()];
+                batch.iter().enumerate().for_each(|(i, &r)| slot_of[r] = i);
+                rows.par_iter_mut()
+                    .enumerate()
+                    .filter(|(r, row)| row.done.is_none() && slot_of[*r] != usize::MAX)
+                    .try_for_each(|(r, row)| {
+                        let i = slot_of[r];
+                        step_row(row, &logits[i * v..(i + 1) * v], params, tokenizer)
+                    })?;
+                stats.sample_s += ts.elapsed().as_secs_f64();
+            }
             report(&rows, &mut out, false)?;
             let finished = batch.iter().filter(|&&r| rows[r].done.is_some()).count();
             if finished == batch.len() {
@@ -446,6 +480,64 @@ fn step_row(
         &mut row.rng,
         &mut row.scratch,
     );
+    advance(row, tok, lp, suppress_eos, params, tokenizer)
+}
+
+/// [`step_row`] for the rows `batch` (not yet done ones; done ones are skipped and draw nothing),
+/// whose logits are the rows of `logits` [batch.len(), V], with the tokens chosen on its device.
+fn step_rows_on_device(
+    rows: &mut [Row],
+    batch: &[usize],
+    logits: &Tensor,
+    params: &SamplingParams,
+    tokenizer: Option<&Tokenizer>,
+) -> Result<()> {
+    let greedy = params.temperature <= 0.0;
+    let mut draws = Vec::with_capacity(batch.len());
+    for &r in batch {
+        let row = &mut rows[r];
+        let live = row.done.is_none();
+        draws.push(match live && !greedy {
+            true => row.rng.random::<f64>(),
+            false => 0.0,
+        });
+    }
+    let picks = {
+        let view: Vec<device::DeviceRow<'_>> = batch
+            .iter()
+            .zip(&draws)
+            .map(|(&r, &u)| device::DeviceRow {
+                seen: &rows[r].seen,
+                suppress_eos: rows[r].tokens.len() < params.min_new_tokens,
+                u,
+            })
+            .collect();
+        device::choose_tokens(logits, &view, params)?
+    };
+    let mut pick_of = vec![None; rows.len()];
+    batch
+        .iter()
+        .zip(picks)
+        .for_each(|(&r, p)| pick_of[r] = Some(p));
+    rows.par_iter_mut()
+        .zip(pick_of)
+        .filter(|(row, p)| row.done.is_none() && p.is_some())
+        .try_for_each(|(row, p)| {
+            let (tok, lp) = p.unwrap_or_default();
+            let suppress_eos = row.tokens.len() < params.min_new_tokens;
+            advance(row, tok, lp, suppress_eos, params, tokenizer)
+        })
+}
+
+/// Appends the chosen token `tok` (log-prob `lp`) to `row` and updates its stop state.
+fn advance(
+    row: &mut Row,
+    tok: u32,
+    lp: f32,
+    suppress_eos: bool,
+    params: &SamplingParams,
+    tokenizer: Option<&Tokenizer>,
+) -> Result<()> {
     row.tokens.push(tok);
     row.logprobs.push(lp);
     row.seen.push(tok);

@@ -1,0 +1,36 @@
+#!/usr/bin/env python3
+"""The shared TRL GRPO step peer (../shared/bench/peers/trl_grpo_bench.py) on a GPU.
+
+That script pins TRL to the CPU (use_cpu=True, f32). This wrapper loads it unchanged and only
+changes the GRPOConfig it builds: use_cpu=False (accelerate then takes the GPU when there is one)
+and, with --bf16, TRL's bf16 mixed precision. Every other argument goes to the peer as is.
+  bench/trl_step_device.py [--bf16] --steps 5 --prompts 8 ...
+"""
+import importlib.util
+import os
+import sys
+
+here = os.path.dirname(os.path.abspath(__file__))
+peers = os.environ.get("PEERS_SRC", os.path.join(here, "..", "..", "shared", "bench", "peers"))
+sys.path.insert(0, peers)
+spec = importlib.util.spec_from_file_location("trl_grpo_bench", os.path.join(peers, "trl_grpo_bench.py"))
+peer = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(peer)
+
+bf16 = "--bf16" in sys.argv
+sys.argv = [a for a in sys.argv if a != "--bf16"]
+config = peer.GRPOConfig
+
+
+def on_device(**kw):
+    kw["use_cpu"] = False
+    kw["bf16"] = bf16
+    return config(**kw)
+
+
+peer.GRPOConfig = on_device
+import torch  # noqa: E402  (the peer imported it already)
+
+print(f'{{"event": "device", "cuda": {str(torch.cuda.is_available()).lower()}, "bf16": {str(bf16).lower()}}}',
+      flush=True)
+peer.main()
