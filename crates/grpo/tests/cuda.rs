@@ -131,6 +131,15 @@ fn gpu_training_forward_gives_every_parameter_a_gradient() {
     }
 }
 
+/// A temporary directory holding the tiny Llama made for training tests (in `model/`).
+fn tiny_llama_dir() -> (tempfile::TempDir, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+    let model = tmp.path().join("model");
+    support::tiny_llama(&model, &fixtures);
+    (tmp, model)
+}
+
 fn train_config(
     model: &std::path::Path,
     out: &std::path::Path,
@@ -187,10 +196,7 @@ fn gpu_grpo_steps_equal_the_portable_cpu_path_and_resume_exactly() {
     if gpu().is_none() {
         return;
     }
-    let tmp = tempfile::tempdir().unwrap();
-    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
-    let model = tmp.path().join("model");
-    support::tiny_llama(&model, &fixtures);
+    let (tmp, model) = tiny_llama_dir();
     let (gpu_dir, cpu_dir) = (tmp.path().join("gpu"), tmp.path().join("cpu"));
     let done = train(
         &train_config(&model, &gpu_dir, "device = \"cuda\""),
@@ -286,10 +292,7 @@ fn gpu_qlora_with_truncated_sampling_equals_the_portable_cpu_path() {
     if gpu().is_none() {
         return;
     }
-    let tmp = tempfile::tempdir().unwrap();
-    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
-    let model = tmp.path().join("model");
-    support::tiny_llama(&model, &fixtures);
+    let (tmp, model) = tiny_llama_dir();
     for kind in ["nf4", "q4_0"] {
         let extra = format!(
             "base_quantization = \"{kind}\"\ntop_k = 20\ntop_p = 0.9\n[lora]\nr = 4\nalpha = 8\n"

@@ -692,14 +692,7 @@ mod tests {
                 let x = randn((rows, 64), 2);
                 let y = q.forward(&x).unwrap();
                 let want = x.matmul(&wd.t().unwrap()).unwrap();
-                let d = (y - want)
-                    .unwrap()
-                    .abs()
-                    .unwrap()
-                    .max_all()
-                    .unwrap()
-                    .to_scalar::<f32>()
-                    .unwrap();
+                let d = max_diff(&y, &want);
                 // The few-row path quantizes x to 8 bits as well (candle's kernel).
                 let tol = if rows <= kernel_max_rows(kind) {
                     5e-2
@@ -751,24 +744,18 @@ mod tests {
                 (y, g.get(x.as_tensor()).unwrap().clone())
             };
             let ((y1, g1), (y2, g2)) = (run(true), run(false));
-            let d = |a: &Tensor, b: &Tensor| {
-                (a - b)
-                    .unwrap()
-                    .abs()
-                    .unwrap()
-                    .max_all()
-                    .unwrap()
-                    .to_scalar::<f32>()
-                    .unwrap()
-            };
-            assert!(d(&y1, &y2) < 1e-5, "{kind:?} forward {}", d(&y1, &y2));
-            assert!(d(&g1, &g2) < 1e-5, "{kind:?} gradient {}", d(&g1, &g2));
+            let (dy, dg) = (max_diff(&y1, &y2), max_diff(&g1, &g2));
+            assert!(dy < 1e-5, "{kind:?} forward {dy}");
+            assert!(dg < 1e-5, "{kind:?} gradient {dg}");
             let yb = q
                 .forward(&x.as_tensor().to_dtype(DType::BF16).unwrap())
                 .unwrap();
             assert_eq!(yb.dtype(), DType::BF16);
             let yb = yb.to_dtype(DType::F32).unwrap();
-            assert!(d(&yb, &y2) < 0.05 * (1.0 + max_abs(&y2)), "{kind:?} bf16");
+            assert!(
+                max_diff(&yb, &y2) < 0.05 * (1.0 + max_abs(&y2)),
+                "{kind:?} bf16"
+            );
         }
     }
 
@@ -779,6 +766,10 @@ mod tests {
             .unwrap()
             .to_scalar::<f32>()
             .unwrap()
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        max_abs(&(a - b).unwrap())
     }
 
     #[test]
@@ -800,16 +791,10 @@ mod tests {
             .unwrap()
             .backward()
             .unwrap();
-        let a = g1.get(x.as_tensor()).unwrap();
-        let b = g2.get(x.as_tensor()).unwrap();
-        let d = (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let d = max_diff(
+            g1.get(x.as_tensor()).unwrap(),
+            g2.get(x.as_tensor()).unwrap(),
+        );
         assert!(d < 1e-5, "{d}");
     }
 
