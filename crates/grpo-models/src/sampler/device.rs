@@ -15,9 +15,10 @@
 //! This is inverse-CDF sampling, exactly as [`super::choose_token`] does it, with the sums done
 //! block-wise: a token of probability 0 (suppressed, truncated) is never chosen.
 //!
-//! top-k and top-p are thresholds found by bisection on the tempered logits (candle has no sort
-//! on the GPU for a vocabulary's width): top-k keeps the logits at or above the k-th largest,
-//! top-p the fewest largest whose probability mass reaches `top_p` (after top-k), as HF does.
+//! top-k and top-p are thresholds found by bisection on the tempered logits shifted to 0 at the
+//! row's top (candle has no sort on the GPU for a vocabulary's width): top-k keeps the logits at
+//! or above the k-th largest, top-p the fewest largest whose probability mass reaches `top_p`
+//! (after top-k), as HF does.
 //! [`BISECT_STEPS`] halvings of a 201-nat interval end on adjacent f32 values for any logit of
 //! magnitude above about 1e-5, so the kept set is exact there; where several logits tie at the
 //! threshold all of them are kept (the host sampler keeps exactly k).
@@ -26,7 +27,7 @@ use std::collections::HashSet;
 
 use candle_core::{DType, Tensor};
 
-use super::SamplingParams;
+use super::{pick, scan, SamplingParams};
 use crate::Result;
 
 /// Tokens per block of the two-level draw (the host receives V / BLOCK + BLOCK values per row).
@@ -36,7 +37,8 @@ pub(super) const BLOCK: usize = 256;
 const BISECT_STEPS: usize = 48;
 
 /// Tempered logits more than this below the row's largest have probability 0 in f32
-/// (`exp(-104)` underflows), so a threshold never needs to go lower.
+/// (`exp(-104)` underflows), so a threshold never needs to go lower (the bisection runs between
+/// -FLOOR and 1 on the shifted logits).
 const FLOOR: f64 = 200.0;
 
 /// What the host knows of one row at this step.
@@ -61,35 +63,39 @@ pub(super) fn choose_tokens(
     let greedy = params.temperature <= 0.0;
     let t = if greedy { 1.0 } else { params.temperature };
     let raw = logits.to_dtype(DType::F32)?; // [b, V] f32
-                                            // The log-prob's normaliser, from the raw logits at temperature t.
+
+    // The raw logits at temperature t, shifted to 0 at each row's top: their exponentials are the
+    // unprocessed probabilities, and their sum is the log-prob's normaliser.
     let m = raw.max_keepdim(1)?; // [b, 1]
-    let sum = ((raw.broadcast_sub(&m)? / t)?.exp()?).sum_keepdim(1)?; // [b, 1]
-    let norm = Tensor::cat(&[&m, &sum], 1)?; // [b, 2]
+    let scaled_raw = (raw.broadcast_sub(&m)? / t)?; // [b, V], <= 0
+    let e = scaled_raw.exp()?; // [b, V]
+    let norm = Tensor::cat(&[&m, &e.sum_keepdim(1)?], 1)?; // [b, 2]
     let logprob = |raw_tok: f32, norm: &[f32]| (raw_tok - norm[0]) / t as f32 - norm[1].ln();
 
     // Processed logits: the repetition penalty, then EOS suppression (HF's order).
-    let mut z = raw.clone();
+    let mut z = None;
     if params.repetition_penalty != 1.0 {
         let ids = padded_ids(rows.iter().map(|r| unique_below(r.seen, v)), b);
         let ids = Tensor::from_vec(ids.0, (b, ids.1), device)?; // [b, S] u32
-        let g = z.gather(&ids, 1)?; // [b, S]
+        let g = raw.gather(&ids, 1)?; // [b, S]
         let p = params.repetition_penalty;
         let penalised = g.lt(0.0)?.where_cond(&(&g * p)?, &(&g / p)?)?;
-        z = z.scatter(&ids, &penalised, 1)?;
+        z = Some(raw.scatter(&ids, &penalised, 1)?);
     }
     let eos: Vec<u32> = unique_below(&params.eos_token_ids, v);
     if !eos.is_empty() && rows.iter().any(|r| r.suppress_eos) {
+        let zz = z.as_ref().unwrap_or(&raw);
         let e = eos.len();
         let ids = Tensor::from_vec(eos.repeat(b), (b, e), device)?; // [b, E] u32
-        let cur = z.gather(&ids, 1)?; // [b, E]
+        let cur = zz.gather(&ids, 1)?; // [b, E]
         let flags: Vec<u8> = rows.iter().map(|r| r.suppress_eos as u8).collect();
         let off = Tensor::from_vec(flags, (b, 1), device)?.broadcast_as((b, e))?;
         let none = Tensor::full(f32::NEG_INFINITY, (b, e), device)?;
-        z = z.scatter(&ids, &off.where_cond(&none, &cur)?, 1)?;
+        z = Some(zz.scatter(&ids, &off.where_cond(&none, &cur)?, 1)?);
     }
 
     if greedy {
-        let tok = z.argmax_keepdim(1)?; // [b, 1] u32
+        let tok = z.as_ref().unwrap_or(&raw).argmax_keepdim(1)?; // [b, 1] u32
         let raw_tok = raw.gather(&tok, 1)?; // [b, 1]
         let tok: Vec<u32> = tok.flatten_all()?.to_vec1()?;
         let back = Tensor::cat(&[&raw_tok, &norm], 1)?.to_vec2::<f32>()?; // [b, 3]
@@ -100,33 +106,38 @@ pub(super) fn choose_tokens(
             .collect());
     }
 
-    let zt = (z / t)?; // [b, V] tempered
-    let top = zt.max_keepdim(1)?; // [b, 1]
-    let mut q = zt.broadcast_sub(&top)?.exp()?; // [b, V] unnormalised probabilities
-    let floor = (&top - FLOOR)?;
-    let ceil = (&top + 1.0)?;
+    // The processed logits at temperature t, 0 at each row's top, and their exponentials (the
+    // unnormalised probabilities): the raw ones' when nothing was processed.
+    let (s, mut q) = match z {
+        None => (scaled_raw, e),
+        Some(z) => {
+            let s = (z.broadcast_sub(&z.max_keepdim(1)?)? / t)?; // [b, V], <= 0
+            let q = s.exp()?;
+            (s, q)
+        }
+    };
+    let at_least = |x: &Tensor, floor: &Tensor| x.broadcast_ge(floor)?.to_dtype(DType::F32);
+    let (lo, hi) = (
+        Tensor::full(-FLOOR as f32, (b, 1), device)?,
+        Tensor::full(1f32, (b, 1), device)?,
+    );
     if params.top_k > 0 && params.top_k < v {
         let k = params.top_k as f64;
-        let keep = bisect(floor.clone(), ceil.clone(), |mid| {
-            zt.broadcast_ge(mid)?
-                .to_dtype(DType::F32)?
-                .sum_keepdim(1)?
-                .ge(k)
+        let keep = bisect(lo.clone(), hi.clone(), |mid| {
+            at_least(&s, mid)?.sum_keepdim(1)?.ge(k)
         })?;
-        q = (q * zt.broadcast_ge(&keep)?.to_dtype(DType::F32)?)?;
+        q = (q * at_least(&s, &keep)?)?;
     }
     if params.top_p < 1.0 {
         let target = (q.sum_keepdim(1)? * params.top_p)?; // [b, 1]
-        let keep = bisect(floor, ceil, |mid| {
-            (&q * zt.broadcast_ge(mid)?.to_dtype(DType::F32)?)?
-                .sum_keepdim(1)?
-                .ge(&target)
+        let keep = bisect(lo, hi, |mid| {
+            (&q * at_least(&s, mid)?)?.sum_keepdim(1)?.ge(&target)
         })?;
-        q = (&q * zt.broadcast_ge(&keep)?.to_dtype(DType::F32)?)?;
+        q = (&q * at_least(&s, &keep)?)?;
     }
     if params.min_p > 0.0 {
         let least = (q.max_keepdim(1)? * params.min_p)?; // [b, 1]
-        q = (&q * q.broadcast_ge(&least)?.to_dtype(DType::F32)?)?;
+        q = (&q * at_least(&q, &least)?)?;
     }
 
     // The two-level draw.
@@ -166,30 +177,6 @@ pub(super) fn choose_tokens(
             )
         })
         .collect())
-}
-
-/// Where `u` of the total mass of `p` falls: the index of the first positive entry whose
-/// cumulative sum exceeds it, and how much of the draw is left inside that entry (the last
-/// positive entry, and all of it, when rounding carries the draw past the end).
-fn scan(p: &[f32], target: f64) -> (usize, f64) {
-    let mut left = target;
-    let mut last = (0, 0.0);
-    for (i, &x) in p.iter().enumerate() {
-        if x > 0.0 {
-            if left < x as f64 {
-                return (i, left);
-            }
-            left -= x as f64;
-            last = (i, x as f64);
-        }
-    }
-    last
-}
-
-/// The block a row's draw `u` falls in, and the draw's remainder inside it.
-fn pick(sums: &[f32], u: f64) -> (usize, f64) {
-    let total: f64 = sums.iter().map(|&x| x as f64).sum();
-    scan(sums, u * total)
 }
 
 /// The distinct ids of `ids` below `v`.
@@ -482,13 +469,5 @@ mod tests {
             })
             .count();
         assert!((2850..3150).contains(&high), "{high}");
-    }
-
-    #[test]
-    fn scan_never_lands_on_a_zero() {
-        assert_eq!(scan(&[0.0, 1.0, 0.0, 1.0, 0.0], 0.0), (1, 0.0));
-        assert_eq!(scan(&[0.0, 1.0, 0.0, 1.0, 0.0], 1.0), (3, 0.0));
-        // Past the end (rounding): the last positive entry, all of it.
-        assert_eq!(scan(&[0.0, 1.0, 0.0, 1.0, 0.0], 2.5), (3, 1.0));
     }
 }

@@ -668,19 +668,32 @@ fn greedy_token(
 
 /// Inverse-CDF draw from unnormalised probabilities.
 fn sample_full(p: &[f32], rng: &mut impl Rng) -> usize {
-    let total: f64 = p.iter().map(|&v| v as f64).sum();
-    let mut u = rng.random::<f64>() * total;
-    let mut last = 0;
-    for (i, &v) in p.iter().enumerate() {
-        if v > 0.0 {
-            last = i;
-            u -= v as f64;
-            if u < 0.0 {
-                return i;
+    pick(p, rng.random::<f64>()).0
+}
+
+/// Where `target` (an amount of `p`'s mass) falls: the index of the first positive entry whose
+/// cumulative sum exceeds it, and how much of the draw is left inside that entry (the last
+/// positive entry, and all of it, when rounding carries the draw past the end).
+fn scan(p: &[f32], target: f64) -> (usize, f64) {
+    let mut left = target;
+    let mut last = (0, 0.0);
+    for (i, &x) in p.iter().enumerate() {
+        if x > 0.0 {
+            if left < x as f64 {
+                return (i, left);
             }
+            left -= x as f64;
+            last = (i, x as f64);
         }
     }
     last
+}
+
+/// Where the draw `u` in [0, 1) falls in `p`'s mass (see [`scan`]): the host sampler's draw
+/// over the vocabulary, and the device sampler's choice of a block from the block sums.
+fn pick(p: &[f32], u: f64) -> (usize, f64) {
+    let total: f64 = p.iter().map(|&x| x as f64).sum();
+    scan(p, u * total)
 }
 
 /// top-k, then top-p on the renormalised rest, then min-p, then a draw.
@@ -861,5 +874,13 @@ mod tests {
         .validate()
         .unwrap_err();
         assert!(e.to_string().contains("max_new_tokens"));
+    }
+
+    #[test]
+    fn scan_never_lands_on_a_zero() {
+        assert_eq!(scan(&[0.0, 1.0, 0.0, 1.0, 0.0], 0.0), (1, 0.0));
+        assert_eq!(scan(&[0.0, 1.0, 0.0, 1.0, 0.0], 1.0), (3, 0.0));
+        // Past the end (rounding): the last positive entry, all of it.
+        assert_eq!(scan(&[0.0, 1.0, 0.0, 1.0, 0.0], 2.5), (3, 1.0));
     }
 }
