@@ -165,12 +165,69 @@ pub fn set_kernels(k: Kernels) {
     );
 }
 
-/// Whether grpo's own CPU code (fused ops, in-place updates, gradient sinks) runs on tensors of
-/// `device` and `dtype`: f32 on the CPU with the fused kernel set. Everything else takes the
-/// portable path of candle ops.
+/// Whether grpo's own CPU code runs on tensors of `device` and `dtype`.
 #[inline]
 pub fn cpu_fused(device: &candle_core::Device, dtype: candle_core::DType) -> bool {
-    device.is_cpu() && dtype == candle_core::DType::F32 && kernels() == Kernels::Fused
+    Compute::resolve(device, dtype).is_fused()
+}
+
+/// How a model's (or an optimizer's) arithmetic runs: the device seam. Resolved once, when the
+/// model or optimizer is set up ([`Compute::resolve`]: the only reader of the kernel set
+/// besides start-up logging), and handed to the layers, the sampler, the log-prob code and the
+/// update, which branch on it instead of asking the device.
+///
+/// A GPU kernel of grpo's own goes in as an arm next to [`Compute::CpuFused`]; the portable arm
+/// is the candle-op path every device runs (and CI runs on the CPU).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compute {
+    /// grpo's own CPU code where it applies: fused ops, packed and fused decoding, gradient sinks,
+    /// one-row packing, in-place AdamW (f32 on the CPU with the fused kernel set).
+    CpuFused,
+    /// candle ops only: a GPU, bf16, or `kernels = "portable"` on the CPU.
+    Portable,
+}
+
+impl Compute {
+    /// The compute for a model or optimizer whose parameters are `dtype` on `device`, under the
+    /// kernel set in force ([`kernels`]).
+    pub fn resolve(device: &candle_core::Device, dtype: candle_core::DType) -> Compute {
+        match device.is_cpu() && dtype == candle_core::DType::F32 && kernels() == Kernels::Fused {
+            true => Compute::CpuFused,
+            false => Compute::Portable,
+        }
+    }
+
+    /// Whether grpo's fused CPU code runs at all.
+    #[inline]
+    pub fn is_fused(self) -> bool {
+        self == Compute::CpuFused
+    }
+
+    /// Whether a fused CPU kernel runs on `x`: [`Compute::CpuFused`] and `x` f32 on the CPU (a
+    /// fused model still meets other tensors: f64 in tests, u32 ids).
+    #[inline]
+    pub fn fuses(self, x: &candle_core::Tensor) -> bool {
+        self.fuses_on(x.device(), x.dtype())
+    }
+
+    /// [`Compute::fuses`] for tensors of `dtype` on `device`.
+    #[inline]
+    pub fn fuses_on(self, device: &candle_core::Device, dtype: candle_core::DType) -> bool {
+        self.is_fused() && device.is_cpu() && dtype == candle_core::DType::F32
+    }
+
+    /// Whether decoding models pack their projections for the decoding GEMM: fused, and the CPU
+    /// runs an AVX2 or AVX-512 variant of it.
+    pub fn packs_for_decoding(self) -> bool {
+        self.is_fused() && Isa::active() >= Isa::Avx2
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Compute::CpuFused => "fused CPU kernels",
+            Compute::Portable => "portable (candle ops)",
+        }
+    }
 }
 
 /// Checks `GRPO_ISA` and `GRPO_KERNELS`: an error naming the variable and its accepted values,

@@ -150,6 +150,161 @@ pub fn token_logprobs_entropy_with(
     Ok((Tensor::cat(&lps, 0)?, ents))
 }
 
+/// Like [`token_logprobs_entropy`] for a differentiable forward that keeps no logits: each
+/// chunk's `[c, V]` logits exist only while it is computed, in the forward and again in the
+/// backward, which recomputes them from `hidden` and `lm_head` (the fused linear + log-softmax
+/// plan of Liger's kernels, in candle ops; see [`crate::models::recompute`]). What the backward
+/// keeps is `hidden`, `lm_head` and one log-sum-exp per row. `lm_head` [V, H] gets a gradient
+/// only where it tracks one (a frozen head under LoRA does not).
+///
+/// Returns log-probs [N] f32 and, unless `entropy` is [`Entropy::Skip`], entropies [N] f32.
+pub fn token_logprobs_entropy_recomputed(
+    hidden: &Tensor,
+    lm_head: &Tensor,
+    targets: &Tensor,
+    temperature: f64,
+    chunk_rows: usize,
+    entropy: Entropy,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let op = HeadLogprobs {
+        targets: targets.detach(),
+        temperature: if temperature > 0.0 { temperature } else { 1.0 },
+        chunk: chunk_rows.max(1),
+        entropy,
+        lse: Default::default(),
+    };
+    let (both, lse) = op.forward(&hidden.detach(), &lm_head.detach())?; // [N, 2], [N, 1]
+    let op = HeadLogprobs {
+        lse: std::sync::OnceLock::from(lse),
+        ..op
+    };
+    let both =
+        crate::models::recompute::attach(&both, &[hidden, lm_head], std::sync::Arc::new(op))?;
+    let lp = both.narrow(1, 0, 1)?.squeeze(1)?; // [N]
+    let ent = both.narrow(1, 1, 1)?.squeeze(1)?; // [N]
+    Ok((
+        lp,
+        match entropy {
+            Entropy::Skip => None,
+            Entropy::Detached => Some(ent.detach()),
+            Entropy::WithGrad => Some(ent),
+        },
+    ))
+}
+
+/// The recorded LM head + log-softmax + gather of [`token_logprobs_entropy_recomputed`].
+struct HeadLogprobs {
+    /// [N] u32.
+    targets: Tensor,
+    temperature: f64,
+    chunk: usize,
+    entropy: Entropy,
+    /// [N, 1] f32: each row's log-sum-exp of `logits / T`.
+    lse: std::sync::OnceLock<Tensor>,
+}
+
+impl HeadLogprobs {
+    /// `logits / T` of rows `[start, start+len)`: [c, V] f32.
+    fn tempered(&self, h: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+        let logits = h.matmul(&w.t()?)?; // [c, V]
+        logits.to_dtype(reduce_dtype(logits.dtype()))? / self.temperature
+    }
+
+    /// `[N, 2]` (log-prob, entropy or 0) and `[N, 1]` log-sum-exps, without a graph.
+    fn forward(&self, hidden: &Tensor, w: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+        let n = hidden.dim(0)?;
+        let (mut rows, mut lses) = (Vec::new(), Vec::new());
+        let mut start = 0;
+        while start < n {
+            let len = self.chunk.min(n - start);
+            let z = self.tempered(&hidden.narrow(0, start, len)?, w)?; // [c, V] f32
+            let y = self.targets.narrow(0, start, len)?.unsqueeze(1)?; // [c, 1]
+            let max = z.max_keepdim(D::Minus1)?; // [c, 1]
+            let shifted = z.broadcast_sub(&max)?;
+            let e = shifted.exp()?;
+            let sum = e.sum_keepdim(D::Minus1)?; // [c, 1]
+            let lse_shifted = sum.log()?;
+            let lp = (shifted.gather(&y, 1)? - &lse_shifted)?; // [c, 1]
+            let ent = match self.entropy {
+                Entropy::Skip => lp.zeros_like()?,
+                // H = log(sum e) - sum(e * shifted) / sum(e)
+                _ => (&lse_shifted - ((e * &shifted)?.sum_keepdim(D::Minus1)? / &sum)?)?,
+            };
+            rows.push(Tensor::cat(&[&lp, &ent], 1)?);
+            lses.push((max + lse_shifted)?);
+            start += len;
+        }
+        Ok((Tensor::cat(&rows, 0)?, Tensor::cat(&lses, 0)?))
+    }
+}
+
+impl crate::models::recompute::Backward for HeadLogprobs {
+    fn name(&self) -> &'static str {
+        "head-logprobs"
+    }
+
+    /// With `z = h W^T / T`, `p = softmax(z)`: `d lp / dz = onehot(y) - p` and
+    /// `d H / dz = -p (z - sum p z)`; then `dh = dz W / T`, `dW = dz^T h / T`.
+    fn backward(
+        &self,
+        inputs: &[Tensor],
+        wanted: &[bool],
+        out: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<Vec<Option<Tensor>>> {
+        let [hidden, w] = inputs else {
+            candle_core::bail!("head log-probs: two inputs expected");
+        };
+        let Some(lse) = self.lse.get() else {
+            candle_core::bail!("head log-probs: backward without a recorded forward");
+        };
+        let n = hidden.dim(0)?;
+        let f = reduce_dtype(hidden.dtype());
+        let grad = grad.to_dtype(f)?; // [N, 2]
+        let with_entropy = self.entropy == Entropy::WithGrad;
+        let mut dw: Option<Tensor> = None;
+        let mut dhs = Vec::new();
+        let mut start = 0;
+        while start < n {
+            let len = self.chunk.min(n - start);
+            let h = hidden.narrow(0, start, len)?; // [c, H]
+            let z = self.tempered(&h, w)?; // [c, V] f32
+            let p = z.broadcast_sub(&lse.narrow(0, start, len)?)?.exp()?; // [c, V]
+            let g = grad.narrow(0, start, len)?;
+            let g_lp = g.narrow(1, 0, 1)?.contiguous()?; // [c, 1]
+            let y = self
+                .targets
+                .narrow(0, start, len)?
+                .unsqueeze(1)?
+                .contiguous()?; // [c, 1]
+            let mut dz = p.broadcast_mul(&g_lp.neg()?)?.scatter_add(&y, &g_lp, 1)?; // [c, V]
+            if with_entropy {
+                let g_ent = g.narrow(1, 1, 1)?; // [c, 1]
+                let ent = out
+                    .narrow(0, start, len)?
+                    .narrow(1, 1, 1)?
+                    .to_dtype(z.dtype())?;
+                // sum p z = lse - H
+                let mean_z = (lse.narrow(0, start, len)? - ent)?; // [c, 1]
+                let d_ent = (p * z.broadcast_sub(&mean_z)?)?.broadcast_mul(&g_ent.neg()?)?;
+                dz = (dz + d_ent)?;
+            }
+            let dlogits = (dz / self.temperature)?.to_dtype(h.dtype())?; // [c, V]
+            dhs.push(dlogits.matmul(w)?); // [c, H]
+            if wanted[1] {
+                let part = dlogits.t()?.matmul(&h)?.to_dtype(f)?; // [V, H]
+                dw = Some(match dw {
+                    Some(acc) => (acc + part)?,
+                    None => part,
+                });
+            }
+            start += len;
+        }
+        let dw = dw.map(|d| d.to_dtype(w.dtype())).transpose()?;
+        Ok(vec![Some(Tensor::cat(&dhs, 0)?), dw])
+    }
+}
+
 /// Splits rows (`prompts[i] ++ completions[i]`, consecutive rows of a group sharing their prompt)
 /// into consecutive ranges whose packed length (each group's prompt once, plus its completions) is
 /// at most `budget` tokens. Whole groups stay together when they fit; a group longer than the
@@ -303,14 +458,21 @@ pub fn completion_logprobs(
         .index_select(&Tensor::from_vec(rows, m, &dev)?, 0)?; // [M, H]
     let targets = Tensor::from_vec(targets, m, &dev)?;
     let head = |h: &Tensor| model.head_logits(h);
-    let (lp, ent) = token_logprobs_entropy_with(
-        &picked,
-        &head,
-        &targets,
-        temperature,
-        DEFAULT_CHUNK_ROWS,
-        entropy,
-    )?; // [M]
+    let (lp, ent) = match model.plain_head() {
+        // Off the fused CPU path (a GPU's), a training forward keeps no [M, V] logits.
+        Some(w) if mode == Mode::Train && !one_row => {
+            let rows = crate::models::chunked_attention::CHUNK_BYTES / (4 * w.dim(0)?.max(1));
+            token_logprobs_entropy_recomputed(&picked, w, &targets, temperature, rows, entropy)?
+        }
+        _ => token_logprobs_entropy_with(
+            &picked,
+            &head,
+            &targets,
+            temperature,
+            DEFAULT_CHUNK_ROWS,
+            entropy,
+        )?,
+    }; // [M]
     let scatter = Tensor::from_vec(scatter, n * tc, &dev)?;
     let to_grid = |x: Tensor| -> Result<Tensor> {
         let zero = Tensor::zeros(1, x.dtype(), &dev)?;
@@ -393,6 +555,71 @@ mod tests {
             (0..6).map(|i| i..i + 1).collect::<Vec<_>>()
         );
         assert!(forward_chunks(&[], &[], 10).is_empty());
+    }
+
+    /// The recomputed head gives the graph path's log-probs, entropies and gradients (of the
+    /// hidden states and the head, through log-probs and a differentiable entropy), in chunks
+    /// that do not divide the rows, and no head gradient when the head is frozen.
+    #[test]
+    fn recomputed_head_logprobs_match_the_graph_path_with_gradients() {
+        let dev = Device::Cpu;
+        let (n, h, v) = (7, 5, 11);
+        let hidden = Var::randn(0f32, 1.0, (n, h), &dev).unwrap();
+        let w = Var::randn(0f32, 1.0, (v, h), &dev).unwrap();
+        let targets = Tensor::new(&[0u32, 3, 10, 5, 5, 1, 9], &dev).unwrap();
+        let c1 = Tensor::randn(0f32, 1.0, n, &dev).unwrap();
+        let c2 = Tensor::randn(0f32, 1.0, n, &dev).unwrap();
+        let diff = |a: &Tensor, b: &Tensor| -> f32 {
+            (a - b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar()
+                .unwrap()
+        };
+        for (t, chunk) in [(1.0, 3), (0.7, 100), (0.0, 1)] {
+            let loss = |(lp, ent): (Tensor, Option<Tensor>)| {
+                let a = (lp * &c1).unwrap().sum_all().unwrap();
+                (a + (ent.unwrap() * &c2).unwrap().sum_all().unwrap()).unwrap()
+            };
+            let (lp0, e0) =
+                token_logprobs_entropy(&hidden, &w, &targets, t, chunk, Entropy::WithGrad).unwrap();
+            let (lp1, e1) = token_logprobs_entropy_recomputed(
+                &hidden,
+                &w,
+                &targets,
+                t,
+                chunk,
+                Entropy::WithGrad,
+            )
+            .unwrap();
+            assert!(
+                diff(&lp0, &lp1) < 1e-5 && diff(e0.as_ref().unwrap(), e1.as_ref().unwrap()) < 1e-5
+            );
+            let g0 = loss((lp0, e0)).backward().unwrap();
+            let g1 = loss((lp1, e1)).backward().unwrap();
+            for x in [&hidden, &w] {
+                let d = diff(g0.get(x).unwrap(), g1.get(x).unwrap());
+                assert!(d < 1e-5, "t {t}, chunk {chunk}: {d}");
+            }
+        }
+        let frozen = w.as_tensor().detach();
+        let (lp, ent) = token_logprobs_entropy_recomputed(
+            &hidden,
+            &frozen,
+            &targets,
+            1.0,
+            4,
+            Entropy::Detached,
+        )
+        .unwrap();
+        assert!(!ent.unwrap().track_op());
+        let g = lp.sum_all().unwrap().backward().unwrap();
+        assert!(g.get(&hidden).is_some() && g.get(&frozen).is_none());
     }
 
     #[test]

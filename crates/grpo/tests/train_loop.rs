@@ -720,12 +720,14 @@ fn qlora_run_trains() {
 
 /// Gradient checkpointing recomputes each block in the backward: same losses and gradient
 /// norms (to rounding), for full fine-tuning and for LoRA with dropout (the recomputed block
-/// draws the mask its forward drew).
+/// draws the mask its forward drew), and off the fused CPU path (bf16: the candle ops a GPU
+/// runs, with the chunked attention inside the recomputed block).
 #[test]
 fn gradient_checkpointing_leaves_the_update_unchanged() {
     for base in [
         "beta = 0.04",
         "beta = 0.04\nlora.r = 4\nlora.dropout = 0.2\nlora.target_modules = \"all-linear\"",
+        "beta = 0.04\ndtype = \"bf16\"",
     ] {
         let plain = two_steps(base);
         let ckpt = two_steps(&format!("{base}\ngradient_checkpointing = true"));
@@ -1066,7 +1068,7 @@ fn bf16_mixed_precision_trains_and_resumes_exactly() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("model");
     tiny_model(&model);
-    // Gradient checkpointing (a CPU f32 kernel) is left out with bf16, with a warning.
+    // Gradient checkpointing recomputes the bf16 blocks (any device and dtype).
     let extra = "beta = 0.04\ndtype = \"bf16\"\ngradient_checkpointing = true";
     let full = tmp.path().join("full");
     let out = train(&config(&model, &full, extra), &RunControl::default()).unwrap();

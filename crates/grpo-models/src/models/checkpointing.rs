@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, TensorId, Var};
+use candle_core::{DType, Result, Tensor, TensorId, Var};
 
 type BlockFn = dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync;
 
@@ -27,12 +27,13 @@ pub struct CheckpointGrads {
 }
 
 impl CheckpointGrads {
-    /// For blocks whose trainable parameters are among `params`.
-    pub fn new(params: &[Var]) -> Result<Arc<Self>> {
+    /// For blocks whose trainable parameters are among `params`, on `device` (where the
+    /// blocks run).
+    pub fn new(params: &[Var], device: &candle_core::Device) -> Result<Arc<Self>> {
         Ok(Arc::new(Self {
             params: params.to_vec(),
             store: Mutex::new(HashMap::new()),
-            anchor: Var::zeros((), DType::F32, &candle_core::Device::Cpu)?,
+            anchor: Var::zeros((), DType::F32, device)?,
         }))
     }
 
@@ -63,57 +64,43 @@ impl CheckpointGrads {
     }
 }
 
-/// `block(x)`, keeping no intermediate of it for the backward (see the module doc). CPU f32.
+/// `block(x)`, keeping no intermediate of it for the backward (see the module doc). Any device
+/// and dtype (the result is recorded with [`super::recompute::attach`]).
 pub fn checkpoint(
     x: &Tensor,
     grads: &Arc<CheckpointGrads>,
     block: impl Fn(&Tensor) -> Result<Tensor> + Send + Sync + 'static,
 ) -> Result<Tensor> {
     // Run the block without a graph to keep: its intermediates are freed when `y` is detached.
-    let y = block(&x.detach())?.detach().contiguous()?;
+    let y = block(&x.detach())?.detach();
     let op = Checkpointed {
         block: Arc::new(block),
         grads: grads.clone(),
-        y: y.clone(),
     };
-    x.contiguous()?.apply_op2(grads.anchor.as_tensor(), op)
+    super::recompute::attach(&y, &[x, grads.anchor.as_tensor()], Arc::new(op))
 }
 
-#[derive(Clone)]
 struct Checkpointed {
     block: Arc<BlockFn>,
     grads: Arc<CheckpointGrads>,
-    /// The block's output, computed before the op is applied.
-    y: Tensor,
 }
 
-impl CustomOp2 for Checkpointed {
+impl super::recompute::Backward for Checkpointed {
     fn name(&self) -> &'static str {
         "checkpointed-block"
     }
 
-    fn cpu_fwd(
+    fn backward(
         &self,
-        _s1: &CpuStorage,
-        _l1: &Layout,
-        _s2: &CpuStorage,
-        _l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let data = self.y.flatten_all()?.to_vec1::<f32>()?;
-        Ok((CpuStorage::F32(data), self.y.shape().clone()))
-    }
-
-    fn bwd(
-        &self,
-        x: &Tensor,
-        _anchor: &Tensor,
-        _res: &Tensor,
-        grad_res: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let xin = Var::from_tensor(&x.detach())?;
+        inputs: &[Tensor],
+        _wanted: &[bool],
+        _out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<Vec<Option<Tensor>>> {
+        let xin = Var::from_tensor(&inputs[0])?;
         let y = (self.block)(xin.as_tensor())?;
-        let g = (y * grad_res.detach())?.sum_all()?.backward()?;
+        let g = (y * grad)?.sum_all()?.backward()?;
         self.grads.add(&g)?;
-        Ok((g.get(xin.as_tensor()).cloned(), None))
+        Ok(vec![g.get(xin.as_tensor()).cloned(), None])
     }
 }

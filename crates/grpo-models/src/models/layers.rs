@@ -255,13 +255,6 @@ impl Module for Linear {
     }
 }
 
-fn d_device(l: &Linear) -> Result<&Device> {
-    Ok(match &l.base {
-        Base::Dense(w) => w.device(),
-        Base::Quant(_) | Base::Packed(_) => &Device::Cpu,
-    })
-}
-
 /// A projection of a built model, named by HF module paths (one per part of a fused one), for
 /// attaching adapters or quantizing the base.
 pub enum ProjMut<'a> {
@@ -347,11 +340,20 @@ impl FusedLinear {
         let Some(j) = &mut self.joined else {
             candle_core::bail!("cannot merge into a trainable weight");
         };
+        if j.quantized().is_some() {
+            return Ok(false);
+        }
+        // Parts without an adapter add zeros made like the adapters' deltas: on the device the
+        // model runs on (a quantized base has no dense weight to ask; it was asked as the CPU,
+        // which broke QLoRA on a GPU).
+        let Some(like) = deltas.iter().flatten().next() else {
+            return Ok(true);
+        };
         let mut rows = Vec::with_capacity(dims.len());
         for ((i, o), d) in dims.iter().zip(deltas) {
             rows.push(match d {
                 Some(d) => d.clone(),
-                None => Tensor::zeros((*o, *i), DType::F32, d_device(j)?)?,
+                None => Tensor::zeros((*o, *i), like.dtype(), like.device())?,
             });
         }
         j.add_to_weight(&Tensor::cat(&rows, 0)?)
@@ -881,6 +883,13 @@ pub fn attention(
             _ => Arc::new(Spans::new(&dense.broadcast_as((b, 1, s, tk))?)?),
         };
         return super::fused_attention::attention(q, k, v, &spans, scale);
+    }
+    if s > 1 && !super::fused::applies(q) {
+        // The portable path (a GPU's): query chunks, no [B, H, S, Tk] kept for the backward.
+        let out = super::chunked_attention::attention(q, k, v, &dense, scale, mode == Mode::Train)?;
+        return out
+            .transpose(1, 2)? // [B, S, H, D]
+            .reshape((b, s, h * d));
     }
     // Query heads h = j*g + i all read kv head j: fold the group into the query axis.
     let q = q.contiguous()?.reshape((b, hkv, g * s, d))?; // [B, Hkv, g*S, D]

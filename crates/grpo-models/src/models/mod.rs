@@ -11,6 +11,7 @@
 //! (Llama / Qwen2) sequence classifiers built on [`CausalLm`], and the sentence embedder.
 
 pub mod checkpointing;
+pub mod chunked_attention;
 pub mod config;
 pub mod decode_cpu;
 pub mod encoder;
@@ -24,6 +25,7 @@ pub mod lora;
 pub mod masked_lm;
 pub mod packed;
 pub mod quant;
+pub mod recompute;
 mod seq_cls;
 pub mod vmath;
 
@@ -433,6 +435,12 @@ impl CausalLm {
             }
         }
         Ok(h.matmul(&w.t()?)?)
+    }
+
+    /// The LM head's weight [V, H] when the head is a plain matmul by it (no gradient sink
+    /// attached): for callers that compute the head themselves (recomputed log-probs).
+    pub fn plain_head(&self) -> Option<&Tensor> {
+        self.head.is_none().then(|| self.lm_head())
     }
 
     /// LM head: hidden [..., H] -> logits [..., V] (f32; f64 stays f64).

@@ -163,12 +163,8 @@ impl Policy for CausalLmPolicy {
         if self.lora.is_none() && self.dtype == DType::F32 {
             model.attach_grad_sink(&sink)?;
         }
-        // Checkpointing is a CPU f32 custom op (no CUDA kernel, no bf16): elsewhere the run
-        // goes without it (warned at start).
-        let gradient_checkpointing =
-            gradient_checkpointing && crate::kernels::cpu_fused(&self.device, self.dtype);
         let ckpt = match gradient_checkpointing {
-            true => Some(CheckpointGrads::new(&self.vars)?),
+            true => Some(CheckpointGrads::new(&self.vars, &self.device)?),
             false => None,
         };
         model.set_checkpointing(ckpt.clone());

@@ -192,18 +192,6 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
             }
             spec => spec.device()?,
         };
-        if cfg.gradient_checkpointing
-            && main
-            && !crate::kernels::cpu_fused(&device, cfg.dtype.compute())
-        {
-            tracing::warn!(
-                "gradient_checkpointing is a CPU f32 kernel: not used with device = {}, dtype = \
-                 {:?}, kernels = {} (the update keeps every activation)",
-                cfg.device,
-                cfg.dtype,
-                crate::kernels::kernels().name()
-            );
-        }
         if cfg.dtype != crate::config::DTypeOpt::F32 {
             if cfg.policy == crate::config::PolicyType::FillIn {
                 tracing::warn!("dtype = bf16 is not used by fill-in policies: they run in f32");

@@ -6,12 +6,30 @@ use std::path::Path;
 use candle_core::{Device, Tensor};
 use rand::{Rng, SeedableRng};
 
+/// A Llama's shape: hidden size, intermediate size, layers, heads, kv heads, head dim.
+#[allow(dead_code)]
+pub type Shape = (usize, usize, usize, usize, usize, usize);
+
+/// The tiny model's shape.
+#[allow(dead_code)]
+pub const TINY: Shape = (32, 64, 2, 4, 2, 8);
+
 /// Writes the model into `dir` (config.json, model.safetensors, tokenizer files); `fixtures` is
 /// the repository's `tests/fixtures`. Weights come from a fixed seed.
+#[allow(dead_code)]
 pub fn tiny_llama(dir: &Path, fixtures: &Path) {
+    random_llama(dir, fixtures, TINY);
+}
+
+/// [`tiny_llama`] of another shape (SmolLM2's vocabulary and tokenizer).
+#[allow(dead_code)]
+pub fn random_llama(dir: &Path, fixtures: &Path, shape: Shape) {
     std::fs::create_dir_all(dir).unwrap();
     let vocab = 49152usize;
-    let (h, inter, layers, heads, kv, hd) = (32usize, 64usize, 2usize, 4usize, 2usize, 8usize);
+    let (h, inter, layers, heads, kv, hd) = shape;
+    // Projections' uniform range, narrower for wider models so that activations keep their size
+    // (0.3 at the tiny model's width).
+    let proj_scale = 0.3 * (32.0 / h as f32).sqrt();
     let cfg = serde_json::json!({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
         "hidden_size": h, "intermediate_size": inter, "num_hidden_layers": layers,
@@ -45,7 +63,7 @@ pub fn tiny_llama(dir: &Path, fixtures: &Path) {
             ("mlp.up_proj", [inter, h]),
             ("mlp.down_proj", [h, inter]),
         ] {
-            m.insert(format!("{p}.{n}.weight"), t(&s, 0.3, 0.0));
+            m.insert(format!("{p}.{n}.weight"), t(&s, proj_scale, 0.0));
         }
         for n in ["input_layernorm", "post_attention_layernorm"] {
             m.insert(format!("{p}.{n}.weight"), t(&[h], 0.1, 1.0));
