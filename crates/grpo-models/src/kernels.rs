@@ -165,12 +165,6 @@ pub fn set_kernels(k: Kernels) {
     );
 }
 
-/// Whether grpo's own CPU code runs on tensors of `device` and `dtype`.
-#[inline]
-pub fn cpu_fused(device: &candle_core::Device, dtype: candle_core::DType) -> bool {
-    Compute::resolve(device, dtype).is_fused()
-}
-
 /// How a model's (or an optimizer's) arithmetic runs: the device seam. Resolved once, when the
 /// model or optimizer is set up ([`Compute::resolve`]: the only reader of the kernel set
 /// besides start-up logging), and handed to the layers, the sampler, the log-prob code and the
@@ -227,6 +221,27 @@ impl Compute {
             Compute::CpuFused => "fused CPU kernels",
             Compute::Portable => "portable (candle ops)",
         }
+    }
+}
+
+/// Memory free on `device` now, in bytes: the CUDA driver's free memory on a GPU, the kernel's
+/// `MemAvailable` on the CPU (Linux); `None` where neither answers.
+pub fn free_memory(device: &candle_core::Device) -> Option<u64> {
+    match device {
+        candle_core::Device::Cpu => {
+            let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+            let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+            let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+            Some(kb * 1024)
+        }
+        #[cfg(feature = "cuda")]
+        candle_core::Device::Cuda(_) => {
+            let stream = device.as_cuda_device().ok()?.cuda_stream();
+            let (free, _total) = stream.context().mem_get_info().ok()?;
+            Some(free as u64)
+        }
+        #[allow(unreachable_patterns)]
+        _ => None,
     }
 }
 

@@ -18,7 +18,11 @@ fn time(reps: usize, mut f: impl FnMut() -> candle_core::Result<()>) -> candle_c
 
 fn main() -> candle_core::Result<()> {
     let dev = Device::Cpu;
-    println!("packed kernel available: {}", PackedWeight::available());
+    println!(
+        "packed kernel available: {}",
+        grpo::kernels::Compute::resolve(&candle_core::Device::Cpu, candle_core::DType::F32)
+            .packs_for_decoding()
+    );
     // (out, in): q/k/v joined, o, gate/up joined, down, LM head.
     for (n, k) in [
         (960, 576),

@@ -199,7 +199,9 @@ pub struct TrainConfig {
     pub sampling_batch_size: Option<usize>,
     // update
     pub per_device_train_batch_size: usize,
-    pub forward_chunk_tokens: usize,
+    /// Tokens per forward/backward pass; `None`: sized for the device at set-up
+    /// ([`crate::train::Policy::forward_chunk_tokens`]).
+    pub forward_chunk_tokens: Option<usize>,
     pub gradient_accumulation_steps: usize,
     pub num_iterations: usize,
     pub learning_rate: f64,
@@ -1021,7 +1023,7 @@ config_keys! {
     "update" {
         per_device_train_batch_size: usize = "8", "completions per micro-batch";
         gradient_accumulation_steps: usize = "1", "micro-batches per optimizer step";
-        forward_chunk_tokens: usize = "1024", "tokens per forward/backward pass: a micro-batch is split into chunks of whole groups (the math is unchanged; lower it to save memory, raise it for fewer, larger passes)";
+        forward_chunk_tokens: Option<usize> = "", "tokens per forward/backward pass: a micro-batch is split into chunks of whole groups (the math is unchanged; lower it to save memory, raise it for fewer, larger passes); unset: 1024 on the fused CPU path (passes sized to the CPU's caches), elsewhere (a GPU, bf16, kernels = portable) as many tokens as a pass's activations fit in half the device's free memory at start";
         num_iterations: usize = "1", "updates per generation batch (mu in the paper); > 1 uses clipped ratios";
         learning_rate: f64 = "1e-6", "AdamW learning rate";
         adam_beta1: f64 = "0.9", "AdamW beta1";
@@ -2073,7 +2075,7 @@ impl TrainConfig {
         let bad = |k: &str, msg: String| Err(Error::config(k, msg));
         let per_device = raw.per_device_train_batch_size;
         let accum = raw.gradient_accumulation_steps;
-        if raw.forward_chunk_tokens == 0 {
+        if raw.forward_chunk_tokens == Some(0) {
             return bad("forward_chunk_tokens", "must be at least 1".into());
         }
         let g = raw.num_generations;

@@ -10,6 +10,7 @@ use candle_core::{Tensor, D};
 use crate::models::fused;
 use crate::models::layers::reduce_dtype;
 
+use crate::kernels::Compute;
 use crate::models::{CausalLm, Mode, SeqBatch};
 use crate::Result;
 
@@ -58,6 +59,7 @@ pub fn next_token_logprobs(
         temperature,
         DEFAULT_CHUNK_ROWS,
         Entropy::Skip,
+        model.compute(),
     )?;
     Ok(lp.reshape((b, t - 1))?)
 }
@@ -84,11 +86,21 @@ pub fn token_logprobs_entropy(
 ) -> Result<(Tensor, Option<Tensor>)> {
     let w_t = lm_head.t()?; // [H, V]
     let head = |h: &Tensor| -> Result<Tensor> { Ok(h.matmul(&w_t)?) };
-    token_logprobs_entropy_with(hidden, &head, targets, temperature, chunk_rows, entropy)
+    let compute = Compute::resolve(hidden.device(), hidden.dtype());
+    token_logprobs_entropy_with(
+        hidden,
+        &head,
+        targets,
+        temperature,
+        chunk_rows,
+        entropy,
+        compute,
+    )
 }
 
 /// [`token_logprobs_entropy`] with the LM head given as a function `[c, H] -> [c, V]` (the
-/// model's [`CausalLm::head_logits`], which may send its gradient to a sink).
+/// model's [`CausalLm::head_logits`], which may send its gradient to a sink), its log-softmax
+/// fused on the CPU under [`Compute::CpuFused`].
 pub fn token_logprobs_entropy_with(
     hidden: &Tensor,
     head: &dyn Fn(&Tensor) -> Result<Tensor>,
@@ -96,6 +108,7 @@ pub fn token_logprobs_entropy_with(
     temperature: f64,
     chunk_rows: usize,
     entropy: Entropy,
+    compute: Compute,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let n = hidden.dim(0)?;
     let t = if temperature > 0.0 { temperature } else { 1.0 };
@@ -108,7 +121,7 @@ pub fn token_logprobs_entropy_with(
         let y = targets.narrow(0, start, len)?; // [c]
         start += len;
         let logits = head(&h)?; // [c, V]
-        if fused::applies(&logits) {
+        if compute.fuses(&logits) {
             let both = fused::logprob_entropy(&logits, &y, t)?; // [c, 2]: log-prob, entropy
             lps.push(both.narrow(1, 0, 1)?.squeeze(1)?);
             match entropy {
@@ -305,6 +318,34 @@ impl crate::models::recompute::Backward for HeadLogprobs {
     }
 }
 
+/// Tokens per forward/backward pass on the fused CPU path (passes sized to the CPU's caches).
+pub const DEFAULT_FORWARD_CHUNK_TOKENS: usize = 1024;
+
+/// Tokens per training pass whose kept activations fit in `budget` bytes, for a model of `layers`
+/// blocks of width `hidden` (MLP width `intermediate`) computing in `act_bytes`-byte floats, at least [`DEFAULT_FORWARD_CHUNK_TOKENS`] and at
+/// most 2^20. Off the fused CPU path a pass keeps, per token:
+/// - with `gradient_checkpointing`: each block's input (`layers x hidden`), and one block
+///   recomputed with its graph (~16 `hidden`- and 6 `intermediate`-wide tensors);
+/// - without: every block's graph (~12 `hidden`- and 5 `intermediate`-wide tensors per block).
+///
+/// Attention's scores and the LM head's logits are not kept (chunked and recomputed), so they
+/// do not grow with the pass. On the CPU's portable path with SmolLM2-135M's shape, 8,500 tokens
+/// and checkpointing, this estimates 1.2 GB where the peak RSS above the static state and the
+/// fixed-size chunks measured ~1.5 GB.
+pub fn tokens_for_memory(
+    (h, i, l): (usize, usize, usize),
+    act_bytes: usize,
+    gradient_checkpointing: bool,
+    budget: u64,
+) -> usize {
+    let floats = match gradient_checkpointing {
+        true => l * h + 16 * h + 6 * i,
+        false => l * (12 * h + 5 * i),
+    };
+    let per_token = (floats * act_bytes).max(1) as u64;
+    ((budget / per_token) as usize).clamp(DEFAULT_FORWARD_CHUNK_TOKENS, 1 << 20)
+}
+
 /// Splits rows (`prompts[i] ++ completions[i]`, consecutive rows of a group sharing their prompt)
 /// into consecutive ranges whose packed length (each group's prompt once, plus its completions) is
 /// at most `budget` tokens. Whole groups stay together when they fit; a group longer than the
@@ -401,7 +442,7 @@ pub fn completion_logprobs(
     // On the CPU in f32 the fused attention reads only each token's own pack, so all packs go
     // into one row: no padding, and one large matmul per projection. Elsewhere attention scores
     // every key slot of a row, so each pack gets its own right-padded row.
-    let one_row = crate::kernels::cpu_fused(model.device(), model.dtype());
+    let one_row = model.compute().is_fused();
     let n_rows = if one_row { 1 } else { packs.len() };
     let t = match one_row {
         true => lens.iter().sum(),
@@ -471,6 +512,7 @@ pub fn completion_logprobs(
             temperature,
             DEFAULT_CHUNK_ROWS,
             entropy,
+            model.compute(),
         )?,
     }; // [M]
     let scatter = Tensor::from_vec(scatter, n * tc, &dev)?;
@@ -536,6 +578,30 @@ mod tests {
         let m = z.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
         let lse = z.iter().map(|x| (x - m).exp()).sum::<f32>().ln() + m;
         z[target] - lse
+    }
+
+    /// The device-sized pass: SmolLM2-135M's shape in bf16 with checkpointing keeps ~71 KB per
+    /// token (30 x 576 + 16 x 576 + 6 x 1536 floats), so 8 GB holds ~113k tokens; without it
+    /// ~0.9 MB, ~9k tokens; a tiny budget still gets the CPU default and a huge one the cap.
+    #[test]
+    fn device_sized_passes_follow_the_model_and_the_budget() {
+        let cfg = (576, 1536, 30); // hidden, intermediate, layers
+        let gb = 1u64 << 30;
+        let per_ckpt = (30 * 576 + 16 * 576 + 6 * 1536) * 2;
+        assert_eq!(
+            tokens_for_memory(cfg, 2, true, 8 * gb),
+            (8 * gb) as usize / per_ckpt
+        );
+        let per_full = 30 * (12 * 576 + 5 * 1536) * 2;
+        assert_eq!(
+            tokens_for_memory(cfg, 2, false, 8 * gb),
+            (8 * gb) as usize / per_full
+        );
+        assert_eq!(
+            tokens_for_memory(cfg, 4, false, 1 << 20),
+            DEFAULT_FORWARD_CHUNK_TOKENS
+        );
+        assert_eq!(tokens_for_memory(cfg, 2, true, 1 << 50), 1 << 20);
     }
 
     #[test]

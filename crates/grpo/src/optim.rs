@@ -73,19 +73,21 @@ enum Moments {
 
 impl Moments {
     fn zeros(var: &Var) -> Result<Moments> {
-        Ok(if crate::kernels::cpu_fused(var.device(), var.dtype()) {
-            let n = var.elem_count();
-            Moments::Host {
-                exp_avg: vec![0.0; n],
-                exp_avg_sq: vec![0.0; n],
-            }
-        } else {
-            let z = Tensor::zeros(var.shape(), candle_core::DType::F32, var.device())?;
-            Moments::Device {
-                exp_avg: z.clone(),
-                exp_avg_sq: z,
-            }
-        })
+        Ok(
+            if crate::kernels::Compute::resolve(var.device(), var.dtype()).is_fused() {
+                let n = var.elem_count();
+                Moments::Host {
+                    exp_avg: vec![0.0; n],
+                    exp_avg_sq: vec![0.0; n],
+                }
+            } else {
+                let z = Tensor::zeros(var.shape(), candle_core::DType::F32, var.device())?;
+                Moments::Device {
+                    exp_avg: z.clone(),
+                    exp_avg_sq: z,
+                }
+            },
+        )
     }
 }
 

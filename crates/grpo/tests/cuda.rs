@@ -94,22 +94,28 @@ fn gpu_logits_and_greedy_decoding_match_transformers() {
     }
 }
 
+/// Fixture `name` on `dev` with every tensor a trainable `Var`, and the model over them.
+fn trainable(name: &str, dev: &Device) -> (CausalLm, Vec<(String, Var)>) {
+    let (dir, _) = fixture(name);
+    let m = load_model(&ModelSource::HfDir(dir), DType::F32, dev).unwrap();
+    let vars: Vec<(String, Var)> = m
+        .tensors
+        .iter()
+        .map(|(k, t)| (k.clone(), Var::from_tensor(t).unwrap()))
+        .collect();
+    let tensors = vars
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+        .collect();
+    let model = CausalLm::from_tensors(&m.config, tensors, DType::F32, dev).unwrap();
+    (model, vars)
+}
+
 #[test]
 fn gpu_training_forward_gives_every_parameter_a_gradient() {
     let Some(dev) = gpu() else { return };
     for name in ARCHS {
-        let (dir, _) = fixture(name);
-        let m = load_model(&ModelSource::HfDir(dir), DType::F32, &dev).unwrap();
-        let vars: Vec<(String, Var)> = m
-            .tensors
-            .iter()
-            .map(|(k, t)| (k.clone(), Var::from_tensor(t).unwrap()))
-            .collect();
-        let tensors = vars
-            .iter()
-            .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-            .collect();
-        let model = CausalLm::from_tensors(&m.config, tensors, DType::F32, &dev).unwrap();
+        let (model, vars) = trainable(name, &dev);
         let batch = SeqBatch::right_padded(&[vec![5, 17, 33, 2, 90, 41, 7]], 0, &dev).unwrap();
         let lp = next_token_logprobs(&model, &batch, 1.0, Mode::Train).unwrap();
         let grads = lp.sum_all().unwrap().backward().unwrap();
@@ -377,18 +383,7 @@ fn gpu_gradients_equal_the_portable_cpu_paths_for_every_parameter() {
     let Some(dev) = gpu() else { return };
     grpo::kernels::set_kernels(grpo::kernels::Kernels::Portable);
     let grads_on = |name: &str, dev: &Device| {
-        let (dir, _) = fixture(name);
-        let m = load_model(&ModelSource::HfDir(dir), DType::F32, dev).unwrap();
-        let vars: Vec<(String, Var)> = m
-            .tensors
-            .iter()
-            .map(|(k, t)| (k.clone(), Var::from_tensor(t).unwrap()))
-            .collect();
-        let tensors = vars
-            .iter()
-            .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-            .collect();
-        let model = CausalLm::from_tensors(&m.config, tensors, DType::F32, dev).unwrap();
+        let (model, vars) = trainable(name, dev);
         let prompts: Vec<&[u32]> = vec![&[5, 17, 33], &[5, 17, 33], &[9, 4]];
         let comps: Vec<&[u32]> = vec![&[2, 90, 41, 7], &[8, 8], &[11, 12, 13]];
         let (lp, ent) = completion_logprobs(

@@ -84,7 +84,8 @@ fn gguf_greedy_decoding_matches_transformers() {
     packed.pack_for_decoding().unwrap();
     assert_eq!(
         packed.fused_decoding(),
-        grpo::models::packed::PackedWeight::available()
+        grpo::kernels::Compute::resolve(&candle_core::Device::Cpu, candle_core::DType::F32)
+            .packs_for_decoding()
     );
     let (out_packed, _) = generate(&packed, Some(tok), &inputs, 1, &params).unwrap();
     for ((p, group), packed) in fx["prompts"]

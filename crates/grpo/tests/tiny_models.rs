@@ -69,14 +69,18 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 fn packed_model(m: &LoadedModel) -> CausalLm {
     let mut model = m.build().unwrap();
     let n = model.pack_for_decoding().unwrap();
-    match grpo::models::packed::PackedWeight::available() {
+    match grpo::kernels::Compute::resolve(&candle_core::Device::Cpu, candle_core::DType::F32)
+        .packs_for_decoding()
+    {
         true => assert!(n > 4, "only {n} weights packed"),
         false => assert_eq!(n, 0),
     }
     let llama_family = model.config().arch != grpo::models::Arch::Gpt2;
     assert_eq!(
         model.fused_decoding(),
-        llama_family && grpo::models::packed::PackedWeight::available()
+        llama_family
+            && grpo::kernels::Compute::resolve(&candle_core::Device::Cpu, candle_core::DType::F32)
+                .packs_for_decoding()
     );
     model
 }

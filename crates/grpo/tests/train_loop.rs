@@ -422,7 +422,7 @@ fn forward_chunks_leave_the_update_unchanged() {
             let mut cfg = config(&model, &out_dir, extra);
             cfg.max_steps = Some(1);
             cfg.eval_steps = 0;
-            cfg.forward_chunk_tokens = chunk;
+            cfg.forward_chunk_tokens = Some(chunk);
             train(&cfg, &RunControl::default()).unwrap_or_else(|e| panic!("{extra}: {e}"));
             metrics(&out_dir)
                 .into_iter()

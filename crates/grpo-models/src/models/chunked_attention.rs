@@ -21,8 +21,8 @@ use std::sync::Arc;
 
 use candle_core::{DType, Result, Tensor, D};
 
-use super::layers::reduce_dtype;
 use super::recompute::{attach, Backward};
+use super::tensor_ops::{matmul_operand, reduce_dtype};
 
 /// Bytes of f32 scores per chunk (`B * H * c * Tk * 4`): each pass holds a few tensors of it.
 pub const CHUNK_BYTES: usize = 256 << 20;
@@ -114,8 +114,8 @@ impl Chunked {
     fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let (b, hkv, g, s, d) = Self::dims(q, k)?;
         let q5 = q.contiguous()?.reshape((b, hkv, g, s, d))?;
-        let v = super::layers::matmul_operand(v)?;
-        let k = super::layers::matmul_operand(k)?;
+        let v = matmul_operand(v)?;
+        let k = matmul_operand(k)?;
         let (mut outs, mut lses) = (Vec::new(), Vec::new());
         let mut s0 = 0;
         while s0 < s {
@@ -158,8 +158,8 @@ impl Backward for Chunked {
         let tk = k.dim(2)?;
         let fold5 = |x: &Tensor| x.contiguous()?.reshape((b, hkv, g, s, d));
         let (q5, o5, do5) = (fold5(q)?, fold5(out)?, fold5(grad)?);
-        let k = super::layers::matmul_operand(k)?;
-        let v = super::layers::matmul_operand(v)?;
+        let k = matmul_operand(k)?;
+        let v = matmul_operand(v)?;
         let f = reduce_dtype(q.dtype());
         let mut dk = Tensor::zeros((b, hkv, tk, d), f, q.device())?;
         let mut dv = Tensor::zeros((b, hkv, tk, d), f, q.device())?;

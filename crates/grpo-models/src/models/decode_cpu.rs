@@ -256,7 +256,7 @@ pub fn step(
         || cache.num_layers() != layers
         || len >= tmax
         || pad.iter().any(|&p| p > len)
-        || !PackedWeight::available()
+        || crate::kernels::Isa::active() < crate::kernels::Isa::Avx2
     {
         return Ok(None);
     }
@@ -321,7 +321,7 @@ pub fn step(
     };
     let scale = 1.0 / (d as f32).sqrt();
     let eps = plan.eps;
-    // AVX2 or AVX-512, which the CPU runs: `PackedWeight::available` was checked above.
+    // AVX2 or AVX-512, which the CPU runs: checked above.
     let isa = crate::kernels::Isa::active();
 
     // `y[.., cols of this thread's panels] = x W (+ bias)`.

@@ -20,12 +20,6 @@ use rayon::prelude::*;
 
 use super::vmath;
 
-/// Whether the fused kernels run on `x`: f32 on the CPU, unless `kernels = "portable"` (see
-/// [`crate::kernels`]).
-pub fn applies(x: &Tensor) -> bool {
-    crate::kernels::cpu_fused(x.device(), x.dtype())
-}
-
 /// A tensor seen as `n` rows of `cols` contiguous values, row `r` starting at
 /// `offset + r * stride` (a contiguous tensor, or a narrow of its last dim).
 #[derive(Debug, Clone, Copy)]

@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::fused::{applies, f32s, read};
+use super::fused::{f32s, read};
 use crate::kernels::Isa;
 /// Additive mask value for disallowed attention positions. Finite, so a row that is entirely
 /// masked (a padding query) gives a uniform softmax instead of NaN, which would poison gradients.
@@ -792,11 +792,6 @@ impl CustomOp3 for AttentionOp {
             Some(Tensor::from_vec(dv, (b, hkv, tk, d), dev)?),
         ))
     }
-}
-
-/// Whether [`attention`] can run on these inputs: f32 on the CPU.
-pub fn fits(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
-    applies(q) && applies(k) && applies(v)
 }
 
 /// `softmax(q k^T * scale + mask) v` with grouped KV heads, over the mask's [`Spans`]: `q`

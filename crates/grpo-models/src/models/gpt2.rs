@@ -11,13 +11,14 @@ use super::checkpointing::{checkpoint, CheckpointGrads};
 use super::config::ModelConfig;
 use super::grad_sink::GradSink;
 use super::layers::{attention, AttnMask, Embedding, LayerNorm, Linear, Mode, ProjMut};
+use crate::kernels::Compute;
 use crate::kv_cache::KvCache;
 
 /// HF `Conv1D`: weight `[in, out]`, bias `[out]`.
-fn conv1d(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<Linear> {
+fn conv1d(in_dim: usize, out_dim: usize, vb: VarBuilder, compute: Compute) -> Result<Linear> {
     let w = vb.get((in_dim, out_dim), "weight")?;
     let b = vb.get(out_dim, "bias")?;
-    Linear::from_in_out(w, Some(b))
+    Ok(Linear::from_in_out(w, Some(b))?.with_compute(compute))
 }
 
 #[derive(Debug, Clone)]
@@ -26,16 +27,19 @@ pub struct Attention {
     c_proj: Linear,
     num_heads: usize,
     head_dim: usize,
+    compute: Compute,
 }
 
 impl Attention {
-    fn load(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+    fn load(cfg: &ModelConfig, vb: VarBuilder, compute: Compute) -> Result<Self> {
         let h = cfg.hidden_size;
+        let q = cfg.build_quantized;
         Ok(Self {
-            c_attn: conv1d(h, 3 * h, vb.pp("c_attn"))?.quantized_if(cfg.build_quantized)?,
-            c_proj: conv1d(h, h, vb.pp("c_proj"))?.quantized_if(cfg.build_quantized)?,
+            c_attn: conv1d(h, 3 * h, vb.pp("c_attn"), compute)?.quantized_if(q)?,
+            c_proj: conv1d(h, h, vb.pp("c_proj"), compute)?.quantized_if(q)?,
             num_heads: cfg.num_heads,
             head_dim: cfg.head_dim,
+            compute,
         })
     }
 
@@ -59,7 +63,7 @@ impl Attention {
             Some((c, layer)) => c.append(layer, &k, &v)?,
             None => (k, v),
         };
-        let y = attention(&q, &k, &v, mask, mode)?; // [B, S, H]
+        let y = attention(&q, &k, &v, mask, mode, self.compute)?; // [B, S, H]
         self.c_proj.forward(&y)
     }
 }
@@ -71,12 +75,11 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    fn load(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+    fn load(cfg: &ModelConfig, vb: VarBuilder, compute: Compute) -> Result<Self> {
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
         Ok(Self {
-            c_fc: conv1d(cfg.hidden_size, cfg.intermediate_size, vb.pp("c_fc"))?
-                .quantized_if(cfg.build_quantized)?,
-            c_proj: conv1d(cfg.intermediate_size, cfg.hidden_size, vb.pp("c_proj"))?
-                .quantized_if(cfg.build_quantized)?,
+            c_fc: conv1d(h, i, vb.pp("c_fc"), compute)?.quantized_if(cfg.build_quantized)?,
+            c_proj: conv1d(i, h, vb.pp("c_proj"), compute)?.quantized_if(cfg.build_quantized)?,
         })
     }
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -94,12 +97,12 @@ pub struct Block {
 }
 
 impl Block {
-    fn load(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+    fn load(cfg: &ModelConfig, vb: VarBuilder, compute: Compute) -> Result<Self> {
         Ok(Self {
             ln_1: LayerNorm::load(cfg.hidden_size, cfg.norm_eps, vb.pp("ln_1"))?,
-            attn: Attention::load(cfg, vb.pp("attn"))?,
+            attn: Attention::load(cfg, vb.pp("attn"), compute)?,
             ln_2: LayerNorm::load(cfg.hidden_size, cfg.norm_eps, vb.pp("ln_2"))?,
-            mlp: Mlp::load(cfg, vb.pp("mlp"))?,
+            mlp: Mlp::load(cfg, vb.pp("mlp"), compute)?,
         })
     }
 
@@ -142,7 +145,7 @@ impl Model {
     }
 
     /// `vb` is rooted at the checkpoint root (keys `transformer.*`, optional `lm_head.weight`).
-    pub fn load(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+    pub fn load(cfg: &ModelConfig, vb: VarBuilder, compute: Compute) -> Result<Self> {
         let t = vb.pp("transformer");
         let wte = t
             .pp("wte")
@@ -151,7 +154,7 @@ impl Model {
             .pp("wpe")
             .get((cfg.max_position_embeddings, cfg.hidden_size), "weight")?;
         let h = (0..cfg.num_layers)
-            .map(|i| Block::load(cfg, t.pp("h").pp(i)))
+            .map(|i| Block::load(cfg, t.pp("h").pp(i), compute))
             .collect::<Result<Vec<_>>>()?;
         let lm_head = if cfg.tie_word_embeddings {
             wte.clone()

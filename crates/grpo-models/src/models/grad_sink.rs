@@ -43,7 +43,10 @@ impl GradSink {
     pub fn new(vars: &[Var]) -> Self {
         let accs = vars
             .iter()
-            .filter(|v| crate::kernels::cpu_fused(v.device(), v.dtype()) && v.is_contiguous())
+            .filter(|v| {
+                crate::kernels::Compute::resolve(v.device(), v.dtype()).is_fused()
+                    && v.is_contiguous()
+            })
             .map(|v| {
                 let acc = GradAcc {
                     shape: v.shape().clone(),

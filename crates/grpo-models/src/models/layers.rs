@@ -14,6 +14,8 @@ use super::grad_sink::{GradSink, SinkProj};
 use super::lora::LoraAdapter;
 use super::packed::PackedWeight;
 use super::quant::{QuantProj, QuantType};
+pub use super::tensor_ops::{matmul_operand, reduce_dtype};
+use crate::kernels::Compute;
 
 /// Which kernels a forward pass uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,6 +51,8 @@ pub struct Linear {
     sink: Option<SinkProj>,
     /// A LoRA adapter added to the output ([`Linear::set_lora`]).
     lora: Option<LoraAdapter>,
+    /// Which code multiplies ([`Linear::with_compute`]; portable until the model says so).
+    compute: Compute,
 }
 
 /// The weight a [`Linear`] multiplies by.
@@ -76,7 +80,13 @@ impl Linear {
             param,
             sink: None,
             lora: None,
+            compute: Compute::Portable,
         })
+    }
+    /// `self`, multiplying with `compute`'s code (a causal LM gives its projections its own).
+    pub fn with_compute(mut self, compute: Compute) -> Self {
+        self.compute = compute;
+        self
     }
     /// `weight` [in, out] (GPT-2's Conv1D layout, already what the GEMM wants), `bias` [out].
     pub fn from_in_out(weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
@@ -86,6 +96,7 @@ impl Linear {
             param: weight.track_op().then(|| weight.clone()),
             sink: None,
             lora: None,
+            compute: Compute::Portable,
         })
     }
     /// The weight in HF layout `[out, in]` (a view; dequantized when quantized).
@@ -181,9 +192,8 @@ impl Linear {
             Base::Dense(wt)
                 if self.param.is_none()
                     && self.sink.is_none()
-                    && wt.device().is_cpu()
-                    && wt.dtype() == DType::F32
-                    && PackedWeight::available() =>
+                    && self.compute.fuses(wt)
+                    && self.compute.packs_for_decoding() =>
             {
                 self.base = Base::Packed(std::sync::Arc::new(PackedWeight::from_in_out(wt)?));
                 Ok(true)
@@ -212,12 +222,12 @@ impl Linear {
     fn forward_base(&self, x: &Tensor) -> Result<Tensor> {
         let y = match (&self.sink, &self.base) {
             (Some(op), _) => op.forward(x)?, // [.., out]
-            (None, Base::Quant(q)) => q.forward(x)?,
+            (None, Base::Quant(q)) => q.forward(x, self.compute)?,
             (None, Base::Packed(p)) => p.forward(x)?,
             (None, Base::Dense(wt)) => {
                 // A frozen weight under a graph (LoRA training, earlier layers' adapters):
                 // the input's gradient only.
-                let frozen = match self.param.is_none() && x.track_op() {
+                let frozen = match self.param.is_none() && x.track_op() && self.compute.fuses(x) {
                     true => SinkProj::frozen(&[&wt.t()?])?,
                     false => None,
                 };
@@ -278,6 +288,7 @@ pub struct FusedLinear {
     outs: Vec<usize>,
     /// A LoRA adapter per part (or none).
     loras: Vec<Option<LoraAdapter>>,
+    compute: Compute,
 }
 
 impl FusedLinear {
@@ -302,7 +313,15 @@ impl FusedLinear {
             sink: None,
             outs,
             loras,
+            compute: Compute::Portable,
         })
+    }
+
+    /// `self`, multiplying with `compute`'s code (see [`Linear::with_compute`]).
+    pub fn with_compute(mut self, compute: Compute) -> Self {
+        self.compute = compute;
+        self.joined = self.joined.map(|j| j.with_compute(compute));
+        self
     }
 
     /// (in, out_i) of each part.
@@ -463,7 +482,9 @@ impl FusedLinear {
                 }
             }
             (None, Some(j)) => j.forward(x),
-            (None, None) => Self::join(&self.parts)?.forward(x),
+            (None, None) => Self::join(&self.parts)?
+                .with_compute(self.compute)
+                .forward(x),
         }
     }
 
@@ -552,6 +573,7 @@ impl Embedding {
 pub struct RmsNorm {
     weight: Tensor,
     eps: f64,
+    compute: Compute,
 }
 
 impl RmsNorm {
@@ -565,18 +587,22 @@ impl RmsNorm {
     pub fn eps(&self) -> f64 {
         self.eps
     }
-    pub fn new(weight: Tensor, eps: f64) -> Self {
-        Self { weight, eps }
+    pub fn new(weight: Tensor, eps: f64, compute: Compute) -> Self {
+        Self {
+            weight,
+            eps,
+            compute,
+        }
     }
-    pub fn load(size: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
-        Ok(Self::new(vb.get(size, "weight")?, eps))
+    pub fn load(size: usize, eps: f64, vb: VarBuilder, compute: Compute) -> Result<Self> {
+        Ok(Self::new(vb.get(size, "weight")?, eps, compute))
     }
     pub fn forward(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
         match mode {
             Mode::Infer => {
                 candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps as f32)
             }
-            Mode::Train if super::fused::applies(x) => {
+            Mode::Train if self.compute.fuses(x) => {
                 super::fused::rms_norm(x, &self.weight, self.eps)
             }
             Mode::Train => rms_norm_diff(x, &self.weight, self.eps),
@@ -758,38 +784,14 @@ pub fn rope_heads(
     sin: &Tensor,
     heads: usize,
     mode: Mode,
+    compute: Compute,
 ) -> Result<Tensor> {
-    if super::fused::applies(x) {
+    if compute.fuses(x) {
         return super::fused::rope_heads(x, cos, sin, heads);
     }
     let (b, t, hd) = x.dims3()?;
     let x = x.reshape((b, t, heads, hd / heads))?.transpose(1, 2)?; // [B, H, T, D]
     apply_rope(&x, cos, sin, mode)
-}
-
-/// The dtype to do softmax-like reductions in: half types are upcast to f32, others kept.
-pub fn reduce_dtype(d: DType) -> DType {
-    match d {
-        DType::BF16 | DType::F16 => DType::F32,
-        d => d,
-    }
-}
-
-/// `t` [B, H, M, N] as a matmul operand: returned as is when candle's CPU matmul accepts its
-/// strides (rows contiguous and batch dims mergeable, e.g. a prefix view of the KV cache), else
-/// made contiguous. Avoids copying the cache at every decoding step.
-pub fn matmul_operand(t: &Tensor) -> Result<Tensor> {
-    let d = t.dims();
-    let s = t.stride();
-    let ok = d.len() == 4
-        && (s[3] == 1 || d[3] == 1)
-        && (s[2] == d[3] || d[2] == 1)
-        && (s[0] == s[1] * d[1] || d[0] == 1 || d[1] == 1);
-    if ok {
-        Ok(t.clone())
-    } else {
-        t.contiguous()
-    }
 }
 
 /// How attention is masked.
@@ -855,6 +857,7 @@ pub fn attention(
     v: &Tensor,
     mask: &AttnMask,
     mode: Mode,
+    compute: Compute,
 ) -> Result<Tensor> {
     let (b, h, s, d) = q.dims4()?;
     let tk = k.dim(2)?;
@@ -863,7 +866,7 @@ pub fn attention(
         AttnMask::Spanned(m, sp) => (m.clone(), Some(sp.clone())),
         AttnMask::LeftPad(pad, shared) => {
             if mode == Mode::Infer && s == 1 {
-                if let Some(out) = decode_attention_cpu(q, k, v, pad, shared.as_ref())? {
+                if let Some(out) = decode_attention_cpu(q, k, v, pad, shared.as_ref(), compute)? {
                     return Ok(out);
                 }
             }
@@ -877,14 +880,14 @@ pub fn attention(
     let hkv = k.dim(1)?;
     let g = h / hkv;
     let scale = 1.0 / (d as f64).sqrt();
-    if s > 1 && super::fused_attention::fits(q, k, v) {
+    if s > 1 && compute.fuses(q) && compute.fuses(k) && compute.fuses(v) {
         let spans = match spans {
             Some(sp) if sp.dims() == (b, s, tk) => sp,
             _ => Arc::new(Spans::new(&dense.broadcast_as((b, 1, s, tk))?)?),
         };
         return super::fused_attention::attention(q, k, v, &spans, scale);
     }
-    if s > 1 && !super::fused::applies(q) {
+    if s > 1 && !compute.fuses(q) {
         // The portable path (a GPU's): query chunks, no [B, H, S, Tk] kept for the backward.
         let out = super::chunked_attention::attention(q, k, v, &dense, scale, mode == Mode::Train)?;
         return out
@@ -894,7 +897,7 @@ pub fn attention(
     // Query heads h = j*g + i all read kv head j: fold the group into the query axis.
     let q = q.contiguous()?.reshape((b, hkv, g * s, d))?; // [B, Hkv, g*S, D]
     let k = matmul_operand(k)?;
-    let probs = if super::fused::applies(&q) {
+    let probs = if compute.fuses(&q) {
         let raw = q.matmul(&k.t()?)?; // [B, Hkv, g*S, Tk]
         super::fused::masked_softmax(&raw, &dense, scale, s)?
     } else {
@@ -928,10 +931,11 @@ pub fn decode_attention_cpu(
     v: &Tensor,
     pad: &[usize],
     shared: Option<&SharedPrefix>,
+    compute: Compute,
 ) -> Result<Option<Tensor>> {
     use candle_core::{CpuStorage, Storage};
     use rayon::prelude::*;
-    if !crate::kernels::cpu_fused(q.device(), q.dtype()) || k.dtype() != DType::F32 {
+    if !compute.fuses(q) || !compute.fuses(k) {
         return Ok(None);
     }
     let (b, h, _, d) = q.dims4()?;
@@ -1058,7 +1062,7 @@ mod tests {
         let pad = vec![1, 1, 1, 2];
         let run = |shared: Option<(Vec<usize>, usize)>| {
             let sp = shared.map(|(leader, end)| SharedPrefix { leader, end });
-            decode_attention_cpu(&q, &k, &v, &pad, sp.as_ref())
+            decode_attention_cpu(&q, &k, &v, &pad, sp.as_ref(), Compute::CpuFused)
                 .unwrap()
                 .unwrap()
         };
@@ -1076,7 +1080,7 @@ mod tests {
         let x = Tensor::randn(0f32, 1.0, (2, 3, 5, 8), &dev).unwrap();
         let w = Tensor::randn(1f32, 0.1, 8, &dev).unwrap();
         let b = Tensor::randn(0f32, 0.1, 8, &dev).unwrap();
-        let rms = RmsNorm::new(w.clone(), 1e-5);
+        let rms = RmsNorm::new(w.clone(), 1e-5, Compute::resolve(&dev, DType::F32));
         assert!(
             max_abs_diff(
                 &rms.forward(&x, Mode::Train).unwrap(),

@@ -14,6 +14,7 @@ use super::layers::{
     attention, linear, linear_parts, rope_heads, AttnMask, Embedding, FusedLinear, Linear, Mode,
     ProjMut, RmsNorm, Rope,
 };
+use crate::kernels::Compute;
 use crate::kv_cache::KvCache;
 
 #[derive(Debug, Clone)]
@@ -26,10 +27,11 @@ pub struct Attention {
     num_heads: usize,
     num_kv_heads: usize,
     head_dim: usize,
+    compute: Compute,
 }
 
 impl Attention {
-    fn load(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+    fn load(cfg: &ModelConfig, vb: VarBuilder, compute: Compute) -> Result<Self> {
         let (h, nh, nkv, hd) = (
             cfg.hidden_size,
             cfg.num_heads,
@@ -38,8 +40,8 @@ impl Attention {
         );
         let (q_norm, k_norm) = if cfg.qk_norm {
             (
-                Some(RmsNorm::load(hd, cfg.norm_eps, vb.pp("q_norm"))?),
-                Some(RmsNorm::load(hd, cfg.norm_eps, vb.pp("k_norm"))?),
+                Some(RmsNorm::load(hd, cfg.norm_eps, vb.pp("q_norm"), compute)?),
+                Some(RmsNorm::load(hd, cfg.norm_eps, vb.pp("k_norm"), compute)?),
             )
         } else {
             (None, None)
@@ -50,14 +52,17 @@ impl Attention {
                 linear_parts(h, nkv * hd, cfg.attention_bias, vb.pp("k_proj"))?,
                 linear_parts(h, nkv * hd, cfg.attention_bias, vb.pp("v_proj"))?,
             ])?
+            .with_compute(compute)
             .quantized_if(cfg.build_quantized)?,
             o_proj: linear(nh * hd, h, cfg.mlp_bias, vb.pp("o_proj"))?
+                .with_compute(compute)
                 .quantized_if(cfg.build_quantized)?,
             q_norm,
             k_norm,
             num_heads: nh,
             num_kv_heads: nkv,
             head_dim: hd,
+            compute,
         })
     }
 
@@ -86,14 +91,14 @@ impl Attention {
         };
         let q = normed(&qkv[0], &self.q_norm, nh)?;
         let k = normed(&qkv[1], &self.k_norm, nkv)?;
-        let q = rope_heads(&q, cos, sin, nh, mode)?; // [B, H, S, D]
-        let k = rope_heads(&k, cos, sin, nkv, mode)?; // [B, Hkv, S, D]
+        let q = rope_heads(&q, cos, sin, nh, mode, self.compute)?; // [B, H, S, D]
+        let k = rope_heads(&k, cos, sin, nkv, mode, self.compute)?; // [B, Hkv, S, D]
         let v = qkv[2].reshape((b, s, nkv, hd))?.transpose(1, 2)?; // [B, Hkv, S, D]
         let (k, v) = match cache {
             Some((c, layer)) => c.append(layer, &k, &v)?, // [B, Hkv, Tk, D]
             None => (k, v),
         };
-        let y = attention(&q, &k, &v, mask, mode)?; // [B, S, H*D]
+        let y = attention(&q, &k, &v, mask, mode, self.compute)?; // [B, S, H*D]
         self.o_proj.forward(&y)
     }
 }
@@ -103,23 +108,28 @@ pub struct Mlp {
     /// gate_proj and up_proj as one GEMM.
     gate_up_proj: FusedLinear,
     down_proj: Linear,
+    compute: Compute,
 }
 
 impl Mlp {
-    fn load(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+    fn load(cfg: &ModelConfig, vb: VarBuilder, compute: Compute) -> Result<Self> {
         let (h, i, b) = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
         Ok(Self {
             gate_up_proj: FusedLinear::new(vec![
                 linear_parts(h, i, b, vb.pp("gate_proj"))?,
                 linear_parts(h, i, b, vb.pp("up_proj"))?,
             ])?
+            .with_compute(compute)
             .quantized_if(cfg.build_quantized)?,
-            down_proj: linear(i, h, b, vb.pp("down_proj"))?.quantized_if(cfg.build_quantized)?,
+            down_proj: linear(i, h, b, vb.pp("down_proj"))?
+                .with_compute(compute)
+                .quantized_if(cfg.build_quantized)?,
+            compute,
         })
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if super::fused::applies(x) {
+        if self.compute.fuses(x) {
             let gu = self.gate_up_proj.forward_joined(x)?; // [B, S, 2I]
             return self.down_proj.forward(&super::fused::silu_mul(&gu)?);
         }
@@ -137,19 +147,21 @@ pub struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    fn load(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+    fn load(cfg: &ModelConfig, vb: VarBuilder, compute: Compute) -> Result<Self> {
         Ok(Self {
-            self_attn: Attention::load(cfg, vb.pp("self_attn"))?,
-            mlp: Mlp::load(cfg, vb.pp("mlp"))?,
+            self_attn: Attention::load(cfg, vb.pp("self_attn"), compute)?,
+            mlp: Mlp::load(cfg, vb.pp("mlp"), compute)?,
             input_layernorm: RmsNorm::load(
                 cfg.hidden_size,
                 cfg.norm_eps,
                 vb.pp("input_layernorm"),
+                compute,
             )?,
             post_attention_layernorm: RmsNorm::load(
                 cfg.hidden_size,
                 cfg.norm_eps,
                 vb.pp("post_attention_layernorm"),
+                compute,
             )?,
         })
     }
@@ -181,14 +193,15 @@ pub struct Model {
 }
 
 impl Model {
-    /// `vb` is rooted at the checkpoint root (keys `model.*`, `lm_head.weight`).
-    pub fn load(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+    /// `vb` is rooted at the checkpoint root (keys `model.*`, `lm_head.weight`); the layers run
+    /// `compute`'s code.
+    pub fn load(cfg: &ModelConfig, vb: VarBuilder, compute: Compute) -> Result<Self> {
         let m = vb.pp("model");
         let embed = m
             .pp("embed_tokens")
             .get((cfg.vocab_size, cfg.hidden_size), "weight")?;
         let layers = (0..cfg.num_layers)
-            .map(|i| DecoderLayer::load(cfg, m.pp("layers").pp(i)))
+            .map(|i| DecoderLayer::load(cfg, m.pp("layers").pp(i), compute))
             .collect::<Result<Vec<_>>>()?;
         let lm_head = if cfg.tie_word_embeddings {
             embed.clone()
@@ -199,7 +212,7 @@ impl Model {
         Ok(Self {
             embed_tokens: Embedding::new(embed),
             layers,
-            norm: RmsNorm::load(cfg.hidden_size, cfg.norm_eps, m.pp("norm"))?,
+            norm: RmsNorm::load(cfg.hidden_size, cfg.norm_eps, m.pp("norm"), compute)?,
             lm_head,
             rope: Rope::new(cfg, vb.device())?,
         })

@@ -27,6 +27,7 @@ pub mod packed;
 pub mod quant;
 pub mod recompute;
 mod seq_cls;
+mod tensor_ops;
 pub mod vmath;
 
 use std::collections::HashMap;
@@ -39,6 +40,7 @@ pub use layers::{AttnMask, Mode, ProjMut, SharedPrefix};
 pub use lora::{LoraAdapter, LoraDropout};
 pub use quant::{QuantProj, QuantType};
 
+use crate::kernels::Compute;
 use crate::kv_cache::KvCache;
 use crate::{Error, Result};
 
@@ -55,6 +57,8 @@ pub struct CausalLm {
     inner: Inner,
     dtype: DType,
     device: Device,
+    /// Which code the layers run, resolved once when the model is built.
+    compute: Compute,
     /// The LM head with its weight's gradient into a [`grad_sink::GradSink`], once attached.
     head: Option<grad_sink::SinkProj>,
     /// Per-block activation checkpointing of training forwards, when set.
@@ -79,15 +83,17 @@ impl CausalLm {
         Self::load(cfg, vb)
     }
 
-    /// Builds the model from a `VarBuilder` rooted at the checkpoint root.
+    /// Builds the model from a `VarBuilder` rooted at the checkpoint root. Its [`Compute`] is
+    /// resolved here, once, from the device, the dtype and the kernel set.
     pub fn load(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
         let dtype = vb.dtype();
         let device = vb.device().clone();
+        let compute = Compute::resolve(&device, dtype);
         let built = match cfg.arch {
             Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => {
-                llama::Model::load(cfg, vb).map(Inner::Llama)
+                llama::Model::load(cfg, vb, compute).map(Inner::Llama)
             }
-            Arch::Gpt2 => gpt2::Model::load(cfg, vb).map(Inner::Gpt2),
+            Arch::Gpt2 => gpt2::Model::load(cfg, vb, compute).map(Inner::Gpt2),
         };
         let inner = built
             .map_err(|e| Error::Model(format!("cannot build {} model: {e}", cfg.arch.name())))?;
@@ -96,6 +102,7 @@ impl CausalLm {
             inner,
             dtype,
             device,
+            compute,
             head: None,
             ckpt: None,
             head_packed: None,
@@ -429,12 +436,17 @@ impl CausalLm {
             return Ok(p.forward(h)?);
         }
         // A frozen head under a graph (LoRA): the input's gradient only, no [vocab, hidden] one.
-        if !w.track_op() && h.track_op() {
+        if !w.track_op() && h.track_op() && self.compute.fuses(h) {
             if let Some(p) = grad_sink::SinkProj::frozen(&[w])? {
                 return Ok(p.forward(h)?);
             }
         }
         Ok(h.matmul(&w.t()?)?)
+    }
+
+    /// Which code the model runs: grpo's fused CPU kernels or the portable candle ops.
+    pub fn compute(&self) -> Compute {
+        self.compute
     }
 
     /// The LM head's weight [V, H] when the head is a plain matmul by it (no gradient sink

@@ -12,7 +12,7 @@
 //!
 //! Only the forward exists: a packed projection is for detached (sampling and scoring) models,
 //! built by [`super::CausalLm::pack_for_decoding`]. Without AVX2 (or with `kernels =
-//! "portable"`) the packed layout is not used at all ([`PackedWeight::available`]); the plain
+//! "portable"`) the packed layout is not used at all (`Compute::packs_for_decoding`); the plain
 //! loop [`matmul_portable`] is the kernels' twin in tests and the fallback of last resort.
 
 use candle_core::{bail, CpuStorage, DType, Device, Result, Storage, Tensor};
@@ -52,12 +52,6 @@ fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
 }
 
 impl PackedWeight {
-    /// Whether decoding models pack their projections: the fused kernels are on and the CPU
-    /// runs an AVX2 or AVX-512 variant of the kernel ([`crate::kernels`]).
-    pub fn available() -> bool {
-        crate::kernels::kernels() == crate::kernels::Kernels::Fused && Isa::active() >= Isa::Avx2
-    }
-
     fn panels(&self) -> usize {
         self.n.div_ceil(PANEL)
     }

@@ -24,6 +24,7 @@
 
 use std::sync::{Arc, OnceLock};
 
+use crate::kernels::Compute;
 use candle_core::quantized::k_quants::{BlockQ4_0, BlockQ4_1, BlockQ8_0, GgmlType};
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor};
@@ -531,12 +532,14 @@ impl QuantProj {
         x.matmul(&w.t()?)
     }
 
-    /// `x` [.., in] -> [.., out]. Records a backward to `x` when `x` tracks gradients.
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// `x` [.., in] -> [.., out]. Records a backward to `x` when `x` tracks gradients. With
+    /// [`Compute::CpuFused`] (and `x` f32 on the CPU) grpo's custom op multiplies by the quantized
+    /// bytes; otherwise the weight is dequantized where `x` is, with candle ops.
+    pub fn forward(&self, x: &Tensor, compute: Compute) -> Result<Tensor> {
         let (o, i) = self.dims()?;
         let dims = x.dims().to_vec();
         let rows = x.elem_count() / i;
-        let y = if crate::kernels::cpu_fused(x.device(), x.dtype()) {
+        let y = if compute.fuses(x) {
             let x2 = x.reshape((rows, i))?.contiguous()?; // [N, in] f32
             x2.apply_op1(self.clone())? // [N, out]
         } else {
@@ -690,7 +693,9 @@ mod tests {
             let wd = q.dequantize().unwrap();
             for rows in [3, 40] {
                 let x = randn((rows, 64), 2);
-                let y = q.forward(&x).unwrap();
+                let y = q
+                    .forward(&x, Compute::resolve(x.device(), x.dtype()))
+                    .unwrap();
                 let want = x.matmul(&wd.t().unwrap()).unwrap();
                 let d = max_diff(&y, &want);
                 // The few-row path quantizes x to 8 bits as well (candle's kernel).
@@ -748,7 +753,10 @@ mod tests {
             assert!(dy < 1e-5, "{kind:?} forward {dy}");
             assert!(dg < 1e-5, "{kind:?} gradient {dg}");
             let yb = q
-                .forward(&x.as_tensor().to_dtype(DType::BF16).unwrap())
+                .forward(
+                    &x.as_tensor().to_dtype(DType::BF16).unwrap(),
+                    Compute::CpuFused,
+                )
                 .unwrap();
             assert_eq!(yb.dtype(), DType::BF16);
             let yb = yb.to_dtype(DType::F32).unwrap();
@@ -779,7 +787,10 @@ mod tests {
         let wd = q.dequantize().unwrap();
         let x = candle_core::Var::from_tensor(&randn((20, 64), 4)).unwrap();
         let gy = randn((20, 32), 5);
-        let g1 = (q.forward(x.as_tensor()).unwrap() * &gy)
+        let g1 = (q
+            .forward(x.as_tensor(), Compute::resolve(&Device::Cpu, DType::F32))
+            .unwrap()
+            * &gy)
             .unwrap()
             .sum_all()
             .unwrap()

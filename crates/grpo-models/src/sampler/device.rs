@@ -218,11 +218,6 @@ fn bisect(
     Ok(lo)
 }
 
-/// Whether [`choose_tokens`] is the one the sampler runs for a model on `device` in `dtype`.
-pub(super) fn applies(device: &candle_core::Device, dtype: DType) -> bool {
-    !crate::kernels::cpu_fused(device, dtype)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

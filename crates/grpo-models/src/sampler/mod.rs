@@ -261,7 +261,8 @@ pub fn generate_streaming(
     )?; // [P, Lmax, H]
     let last = h.narrow(1, lmax - 1, 1)?.squeeze(1)?; // [P, H]
     let first = model.logits(&last)?; // [P, V]
-    let on_device = device::applies(&device, model.dtype());
+                                      // Off the fused CPU path, tokens are chosen where the logits are.
+    let on_device = !model.compute().is_fused();
     let all_logits: Vec<f32> = match on_device {
         true => vec![],
         false => first.flatten_all()?.to_vec1()?, // [P*V]

@@ -46,6 +46,11 @@ pub trait Policy {
     /// `sync_ref_model` mixes the policy into it.
     fn frozen_from(&self, tensors: HashMap<String, Tensor>) -> Result<Self::Frozen>;
 
+    /// Tokens per forward/backward pass when `forward_chunk_tokens` is unset.
+    fn forward_chunk_tokens(&self, _gradient_checkpointing: bool) -> usize {
+        crate::logprobs::DEFAULT_FORWARD_CHUNK_TOKENS
+    }
+
     /// The parameters by name, detached.
     fn named_tensors(&self) -> Vec<(String, Tensor)> {
         self.names()
@@ -174,6 +179,28 @@ impl Policy for CausalLmPolicy {
             sink,
             ckpt,
         })
+    }
+
+    /// On the fused CPU path the default; elsewhere sized to half the device's free memory now
+    /// ([`crate::logprobs::tokens_for_memory`]).
+    fn forward_chunk_tokens(&self, gradient_checkpointing: bool) -> usize {
+        let compute = crate::kernels::Compute::resolve(&self.device, self.dtype);
+        match (
+            compute.is_fused(),
+            crate::kernels::free_memory(&self.device),
+        ) {
+            (false, Some(free)) => crate::logprobs::tokens_for_memory(
+                (
+                    self.cfg.hidden_size,
+                    self.cfg.intermediate_size,
+                    self.cfg.num_layers,
+                ),
+                self.dtype.size_in_bytes(),
+                gradient_checkpointing,
+                free / 2,
+            ),
+            _ => crate::logprobs::DEFAULT_FORWARD_CHUNK_TOKENS,
+        }
     }
 
     fn frozen_from(&self, tensors: HashMap<String, Tensor>) -> Result<CausalLm> {

@@ -198,7 +198,7 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> R
         .map(|e| (e.prompt_ids.as_slice(), e.completion_ids.as_slice()))
         .collect();
     let kl_in_reward = matches!(cfg.kl, KlMode::Reward { .. });
-    let chunk = cfg.forward_chunk_tokens;
+    let chunk = r.update.forward_chunk_tokens;
     let old_logps = match r.needs_old || kl_in_reward {
         true => Some(sampler.sequence_logprobs(&pairs, r.pad, cfg.temperature, chunk)?),
         false => None,

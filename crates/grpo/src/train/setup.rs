@@ -192,6 +192,11 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
             }
             spec => spec.device()?,
         };
+        if main {
+            // What every model and optimizer of the run resolves to ([`Compute::resolve`]).
+            let compute = crate::kernels::Compute::resolve(&device, cfg.dtype.compute());
+            tracing::info!("compute: {} on {device:?}", compute.name());
+        }
         if cfg.dtype != crate::config::DTypeOpt::F32 {
             if cfg.policy == crate::config::PolicyType::FillIn {
                 tracing::warn!("dtype = bf16 is not used by fill-in policies: they run in f32");
@@ -400,6 +405,16 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
             (cfg.warmup_ratio * total_steps as f64).ceil() as u64
         };
         let weights = reward_weights(cfg, &data.rewards)?;
+        let mut update = update_options(cfg, pad);
+        if cfg.forward_chunk_tokens.is_none() {
+            update.forward_chunk_tokens = policy.forward_chunk_tokens(cfg.gradient_checkpointing);
+            if main {
+                tracing::info!(
+                    "forward_chunk_tokens: {} (unset: sized for the device)",
+                    update.forward_chunk_tokens
+                );
+            }
+        }
         Ok(Run {
             cfg,
             tok,
@@ -434,7 +449,7 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
                 normalize_batch: cfg.normalize_advantages_batch,
             },
             weights,
-            update: update_options(cfg, pad),
+            update,
             schedule: Schedule {
                 learning_rate: cfg.learning_rate,
                 kind: cfg.lr_scheduler_type,
@@ -550,7 +565,9 @@ pub fn update_options(cfg: &TrainConfig, pad: u32) -> UpdateOptions {
         },
         temperature: cfg.temperature,
         pad,
-        forward_chunk_tokens: cfg.forward_chunk_tokens,
+        forward_chunk_tokens: cfg
+            .forward_chunk_tokens
+            .unwrap_or(crate::logprobs::DEFAULT_FORWARD_CHUNK_TOKENS),
         max_grad_norm: cfg.max_grad_norm,
         gradient_checkpointing: cfg.gradient_checkpointing,
         seed: cfg.seed,
