@@ -166,11 +166,13 @@ fn train_config(
 /// their sum differs between completions and every group has advantages to learn from (the
 /// task's own rewards are 0 for every completion of a random model: an update then only moves
 /// the weights by AdamW's normalization of rounding noise, which no tolerance can judge).
-const SPREAD_REWARDS: &str = "[[rewards]]\nkind = \"format\"\npattern = \"er\"\n\
-    [[rewards]]\nkind = \"format\"\npattern = \"an\"\n\
-    [[rewards]]\nkind = \"format\"\npattern = \"in\"\n\
-    [[rewards]]\nkind = \"format\"\npattern = \"on\"\n\
-    [[rewards]]\nkind = \"format\"\npattern = \"th\"\n";
+/// (Checked on the CPU's portable path: reward std 0.74-1.39 over 4 steps, no group flat.)
+const SPREAD_REWARDS: &str =
+    "[[rewards]]\nkind = \"format\"\npattern = \"er\"\nname = \"has_er\"\n\
+    [[rewards]]\nkind = \"format\"\npattern = \"an\"\nname = \"has_an\"\n\
+    [[rewards]]\nkind = \"format\"\npattern = \"in\"\nname = \"has_in\"\n\
+    [[rewards]]\nkind = \"format\"\npattern = \"on\"\nname = \"has_on\"\n\
+    [[rewards]]\nkind = \"format\"\npattern = \"th\"\nname = \"has_th\"\n";
 
 /// metrics.jsonl's training rows, without timings and memory readings.
 fn step_rows(dir: &std::path::Path) -> Vec<serde_json::Map<String, Value>> {
@@ -206,7 +208,7 @@ fn checkpoint_weights(dir: &std::path::Path) -> std::collections::HashMap<String
 /// - the same completions and rewards at every step (the same seeded draws from logits equal to
 ///   f32 rounding; a token could flip only if a draw fell within rounding of a boundary);
 /// - the first update (same weights, same completions): loss and gradient norm within 1e-4
-///   relative, the rest of the steps within 1e-2;
+///   relative (plus 1e-6 absolute), the rest of the steps within 1e-2;
 /// - after 4 steps the GPU's weights differ from the CPU's by at most 2% of how far training
 ///   moved them (L2 over all weights).
 /// Then bf16 mixed precision trains on the GPU, and a GPU run stopped after step 2 and resumed
@@ -237,8 +239,10 @@ fn gpu_grpo_steps_equal_the_portable_cpu_path_and_resume_exactly() {
             .all(|r| r["reward_std"].as_f64().unwrap_or(0.0) > 0.0),
         "the rewards have no spread: {c:?}"
     );
+    // Relative, plus 1e-6 absolute: the first step's loss is ~1e-8 (ratios of 1 times
+    // advantages that sum to zero) and its KL is 0, rounding on either side.
     let close = |a: &Value, b: &Value, rel: f64| match (a.as_f64(), b.as_f64()) {
-        (Some(x), Some(y)) => (x - y).abs() <= rel * x.abs().max(y.abs()).max(1e-6),
+        (Some(x), Some(y)) => (x - y).abs() <= rel * x.abs().max(y.abs()) + 1e-6,
         _ => a == b,
     };
     for (i, (rg, rc)) in g.iter().zip(&c).enumerate() {
@@ -361,7 +365,7 @@ fn gpu_qlora_with_truncated_sampling_equals_the_portable_cpu_path() {
             for k in ["loss", "kl", "grad_norm"] {
                 let (a, b) = (rg[k].as_f64().unwrap(), rc[k].as_f64().unwrap());
                 assert!(
-                    (a - b).abs() <= rel * a.abs().max(b.abs()).max(1e-6),
+                    (a - b).abs() <= rel * a.abs().max(b.abs()) + 1e-6,
                     "{kind} step {}: {k} GPU {a} vs CPU {b}",
                     rg["step"]
                 );
