@@ -2,8 +2,9 @@
 //! sampler: `log softmax(h W^T / T)[target]`.
 //!
 //! The LM head is applied in chunks of rows, so at most `[chunk, vocab]` logits exist at a time in a
-//! forward without gradient. (In a differentiable forward candle's autograd keeps each chunk's
-//! logits for the backward pass; the memory-lean fused backward belongs to the trainer.)
+//! forward without gradient. In a differentiable forward on the fused CPU path, autograd keeps
+//! each chunk's logits for the backward; off it (a GPU, bf16, portable)
+//! [`token_logprobs_entropy_recomputed`] keeps none and recomputes them in the backward.
 
 use candle_core::{Tensor, D};
 
