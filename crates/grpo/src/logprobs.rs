@@ -326,13 +326,14 @@ pub const DEFAULT_FORWARD_CHUNK_TOKENS: usize = 1024;
 /// blocks of width `hidden` (MLP width `intermediate`) computing in `act_bytes`-byte floats, at least [`DEFAULT_FORWARD_CHUNK_TOKENS`] and at
 /// most 2^20. Off the fused CPU path a pass keeps, per token:
 /// - with `gradient_checkpointing`: each block's input (`layers x hidden`), and one block
-///   recomputed with its graph (~16 `hidden`- and 6 `intermediate`-wide tensors);
-/// - without: every block's graph (~12 `hidden`- and 5 `intermediate`-wide tensors per block).
+///   recomputed with its graph and its gradients (~24 `hidden`- and 8 `intermediate`-wide);
+/// - without: every block's graph (~16 `hidden`- and 6 `intermediate`-wide tensors per block).
 ///
 /// Attention's scores and the LM head's logits are not kept (chunked and recomputed), so they
-/// do not grow with the pass. On the CPU's portable path with SmolLM2-135M's shape, 8,500 tokens
-/// and checkpointing, this estimates 1.2 GB where the peak RSS above the static state and the
-/// fixed-size chunks measured ~1.5 GB.
+/// do not grow with the pass. Calibrated on the CPU's portable path with SmolLM2-135M's shape in
+/// f32 and one 8 x 4 x 256 pass (8,500 tokens): with checkpointing the peak RSS above the static
+/// state and the fixed-size chunks was ~1.5 GB (~180 KB per token; this says 173 KB); without,
+/// the run passed 23.5 GB (> 2.1 MB per token; this says 2.2 MB).
 pub fn tokens_for_memory(
     (h, i, l): (usize, usize, usize),
     act_bytes: usize,
@@ -340,8 +341,8 @@ pub fn tokens_for_memory(
     budget: u64,
 ) -> usize {
     let floats = match gradient_checkpointing {
-        true => l * h + 16 * h + 6 * i,
-        false => l * (12 * h + 5 * i),
+        true => l * h + 24 * h + 8 * i,
+        false => l * (16 * h + 6 * i),
     };
     let per_token = (floats * act_bytes).max(1) as u64;
     ((budget / per_token) as usize).clamp(DEFAULT_FORWARD_CHUNK_TOKENS, 1 << 20)
@@ -581,19 +582,19 @@ mod tests {
         z[target] - lse
     }
 
-    /// The device-sized pass: SmolLM2-135M's shape in bf16 with checkpointing keeps ~71 KB per
-    /// token (30 x 576 + 16 x 576 + 6 x 1536 floats), so 8 GB holds ~113k tokens; without it
-    /// ~0.9 MB, ~9k tokens; a tiny budget still gets the CPU default and a huge one the cap.
+    /// The device-sized pass: SmolLM2-135M's shape in bf16 with checkpointing keeps ~87 KB per
+    /// token (30 x 576 + 24 x 576 + 8 x 1536 floats), so 8 GB holds ~99k tokens; without it
+    /// ~1.1 MB, ~7.6k tokens; a tiny budget still gets the CPU default and a huge one the cap.
     #[test]
     fn device_sized_passes_follow_the_model_and_the_budget() {
         let cfg = (576, 1536, 30); // hidden, intermediate, layers
         let gb = 1u64 << 30;
-        let per_ckpt = (30 * 576 + 16 * 576 + 6 * 1536) * 2;
+        let per_ckpt = (30 * 576 + 24 * 576 + 8 * 1536) * 2;
         assert_eq!(
             tokens_for_memory(cfg, 2, true, 8 * gb),
             (8 * gb) as usize / per_ckpt
         );
-        let per_full = 30 * (12 * 576 + 5 * 1536) * 2;
+        let per_full = 30 * (16 * 576 + 6 * 1536) * 2;
         assert_eq!(
             tokens_for_memory(cfg, 2, false, 8 * gb),
             (8 * gb) as usize / per_full

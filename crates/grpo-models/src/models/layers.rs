@@ -605,7 +605,7 @@ impl RmsNorm {
             Mode::Train if self.compute.fuses(x) => {
                 super::fused::rms_norm(x, &self.weight, self.eps)
             }
-            Mode::Train => rms_norm_diff(x, &self.weight, self.eps),
+            Mode::Train => rms_norm_recomputed(x, &self.weight, self.eps),
         }
     }
 }
@@ -619,6 +619,57 @@ pub fn rms_norm_diff(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
         .recip()?; // [.., 1]
     let normed = xf.broadcast_mul(&inv)?.to_dtype(dtype)?;
     normed.broadcast_mul(w)
+}
+
+/// [`rms_norm_diff`]'s value, recorded in the graph with a backward written out
+/// ([`super::recompute`]): the backward keeps only `x` and `w` (which the graph holds anyway),
+/// not the five or so f32 intermediates of [`rms_norm_diff`] per call, the largest share of a
+/// training pass's kept activations off the fused CPU path after attention and the LM head. With
+/// `n = x r`, `r = 1 / sqrt(mean(x^2) + eps)` and `y = n w`: `dw = sum(g n)`,
+/// `dx = r (g w - n mean(g w n))`, in f32 (f64 stays f64).
+pub fn rms_norm_recomputed(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let y = rms_norm_diff(&x.detach(), &w.detach(), eps)?;
+    super::recompute::attach(&y, &[x, w], Arc::new(RmsNormBackward { eps }))
+}
+
+struct RmsNormBackward {
+    eps: f64,
+}
+
+impl super::recompute::Backward for RmsNormBackward {
+    fn name(&self) -> &'static str {
+        "rms-norm"
+    }
+
+    fn backward(
+        &self,
+        inputs: &[Tensor],
+        wanted: &[bool],
+        _out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<Vec<Option<Tensor>>> {
+        let [x, w] = inputs else {
+            candle_core::bail!("rms-norm: two inputs expected");
+        };
+        let f = reduce_dtype(x.dtype());
+        let xf = x.to_dtype(f)?; // [.., H]
+        let r = (xf.sqr()?.mean_keepdim(D::Minus1)? + self.eps)?
+            .sqrt()?
+            .recip()?; // [.., 1]
+        let n = xf.broadcast_mul(&r)?; // [.., H]
+        let dw = match wanted[1] {
+            true => {
+                let h = w.dim(0)?;
+                let gn = (grad * n.to_dtype(x.dtype())?)?.to_dtype(f)?; // [.., H]
+                Some(gn.reshape(((), h))?.sum(0)?.to_dtype(w.dtype())?) // [H]
+            }
+            false => None,
+        };
+        let dn = grad.broadcast_mul(w)?.to_dtype(f)?; // [.., H]
+        let proj = (&dn * &n)?.mean_keepdim(D::Minus1)?; // [.., 1]
+        let dx = (dn - n.broadcast_mul(&proj)?)?.broadcast_mul(&r)?;
+        Ok(vec![Some(dx.to_dtype(x.dtype())?), dw])
+    }
 }
 
 /// LayerNorm with weight and bias (GPT-2).
@@ -1072,6 +1123,47 @@ mod tests {
         assert!(max_abs_diff(&own, &run(Some((vec![0, 0, 0, 0], 5)))) < 1e-6);
         // A leader whose slots differ changes the result (the leader's slots are really read).
         assert!(max_abs_diff(&own, &run(Some((vec![0, 0, 0, 3], 6)))) > 1e-3);
+    }
+
+    /// The recorded RMSNorm: the same value as the graph twin, bit for bit, and the gradients of
+    /// x and w within 1e-5 (f32) through a weighted sum; no weight gradient when it is frozen;
+    /// bf16 within bf16 rounding.
+    #[test]
+    fn recomputed_rms_norm_equals_the_graph_twin_with_gradients() {
+        let dev = Device::Cpu;
+        let x = candle_core::Var::randn(0f32, 1.0, (2, 3, 8), &dev).unwrap();
+        let w = candle_core::Var::randn(1f32, 0.2, 8, &dev).unwrap();
+        let c = Tensor::randn(0f32, 1.0, (2, 3, 8), &dev).unwrap();
+        let want = rms_norm_diff(&x, &w, 1e-5).unwrap();
+        let got = rms_norm_recomputed(&x, &w, 1e-5).unwrap();
+        assert_eq!(
+            want.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            got.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        );
+        let gw = (&want * &c).unwrap().sum_all().unwrap().backward().unwrap();
+        let gg = (&got * &c).unwrap().sum_all().unwrap().backward().unwrap();
+        for v in [&x, &w] {
+            let d = max_abs_diff(gw.get(v).unwrap(), gg.get(v).unwrap());
+            assert!(d < 1e-5, "{d}");
+        }
+        let frozen = w.as_tensor().detach();
+        let g = rms_norm_recomputed(&x, &frozen, 1e-5)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        assert!(g.get(&x).is_some() && g.get(&frozen).is_none());
+        let bf = |t: &Tensor| t.to_dtype(DType::BF16).unwrap();
+        let yb = rms_norm_recomputed(&bf(&x), &bf(&w), 1e-5).unwrap();
+        let gb = (yb.to_dtype(DType::F32).unwrap() * &c)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let d = max_abs_diff(gb.get(&x).unwrap(), gw.get(&x).unwrap());
+        assert!(d < 5e-2, "bf16 dx {d}");
     }
 
     #[test]

@@ -42,7 +42,7 @@ pub fn attach(out: &Tensor, inputs: &[&Tensor], bwd: Arc<dyn Backward>) -> Resul
         return Ok(out);
     }
     let op = Recorded {
-        out: out.contiguous()?,
+        out: std::sync::Mutex::new(Some(out.contiguous()?)),
         bwd,
     };
     match inputs {
@@ -57,15 +57,28 @@ pub fn attach(out: &Tensor, inputs: &[&Tensor], bwd: Arc<dyn Backward>) -> Resul
 }
 
 struct Recorded {
-    /// The result, contiguous.
-    out: Tensor,
+    /// The result, contiguous, until the forward copies it into the node (then dropped: the
+    /// graph holds the node's own copy).
+    out: std::sync::Mutex<Option<Tensor>>,
     bwd: Arc<dyn Backward>,
 }
 
 impl Recorded {
+    /// The result, taken: candle runs an op's forward once.
+    fn take_out(&self) -> Result<Tensor> {
+        let taken = match self.out.lock() {
+            Ok(mut o) => o.take(),
+            Err(_) => None,
+        };
+        taken.ok_or_else(|| {
+            candle_core::Error::Msg(format!("{}: forward ran twice", self.bwd.name()))
+        })
+    }
+
     fn cpu_out(&self) -> Result<(CpuStorage, Shape)> {
         use candle_core::backend::BackendStorage;
-        let (s, l) = self.out.storage_and_layout();
+        let out = self.take_out()?;
+        let (s, l) = out.storage_and_layout();
         let candle_core::Storage::Cpu(c) = &*s else {
             candle_core::bail!("{}: the result is not on the CPU", self.bwd.name());
         };
@@ -84,7 +97,8 @@ impl Recorded {
     #[cfg(feature = "cuda")]
     fn cuda_out(&self) -> Result<(candle_core::CudaStorage, Shape)> {
         use candle_core::backend::BackendStorage;
-        let (s, l) = self.out.storage_and_layout();
+        let out = self.take_out()?;
+        let (s, l) = out.storage_and_layout();
         let candle_core::Storage::Cuda(c) = &*s else {
             candle_core::bail!("{}: the result is not on the GPU", self.bwd.name());
         };
