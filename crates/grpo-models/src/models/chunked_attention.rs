@@ -237,18 +237,7 @@ mod tests {
         Tensor::from_vec(m, (b, 1, s, tk), dev).unwrap()
     }
 
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-    }
+    use super::super::layers::tests::max_abs_diff as max_diff;
 
     /// Output and every input's gradient equal the all-at-once twin's, for grouped heads, one
     /// query per chunk and whole-row chunks, with keys before the queries (a prefix).

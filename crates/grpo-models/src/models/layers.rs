@@ -1067,10 +1067,11 @@ pub fn build_mask(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    /// The largest |a - b| (f32 tensors): shared by the models' unit tests.
+    pub(crate) fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
         (a - b)
             .unwrap()
             .abs()
