@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
-use grpo::pretrain::{pretrain_causal, pretrain_judge, pretrain_mlm, PretrainOptions};
+use grpo::fill_in::pretrain::{pretrain_causal, pretrain_judge, pretrain_mlm, PretrainOptions};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Objective {
@@ -120,8 +120,8 @@ pub fn run(a: PretrainArgs) -> Result<()> {
         seed: a.seed,
         eval_every: a.eval_every,
         tokenizer: match a.tokenizer {
-            TokenizerKind::Chars => grpo::pretrain::TokenizerKind::Chars,
-            TokenizerKind::Bpe => grpo::pretrain::TokenizerKind::Bpe {
+            TokenizerKind::Chars => grpo::fill_in::pretrain::TokenizerKind::Chars,
+            TokenizerKind::Bpe => grpo::fill_in::pretrain::TokenizerKind::Bpe {
                 vocab_size: a.vocab_size,
             },
         },
@@ -136,7 +136,7 @@ pub fn run(a: PretrainArgs) -> Result<()> {
     );
     let t0 = std::time::Instant::now();
     let log = grpo::threads::on_pool(|| {
-        let mut on_step = |r: &grpo::pretrain::PretrainStep| {
+        let mut on_step = |r: &grpo::fill_in::pretrain::PretrainStep| {
             bar.set_position(r.step);
             bar.set_message(format!("loss {:.3}", r.loss));
             if let Some(acc) = r.eval_accuracy {

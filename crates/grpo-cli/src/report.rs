@@ -673,7 +673,7 @@ fn plot_specs(m: &Metrics) -> Vec<PlotSpec> {
         },
     ];
     // A fill-in run's own curves (the judge's score, fills equal to the original).
-    if keys.contains(names::FILL_MASKED_POSITIONS) {
+    if keys.contains(grpo::fill_in::FILL_MASKED_POSITIONS) {
         specs.insert(
             2,
             PlotSpec {
@@ -683,8 +683,8 @@ fn plot_specs(m: &Metrics) -> Vec<PlotSpec> {
                     "Fill-in: judge score and fill accuracy against the original",
                     "score / fraction of masked tokens",
                     vec![
-                        Line::new("judge score", names::FILL_JUDGE_SCORE),
-                        Line::new("fill accuracy", names::FILL_ACCURACY),
+                        Line::new("judge score", grpo::fill_in::FILL_JUDGE_SCORE),
+                        Line::new("fill accuracy", grpo::fill_in::FILL_ACCURACY),
                     ],
                 )
             },

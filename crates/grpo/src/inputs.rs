@@ -85,7 +85,7 @@ pub fn config_rewards(cfg: &TrainConfig, device: &Device) -> Result<Vec<Reward>>
             PolicyType::FillIn => {
                 let judge = match &cfg.judge {
                     Some(j) => j.clone(),
-                    None => crate::pretrain::builtin_fill_in_models(&cfg.task, true)?.1,
+                    None => crate::fill_in::pretrain::builtin_fill_in_models(&cfg.task, true)?.1,
                 };
                 rewards::builtin_fill_in_rewards(&judge, cfg.train_file.is_none(), device)
             }

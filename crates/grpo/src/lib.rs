@@ -35,7 +35,6 @@ pub mod loss;
 pub mod metrics;
 pub mod named;
 pub mod optim;
-pub mod pretrain;
 pub mod rewards;
 pub mod rollout;
 pub mod trackers;

@@ -2,8 +2,10 @@
 //! advantages and update statistics, and everything reads it: `metrics.jsonl` and TensorBoard
 //! (through [`StepMetrics::pairs`]), the console line, and (by the names in [`names`]) the report.
 
-use crate::advantages::{nan_std, Advantages};
-use crate::fill_in::FillInputs;
+use super::policy::Policy;
+use super::round::{Sampled, Scored};
+use super::setup::Run;
+use crate::advantages::nan_std;
 use crate::rewards::Reward;
 use crate::rollout::Episode;
 
@@ -54,8 +56,6 @@ pub mod names {
     pub const CHILD_PROCESSES: &str = "memory/child_processes";
     /// Optimizer steps skipped so far because a number was not finite (the run's total).
     pub const SKIPPED_STEPS: &str = "skipped_steps";
-    /// Fill-in runs: masked positions per input, fills equal to the original, the judge's score.
-    pub use crate::fill_in::{FILL_ACCURACY, FILL_JUDGE_SCORE, FILL_MASKED_POSITIONS};
     /// The parts of a step, as `time/<part>`.
     pub const TIME_PARTS: [&str; 4] = ["generate", "score", "reference", "update"];
     pub const EVAL_PREFIX: &str = "eval/";
@@ -254,82 +254,61 @@ pub fn update_metrics(
     })
 }
 
-/// What a round hands to [`StepMetrics::of_round`] besides its episodes.
-pub struct RoundFacts<'a> {
-    pub adv: &'a Advantages,
-    pub rewards: Vec<RewardMetrics>,
-    pub update: Option<UpdateMetrics>,
-    pub kl_reward_seq_kl: Option<f64>,
-    pub kl_reward_coef: Option<f64>,
-    pub times: RoundTimes,
-    pub generated_tokens: usize,
-    pub epoch: f64,
-    pub dynamic_sampling: Option<DynamicSampling>,
-}
-
-/// A fill-in round's own metrics: masked positions per input and fill accuracy against the
-/// original ([`FillInputs::metrics`]), the judge's mean score (the first reward scored by a
-/// model or the user's scorer), and the fill-in seed's names for grpo's metrics
-/// (`mean_reward`, `std_reward`, `mean_advantage`, `mean_kl`; `loss`, `pg_loss`, `kl_penalty`
-/// and `mean_log_prob` are grpo's names already).
-pub fn fill_in_metrics(
-    m: &StepMetrics,
-    fill: &FillInputs,
-    episodes: &[Episode],
-    rewards: &[Reward],
-) -> Vec<(String, f64)> {
-    let mut out = fill.metrics(episodes);
-    if let Some(j) = rewards.iter().position(Reward::is_judge) {
-        out.push((names::FILL_JUDGE_SCORE.into(), m.rewards[j].mean));
-    }
-    out.push(("mean_reward".into(), m.reward));
-    out.push(("std_reward".into(), m.reward_std));
-    out.push(("mean_advantage".into(), m.advantage_mean));
-    if let Some(u) = &m.update {
-        out.push(("mean_kl".into(), u.kl));
-    }
-    out
-}
-
 impl StepMetrics {
-    /// The metrics of a round of `episodes`.
-    pub fn of_round(episodes: &[Episode], f: RoundFacts) -> StepMetrics {
+    /// The metrics of a round: what it sampled and scored (with its times), its advantages, its
+    /// optimizer steps, and the metrics of the policy kind.
+    pub fn of_round<P: Policy>(
+        r: &Run<P>,
+        round: &Sampled,
+        scored: &Scored,
+        steps: &[StepStats],
+    ) -> StepMetrics {
+        let (episodes, adv, cfg) = (&round.episodes, &scored.adv, r.cfg);
         let lens: Vec<f64> = episodes
             .iter()
             .map(|e| e.completion_ids.len() as f64)
             .collect();
-        let finite_rewards = f
-            .adv
+        let finite_rewards = adv
             .rewards
             .iter()
             .filter(|r| r.is_finite())
             .map(|&r| r as f64);
-        StepMetrics {
+        let mut m = StepMetrics {
             reward: mean(finite_rewards),
-            reward_std: nan_std(&f.adv.rewards) as f64,
-            rewards: f.rewards,
-            frac_reward_zero_std: f.adv.frac_zero_std() as f64,
-            advantage_mean: mean(f.adv.advantages.iter().map(|&a| a as f64)),
-            advantage_std: nan_std(&f.adv.advantages) as f64,
+            reward_std: nan_std(&adv.rewards) as f64,
+            rewards: reward_metrics(episodes, &r.data.rewards, &round.reward_secs),
+            frac_reward_zero_std: adv.frac_zero_std() as f64,
+            advantage_mean: mean(adv.advantages.iter().map(|&a| a as f64)),
+            advantage_std: nan_std(&adv.advantages) as f64,
             mean_length: mean(lens.iter().copied()),
             min_length: lens.iter().cloned().fold(f64::INFINITY, f64::min),
             max_length: lens.iter().cloned().fold(0.0, f64::max),
             clipped_ratio: episodes.iter().filter(|e| e.truncated()).count() as f64
                 / episodes.len() as f64,
-            dynamic_sampling: f.dynamic_sampling,
-            update: f.update,
-            kl_reward_seq_kl: f.kl_reward_seq_kl,
-            kl_reward_coef: f.kl_reward_coef,
-            times: f.times,
-            tokens_per_second: f.generated_tokens as f64 / f.times.step.max(1e-9),
-            epoch: f.epoch,
+            dynamic_sampling: r.opts.dynamic_sampling.then_some(DynamicSampling {
+                groups_sampled: round.groups_sampled,
+                groups_dropped: round.groups_dropped,
+                groups_kept: episodes.len() / r.opts.g,
+            }),
+            update: update_metrics(
+                steps,
+                r.opts.update.loss.beta,
+                cfg.entropy_coef != 0.0 || cfg.adaptive_entropy.is_some(),
+            ),
+            kl_reward_seq_kl: scored.kl_reward_seq_kl,
+            kl_reward_coef: r.state.adaptive_kl.as_ref().map(|a| a.coef),
+            times: round.times,
+            tokens_per_second: round.generated_tokens as f64 / round.times.step.max(1e-9),
+            epoch: r.state.order.epoch() as f64,
             resources: crate::threads::process_resources(),
-            skipped_steps: 0,
+            skipped_steps: r.state.skipped_steps,
             eval_seconds: None,
             eval: vec![],
             policy: vec![],
             health: vec![],
-        }
+        };
+        m.policy = r.policy.round_metrics(&m, episodes, &r.data.rewards);
+        m
     }
 
     /// Every metric as (name, value), as `metrics.jsonl` and TensorBoard get them.

@@ -2,7 +2,9 @@
 //! parameters and gives the loop what GRPO needs of it: a frozen copy that samples groups and
 //! scores log-probs (rollout, old log-probs, evaluation), a differentiable forward for the update,
 //! and the files of a checkpoint. The causal LM ([`CausalLmPolicy`], full fine-tuning or LoRA over
-//! a frozen base) is today's only kind; the frozen reference model is a [`Reference`].
+//! a frozen base) is the default kind, the fill-in generator ([`crate::fill_in::FillInPolicy`]) the
+//! other; what a kind does to its inputs, logs and metrics beyond GRPO's core are the trait's
+//! provided methods. The frozen reference model is a [`Reference`].
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,9 +19,12 @@ use crate::models::checkpointing::CheckpointGrads;
 use crate::models::grad_sink::GradSink;
 use crate::models::{CausalLm, Mode, ModelConfig};
 use crate::optim::var_tensors;
-use crate::rollout::{GroupSampler, MicroBatch};
+use crate::rewards::Reward;
+use crate::rollout::{Episode, GroupSampler, MicroBatch};
 use crate::tokenizer::Tokenizer;
 use crate::Result;
+
+use super::StepMetrics;
 
 /// A trainable policy.
 pub trait Policy {
@@ -49,6 +54,28 @@ pub trait Policy {
     /// Tokens per forward/backward pass when `forward_chunk_tokens` is unset.
     fn forward_chunk_tokens(&self, _gradient_checkpointing: bool) -> usize {
         crate::logprobs::DEFAULT_FORWARD_CHUNK_TOKENS
+    }
+
+    /// The input sampled for a training prompt's group: the prompt itself, or what the policy
+    /// kind makes of it (a fill-in generator's input masked on the fly from the group's `seed`).
+    fn round_input(&self, prompt_ids: &[u32], _seed: u64) -> Vec<u32> {
+        prompt_ids.to_vec()
+    }
+
+    /// Metrics of the policy kind for a round (a fill-in run's `fill/*`), given the round's own.
+    fn round_metrics(
+        &self,
+        _m: &StepMetrics,
+        _episodes: &[Episode],
+        _rewards: &[Reward],
+    ) -> Vec<(String, f64)> {
+        vec![]
+    }
+
+    /// An episode's prompt as the logs show it, when the policy kind shows it its own way (a
+    /// fill-in input with its masks written out); `None`: the dataset's prompt text.
+    fn shown_prompt(&self, _tok: &Tokenizer, _e: &Episode) -> Result<Option<String>> {
+        Ok(None)
     }
 
     /// The parameters by name, detached.

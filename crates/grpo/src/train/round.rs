@@ -1,19 +1,25 @@
-//! Steps 1-3 of a round: sample `P` prompts x `G` completions with the current policy, take the
-//! old (sampling-policy) and reference log-probs, score every reward. With dynamic sampling
-//! (DAPO) groups whose rewards all equal are dropped and more prompts are sampled until `P`
-//! groups carry a signal, for at most `max_extra` extra passes.
+//! Steps 1-4 of a round: sample `P` prompts x `G` completions with the current policy, take the
+//! old (sampling-policy) and reference log-probs, score every reward ([`sample_round`]; with
+//! dynamic sampling (DAPO) groups whose rewards all equal are dropped and more prompts are
+//! sampled until `P` groups carry a signal, for at most `max_extra_passes` extra passes), then
+//! turn the rewards into group-relative advantages and this rank's [`TrainBatch`]
+//! ([`score_round`]).
 
 use std::time::Instant;
 
+use super::metrics::RoundTimes;
 use super::policy::Policy;
 use super::setup::Run;
 use super::shard::{gather_episodes, owned_groups};
+use super::update::{skip_round, update_round, StepCounter, StepStats};
 use super::world::World;
-use crate::advantages::{combine_rewards, groups_with_signal};
-use crate::loss::KlMode;
-use crate::rollout::{self, Episode, GroupSampler};
+use super::Console;
+use crate::advantages::{combine_rewards, groups_with_signal, round_advantages, Advantages};
+use crate::loss::{kl_reward_penalty, KlMode};
+use crate::rewards::Reward;
+use crate::rollout::{self, Episode, GroupSampler, TrainBatch};
 use crate::seeding::mix_seed;
-use crate::Result;
+use crate::{Error, Result};
 
 /// What a round sampled, scored and kept.
 #[derive(Debug, Default)]
@@ -27,10 +33,9 @@ pub struct Sampled {
     /// Seconds each reward spent scoring.
     pub reward_secs: Vec<f64>,
     pub generated_tokens: usize,
-    /// Seconds sampling, taking log-probs, and scoring (what scoring added to the step).
-    pub t_generate: f64,
-    pub t_reference: f64,
-    pub t_score: f64,
+    /// Seconds sampling, taking log-probs, and scoring (what scoring added to the step); the
+    /// update's and the whole step's are filled in by the loop.
+    pub times: RoundTimes,
     /// Dynamic sampling: groups sampled, dropped (all rewards equal) and kept.
     pub groups_sampled: usize,
     pub groups_dropped: usize,
@@ -59,9 +64,9 @@ impl Sampled {
             *a += b;
         }
         self.generated_tokens += other.generated_tokens;
-        self.t_generate += other.t_generate;
-        self.t_reference += other.t_reference;
-        self.t_score += other.t_score;
+        self.times.generate += other.times.generate;
+        self.times.reference += other.times.reference;
+        self.times.score += other.times.score;
         self.groups_sampled += other.groups_sampled;
         self.groups_dropped += other.groups_dropped;
         self.own.append(&mut other.own);
@@ -98,6 +103,133 @@ impl Sampled {
     }
 }
 
+/// What step 4 made of a sampled round.
+pub struct Scored {
+    /// Combined rewards and group-relative advantages, per completion.
+    pub adv: Advantages,
+    /// KL in the reward: the round's mean sequence KL.
+    pub kl_reward_seq_kl: Option<f64>,
+    /// This rank's rows: its own groups, less those `drop_zero_std_groups` leaves out.
+    pub batch: TrainBatch,
+    /// Why the round cannot train (a reward of +/-inf), when it cannot.
+    pub unusable: Option<String>,
+}
+
+/// Step 4: rewards -> group-relative advantages (KL in the reward when so configured; the
+/// adaptive controller moves), checked, then this rank's [`TrainBatch`].
+pub fn score_round<P: Policy>(r: &mut Run<P>, sampled: &Sampled) -> Result<Scored> {
+    let cfg = r.cfg;
+    let (episodes, g) = (&sampled.episodes, r.opts.g);
+    let p = episodes.len() / g;
+    let per_func: Vec<f32> = episodes
+        .iter()
+        .flat_map(|e| e.rewards.iter().copied())
+        .collect();
+    let kl_penalty = match (&cfg.kl, &sampled.old_logps, &sampled.ref_logps) {
+        (KlMode::Reward { coef, .. }, Some(old), Some(refl)) => Some(kl_reward_penalty(
+            old,
+            refl,
+            *coef,
+            r.state.adaptive_kl.as_mut(),
+        )),
+        _ => None,
+    };
+    let adv = round_advantages(
+        &per_func,
+        &r.opts.weights,
+        kl_penalty.as_ref().map(|k| k.0.as_slice()),
+        g,
+        cfg.multi_objective_aggregation,
+        &r.opts.adv,
+    )?;
+    check_round_invariants(episodes, p, g, &adv.advantages, r.opts.adv.normalize_batch)?;
+    let batch = TrainBatch::from_round(
+        episodes,
+        &adv.advantages,
+        // This rank's groups (all of them in one process).
+        &|e| sampled.own[e.group] && !(cfg.drop_zero_std_groups && adv.zero_std[e.group]),
+        cfg.mask_truncated_completions,
+        sampled.old_logps.as_deref().filter(|_| r.opts.needs_old),
+        sampled.ref_logps.as_deref().filter(|_| r.opts.kl_needs_ref),
+    );
+    Ok(Scored {
+        unusable: infinite_reward(episodes, &r.data.rewards),
+        kl_reward_seq_kl: kl_penalty.map(|k| k.1),
+        adv,
+        batch,
+    })
+}
+
+/// Step 5: the round's optimizer steps, the one place the step counter moves. A round that
+/// cannot train (`unusable`) counts its steps as bad ones; a round without a row to train on
+/// (every group's rewards equal, each dropped) moves the counter past its steps without an AdamW
+/// step; any other runs its updates. Then (TRL) the policy is mixed into the reference every
+/// `ref_model_sync_steps`.
+pub fn step_round<P: Policy>(
+    r: &mut Run<P>,
+    scored: &Scored,
+    world: &dyn World,
+    console: &Console,
+) -> Result<Vec<StepStats>> {
+    let o = &r.opts;
+    let counter = StepCounter {
+        step: &mut r.state.step,
+        consecutive_nonfinite: &mut r.state.consecutive_nonfinite,
+        skipped_steps: &mut r.state.skipped_steps,
+        adaptive_entropy: r.state.adaptive_entropy.as_mut(),
+    };
+    let steps = match &scored.unusable {
+        Some(why) => skip_round(
+            o.updates_per_round,
+            &o.schedule,
+            counter,
+            why,
+            o.update.max_bad_steps,
+        )?,
+        None => {
+            if scored.batch.rows.is_empty() {
+                console.say(format!(
+                    "step {}: every group had equal rewards; no update this round",
+                    *counter.step + 1
+                ));
+                *counter.step = (*counter.step + o.updates_per_round).min(o.schedule.total_steps);
+            }
+            update_round(
+                &r.policy,
+                &mut r.opt,
+                &scored.batch,
+                &o.update,
+                &o.schedule,
+                counter,
+                world,
+                &mut |s| console.set_position(s),
+            )?
+        }
+    };
+    console.set_position(r.state.step);
+    super::trace_memory("update");
+    r.state.round += 1;
+    let cfg = r.cfg;
+    if cfg.sync_ref_model && r.state.step.is_multiple_of(cfg.ref_model_sync_steps as u64) {
+        r.reference.sync(&r.policy, cfg.ref_model_mixup_alpha)?;
+    }
+    Ok(steps)
+}
+
+/// Why a round's rewards cannot train (a reward of +/-inf: a scorer's overflow), naming the
+/// reward and the completion. NaN is a reward's "no score" (TRL's None) and is left out of the
+/// group's statistics instead.
+fn infinite_reward(episodes: &[Episode], rewards: &[Reward]) -> Option<String> {
+    episodes.iter().enumerate().find_map(|(i, e)| {
+        let j = e.rewards.iter().position(|x| x.is_infinite())?;
+        let name = rewards.get(j).map_or("?", |r| r.name.as_str());
+        Some(format!(
+            "reward `{name}` is {} for completion {i} of the round",
+            e.rewards[j]
+        ))
+    })
+}
+
 /// Whether each group of `episodes` carries a signal (its combined rewards differ).
 fn signal(episodes: &[Episode], weights: &[f32], g: usize) -> Result<Vec<bool>> {
     let per_func: Vec<f32> = episodes
@@ -111,15 +243,15 @@ fn signal(episodes: &[Episode], weights: &[f32], g: usize) -> Result<Vec<bool>> 
 /// groups without signal and samples more until `P` carry one or `max_extra_passes` extra
 /// passes ran.
 pub fn sample_round<P: Policy>(r: &mut Run<P>, world: &dyn World) -> Result<Sampled> {
-    let (p, g, max_extra) = (r.p, r.g, r.max_extra_passes);
+    let (p, g, max_extra) = (r.opts.p, r.opts.g, r.opts.max_extra_passes);
     let seeds: Vec<u64> = (0..p)
         .map(|i| mix_seed(r.cfg.seed, r.state.round * p as u64 + i as u64))
         .collect();
     let mut round = sample_pass(r, &seeds, world)?;
-    if !r.dynamic_sampling {
+    if !r.opts.dynamic_sampling {
         return Ok(round);
     }
-    let keep = signal(&round.episodes, &r.weights, g)?;
+    let keep = signal(&round.episodes, &r.opts.weights, g)?;
     round.groups_sampled = keep.len();
     round.groups_dropped = keep.iter().filter(|k| !**k).count();
     round.retain_groups(g, &keep, p);
@@ -133,7 +265,7 @@ pub fn sample_round<P: Policy>(r: &mut Run<P>, world: &dyn World) -> Result<Samp
         r.state.extra_passes += 1;
         extra += 1;
         let mut more = sample_pass(r, &seeds, world)?;
-        let keep = signal(&more.episodes, &r.weights, g)?;
+        let keep = signal(&more.episodes, &r.opts.weights, g)?;
         more.groups_sampled = keep.len();
         more.groups_dropped = keep.iter().filter(|k| !**k).count();
         let room = p - round.episodes.len() / g;
@@ -160,7 +292,7 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> R
     let all_idx = r.state.order.next_batch(seeds.len());
     let mine = owned_groups(
         seeds.len(),
-        cfg.per_device_train_batch_size / r.g,
+        cfg.per_device_train_batch_size / r.opts.g,
         world.size(),
         world.rank(),
     );
@@ -169,11 +301,7 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> R
     let prompt_ids: Vec<Vec<u32>> = batch_idx
         .iter()
         .zip(&seeds)
-        .map(|(&i, &seed)| match &r.fill {
-            // A fill-in input masked on the fly: its masks drawn from the prompt's seed.
-            Some(f) => f.input(&r.train_ids[i], seed),
-            None => r.train_ids[i].clone(),
-        })
+        .map(|(&i, &seed)| r.policy.round_input(&r.train_ids[i], seed))
         .collect();
     let (mut episodes, gen_stats, early) = rollout::rollout_scoring_early(
         &sampler,
@@ -181,11 +309,11 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> R
         &batch_idx,
         prompt_ids,
         &seeds,
-        r.g,
-        &r.sampling,
+        r.opts.g,
+        &r.opts.sampling,
         &r.data.train,
         &r.data.rewards,
-        &r.early_rewards,
+        &r.opts.early_rewards,
     )?;
     let t_generate = t0.elapsed().as_secs_f64() - early.wait_s;
     super::trace_memory("rollout");
@@ -198,8 +326,8 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> R
         .map(|e| (e.prompt_ids.as_slice(), e.completion_ids.as_slice()))
         .collect();
     let kl_in_reward = matches!(cfg.kl, KlMode::Reward { .. });
-    let chunk = r.update.forward_chunk_tokens;
-    let old_logps = match r.needs_old || kl_in_reward {
+    let chunk = r.opts.update.forward_chunk_tokens;
+    let old_logps = match r.opts.needs_old || kl_in_reward {
         true => Some(sampler.sequence_logprobs(&pairs, r.pad, cfg.temperature, chunk)?),
         false => None,
     };
@@ -212,16 +340,20 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> R
 
     // 3. Score the rest (coherence rewards read the reference's mean log-prob).
     let t0 = Instant::now();
-    let ref_means: Option<Vec<f32>> = ref_logps.as_ref().filter(|_| r.rewards_need_ref).map(|rl| {
-        rl.iter()
-            .map(|l| l.iter().sum::<f32>() / l.len().max(1) as f32)
-            .collect()
-    });
+    let ref_means: Option<Vec<f32>> =
+        ref_logps
+            .as_ref()
+            .filter(|_| r.opts.rewards_need_ref)
+            .map(|rl| {
+                rl.iter()
+                    .map(|l| l.iter().sum::<f32>() / l.len().max(1) as f32)
+                    .collect()
+            });
     let wait_s = early.wait_s;
     let reward_secs = rollout::score_rest(
         &mut episodes,
         early,
-        &r.early_rewards,
+        &r.opts.early_rewards,
         &r.data.train,
         &r.data.rewards,
         ref_means.as_deref(),
@@ -234,6 +366,12 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> R
             *x = f32::INFINITY;
         }
     }
+    let times = RoundTimes {
+        generate: t_generate,
+        reference: t_reference,
+        score: t_score,
+        ..Default::default()
+    };
     let mut generated = [gen_stats.generated_tokens as f64];
     let n_all = all_idx.len();
     if world.size() == 1 {
@@ -244,9 +382,7 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> R
             ref_logps,
             reward_secs,
             generated_tokens: gen_stats.generated_tokens,
-            t_generate,
-            t_reference,
-            t_score,
+            times,
             groups_dropped: 0,
             own: vec![true; n_all],
         });
@@ -280,10 +416,51 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> R
         episodes: gathered,
         reward_secs,
         generated_tokens: generated[0] as usize,
-        t_generate,
-        t_reference,
-        t_score,
+        times,
         groups_dropped: 0,
         own,
     })
+}
+
+/// Per-round invariants, reported as errors: P x G completions, each group from one prompt,
+/// normalized groups' advantages summing to about 0 (unless re-normalized over the batch).
+fn check_round_invariants(
+    episodes: &[Episode],
+    p: usize,
+    g: usize,
+    advantages: &[f32],
+    normalize_batch: bool,
+) -> Result<()> {
+    if episodes.len() != p * g || advantages.len() != p * g {
+        return Err(Error::Generate(format!(
+            "invariant: {} completions and {} advantages for {p} prompts x {g}",
+            episodes.len(),
+            advantages.len()
+        )));
+    }
+    for (gi, group) in episodes.chunks(g).enumerate() {
+        if group
+            .iter()
+            .any(|e| e.group != gi || e.prompt_ids != group[0].prompt_ids)
+        {
+            return Err(Error::Generate(format!(
+                "invariant: group {gi} mixes prompts"
+            )));
+        }
+    }
+    if !normalize_batch {
+        for (gi, a) in advantages.chunks(g).enumerate() {
+            let s: f32 = a.iter().sum();
+            let scale: f32 = a.iter().map(|x| x.abs()).sum::<f32>().max(1.0);
+            // Missing rewards (advantage 0, excluded from the mean) keep the sum at 0 too. The
+            // bound allows f32 rounding of the group mean divided by a near-zero std (rewards
+            // that tie up to float noise, e.g. a judge's scores of identical fills).
+            if s.abs() > 1e-2 * scale {
+                return Err(Error::Generate(format!(
+                    "invariant: advantages of group {gi} sum to {s}, not 0"
+                )));
+            }
+        }
+    }
+    Ok(())
 }

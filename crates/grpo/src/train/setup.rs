@@ -13,9 +13,8 @@ use super::update::{Schedule, UpdateOptions};
 use super::world::World;
 use crate::advantages::AdvantageOptions;
 use crate::checkpoint::{self, CheckpointData};
-use crate::config::TrainConfig;
+use crate::config::{DTypeOpt, DeviceSpec, TrainConfig};
 use crate::data::{self, PromptOrder};
-use crate::fill_in::FillInputs;
 use crate::hub::{self, ModelSource};
 use crate::inputs::{load_run_data, reward_weights, RunData};
 use crate::logprobs::Entropy;
@@ -98,12 +97,16 @@ pub struct Loaded<P: Policy> {
     pub reference: Reference<P::Frozen>,
     pub tok: Tokenizer,
     pub eos_ids: Vec<u32>,
-    /// A fill-in generator's mask token and the tokens fills never take.
-    pub mask: Option<(u32, Vec<u32>)>,
 }
 
-/// A kind of policy the loop can train: how a run loads it.
+/// A kind of policy the loop can train: how a run checks its config, loads it and prepares its
+/// inputs.
 pub trait LoadPolicy: Policy + Sized {
+    /// Checks the config before anything is loaded (and warns where an option does not apply).
+    fn check(_cfg: &TrainConfig, _main: bool) -> Result<()> {
+        Ok(())
+    }
+
     /// `needs_ref`: a KL term or a reward reads the reference's log-probs.
     fn load(
         cfg: &TrainConfig,
@@ -111,6 +114,18 @@ pub trait LoadPolicy: Policy + Sized {
         needs_ref: bool,
         device: &Device,
     ) -> Result<Loaded<Self>>;
+
+    /// Once the training prompts are tokenized (`train_ids`): checks or transforms the run's
+    /// inputs (a fill-in generator's are masked). Default: prompts are used as they are.
+    fn prepare_inputs(
+        &mut self,
+        _cfg: &TrainConfig,
+        _tok: &Tokenizer,
+        _data: &mut RunData,
+        _train_ids: &[Vec<u32>],
+    ) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// A run, set up.
@@ -121,8 +136,6 @@ pub struct Run<'a, P: Policy = CausalLmPolicy> {
     pub data: RunData,
     /// Every training prompt, tokenized once.
     pub train_ids: Vec<Vec<u32>>,
-    /// A fill-in run's inputs (masking, originals, fill metrics).
-    pub fill: Option<FillInputs>,
     pub policy: P,
     pub opt: AdamW,
     pub reference: Reference<P::Frozen>,
@@ -132,12 +145,17 @@ pub struct Run<'a, P: Policy = CausalLmPolicy> {
     pub metrics: MetricsWriter,
     /// The resolved config, as written into the run directory and every checkpoint.
     pub config_toml: String,
+    pub opts: RoundOptions,
+}
+
+/// What every round uses, resolved once from the config and what the run loaded.
+pub struct RoundOptions {
     /// Prompts and completions per prompt of a round.
     pub p: usize,
     pub g: usize,
     pub updates_per_round: u64,
     pub sampling: SamplingParams,
-    pub adv_opts: AdvantageOptions,
+    pub adv: AdvantageOptions,
     /// One weight per reward function.
     pub weights: Vec<f32>,
     pub update: UpdateOptions,
@@ -160,166 +178,210 @@ pub struct Run<'a, P: Policy = CausalLmPolicy> {
 
 impl<'a, P: LoadPolicy> Run<'a, P> {
     /// Sets up a run as `cfg` says, continuing from the newest checkpoint in `output_dir` when
-    /// `resume`.
+    /// `resume`: the process (kernels, device), the resume point, the model and data, the
+    /// optimizer and trainer state, the run's writers, and the options each round uses.
     pub fn start(cfg: &'a TrainConfig, resume: bool, world: &dyn World) -> Result<Run<'a, P>> {
         let main = world.is_main();
         check_world(cfg, world)?;
-        if main && !cfg.ignored_keys.is_empty() {
-            let lines: Vec<String> = cfg
-                .ignored_keys
-                .iter()
-                .map(|k| format!("  {k}: {}", crate::config::ignore_reason(k)))
-                .collect();
-            tracing::warn!(
-                "config keys accepted for TRL compatibility but not honoured as TRL does:\n{}",
-                lines.join("\n")
-            );
-        }
-        if let Some(k) = cfg.kernels {
-            crate::kernels::set_kernels(k);
-        }
-        if main {
-            tracing::info!(
-                "kernels: {} (CPU instruction set {})",
-                crate::kernels::kernels().name(),
-                crate::kernels::Isa::active()
-            );
-        }
-        // One process per GPU: under a launcher, rank r of a node takes GPU N + r.
-        let device = match cfg.device {
-            crate::config::DeviceSpec::Cuda(n) => {
-                crate::config::DeviceSpec::Cuda(super::world::rank_gpu(n, world.size())).device()?
-            }
-            spec => spec.device()?,
-        };
-        if main {
-            // What every model and optimizer of the run resolves to ([`Compute::resolve`]).
-            let compute = crate::kernels::Compute::resolve(&device, cfg.dtype.compute());
-            tracing::info!("compute: {} on {device:?}", compute.name());
-        }
-        if cfg.dtype != crate::config::DTypeOpt::F32 {
-            if cfg.policy == crate::config::PolicyType::FillIn {
-                tracing::warn!("dtype = bf16 is not used by fill-in policies: they run in f32");
-            } else if cfg.device == crate::config::DeviceSpec::Cpu && main {
-                tracing::warn!(
-                    "dtype = bf16 on the CPU: candle multiplies bf16 matrices with a plain loop \
-                     there (its GEMM has no bf16 kernels), many times slower than f32; bf16 is \
-                     meant for GPUs (set dtype = \"f32\" on the CPU)"
-                );
-            }
-        }
-        let out_dir = &cfg.output_dir;
-        if main {
-            // What a kill in the middle of a checkpoint write left behind.
-            checkpoint::recover(out_dir)?;
-        }
-        let resume_from = if resume {
-            // As TRL: resuming needs a checkpoint; a fresh start must be asked for.
-            let latest = checkpoint::latest_checkpoint(out_dir)?.ok_or_else(|| {
-                Error::file(
-                    out_dir,
-                    "--resume: no checkpoint-<step> directory here to resume from; check \
-                     output_dir, or leave out --resume (and resume_from_checkpoint) to start a \
-                     fresh run",
-                )
-            })?;
-            Some(latest)
-        } else {
-            None
-        };
-        std::fs::create_dir_all(out_dir)
-            .map_err(|e| Error::io(format!("cannot create output_dir {}", out_dir.display()), e))?;
-        // A generator that cannot be one is refused before any reward model (the built-in
-        // fill-in judge is pretrained for minutes) is loaded.
-        if let (crate::config::PolicyType::FillIn, Some(m)) = (cfg.policy, cfg.model.as_deref()) {
-            let dir = std::path::Path::new(m);
-            if dir.join("config.json").is_file() {
-                crate::models::masked_lm::masked_lm_config(dir)?;
-            }
-        }
-        let mut data = load_run_data(cfg, &device)?;
-        // The frozen reference is loaded only when a KL or a reward (coherence) needs it.
-        let kl_needs_ref = !matches!(cfg.kl, KlMode::None);
-        let rewards_need_ref = data.rewards.iter().any(|r| r.needs_ref_logp());
-        let early_rewards: Vec<bool> = data.rewards.iter().map(|r| r.overlaps_sampling()).collect();
-        let Loaded {
+        let device = process_device(cfg, world)?;
+        P::check(cfg, main)?;
+        let resumed_from = resume_point(cfg, resume, main)?;
+        let loaded = load::<P>(cfg, resumed_from.as_ref(), &device)?;
+        let (opt, state) = optimizer_and_state(cfg, &loaded, resumed_from.as_ref(), &device, main)?;
+        let (metrics, config_toml) = writers(cfg, resumed_from.is_some(), main)?;
+        let opts = RoundOptions::resolve(cfg, &loaded, world)?;
+        let LoadedRun {
+            tok,
+            pad,
+            data,
+            train_ids,
             policy,
             reference,
-            tok,
-            eos_ids,
-            mask,
-        } = P::load(
+            ..
+        } = loaded;
+        Ok(Run {
             cfg,
-            resume_from.as_ref(),
-            kl_needs_ref || rewards_need_ref,
-            &device,
-        )?;
-        let tok = tok.with_template_kwargs(&cfg.chat_template_kwargs);
-        super::trace_memory("loading the policy and reference");
-        let pad = tok.pad_token_id().or(tok.eos_token_id()).unwrap_or(0);
-        tracing::info!(
-            "data: {} train prompts, {} eval prompts, rewards: {}",
-            data.train.len(),
-            data.eval.len(),
-            data.rewards
-                .iter()
-                .map(|r| r.name.as_str())
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
-        // Tokenize every training prompt once; errors name the row.
-        let train_ids = data
-            .train
+            tok,
+            pad,
+            data,
+            train_ids,
+            policy,
+            opt,
+            reference,
+            state,
+            resumed_from,
+            metrics,
+            config_toml,
+            opts,
+        })
+    }
+}
+
+/// The process's side of a run: TRL keys not honoured (warned about), the CPU kernels, and the
+/// device this rank trains on (one process per GPU: rank r of a node takes GPU N + r).
+fn process_device(cfg: &TrainConfig, world: &dyn World) -> Result<Device> {
+    let main = world.is_main();
+    if main && !cfg.ignored_keys.is_empty() {
+        let lines: Vec<String> = cfg
+            .ignored_keys
             .iter()
-            .map(|ex| {
-                data::prompt_ids(
-                    &tok,
-                    ex,
-                    cfg.system_prompt.as_deref(),
-                    cfg.max_prompt_length,
-                )
-            })
-            .collect::<Result<Vec<_>>>()?;
-        // A fill-in generator's inputs: checked for masks, or masked on the fly.
-        let fill = match mask {
-            Some((mask_id, specials)) => {
-                let f = FillInputs::new(
-                    cfg.masking,
-                    mask_id,
-                    &specials,
-                    &tok,
-                    &data.train,
-                    &train_ids,
-                )?;
-                f.mask_held_out(&tok, &mut data.eval, cfg.max_prompt_length)?;
-                Some(f)
-            }
-            None => None,
-        };
+            .map(|k| format!("  {k}: {}", crate::config::ignore_reason(k)))
+            .collect();
+        tracing::warn!(
+            "config keys accepted for TRL compatibility but not honoured as TRL does:\n{}",
+            lines.join("\n")
+        );
+    }
+    if let Some(k) = cfg.kernels {
+        crate::kernels::set_kernels(k);
+    }
+    if main {
+        tracing::info!(
+            "kernels: {} (CPU instruction set {})",
+            crate::kernels::kernels().name(),
+            crate::kernels::Isa::active()
+        );
+    }
+    let device = match cfg.device {
+        DeviceSpec::Cuda(n) => {
+            DeviceSpec::Cuda(super::world::rank_gpu(n, world.size())).device()?
+        }
+        spec => spec.device()?,
+    };
+    if main {
+        // What every model and optimizer of the run resolves to ([`Compute::resolve`]).
+        let compute = crate::kernels::Compute::resolve(&device, cfg.dtype.compute());
+        tracing::info!("compute: {} on {device:?}", compute.name());
+    }
+    Ok(device)
+}
 
-        let ckpt = match &resume_from {
-            Some(dir) => Some(checkpoint::load_checkpoint(dir, &device)?),
-            None => None,
-        };
-        let mut opt = AdamW::new(
-            policy
-                .names()
-                .iter()
-                .cloned()
-                .zip(policy.vars().iter().cloned())
-                .collect(),
-            AdamWConfig {
-                beta1: cfg.adam_beta1,
-                beta2: cfg.adam_beta2,
-                eps: cfg.adam_epsilon,
-                weight_decay: cfg.weight_decay,
-            },
-        )?;
+/// The checkpoint to resume from (`resume`: the newest in `output_dir`, which must exist), after
+/// cleaning up what a kill in the middle of a checkpoint write left; creates `output_dir`.
+fn resume_point(cfg: &TrainConfig, resume: bool, main: bool) -> Result<Option<PathBuf>> {
+    let out_dir = &cfg.output_dir;
+    if main {
+        checkpoint::recover(out_dir)?;
+    }
+    let resume_from = if resume {
+        // As TRL: resuming needs a checkpoint; a fresh start must be asked for.
+        let latest = checkpoint::latest_checkpoint(out_dir)?.ok_or_else(|| {
+            Error::file(
+                out_dir,
+                "--resume: no checkpoint-<step> directory here to resume from; check \
+                 output_dir, or leave out --resume (and resume_from_checkpoint) to start a \
+                 fresh run",
+            )
+        })?;
+        Some(latest)
+    } else {
+        None
+    };
+    std::fs::create_dir_all(out_dir)
+        .map_err(|e| Error::io(format!("cannot create output_dir {}", out_dir.display()), e))?;
+    Ok(resume_from)
+}
 
-        let mut state = TrainerState {
+/// What [`load`] brings: the prompt sets and rewards, the policy and its reference, and the
+/// prompts tokenized.
+struct LoadedRun<P: Policy> {
+    data: RunData,
+    policy: P,
+    reference: Reference<P::Frozen>,
+    eos_ids: Vec<u32>,
+    tok: Tokenizer,
+    pad: u32,
+    train_ids: Vec<Vec<u32>>,
+    /// The frozen reference is loaded only when a KL term or a reward (coherence) needs it.
+    kl_needs_ref: bool,
+    rewards_need_ref: bool,
+}
+
+/// The prompt sets and rewards, then the policy (fresh or from the checkpoint) and its frozen
+/// reference, then every training prompt tokenized once (errors name the row) and handed to the
+/// policy kind.
+fn load<P: LoadPolicy>(
+    cfg: &TrainConfig,
+    resume_from: Option<&PathBuf>,
+    device: &Device,
+) -> Result<LoadedRun<P>> {
+    let mut data = load_run_data(cfg, device)?;
+    let kl_needs_ref = !matches!(cfg.kl, KlMode::None);
+    let rewards_need_ref = data.rewards.iter().any(|r| r.needs_ref_logp());
+    let Loaded {
+        mut policy,
+        reference,
+        tok,
+        eos_ids,
+    } = P::load(cfg, resume_from, kl_needs_ref || rewards_need_ref, device)?;
+    let tok = tok.with_template_kwargs(&cfg.chat_template_kwargs);
+    super::trace_memory("loading the policy and reference");
+    let pad = tok.pad_token_id().or(tok.eos_token_id()).unwrap_or(0);
+    tracing::info!(
+        "data: {} train prompts, {} eval prompts, rewards: {}",
+        data.train.len(),
+        data.eval.len(),
+        data.rewards
+            .iter()
+            .map(|r| r.name.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let train_ids = data
+        .train
+        .iter()
+        .map(|ex| {
+            data::prompt_ids(
+                &tok,
+                ex,
+                cfg.system_prompt.as_deref(),
+                cfg.max_prompt_length,
+            )
+        })
+        .collect::<Result<Vec<_>>>()?;
+    policy.prepare_inputs(cfg, &tok, &mut data, &train_ids)?;
+    Ok(LoadedRun {
+        data,
+        policy,
+        reference,
+        eos_ids,
+        tok,
+        pad,
+        train_ids,
+        kl_needs_ref,
+        rewards_need_ref,
+    })
+}
+
+/// AdamW over the policy's parameters and the trainer state: fresh, or both from the checkpoint
+/// resumed from (then the logs are cut back to its step).
+fn optimizer_and_state<P: Policy>(
+    cfg: &TrainConfig,
+    run: &LoadedRun<P>,
+    resume_from: Option<&PathBuf>,
+    device: &Device,
+    main: bool,
+) -> Result<(AdamW, TrainerState)> {
+    let policy = &run.policy;
+    let mut opt = AdamW::new(
+        policy
+            .names()
+            .iter()
+            .cloned()
+            .zip(policy.vars().iter().cloned())
+            .collect(),
+        AdamWConfig {
+            beta1: cfg.adam_beta1,
+            beta2: cfg.adam_beta2,
+            eps: cfg.adam_epsilon,
+            weight_decay: cfg.weight_decay,
+        },
+    )?;
+    let Some(dir) = resume_from else {
+        let state = TrainerState {
             step: 0,
             round: 0,
-            order: PromptOrder::new(data.train.len(), cfg.seed, cfg.shuffle_dataset),
+            order: PromptOrder::new(run.data.train.len(), cfg.seed, cfg.shuffle_dataset),
             adaptive_kl: cfg.kl.adaptive_controller(),
             adaptive_entropy: cfg.adaptive_entropy.clone(),
             consecutive_nonfinite: 0,
@@ -330,72 +392,83 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
             best_global_step: None,
             best_model_checkpoint: None,
         };
-        if let Some(c) = &ckpt {
-            state = serde_json::from_value(c.trainer_state.clone()).map_err(|e| {
-                Error::file(
-                    c.dir.join("trainer_state.json"),
-                    format!("unreadable trainer state: {e}"),
-                )
-            })?;
-            opt.load_state(&c.optimizer, state.optimizer_steps.unwrap_or(state.step))
-                .map_err(|e| {
-                    Error::file(
-                        c.dir.join("optimizer.safetensors"),
-                        format!("does not fit this run's model: {e}; resume with the model and LoRA settings the checkpoint was made with"),
-                    )
-                })?;
-            if let (Some(dir), true) = (&resume_from, cfg.sync_ref_model) {
-                tracing::warn!(
-                    "{}: sync_ref_model with resume restarts the reference from the base model",
-                    dir.display()
-                );
-            }
-            if main {
-                crate::metrics::truncate_after(out_dir, state.step)?;
-            }
-            tracing::info!("resumed from {} at step {}", c.dir.display(), state.step);
-        }
-        if main && ckpt.is_none() && crate::metrics::clear_logs(out_dir)? {
-            tracing::warn!(
-                "{}: an earlier run's logs were here; this fresh run replaces them (use \
-                 --resume to continue that run instead)",
-                out_dir.display()
-            );
-        }
-        let config_toml = cfg.to_toml();
-        let config_path = out_dir.join("config.toml");
-        if main {
-            crate::files::write_atomic(&config_path, config_toml.as_bytes())?;
-        }
-        let trackers = match main {
-            false => Default::default(),
-            true => crate::trackers::Trackers::open(
-                &cfg.report_to,
-                &crate::trackers::RunInfo {
-                    output_dir: out_dir.clone(),
-                    run_name: cfg.run_name.clone().unwrap_or_else(|| {
-                        out_dir
-                            .file_name()
-                            .map_or_else(|| "grpo".into(), |n| n.to_string_lossy().into_owned())
-                    }),
-                    config: cfg.resolved().clone().into_iter().collect(),
-                    resume: resume_from.is_some(),
-                    wandb_project: cfg.wandb_project.clone(),
-                },
-            ),
-        };
-        let metrics = if main {
-            MetricsWriter::open(out_dir, cfg.report_to.iter().any(|r| r == "tensorboard"))?
-                .with_trackers(trackers)
-        } else {
-            MetricsWriter::discard()?
-        };
+        return Ok((opt, state));
+    };
+    let c = checkpoint::load_checkpoint(dir, device)?;
+    let state: TrainerState = serde_json::from_value(c.trainer_state.clone()).map_err(|e| {
+        Error::file(
+            c.dir.join("trainer_state.json"),
+            format!("unreadable trainer state: {e}"),
+        )
+    })?;
+    opt.load_state(&c.optimizer, state.optimizer_steps.unwrap_or(state.step))
+        .map_err(|e| {
+            Error::file(
+                c.dir.join("optimizer.safetensors"),
+                format!("does not fit this run's model: {e}; resume with the model and LoRA settings the checkpoint was made with"),
+            )
+        })?;
+    if cfg.sync_ref_model {
+        tracing::warn!(
+            "{}: sync_ref_model with resume restarts the reference from the base model",
+            dir.display()
+        );
+    }
+    if main {
+        crate::metrics::truncate_after(&cfg.output_dir, state.step)?;
+    }
+    tracing::info!("resumed from {} at step {}", c.dir.display(), state.step);
+    Ok((opt, state))
+}
 
+/// The main rank's writers: config.toml (the resolved config), metrics.jsonl with TensorBoard
+/// and the trackers `report_to` names. A fresh run replaces an earlier run's logs. Other ranks
+/// write nothing.
+fn writers(cfg: &TrainConfig, resumed: bool, main: bool) -> Result<(MetricsWriter, String)> {
+    let out_dir = &cfg.output_dir;
+    let config_toml = cfg.to_toml();
+    if !main {
+        return Ok((MetricsWriter::discard()?, config_toml));
+    }
+    if !resumed && crate::metrics::clear_logs(out_dir)? {
+        tracing::warn!(
+            "{}: an earlier run's logs were here; this fresh run replaces them (use \
+             --resume to continue that run instead)",
+            out_dir.display()
+        );
+    }
+    crate::files::write_atomic(&out_dir.join("config.toml"), config_toml.as_bytes())?;
+    let trackers = crate::trackers::Trackers::open(
+        &cfg.report_to,
+        &crate::trackers::RunInfo {
+            output_dir: out_dir.clone(),
+            run_name: cfg.run_name.clone().unwrap_or_else(|| {
+                out_dir
+                    .file_name()
+                    .map_or_else(|| "grpo".into(), |n| n.to_string_lossy().into_owned())
+            }),
+            config: cfg.resolved().clone().into_iter().collect(),
+            resume: resumed,
+            wandb_project: cfg.wandb_project.clone(),
+        },
+    );
+    let metrics = MetricsWriter::open(out_dir, cfg.report_to.iter().any(|r| r == "tensorboard"))?
+        .with_trackers(trackers);
+    Ok((metrics, config_toml))
+}
+
+impl RoundOptions {
+    /// The options each round uses, from the config and what the run loaded.
+    fn resolve<P: Policy>(
+        cfg: &TrainConfig,
+        run: &LoadedRun<P>,
+        world: &dyn World,
+    ) -> Result<RoundOptions> {
         // Every rank's batch is per_device_train_batch_size: the round's groups are the world's.
         let p = cfg.prompts_per_step() * world.size();
         let updates_per_round = (cfg.num_iterations * cfg.steps_per_generation
             / cfg.gradient_accumulation_steps) as u64;
-        let rounds_per_epoch = (data.train.len() as f64 / p as f64).max(1.0);
+        let rounds_per_epoch = (run.data.train.len() as f64 / p as f64).max(1.0);
         let total_steps = cfg.max_steps.unwrap_or_else(|| {
             (cfg.num_train_epochs * rounds_per_epoch).ceil() as u64 * updates_per_round
         });
@@ -404,30 +477,19 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
         } else {
             (cfg.warmup_ratio * total_steps as f64).ceil() as u64
         };
-        let weights = reward_weights(cfg, &data.rewards)?;
-        let mut update = update_options(cfg, pad);
+        let weights = reward_weights(cfg, &run.data.rewards)?;
+        let mut update = update_options(cfg, run.pad);
         if cfg.forward_chunk_tokens.is_none() {
-            update.forward_chunk_tokens = policy.forward_chunk_tokens(cfg.gradient_checkpointing);
-            if main {
+            update.forward_chunk_tokens =
+                run.policy.forward_chunk_tokens(cfg.gradient_checkpointing);
+            if world.is_main() {
                 tracing::info!(
                     "forward_chunk_tokens: {} (unset: sized for the device)",
                     update.forward_chunk_tokens
                 );
             }
         }
-        Ok(Run {
-            cfg,
-            tok,
-            pad,
-            train_ids,
-            fill,
-            policy,
-            opt,
-            reference,
-            state,
-            resumed_from: resume_from,
-            metrics,
-            config_toml,
+        Ok(RoundOptions {
             p,
             g: cfg.num_generations,
             updates_per_round,
@@ -440,10 +502,10 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
                 min_p: cfg.min_p.unwrap_or(0.0),
                 repetition_penalty: cfg.repetition_penalty,
                 stop_strings: cfg.stop.clone(),
-                eos_token_ids: eos_ids,
+                eos_token_ids: run.eos_ids.clone(),
                 max_batch_sequences: cfg.sampling_batch_size.unwrap_or(0),
             },
-            adv_opts: AdvantageOptions {
+            adv: AdvantageOptions {
                 scale: cfg.scale_rewards,
                 std_floor: cfg.reward_std_floor.map(|f| f as f32),
                 normalize_batch: cfg.normalize_advantages_batch,
@@ -456,9 +518,14 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
                 warmup_steps: warmup,
                 total_steps,
             },
-            early_rewards,
-            rewards_need_ref,
-            kl_needs_ref,
+            early_rewards: run
+                .data
+                .rewards
+                .iter()
+                .map(|r| r.overlaps_sampling())
+                .collect(),
+            rewards_need_ref: run.rewards_need_ref,
+            kl_needs_ref: run.kl_needs_ref,
             needs_old: cfg.num_iterations > 1
                 || cfg.steps_per_generation > cfg.gradient_accumulation_steps,
             dynamic_sampling: cfg.dynamic_sampling,
@@ -467,7 +534,6 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
                 metric,
                 greater_is_better: cfg.greater_is_better,
             }),
-            data,
         })
     }
 }
@@ -581,6 +647,17 @@ pub fn update_options(cfg: &TrainConfig, pad: u32) -> UpdateOptions {
 }
 
 impl LoadPolicy for CausalLmPolicy {
+    fn check(cfg: &TrainConfig, main: bool) -> Result<()> {
+        if cfg.dtype != DTypeOpt::F32 && cfg.device == DeviceSpec::Cpu && main {
+            tracing::warn!(
+                "dtype = bf16 on the CPU: candle multiplies bf16 matrices with a plain loop \
+                 there (its GEMM has no bf16 kernels), many times slower than f32; bf16 is \
+                 meant for GPUs (set dtype = \"f32\" on the CPU)"
+            );
+        }
+        Ok(())
+    }
+
     /// The model `cfg.model` names (hub id, HF directory or GGUF). The reference holds the base
     /// weights (never the resumed ones); its HF-layout tensors are kept only when they are mixed
     /// with the policy's later (`sync_ref_model`), otherwise the built model's own layout is the
@@ -614,7 +691,6 @@ impl LoadPolicy for CausalLmPolicy {
             reference,
             tok,
             eos_ids: base.eos_token_ids.clone(),
-            mask: None,
         })
     }
 }

@@ -8,6 +8,18 @@
 //! Special tokens (padding, `[CLS]`, `[MASK]`, ...) are never sampled: their logits are pushed
 //! to [`MASK_VALUE`] before the temperature, in the sampler and in the trainer alike, so the
 //! log-probs the two compute are of the same distribution.
+//!
+//! Everything fill-in lives under this module, so the causal path names none of it:
+//! - this file: masking, [`FillInputs`] (a run's masked inputs and fill metrics), the sampler
+//!   ([`FillInModel`]) and the trainer's log-probs ([`fill_logprobs`]);
+//! - [`policy`]: [`FillInPolicy`], the `policy = "fill_in"` kind behind the loop's `Policy` seam;
+//! - [`pretrain`]: `grpo pretrain`, the supervised pretrainer of small generators, judges and
+//!   causal LMs (the built-in fill-in task's models come from it).
+
+pub mod policy;
+pub mod pretrain;
+
+pub use policy::{FillInForward, FillInPolicy};
 
 use std::collections::HashMap;
 use std::path::Path;

@@ -8,18 +8,19 @@ use std::path::PathBuf;
 
 use candle_core::{Device, Tensor, Var};
 
-use super::policy::{Policy, Reference, TrainForward};
-use super::setup::{LoadPolicy, Loaded};
+use super::{fill_logprobs, FillInModel, FillInputs, FILL_JUDGE_SCORE};
 use crate::checkpoint::{CopiedExport, ModelFiles};
-use crate::config::TrainConfig;
-use crate::fill_in::{fill_logprobs, FillInModel};
+use crate::config::{DTypeOpt, TrainConfig};
 use crate::hub::{self, ModelSource};
+use crate::inputs::RunData;
 use crate::logprobs::Entropy;
 use crate::models::encoder::EncoderConfig;
 use crate::models::masked_lm::{masked_lm_config, MaskedLm, MlmTokenizer};
 use crate::optim::var_tensors;
-use crate::rollout::MicroBatch;
+use crate::rewards::Reward;
+use crate::rollout::{Episode, MicroBatch};
 use crate::tokenizer::Tokenizer;
+use crate::train::{LoadPolicy, Loaded, Policy, Reference, StepMetrics, TrainForward};
 use crate::{Error, Result};
 
 /// A masked-LM generator, every tensor it uses trained.
@@ -33,6 +34,9 @@ pub struct FillInPolicy {
     pub special_ids: Vec<u32>,
     /// The generator's directory: checkpoints copy its config and tokenizer files.
     pub source: PathBuf,
+    /// The run's inputs (masking, originals, fill metrics), once [`LoadPolicy::prepare_inputs`]
+    /// has seen them.
+    pub inputs: Option<FillInputs>,
 }
 
 impl FillInPolicy {
@@ -84,6 +88,49 @@ impl Policy for FillInPolicy {
     fn frozen_from(&self, tensors: HashMap<String, Tensor>) -> Result<FillInModel> {
         self.build(tensors)
     }
+
+    /// An input masked on the fly: its masks drawn from the group's seed.
+    fn round_input(&self, prompt_ids: &[u32], seed: u64) -> Vec<u32> {
+        match &self.inputs {
+            Some(f) => f.input(prompt_ids, seed),
+            None => prompt_ids.to_vec(),
+        }
+    }
+
+    /// Masked positions per input and fill accuracy against the original
+    /// ([`FillInputs::metrics`]), the judge's mean score (the first reward scored by a model or
+    /// the user's scorer), and the fill-in seed's names for grpo's metrics (`mean_reward`,
+    /// `std_reward`, `mean_advantage`, `mean_kl`; `loss`, `pg_loss`, `kl_penalty` and
+    /// `mean_log_prob` are grpo's names already).
+    fn round_metrics(
+        &self,
+        m: &StepMetrics,
+        episodes: &[Episode],
+        rewards: &[Reward],
+    ) -> Vec<(String, f64)> {
+        let mut out = match &self.inputs {
+            Some(f) => f.metrics(episodes),
+            None => vec![],
+        };
+        if let Some(j) = rewards.iter().position(Reward::is_judge) {
+            out.push((FILL_JUDGE_SCORE.into(), m.rewards[j].mean));
+        }
+        out.push(("mean_reward".into(), m.reward));
+        out.push(("std_reward".into(), m.reward_std));
+        out.push(("mean_advantage".into(), m.advantage_mean));
+        if let Some(u) = &m.update {
+            out.push(("mean_kl".into(), u.kl));
+        }
+        out
+    }
+
+    /// The input with its masks written out.
+    fn shown_prompt(&self, tok: &Tokenizer, e: &Episode) -> Result<Option<String>> {
+        match &self.inputs {
+            Some(f) => f.display(tok, &e.prompt_ids).map(Some),
+            None => Ok(None),
+        }
+    }
 }
 
 /// The generator's differentiable forward for one optimizer step.
@@ -118,6 +165,43 @@ impl TrainForward for FillInForward {
 }
 
 impl LoadPolicy for FillInPolicy {
+    /// bf16 does not apply; a `model` directory that cannot be a generator is refused before any
+    /// reward model (the built-in judge is pretrained for minutes) is loaded.
+    fn check(cfg: &TrainConfig, _main: bool) -> Result<()> {
+        if cfg.dtype != DTypeOpt::F32 {
+            tracing::warn!("dtype = bf16 is not used by fill-in policies: they run in f32");
+        }
+        if let Some(m) = cfg.model.as_deref() {
+            let dir = std::path::Path::new(m);
+            if dir.join("config.json").is_file() {
+                masked_lm_config(dir)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The inputs checked for masks, or masked on the fly (`mask_ratio`); the held-out inputs
+    /// masked once.
+    fn prepare_inputs(
+        &mut self,
+        cfg: &TrainConfig,
+        tok: &Tokenizer,
+        data: &mut RunData,
+        train_ids: &[Vec<u32>],
+    ) -> Result<()> {
+        let f = FillInputs::new(
+            cfg.masking,
+            self.mask_id,
+            &self.special_ids,
+            tok,
+            &data.train,
+            train_ids,
+        )?;
+        f.mask_held_out(tok, &mut data.eval, cfg.max_prompt_length)?;
+        self.inputs = Some(f);
+        Ok(())
+    }
+
     /// `model` is the generator's HF directory; the parameters come from the checkpoint resumed
     /// from when there is one, the reference always from the generator as given.
     fn load(
@@ -129,7 +213,7 @@ impl LoadPolicy for FillInPolicy {
         let dir = match cfg.model.as_deref() {
             // The built-in task's generator (pretrained once, then cached).
             None if cfg.train_file.is_none() => {
-                crate::pretrain::builtin_fill_in_models(&cfg.task, false)?.0
+                crate::fill_in::pretrain::builtin_fill_in_models(&cfg.task, false)?.0
             }
             None => {
                 return Err(Error::config(
@@ -218,6 +302,7 @@ impl FillInPolicy {
             mask_id: mt.mask_id(),
             special_ids: mt.special_ids().to_vec(),
             source: dir,
+            inputs: None,
         };
         let reference = Reference {
             model: match needs_ref {
@@ -231,13 +316,11 @@ impl FillInPolicy {
             },
             tensors: (needs_ref && cfg.sync_ref_model).then_some(base),
         };
-        let mask = Some((policy.mask_id, policy.special_ids.clone()));
         Ok(Loaded {
             policy,
             reference,
             tok,
             eos_ids: vec![],
-            mask,
         })
     }
 }

@@ -1,0 +1,281 @@
+//! Steps 6-7 of a round, after its update: log its metrics (evaluating on the held-out prompts
+//! every `eval_steps`), watch its health, log its completions, and save a checkpoint every
+//! `save_steps`, at the end, and when the run is asked to stop.
+
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use serde_json::json;
+
+use super::health::{Health, HealthOptions};
+use super::metrics::{names, StepMetrics};
+use super::policy::Policy;
+use super::round::{Sampled, Scored};
+use super::setup::Run;
+use super::update::StepStats;
+use super::world::World;
+use super::{Console, RunControl, TrainOutcome};
+use crate::data;
+use crate::rewards::Reward;
+use crate::rollout::Episode;
+use crate::{Error, Result};
+
+/// Rounds between the checks that every rank holds the same parameters.
+const CHECKSUM_ROUNDS: u64 = 10;
+
+/// What the run keeps across rounds for logging and its outcome.
+pub struct AfterRound {
+    health: Health,
+    /// `eval_steps` > 0 and there are held-out prompts.
+    evaluates: bool,
+    rounds_this_run: u64,
+    last_checkpoint: Option<PathBuf>,
+    last_eval: Option<Vec<(String, f64)>>,
+}
+
+impl AfterRound {
+    pub fn new<P: Policy>(r: &Run<P>) -> AfterRound {
+        AfterRound {
+            health: Health::new(HealthOptions::default()),
+            evaluates: r.cfg.eval_steps > 0 && !r.data.eval.is_empty(),
+            rounds_this_run: 0,
+            last_checkpoint: r.resumed_from.clone(),
+            last_eval: None,
+        }
+    }
+
+    /// A fresh run's evaluation of the model it starts from (step 0), when evaluation is on.
+    pub fn before_training<P: Policy>(
+        &mut self,
+        r: &mut Run<P>,
+        world: &dyn World,
+        console: &Console,
+    ) -> Result<()> {
+        if !self.evaluates || r.state.step != 0 {
+            return Ok(());
+        }
+        let ev = evaluate(r, 0, world)?;
+        let acc = ev
+            .iter()
+            .find(|(n, _)| n == names::EVAL_ACCURACY)
+            .map_or(f64::NAN, |x| x.1);
+        console.say(format!("step    0  eval acc {acc:.3} (before training)"));
+        r.metrics.log(0, &ev)
+    }
+
+    /// Logs the round that just updated (eval, health, completions) and saves a checkpoint when
+    /// one is due. Returns whether the run stops here (asked to, before its last step).
+    #[allow(clippy::too_many_arguments)]
+    pub fn round<P: Policy>(
+        &mut self,
+        r: &mut Run<P>,
+        round: &Sampled,
+        scored: &Scored,
+        steps: &[StepStats],
+        ctl: &RunControl,
+        world: &dyn World,
+        console: &Console,
+    ) -> Result<bool> {
+        let cfg = r.cfg;
+        let main = world.is_main();
+        self.rounds_this_run += 1;
+        // 6. Log (and evaluate on the held-out prompts every eval_steps).
+        let mut m = StepMetrics::of_round(r, round, scored, steps);
+        let step = r.state.step;
+        let at_end = step >= r.opts.schedule.total_steps;
+        if self.evaluates && (step.is_multiple_of(cfg.eval_steps as u64) || at_end) {
+            let t0 = Instant::now();
+            let ev = evaluate(r, step, world)?;
+            m.eval_seconds = Some(t0.elapsed().as_secs_f64());
+            m.eval = ev.clone();
+            self.last_eval = Some(ev);
+        }
+        let warnings = self.health.check(step, &m);
+        m.health = warnings.iter().map(|w| w.kind.name()).collect();
+        if main
+            && cfg.logging_steps > 0
+            && (step.is_multiple_of(cfg.logging_steps as u64) || at_end)
+        {
+            r.metrics.log(step, &m.pairs())?;
+            console.say(m.console_line(step));
+        }
+        for w in warnings.iter().filter(|_| main) {
+            console.say(format!("warning: {}", w.message));
+            let row = json!({"step": w.step, "kind": w.kind.name(), "message": w.message});
+            r.metrics.log_json("health.jsonl", &row)?;
+        }
+        let completions_due = r
+            .state
+            .round
+            .is_multiple_of(cfg.log_completions_steps.max(1) as u64)
+            || r.state.round == 1;
+        if main && cfg.log_completions && completions_due {
+            log_completions(r, &round.episodes, scored, console)?;
+        }
+
+        // 7. Checkpoint (every save_steps, at the end, and when asked to stop).
+        // Any rank asked to stop (Slurm's SIGTERM): every rank stops after this round.
+        let stop_now = world.any(ctl.stop.load(Ordering::SeqCst))?
+            || ctl
+                .max_rounds_this_run
+                .is_some_and(|k| self.rounds_this_run >= k);
+        if world.size() > 1 && (r.state.round.is_multiple_of(CHECKSUM_ROUNDS) || at_end) {
+            check_same_parameters(&r.policy, world)?;
+        }
+        let periodic =
+            cfg.save_steps > 0 && crossed(step, r.opts.updates_per_round, cfg.save_steps as u64);
+        if main && (periodic || at_end || stop_now) {
+            // metric_for_best_model: this checkpoint is the best when this round's eval is.
+            let new_best = r
+                .opts
+                .best
+                .as_ref()
+                .and_then(|b| b.improved_by(&m, &r.state));
+            let dir = r.save(new_best)?;
+            console.say(format!("saved {}", dir.display()));
+            self.last_checkpoint = Some(dir);
+        }
+        Ok(stop_now && !at_end)
+    }
+
+    /// The run's outcome, after its last round; the trackers are closed.
+    pub fn finish<P: Policy>(
+        self,
+        r: &mut Run<P>,
+        interrupted: bool,
+        world: &dyn World,
+    ) -> TrainOutcome {
+        if world.is_main() {
+            r.metrics.finish();
+        }
+        let best_checkpoint = r.state.best_model_checkpoint.as_ref().map(PathBuf::from);
+        if let (Some(b), Some(dir)) = (&r.opts.best, &best_checkpoint) {
+            tracing::info!(
+                "best checkpoint: {} ({} = {:.4} at step {})",
+                dir.display(),
+                b.metric,
+                r.state.best_metric.unwrap_or(f64::NAN),
+                r.state.best_global_step.unwrap_or(0)
+            );
+        }
+        TrainOutcome {
+            steps: r.state.step,
+            last_checkpoint: self.last_checkpoint,
+            best_checkpoint,
+            interrupted,
+            last_eval: self.last_eval,
+        }
+    }
+}
+
+/// Whether the optimizer steps of the round just done crossed a multiple of `every`.
+pub(super) fn crossed(step: u64, per_round: u64, every: u64) -> bool {
+    let before = step.saturating_sub(per_round);
+    step / every > before / every
+}
+
+/// Every rank's parameters must be the same after each update; a rank that drifted (a
+/// non-deterministic reduction, a bad node) is an error naming it, not a silent divergence.
+fn check_same_parameters<P: Policy>(policy: &P, world: &dyn World) -> Result<()> {
+    let mut sum = 0f64;
+    for v in policy.vars() {
+        let x: Vec<f32> = v
+            .flatten_all()?
+            .to_dtype(candle_core::DType::F32)?
+            .to_vec1()?;
+        sum += x
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| x as f64 * (1.0 + (i % 7) as f64))
+            .sum::<f64>();
+    }
+    let all = world.all_gather_bytes(sum.to_le_bytes().to_vec())?;
+    let sums: Vec<f64> = all
+        .iter()
+        .map(|b| f64::from_le_bytes(b.as_slice().try_into().unwrap_or([0; 8])))
+        .collect();
+    if let Some(r) = sums.iter().position(|&s| s.to_bits() != sums[0].to_bits()) {
+        return Err(Error::Generate(format!(
+            "rank {r}'s parameters differ from rank 0's (checksums {:e} and {:e}): the ranks \
+             diverged; stopping",
+            sums[r], sums[0]
+        )));
+    }
+    Ok(())
+}
+
+/// Evaluation on the held-out prompts as the config's `eval_*` keys say (see [`crate::eval`]):
+/// pass@k, sampled and greedy accuracy, mean rewards. Every answer goes to `eval/step-N.jsonl`.
+/// Across ranks the prompts are shared out and the answers gathered; rank 0 writes them.
+fn evaluate<P: Policy>(r: &mut Run<P>, step: u64, world: &dyn World) -> Result<Vec<(String, f64)>> {
+    let model = r.policy.freeze(r.cfg.gradient_checkpointing)?;
+    let opts = r.cfg.eval_options(r.opts.sampling.eos_token_ids.clone());
+    let file = format!("eval/step-{step}.jsonl");
+    let metrics = &mut r.metrics;
+    let mut log = |row: &serde_json::Value| metrics.log_json(&file, row);
+    let gather = |b: Vec<u8>| world.all_gather_bytes(b);
+    let shard = (world.size() > 1).then_some(crate::eval::EvalShard {
+        rank: world.rank(),
+        size: world.size(),
+        gather: &gather,
+    });
+    let report = crate::eval::evaluate_sharded(
+        &model,
+        &r.tok,
+        &r.data.eval,
+        &r.data.rewards,
+        &opts,
+        world
+            .is_main()
+            .then_some(&mut log as crate::eval::RowSink<'_>),
+        shard,
+    )?;
+    Ok(report.metrics)
+}
+
+/// Every completion of the round to `completions.jsonl`, and a few on the console.
+fn log_completions<P: Policy>(
+    r: &mut Run<P>,
+    episodes: &[Episode],
+    scored: &Scored,
+    console: &Console,
+) -> Result<()> {
+    let (rewards, advantages) = (&scored.adv.rewards, &scored.adv.advantages);
+    for (i, e) in episodes.iter().enumerate() {
+        r.metrics.log_json(
+            "completions.jsonl",
+            &json!({
+                "step": r.state.step,
+                "prompt": prompt_shown(r, e)?,
+                "completion": e.text,
+                "stop_reason": e.stop_reason,
+                "rewards": Reward::named_scores(&r.data.rewards, &e.rewards),
+                "reward": rewards[i],
+                "advantage": advantages[i],
+            }),
+        )?;
+    }
+    for e in episodes
+        .iter()
+        .step_by(r.opts.g)
+        .take(r.cfg.num_completions_to_print)
+    {
+        console.say(format!(
+            "  sample: {:?} -> {:?} (rewards {:?})",
+            prompt_shown(r, e)?.chars().take(80).collect::<String>(),
+            e.text.chars().take(120).collect::<String>(),
+            e.rewards
+        ));
+    }
+    Ok(())
+}
+
+/// The prompt of an episode as logs show it: the policy kind's way ([`Policy::shown_prompt`]),
+/// else the dataset's prompt.
+fn prompt_shown<P: Policy>(r: &Run<P>, e: &Episode) -> Result<String> {
+    match r.policy.shown_prompt(&r.tok, e)? {
+        Some(shown) => Ok(shown),
+        None => Ok(data::prompt_text(&r.data.train[e.example])),
+    }
+}
