@@ -378,7 +378,7 @@ fn check_same_parameters<P: Policy>(policy: &P, world: &dyn World) -> Result<()>
         .map(|b| f64::from_le_bytes(b.as_slice().try_into().unwrap_or([0; 8])))
         .collect();
     if let Some(r) = sums.iter().position(|&s| s.to_bits() != sums[0].to_bits()) {
-        return Err(Error::Generate(format!(
+        return Err(Error::Distributed(format!(
             "rank {r}'s parameters differ from rank 0's (checksums {:e} and {:e}): the ranks \
              diverged; stopping",
             sums[r], sums[0]
@@ -509,8 +509,8 @@ fn check_round_invariants(
     normalize_batch: bool,
 ) -> Result<()> {
     if episodes.len() != p * g || advantages.len() != p * g {
-        return Err(Error::Generate(format!(
-            "invariant: {} completions and {} advantages for {p} prompts x {g}",
+        return Err(Error::Invariant(format!(
+            "{} completions and {} advantages for {p} prompts x {g}",
             episodes.len(),
             advantages.len()
         )));
@@ -520,9 +520,7 @@ fn check_round_invariants(
             .iter()
             .any(|e| e.group != gi || e.prompt_ids != group[0].prompt_ids)
         {
-            return Err(Error::Generate(format!(
-                "invariant: group {gi} mixes prompts"
-            )));
+            return Err(Error::Invariant(format!("group {gi} mixes prompts")));
         }
     }
     if !normalize_batch {
@@ -533,8 +531,8 @@ fn check_round_invariants(
             // bound allows f32 rounding of the group mean divided by a near-zero std (rewards
             // that tie up to float noise, e.g. a judge's scores of identical fills).
             if s.abs() > 1e-2 * scale {
-                return Err(Error::Generate(format!(
-                    "invariant: advantages of group {gi} sum to {s}, not 0"
+                return Err(Error::Invariant(format!(
+                    "advantages of group {gi} sum to {s}, not 0"
                 )));
             }
         }
