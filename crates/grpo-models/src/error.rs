@@ -25,9 +25,39 @@ pub enum Error {
     #[error("download: {0}")]
     Download(String),
 
-    /// Generation input problem (empty prompt, prompt longer than the context, ...).
+    /// Generation input problem (empty prompt, prompt longer than the context, a fill-in input
+    /// without a mask token, ...).
     #[error("generate: {0}")]
     Generate(String),
+
+    /// Input a model cannot run on (an empty batch, a text with no tokens to score): the data
+    /// given to a forward pass, not the checkpoint or an option.
+    #[error("model input: {0}")]
+    ModelInput(String),
+
+    /// Saving, loading, rotating or resuming a checkpoint (its weights, `trainer_state.json`,
+    /// the optimizer state); `path` is the checkpoint (or output) directory.
+    #[error("checkpoint {}: {msg}", path.display())]
+    Checkpoint { path: PathBuf, msg: String },
+
+    /// The processes of a distributed run (MPI ranks, NCCL) disagree, or a collective failed.
+    #[error("distributed: {0}")]
+    Distributed(String),
+
+    /// A training run cannot go on (e.g. too many non-finite steps in a row).
+    #[error("training: {0}")]
+    Training(String),
+
+    /// An experiment tracker (W&B, MLflow, TensorBoard) failed; `name` is the tracker.
+    #[error("tracker {name}: {msg}")]
+    Tracker { name: String, msg: String },
+
+    /// An internal consistency check failed: a bug in grpo, not in the user's input.
+    #[error(
+        "internal error: {0} (a bug in grpo, not in your input or config: please report it with \
+         the command and config that hit it; GRPO_BACKTRACE=1 adds a backtrace)"
+    )]
+    Invariant(String),
 
     /// A reward's scorer (a program or an HTTP endpoint) cannot be started or keeps failing;
     /// `name` is the reward's name.
@@ -72,30 +102,79 @@ impl Error {
             msg: msg.to_string(),
         }
     }
-}
-
-/// Levenshtein distance, for "did you mean" suggestions.
-fn edit_distance(a: &str, b: &str) -> usize {
-    let b: Vec<char> = b.chars().collect();
-    let mut prev: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.chars().enumerate() {
-        let mut cur = vec![i + 1; b.len() + 1];
-        for (j, &cb) in b.iter().enumerate() {
-            cur[j + 1] = (prev[j] + usize::from(ca != cb))
-                .min(prev[j + 1] + 1)
-                .min(cur[j] + 1);
+    pub fn checkpoint(path: impl Into<PathBuf>, msg: impl std::fmt::Display) -> Self {
+        Error::Checkpoint {
+            path: path.into(),
+            msg: msg.to_string(),
         }
-        prev = cur;
     }
-    prev[b.len()]
+    pub fn tracker(name: impl Into<String>, msg: impl std::fmt::Display) -> Self {
+        Error::Tracker {
+            name: name.into(),
+            msg: msg.to_string(),
+        }
+    }
+    pub fn model_input(msg: impl std::fmt::Display) -> Self {
+        Error::ModelInput(msg.to_string())
+    }
+    pub fn distributed(msg: impl std::fmt::Display) -> Self {
+        Error::Distributed(msg.to_string())
+    }
+    pub fn training(msg: impl std::fmt::Display) -> Self {
+        Error::Training(msg.to_string())
+    }
+    pub fn invariant(msg: impl std::fmt::Display) -> Self {
+        Error::Invariant(msg.to_string())
+    }
 }
 
-/// The candidate closest to `key` when it is close enough to be a typo.
+/// The candidate closest to `key` (Levenshtein distance over chars) when it is close enough to
+/// be a typo.
 pub fn nearest<'a>(key: &str, candidates: &[&'a str]) -> Option<&'a str> {
     candidates
         .iter()
-        .map(|k| (edit_distance(key, k), *k))
+        .map(|k| (strsim::levenshtein(key, k), *k))
         .min()
         .filter(|(d, k)| *d <= 3 || k.contains(key))
         .map(|(_, k)| k)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_say_what_failed() {
+        let e = Error::checkpoint("/out/checkpoint-30", "not saved: disk full");
+        assert_eq!(
+            e.to_string(),
+            "checkpoint /out/checkpoint-30: not saved: disk full"
+        );
+        let e = Error::tracker("mlflow", "runs/create: HTTP 500");
+        assert_eq!(e.to_string(), "tracker mlflow: runs/create: HTTP 500");
+        let e = Error::invariant("group 3 mixes prompts").to_string();
+        assert!(e.starts_with("internal error: group 3 mixes prompts (a bug in grpo"));
+        assert!(e.contains("please report it"));
+        assert_eq!(
+            Error::distributed("rank 1 diverged").to_string(),
+            "distributed: rank 1 diverged"
+        );
+        assert_eq!(
+            Error::training("3 steps skipped").to_string(),
+            "training: 3 steps skipped"
+        );
+        assert_eq!(
+            Error::model_input("empty batch").to_string(),
+            "model input: empty batch"
+        );
+    }
+
+    #[test]
+    fn nearest_suggests_typos_only() {
+        let keys = ["num_generations", "learning_rate", "timeout_s"];
+        assert_eq!(nearest("num_generation", &keys), Some("num_generations"));
+        assert_eq!(nearest("learnin_rat", &keys), Some("learning_rate"));
+        assert_eq!(nearest("timeout", &keys), Some("timeout_s"));
+        assert_eq!(nearest("xyzzy_plugh_frobnicate", &keys), None);
+    }
 }

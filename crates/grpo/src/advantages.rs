@@ -77,7 +77,7 @@ impl Advantages {
 pub fn combine_rewards(per_func: &[f32], weights: &[f32]) -> Result<Vec<f32>> {
     let f = weights.len();
     if f == 0 || !per_func.len().is_multiple_of(f) {
-        return Err(Error::Generate(format!(
+        return Err(Error::Invariant(format!(
             "rewards: {} scores is not a multiple of {} reward functions",
             per_func.len(),
             f
@@ -139,7 +139,7 @@ pub fn group_advantages(
     opts: &AdvantageOptions,
 ) -> Result<Advantages> {
     if group_size == 0 || !rewards.len().is_multiple_of(group_size) {
-        return Err(Error::Generate(format!(
+        return Err(Error::Invariant(format!(
             "advantages: {} rewards do not form whole groups of {group_size}",
             rewards.len()
         )));
@@ -196,7 +196,7 @@ pub fn decoupled_advantages(
 ) -> Result<Advantages> {
     let f = weights.len();
     if f == 0 || group_size == 0 || !per_func.len().is_multiple_of(f * group_size) {
-        return Err(Error::Generate(format!(
+        return Err(Error::Invariant(format!(
             "advantages: {} scores do not form whole groups of {group_size} x {f} reward functions",
             per_func.len()
         )));

@@ -339,10 +339,10 @@ pub fn save_checkpoint(
             Some(p) => format!("; the last good checkpoint is {}", p.display()),
             None => String::new(),
         };
-        return Err(Error::Generate(format!(
-            "checkpoint {} not saved: {e}{hint}",
-            final_dir.display()
-        )));
+        return Err(Error::checkpoint(
+            &final_dir,
+            format!("not saved: {e}{hint}"),
+        ));
     }
     // Replace an existing checkpoint of the same step: move it aside first.
     let aside = output_dir.join(format!(

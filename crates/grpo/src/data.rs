@@ -313,23 +313,20 @@ pub fn prompt_ids(
             }
         }
         tok.encode_chat(&msgs, true)
-            .map_err(|e| Error::Generate(format!("{}: {e}", ex.origin)))?
+            .map_err(|e| Error::file(&ex.origin, e))?
     } else {
         match &ex.prompt {
             Prompt::Text(t) => tok.encode(t, true)?,
             Prompt::Messages(_) => {
-                return Err(Error::Generate(format!(
-                    "{}: a messages prompt needs a chat template, and this tokenizer has none",
-                    ex.origin
-                )))
+                let why = "a messages prompt needs a chat template, and this tokenizer has none: \
+                           give the prompt as text, or use a model with a chat template";
+                return Err(Error::file(&ex.origin, why));
             }
         }
     };
     if ids.is_empty() {
-        return Err(Error::Generate(format!(
-            "{}: the prompt is empty after tokenization",
-            ex.origin
-        )));
+        let why = "the prompt is empty after tokenization: give the row a non-empty prompt";
+        return Err(Error::file(&ex.origin, why));
     }
     Ok(match max_len {
         Some(n) if ids.len() > n && n > 0 => ids[ids.len() - n..].to_vec(),

@@ -461,7 +461,7 @@ pub fn completion_logprobs(
         let p = prompts[r.start];
         let lp = p.len();
         if lp == 0 {
-            return Err(crate::Error::Generate(
+            return Err(crate::Error::ModelInput(
                 "a completion needs a non-empty prompt".into(),
             ));
         }

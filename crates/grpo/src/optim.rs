@@ -252,7 +252,7 @@ impl AdamW {
     /// `grad_scale` (the clipping factor) first.
     pub fn step(&mut self, grads: &[Tensor], lr: f64, grad_scale: f32) -> Result<()> {
         if grads.len() != self.slots.len() {
-            return Err(Error::Generate(format!(
+            return Err(Error::Invariant(format!(
                 "adamw: {} gradients for {} parameters",
                 grads.len(),
                 self.slots.len()
@@ -263,7 +263,7 @@ impl AdamW {
         let c = self.cfg;
         for (slot, grad) in self.slots.iter_mut().zip(grads) {
             if grad.shape() != slot.var.shape() {
-                return Err(Error::Generate(format!(
+                return Err(Error::Invariant(format!(
                     "adamw: gradient of {} has shape {:?}, parameter {:?}",
                     slot.name,
                     grad.shape(),

@@ -62,13 +62,14 @@ pub fn encode_episodes(episodes: &[Episode]) -> Result<Vec<u8>> {
             rewards: e.rewards.iter().map(|r| r.to_bits()).collect(),
         })
         .collect();
-    serde_json::to_vec(&wire).map_err(|e| Error::Generate(format!("encoding episodes: {e}")))
+    serde_json::to_vec(&wire)
+        .map_err(|e| Error::distributed(format!("cannot encode episodes to send: {e}")))
 }
 
 /// Episodes from [`encode_episodes`]'s bytes; `from` names the sender in errors.
 pub fn decode_episodes(bytes: &[u8], from: &str) -> Result<Vec<Episode>> {
     let wire: Vec<EpisodeWire> = serde_json::from_slice(bytes)
-        .map_err(|e| Error::Generate(format!("decoding {from}'s episodes: {e}")))?;
+        .map_err(|e| Error::distributed(format!("cannot decode {from}'s episodes: {e}")))?;
     Ok(wire
         .into_iter()
         .map(|w| Episode {
@@ -204,8 +205,8 @@ impl Sampler<'_> {
         )?;
         let p = self.examples.len();
         if groups.len() != p || groups.iter().any(|c| c.len() != g) {
-            return Err(Error::Generate(format!(
-                "invariant: expected {p} x {g} completions, got {:?}",
+            return Err(Error::Invariant(format!(
+                "expected {p} x {g} completions, got {:?}",
                 groups.iter().map(Vec::len).collect::<Vec<_>>()
             )));
         }
@@ -327,7 +328,7 @@ pub fn rollout_scoring_early(
         let t = Instant::now();
         let joined = scorer
             .join()
-            .map_err(|_| Error::Generate("the reward scoring thread panicked".into()))?;
+            .map_err(|_| Error::invariant("the reward scoring thread panicked"))?;
         let wait_s = t.elapsed().as_secs_f64();
         let (eps, stats) = sampled?;
         let (scores, secs) = joined?;

@@ -415,7 +415,9 @@ impl Encoder {
         let b = batch.ids.len();
         let t = batch.ids.first().map_or(0, Vec::len);
         if b == 0 || t == 0 {
-            return Err(Error::Generate("empty encoder batch".into()));
+            return Err(Error::ModelInput(
+                "an empty encoder batch (no texts, or texts with no tokens)".into(),
+            ));
         }
         let flat = |rows: Vec<Vec<u32>>| rows.into_iter().flatten().collect::<Vec<u32>>();
         let positions = flat(batch.ids.iter().map(|r| self.position_ids(r)).collect());

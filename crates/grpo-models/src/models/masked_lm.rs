@@ -168,8 +168,8 @@ impl MaskedLm {
         let hidden = self.encoder.forward_mode(batch, self.mode)?; // [B, T, H]
         let (b, t, h) = hidden.dims3()?;
         if let Some(&p) = positions.iter().find(|&&p| p as usize >= b * t) {
-            return Err(Error::Generate(format!(
-                "position {p} is outside the batch ({b} x {t})"
+            return Err(Error::Invariant(format!(
+                "masked-LM position {p} is outside the batch ({b} x {t})"
             )));
         }
         let idx = Tensor::from_slice(positions, positions.len(), hidden.device())?; // [N]

@@ -544,7 +544,9 @@ impl SeqBatch {
         let b = ids.len();
         let t = ids.first().map(|r| r.len()).unwrap_or(0);
         if b == 0 || t == 0 {
-            return Err(Error::Generate("empty batch".into()));
+            return Err(Error::ModelInput(
+                "an empty batch (no sequences, or only empty ones)".into(),
+            ));
         }
         let rect = |n: usize| n == t;
         if !ids.iter().all(|r| rect(r.len()))
@@ -553,8 +555,8 @@ impl SeqBatch {
             || valid.len() != b
             || !valid.iter().all(|r| rect(r.len()))
         {
-            return Err(Error::Generate(
-                "ids, positions and valid must all be [B][T]".into(),
+            return Err(Error::Invariant(
+                "a sequence batch's ids, positions and valid must all be [B][T]".into(),
             ));
         }
         let mask = layers::build_mask(&valid, 0, t, t, device)?;
@@ -584,7 +586,9 @@ impl SeqBatch {
         let b = ids.len();
         let t = ids.iter().map(|r| r.len()).max().unwrap_or(0);
         if b == 0 || t == 0 {
-            return Err(Error::Generate("empty batch".into()));
+            return Err(Error::ModelInput(
+                "an empty batch (no sequences, or only empty ones)".into(),
+            ));
         }
         if positions.len() != b
             || segments.len() != b
@@ -593,8 +597,9 @@ impl SeqBatch {
                 .zip(positions.iter().zip(&segments))
                 .any(|(i, (p, s))| p.len() != i.len() || s.len() != i.len())
         {
-            return Err(Error::Generate(
-                "ids, positions and segments must have the same shape".into(),
+            return Err(Error::Invariant(
+                "a prefix-shared batch's ids, positions and segments must have the same shape"
+                    .into(),
             ));
         }
         let mut mask = vec![layers::MASK_VALUE; b * t * t];

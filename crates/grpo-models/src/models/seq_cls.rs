@@ -86,7 +86,7 @@ impl DecoderClassifier {
         }
         ids.truncate(self.max_len);
         if ids.is_empty() {
-            return Err(Error::Generate(
+            return Err(Error::ModelInput(
                 "an empty text has no tokens to score (the tokenizer adds no BOS)".into(),
             ));
         }

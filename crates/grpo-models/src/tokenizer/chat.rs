@@ -266,119 +266,23 @@ fn raise_exception(message: String) -> std::result::Result<Value, minijinja::Err
 
 /// `strftime_now(format)`: the current time (UTC), formatted like Python's `strftime`.
 fn strftime_now(format: String) -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or(0);
-    strftime(&format, secs)
+    strftime(&format, chrono::Utc::now().timestamp())
 }
 
-/// Python-style `strftime` for a UTC Unix time; the common directives only (an unknown one is
-/// kept as written, as glibc does).
+/// Python-style `strftime` for a UTC Unix time, by chrono's `strftime` directives (`%-d` and the
+/// like included). An unknown directive is kept as written, as glibc does (chrono's lenient
+/// parse); a format chrono still cannot write, or a time it cannot represent, gives the format
+/// back as written rather than a panic (`to_string` of a failing format panics).
 fn strftime(format: &str, unix_secs: i64) -> String {
-    const MONTHS: [&str; 12] = [
-        "January",
-        "February",
-        "March",
-        "April",
-        "May",
-        "June",
-        "July",
-        "August",
-        "September",
-        "October",
-        "November",
-        "December",
-    ];
-    const DAYS: [&str; 7] = [
-        "Monday",
-        "Tuesday",
-        "Wednesday",
-        "Thursday",
-        "Friday",
-        "Saturday",
-        "Sunday",
-    ];
-    let days = unix_secs.div_euclid(86_400);
-    let secs_of_day = unix_secs.rem_euclid(86_400);
-    let (year, month, day) = civil_from_days(days);
-    let (hour, minute, second) = (secs_of_day / 3600, secs_of_day / 60 % 60, secs_of_day % 60);
-    // 1970-01-01 was a Thursday (index 3 from Monday).
-    let weekday = (days + 3).rem_euclid(7) as usize;
-    let yday = days - days_from_civil(year, 1, 1) + 1;
-    let month_name = MONTHS[(month - 1) as usize];
-    let day_name = DAYS[weekday];
-    let hour12 = if hour % 12 == 0 { 12 } else { hour % 12 };
-
+    let Some(t) = chrono::DateTime::from_timestamp(unix_secs, 0) else {
+        return format.to_string();
+    };
+    let items = chrono::format::StrftimeItems::new_lenient(format);
     let mut out = String::new();
-    let mut chars = format.chars();
-    while let Some(c) = chars.next() {
-        if c != '%' {
-            out.push(c);
-            continue;
-        }
-        let Some(d) = chars.next() else {
-            out.push('%');
-            break;
-        };
-        let _ = match d {
-            'Y' => write!(out, "{year}"),
-            'y' => write!(out, "{:02}", year.rem_euclid(100)),
-            'm' => write!(out, "{month:02}"),
-            'd' => write!(out, "{day:02}"),
-            'e' => write!(out, "{day:2}"),
-            '-' => match chars.next() {
-                Some('d') => write!(out, "{day}"),
-                Some('m') => write!(out, "{month}"),
-                Some('H') => write!(out, "{hour}"),
-                Some('I') => write!(out, "{hour12}"),
-                Some(other) => write!(out, "%-{other}"),
-                None => write!(out, "%-"),
-            },
-            'B' => write!(out, "{month_name}"),
-            'b' | 'h' => write!(out, "{}", &month_name[..3]),
-            'A' => write!(out, "{day_name}"),
-            'a' => write!(out, "{}", &day_name[..3]),
-            'H' => write!(out, "{hour:02}"),
-            'I' => write!(out, "{hour12:02}"),
-            'M' => write!(out, "{minute:02}"),
-            'S' => write!(out, "{second:02}"),
-            'p' => write!(out, "{}", if hour < 12 { "AM" } else { "PM" }),
-            'j' => write!(out, "{yday:03}"),
-            'F' => write!(out, "{year}-{month:02}-{day:02}"),
-            'T' => write!(out, "{hour:02}:{minute:02}:{second:02}"),
-            'Z' => write!(out, "UTC"),
-            'z' => write!(out, "+0000"),
-            '%' => write!(out, "%"),
-            other => write!(out, "%{other}"),
-        };
+    match write!(out, "{}", t.format_with_items(items)) {
+        Ok(()) => out,
+        Err(_) => format.to_string(),
     }
-    out
-}
-
-/// (year, month, day) of a day count since 1970-01-01, proleptic Gregorian.
-fn civil_from_days(days: i64) -> (i64, i64, i64) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    (year, month, day)
-}
-
-/// Day count since 1970-01-01 of a proleptic Gregorian date.
-fn days_from_civil(year: i64, month: i64, day: i64) -> i64 {
-    let y = if month <= 2 { year - 1 } else { year };
-    let era = y.div_euclid(400);
-    let yoe = y.rem_euclid(400);
-    let mp = (month + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + day - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
 }
 
 /// transformers' `tojson`: `json.dumps(x, ensure_ascii=False, indent=None, separators=None,
@@ -756,5 +660,22 @@ mod tests {
         );
         assert_eq!(strftime("%Y-%m-%d", 0), "1970-01-01");
         assert_eq!(strftime("%Y-%m-%d %a", 951_782_400), "2000-02-29 Tue");
+        assert_eq!(
+            strftime("%e|%-m|%-H|%I %p|%F %T %Z %z", t),
+            "22|11|7|07 AM|2024-11-22 07:29:05 UTC +0000"
+        );
+    }
+
+    #[test]
+    fn strftime_keeps_unknown_directives() {
+        let t = 1_732_260_545;
+        // No panic: an unknown directive (and a lone `%` at the end) is kept as written, the
+        // rest formatted.
+        assert_eq!(strftime("%d %K %Y", t), "22 %K 2024");
+        assert_eq!(strftime("%Y %% %K%m%", t), "2024 % %K11%");
+        assert_eq!(strftime("%", t), "%");
+        assert_eq!(strftime("no directives", t), "no directives");
+        assert_eq!(strftime("%Y", i64::MAX), "%Y");
+        assert!(!strftime_now("%Y-%m-%d".into()).contains('%'));
     }
 }

@@ -197,24 +197,26 @@ impl FillInputs {
             originals.push(match masking {
                 Some(_) => {
                     if ids.contains(&mask_id) {
-                        return Err(Error::Generate(format!(
-                            "{}: the input already holds mask tokens, and mask_ratio masks inputs \
-                             on the fly: give unmasked text, or unset mask_ratio to fill the \
+                        return Err(Error::file(
+                            &ex.origin,
+                            "the input already holds mask tokens, and mask_ratio masks inputs on \
+                             the fly: give unmasked text, or unset mask_ratio to fill the \
                              dataset's own masks",
-                            ex.origin
-                        )));
+                        ));
                     }
                     Some(ids.clone())
                 }
                 None => {
                     if !ids.contains(&mask_id) {
-                        return Err(Error::Generate(format!(
-                            "{}: the input has no mask token (write `{}` where the generator \
-                             fills), or set mask_ratio (e.g. mask_ratio = 0.15) to mask text \
-                             inputs on the fly",
-                            ex.origin,
-                            tok.id_to_token(mask_id).unwrap_or_else(|| "[MASK]".into())
-                        )));
+                        return Err(Error::file(
+                            &ex.origin,
+                            format!(
+                                "the input has no mask token (write `{}` where the generator \
+                                 fills), or set mask_ratio (e.g. mask_ratio = 0.15) to mask text \
+                                 inputs on the fly",
+                                tok.id_to_token(mask_id).unwrap_or_else(|| "[MASK]".into())
+                            ),
+                        ));
                     }
                     match &ex.answer {
                         Some(a) => tok.encode(a, true).ok().filter(|o| o.len() == ids.len()),
@@ -437,7 +439,7 @@ pub fn fill_logprobs(
     for (i, c) in completions.iter().enumerate() {
         let u = which[i];
         if c.len() != counts[u] {
-            return Err(Error::Generate(format!(
+            return Err(Error::Invariant(format!(
                 "fill {i} has {} tokens for an input with {} masked positions",
                 c.len(),
                 counts[u]
@@ -445,7 +447,7 @@ pub fn fill_logprobs(
         }
         for (j, &tok) in c.iter().enumerate() {
             if tok as usize >= v {
-                return Err(Error::Generate(format!(
+                return Err(Error::Invariant(format!(
                     "fill token {tok} is outside the vocabulary ({v})"
                 )));
             }

@@ -822,7 +822,7 @@ fn tokenize_corpus(o: &PretrainOptions, lines: &[String], objective: Objective) 
             for l in lines {
                 let enc = tok
                     .encode(l.as_str(), false)
-                    .map_err(|e| Error::Generate(format!("BPE tokenizer: {e}")))?;
+                    .map_err(|e| Error::Tokenizer(format!("the trained BPE tokenizer: {e}")))?;
                 let mut ids = vec![CLS];
                 ids.extend(enc.get_ids().iter().take(o.max_len - 2));
                 ids.push(SEP);
@@ -830,9 +830,9 @@ fn tokenize_corpus(o: &PretrainOptions, lines: &[String], objective: Objective) 
             }
             let mut json: serde_json::Value = serde_json::from_str(
                 &tok.to_string(false)
-                    .map_err(|e| Error::Generate(format!("BPE tokenizer: {e}")))?,
+                    .map_err(|e| Error::Tokenizer(format!("the trained BPE tokenizer: {e}")))?,
             )
-            .map_err(|e| Error::Generate(format!("BPE tokenizer: {e}")))?;
+            .map_err(|e| Error::Tokenizer(format!("the trained BPE tokenizer: {e}")))?;
             json["post_processor"] = template_json(objective);
             Ok(Corpus {
                 rows,
@@ -849,7 +849,7 @@ fn train_bpe(lines: &[String], vocab_size: usize) -> Result<tokenizers::Tokenize
     use tokenizers::models::TrainerWrapper;
     use tokenizers::pre_tokenizers::byte_level::ByteLevel;
     use tokenizers::AddedToken;
-    let fail = |e: tokenizers::Error| Error::Generate(format!("training the BPE tokenizer: {e}"));
+    let fail = |e: tokenizers::Error| Error::Tokenizer(format!("training the BPE tokenizer: {e}"));
     let trainer = BpeTrainer::builder()
         .vocab_size(vocab_size)
         .min_frequency(2)

@@ -132,6 +132,8 @@ pub struct Judge {
     model: CausalLm,
     tok: Tokenizer,
     template: String,
+    /// The template's key in the config (`rewards[2].template`), for errors.
+    template_key: String,
     chat: bool,
     mode: JudgeMode,
     batch_size: usize,
@@ -194,6 +196,7 @@ impl Judge {
             model,
             tok,
             template: spec.template.clone(),
+            template_key: format!("{path}.template"),
             chat,
             mode,
             batch_size: spec.batch_size,
@@ -203,8 +206,12 @@ impl Judge {
 
     /// The judge's input ids for one item.
     fn input_ids(&self, item: &ScoreItem) -> Result<Vec<u32>> {
-        let text = render(&self.template, &ScoreItemOwned::from(item))
-            .map_err(|e| Error::Generate(format!("judge template: {e}")))?;
+        let text = render(&self.template, &ScoreItemOwned::from(item)).map_err(|e| {
+            Error::config(
+                &self.template_key,
+                format!("the judge's rubric cannot render for a completion: {e}"),
+            )
+        })?;
         let mut ids = if self.chat {
             self.tok.encode_chat(&[ChatMessage::user(text)], true)?
         } else {

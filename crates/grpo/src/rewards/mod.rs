@@ -561,12 +561,14 @@ pub fn score_refs(rewards: &[&Reward], items: &[ScoreItem]) -> Result<(Vec<Vec<f
         let t = Instant::now();
         let scores = r.score(items)?;
         if scores.len() != items.len() {
-            return Err(Error::Generate(format!(
-                "reward `{}` returned {} scores for {} completions",
-                r.name,
-                scores.len(),
-                items.len()
-            )));
+            return Err(Error::reward(
+                &r.name,
+                format!(
+                    "returned {} scores for {} completions",
+                    scores.len(),
+                    items.len()
+                ),
+            ));
         }
         for (row, s) in out.iter_mut().zip(scores) {
             row.push(s);

@@ -55,7 +55,7 @@ impl Client {
                 self.base
             ),
         };
-        Error::Generate(format!("MLflow {what}: {why}"))
+        Error::tracker("mlflow", format!("{what}: {why}"))
     }
 
     fn post(&self, path: &str, body: &Value) -> Result<Value> {
@@ -67,7 +67,7 @@ impl Client {
             .send_string(&body.to_string())
             .map_err(|e| self.error(path, e))?;
         resp.into_json::<Value>()
-            .map_err(|e| Error::Generate(format!("MLflow {path}: unreadable answer: {e}")))
+            .map_err(|e| Error::tracker("mlflow", format!("{path}: unreadable answer: {e}")))
     }
 
     /// The id of experiment `name`, created when missing.
@@ -75,9 +75,9 @@ impl Client {
         let url = format!("{}/api/2.0/mlflow/experiments/get-by-name", self.base);
         match self.agent.get(&url).query("experiment_name", name).call() {
             Ok(r) => {
-                let v: Value = r
-                    .into_json()
-                    .map_err(|e| Error::Generate(format!("MLflow experiments/get-by-name: {e}")))?;
+                let v: Value = r.into_json().map_err(|e| {
+                    Error::tracker("mlflow", format!("experiments/get-by-name: {e}"))
+                })?;
                 if let Some(id) = v["experiment"]["experiment_id"].as_str() {
                     return Ok(id.to_string());
                 }
@@ -89,7 +89,7 @@ impl Client {
         v["experiment_id"]
             .as_str()
             .map(str::to_string)
-            .ok_or_else(|| Error::Generate(format!("MLflow experiments/create: {v}")))
+            .ok_or_else(|| Error::tracker("mlflow", format!("experiments/create: {v}")))
     }
 
     /// Uploads `file` as `name` into the run's artifacts (`mlflow-artifacts:/...` through the
@@ -118,10 +118,11 @@ impl Client {
             }
             return crate::files::write_file(&to, &bytes);
         }
-        Err(Error::Generate(format!(
-            "MLflow artifacts at `{artifact_uri}` cannot be written by grpo; start the server \
-             with artifact serving (the default of `mlflow server`)"
-        )))
+        let why = format!(
+            "artifacts at `{artifact_uri}` cannot be written by grpo; start the server with \
+             artifact serving (the default of `mlflow server`)"
+        );
+        Err(Error::tracker("mlflow", why))
     }
 }
 
@@ -186,7 +187,7 @@ impl MlflowTracker {
                 let run = &v["run"]["info"];
                 let (Some(id), Some(art)) = (run["run_id"].as_str(), run["artifact_uri"].as_str())
                 else {
-                    return Err(Error::Generate(format!("MLflow runs/create: {v}")));
+                    return Err(Error::tracker("mlflow", format!("runs/create: {v}")));
                 };
                 let t = MlflowTracker {
                     client,

@@ -48,13 +48,14 @@ impl WandbTracker {
             .stderr(Stdio::inherit())
             .spawn()
             .map_err(|e| {
-                Error::Generate(format!(
-                    "cannot start `{python}` for the W&B bridge ({e}): install Python with wandb, \
-                     or set GRPO_PYTHON"
-                ))
+                let why = format!(
+                    "cannot start `{python}` for the W&B bridge ({e}): install Python with \
+                     wandb, or set GRPO_PYTHON"
+                );
+                Error::tracker("wandb", why)
             })?;
         let (Some(mut stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
-            return Err(Error::Generate("the W&B bridge has no pipes".into()));
+            return Err(Error::tracker("wandb", "the W&B bridge has no pipes"));
         };
         let recorded = read_state(&info.output_dir, "wandb");
         let id = match (info.resume, recorded["id"].as_str()) {
@@ -69,22 +70,22 @@ impl WandbTracker {
         let init = json!({"init": {"project": project, "name": info.run_name, "id": id,
                                     "config": info.config}});
         writeln!(stdin, "{init}")
-            .map_err(|e| Error::Generate(format!("the W&B bridge stopped: {e}")))?;
+            .map_err(|e| Error::tracker("wandb", format!("the W&B bridge stopped: {e}")))?;
         let mut line = String::new();
         BufReader::new(stdout)
             .read_line(&mut line)
-            .map_err(|e| Error::Generate(format!("the W&B bridge stopped: {e}")))?;
+            .map_err(|e| Error::tracker("wandb", format!("the W&B bridge stopped: {e}")))?;
         let answer: Value = serde_json::from_str(line.trim()).unwrap_or(Value::Null);
         if let Some(err) = answer["error"].as_str() {
             let _ = child.wait();
-            return Err(Error::Generate(format!("wandb: {err}")));
+            return Err(Error::tracker("wandb", err));
         }
         if answer["ok"] != Value::Bool(true) {
             let _ = child.kill();
-            return Err(Error::Generate(format!(
-                "the W&B bridge did not start (answer {:?})",
-                line.trim()
-            )));
+            return Err(Error::tracker(
+                "wandb",
+                format!("the W&B bridge did not start (answer {:?})", line.trim()),
+            ));
         }
         write_state(
             &info.output_dir,
@@ -96,9 +97,10 @@ impl WandbTracker {
 
     fn send(&mut self, msg: &Value) -> Result<()> {
         writeln!(self.stdin, "{msg}").map_err(|e| {
-            Error::Generate(format!(
-                "the W&B bridge stopped ({e}); its error is printed above"
-            ))
+            Error::tracker(
+                "wandb",
+                format!("the W&B bridge stopped ({e}); its error is printed above"),
+            )
         })
     }
 }
@@ -126,12 +128,13 @@ impl Tracker for WandbTracker {
         let status = self
             .child
             .wait()
-            .map_err(|e| Error::Generate(format!("the W&B bridge: {e}")))?;
+            .map_err(|e| Error::tracker("wandb", format!("the W&B bridge: {e}")))?;
         match status.success() {
             true => Ok(()),
-            false => Err(Error::Generate(format!(
-                "the W&B bridge ended with {status}; its error is printed above"
-            ))),
+            false => Err(Error::tracker(
+                "wandb",
+                format!("the W&B bridge ended with {status}; its error is printed above"),
+            )),
         }
     }
 }

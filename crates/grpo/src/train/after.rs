@@ -196,7 +196,7 @@ fn check_same_parameters<P: Policy>(policy: &P, world: &dyn World) -> Result<()>
         .map(|b| f64::from_le_bytes(b.as_slice().try_into().unwrap_or([0; 8])))
         .collect();
     if let Some(r) = sums.iter().position(|&s| s.to_bits() != sums[0].to_bits()) {
-        return Err(Error::Generate(format!(
+        return Err(Error::Distributed(format!(
             "rank {r}'s parameters differ from rank 0's (checksums {:e} and {:e}): the ranks \
              diverged; stopping",
             sums[r], sums[0]

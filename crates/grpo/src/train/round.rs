@@ -432,8 +432,8 @@ fn check_round_invariants(
     normalize_batch: bool,
 ) -> Result<()> {
     if episodes.len() != p * g || advantages.len() != p * g {
-        return Err(Error::Generate(format!(
-            "invariant: {} completions and {} advantages for {p} prompts x {g}",
+        return Err(Error::Invariant(format!(
+            "{} completions and {} advantages for {p} prompts x {g}",
             episodes.len(),
             advantages.len()
         )));
@@ -443,9 +443,7 @@ fn check_round_invariants(
             .iter()
             .any(|e| e.group != gi || e.prompt_ids != group[0].prompt_ids)
         {
-            return Err(Error::Generate(format!(
-                "invariant: group {gi} mixes prompts"
-            )));
+            return Err(Error::Invariant(format!("group {gi} mixes prompts")));
         }
     }
     if !normalize_batch {
@@ -456,8 +454,8 @@ fn check_round_invariants(
             // bound allows f32 rounding of the group mean divided by a near-zero std (rewards
             // that tie up to float noise, e.g. a judge's scores of identical fills).
             if s.abs() > 1e-2 * scale {
-                return Err(Error::Generate(format!(
-                    "invariant: advantages of group {gi} sum to {s}, not 0"
+                return Err(Error::Invariant(format!(
+                    "advantages of group {gi} sum to {s}, not 0"
                 )));
             }
         }

@@ -557,8 +557,12 @@ impl<P: Policy> Run<'_, P> {
         let keep = self.state.best_model_checkpoint.as_ref().map(PathBuf::from);
         let tensors = self.policy.named_tensors();
         let optimizer = self.opt.state_tensors()?;
-        let trainer_state = serde_json::to_value(&self.state)
-            .map_err(|e| Error::Generate(format!("cannot serialise trainer state: {e}")))?;
+        let trainer_state = serde_json::to_value(&self.state).map_err(|e| {
+            Error::checkpoint(
+                &self.cfg.output_dir,
+                format!("cannot serialise trainer state: {e}"),
+            )
+        })?;
         checkpoint::save_checkpoint(
             &self.cfg.output_dir,
             &CheckpointData {

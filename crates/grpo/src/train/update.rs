@@ -202,7 +202,7 @@ fn count_step(counter: &mut StepCounter, bad: Option<&str>, max_bad_steps: usize
         counter.skipped_steps
     );
     if *counter.consecutive_nonfinite >= max_bad_steps {
-        return Err(Error::Generate(format!(
+        return Err(Error::Training(format!(
             "{} steps in a row skipped for non-finite numbers (the last: {why}): stopping. \
              Look at the rewards and the learning rate; max_bad_steps (now {max_bad_steps}) \
              sets how many are tolerated",
@@ -393,9 +393,9 @@ pub fn policy_gradients<P: Policy>(
             (Some(a), Some(b)) => accumulate(a, &b)?,
             (Some(a), None) | (None, Some(a)) => a,
             (None, None) => {
-                return Err(Error::Generate(format!(
-                "invariant: parameter {name} received no gradient (a forward op without backward?)"
-            )))
+                return Err(Error::Invariant(format!(
+                    "parameter {name} received no gradient (a forward op without backward?)"
+                )))
             }
         });
     }

@@ -142,7 +142,7 @@ impl MpiWorld {
     pub fn init() -> Result<Self> {
         use mpi::Threading;
         let (universe, _) = mpi::initialize_with_threading(Threading::Serialized)
-            .ok_or_else(|| Error::Generate("MPI was already initialized in this process".into()))?;
+            .ok_or_else(|| Error::distributed("MPI was already initialized in this process"))?;
         let comm = universe.world();
         let world = MpiWorld {
             _universe: universe,
@@ -318,7 +318,7 @@ mod nccl {
     }
 
     fn err(what: &str, e: impl std::fmt::Debug) -> Error {
-        Error::Generate(format!(
+        Error::Distributed(format!(
             "NCCL {what}: {e:?} (is libnccl installed, one GPU per rank?)"
         ))
     }
@@ -334,9 +334,10 @@ mod nccl {
                 _ => Vec::new(),
             };
             let all = world.all_gather_bytes(mine)?;
-            let bytes = all.first().filter(|b| b.len() == 128).ok_or_else(|| {
-                Error::Generate("NCCL: rank 0 sent no unique id of 128 bytes".into())
-            })?;
+            let bytes = all
+                .first()
+                .filter(|b| b.len() == 128)
+                .ok_or_else(|| Error::distributed("NCCL: rank 0 sent no unique id of 128 bytes"))?;
             let mut internal = [0 as std::ffi::c_char; 128];
             for (d, &b) in internal.iter_mut().zip(bytes) {
                 *d = b as std::ffi::c_char;
@@ -361,7 +362,7 @@ mod nccl {
             let out = {
                 let (st, l) = x.storage_and_layout();
                 let Storage::Cuda(cs) = &*st else {
-                    return Err(Error::Generate("NCCL: a gradient is not on the GPU".into()));
+                    return Err(Error::distributed("NCCL: a gradient is not on the GPU"));
                 };
                 let src = cs.as_cuda_slice::<f32>()?;
                 let src = src.slice(l.start_offset()..l.start_offset() + n);
