@@ -49,7 +49,7 @@ pub fn held_out_examples(cfg: &TrainConfig) -> Result<Vec<Example>> {
 fn builtin_task(cfg: &TrainConfig) -> Result<(Vec<Example>, Vec<Example>)> {
     match cfg.policy {
         PolicyType::CausalLm => data::arithmetic::make_task(&cfg.task.params()),
-        PolicyType::FillIn => data::fill_task::make(&cfg.task.params(), cfg.task.mask_ratio),
+        PolicyType::FillIn => crate::fill_in::task::make(&cfg.task.params(), cfg.task.mask_ratio),
     }
 }
 
@@ -87,7 +87,7 @@ pub fn config_rewards(cfg: &TrainConfig, device: &Device) -> Result<Vec<Reward>>
                     Some(j) => j.clone(),
                     None => crate::fill_in::pretrain::builtin_fill_in_models(&cfg.task, true)?.1,
                 };
-                rewards::builtin_fill_in_rewards(&judge, cfg.train_file.is_none(), device)
+                crate::fill_in::task::builtin_rewards(&judge, cfg.train_file.is_none(), device)
             }
         };
     }

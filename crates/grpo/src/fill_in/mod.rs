@@ -13,11 +13,13 @@
 //! - this file: masking, [`FillInputs`] (a run's masked inputs and fill metrics), the sampler
 //!   ([`FillInModel`]) and the trainer's log-probs ([`fill_logprobs`]);
 //! - [`policy`]: [`FillInPolicy`], the `policy = "fill_in"` kind behind the loop's `Policy` seam;
+//! - [`task`]: the built-in fill-in task (masked copies `w=w`) and its rewards;
 //! - [`pretrain`]: `grpo pretrain`, the supervised pretrainer of small generators, judges and
 //!   causal LMs (the built-in fill-in task's models come from it).
 
 pub mod policy;
 pub mod pretrain;
+pub mod task;
 
 pub use policy::{FillInForward, FillInPolicy};
 

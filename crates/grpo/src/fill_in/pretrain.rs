@@ -1077,7 +1077,7 @@ pub fn builtin_fill_in_models(
     need_judge: bool,
 ) -> Result<(PathBuf, PathBuf)> {
     let p = task.params();
-    let (lines, _) = crate::data::fill_task::lines(&p)?;
+    let (lines, _) = super::task::lines(&p)?;
     let base = PretrainOptions {
         data: PathBuf::new(),
         out: PathBuf::new(),

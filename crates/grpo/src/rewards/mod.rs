@@ -599,44 +599,6 @@ pub fn builtin_task_rewards() -> Vec<Reward> {
     ]
 }
 
-/// The built-in fill-in task's rewards: the judge at `judge` (a classifier; its probability
-/// that the filled line is `real`) is what is trained on; `sides_match`, whether the filled copy
-/// `w=w` has equal sides, has weight 0: it measures (as eval accuracy) without being optimised,
-/// so that reward hacking of the judge shows up. On the user's inputs (`builtin_task` false)
-/// the judge alone.
-pub fn builtin_fill_in_rewards(
-    judge: &std::path::Path,
-    builtin_task: bool,
-    device: &candle_core::Device,
-) -> Result<Vec<Reward>> {
-    // The label `real` (a judge `grpo pretrain` made), else the judge's last label.
-    let config = judge.join("config.json");
-    let labels: Vec<String> = crate::files::read_json(&config)?
-        .get("id2label")
-        .and_then(|m| m.as_object())
-        .map(|m| {
-            let mut v: Vec<(usize, String)> = m
-                .iter()
-                .filter_map(|(k, v)| Some((k.parse().ok()?, v.as_str()?.to_string())))
-                .collect();
-            v.sort();
-            v.into_iter().map(|x| x.1).collect()
-        })
-        .unwrap_or_default();
-    let label = match labels.iter().any(|l| l == "real") {
-        true => serde_json::json!("real"),
-        false => serde_json::json!(labels.len().max(2) - 1),
-    };
-    let mut tables = vec![
-        serde_json::json!({"kind": "classifier", "name": "judge", "model": judge.display().to_string(),
-                           "label": label, "input": "completion", "output": "probability"}),
-    ];
-    if builtin_task {
-        tables.push(serde_json::json!({"kind": "sides_match", "weight": 0.0}));
-    }
-    build_rewards(&parse_specs(&tables, 1)?, device)
-}
-
 /// The peer benchmark's rewards (`bench/peers/addition_task.py`), exactly.
 pub fn peer_addition_rewards() -> Vec<Reward> {
     vec![
