@@ -45,7 +45,7 @@ pub fn held_out_examples(cfg: &TrainConfig) -> Result<Vec<Example>> {
 }
 
 /// The built-in task of the config's policy kind: arithmetic questions for a causal LM, masked
-/// equations for a fill-in generator. `(train, eval)`.
+/// copies (`w=w`) for a fill-in generator. `(train, eval)`.
 fn builtin_task(cfg: &TrainConfig) -> Result<(Vec<Example>, Vec<Example>)> {
     match cfg.policy {
         PolicyType::CausalLm => data::arithmetic::make_task(&cfg.task.params()),

@@ -198,7 +198,6 @@ impl Reward {
         }
     }
 
-    /// Whether this reward measures correctness (its mean is reported as accuracy).
     /// Whether a model or the user's scorer gives the score (a fill-in run's judge).
     pub fn is_judge(&self) -> bool {
         matches!(
@@ -207,6 +206,7 @@ impl Reward {
         )
     }
 
+    /// Whether this reward measures correctness (its mean is reported as accuracy).
     pub fn is_accuracy(&self) -> bool {
         matches!(
             self.func,
