@@ -90,7 +90,7 @@ impl ModelArgs {
         let is_adapter = self
             .model
             .as_deref()
-            .is_some_and(|m| grpo::lora::is_adapter_dir(std::path::Path::new(m)));
+            .is_some_and(|m| grpo::peft::is_adapter_dir(std::path::Path::new(m)));
         if !is_adapter {
             let m = self.load()?;
             let mut model = m.build()?;

@@ -1,6 +1,6 @@
 //! Run report: `report.html` and `plots/*.png` from a run directory.
 //!
-//! Reads what the trainer writes ([`grpo::metrics`]): `metrics.jsonl` (required),
+//! Reads what the trainer writes ([`grpo::logs`]): `metrics.jsonl` (required),
 //! `completions.jsonl`, `eval/step-N.jsonl` and `config.toml` (all optional), and writes one
 //! self-contained HTML file (the plots are embedded as base64 PNG data URIs, so the file can be
 //! mailed alone) plus the same plots as PNG files in `plots/`.

@@ -31,7 +31,7 @@ pub struct HfExport<'a> {
 
 /// A PEFT adapter directory's contents (LoRA runs).
 pub struct AdapterExport<'a> {
-    pub config: &'a crate::lora::LoraConfig,
+    pub config: &'a crate::peft::LoraConfig,
     pub model_config: &'a ModelConfig,
     /// `base_model_name_or_path`
     pub base_model: &'a str,
@@ -243,7 +243,7 @@ pub fn best_checkpoint(output_dir: &Path) -> Result<Option<PathBuf>> {
 /// other path is itself.
 pub fn resolve_run_dir(path: &Path) -> Result<PathBuf> {
     let holds_model = path.join("config.json").is_file()
-        || path.join(crate::lora::ADAPTER_CONFIG).is_file()
+        || path.join(crate::peft::ADAPTER_CONFIG).is_file()
         || !path.is_dir();
     if holds_model {
         return Ok(path.to_path_buf());
@@ -314,7 +314,7 @@ pub fn save_checkpoint(
             ModelFiles::Full(m) => write_hf_model(&tmp, m)?,
             ModelFiles::Copied(m) => write_copied_model(&tmp, m)?,
             ModelFiles::Adapter(a) => {
-                crate::lora::save_peft(
+                crate::peft::save_peft(
                     &tmp,
                     a.config,
                     a.model_config.arch,

@@ -267,8 +267,8 @@ pub struct TrainConfig {
     pub run_name: Option<String>,
     pub wandb_project: Option<String>,
     /// LoRA adapters instead of full fine-tuning (`lora.r` > 0). Empty `target_modules` means
-    /// the architecture's default (see [`crate::lora::default_targets`]).
-    pub lora: Option<crate::lora::LoraConfig>,
+    /// the architecture's default (see [`crate::peft::default_targets`]).
+    pub lora: Option<crate::peft::LoraConfig>,
     /// QLoRA: keep the frozen base's projections quantized.
     pub base_quantization: Option<QuantType>,
     /// Recompute each block's activations in the backward instead of keeping them.
@@ -2271,7 +2271,7 @@ impl TrainConfig {
                 if !(0.0..1.0).contains(&dropout) {
                     return bad("lora.dropout", format!("must be in [0, 1), got {dropout}"));
                 }
-                Some(crate::lora::LoraConfig {
+                Some(crate::peft::LoraConfig {
                     r,
                     alpha,
                     dropout,

@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::checkpoint::{resolve_run_dir, HfExport};
 use crate::hub;
-use crate::lora::{self, LoadedAdapter};
+use crate::peft::{self, LoadedAdapter};
 use crate::models::{CausalLm, QuantProj, QuantType};
 use crate::weights::{load_model, LoadedModel};
 use crate::{Error, Result};
@@ -57,13 +57,13 @@ fn load_base(
         .or_else(|| adapter.base_model.clone())
         .ok_or_else(|| {
             Error::file(
-                dir.join(lora::ADAPTER_CONFIG),
+                dir.join(peft::ADAPTER_CONFIG),
                 "names no base_model_name_or_path: give the base model with --base",
             )
         })?;
     let source = hub::resolve_model(Some(&spec)).map_err(|e| {
         Error::file(
-            dir.join(lora::ADAPTER_CONFIG),
+            dir.join(peft::ADAPTER_CONFIG),
             format!("its base model `{spec}` cannot be loaded ({e}); give it with --base"),
         )
     })?;
@@ -87,14 +87,14 @@ pub fn load_for_inference(
     };
     let resolved = resolved.as_ref().map(|p| p.to_string_lossy().into_owned());
     let spec = resolved.as_deref().or(spec);
-    if let Some(dir) = spec.map(Path::new).filter(|p| lora::is_adapter_dir(p)) {
-        let adapter = lora::load_peft(dir, device)?;
+    if let Some(dir) = spec.map(Path::new).filter(|p| peft::is_adapter_dir(p)) {
+        let adapter = peft::load_peft(dir, device)?;
         let base = load_base(dir, &adapter, base_override)?;
         let mut model = base.build()?;
         if let Some(q) = checkpoint_base_quantization(dir)? {
             model.quantize_projections(q)?;
         }
-        model.set_lora(&lora::adapters(&adapter.tensors, &adapter.config, None)?)?;
+        model.set_lora(&peft::adapters(&adapter.tensors, &adapter.config, None)?)?;
         return Ok((model, base));
     }
     let source = hub::resolve_model(spec)?;
@@ -150,7 +150,7 @@ pub fn export(
 ) -> Result<ExportSummary> {
     // A run directory stands for its best (else newest) checkpoint.
     let checkpoint = &resolve_run_dir(checkpoint)?;
-    if out.join("model.safetensors").exists() || out.join(lora::ADAPTER_WEIGHTS).exists() {
+    if out.join("model.safetensors").exists() || out.join(peft::ADAPTER_WEIGHTS).exists() {
         return Err(Error::file(
             out,
             "already holds a model; choose an empty directory",
@@ -158,18 +158,18 @@ pub fn export(
     }
     let device = Device::Cpu;
     let spec = checkpoint.to_string_lossy().to_string();
-    if !lora::is_adapter_dir(checkpoint) {
+    if !peft::is_adapter_dir(checkpoint) {
         let base = load_model(&hub::resolve_model(Some(&spec))?, DType::F32, &device)?;
         return write_merged(out, &base, base.tensors.clone(), 0, opts);
     }
-    let adapter = lora::load_peft(checkpoint, &device)?;
+    let adapter = peft::load_peft(checkpoint, &device)?;
     if !merge {
         std::fs::create_dir_all(out)
             .map_err(|e| Error::file(out, format!("cannot create: {e}")))?;
         let mut files = vec![];
         for f in [
-            lora::ADAPTER_CONFIG,
-            lora::ADAPTER_WEIGHTS,
+            peft::ADAPTER_CONFIG,
+            peft::ADAPTER_WEIGHTS,
             "tokenizer.json",
             "tokenizer_config.json",
         ] {
@@ -192,8 +192,8 @@ pub fn export(
     if let Some(q) = checkpoint_base_quantization(checkpoint)? {
         round_trip_quantization(&mut tensors, &base.build()?, q)?;
     }
-    let adapters = lora::adapters(&adapter.tensors, &adapter.config, None)?;
-    lora::merge_into(&mut tensors, &base.config, &adapters)?;
+    let adapters = peft::adapters(&adapter.tensors, &adapter.config, None)?;
+    peft::merge_into(&mut tensors, &base.config, &adapters)?;
     write_merged(out, &base, tensors, adapters.len(), opts)
 }
 

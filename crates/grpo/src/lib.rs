@@ -9,9 +9,11 @@
 //! - [`logprobs`]: per-token log-probs for training, chunked over the vocabulary.
 //! - [`optim`]: AdamW with saveable state, gradient clipping, learning-rate schedules.
 //! - [`rollout`]: sampling groups into `Episode`s, scoring them, `TrainBatch`.
-//! - [`lora`]: LoRA / QLoRA adapters in PEFT's format, merging.
+//! - [`peft`]: LoRA / QLoRA adapters in PEFT's format, merging (the LoRA layer itself is
+//!   `grpo_models::models::lora`).
 //! - [`checkpoint`], [`export`]: atomic checkpoints in HF layout; loading them back, `grpo export`.
-//! - [`metrics`]: metrics.jsonl + TensorBoard.
+//! - [`logs`]: a run's log files (metrics.jsonl, TensorBoard events, completions, health and
+//!   eval rows), fanned out to the [`trackers`].
 //! - [`inputs`]: a run's prompt sets and rewards, loaded one way for train, eval and rewards check.
 //! - [`eval`]: held-out evaluation: pass@k, accuracy (greedy and sampled), mean rewards.
 //! - [`train`]: the training loop.
@@ -30,9 +32,9 @@ pub mod export;
 pub mod fill_in;
 pub mod inputs;
 pub mod logprobs;
-pub mod lora;
+pub mod peft;
 pub mod loss;
-pub mod metrics;
+pub mod logs;
 pub mod named;
 pub mod optim;
 pub mod rewards;

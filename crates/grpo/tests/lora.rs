@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, Var, D};
 use grpo::hub::ModelSource;
-use grpo::lora;
+use grpo::peft;
 use grpo::models::{CausalLm, Mode, QuantType, SeqBatch};
 use grpo::weights::load_model;
 
@@ -69,7 +69,7 @@ fn loss_and_logits(model: &CausalLm, ids: &[Vec<u32>], mode: Mode) -> (Tensor, T
 
 struct Case {
     base: grpo::weights::LoadedModel,
-    adapter: lora::LoadedAdapter,
+    adapter: peft::LoadedAdapter,
     expected: HashMap<String, Tensor>,
     ids: Vec<Vec<u32>>,
 }
@@ -83,7 +83,7 @@ fn load_case(case: &str, base: &str) -> Case {
     )
     .unwrap();
     let dir = fixtures().join("lora").join(case);
-    let adapter = lora::load_peft(&dir, &dev).unwrap();
+    let adapter = peft::load_peft(&dir, &dev).unwrap();
     let expected = candle_core::safetensors::load(dir.join("expected.safetensors"), &dev).unwrap();
     let ids: Vec<Vec<u32>> = expected["input_ids"]
         .to_vec2::<i64>()
@@ -101,7 +101,7 @@ fn load_case(case: &str, base: &str) -> Case {
 
 /// The adapter tensors as `Var`s, and adapters over them (tracked: gradients reach the vars).
 fn tracked_adapters(
-    a: &lora::LoadedAdapter,
+    a: &peft::LoadedAdapter,
 ) -> (
     Vec<(String, Var)>,
     HashMap<String, grpo::models::LoraAdapter>,
@@ -115,7 +115,7 @@ fn tracked_adapters(
         .iter()
         .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
         .collect();
-    let adapters = lora::adapters(&tracked, &a.config, None).unwrap();
+    let adapters = peft::adapters(&tracked, &a.config, None).unwrap();
     (vars, adapters)
 }
 
@@ -174,8 +174,8 @@ fn merging_matches_peft_merge_and_unload() {
     for &(case, base) in CASES {
         let c = load_case(case, base);
         let mut tensors = c.base.tensors.clone();
-        let adapters = lora::adapters(&c.adapter.tensors, &c.adapter.config, None).unwrap();
-        lora::merge_into(&mut tensors, &c.base.config, &adapters).unwrap();
+        let adapters = peft::adapters(&c.adapter.tensors, &c.adapter.config, None).unwrap();
+        peft::merge_into(&mut tensors, &c.base.config, &adapters).unwrap();
         let mut n = 0;
         for (k, want) in &c.expected {
             let Some(name) = k.strip_prefix("merged.") else {
@@ -226,7 +226,7 @@ fn saved_adapters_and_merged_exports_load_back() {
         let adir = root.join(case).join("adapter");
         let _ = std::fs::remove_dir_all(&adir);
         let base_path = fixtures().join("tiny").join(base);
-        lora::save_peft(
+        peft::save_peft(
             &adir,
             &c.adapter.config,
             c.base.config.arch,
@@ -235,7 +235,7 @@ fn saved_adapters_and_merged_exports_load_back() {
         )
         .unwrap();
         // Same keys, shapes and values as peft's own file; same options.
-        let back = lora::load_peft(&adir, &Device::Cpu).unwrap();
+        let back = peft::load_peft(&adir, &Device::Cpu).unwrap();
         assert_eq!(back.config, c.adapter.config);
         assert_eq!(back.tensors.len(), c.adapter.tensors.len());
         for ((n1, t1), (n2, t2)) in back.tensors.iter().zip(&c.adapter.tensors) {
@@ -380,12 +380,12 @@ fn peft_and_transformers_load_what_grpo_writes() {
     let c = load_case("qwen2_all_rslora", "qwen2");
     let dir = fixtures().join("interop");
     let tmp = tempfile::tempdir().unwrap();
-    let cfg = lora::LoraConfig {
+    let cfg = peft::LoraConfig {
         target_modules: vec!["all-linear".into()],
         ..c.adapter.config.clone()
     };
     let adapter = tmp.path().join("adapter");
-    lora::save_peft(
+    peft::save_peft(
         &adapter,
         &cfg,
         c.base.config.arch,
@@ -435,7 +435,7 @@ fn peft_and_transformers_load_what_grpo_writes() {
         serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
     // peft expanded `all-linear` to the modules grpo puts adapters on.
     let model = c.base.build().unwrap();
-    let mut ours: Vec<String> = lora::targeted(&model, &cfg)
+    let mut ours: Vec<String> = peft::targeted(&model, &cfg)
         .unwrap()
         .into_iter()
         .map(|(m, _, _)| m)

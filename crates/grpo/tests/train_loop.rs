@@ -618,7 +618,7 @@ fn command_reward_trains() {
 }
 
 fn adapter_tensors(dir: &Path) -> Vec<(String, Vec<f32>)> {
-    grpo::lora::load_peft(dir, &Device::Cpu)
+    grpo::peft::load_peft(dir, &Device::Cpu)
         .unwrap()
         .tensors
         .into_iter()

@@ -14,7 +14,7 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use crate::checkpoint::{AdapterExport, HfExport, ModelFiles};
 use crate::logprobs::{completion_logprobs, Entropy, Packing};
-use crate::lora::{self, LoraConfig};
+use crate::peft::{self, LoraConfig};
 use crate::models::checkpointing::CheckpointGrads;
 use crate::models::grad_sink::GradSink;
 use crate::models::{CausalLm, Mode, ModelConfig};
@@ -140,7 +140,7 @@ impl CausalLmPolicy {
             }
             Some((base, lcfg)) => {
                 let mut m = base.clone();
-                let adapters = lora::adapters(&self.tensors(track), lcfg, dropout)?;
+                let adapters = peft::adapters(&self.tensors(track), lcfg, dropout)?;
                 if track {
                     m.set_lora(&adapters)?;
                 } else {

@@ -18,9 +18,9 @@ use crate::data::{self, PromptOrder};
 use crate::hub::{self, ModelSource};
 use crate::inputs::{load_run_data, reward_weights, RunData};
 use crate::logprobs::Entropy;
-use crate::lora;
+use crate::peft;
 use crate::loss::{AdaptiveEntropy, AdaptiveKl, KlMode, LossOptions};
-use crate::metrics::MetricsWriter;
+use crate::logs::MetricsWriter;
 use crate::models::CausalLm;
 use crate::optim::{AdamW, AdamWConfig};
 use crate::sampler::SamplingParams;
@@ -415,7 +415,7 @@ fn optimizer_and_state<P: Policy>(
         );
     }
     if main {
-        crate::metrics::truncate_after(&cfg.output_dir, state.step)?;
+        crate::logs::truncate_after(&cfg.output_dir, state.step)?;
     }
     tracing::info!("resumed from {} at step {}", c.dir.display(), state.step);
     Ok((opt, state))
@@ -430,7 +430,7 @@ fn writers(cfg: &TrainConfig, resumed: bool, main: bool) -> Result<(MetricsWrite
     if !main {
         return Ok((MetricsWriter::discard()?, config_toml));
     }
-    if !resumed && crate::metrics::clear_logs(out_dir)? {
+    if !resumed && crate::logs::clear_logs(out_dir)? {
         tracing::warn!(
             "{}: an earlier run's logs were here; this fresh run replaces them (use \
              --resume to continue that run instead)",
@@ -728,7 +728,7 @@ fn policy_parameters(
         Some(lcfg) => {
             let mut lcfg = lcfg.clone();
             if lcfg.target_modules.is_empty() {
-                lcfg.target_modules = lora::default_targets(base.config.arch);
+                lcfg.target_modules = peft::default_targets(base.config.arch);
             }
             let mut build_cfg = base.config.clone();
             build_cfg.build_quantized = cfg.base_quantization;
@@ -753,10 +753,10 @@ fn policy_parameters(
             }
             let tensors = match resume_from {
                 Some(dir) => {
-                    let a = lora::load_peft(dir, device)?;
+                    let a = peft::load_peft(dir, device)?;
                     if a.config.r != lcfg.r || a.config.target_modules != lcfg.target_modules {
                         return Err(Error::file(
-                            dir.join(lora::ADAPTER_CONFIG),
+                            dir.join(peft::ADAPTER_CONFIG),
                             format!(
                                 "the checkpoint's adapters (r = {}, targets {:?}) differ from this run's (r = {}, targets {:?}): resume with the same lora.* settings",
                                 a.config.r, a.config.target_modules, lcfg.r, lcfg.target_modules
@@ -765,7 +765,7 @@ fn policy_parameters(
                     }
                     a.tensors
                 }
-                None => lora::init_weights(&frozen, &lcfg, cfg.seed, device)?,
+                None => peft::init_weights(&frozen, &lcfg, cfg.seed, device)?,
             };
             let n_params: usize = tensors.iter().map(|(_, t)| t.elem_count()).sum();
             tracing::info!(
