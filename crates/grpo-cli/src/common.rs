@@ -139,9 +139,12 @@ impl Trailing {
     }
 }
 
-/// Splits `words` into overrides and the command's `flags` / `options`. An override's value
-/// may be the next word (`--temperature -1`, `--seed 3`): a word that does not start with `--`
-/// after a `--key` without `=` is its value. A word that is neither is an error naming it.
+/// Splits `words` into overrides and the command's `flags` / `options`, as `trl grpo` parses
+/// them: a key may be spelled with dashes (`--learning-rate`, as `--learning_rate`), and an
+/// override's value may be the next word (`--temperature -1`, `--seed 3`) or, for a list, the
+/// next words (`--reward_funcs accuracy_reward format_reward`, passed on as one comma-separated
+/// value): the words after a `--key` without `=` that do not start with `--` are its value. A
+/// word that is neither is an error naming it.
 pub fn split_trailing(
     words: &[String],
     flags: &[&'static str],
@@ -163,6 +166,8 @@ pub fn split_trailing(
         };
         let canon = name.replace('-', "_");
         let next = words.get(i + 1).filter(|w| is_value(w)).cloned();
+        // Every value word after a `--key` without `=`: one for a scalar, several for a list.
+        let values: Vec<&String> = words[i + 1..].iter().take_while(|w| is_value(w)).collect();
         if let Some(f) = flags.iter().find(|f| **f == canon) {
             if inline.is_some() {
                 bail!("--{name} takes no value");
@@ -181,18 +186,20 @@ pub fn split_trailing(
             out.options.push((o, value));
             i += used;
         } else {
-            match (inline, next) {
-                (Some(_), _) => {
-                    out.overrides.push(w.clone());
+            match inline {
+                Some(v) => {
+                    out.overrides.push(format!("--{canon}={v}"));
                     i += 1;
                 }
-                (None, Some(v)) => {
-                    out.overrides.push(format!("--{name}={v}"));
-                    i += 2;
-                }
-                (None, None) => {
-                    out.overrides.push(w.clone());
+                None if values.is_empty() => {
+                    out.overrides.push(format!("--{canon}"));
                     i += 1;
+                }
+                None => {
+                    let joined: Vec<&str> = values.iter().map(|v| v.as_str()).collect();
+                    out.overrides
+                        .push(format!("--{canon}={}", joined.join(",")));
+                    i += 1 + values.len();
                 }
             }
         }
@@ -237,6 +244,17 @@ mod tests {
         assert_eq!(
             t.overrides,
             words("--max_steps=4 --output_dir=x --temperature=-1 --seed=3 --use_peft")
+        );
+        // As `trl grpo`: dashes in keys, a list as the next words.
+        let t = split_trailing(
+            &words("--learning-rate 1e-5 --reward_funcs accuracy_reward format_reward --log-completions"),
+            &[],
+            &[],
+        )
+        .unwrap();
+        assert_eq!(
+            t.overrides,
+            words("--learning_rate=1e-5 --reward_funcs=accuracy_reward,format_reward --log_completions")
         );
         let e = split_trailing(&words("--seed=1 stray"), &[], &[]).unwrap_err();
         assert!(e.to_string().contains("unexpected argument `stray`"), "{e}");
