@@ -269,3 +269,82 @@ fn report_to_values_are_checked() {
     let c = TrainConfig::from_str("report_to = \"none\"", Format::Toml, "t", &[]).unwrap();
     assert!(c.report_to.is_empty());
 }
+
+/// A Python that imports trackio, or None (then the test is skipped, unless required).
+fn trackio_python() -> Option<String> {
+    let candidates = [
+        std::env::var("GRPO_TEST_PYTHON").ok(),
+        Some("python3".to_string()),
+    ];
+    for p in candidates.into_iter().flatten() {
+        let ok = Command::new(&p)
+            .args(["-c", "import trackio"])
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if ok {
+            return Some(p);
+        }
+    }
+    let required = std::env::var("GRPO_REQUIRE_TRACKERS").is_ok_and(|v| v == "1");
+    assert!(
+        !required,
+        "GRPO_REQUIRE_TRACKERS=1 but no Python with trackio (set GRPO_TEST_PYTHON)"
+    );
+    eprintln!("skipped: no Python with trackio (set GRPO_TEST_PYTHON)");
+    None
+}
+
+#[test]
+fn trackio_gets_every_step_and_a_resume_continues_its_run() {
+    let Some(py) = trackio_python() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let trackio_dir = tmp.path().join("trackio");
+    let model = tmp.path().join("model");
+    support::tiny_llama(&model, &fixtures());
+    let out = tmp.path().join("run");
+    // Both runs in this process: the bridge inherits TRACKIO_DIR and GRPO_PYTHON.
+    std::env::set_var("GRPO_PYTHON", &py);
+    std::env::set_var("TRACKIO_DIR", &trackio_dir);
+    let extra = "report_to = \"trackio\"\nproject = \"grpo-tests\"\nlog_completions_steps = 1";
+    let mut cfg = config(&model, &out, extra);
+    train(&cfg, &RunControl::default()).unwrap();
+    // The resumed run goes on to step 6 (the same config, max_steps raised).
+    cfg.max_steps = Some(6);
+    train(
+        &cfg,
+        &RunControl {
+            resume: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/tools/read_trackio.py");
+    let o = Command::new(&py)
+        .arg(&script)
+        .arg("grpo-tests")
+        .env("TRACKIO_DIR", &trackio_dir)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let recs: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let runs = recs.iter().find_map(|r| r.get("runs")).unwrap();
+    assert_eq!(runs, &serde_json::json!(["tiny-run"]), "one run, continued");
+    let steps: Vec<u64> = recs
+        .iter()
+        .filter_map(|r| r.get("log"))
+        .filter(|l| l.get("loss").is_some())
+        .map(|l| l["step"].as_u64().unwrap_or(0))
+        .collect();
+    assert_eq!(steps, [1, 2, 3, 4, 5, 6], "{recs:?}");
+    assert!(
+        recs.iter()
+            .filter_map(|r| r.get("log"))
+            .any(|l| l.get("completions").is_some()),
+        "a completions table"
+    );
+}

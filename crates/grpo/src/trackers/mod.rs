@@ -1,15 +1,15 @@
 //! Experiment trackers (`report_to`): besides `metrics.jsonl` (always written) and TensorBoard
 //! (`tensorboard`), a run's config, every logged step's metrics and its sampled completions go
-//! to MLflow (`mlflow`: its REST API at `MLFLOW_TRACKING_URI`, see [`mlflow`]) and Weights &
-//! Biases (`wandb`: the user's own `wandb` package, fed JSON lines by a small bridge process, see
-//! [`wandb`]).
+//! to MLflow (`mlflow`: its REST API at `MLFLOW_TRACKING_URI`, see [`mlflow`]), Weights &
+//! Biases (`wandb`) and Trackio (`trackio`): the user's own `wandb` / `trackio` package, fed JSON
+//! lines by a small bridge process, see [`bridge`].
 //!
 //! A tracker never costs the run: one that cannot start or fails later is a warning saying how to
 //! fix it, and the run goes on without it. The ids of a run's tracker runs are kept in
 //! `output_dir/trackers.json`, so `--resume` continues the same MLflow / W&B run.
 
+pub mod bridge;
 pub mod mlflow;
-pub mod wandb;
 
 use std::path::{Path, PathBuf};
 
@@ -29,6 +29,8 @@ pub struct RunInfo {
     pub resume: bool,
     /// `wandb_project` (else `WANDB_PROJECT`, else "grpo").
     pub wandb_project: Option<String>,
+    /// HF's `project`: the Trackio project ("huggingface" unless set).
+    pub project: String,
 }
 
 /// One tracker.
@@ -58,7 +60,10 @@ impl Trackers {
         for kind in report_to {
             let started: Result<Box<dyn Tracker>> = match kind.as_str() {
                 "mlflow" => mlflow::MlflowTracker::start(info).map(|t| Box::new(t) as _),
-                "wandb" => wandb::WandbTracker::start(info).map(|t| Box::new(t) as _),
+                "wandb" => bridge::BridgeTracker::start(bridge::Library::Wandb, info)
+                    .map(|t| Box::new(t) as _),
+                "trackio" => bridge::BridgeTracker::start(bridge::Library::Trackio, info)
+                    .map(|t| Box::new(t) as _),
                 _ => continue,
             };
             match started {

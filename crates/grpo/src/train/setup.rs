@@ -450,6 +450,7 @@ fn writers(cfg: &TrainConfig, resumed: bool, main: bool) -> Result<(MetricsWrite
             config: cfg.resolved().clone().into_iter().collect(),
             resume: resumed,
             wandb_project: cfg.wandb_project.clone(),
+            project: "huggingface".into(),
         },
     );
     let metrics = MetricsWriter::open(out_dir, cfg.report_to.iter().any(|r| r == "tensorboard"))?
