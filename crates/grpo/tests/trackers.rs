@@ -22,6 +22,11 @@ mod support;
 
 /// A Python that imports mlflow and wandb, or None (then the test is skipped, unless required).
 fn python() -> Option<String> {
+    python_with("mlflow, wandb")
+}
+
+/// A Python that imports `modules`, or None (then the test is skipped, unless required).
+fn python_with(modules: &str) -> Option<String> {
     let candidates = [
         std::env::var("GRPO_TEST_PYTHON").ok(),
         Some("/opt/peers/venv/bin/python".to_string()),
@@ -29,7 +34,7 @@ fn python() -> Option<String> {
     ];
     for p in candidates.into_iter().flatten() {
         let ok = Command::new(&p)
-            .args(["-c", "import mlflow, wandb"])
+            .args(["-c", &format!("import {modules}")])
             .stderr(Stdio::null())
             .status()
             .is_ok_and(|s| s.success());
@@ -40,9 +45,9 @@ fn python() -> Option<String> {
     let required = std::env::var("GRPO_REQUIRE_TRACKERS").is_ok_and(|v| v == "1");
     assert!(
         !required,
-        "GRPO_REQUIRE_TRACKERS=1 but no Python with mlflow and wandb (set GRPO_TEST_PYTHON)"
+        "GRPO_REQUIRE_TRACKERS=1 but no Python with {modules} (set GRPO_TEST_PYTHON)"
     );
-    eprintln!("skipped: no Python with mlflow and wandb (set GRPO_TEST_PYTHON)");
+    eprintln!("skipped: no Python with {modules} (set GRPO_TEST_PYTHON)");
     None
 }
 
@@ -270,34 +275,11 @@ fn report_to_values_are_checked() {
     assert!(c.report_to.is_empty());
 }
 
-/// A Python that imports trackio, or None (then the test is skipped, unless required).
-fn trackio_python() -> Option<String> {
-    let candidates = [
-        std::env::var("GRPO_TEST_PYTHON").ok(),
-        Some("python3".to_string()),
-    ];
-    for p in candidates.into_iter().flatten() {
-        let ok = Command::new(&p)
-            .args(["-c", "import trackio"])
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success());
-        if ok {
-            return Some(p);
-        }
-    }
-    let required = std::env::var("GRPO_REQUIRE_TRACKERS").is_ok_and(|v| v == "1");
-    assert!(
-        !required,
-        "GRPO_REQUIRE_TRACKERS=1 but no Python with trackio (set GRPO_TEST_PYTHON)"
-    );
-    eprintln!("skipped: no Python with trackio (set GRPO_TEST_PYTHON)");
-    None
-}
-
 #[test]
 fn trackio_gets_every_step_and_a_resume_continues_its_run() {
-    let Some(py) = trackio_python() else { return };
+    let Some(py) = python_with("trackio") else {
+        return;
+    };
     let tmp = tempfile::tempdir().unwrap();
     let trackio_dir = tmp.path().join("trackio");
     let model = tmp.path().join("model");
