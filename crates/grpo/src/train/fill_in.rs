@@ -126,10 +126,10 @@ impl LoadPolicy for FillInPolicy {
         needs_ref: bool,
         device: &Device,
     ) -> Result<Loaded<Self>> {
-        let dir = match cfg.model.as_deref() {
+        let dir = match cfg.run.model.as_deref() {
             // The built-in task's generator (pretrained once, then cached).
-            None if cfg.train_file.is_none() => {
-                crate::pretrain::builtin_fill_in_models(&cfg.task, false)?.0
+            None if cfg.data.train_file.is_none() => {
+                crate::pretrain::builtin_fill_in_models(&cfg.data.task(), false)?.0
             }
             None => {
                 return Err(Error::config(
@@ -207,7 +207,7 @@ impl FillInPolicy {
             .collect::<Result<Vec<_>>>()?;
         let mt = MlmTokenizer::load(&dir, mcfg.max_len())?;
         let tok = Tokenizer::from_hf_dir(&dir)?;
-        if let Some(judge) = &cfg.judge {
+        if let Some(judge) = &cfg.run.judge {
             same_vocabulary(&tok, &dir, judge)?;
         }
         let policy = FillInPolicy {
@@ -229,7 +229,7 @@ impl FillInPolicy {
                 )?),
                 false => None,
             },
-            tensors: (needs_ref && cfg.sync_ref_model).then_some(base),
+            tensors: (needs_ref && cfg.loss.sync_ref_model).then_some(base),
         };
         let mask = Some((policy.mask_id, policy.special_ids.clone()));
         Ok(Loaded {

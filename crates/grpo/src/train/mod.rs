@@ -80,7 +80,7 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
     let world = world::from_launcher()?;
     let w = world.as_world();
     // A rank's threads default to the cores the launcher bound it to.
-    let threads = cfg.threads.or_else(|| {
+    let threads = cfg.run.threads.or_else(|| {
         (w.size() > 1).then(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
     });
     if let Some(n) = threads {
@@ -88,7 +88,7 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
             tracing::warn!("threads: {e}");
         }
     }
-    let out = crate::threads::on_pool(|| match cfg.policy {
+    let out = crate::threads::on_pool(|| match cfg.run.policy {
         PolicyType::CausalLm => run::<CausalLmPolicy>(cfg, ctl, w),
         PolicyType::FillIn => run::<FillInPolicy>(cfg, ctl, w),
     });
@@ -115,7 +115,7 @@ fn run<P: LoadPolicy>(
     let mut rounds_this_run = 0u64;
     let mut interrupted = false;
     let mut health = Health::new(HealthOptions::default());
-    let evaluates = cfg.eval_steps > 0 && !r.data.eval.is_empty();
+    let evaluates = cfg.logging.eval_steps > 0 && !r.data.eval.is_empty();
     if evaluates && r.state.step == 0 {
         let ev = evaluate(&mut r, 0, world)?;
         let acc = ev
@@ -133,7 +133,7 @@ fn run<P: LoadPolicy>(
     tracing::info!(
         "training: {total_steps} steps, {p} prompts x {g} completions per round, {} optimizer step(s) per round, output {}",
         r.updates_per_round,
-        cfg.output_dir.display()
+        cfg.run.output_dir.display()
     );
 
     while r.state.step < total_steps {
@@ -151,7 +151,7 @@ fn run<P: LoadPolicy>(
             .iter()
             .flat_map(|e| e.rewards.iter().copied())
             .collect();
-        let kl_penalty = match (&cfg.kl, &old_logps, &ref_logps) {
+        let kl_penalty = match (&cfg.loss.kl(), &old_logps, &ref_logps) {
             (KlMode::Reward { coef, .. }, Some(old), Some(refl)) => Some(kl_reward_penalty(
                 old,
                 refl,
@@ -165,7 +165,7 @@ fn run<P: LoadPolicy>(
             &r.weights,
             kl_penalty.as_ref().map(|k| k.0.as_slice()),
             g,
-            cfg.multi_objective_aggregation,
+            cfg.loss.multi_objective_aggregation,
             &r.adv_opts,
         )?;
         check_round_invariants(episodes, p, g, &adv.advantages, r.adv_opts.normalize_batch)?;
@@ -173,8 +173,8 @@ fn run<P: LoadPolicy>(
             episodes,
             &adv.advantages,
             // This rank's groups (all of them in one process).
-            &|e| sampled.own[e.group] && !(cfg.drop_zero_std_groups && adv.zero_std[e.group]),
-            cfg.mask_truncated_completions,
+            &|e| sampled.own[e.group] && !(cfg.loss.drop_zero_std_groups && adv.zero_std[e.group]),
+            cfg.loss.mask_truncated_completions,
             old_logps.as_deref().filter(|_| r.needs_old),
             ref_logps.as_deref().filter(|_| r.kl_needs_ref),
         );
@@ -225,8 +225,13 @@ fn run<P: LoadPolicy>(
         trace_memory("update");
         r.state.round += 1;
         rounds_this_run += 1;
-        if cfg.sync_ref_model && r.state.step.is_multiple_of(cfg.ref_model_sync_steps as u64) {
-            r.reference.sync(&r.policy, cfg.ref_model_mixup_alpha)?;
+        if cfg.loss.sync_ref_model
+            && r.state
+                .step
+                .is_multiple_of(cfg.loss.ref_model_sync_steps as u64)
+        {
+            r.reference
+                .sync(&r.policy, cfg.loss.ref_model_mixup_alpha)?;
         }
 
         // 6. Log (and evaluate on the held-out prompts every eval_steps).
@@ -238,7 +243,7 @@ fn run<P: LoadPolicy>(
                 update: metrics::update_metrics(
                     &steps,
                     r.update.loss.beta,
-                    cfg.entropy_coef != 0.0 || cfg.adaptive_entropy.is_some(),
+                    cfg.loss.entropy_coef != 0.0 || cfg.loss.adaptive_entropy().is_some(),
                 ),
                 kl_reward_seq_kl: kl_penalty.map(|k| k.1),
                 kl_reward_coef: r.state.adaptive_kl.as_ref().map(|a| a.coef),
@@ -262,7 +267,7 @@ fn run<P: LoadPolicy>(
             m.policy = metrics::fill_in_metrics(&m, f, episodes, &r.data.rewards);
         }
         let at_end = r.state.step >= total_steps;
-        if evaluates && (r.state.step.is_multiple_of(cfg.eval_steps as u64) || at_end) {
+        if evaluates && (r.state.step.is_multiple_of(cfg.logging.eval_steps as u64) || at_end) {
             let t0 = Instant::now();
             let step = r.state.step;
             let ev = evaluate(&mut r, step, world)?;
@@ -274,8 +279,12 @@ fn run<P: LoadPolicy>(
         let warnings = health.check(r.state.step, &m);
         m.health = warnings.iter().map(|w| w.kind.name()).collect();
         if world.is_main()
-            && cfg.logging_steps > 0
-            && (r.state.step.is_multiple_of(cfg.logging_steps as u64) || at_end)
+            && cfg.logging.logging_steps.0 > 0
+            && (r
+                .state
+                .step
+                .is_multiple_of(cfg.logging.logging_steps.0 as u64)
+                || at_end)
         {
             r.metrics.log(r.state.step, &m.pairs())?;
             say(&bar, m.console_line(r.state.step));
@@ -288,9 +297,9 @@ fn run<P: LoadPolicy>(
         let completions_due = r
             .state
             .round
-            .is_multiple_of(cfg.log_completions_steps.max(1) as u64)
+            .is_multiple_of(cfg.logging.log_completions_steps.max(1) as u64)
             || r.state.round == 1;
-        if world.is_main() && cfg.log_completions && completions_due {
+        if world.is_main() && cfg.logging.log_completions && completions_due {
             log_completions(&mut r, episodes, &adv.rewards, &adv.advantages, &bar)?;
         }
 
@@ -303,8 +312,12 @@ fn run<P: LoadPolicy>(
         if world.size() > 1 && (r.state.round.is_multiple_of(CHECKSUM_ROUNDS) || at_end) {
             check_same_parameters(&r.policy, world)?;
         }
-        let periodic =
-            cfg.save_steps > 0 && crossed(r.state.step, r.updates_per_round, cfg.save_steps as u64);
+        let periodic = cfg.logging.save_steps > 0
+            && crossed(
+                r.state.step,
+                r.updates_per_round,
+                cfg.logging.save_steps as u64,
+            );
         if world.is_main() && (periodic || at_end || stop_now) {
             // metric_for_best_model: this checkpoint is the best when this round's eval is.
             let new_best = r.best.as_ref().and_then(|b| b.improved_by(&m, &r.state));
@@ -391,7 +404,7 @@ fn check_same_parameters<P: Policy>(policy: &P, world: &dyn World) -> Result<()>
 /// pass@k, sampled and greedy accuracy, mean rewards. Every answer goes to `eval/step-N.jsonl`.
 /// Across ranks the prompts are shared out and the answers gathered; rank 0 writes them.
 fn evaluate<P: Policy>(r: &mut Run<P>, step: u64, world: &dyn World) -> Result<Vec<(String, f64)>> {
-    let model = r.policy.freeze(r.cfg.gradient_checkpointing)?;
+    let model = r.policy.freeze(r.cfg.update.gradient_checkpointing)?;
     let opts = r.cfg.eval_options(r.sampling.eos_token_ids.clone());
     let file = format!("eval/step-{step}.jsonl");
     let metrics = &mut r.metrics;
@@ -441,7 +454,7 @@ fn log_completions<P: Policy>(
     for e in episodes
         .iter()
         .step_by(r.g)
-        .take(r.cfg.num_completions_to_print)
+        .take(r.cfg.logging.num_completions_to_print)
     {
         say(
             bar,

@@ -113,7 +113,7 @@ fn signal(episodes: &[Episode], weights: &[f32], g: usize) -> Result<Vec<bool>> 
 pub fn sample_round<P: Policy>(r: &mut Run<P>, world: &dyn World) -> Result<Sampled> {
     let (p, g, max_extra) = (r.p, r.g, r.max_extra_passes);
     let seeds: Vec<u64> = (0..p)
-        .map(|i| mix_seed(r.cfg.seed, r.state.round * p as u64 + i as u64))
+        .map(|i| mix_seed(r.cfg.run.seed, r.state.round * p as u64 + i as u64))
         .collect();
     let mut round = sample_pass(r, &seeds, world)?;
     if !r.dynamic_sampling {
@@ -128,7 +128,7 @@ pub fn sample_round<P: Policy>(r: &mut Run<P>, world: &dyn World) -> Result<Samp
         // Extra passes draw their own streams (exact resume: the count is trainer state).
         let n = r.state.extra_passes;
         let seeds: Vec<u64> = (0..p)
-            .map(|i| mix_seed(r.cfg.seed ^ 0x4459_4e53, n * p as u64 + i as u64))
+            .map(|i| mix_seed(r.cfg.run.seed ^ 0x4459_4e53, n * p as u64 + i as u64))
             .collect();
         r.state.extra_passes += 1;
         extra += 1;
@@ -156,11 +156,11 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> R
     let cfg = r.cfg;
     // 1. Rollout with the current policy: the world's prompts, this rank's groups.
     let t0 = Instant::now();
-    let sampler = r.policy.freeze(cfg.gradient_checkpointing)?;
+    let sampler = r.policy.freeze(cfg.update.gradient_checkpointing)?;
     let all_idx = r.state.order.next_batch(seeds.len());
     let mine = owned_groups(
         seeds.len(),
-        cfg.per_device_train_batch_size / r.g,
+        cfg.update.per_device_train_batch_size / r.g,
         world.size(),
         world.rank(),
     );
@@ -197,16 +197,18 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> R
         .iter()
         .map(|e| (e.prompt_ids.as_slice(), e.completion_ids.as_slice()))
         .collect();
-    let kl_in_reward = matches!(cfg.kl, KlMode::Reward { .. });
+    let kl_in_reward = matches!(cfg.loss.kl(), KlMode::Reward { .. });
     let chunk = r.update.forward_chunk_tokens;
     let old_logps = match r.needs_old || kl_in_reward {
-        true => Some(sampler.sequence_logprobs(&pairs, r.pad, cfg.temperature, chunk)?),
+        true => {
+            Some(sampler.sequence_logprobs(&pairs, r.pad, cfg.generation.temperature, chunk)?)
+        }
         false => None,
     };
     drop(sampler);
     let ref_logps = r
         .reference
-        .logprobs(&pairs, r.pad, cfg.temperature, chunk)?;
+        .logprobs(&pairs, r.pad, cfg.generation.temperature, chunk)?;
     let t_reference = t0.elapsed().as_secs_f64();
     super::trace_memory("old/reference log-probs");
 
