@@ -346,22 +346,7 @@ impl TrainConfig {
         } = s;
         let per_device = update.per_device_train_batch_size;
         let accum = update.gradient_accumulation_steps;
-        if update.forward_chunk_tokens == Some(0) {
-            return bad("forward_chunk_tokens", "must be at least 1".into());
-        }
         let g = gen.num_generations;
-        if per_device == 0 {
-            return bad("per_device_train_batch_size", "must be at least 1".into());
-        }
-        if accum == 0 {
-            return bad("gradient_accumulation_steps", "must be at least 1".into());
-        }
-        if g < 2 {
-            return bad(
-                "num_generations",
-                format!("must be at least 2 (a group of {g} has no relative advantage)"),
-            );
-        }
         let (gbs, spg) = match (gen.generation_batch_size, gen.steps_per_generation) {
             (Some(_), Some(_)) => {
                 return bad(
@@ -390,38 +375,6 @@ impl TrainConfig {
                 format!("steps_per_generation={spg} must be a multiple of gradient_accumulation_steps={accum} (each generation round ends on an optimizer step)"),
             );
         }
-        let temperature = gen.temperature;
-        if !(temperature > 0.0 && temperature.is_finite()) {
-            return bad("temperature", format!("must be > 0, got {temperature}"));
-        }
-        let top_p = gen.top_p;
-        if !(top_p > 0.0 && top_p <= 1.0) {
-            return bad("top_p", format!("must be in (0, 1], got {top_p}"));
-        }
-        let opts = loss.options();
-        for (k, x) in [
-            ("epsilon", opts.epsilon_low),
-            ("epsilon_high", opts.epsilon_high),
-        ] {
-            if x.is_nan() || x < 0.0 {
-                return bad(k, format!("must be >= 0, got {x}"));
-            }
-        }
-        let q = loss.top_entropy_quantile;
-        if !(0.0..=1.0).contains(&q) {
-            return bad(
-                "top_entropy_quantile",
-                format!("must be in [0, 1] (1 keeps every token), got {q}"),
-            );
-        }
-        if let Some(t) = loss.off_policy_mask_threshold {
-            if !t.is_finite() {
-                return bad(
-                    "off_policy_mask_threshold",
-                    format!("must be finite, got {t}"),
-                );
-            }
-        }
         if loss.use_adaptive_entropy {
             let (lo, hi, d) = (
                 loss.entropy_coef_min,
@@ -438,21 +391,6 @@ impl TrainConfig {
                 return bad("entropy_coef_delta", format!("must be >= 0, got {d}"));
             }
         }
-        for (k, x) in [
-            ("vespo_k_pos", loss.vespo_k_pos),
-            ("vespo_lambda_pos", loss.vespo_lambda_pos),
-            ("vespo_k_neg", loss.vespo_k_neg),
-            ("vespo_lambda_neg", loss.vespo_lambda_neg),
-        ] {
-            if !x.is_finite() {
-                return bad(k, format!("must be finite, got {x}"));
-            }
-        }
-        for (k, x) in [("beta", loss.beta), ("kl_coef", loss.kl_coef)] {
-            if !(x >= 0.0 && x.is_finite()) {
-                return bad(k, format!("must be >= 0, got {x}"));
-            }
-        }
         if loss.beta > 0.0 && loss.kl_coef > 0.0 {
             return bad(
                 "beta",
@@ -466,30 +404,6 @@ impl TrainConfig {
                 "the adaptive KL controller needs kl_coef > 0 (its starting value)".into(),
             );
         }
-        let lr = update.learning_rate;
-        if !(lr > 0.0 && lr.is_finite()) {
-            return bad("learning_rate", format!("must be > 0, got {lr}"));
-        }
-        if !(0.0..=1.0).contains(&update.warmup_ratio) {
-            return bad(
-                "warmup_ratio",
-                format!("must be in [0, 1], got {}", update.warmup_ratio),
-            );
-        }
-        for (k, b) in [
-            ("adam_beta1", update.adam_beta1),
-            ("adam_beta2", update.adam_beta2),
-        ] {
-            if !(0.0..1.0).contains(&b) {
-                return bad(k, format!("must be in [0, 1), got {b}"));
-            }
-        }
-        if gen.max_completion_length == 0 {
-            return bad("max_completion_length", "must be at least 1".into());
-        }
-        if update.num_iterations == 0 {
-            return bad("num_iterations", "must be at least 1".into());
-        }
         if data.task_min_operand > data.task_max_operand {
             return bad(
                 "task.min_operand",
@@ -497,20 +411,6 @@ impl TrainConfig {
                     "{} is above task.max_operand={}",
                     data.task_min_operand, data.task_max_operand
                 ),
-            );
-        }
-        if data.task_train_size == 0 {
-            return bad("task.train_size", "must be at least 1".into());
-        }
-        if data.task_ops.is_empty()
-            || data
-                .task_ops
-                .iter()
-                .any(|o| !["+", "-", "*"].contains(&o.as_str()))
-        {
-            return bad(
-                "task.ops",
-                format!("{:?}: use a list of \"+\", \"-\", \"*\"", data.task_ops),
             );
         }
         if let Some(l) = lora.adapters() {
@@ -535,9 +435,6 @@ impl TrainConfig {
                 "sync_ref_model",
                 "with LoRA the reference is the base model with adapters off; it cannot be synced: set sync_ref_model = false".into(),
             );
-        }
-        if loss.ref_model_sync_steps == 0 {
-            return bad("ref_model_sync_steps", "must be at least 1".into());
         }
         if loss.multi_objective_aggregation
             == crate::advantages::RewardAggregation::NormalizeThenSum
@@ -625,19 +522,6 @@ impl TrainConfig {
                 "0 samples with eval_greedy = false leave nothing to evaluate: set eval_num_samples \
                  above 0 or eval_greedy = true"
                     .into(),
-            );
-        }
-        let eval_temperature = logging.eval_temperature.unwrap_or(temperature);
-        if !(eval_temperature >= 0.0 && eval_temperature.is_finite()) {
-            return bad(
-                "eval_temperature",
-                format!("must be >= 0 (0 = greedy), got {eval_temperature}"),
-            );
-        }
-        if gen.sampling_batch_size == Some(0) {
-            return bad(
-                "sampling_batch_size",
-                "must be at least 1 (unset: a whole round at once)".into(),
             );
         }
         logging.report_to = values::resolve_report_to(&logging.report_to)

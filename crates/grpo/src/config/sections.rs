@@ -51,17 +51,18 @@ pub struct KeyDoc {
 ///
 /// ```text
 /// Struct section {
-///     field ["dotted.key"]: Type [as "kind"] = "default as TOML" [unset "value"], "help";
+///     field ["dotted.key"]: Type [as "kind"] = "default as TOML" [unset "value"] [check f], "help";
 /// }
 /// ```
 ///
 /// and generates one struct per section (a field per key, read by serde through
-/// [`values::lenient`]) and the table [`KEYS`] (key, section, default, help; the kind comes from
+/// [`values::lenient`], then checked by `f` when given: a rule on the key alone) and the table
+/// [`KEYS`] (key, section, default, help; the kind comes from
 /// the type unless `as` gives it). The key is the field's name unless a dotted key is given.
 macro_rules! sections {
     ($( $(#[$sm:meta])* $name:ident $section:ident {
         $( $field:ident $($key:literal)? : $ty:ty $(as $kind:literal)? = $default:literal
-           $(unset $unset:literal)?, $help:literal; )*
+           $(unset $unset:literal)? $(check $check:path)?, $help:literal; )*
     } )*) => {
         $(
             $(#[$sm])*
@@ -77,9 +78,18 @@ macro_rules! sections {
             }
 
             impl $name {
-                /// This section's keys read from the merged values.
+                /// This section's keys read from the merged values, each checked by its `check`.
                 fn read(merged: &BTreeMap<String, Value>) -> Result<Self> {
-                    read_section(stringify!($section), merged)
+                    let s: Self = read_section(stringify!($section), merged)?;
+                    $(
+                        let checks: &[fn(&$ty) -> std::result::Result<(), String>] =
+                            &[$($check)?];
+                        for check in checks {
+                            check(&s.$field)
+                                .map_err(|e| Error::config(sections!(@key $field $($key)?), e))?;
+                        }
+                    )*
+                    Ok(s)
                 }
             }
         )*
@@ -194,11 +204,11 @@ sections! {
         shuffle_dataset: bool = "true", "shuffle prompts each epoch (seeded)";
         skip_bad_rows: bool = "false", "skip and count malformed rows instead of stopping";
         max_prompt_length: Option<usize> = "512", "prompts longer than this are truncated from the left (-1: never)";
-        task_train_size "task.train_size": usize = "2000", "built-in task: training problems";
+        task_train_size "task.train_size": usize = "2000" check values::at_least_one, "built-in task: training problems";
         task_eval_size "task.eval_size": usize = "200", "built-in task: held-out problems";
         task_min_operand "task.min_operand": i64 = "10", "built-in task: smallest operand";
         task_max_operand "task.max_operand": i64 = "99", "built-in task: largest operand";
-        task_ops "task.ops": Vec<String> as "list of \"+\" \"-\" \"*\"" = "[\"+\"]", "built-in task: operations";
+        task_ops "task.ops": Vec<String> as "list of \"+\" \"-\" \"*\"" = "[\"+\"]" check values::task_ops, "built-in task: operations";
         task_seed "task.seed": u64 = "1234", "built-in task: problem generator seed";
         task_mask_ratio "task.mask_ratio": MaskRatio as "ratio or \"LO..HI\"" = "", "built-in fill-in task (policy = fill_in): share of each equation's characters masked, a ratio or a range drawn per example (unset: 0.1..0.5)";
         mask_ratio: Option<MaskRatio> as "ratio or \"LO..HI\"" = "", "fill_in: mask every training input on the fly, each draw its own masks (held-out inputs once, fixed): the share of its tokens masked, a ratio or a range drawn per input (unset: inputs must hold mask tokens)";
@@ -208,32 +218,32 @@ sections! {
     }
     /// `[generation]` keys.
     Generation generation {
-        num_generations: usize = "8", "completions per prompt (G, the group size)";
-        max_completion_length: usize = "256", "maximum new tokens per completion";
-        temperature: f64 = "1.0", "sampling temperature (log-probs are taken at the same temperature)";
-        top_p: f64 = "1.0", "nucleus sampling (1: off)";
+        num_generations: usize = "8" check values::group_size, "completions per prompt (G, the group size)";
+        max_completion_length: usize = "256" check values::at_least_one, "maximum new tokens per completion";
+        temperature: f64 = "1.0" check values::positive, "sampling temperature (log-probs are taken at the same temperature)";
+        top_p: f64 = "1.0" check values::probability, "nucleus sampling (1: off)";
         top_k: usize = "0", "top-k sampling (0: off)";
         min_p: Option<f64> = "", "min-p sampling (unset: off)";
         repetition_penalty: f64 = "1.0", "HF repetition penalty (1: off)";
         stop: Vec<String> = "[]", "stop strings (EOS always stops)";
         generation_batch_size: Option<usize> = "", "completions per generation round (default per_device_train_batch_size x steps_per_generation)";
         steps_per_generation: Option<usize> = "", "micro-batches per generation round (default gradient_accumulation_steps)";
-        sampling_batch_size: Option<usize> = "", "completions decoded at once, in whole groups (at least one): bounds the sampler's memory; completions do not depend on it (unset: a whole round at once; the seeds' gen_batch_size)";
+        sampling_batch_size: Option<usize> = "" check values::whole_groups_when_set, "completions decoded at once, in whole groups (at least one): bounds the sampler's memory; completions do not depend on it (unset: a whole round at once; the seeds' gen_batch_size)";
     }
     /// `[update]` keys.
     Update update {
-        per_device_train_batch_size: usize = "8", "completions per micro-batch";
-        gradient_accumulation_steps: usize = "1", "micro-batches per optimizer step";
-        forward_chunk_tokens: Option<usize> = "", "tokens per forward/backward pass: a micro-batch is split into chunks of whole groups (the math is unchanged; lower it to save memory, raise it for fewer, larger passes); unset: 1024 on the fused CPU path (passes sized to the CPU's caches), elsewhere (a GPU, bf16, kernels = portable) as many tokens as a pass's activations fit in half the device's free memory at start";
-        num_iterations: usize = "1", "updates per generation batch (mu in the paper); > 1 uses clipped ratios";
-        learning_rate: f64 = "1e-6", "AdamW learning rate";
-        adam_beta1: f64 = "0.9", "AdamW beta1";
-        adam_beta2: f64 = "0.999", "AdamW beta2";
+        per_device_train_batch_size: usize = "8" check values::at_least_one, "completions per micro-batch";
+        gradient_accumulation_steps: usize = "1" check values::at_least_one, "micro-batches per optimizer step";
+        forward_chunk_tokens: Option<usize> = "" check values::at_least_one_when_set, "tokens per forward/backward pass: a micro-batch is split into chunks of whole groups (the math is unchanged; lower it to save memory, raise it for fewer, larger passes); unset: 1024 on the fused CPU path (passes sized to the CPU's caches), elsewhere (a GPU, bf16, kernels = portable) as many tokens as a pass's activations fit in half the device's free memory at start";
+        num_iterations: usize = "1" check values::at_least_one, "updates per generation batch (mu in the paper); > 1 uses clipped ratios";
+        learning_rate: f64 = "1e-6" check values::positive, "AdamW learning rate";
+        adam_beta1: f64 = "0.9" check values::adam_beta, "AdamW beta1";
+        adam_beta2: f64 = "0.999" check values::adam_beta, "AdamW beta2";
         adam_epsilon: f64 = "1e-8", "AdamW epsilon";
         weight_decay: f64 = "0.0", "AdamW decoupled weight decay";
         max_grad_norm: f64 = "1.0", "clip the global gradient norm (0: off)";
         lr_scheduler_type: LrSchedule = "\"linear\"", "learning-rate schedule";
-        warmup_ratio: f64 = "0.0", "share of steps spent warming up";
+        warmup_ratio: f64 = "0.0" check values::unit_interval, "share of steps spent warming up";
         warmup_steps: usize = "0", "warm-up steps (wins over warmup_ratio when > 0)";
         max_bad_steps: usize = "3", "a NaN or Inf in a step's rewards, log-probs, loss or gradients skips its update (counted in skipped_steps); this many in a row stop the run with an error";
         gradient_checkpointing: bool = "false", "keep only each block's input during the forward and recompute the block in the backward (less memory, one more forward); sampling then also skips the packed copy of the weights for the decoding GEMM (slower generation, lower peak with LoRA)";
@@ -250,9 +260,9 @@ sections! {
     /// `[loss]` keys.
     Loss loss {
         loss_type: LossType = "\"dapo\"", "token-loss reduction, with TRL's normalizations";
-        beta: f64 = "0.0", "weight of the k3 KL penalty to the reference model in the loss";
-        epsilon: f64 = "0.2", "lower clipping range of the ratio";
-        epsilon_high: Option<f64> = "", "upper clipping range (default: epsilon)";
+        beta: f64 = "0.0" check values::non_negative, "weight of the k3 KL penalty to the reference model in the loss";
+        epsilon: f64 = "0.2" check values::not_negative, "lower clipping range of the ratio";
+        epsilon_high: Option<f64> = "" check values::not_negative_when_set, "upper clipping range (default: epsilon)";
         delta: Option<f64> = "", "two-sided clipping: cap on the unclipped ratio (unset: off)";
         importance_sampling_level: IsLevel = "\"token\"", "ratio per token, or per sequence (GSPO)";
         scale_rewards: ScaleRewards = "\"group\"", "std used to scale advantages (none: Dr. GRPO)";
@@ -261,12 +271,12 @@ sections! {
         use_bias_correction_kl: bool = "true", "multiply the KL term by the importance ratio (unbiased reverse-KL gradient, TRL's default)";
         sapo_temperature_pos: f64 = "" unset "1.0", "loss_type = sapo: the gate's temperature for tokens with positive advantage (unset: 1.0)";
         sapo_temperature_neg: f64 = "" unset "1.05", "loss_type = sapo: the gate's temperature for tokens with non-positive advantage (unset: 1.05)";
-        vespo_k_pos: f64 = "2.0", "loss_type = vespo: shape k of the Gamma weight for non-negative advantages";
-        vespo_lambda_pos: f64 = "3.0", "loss_type = vespo: rate lambda of the Gamma weight for non-negative advantages";
-        vespo_k_neg: f64 = "3.0", "loss_type = vespo: shape k for negative advantages";
-        vespo_lambda_neg: f64 = "2.0", "loss_type = vespo: rate lambda for negative advantages";
-        top_entropy_quantile: f64 = "1.0", "keep in the policy term only this top share of each micro-batch's tokens by entropy (\"Beyond the 80/20 rule\"; 0.2 in the paper; 1: all tokens)";
-        off_policy_mask_threshold: Option<f64> = "", "drop from the policy term sequences with a negative advantage whose mean old-minus-current log-prob exceeds this (DeepSeek-V3.2; e.g. 0.5; unset: off)";
+        vespo_k_pos: f64 = "2.0" check values::finite, "loss_type = vespo: shape k of the Gamma weight for non-negative advantages";
+        vespo_lambda_pos: f64 = "3.0" check values::finite, "loss_type = vespo: rate lambda of the Gamma weight for non-negative advantages";
+        vespo_k_neg: f64 = "3.0" check values::finite, "loss_type = vespo: shape k for negative advantages";
+        vespo_lambda_neg: f64 = "2.0" check values::finite, "loss_type = vespo: rate lambda for negative advantages";
+        top_entropy_quantile: f64 = "1.0" check values::quantile, "keep in the policy term only this top share of each micro-batch's tokens by entropy (\"Beyond the 80/20 rule\"; 0.2 in the paper; 1: all tokens)";
+        off_policy_mask_threshold: Option<f64> = "" check values::finite_when_set, "drop from the policy term sequences with a negative advantage whose mean old-minus-current log-prob exceeds this (DeepSeek-V3.2; e.g. 0.5; unset: off)";
         use_adaptive_entropy: bool = "false", "adaptive entropy control (Skywork-OR1): entropy_coef moves by entropy_coef_delta each step towards keeping the entropy above entropy_target, and applies only while the entropy is at or below it";
         entropy_coef_min: f64 = "0.0", "adaptive entropy control: smallest entropy_coef";
         entropy_coef_max: f64 = "1.0", "adaptive entropy control: largest entropy_coef";
@@ -276,11 +286,11 @@ sections! {
         multi_objective_aggregation: RewardAggregation = "\"sum_then_normalize\"", "several rewards: weighted sum then advantages, or each normalized in its group, summed, normalized over the batch (GDPO)";
         normalize_advantages_batch: bool = "false", "re-normalize all advantages of a batch to mean 0, std 1";
         drop_zero_std_groups: bool = "false", "leave groups whose rewards all equal out of the update";
-        kl_coef: f64 = "0.0", "KL in the reward: reward - kl_coef x sum_t(logp - ref_logp)";
+        kl_coef: f64 = "0.0" check values::non_negative, "KL in the reward: reward - kl_coef x sum_t(logp - ref_logp)";
         kl_target: Option<f64> = "", "adaptive KL controller target (unset: fixed kl_coef)";
         kl_horizon: f64 = "10000.0", "adaptive KL controller horizon, in samples";
         sync_ref_model: bool = "false", "mix the policy into the reference every ref_model_sync_steps";
-        ref_model_sync_steps: usize = "512", "steps between reference syncs";
+        ref_model_sync_steps: usize = "512" check values::at_least_one, "steps between reference syncs";
         ref_model_mixup_alpha: f64 = "0.6", "ref = alpha x policy + (1 - alpha) x ref at each sync";
     }
     /// `[logging]` keys.
@@ -295,7 +305,7 @@ sections! {
         eval_num_prompts: Option<usize> = "", "held-out prompts per evaluation (unset: all)";
         eval_num_samples: usize = "4", "sampled completions per held-out prompt, for pass@k and eval/mean_accuracy (0: greedy only; eval_k is then ignored)";
         eval_k: Vec<usize> = "[1]", "report eval/pass@k for each k (unbiased estimator; each k <= eval_num_samples)";
-        eval_temperature: Option<f64> = "", "sampling temperature of the eval samples (unset: temperature)";
+        eval_temperature: Option<f64> = "" check values::greedy_or_positive, "sampling temperature of the eval samples (unset: temperature)";
         eval_greedy: bool = "true", "also one greedy completion per held-out prompt: eval/accuracy";
         report_to: Vec<String> as "list of tensorboard|wandb|mlflow|all|none" = "[\"tensorboard\"]", "where metrics go besides metrics.jsonl (always written): tensorboard (output_dir/tb), wandb (your wandb package; WANDB_* settings apply), mlflow (the server at MLFLOW_TRACKING_URI), all, none";
         run_name: Option<String> = "", "the run's name in W&B and MLflow (unset: the output directory's name)";

@@ -538,3 +538,110 @@ pub(super) fn resolve_report_to(values: &[String]) -> Res<Vec<String>> {
     out.dedup();
     Ok(out)
 }
+
+// ---------------------------------------------------------------------------------------------
+// Rules on one key's value (`check` in the key table); the reader adds the key to the message.
+
+/// `Err(msg)` unless `ok`.
+fn rule(ok: bool, msg: impl FnOnce() -> String) -> Res<()> {
+    if ok {
+        Ok(())
+    } else {
+        Err(msg())
+    }
+}
+
+pub(super) fn at_least_one(n: &usize) -> Res<()> {
+    rule(*n >= 1, || "must be at least 1".into())
+}
+
+pub(super) fn at_least_one_when_set(n: &Option<usize>) -> Res<()> {
+    n.as_ref().map_or(Ok(()), at_least_one)
+}
+
+pub(super) fn whole_groups_when_set(n: &Option<usize>) -> Res<()> {
+    rule(*n != Some(0), || {
+        "must be at least 1 (unset: a whole round at once)".into()
+    })
+}
+
+pub(super) fn group_size(g: &usize) -> Res<()> {
+    rule(*g >= 2, || {
+        format!("must be at least 2 (a group of {g} has no relative advantage)")
+    })
+}
+
+/// Greater than 0 and finite.
+pub(super) fn positive(x: &f64) -> Res<()> {
+    rule(*x > 0.0 && x.is_finite(), || {
+        format!("must be > 0, got {x}")
+    })
+}
+
+/// At least 0 and finite.
+pub(super) fn non_negative(x: &f64) -> Res<()> {
+    rule(*x >= 0.0 && x.is_finite(), || {
+        format!("must be >= 0, got {x}")
+    })
+}
+
+/// At least 0 (infinity allowed: no clipping on that side).
+pub(super) fn not_negative(x: &f64) -> Res<()> {
+    rule(!(x.is_nan() || *x < 0.0), || {
+        format!("must be >= 0, got {x}")
+    })
+}
+
+pub(super) fn not_negative_when_set(x: &Option<f64>) -> Res<()> {
+    x.as_ref().map_or(Ok(()), not_negative)
+}
+
+pub(super) fn finite(x: &f64) -> Res<()> {
+    rule(x.is_finite(), || format!("must be finite, got {x}"))
+}
+
+pub(super) fn finite_when_set(x: &Option<f64>) -> Res<()> {
+    x.as_ref().map_or(Ok(()), finite)
+}
+
+/// In (0, 1].
+pub(super) fn probability(p: &f64) -> Res<()> {
+    rule(*p > 0.0 && *p <= 1.0, || {
+        format!("must be in (0, 1], got {p}")
+    })
+}
+
+/// In [0, 1].
+pub(super) fn unit_interval(x: &f64) -> Res<()> {
+    rule((0.0..=1.0).contains(x), || {
+        format!("must be in [0, 1], got {x}")
+    })
+}
+
+pub(super) fn quantile(q: &f64) -> Res<()> {
+    rule((0.0..=1.0).contains(q), || {
+        format!("must be in [0, 1] (1 keeps every token), got {q}")
+    })
+}
+
+/// In [0, 1).
+pub(super) fn adam_beta(b: &f64) -> Res<()> {
+    rule((0.0..1.0).contains(b), || {
+        format!("must be in [0, 1), got {b}")
+    })
+}
+
+pub(super) fn greedy_or_positive(t: &Option<f64>) -> Res<()> {
+    t.map_or(Ok(()), |t| {
+        rule(t >= 0.0 && t.is_finite(), || {
+            format!("must be >= 0 (0 = greedy), got {t}")
+        })
+    })
+}
+
+pub(super) fn task_ops(ops: &Vec<String>) -> Res<()> {
+    let known = |o: &String| ["+", "-", "*"].contains(&o.as_str());
+    rule(!ops.is_empty() && ops.iter().all(known), || {
+        format!("{ops:?}: use a list of \"+\", \"-\", \"*\"")
+    })
+}
