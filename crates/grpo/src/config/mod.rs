@@ -12,7 +12,7 @@
 //! Every key is declared once, in `sections.rs`: its section, type, default and help. Resolution:
 //! every key starts at its default, the file's values replace defaults, overrides replace both;
 //! serde reads each section from the merged values (errors name the key and the expected type),
-//! and [`TrainConfig::validate`] checks the rules that span keys. The `[[rewards]]` tables are
+//! and `TrainConfig::validate` checks the rules that span keys. The `[[rewards]]` tables are
 //! parsed into [`RewardSpec`]s at the same time, so a reward typo fails here, not after the model
 //! loaded.
 
@@ -35,7 +35,7 @@ pub use sections::{
     reference, Data, Generation, KeyDoc, Logging, Lora, Loss, Run, TaskConfig, Update,
 };
 pub use trl::{ignore_reason, ignored_trl_keys, trl_key, TrlKey};
-pub use values::{DTypeOpt, DeviceSpec, MaskRatio, PolicyType, SpanLen, Steps};
+pub use values::{DTypeOpt, DeviceSpec, MaskRatio, PolicyType, SpanLen};
 
 /// The embedded default run (`grpo train` with no arguments).
 pub const DEFAULT_CONFIG: &str = include_str!("../../configs/default.toml");
@@ -89,7 +89,7 @@ pub struct Masking {
 }
 
 /// The validated training configuration: the sections as their keys resolved (docs in
-/// [`reference`]), and what is resolved across them.
+/// [`reference()`]), and what is resolved across them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TrainConfig {
     pub run: Run,

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use serde_json::Value;
 
-use super::values::{self, DTypeOpt, DeviceSpec, FromValue, MaskRatio, PolicyType, SpanLen, Steps};
+use super::values::{self, DTypeOpt, DeviceSpec, FromValue, MaskRatio, PolicyType, SpanLen};
 use crate::advantages::{RewardAggregation, ScaleRewards};
 use crate::error::nearest;
 use crate::loss::{
@@ -68,6 +68,8 @@ macro_rules! sections {
             $(#[$sm])*
             #[derive(Debug, Clone, PartialEq, serde::Deserialize)]
             #[serde(deny_unknown_fields)]
+            // The help texts are written for `grpo config --print` (`[[rewards]]` is no link).
+            #[allow(rustdoc::broken_intra_doc_links)]
             pub struct $name {
                 $(
                     #[doc = $help]
@@ -295,7 +297,7 @@ sections! {
     }
     /// `[logging]` keys.
     Logging logging {
-        logging_steps: Steps = "1", "log metrics every N steps";
+        logging_steps: usize = "1", "log metrics every N steps";
         log_completions: bool = "true", "write prompts, completions, rewards and advantages to completions.jsonl";
         log_completions_steps: usize = "10", "every N generation rounds";
         num_completions_to_print: usize = "2", "samples shown on the console when completions are logged";

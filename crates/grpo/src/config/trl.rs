@@ -542,6 +542,79 @@ fn type_err(key: &str, want: &str, got: &Value) -> Error {
     Error::config(key, expected(want, got))
 }
 
+/// TRL's `generation_kwargs`: those that map onto the sampler are set as its keys (they win, as
+/// in TRL), the rest are refused by name.
+fn generation_kwargs(merged: &mut BTreeMap<String, Value>, v: Value) -> Result<()> {
+    let Value::Object(m) = v else {
+        return Err(type_err(
+            "generation_kwargs",
+            "a table of generation options",
+            &v,
+        ));
+    };
+    for (g, gv) in m {
+        let key = match g.as_str() {
+            "temperature" | "top_p" | "top_k" | "min_p" | "repetition_penalty" => g.clone(),
+            "max_new_tokens" => "max_completion_length".into(),
+            "stop_strings" | "stop" => "stop".into(),
+            "do_sample" if gv == Value::Bool(true) => continue,
+            other => {
+                return Err(Error::config(
+                    format!("generation_kwargs.{other}"),
+                    "not a sampling option grpo has: give temperature, top_p, top_k, min_p, \
+                     repetition_penalty, max_new_tokens, stop_strings (or do_sample = true)",
+                ))
+            }
+        };
+        merged.insert(key, gv);
+    }
+    Ok(())
+}
+
+/// TRL's `resume_from_checkpoint`: true resumes (as --resume); a path is refused with how.
+fn resume(v: Value) -> Result<bool> {
+    match v {
+        Value::Bool(b) => Ok(b),
+        other => Err(Error::config(
+            "resume_from_checkpoint",
+            format!(
+                "{other}: grpo resumes from the newest checkpoint in output_dir: set \
+                 resume_from_checkpoint = true (or pass --resume) with output_dir = the run's \
+                 directory"
+            ),
+        )),
+    }
+}
+
+/// TRL's keys whose other values grpo does not have: another model revision, DoRA, modules to
+/// save, target parameters, another optimizer. Refused with what to do instead.
+fn refuse_unsupported(k: &str, v: &Value) -> Result<()> {
+    let set = match v {
+        Value::Bool(b) => *b,
+        Value::Array(a) => !a.is_empty(),
+        _ => true,
+    };
+    let msg = match k {
+        "model_revision" if *v != Value::String("main".into()) => format!(
+            "{v}: grpo loads a hub model's main revision; download the revision you want and \
+             give its directory as model"
+        ),
+        "optim" if !v.as_str().is_some_and(|o| o.starts_with("adamw")) => format!(
+            "{v}: grpo's optimizer is AdamW (set adam_beta1, adam_beta2, adam_epsilon, \
+             weight_decay); give an adamw_* value or leave it unset"
+        ),
+        "use_dora" if set => "DoRA adapters are not supported: use LoRA (use_peft = true)".into(),
+        "lora_modules_to_save" if set => {
+            "grpo trains adapters on projections only; leave it unset".into()
+        }
+        "lora_target_parameters" if set => {
+            "give the projections by name in lora_target_modules".into()
+        }
+        _ => return Ok(()),
+    };
+    Err(Error::config(k, msg))
+}
+
 /// What TRL's keys said, collected while the documents are merged and applied at the end.
 #[derive(Default)]
 pub(super) struct Translation {
@@ -605,6 +678,13 @@ impl Translation {
                 )),
             };
         }
+        if k == "logging_steps" && v.as_f64().is_some_and(|f| f > 0.0 && f < 1.0) {
+            // TRL's ratio of the total steps.
+            return Err(Error::config(
+                &k,
+                "a ratio of total steps is not supported: give a whole number of steps",
+            ));
+        }
         match k.as_str() {
             // TRL's switch: LoRA with its default rank 16 unless lora_r says otherwise.
             "use_peft" => {
@@ -616,30 +696,7 @@ impl Translation {
             }
             // TRL passes these to generate(); those that map onto the sampler are set as its
             // keys (they win, as in TRL), the rest are refused by name.
-            "generation_kwargs" => {
-                let Value::Object(m) = v else {
-                    return Err(type_err(&k, "a table of generation options", &v));
-                };
-                for (g, gv) in m {
-                    let key = match g.as_str() {
-                        "temperature" | "top_p" | "top_k" | "min_p" | "repetition_penalty" => {
-                            g.clone()
-                        }
-                        "max_new_tokens" => "max_completion_length".into(),
-                        "stop_strings" | "stop" => "stop".into(),
-                        "do_sample" if gv == Value::Bool(true) => continue,
-                        other => {
-                            return Err(Error::config(
-                                format!("generation_kwargs.{other}"),
-                                "not a sampling option grpo has: give temperature, top_p, \
-                                 top_k, min_p, repetition_penalty, max_new_tokens, \
-                                 stop_strings (or do_sample = true)",
-                            ))
-                        }
-                    };
-                    merged.insert(key, gv);
-                }
-            }
+            "generation_kwargs" => generation_kwargs(merged, v)?,
             "dataset_name" | "dataset_train_split" | "dataset_test_split" => {
                 let text = match &v {
                     Value::String(t) => t.clone(),
@@ -653,19 +710,7 @@ impl Translation {
                 };
                 self.template_kwargs = m;
             }
-            "resume_from_checkpoint" => match v {
-                Value::Bool(b) => self.resume_requested = b,
-                other => {
-                    return Err(Error::config(
-                        "resume_from_checkpoint",
-                        format!(
-                            "{other}: grpo resumes from the newest checkpoint in output_dir: \
-                             set resume_from_checkpoint = true (or pass --resume) with \
-                             output_dir = the run's directory"
-                        ),
-                    ))
-                }
-            },
+            "resume_from_checkpoint" => self.resume_requested = resume(v)?,
             "load_in_4bit" | "load_in_8bit" => {
                 if v == Value::Bool(true) {
                     let q = if k == "load_in_4bit" { "nf4" } else { "q8_0" };
@@ -673,50 +718,11 @@ impl Translation {
                     self.ignored.push(k);
                 }
             }
-            "model_revision" => {
-                if v != Value::String("main".into()) {
-                    return Err(Error::config(
-                        "model_revision",
-                        format!(
-                            "{v}: grpo loads a hub model's main revision; download the \
-                             revision you want and give its directory as model"
-                        ),
-                    ));
-                }
-            }
-            "use_dora" | "lora_modules_to_save" | "lora_target_parameters" => {
-                let set = match &v {
-                    Value::Bool(b) => *b,
-                    Value::Array(a) => !a.is_empty(),
-                    _ => true,
-                };
-                if set {
-                    return Err(Error::config(
-                        &k,
-                        match k.as_str() {
-                            "use_dora" => {
-                                "DoRA adapters are not supported: use LoRA (use_peft = true)"
-                            }
-                            "lora_modules_to_save" => {
-                                "grpo trains adapters on projections only; leave it unset"
-                            }
-                            _ => "give the projections by name in lora_target_modules",
-                        },
-                    ));
-                }
-            }
-            "optim" => match v.as_str() {
-                Some(o) if o.starts_with("adamw") => {}
-                _ => {
-                    return Err(Error::config(
-                        "optim",
-                        format!(
-                            "{v}: grpo's optimizer is AdamW (set adam_beta1, adam_beta2, \
-                             adam_epsilon, weight_decay); give an adamw_* value or leave it unset"
-                        ),
-                    ))
-                }
-            },
+            "model_revision"
+            | "use_dora"
+            | "lora_modules_to_save"
+            | "lora_target_parameters"
+            | "optim" => refuse_unsupported(&k, &v)?,
             "reward_funcs" => {
                 let (tables, solution) = trl_reward_funcs(&v)?;
                 self.rewards.extend(tables);

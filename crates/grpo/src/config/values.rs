@@ -133,27 +133,6 @@ impl FromValue for Option<u64> {
     }
 }
 
-/// A whole number of steps (`logging_steps`): TRL's ratios of the total (0 < x < 1) are refused
-/// with a word of why.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Steps(pub usize);
-
-impl FromValue for Steps {
-    fn kind() -> Cow<'static, str> {
-        "int".into()
-    }
-    fn from_value(v: Option<&Value>) -> Res<Self> {
-        if let Some(Value::Number(n)) = v {
-            if n.as_f64().is_some_and(|f| f < 1.0 && f > 0.0) {
-                return Err(
-                    "a ratio of total steps is not supported: give a whole number of steps".into(),
-                );
-            }
-        }
-        usize::from_value(v).map(Steps)
-    }
-}
-
 impl FromValue for Option<bool> {
     fn kind() -> Cow<'static, str> {
         "bool".into()

@@ -243,7 +243,7 @@ fn run<P: LoadPolicy>(
                 update: metrics::update_metrics(
                     &steps,
                     r.update.loss.beta,
-                    cfg.loss.entropy_coef != 0.0 || cfg.loss.adaptive_entropy().is_some(),
+                    cfg.loss.entropy_coef != 0.0 || cfg.loss.use_adaptive_entropy,
                 ),
                 kl_reward_seq_kl: kl_penalty.map(|k| k.1),
                 kl_reward_coef: r.state.adaptive_kl.as_ref().map(|a| a.coef),
@@ -279,11 +279,11 @@ fn run<P: LoadPolicy>(
         let warnings = health.check(r.state.step, &m);
         m.health = warnings.iter().map(|w| w.kind.name()).collect();
         if world.is_main()
-            && cfg.logging.logging_steps.0 > 0
+            && cfg.logging.logging_steps > 0
             && (r
                 .state
                 .step
-                .is_multiple_of(cfg.logging.logging_steps.0 as u64)
+                .is_multiple_of(cfg.logging.logging_steps as u64)
                 || at_end)
         {
             r.metrics.log(r.state.step, &m.pairs())?;

@@ -544,7 +544,7 @@ fn check_world(cfg: &TrainConfig, world: &dyn World) -> Result<()> {
 pub fn update_options(cfg: &TrainConfig, pad: u32) -> UpdateOptions {
     UpdateOptions {
         loss: cfg.loss.options(),
-        entropy: if cfg.loss.entropy_coef != 0.0 || cfg.loss.adaptive_entropy().is_some() {
+        entropy: if cfg.loss.entropy_coef != 0.0 || cfg.loss.use_adaptive_entropy {
             Entropy::WithGrad
         } else {
             Entropy::Detached
