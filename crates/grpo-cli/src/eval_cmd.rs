@@ -99,16 +99,16 @@ pub struct EvalArgs {
 fn options(a: &EvalArgs, cfg: &TrainConfig) -> EvalOptions {
     let mut o = cfg.eval_options(vec![]);
     o.num_samples = a.num_samples.unwrap_or(if a.rewards_config.is_some() {
-        cfg.eval_num_samples
+        cfg.logging.eval_num_samples
     } else {
         DEFAULT_NUM_SAMPLES
     });
     if !a.k.is_empty() {
         o.ks = a.k.clone();
     }
-    o.greedy = cfg.eval_greedy && !a.no_greedy;
-    o.num_prompts = a.num_prompts.or(cfg.eval_num_prompts);
-    o.seed = a.seed.unwrap_or(cfg.seed);
+    o.greedy = cfg.logging.eval_greedy && !a.no_greedy;
+    o.num_prompts = a.num_prompts.or(cfg.logging.eval_num_prompts);
+    o.seed = a.seed.unwrap_or(cfg.run.seed);
     if a.system_prompt.is_some() {
         o.system_prompt = a.system_prompt.clone();
     }
@@ -136,10 +136,10 @@ pub fn run(a: EvalArgs) -> Result<()> {
     let mut opts = options(&a, &cfg);
     validate(&opts)?;
     if let Some(f) = &a.prompt_field {
-        cfg.prompt_field = f.clone();
+        cfg.data.prompt_field = f.clone();
     }
     if let Some(f) = &a.answer_field {
-        cfg.answer_field = f.clone();
+        cfg.data.answer_field = f.clone();
     }
     // Length rewards default to the completion budget.
     cfg.set_max_completion_length(opts.sampling.max_new_tokens)?;

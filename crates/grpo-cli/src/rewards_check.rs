@@ -101,7 +101,7 @@ pub fn check_samples(cfg: &TrainConfig, samples: &Path) -> Result<CheckReport> {
                 .map(|c| c.unwrap_or(0) as usize)
                 .collect()
         } else {
-            let source = hub::resolve_model(cfg.model.as_deref())?;
+            let source = hub::resolve_model(cfg.run.model.as_deref())?;
             let tok = grpo::weights::load_tokenizer(&source)?;
             completions
                 .iter()

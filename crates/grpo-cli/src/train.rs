@@ -38,7 +38,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let stop = Arc::new(AtomicBool::new(false));
     let flag = stop.clone();
     // save_on_signal = false: the signals keep their default action (the process ends at once).
-    if cfg.save_on_signal {
+    if cfg.run.save_on_signal {
         catch_stop_signals(flag)?;
     }
     let outcome = train(
@@ -54,11 +54,11 @@ pub fn run(a: TrainArgs) -> Result<()> {
         return Ok(());
     }
     // The run report (plots + HTML); a failure here never fails the finished run.
-    match crate::report::write_report(&cfg.output_dir) {
+    match crate::report::write_report(&cfg.run.output_dir) {
         Ok(r) => {
             tracing::info!("report: {}", r.html.display());
-            if cfg.report_to.iter().any(|t| t == "mlflow") {
-                grpo::trackers::upload_artifact(&cfg.output_dir, &r.html);
+            if cfg.logging.report_to.iter().any(|t| t == "mlflow") {
+                grpo::trackers::upload_artifact(&cfg.run.output_dir, &r.html);
             }
         }
         Err(e) => tracing::warn!("no run report: {e}"),

@@ -21,11 +21,11 @@ pub struct RunData {
 /// (`eval_file`, else the built-in task's held-out problems; none for a `train_file` without an
 /// `eval_file`) and the rewards ([`config_rewards`]).
 pub fn load_run_data(cfg: &TrainConfig, device: &Device) -> Result<RunData> {
-    let (train, mut eval) = match &cfg.train_file {
+    let (train, mut eval) = match &cfg.data.train_file {
         Some(p) => (load_examples(cfg, p)?, vec![]),
         None => builtin_task(cfg)?,
     };
-    if let Some(p) = &cfg.eval_file {
+    if let Some(p) = &cfg.data.eval_file {
         eval = load_examples(cfg, p)?;
     }
     Ok(RunData {
@@ -38,7 +38,7 @@ pub fn load_run_data(cfg: &TrainConfig, device: &Device) -> Result<RunData> {
 /// The held-out prompts of a training config: `eval_file` when set, else the built-in arithmetic
 /// task's held-out problems (`task.*` keys).
 pub fn held_out_examples(cfg: &TrainConfig) -> Result<Vec<Example>> {
-    if let Some(p) = &cfg.eval_file {
+    if let Some(p) = &cfg.data.eval_file {
         return load_examples(cfg, p);
     }
     Ok(builtin_task(cfg)?.1)
@@ -47,18 +47,20 @@ pub fn held_out_examples(cfg: &TrainConfig) -> Result<Vec<Example>> {
 /// The built-in task of the config's policy kind: arithmetic questions for a causal LM, masked
 /// copies (`w=w`) for a fill-in generator. `(train, eval)`.
 fn builtin_task(cfg: &TrainConfig) -> Result<(Vec<Example>, Vec<Example>)> {
-    match cfg.policy {
-        PolicyType::CausalLm => data::arithmetic::make_task(&cfg.task.params()),
-        PolicyType::FillIn => crate::fill_in::task::make(&cfg.task.params(), cfg.task.mask_ratio),
+    match cfg.run.policy {
+        PolicyType::CausalLm => data::arithmetic::make_task(&cfg.data.task().params()),
+        PolicyType::FillIn => {
+            crate::fill_in::task::make(&cfg.data.task().params(), cfg.data.task().mask_ratio)
+        }
     }
 }
 
 /// The fields a config reads prompt rows with: `prompt_field`, `answer_field`, `skip_bad_rows`.
 pub fn data_fields(cfg: &TrainConfig) -> data::DataFields {
     data::DataFields {
-        prompt_field: cfg.prompt_field.clone(),
-        answer_field: cfg.answer_field.clone(),
-        skip_bad_rows: cfg.skip_bad_rows,
+        prompt_field: cfg.data.prompt_field.clone(),
+        answer_field: cfg.data.answer_field.clone(),
+        skip_bad_rows: cfg.data.skip_bad_rows,
     }
 }
 
@@ -80,14 +82,16 @@ pub fn load_examples(cfg: &TrainConfig, path: &Path) -> Result<Vec<Example>> {
 /// programs started, reward models loaded. The built-in task's rewards when it has none.
 pub fn config_rewards(cfg: &TrainConfig, device: &Device) -> Result<Vec<Reward>> {
     if cfg.rewards.is_empty() {
-        return match cfg.policy {
+        return match cfg.run.policy {
             PolicyType::CausalLm => Ok(rewards::builtin_task_rewards()),
             PolicyType::FillIn => {
-                let judge = match &cfg.judge {
+                let judge = match &cfg.run.judge {
                     Some(j) => j.clone(),
-                    None => crate::fill_in::pretrain::builtin_fill_in_models(&cfg.task, true)?.1,
+                    None => {
+                        crate::fill_in::pretrain::builtin_fill_in_models(&cfg.data.task(), true)?.1
+                    }
                 };
-                crate::fill_in::task::builtin_rewards(&judge, cfg.train_file.is_none(), device)
+                crate::fill_in::task::builtin_rewards(&judge, cfg.data.train_file.is_none(), device)
             }
         };
     }
@@ -97,7 +101,7 @@ pub fn config_rewards(cfg: &TrainConfig, device: &Device) -> Result<Vec<Reward>>
 /// The weight of each reward: `reward_weights` when set (one per reward), else each reward's own
 /// `weight`.
 pub fn reward_weights(cfg: &TrainConfig, rewards: &[Reward]) -> Result<Vec<f32>> {
-    match &cfg.reward_weights {
+    match &cfg.data.reward_weights {
         Some(w) if w.len() != rewards.len() => Err(Error::config(
             "reward_weights",
             format!("{} weights for {} reward functions", w.len(), rewards.len()),

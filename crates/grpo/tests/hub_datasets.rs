@@ -49,7 +49,7 @@ fn a_hub_dataset_is_fetched_trained_on_and_found_offline() {
         out.display()
     );
     let cfg = TrainConfig::from_str(&yaml, Format::Yaml, "trl.yaml", &[]).unwrap();
-    let file = cfg.train_file.clone().unwrap();
+    let file = cfg.data.train_file.clone().unwrap();
     assert!(
         file.starts_with(home.join("hub/datasets--someone--tiny-math")),
         "{file:?}"
@@ -60,10 +60,13 @@ fn a_hub_dataset_is_fetched_trained_on_and_found_offline() {
     // The test split is the one parquet shard; offline, both come from the cache.
     let with_test = format!("{yaml}dataset_test_split: test\n");
     let cfg = TrainConfig::from_str(&with_test, Format::Yaml, "trl.yaml", &[]).unwrap();
-    assert_eq!(std::fs::read(cfg.eval_file.unwrap()).unwrap(), test_rows);
+    assert_eq!(
+        std::fs::read(cfg.data.eval_file.unwrap()).unwrap(),
+        test_rows
+    );
     std::env::set_var("HF_HUB_OFFLINE", "1");
     let cfg = TrainConfig::from_str(&with_test, Format::Yaml, "trl.yaml", &[]).unwrap();
-    assert_eq!(cfg.train_file.unwrap(), file);
+    assert_eq!(cfg.data.train_file.unwrap(), file);
     // A split nobody fetched, offline: the error says so and names the key.
     let e = TrainConfig::from_str(
         &format!("{yaml}dataset_test_split: validation\n"),

@@ -227,7 +227,7 @@ fn wandb_offline_gets_the_config_every_step_and_a_completions_table() {
         &out,
         "wandb_log = true\nwandb_project = \"grpo-tests\"\nlog_completions_steps = 1",
     );
-    assert!(cfg.report_to.contains(&"wandb".to_string()));
+    assert!(cfg.logging.report_to.contains(&"wandb".to_string()));
     train(&cfg, &RunControl::default()).unwrap();
 
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/tools/read_wandb_offline.py");
@@ -270,9 +270,9 @@ fn report_to_values_are_checked() {
         assert!(e.contains("report_to") && e.contains(want), "{e}");
     }
     let c = TrainConfig::from_str("report_to = \"all\"", Format::Toml, "t", &[]).unwrap();
-    assert_eq!(c.report_to, ["mlflow", "tensorboard", "wandb"]);
+    assert_eq!(c.logging.report_to, ["mlflow", "tensorboard", "wandb"]);
     let c = TrainConfig::from_str("report_to = \"none\"", Format::Toml, "t", &[]).unwrap();
-    assert!(c.report_to.is_empty());
+    assert!(c.logging.report_to.is_empty());
 }
 
 #[test]
@@ -292,7 +292,7 @@ fn trackio_gets_every_step_and_a_resume_continues_its_run() {
     let mut cfg = config(&model, &out, extra);
     train(&cfg, &RunControl::default()).unwrap();
     // The resumed run goes on to step 6 (the same config, max_steps raised).
-    cfg.max_steps = Some(6);
+    cfg.run.max_steps = Some(6);
     train(
         &cfg,
         &RunControl {

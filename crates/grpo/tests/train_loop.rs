@@ -265,7 +265,7 @@ fn eval_steps_log_samples_and_pass_at_k() {
         &out_dir,
         "eval_num_samples = 2\neval_k = [1, 2]\neval_temperature = 0.8",
     );
-    cfg.max_steps = Some(2);
+    cfg.run.max_steps = Some(2);
     let out = train(&cfg, &RunControl::default()).unwrap();
     let last = out.last_eval.unwrap();
     assert!(last.iter().any(|(k, _)| k == "eval/pass@2"));
@@ -321,8 +321,8 @@ fn every_loss_type_and_kl_mode_trains() {
     {
         let out_dir = tmp.path().join(format!("r{i}"));
         let mut cfg = config(&model, &out_dir, extra);
-        cfg.max_steps = Some(2);
-        cfg.eval_steps = 0;
+        cfg.run.max_steps = Some(2);
+        cfg.logging.eval_steps = 0;
         let out = train(&cfg, &RunControl::default()).unwrap_or_else(|e| panic!("{extra}: {e}"));
         assert_eq!(out.steps, 2, "{extra}");
         let m = metrics(&out_dir);
@@ -420,9 +420,9 @@ fn forward_chunks_leave_the_update_unchanged() {
         let run = |chunk: usize| {
             let out_dir = tmp.path().join(format!("c{i}-{chunk}"));
             let mut cfg = config(&model, &out_dir, extra);
-            cfg.max_steps = Some(1);
-            cfg.eval_steps = 0;
-            cfg.forward_chunk_tokens = Some(chunk);
+            cfg.run.max_steps = Some(1);
+            cfg.logging.eval_steps = 0;
+            cfg.update.forward_chunk_tokens = Some(chunk);
             train(&cfg, &RunControl::default()).unwrap_or_else(|e| panic!("{extra}: {e}"));
             metrics(&out_dir)
                 .into_iter()
@@ -556,8 +556,8 @@ fn two_steps(extra: &str) -> Vec<serde_json::Value> {
     tiny_model(&model);
     let out_dir = tmp.path().join("run");
     let mut cfg = config(&model, &out_dir, extra);
-    cfg.max_steps = Some(2);
-    cfg.eval_steps = 0;
+    cfg.run.max_steps = Some(2);
+    cfg.logging.eval_steps = 0;
     let out = train(&cfg, &RunControl::default()).unwrap();
     assert_eq!(out.steps, 2);
     let steps: Vec<_> = metrics(&out_dir)
@@ -851,14 +851,14 @@ fn a_trl_grpo_yaml_trains() {
     );
     let cfg = TrainConfig::from_str(&yaml, Format::Yaml, "trl.yaml", &[]).unwrap();
     assert_eq!(
-        cfg.train_file.as_deref(),
+        cfg.data.train_file.as_deref(),
         Some(ds.join("train.jsonl").as_path())
     );
     assert_eq!(
-        cfg.eval_file.as_deref(),
+        cfg.data.eval_file.as_deref(),
         Some(ds.join("test.jsonl").as_path())
     );
-    assert!(cfg.report_to.is_empty() && !cfg.resume_from_checkpoint);
+    assert!(cfg.logging.report_to.is_empty() && !cfg.resume_from_checkpoint);
     for k in [
         "attn_implementation",
         "bf16",
@@ -908,7 +908,7 @@ fn a_trl_grpo_yaml_trains() {
     )
     .unwrap();
     assert!(c.ignored_keys.iter().any(|k| k == "load_in_4bit"));
-    assert_eq!(c.base_quantization, Some(grpo::models::QuantType::Nf4));
+    assert_eq!(c.lora.base_quantization, Some(grpo::models::QuantType::Nf4));
 }
 
 /// Each example config of a seed's scenario (examples/configs/) trains on a tiny model, with the
@@ -1003,8 +1003,8 @@ fn trl_1_16_options_train_and_resume_exactly() {
         |out: &Path| TrainConfig::from_str(&yaml(out), Format::Yaml, "trl.yaml", &[]).unwrap();
     let full = tmp.path().join("full");
     let cfg = load(&full);
-    assert_eq!(cfg.answer_field, "solution");
-    assert_eq!(cfg.sampling_batch_size, Some(4));
+    assert_eq!(cfg.data.answer_field, "solution");
+    assert_eq!(cfg.generation.sampling_batch_size, Some(4));
     let names: Vec<&str> = cfg.rewards.iter().map(|r| r.name.as_str()).collect();
     assert_eq!(
         names,

@@ -168,10 +168,10 @@ impl LoadPolicy for FillInPolicy {
     /// bf16 does not apply; a `model` directory that cannot be a generator is refused before any
     /// reward model (the built-in judge is pretrained for minutes) is loaded.
     fn check(cfg: &TrainConfig, _main: bool) -> Result<()> {
-        if cfg.dtype != DTypeOpt::F32 {
+        if cfg.run.dtype != DTypeOpt::F32 {
             tracing::warn!("dtype = bf16 is not used by fill-in policies: they run in f32");
         }
-        if let Some(m) = cfg.model.as_deref() {
+        if let Some(m) = cfg.run.model.as_deref() {
             let dir = std::path::Path::new(m);
             if dir.join("config.json").is_file() {
                 masked_lm_config(dir)?;
@@ -197,7 +197,7 @@ impl LoadPolicy for FillInPolicy {
             &data.train,
             train_ids,
         )?;
-        f.mask_held_out(tok, &mut data.eval, cfg.max_prompt_length)?;
+        f.mask_held_out(tok, &mut data.eval, cfg.data.max_prompt_length)?;
         self.inputs = Some(f);
         Ok(())
     }
@@ -210,10 +210,10 @@ impl LoadPolicy for FillInPolicy {
         needs_ref: bool,
         device: &Device,
     ) -> Result<Loaded<Self>> {
-        let dir = match cfg.model.as_deref() {
+        let dir = match cfg.run.model.as_deref() {
             // The built-in task's generator (pretrained once, then cached).
-            None if cfg.train_file.is_none() => {
-                crate::fill_in::pretrain::builtin_fill_in_models(&cfg.task, false)?.0
+            None if cfg.data.train_file.is_none() => {
+                crate::fill_in::pretrain::builtin_fill_in_models(&cfg.data.task(), false)?.0
             }
             None => {
                 return Err(Error::config(
@@ -291,7 +291,7 @@ impl FillInPolicy {
             .collect::<Result<Vec<_>>>()?;
         let mt = MlmTokenizer::load(&dir, mcfg.max_len())?;
         let tok = Tokenizer::from_hf_dir(&dir)?;
-        if let Some(judge) = &cfg.judge {
+        if let Some(judge) = &cfg.run.judge {
             same_vocabulary(&tok, &dir, judge)?;
         }
         let policy = FillInPolicy {
@@ -314,7 +314,7 @@ impl FillInPolicy {
                 )?),
                 false => None,
             },
-            tensors: (needs_ref && cfg.sync_ref_model).then_some(base),
+            tensors: (needs_ref && cfg.loss.sync_ref_model).then_some(base),
         };
         Ok(Loaded {
             policy,

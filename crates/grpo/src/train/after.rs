@@ -38,7 +38,7 @@ impl AfterRound {
     pub fn new<P: Policy>(r: &Run<P>) -> AfterRound {
         AfterRound {
             health: Health::new(HealthOptions::default()),
-            evaluates: r.cfg.eval_steps > 0 && !r.data.eval.is_empty(),
+            evaluates: r.cfg.logging.eval_steps > 0 && !r.data.eval.is_empty(),
             rounds_this_run: 0,
             last_checkpoint: r.resumed_from.clone(),
             last_eval: None,
@@ -84,7 +84,7 @@ impl AfterRound {
         let mut m = StepMetrics::of_round(r, round, scored, steps);
         let step = r.state.step;
         let at_end = step >= r.opts.schedule.total_steps;
-        if self.evaluates && (step.is_multiple_of(cfg.eval_steps as u64) || at_end) {
+        if self.evaluates && (step.is_multiple_of(cfg.logging.eval_steps as u64) || at_end) {
             let t0 = Instant::now();
             let ev = evaluate(r, step, world)?;
             m.eval_seconds = Some(t0.elapsed().as_secs_f64());
@@ -94,8 +94,8 @@ impl AfterRound {
         let warnings = self.health.check(step, &m);
         m.health = warnings.iter().map(|w| w.kind.name()).collect();
         if main
-            && cfg.logging_steps > 0
-            && (step.is_multiple_of(cfg.logging_steps as u64) || at_end)
+            && cfg.logging.logging_steps > 0
+            && (step.is_multiple_of(cfg.logging.logging_steps as u64) || at_end)
         {
             r.metrics.log(step, &m.pairs())?;
             console.say(m.console_line(step));
@@ -108,9 +108,9 @@ impl AfterRound {
         let completions_due = r
             .state
             .round
-            .is_multiple_of(cfg.log_completions_steps.max(1) as u64)
+            .is_multiple_of(cfg.logging.log_completions_steps.max(1) as u64)
             || r.state.round == 1;
-        if main && cfg.log_completions && completions_due {
+        if main && cfg.logging.log_completions && completions_due {
             log_completions(r, &round.episodes, scored, console)?;
         }
 
@@ -123,8 +123,12 @@ impl AfterRound {
         if world.size() > 1 && (r.state.round.is_multiple_of(CHECKSUM_ROUNDS) || at_end) {
             check_same_parameters(&r.policy, world)?;
         }
-        let periodic =
-            cfg.save_steps > 0 && crossed(step, r.opts.updates_per_round, cfg.save_steps as u64);
+        let periodic = cfg.logging.save_steps > 0
+            && crossed(
+                step,
+                r.opts.updates_per_round,
+                cfg.logging.save_steps as u64,
+            );
         if main && (periodic || at_end || stop_now) {
             // metric_for_best_model: this checkpoint is the best when this round's eval is.
             let new_best = r
@@ -209,7 +213,7 @@ fn check_same_parameters<P: Policy>(policy: &P, world: &dyn World) -> Result<()>
 /// pass@k, sampled and greedy accuracy, mean rewards. Every answer goes to `eval/step-N.jsonl`.
 /// Across ranks the prompts are shared out and the answers gathered; rank 0 writes them.
 fn evaluate<P: Policy>(r: &mut Run<P>, step: u64, world: &dyn World) -> Result<Vec<(String, f64)>> {
-    let model = r.policy.freeze(r.cfg.gradient_checkpointing)?;
+    let model = r.policy.freeze(r.cfg.update.gradient_checkpointing)?;
     let opts = r.cfg.eval_options(r.opts.sampling.eos_token_ids.clone());
     let file = format!("eval/step-{step}.jsonl");
     let metrics = &mut r.metrics;
@@ -259,7 +263,7 @@ fn log_completions<P: Policy>(
     for e in episodes
         .iter()
         .step_by(r.opts.g)
-        .take(r.cfg.num_completions_to_print)
+        .take(r.cfg.logging.num_completions_to_print)
     {
         console.say(format!(
             "  sample: {:?} -> {:?} (rewards {:?})",

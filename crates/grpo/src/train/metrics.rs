@@ -293,7 +293,7 @@ impl StepMetrics {
             update: update_metrics(
                 steps,
                 r.opts.update.loss.beta,
-                cfg.entropy_coef != 0.0 || cfg.adaptive_entropy.is_some(),
+                cfg.loss.entropy_coef != 0.0 || cfg.loss.adaptive_entropy().is_some(),
             ),
             kl_reward_seq_kl: scored.kl_reward_seq_kl,
             kl_reward_coef: r.state.adaptive_kl.as_ref().map(|a| a.coef),

@@ -77,7 +77,7 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
     let world = world::from_launcher()?;
     let w = world.as_world();
     // A rank's threads default to the cores the launcher bound it to.
-    let threads = cfg.threads.or_else(|| {
+    let threads = cfg.run.threads.or_else(|| {
         (w.size() > 1).then(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
     });
     if let Some(n) = threads {
@@ -85,7 +85,7 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
             tracing::warn!("threads: {e}");
         }
     }
-    let out = crate::threads::on_pool(|| match cfg.policy {
+    let out = crate::threads::on_pool(|| match cfg.run.policy {
         PolicyType::CausalLm => run::<CausalLmPolicy>(cfg, ctl, w),
         PolicyType::FillIn => run::<crate::fill_in::FillInPolicy>(cfg, ctl, w),
     });
@@ -112,7 +112,7 @@ fn run<P: LoadPolicy>(
         r.opts.p,
         r.opts.g,
         r.opts.updates_per_round,
-        cfg.output_dir.display()
+        cfg.run.output_dir.display()
     );
     let mut interrupted = false;
     while r.state.step < total_steps {

@@ -125,7 +125,7 @@ pub fn score_round<P: Policy>(r: &mut Run<P>, sampled: &Sampled) -> Result<Score
         .iter()
         .flat_map(|e| e.rewards.iter().copied())
         .collect();
-    let kl_penalty = match (&cfg.kl, &sampled.old_logps, &sampled.ref_logps) {
+    let kl_penalty = match (&cfg.loss.kl(), &sampled.old_logps, &sampled.ref_logps) {
         (KlMode::Reward { coef, .. }, Some(old), Some(refl)) => Some(kl_reward_penalty(
             old,
             refl,
@@ -139,7 +139,7 @@ pub fn score_round<P: Policy>(r: &mut Run<P>, sampled: &Sampled) -> Result<Score
         &r.opts.weights,
         kl_penalty.as_ref().map(|k| k.0.as_slice()),
         g,
-        cfg.multi_objective_aggregation,
+        cfg.loss.multi_objective_aggregation,
         &r.opts.adv,
     )?;
     check_round_invariants(episodes, p, g, &adv.advantages, r.opts.adv.normalize_batch)?;
@@ -147,8 +147,8 @@ pub fn score_round<P: Policy>(r: &mut Run<P>, sampled: &Sampled) -> Result<Score
         episodes,
         &adv.advantages,
         // This rank's groups (all of them in one process).
-        &|e| sampled.own[e.group] && !(cfg.drop_zero_std_groups && adv.zero_std[e.group]),
-        cfg.mask_truncated_completions,
+        &|e| sampled.own[e.group] && !(cfg.loss.drop_zero_std_groups && adv.zero_std[e.group]),
+        cfg.loss.mask_truncated_completions,
         sampled.old_logps.as_deref().filter(|_| r.opts.needs_old),
         sampled.ref_logps.as_deref().filter(|_| r.opts.kl_needs_ref),
     );
@@ -210,8 +210,13 @@ pub fn step_round<P: Policy>(
     super::trace_memory("update");
     r.state.round += 1;
     let cfg = r.cfg;
-    if cfg.sync_ref_model && r.state.step.is_multiple_of(cfg.ref_model_sync_steps as u64) {
-        r.reference.sync(&r.policy, cfg.ref_model_mixup_alpha)?;
+    if cfg.loss.sync_ref_model
+        && r.state
+            .step
+            .is_multiple_of(cfg.loss.ref_model_sync_steps as u64)
+    {
+        r.reference
+            .sync(&r.policy, cfg.loss.ref_model_mixup_alpha)?;
     }
     Ok(steps)
 }
@@ -245,7 +250,7 @@ fn signal(episodes: &[Episode], weights: &[f32], g: usize) -> Result<Vec<bool>> 
 pub fn sample_round<P: Policy>(r: &mut Run<P>, world: &dyn World) -> Result<Sampled> {
     let (p, g, max_extra) = (r.opts.p, r.opts.g, r.opts.max_extra_passes);
     let seeds: Vec<u64> = (0..p)
-        .map(|i| mix_seed(r.cfg.seed, r.state.round * p as u64 + i as u64))
+        .map(|i| mix_seed(r.cfg.run.seed, r.state.round * p as u64 + i as u64))
         .collect();
     let mut round = sample_pass(r, &seeds, world)?;
     if !r.opts.dynamic_sampling {
@@ -260,7 +265,7 @@ pub fn sample_round<P: Policy>(r: &mut Run<P>, world: &dyn World) -> Result<Samp
         // Extra passes draw their own streams (exact resume: the count is trainer state).
         let n = r.state.extra_passes;
         let seeds: Vec<u64> = (0..p)
-            .map(|i| mix_seed(r.cfg.seed ^ 0x4459_4e53, n * p as u64 + i as u64))
+            .map(|i| mix_seed(r.cfg.run.seed ^ 0x4459_4e53, n * p as u64 + i as u64))
             .collect();
         r.state.extra_passes += 1;
         extra += 1;
@@ -288,11 +293,11 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> R
     let cfg = r.cfg;
     // 1. Rollout with the current policy: the world's prompts, this rank's groups.
     let t0 = Instant::now();
-    let sampler = r.policy.freeze(cfg.gradient_checkpointing)?;
+    let sampler = r.policy.freeze(cfg.update.gradient_checkpointing)?;
     let all_idx = r.state.order.next_batch(seeds.len());
     let mine = owned_groups(
         seeds.len(),
-        cfg.per_device_train_batch_size / r.opts.g,
+        cfg.update.per_device_train_batch_size / r.opts.g,
         world.size(),
         world.rank(),
     );
@@ -325,16 +330,18 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> R
         .iter()
         .map(|e| (e.prompt_ids.as_slice(), e.completion_ids.as_slice()))
         .collect();
-    let kl_in_reward = matches!(cfg.kl, KlMode::Reward { .. });
+    let kl_in_reward = matches!(cfg.loss.kl(), KlMode::Reward { .. });
     let chunk = r.opts.update.forward_chunk_tokens;
     let old_logps = match r.opts.needs_old || kl_in_reward {
-        true => Some(sampler.sequence_logprobs(&pairs, r.pad, cfg.temperature, chunk)?),
+        true => {
+            Some(sampler.sequence_logprobs(&pairs, r.pad, cfg.generation.temperature, chunk)?)
+        }
         false => None,
     };
     drop(sampler);
     let ref_logps = r
         .reference
-        .logprobs(&pairs, r.pad, cfg.temperature, chunk)?;
+        .logprobs(&pairs, r.pad, cfg.generation.temperature, chunk)?;
     let t_reference = t0.elapsed().as_secs_f64();
     super::trace_memory("old/reference log-probs");
 

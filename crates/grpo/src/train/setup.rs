@@ -19,7 +19,7 @@ use crate::hub::{self, ModelSource};
 use crate::inputs::{load_run_data, reward_weights, RunData};
 use crate::logprobs::Entropy;
 use crate::logs::MetricsWriter;
-use crate::loss::{AdaptiveEntropy, AdaptiveKl, KlMode, LossOptions};
+use crate::loss::{AdaptiveEntropy, AdaptiveKl, KlMode};
 use crate::models::CausalLm;
 use crate::optim::{AdamW, AdamWConfig};
 use crate::peft;
@@ -232,7 +232,7 @@ fn process_device(cfg: &TrainConfig, world: &dyn World) -> Result<Device> {
             lines.join("\n")
         );
     }
-    if let Some(k) = cfg.kernels {
+    if let Some(k) = cfg.run.kernels {
         crate::kernels::set_kernels(k);
     }
     if main {
@@ -242,7 +242,7 @@ fn process_device(cfg: &TrainConfig, world: &dyn World) -> Result<Device> {
             crate::kernels::Isa::active()
         );
     }
-    let device = match cfg.device {
+    let device = match cfg.run.device {
         DeviceSpec::Cuda(n) => {
             DeviceSpec::Cuda(super::world::rank_gpu(n, world.size())).device()?
         }
@@ -250,7 +250,7 @@ fn process_device(cfg: &TrainConfig, world: &dyn World) -> Result<Device> {
     };
     if main {
         // What every model and optimizer of the run resolves to ([`Compute::resolve`]).
-        let compute = crate::kernels::Compute::resolve(&device, cfg.dtype.compute());
+        let compute = crate::kernels::Compute::resolve(&device, cfg.run.dtype.compute());
         tracing::info!("compute: {} on {device:?}", compute.name());
     }
     Ok(device)
@@ -259,7 +259,7 @@ fn process_device(cfg: &TrainConfig, world: &dyn World) -> Result<Device> {
 /// The checkpoint to resume from (`resume`: the newest in `output_dir`, which must exist), after
 /// cleaning up what a kill in the middle of a checkpoint write left; creates `output_dir`.
 fn resume_point(cfg: &TrainConfig, resume: bool, main: bool) -> Result<Option<PathBuf>> {
-    let out_dir = &cfg.output_dir;
+    let out_dir = &cfg.run.output_dir;
     if main {
         checkpoint::recover(out_dir)?;
     }
@@ -306,7 +306,7 @@ fn load<P: LoadPolicy>(
     device: &Device,
 ) -> Result<LoadedRun<P>> {
     let mut data = load_run_data(cfg, device)?;
-    let kl_needs_ref = !matches!(cfg.kl, KlMode::None);
+    let kl_needs_ref = !matches!(cfg.loss.kl(), KlMode::None);
     let rewards_need_ref = data.rewards.iter().any(|r| r.needs_ref_logp());
     let Loaded {
         mut policy,
@@ -334,8 +334,8 @@ fn load<P: LoadPolicy>(
             data::prompt_ids(
                 &tok,
                 ex,
-                cfg.system_prompt.as_deref(),
-                cfg.max_prompt_length,
+                cfg.data.system_prompt.as_deref(),
+                cfg.data.max_prompt_length,
             )
         })
         .collect::<Result<Vec<_>>>()?;
@@ -371,19 +371,19 @@ fn optimizer_and_state<P: Policy>(
             .zip(policy.vars().iter().cloned())
             .collect(),
         AdamWConfig {
-            beta1: cfg.adam_beta1,
-            beta2: cfg.adam_beta2,
-            eps: cfg.adam_epsilon,
-            weight_decay: cfg.weight_decay,
+            beta1: cfg.update.adam_beta1,
+            beta2: cfg.update.adam_beta2,
+            eps: cfg.update.adam_epsilon,
+            weight_decay: cfg.update.weight_decay,
         },
     )?;
     let Some(dir) = resume_from else {
         let state = TrainerState {
             step: 0,
             round: 0,
-            order: PromptOrder::new(run.data.train.len(), cfg.seed, cfg.shuffle_dataset),
-            adaptive_kl: cfg.kl.adaptive_controller(),
-            adaptive_entropy: cfg.adaptive_entropy.clone(),
+            order: PromptOrder::new(run.data.train.len(), cfg.run.seed, cfg.data.shuffle_dataset),
+            adaptive_kl: cfg.loss.kl().adaptive_controller(),
+            adaptive_entropy: cfg.loss.adaptive_entropy().clone(),
             consecutive_nonfinite: 0,
             skipped_steps: 0,
             optimizer_steps: None,
@@ -408,14 +408,14 @@ fn optimizer_and_state<P: Policy>(
                 format!("does not fit this run's model: {e}; resume with the model and LoRA settings the checkpoint was made with"),
             )
         })?;
-    if cfg.sync_ref_model {
+    if cfg.loss.sync_ref_model {
         tracing::warn!(
             "{}: sync_ref_model with resume restarts the reference from the base model",
             dir.display()
         );
     }
     if main {
-        crate::logs::truncate_after(&cfg.output_dir, state.step)?;
+        crate::logs::truncate_after(&cfg.run.output_dir, state.step)?;
     }
     tracing::info!("resumed from {} at step {}", c.dir.display(), state.step);
     Ok((opt, state))
@@ -425,7 +425,7 @@ fn optimizer_and_state<P: Policy>(
 /// and the trackers `report_to` names. A fresh run replaces an earlier run's logs. Other ranks
 /// write nothing.
 fn writers(cfg: &TrainConfig, resumed: bool, main: bool) -> Result<(MetricsWriter, String)> {
-    let out_dir = &cfg.output_dir;
+    let out_dir = &cfg.run.output_dir;
     let config_toml = cfg.to_toml();
     if !main {
         return Ok((MetricsWriter::discard()?, config_toml));
@@ -439,22 +439,25 @@ fn writers(cfg: &TrainConfig, resumed: bool, main: bool) -> Result<(MetricsWrite
     }
     crate::files::write_atomic(&out_dir.join("config.toml"), config_toml.as_bytes())?;
     let trackers = crate::trackers::Trackers::open(
-        &cfg.report_to,
+        &cfg.logging.report_to,
         &crate::trackers::RunInfo {
             output_dir: out_dir.clone(),
-            run_name: cfg.run_name.clone().unwrap_or_else(|| {
+            run_name: cfg.logging.run_name.clone().unwrap_or_else(|| {
                 out_dir
                     .file_name()
                     .map_or_else(|| "grpo".into(), |n| n.to_string_lossy().into_owned())
             }),
             config: cfg.resolved().clone().into_iter().collect(),
             resume: resumed,
-            wandb_project: cfg.wandb_project.clone(),
+            wandb_project: cfg.logging.wandb_project.clone(),
             project: "huggingface".into(),
         },
     );
-    let metrics = MetricsWriter::open(out_dir, cfg.report_to.iter().any(|r| r == "tensorboard"))?
-        .with_trackers(trackers);
+    let metrics = MetricsWriter::open(
+        out_dir,
+        cfg.logging.report_to.iter().any(|r| r == "tensorboard"),
+    )?
+    .with_trackers(trackers);
     Ok((metrics, config_toml))
 }
 
@@ -467,22 +470,23 @@ impl RoundOptions {
     ) -> Result<RoundOptions> {
         // Every rank's batch is per_device_train_batch_size: the round's groups are the world's.
         let p = cfg.prompts_per_step() * world.size();
-        let updates_per_round = (cfg.num_iterations * cfg.steps_per_generation
-            / cfg.gradient_accumulation_steps) as u64;
+        let updates_per_round = (cfg.update.num_iterations * cfg.steps_per_generation
+            / cfg.update.gradient_accumulation_steps) as u64;
         let rounds_per_epoch = (run.data.train.len() as f64 / p as f64).max(1.0);
-        let total_steps = cfg.max_steps.unwrap_or_else(|| {
-            (cfg.num_train_epochs * rounds_per_epoch).ceil() as u64 * updates_per_round
+        let total_steps = cfg.run.max_steps.unwrap_or_else(|| {
+            (cfg.run.num_train_epochs * rounds_per_epoch).ceil() as u64 * updates_per_round
         });
-        let warmup = if cfg.warmup_steps > 0 {
-            cfg.warmup_steps as u64
+        let warmup = if cfg.update.warmup_steps > 0 {
+            cfg.update.warmup_steps as u64
         } else {
-            (cfg.warmup_ratio * total_steps as f64).ceil() as u64
+            (cfg.update.warmup_ratio * total_steps as f64).ceil() as u64
         };
         let weights = reward_weights(cfg, &run.data.rewards)?;
         let mut update = update_options(cfg, run.pad);
-        if cfg.forward_chunk_tokens.is_none() {
-            update.forward_chunk_tokens =
-                run.policy.forward_chunk_tokens(cfg.gradient_checkpointing);
+        if cfg.update.forward_chunk_tokens.is_none() {
+            update.forward_chunk_tokens = run
+                .policy
+                .forward_chunk_tokens(cfg.update.gradient_checkpointing);
             if world.is_main() {
                 tracing::info!(
                     "forward_chunk_tokens: {} (unset: sized for the device)",
@@ -492,30 +496,19 @@ impl RoundOptions {
         }
         Ok(RoundOptions {
             p,
-            g: cfg.num_generations,
+            g: cfg.generation.num_generations,
             updates_per_round,
-            sampling: SamplingParams {
-                max_new_tokens: cfg.max_completion_length,
-                min_new_tokens: 0,
-                temperature: cfg.temperature,
-                top_k: cfg.top_k,
-                top_p: cfg.top_p,
-                min_p: cfg.min_p.unwrap_or(0.0),
-                repetition_penalty: cfg.repetition_penalty,
-                stop_strings: cfg.stop.clone(),
-                eos_token_ids: run.eos_ids.clone(),
-                max_batch_sequences: cfg.sampling_batch_size.unwrap_or(0),
-            },
+            sampling: cfg.generation.sampling(run.eos_ids.clone()),
             adv: AdvantageOptions {
-                scale: cfg.scale_rewards,
-                std_floor: cfg.reward_std_floor.map(|f| f as f32),
-                normalize_batch: cfg.normalize_advantages_batch,
+                scale: cfg.loss.scale_rewards,
+                std_floor: cfg.loss.reward_std_floor.map(|f| f as f32),
+                normalize_batch: cfg.loss.normalize_advantages_batch,
             },
             weights,
             update,
             schedule: Schedule {
-                learning_rate: cfg.learning_rate,
-                kind: cfg.lr_scheduler_type,
+                learning_rate: cfg.update.learning_rate,
+                kind: cfg.update.lr_scheduler_type,
                 warmup_steps: warmup,
                 total_steps,
             },
@@ -527,14 +520,18 @@ impl RoundOptions {
                 .collect(),
             rewards_need_ref: run.rewards_need_ref,
             kl_needs_ref: run.kl_needs_ref,
-            needs_old: cfg.num_iterations > 1
-                || cfg.steps_per_generation > cfg.gradient_accumulation_steps,
-            dynamic_sampling: cfg.dynamic_sampling,
-            max_extra_passes: cfg.dynamic_sampling_max_passes,
-            best: cfg.metric_for_best_model.clone().map(|metric| BestModel {
-                metric,
-                greater_is_better: cfg.greater_is_better,
-            }),
+            needs_old: cfg.update.num_iterations > 1
+                || cfg.steps_per_generation > cfg.update.gradient_accumulation_steps,
+            dynamic_sampling: cfg.logging.dynamic_sampling,
+            max_extra_passes: cfg.logging.dynamic_sampling_max_passes,
+            best: cfg
+                .logging
+                .metric_for_best_model
+                .clone()
+                .map(|metric| BestModel {
+                    metric,
+                    greater_is_better: cfg.logging.greater_is_better(),
+                }),
         })
     }
 }
@@ -547,6 +544,7 @@ impl<P: Policy> Run<'_, P> {
         if let Some(v) = new_best {
             let dir = self
                 .cfg
+                .run
                 .output_dir
                 .join(format!("checkpoint-{}", self.state.step));
             self.state.best_metric = Some(v);
@@ -560,12 +558,12 @@ impl<P: Policy> Run<'_, P> {
         let optimizer = self.opt.state_tensors()?;
         let trainer_state = serde_json::to_value(&self.state).map_err(|e| {
             Error::checkpoint(
-                &self.cfg.output_dir,
+                &self.cfg.run.output_dir,
                 format!("cannot serialise trainer state: {e}"),
             )
         })?;
         checkpoint::save_checkpoint(
-            &self.cfg.output_dir,
+            &self.cfg.run.output_dir,
             &CheckpointData {
                 step: self.state.step,
                 model: self.policy.model_files(&tensors, &self.tok),
@@ -573,7 +571,7 @@ impl<P: Policy> Run<'_, P> {
                 trainer_state: &trainer_state,
                 config_toml: &self.config_toml,
             },
-            self.cfg.save_total_limit,
+            self.cfg.logging.save_total_limit,
             keep.as_deref(),
         )
     }
@@ -586,21 +584,21 @@ fn check_world(cfg: &TrainConfig, world: &dyn World) -> Result<()> {
     if n == 1 {
         return Ok(());
     }
-    let g = cfg.num_generations;
-    if !cfg.per_device_train_batch_size.is_multiple_of(g) {
+    let g = cfg.generation.num_generations;
+    if !cfg.update.per_device_train_batch_size.is_multiple_of(g) {
         return Err(Error::config(
             "per_device_train_batch_size",
             format!(
                 "{}: with {n} ranks each rank's micro-batch holds whole groups: make it a \
                  multiple of num_generations ({g})",
-                cfg.per_device_train_batch_size
+                cfg.update.per_device_train_batch_size
             ),
         ));
     }
     let refused = [
-        (cfg.dynamic_sampling, "dynamic_sampling"),
-        (matches!(cfg.kl, KlMode::Reward { .. }), "kl_coef"),
-        (cfg.top_entropy_quantile < 1.0, "top_entropy_quantile"),
+        (cfg.logging.dynamic_sampling, "dynamic_sampling"),
+        (matches!(cfg.loss.kl(), KlMode::Reward { .. }), "kl_coef"),
+        (cfg.loss.top_entropy_quantile < 1.0, "top_entropy_quantile"),
     ];
     if let Some((_, key)) = refused.iter().find(|(on, _)| *on) {
         return Err(Error::config(
@@ -614,46 +612,33 @@ fn check_world(cfg: &TrainConfig, world: &dyn World) -> Result<()> {
 /// The update's options, from the config.
 pub fn update_options(cfg: &TrainConfig, pad: u32) -> UpdateOptions {
     UpdateOptions {
-        loss: LossOptions {
-            loss_type: cfg.loss_type,
-            importance_sampling_level: cfg.importance_sampling_level,
-            epsilon_low: cfg.epsilon,
-            epsilon_high: cfg.epsilon_high,
-            delta: cfg.delta,
-            beta: cfg.kl.loss_beta(),
-            entropy_coef: cfg.entropy_coef,
-            use_bias_correction_kl: cfg.use_bias_correction_kl,
-            sapo_temperature_pos: cfg.sapo_temperature_pos,
-            sapo_temperature_neg: cfg.sapo_temperature_neg,
-            vespo: cfg.vespo,
-            top_entropy_quantile: cfg.top_entropy_quantile,
-            off_policy_mask_threshold: cfg.off_policy_mask_threshold,
-        },
-        entropy: if cfg.entropy_coef != 0.0 || cfg.adaptive_entropy.is_some() {
+        loss: cfg.loss.options(),
+        entropy: if cfg.loss.entropy_coef != 0.0 || cfg.loss.use_adaptive_entropy {
             Entropy::WithGrad
         } else {
             Entropy::Detached
         },
-        temperature: cfg.temperature,
+        temperature: cfg.generation.temperature,
         pad,
         forward_chunk_tokens: cfg
+            .update
             .forward_chunk_tokens
             .unwrap_or(crate::logprobs::DEFAULT_FORWARD_CHUNK_TOKENS),
-        max_grad_norm: cfg.max_grad_norm,
-        gradient_checkpointing: cfg.gradient_checkpointing,
-        seed: cfg.seed,
-        micro_batch: cfg.per_device_train_batch_size,
-        accumulation_steps: cfg.gradient_accumulation_steps,
+        max_grad_norm: cfg.update.max_grad_norm,
+        gradient_checkpointing: cfg.update.gradient_checkpointing,
+        seed: cfg.run.seed,
+        micro_batch: cfg.update.per_device_train_batch_size,
+        accumulation_steps: cfg.update.gradient_accumulation_steps,
         steps_per_generation: cfg.steps_per_generation,
-        num_iterations: cfg.num_iterations,
-        max_completion_length: cfg.max_completion_length,
-        max_bad_steps: cfg.max_bad_steps,
+        num_iterations: cfg.update.num_iterations,
+        max_completion_length: cfg.generation.max_completion_length,
+        max_bad_steps: cfg.update.max_bad_steps,
     }
 }
 
 impl LoadPolicy for CausalLmPolicy {
     fn check(cfg: &TrainConfig, main: bool) -> Result<()> {
-        if cfg.dtype != DTypeOpt::F32 && cfg.device == DeviceSpec::Cpu && main {
+        if cfg.run.dtype != DTypeOpt::F32 && cfg.run.device == DeviceSpec::Cpu && main {
             tracing::warn!(
                 "dtype = bf16 on the CPU: candle multiplies bf16 matrices with a plain loop \
                  there (its GEMM has no bf16 kernels), many times slower than f32; bf16 is \
@@ -663,7 +648,7 @@ impl LoadPolicy for CausalLmPolicy {
         Ok(())
     }
 
-    /// The model `cfg.model` names (hub id, HF directory or GGUF). The reference holds the base
+    /// The model `cfg.run.model` names (hub id, HF directory or GGUF). The reference holds the base
     /// weights (never the resumed ones); its HF-layout tensors are kept only when they are mixed
     /// with the policy's later (`sync_ref_model`), otherwise the built model's own layout is the
     /// only copy. With LoRA the reference is the frozen base itself, adapters off.
@@ -673,7 +658,7 @@ impl LoadPolicy for CausalLmPolicy {
         needs_ref: bool,
         device: &Device,
     ) -> Result<Loaded<Self>> {
-        let source = hub::resolve_model(cfg.model.as_deref())?;
+        let source = hub::resolve_model(cfg.run.model.as_deref())?;
         tracing::info!("model: {}", source.path().display());
         let mut base = load_model(&source, DType::F32, device)?;
         let tok = base.tokenizer()?.clone();
@@ -685,11 +670,11 @@ impl LoadPolicy for CausalLmPolicy {
                 (true, None) => Some(CausalLm::from_tensors(
                     &base.config,
                     base.tensors.clone(),
-                    cfg.dtype.compute(),
+                    cfg.run.dtype.compute(),
                     device,
                 )?),
             },
-            tensors: (needs_ref && cfg.sync_ref_model).then(|| base.tensors.clone()),
+            tensors: (needs_ref && cfg.loss.sync_ref_model).then(|| base.tensors.clone()),
         };
         Ok(Loaded {
             policy,
@@ -710,7 +695,7 @@ fn policy_parameters(
     resume_from: Option<&PathBuf>,
     device: &Device,
 ) -> Result<CausalLmPolicy> {
-    let (names, vars, frozen_base) = match &cfg.lora {
+    let (names, vars, frozen_base) = match &cfg.lora.adapters() {
         None => {
             let start_tensors = match resume_from {
                 Some(dir) => {
@@ -732,14 +717,14 @@ fn policy_parameters(
                 lcfg.target_modules = peft::default_targets(base.config.arch);
             }
             let mut build_cfg = base.config.clone();
-            build_cfg.build_quantized = cfg.base_quantization;
+            build_cfg.build_quantized = cfg.lora.base_quantization;
             let mut frozen = CausalLm::from_tensors(
                 &build_cfg,
                 std::mem::take(&mut base.tensors),
-                cfg.dtype.compute(),
+                cfg.run.dtype.compute(),
                 device,
             )?;
-            if let Some(q) = cfg.base_quantization {
+            if let Some(q) = cfg.lora.base_quantization {
                 // A GGUF's weights of this type are used as they are; the rest are quantized.
                 let given = match source {
                     ModelSource::Gguf(p) => crate::weights::gguf_quantized_projections(p, q)?,
@@ -766,7 +751,7 @@ fn policy_parameters(
                     }
                     a.tensors
                 }
-                None => peft::init_weights(&frozen, &lcfg, cfg.seed, device)?,
+                None => peft::init_weights(&frozen, &lcfg, cfg.run.seed, device)?,
             };
             let n_params: usize = tensors.iter().map(|(_, t)| t.elem_count()).sum();
             tracing::info!(
@@ -790,9 +775,9 @@ fn policy_parameters(
         names,
         vars,
         device: device.clone(),
-        dtype: cfg.dtype.compute(),
+        dtype: cfg.run.dtype.compute(),
         lora: frozen_base,
-        base_model_name: hub::portable_model_name(cfg.model.as_deref(), source),
+        base_model_name: hub::portable_model_name(cfg.run.model.as_deref(), source),
         generation_config: checkpoint::source_generation_config(source.path()),
     })
 }

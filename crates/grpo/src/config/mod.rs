@@ -1,0 +1,626 @@
+//! The training configuration: a TOML or YAML file plus `--key=value` overrides, resolved once
+//! into a validated [`TrainConfig`] made of its sections ([`Run`], [`Data`], [`Generation`],
+//! [`Update`], [`Lora`], [`Loss`], [`Logging`]).
+//!
+//! Option names follow TRL's `GRPOConfig` (and HF `TrainingArguments`) where TRL has the option,
+//! so the GRPO keys of a TRL YAML config work as they are. Keys TRL/HF have that do not apply here
+//! (`bf16`-style switches we resolve differently, vLLM and distributed settings, hub uploads) are
+//! accepted and listed in [`TrainConfig::ignored_keys`] ([`ignored_trl_keys`] lists them all); any
+//! other unknown key is an error that suggests the nearest known one. TRL's translation lives in
+//! `trl.rs`.
+//!
+//! Every key is declared once, in `sections.rs`: its section, type, default and help. Resolution:
+//! every key starts at its default, the file's values replace defaults, overrides replace both;
+//! serde reads each section from the merged values (errors name the key and the expected type),
+//! and `TrainConfig::validate` checks the rules that span keys. The `[[rewards]]` tables are
+//! parsed into [`RewardSpec`]s at the same time, so a reward typo fails here, not after the model
+//! loaded.
+
+mod sections;
+mod trl;
+mod values;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use candle_core::Device;
+use serde_json::Value;
+
+use crate::eval::EvalOptions;
+use crate::rewards::RewardSpec;
+use crate::{Error, Result};
+
+use sections::{is_key, suggest, Sections, KEYS};
+pub use sections::{
+    reference, Data, Generation, KeyDoc, Logging, Lora, Loss, Run, TaskConfig, Update,
+};
+pub use trl::{ignore_reason, ignored_trl_keys, trl_key, TrlKey};
+pub use values::{DTypeOpt, DeviceSpec, MaskRatio, PolicyType, SpanLen};
+
+/// The embedded default run (`grpo train` with no arguments).
+pub const DEFAULT_CONFIG: &str = include_str!("../../configs/default.toml");
+/// The embedded fill-in run: `grpo train --policy=fill_in` with nothing else.
+pub const FILL_IN_CONFIG: &str = include_str!("../../configs/fill_in.toml");
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Toml,
+    Yaml,
+}
+
+impl DeviceSpec {
+    /// The candle device; an error naming the `device` key when this build has no CUDA or the
+    /// GPU cannot be opened.
+    pub fn device(&self) -> Result<Device> {
+        match *self {
+            DeviceSpec::Cpu => Ok(Device::Cpu),
+            DeviceSpec::Cuda(n) => {
+                if !candle_core::utils::cuda_is_available() {
+                    return Err(Error::config(
+                        "device",
+                        format!(
+                            "`{self}`: this grpo was built without CUDA; rebuild with \
+                             `--features cuda`, or set device = \"cpu\""
+                        ),
+                    ));
+                }
+                Device::new_cuda(n).map_err(|e| {
+                    Error::config(
+                        "device",
+                        format!(
+                            "`{self}` is not available ({e}); set device to a GPU this machine \
+                             has, or to \"cpu\""
+                        ),
+                    )
+                })
+            }
+        }
+    }
+}
+
+/// How `policy = "fill_in"` masks inputs on the fly (`mask_ratio`, `mask_span`, `mask_seed`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Masking {
+    /// Each input's share of masked tokens is drawn uniformly from this range.
+    pub ratio: (f64, f64),
+    /// Span lengths in tokens, drawn uniformly from this range per span.
+    pub span: (usize, usize),
+    pub seed: u64,
+}
+
+/// The validated training configuration: the sections as their keys resolved (docs in
+/// [`reference()`]), and what is resolved across them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainConfig {
+    pub run: Run,
+    pub data: Data,
+    pub generation: Generation,
+    pub update: Update,
+    pub lora: Lora,
+    pub loss: Loss,
+    pub logging: Logging,
+    /// Completions per generation round: `generation_batch_size`, else
+    /// per_device_train_batch_size x steps_per_generation.
+    pub generation_batch_size: usize,
+    /// Micro-batches per generation round: `steps_per_generation`, else from
+    /// `generation_batch_size`, else gradient_accumulation_steps.
+    pub steps_per_generation: usize,
+    /// `policy = "fill_in"` with `mask_ratio`: inputs masked on the fly.
+    pub masking: Option<Masking>,
+    /// The `[[rewards]]` tables, parsed and checked (built into rewards by
+    /// [`crate::inputs::config_rewards`]); empty: the built-in task's rewards.
+    pub rewards: Vec<RewardSpec>,
+    /// TRL/HF keys that were given and are ignored here.
+    pub ignored_keys: Vec<String>,
+    /// TRL's `resume_from_checkpoint = true`: resume as `--resume` does.
+    pub resume_from_checkpoint: bool,
+    /// Extra chat-template variables (TRL's `chat_template_kwargs`, e.g. `enable_thinking`).
+    pub chat_template_kwargs: serde_json::Map<String, Value>,
+    /// The merged values of every key (and the `[[rewards]]` tables as given), for
+    /// [`Self::to_toml`].
+    resolved: BTreeMap<String, Value>,
+}
+
+/// Flattens nested tables into dotted keys (`task.train_size`); `rewards` stays a list.
+fn flatten(prefix: &str, v: Value, out: &mut BTreeMap<String, Value>) {
+    match v {
+        Value::Object(m) if prefix.is_empty() || prefix == "task" || prefix == "lora" => {
+            for (k, v) in m {
+                let key = if prefix.is_empty() {
+                    k
+                } else {
+                    format!("{prefix}.{k}")
+                };
+                if (key == "task" || key == "lora") && v.is_object() {
+                    flatten(&key, v, out);
+                } else {
+                    out.insert(key, v);
+                }
+            }
+        }
+        other => {
+            out.insert(prefix.to_string(), other);
+        }
+    }
+}
+
+/// Parses a config document into dotted keys.
+fn parse_doc(text: &str, format: Format, origin: &str) -> Result<BTreeMap<String, Value>> {
+    let v: Value = match format {
+        Format::Toml => {
+            let t: toml::Value = toml::from_str(text)
+                .map_err(|e| Error::file(origin, format!("invalid TOML: {e}")))?;
+            serde_json::to_value(t).map_err(|e| Error::file(origin, e))?
+        }
+        Format::Yaml => {
+            if text.trim().is_empty() {
+                Value::Object(Default::default())
+            } else {
+                serde_yaml::from_str(text)
+                    .map_err(|e| Error::file(origin, format!("invalid YAML: {e}")))?
+            }
+        }
+    };
+    if !v.is_object() {
+        return Err(Error::file(
+            origin,
+            "expected a table of `key = value` settings at the top level",
+        ));
+    }
+    let mut out = BTreeMap::new();
+    flatten("", v, &mut out);
+    Ok(out)
+}
+
+/// A command-line value: a TOML scalar or array when it parses as one, else a string.
+pub(super) fn parse_override_value(raw: &str) -> Value {
+    match toml::from_str::<toml::Table>(&format!("v = {raw}")) {
+        Ok(mut t) => t
+            .remove("v")
+            .and_then(|v| serde_json::to_value(v).ok())
+            .unwrap_or_else(|| Value::String(raw.into())),
+        Err(_) => Value::String(raw.into()),
+    }
+}
+
+fn parse_overrides(overrides: &[String]) -> Result<Vec<(String, Value)>> {
+    overrides
+        .iter()
+        .map(|o| {
+            let body = o.trim_start_matches('-');
+            // A bare `--flag` is `--flag=true`, as in TRL's argument parser, unless the key
+            // is one of grpo's that is not true/false (TRL's and the seeds' names are checked
+            // when they are read).
+            let needs_value = |k: &str| {
+                KEYS.iter()
+                    .any(|d| d.key == k && !matches!(d.default, "true" | "false"))
+            };
+            let (k, v) = match body.split_once('=') {
+                Some(kv) => kv,
+                None if !needs_value(body) => (body, "true"),
+                None => {
+                    return Err(Error::config(
+                        body,
+                        format!("override `{o}` has no value: write --{body}=VALUE"),
+                    ))
+                }
+            };
+            if k == "rewards" {
+                return Err(Error::config("rewards", "set rewards in the config file"));
+            }
+            Ok((k.to_string(), parse_override_value(v)))
+        })
+        .collect()
+}
+
+impl TrainConfig {
+    /// Loads `path` (None: the embedded default, or the embedded fill-in run when the overrides
+    /// say `--policy=fill_in`) with `overrides` (`--key=value`).
+    pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<TrainConfig> {
+        let fill_in = overrides
+            .iter()
+            .any(|o| o.trim_start_matches('-').replace('-', "_") == "policy=fill_in");
+        match path {
+            None if fill_in => Self::from_str(
+                FILL_IN_CONFIG,
+                Format::Toml,
+                "<embedded fill-in config>",
+                overrides,
+            ),
+            None => Self::from_str(
+                DEFAULT_CONFIG,
+                Format::Toml,
+                "<embedded default config>",
+                overrides,
+            ),
+            Some(p) => {
+                let format = match p.extension().and_then(|e| e.to_str()) {
+                    Some("toml") => Format::Toml,
+                    Some("yaml") | Some("yml") => Format::Yaml,
+                    _ => {
+                        return Err(Error::file(
+                            p,
+                            "unknown config format: use a .toml, .yaml or .yml file",
+                        ))
+                    }
+                };
+                let text = std::fs::read_to_string(p)
+                    .map_err(|e| Error::file(p, format!("cannot read config: {e}")))?;
+                Self::from_str(&text, format, &p.display().to_string(), overrides)
+            }
+        }
+    }
+
+    /// Parses config text; `origin` names it in errors.
+    pub fn from_str(
+        text: &str,
+        format: Format,
+        origin: &str,
+        overrides: &[String],
+    ) -> Result<TrainConfig> {
+        let doc = parse_doc(text, format, origin)?;
+        trl::Translation::check_doc(&doc)?;
+        let mut merged: BTreeMap<String, Value> = KEYS
+            .iter()
+            .filter(|k| !k.default.is_empty())
+            .map(|k| (k.key.to_string(), parse_override_value(k.default)))
+            .collect();
+        let mut trl = trl::Translation::default();
+        let mut reward_tables = vec![];
+        let mut apply = |k: String, v: Value, from: &str| -> Result<()> {
+            let Some((k, v)) = trl.apply(&mut merged, k, v, from)? else {
+                return Ok(());
+            };
+            if k == "rewards" {
+                reward_tables = match v {
+                    Value::Array(a) => a,
+                    other => {
+                        return Err(Error::config(
+                            "rewards",
+                            values::expected("a list of [[rewards]] tables", &other),
+                        ))
+                    }
+                };
+            } else if is_key(&k) {
+                trl.answer_field_given |= k == "answer_field";
+                merged.insert(k, v);
+            } else {
+                return Err(Error::config(
+                    &k,
+                    format!("unknown key in {from}{}", suggest(&k)),
+                ));
+            }
+            Ok(())
+        };
+        for (k, v) in doc {
+            apply(k, v, origin)?;
+        }
+        for (k, v) in parse_overrides(overrides)? {
+            apply(k, v, "the command line")?;
+        }
+        trl.finish(&mut merged, &mut reward_tables)?;
+        let mut cfg = Self::validate(Sections::read(&merged)?)?;
+        cfg.rewards =
+            crate::rewards::parse_specs(&reward_tables, cfg.generation.max_completion_length)?;
+        if cfg.run.policy == PolicyType::FillIn
+            && cfg.data.train_file.is_some()
+            && cfg.run.judge.is_none()
+            && cfg.rewards.is_empty()
+        {
+            return Err(Error::config(
+                "judge",
+                "policy = \"fill_in\" with a train_file needs a reward: judge = a classifier \
+                 directory (e.g. one `grpo pretrain --objective judge` made) or [[rewards]] tables",
+            ));
+        }
+        cfg.ignored_keys = std::mem::take(&mut trl.ignored);
+        cfg.resume_from_checkpoint = trl.resume_requested;
+        cfg.chat_template_kwargs = trl.template_kwargs.clone();
+        let mut resolved = merged;
+        if !reward_tables.is_empty() {
+            resolved.insert("rewards".into(), Value::Array(reward_tables));
+        }
+        if !trl.template_kwargs.is_empty() {
+            resolved.insert(
+                "chat_template_kwargs".into(),
+                Value::Object(std::mem::take(&mut trl.template_kwargs)),
+            );
+        }
+        cfg.resolved = resolved;
+        Ok(cfg)
+    }
+
+    /// Checks the rules that span keys (a key's own type checks its value), resolves what
+    /// depends on several keys, and normalizes a few values in place; the one place config rules
+    /// live. Every error names its key.
+    fn validate(s: Sections) -> Result<TrainConfig> {
+        let bad = |k: &str, msg: String| Err(Error::config(k, msg));
+        let Sections {
+            mut run,
+            data,
+            generation: gen,
+            mut update,
+            lora,
+            loss,
+            mut logging,
+        } = s;
+        let per_device = update.per_device_train_batch_size;
+        let accum = update.gradient_accumulation_steps;
+        let g = gen.num_generations;
+        let (gbs, spg) = match (gen.generation_batch_size, gen.steps_per_generation) {
+            (Some(_), Some(_)) => {
+                return bad(
+                    "generation_batch_size",
+                    "set generation_batch_size or steps_per_generation, not both".into(),
+                )
+            }
+            (Some(gbs), None) => {
+                if gbs == 0 || gbs % per_device != 0 {
+                    return bad("generation_batch_size", format!("{gbs} is not a positive multiple of per_device_train_batch_size={per_device}"));
+                }
+                (gbs, gbs / per_device)
+            }
+            (None, Some(spg)) => (per_device * spg.max(1), spg.max(1)),
+            (None, None) => (per_device * accum, accum),
+        };
+        if gbs % g != 0 {
+            return bad(
+                "num_generations",
+                format!("a batch must hold whole groups: generation_batch_size={gbs} is not a multiple of num_generations={g}; set per_device_train_batch_size to a multiple of {g}"),
+            );
+        }
+        if spg % accum != 0 {
+            return bad(
+                "steps_per_generation",
+                format!("steps_per_generation={spg} must be a multiple of gradient_accumulation_steps={accum} (each generation round ends on an optimizer step)"),
+            );
+        }
+        if loss.use_adaptive_entropy {
+            let (lo, hi, d) = (
+                loss.entropy_coef_min,
+                loss.entropy_coef_max,
+                loss.entropy_coef_delta,
+            );
+            if !(lo >= 0.0 && lo <= hi && hi.is_finite()) {
+                return bad(
+                    "entropy_coef_min",
+                    format!("needs 0 <= entropy_coef_min <= entropy_coef_max, got {lo} and {hi}"),
+                );
+            }
+            if !(d >= 0.0 && d.is_finite()) {
+                return bad("entropy_coef_delta", format!("must be >= 0, got {d}"));
+            }
+        }
+        if loss.beta > 0.0 && loss.kl_coef > 0.0 {
+            return bad(
+                "beta",
+                "beta (KL in the loss) and kl_coef (KL in the reward) are both set: choose one"
+                    .into(),
+            );
+        }
+        if loss.kl_target.is_some() && loss.kl_coef == 0.0 {
+            return bad(
+                "kl_target",
+                "the adaptive KL controller needs kl_coef > 0 (its starting value)".into(),
+            );
+        }
+        if data.task_min_operand > data.task_max_operand {
+            return bad(
+                "task.min_operand",
+                format!(
+                    "{} is above task.max_operand={}",
+                    data.task_min_operand, data.task_max_operand
+                ),
+            );
+        }
+        if let Some(l) = lora.adapters() {
+            if !(l.alpha > 0.0 && l.alpha.is_finite()) {
+                return bad("lora.alpha", format!("must be > 0, got {}", l.alpha));
+            }
+            if !(0.0..1.0).contains(&l.dropout) {
+                return bad(
+                    "lora.dropout",
+                    format!("must be in [0, 1), got {}", l.dropout),
+                );
+            }
+        }
+        if lora.base_quantization.is_some() && lora.r == 0 {
+            return bad(
+                "base_quantization",
+                "a quantized base is frozen, so it needs LoRA adapters to train: set lora.r (e.g. --lora.r=16)".into(),
+            );
+        }
+        if lora.r > 0 && loss.sync_ref_model {
+            return bad(
+                "sync_ref_model",
+                "with LoRA the reference is the base model with adapters off; it cannot be synced: set sync_ref_model = false".into(),
+            );
+        }
+        if loss.multi_objective_aggregation
+            == crate::advantages::RewardAggregation::NormalizeThenSum
+            && loss.kl_coef > 0.0
+        {
+            return bad(
+                "multi_objective_aggregation",
+                "normalize_then_sum cannot be combined with kl_coef (KL in the reward); use beta \
+                 (KL in the loss) instead"
+                    .into(),
+            );
+        }
+        // A fill-in run on the user's inputs needs their generator (the built-in task brings
+        // one); its reward is checked once the reward tables are read.
+        if run.policy == PolicyType::FillIn && data.train_file.is_some() && run.model.is_none() {
+            return bad(
+                "model",
+                "policy = \"fill_in\" with a train_file needs model = the directory of a \
+                 masked-LM generator (BERT, RoBERTa or DistilBERT *ForMaskedLM, or one \
+                 `grpo pretrain` made)"
+                    .into(),
+            );
+        }
+        let masking = match data.mask_ratio {
+            Some(r) if run.policy == PolicyType::FillIn => Some(Masking {
+                ratio: r.0,
+                span: data.mask_span.0,
+                seed: data.mask_seed.map_or(run.seed, |s| s as u64),
+            }),
+            Some(_) => {
+                return bad(
+                    "mask_ratio",
+                    "masks inputs of policy = \"fill_in\"; a causal LM has nothing to mask".into(),
+                )
+            }
+            None if data.mask_span != SpanLen((1, 1)) || data.mask_seed.is_some() => {
+                let key = match data.mask_seed.is_some() {
+                    true => "mask_seed",
+                    false => "mask_span",
+                };
+                return bad(
+                    key,
+                    "applies to inputs masked on the fly: set mask_ratio too".into(),
+                );
+            }
+            None => None,
+        };
+        // The best model: HF's spellings of an eval metric (`eval_accuracy`, `accuracy`) name ours.
+        logging.metric_for_best_model = logging.metric_for_best_model.as_deref().map(|m| {
+            if m.contains('/') {
+                m.to_string()
+            } else {
+                format!("eval/{}", m.strip_prefix("eval_").unwrap_or(m))
+            }
+        });
+        if logging.load_best_model_at_end {
+            if logging.metric_for_best_model.is_none() {
+                return bad(
+                    "load_best_model_at_end",
+                    "needs metric_for_best_model (e.g. \"eval/accuracy\") to know which checkpoint is best".into(),
+                );
+            }
+            if logging.eval_steps == 0 || !logging.save_steps.is_multiple_of(logging.eval_steps) {
+                return bad(
+                    "load_best_model_at_end",
+                    format!(
+                        "needs save_steps ({}) to be a multiple of eval_steps ({}), so that every checkpoint has an evaluation",
+                        logging.save_steps, logging.eval_steps
+                    ),
+                );
+            }
+        }
+        // Eval: the ks against the sample count, something to evaluate, the temperature.
+        crate::eval::check_ks(
+            &logging.eval_k,
+            logging.eval_num_samples,
+            "eval_k",
+            "eval_num_samples",
+        )?;
+        logging.eval_k.sort_unstable();
+        logging.eval_k.dedup();
+        if logging.eval_num_samples == 0 && !logging.eval_greedy {
+            return bad(
+                "eval_num_samples",
+                "0 samples with eval_greedy = false leave nothing to evaluate: set eval_num_samples \
+                 above 0 or eval_greedy = true"
+                    .into(),
+            );
+        }
+        logging.report_to = values::resolve_report_to(&logging.report_to)
+            .map_err(|e| Error::config("report_to", e))?;
+        run.threads = run.threads.filter(|&n| n > 0);
+        update.max_bad_steps = update.max_bad_steps.max(1);
+        Ok(TrainConfig {
+            run,
+            data,
+            generation: gen,
+            update,
+            lora,
+            loss,
+            logging,
+            generation_batch_size: gbs,
+            steps_per_generation: spg,
+            masking,
+            rewards: vec![],
+            ignored_keys: vec![],
+            resume_from_checkpoint: false,
+            chat_template_kwargs: Default::default(),
+            resolved: BTreeMap::new(),
+        })
+    }
+
+    /// Every key of the config as it resolved (defaults included), as `config.toml` has them.
+    pub fn resolved(&self) -> &BTreeMap<String, Value> {
+        &self.resolved
+    }
+
+    /// This config's eval settings (`eval_num_samples`, `eval_k`, `eval_greedy`,
+    /// `eval_num_prompts`, `eval_temperature` and the other sampling keys, `seed`,
+    /// `system_prompt`, `max_prompt_length`).
+    pub fn eval_options(&self, eos_token_ids: Vec<u32>) -> EvalOptions {
+        let l = &self.logging;
+        let mut sampling = self.generation.sampling(eos_token_ids);
+        sampling.temperature = self.eval_temperature();
+        EvalOptions {
+            num_samples: l.eval_num_samples,
+            ks: l.eval_k.clone(),
+            greedy: l.eval_greedy,
+            num_prompts: l.eval_num_prompts,
+            seed: self.run.seed,
+            sampling,
+            system_prompt: self.data.system_prompt.clone(),
+            max_prompt_length: self.data.max_prompt_length,
+        }
+    }
+
+    /// `eval_temperature`, or `temperature` when unset.
+    pub fn eval_temperature(&self) -> f64 {
+        self.logging
+            .eval_temperature
+            .unwrap_or(self.generation.temperature)
+    }
+
+    /// Sets `max_completion_length` after loading (`grpo eval --max-new-tokens`), and with it the
+    /// default `max_length` of length rewards: the reward tables are parsed again.
+    pub fn set_max_completion_length(&mut self, n: usize) -> Result<()> {
+        if n == 0 {
+            return Err(Error::config("max_completion_length", "must be at least 1"));
+        }
+        if let Some(Value::Array(tables)) = self.resolved.get("rewards") {
+            self.rewards = crate::rewards::parse_specs(tables, n)?;
+        }
+        self.generation.max_completion_length = n;
+        self.resolved
+            .insert("max_completion_length".into(), Value::from(n));
+        Ok(())
+    }
+
+    /// Prompts per generation round.
+    pub fn prompts_per_step(&self) -> usize {
+        self.generation_batch_size / self.generation.num_generations
+    }
+
+    /// The resolved config as TOML (every key that has a value), loadable by [`Self::load`].
+    pub fn to_toml(&self) -> String {
+        let mut root = toml::Table::new();
+        let mut task = toml::Table::new();
+        let mut lora = toml::Table::new();
+        for (k, v) in &self.resolved {
+            let Ok(tv) = serde_json::from_value::<toml::Value>(v.clone()) else {
+                continue;
+            };
+            if let Some(sub) = k.strip_prefix("task.") {
+                task.insert(sub.to_string(), tv);
+            } else if let Some(sub) = k.strip_prefix("lora.") {
+                lora.insert(sub.to_string(), tv);
+            } else {
+                root.insert(k.clone(), tv);
+            }
+        }
+        // Scalars first, then tables/arrays of tables, as TOML requires.
+        root.insert("task".into(), toml::Value::Table(task));
+        root.insert("lora".into(), toml::Value::Table(lora));
+        toml::to_string(&root).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests;

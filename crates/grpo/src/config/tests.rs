@@ -1,0 +1,759 @@
+//! The config's tests: defaults, TRL's keys, overrides, every rule's key, the goldens.
+
+use std::path::PathBuf;
+
+use super::*;
+use crate::advantages::ScaleRewards;
+use crate::loss::{KlMode, LossType};
+use crate::optim::LrSchedule;
+
+fn load(text: &str, f: Format, o: &[&str]) -> Result<TrainConfig> {
+    let o: Vec<String> = o.iter().map(|s| s.to_string()).collect();
+    TrainConfig::from_str(text, f, "test", &o)
+}
+
+#[test]
+fn defaults_follow_trl() {
+    let c = load("", Format::Toml, &[]).unwrap();
+    assert_eq!(c.generation.num_generations, 8);
+    assert_eq!(c.generation.max_completion_length, 256);
+    assert_eq!(c.update.learning_rate, 1e-6);
+    assert_eq!(c.loss.beta, 0.0);
+    assert_eq!(c.loss.kl(), KlMode::None);
+    assert_eq!(c.loss.epsilon, 0.2);
+    assert_eq!(c.loss.options().epsilon_high, 0.2);
+    assert_eq!(c.loss.loss_type, LossType::Dapo);
+    assert_eq!(c.loss.scale_rewards, ScaleRewards::Group);
+    assert_eq!(c.update.lr_scheduler_type, LrSchedule::Linear);
+    assert_eq!(c.update.per_device_train_batch_size, 8);
+    assert_eq!(c.generation_batch_size, 8);
+    assert_eq!(c.prompts_per_step(), 1);
+    assert_eq!(c.data.max_prompt_length, Some(512));
+    assert_eq!(c.update.max_grad_norm, 1.0);
+}
+
+#[test]
+fn trl_yaml_loads_and_ignores_what_does_not_apply() {
+    let y = "learning_rate: 1.0e-06\nbf16: true\nreport_to: none\ngradient_checkpointing: true\n\
+             num_generations: 4\nper_device_train_batch_size: 16\nloss_type: dr_grpo\nscale_rewards: false\n\
+             use_vllm: false\nmax_completion_length: 128\n";
+    let c = load(y, Format::Yaml, &[]).unwrap();
+    assert_eq!(c.loss.loss_type, LossType::DrGrpo);
+    assert_eq!(c.loss.scale_rewards, ScaleRewards::None);
+    // TRL's bf16 = true trains in f32 on the CPU (listed as ignored), bf16 on a GPU.
+    assert_eq!(c.run.dtype, DTypeOpt::F32);
+    assert_eq!(c.prompts_per_step(), 4);
+    assert_eq!(c.ignored_keys, vec!["bf16", "use_vllm"]);
+    let g = load(y, Format::Yaml, &["--device=cuda"]).unwrap();
+    assert_eq!(g.run.dtype, DTypeOpt::Bf16);
+    assert_eq!(g.ignored_keys, vec!["use_vllm"]);
+    // The same for the model arguments' torch_dtype.
+    let t = load("torch_dtype: bfloat16\n", Format::Yaml, &[]).unwrap();
+    assert_eq!(
+        (t.run.dtype, t.ignored_keys),
+        (DTypeOpt::F32, vec!["torch_dtype".to_string()])
+    );
+    let t = load(
+        "torch_dtype: bfloat16\n",
+        Format::Yaml,
+        &["--device=cuda:1"],
+    )
+    .unwrap();
+    assert_eq!((t.run.dtype, t.ignored_keys.len()), (DTypeOpt::Bf16, 0));
+    let t = load("torch_dtype: float32\n", Format::Yaml, &[]).unwrap();
+    assert_eq!((t.run.dtype, t.ignored_keys.len()), (DTypeOpt::F32, 0));
+    assert!(c.update.gradient_checkpointing, "a real key now");
+    assert!(c.logging.report_to.is_empty());
+    // TRL's PEFT switches map onto lora.*.
+    let p = "use_peft: true
+lora_alpha: 64
+lora_target_modules: [q_proj, k_proj]
+";
+    let c = load(p, Format::Yaml, &[]).unwrap();
+    let l = c.lora.adapters().unwrap();
+    assert_eq!((l.r, l.alpha), (16, 64.0));
+    assert_eq!(l.target_modules, vec!["q_proj", "k_proj"]);
+    let c = load(
+        "",
+        Format::Toml,
+        &["--lora.r=8", "--lora.target_modules=q_proj,v_proj"],
+    )
+    .unwrap();
+    let l = c.lora.adapters().unwrap();
+    assert_eq!((l.r, l.alpha, l.target_modules.len()), (8, 16.0, 2));
+    assert!(load("", Format::Toml, &[])
+        .unwrap()
+        .lora
+        .adapters()
+        .is_none());
+    // QLoRA without adapters, and LoRA with a synced reference, are refused naming the key.
+    for (o, key) in [
+        (&["--base_quantization=q4_0"][..], "base_quantization"),
+        (
+            &["--lora.r=4", "--sync_ref_model=true"][..],
+            "sync_ref_model",
+        ),
+        (&["--lora.r=4", "--lora.dropout=1.5"][..], "lora.dropout"),
+        (
+            &["--lora.r=4", "--base_quantization=q3_k"][..],
+            "base_quantization",
+        ),
+    ] {
+        let e = load("", Format::Toml, o).unwrap_err().to_string();
+        assert!(e.contains(key), "{o:?}: {e}");
+    }
+}
+
+#[test]
+fn unknown_keys_suggest_the_nearest() {
+    let e = load("num_generation = 4", Format::Toml, &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("num_generation") && e.contains("did you mean `num_generations`"),
+        "{e}"
+    );
+    let e = load("", Format::Toml, &["--lerning_rate=1e-5"])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("learning_rate"), "{e}");
+}
+
+#[test]
+fn overrides_win_and_parse_types() {
+    let c = load(
+        "num_generations = 4\nper_device_train_batch_size = 8\n[task]\ntrain_size = 50\n",
+        Format::Toml,
+        &[
+            "--num_generations=8",
+            "--learning_rate=5e-6",
+            "--task.train_size=70",
+            "--stop=###,END",
+            "beta=0.04",
+        ],
+    )
+    .unwrap();
+    assert_eq!(c.generation.num_generations, 8);
+    assert_eq!(c.update.learning_rate, 5e-6);
+    assert_eq!(c.data.task().train_size, 70);
+    assert_eq!(c.generation.stop, vec!["###", "END"]);
+    assert_eq!(c.loss.kl(), KlMode::Loss { beta: 0.04 });
+    assert!(load("", Format::Toml, &["--beta"]).is_err());
+    // A bare flag is true: grpo's own booleans, and TRL's (use_peft turns LoRA on).
+    let c = load("", Format::Toml, &["--save_on_signal=false", "--use_peft"]).unwrap();
+    assert!(!c.run.save_on_signal && c.lora.adapters().is_some());
+    let c = load(
+        "save_on_signal = false",
+        Format::Toml,
+        &["--save_on_signal"],
+    )
+    .unwrap();
+    assert!(c.run.save_on_signal);
+}
+
+#[test]
+fn each_rule_names_its_key() {
+    let cases: &[(&str, &str)] = &[
+        ("num_generations = 3", "num_generations"),
+        (
+            "num_generations = 1\nper_device_train_batch_size = 1",
+            "num_generations",
+        ),
+        ("temperature = 0.0", "temperature"),
+        ("top_p = 1.5", "top_p"),
+        ("learning_rate = -1.0", "learning_rate"),
+        ("warmup_ratio = 2.0", "warmup_ratio"),
+        ("adam_beta2 = 1.0", "adam_beta2"),
+        ("beta = 0.1\nkl_coef = 0.1", "beta"),
+        ("loss_type = \"ppo\"", "loss_type"),
+        ("num_generations = \"eight\"", "num_generations"),
+        (
+            "steps_per_generation = 3\ngradient_accumulation_steps = 2",
+            "steps_per_generation",
+        ),
+        (
+            "[task]\nmin_operand = 50\nmax_operand = 10",
+            "task.min_operand",
+        ),
+        ("[task]\nops = [\"/\"]", "task.ops"),
+        ("logging_steps = 0.5", "logging_steps"),
+        ("kl_target = 6.0", "kl_target"),
+        ("eval_num_samples = 4\neval_k = [1, 8]", "eval_k"),
+        ("eval_k = [0]", "eval_k"),
+        ("eval_k = \"x\"", "eval_k"),
+        (
+            "eval_num_samples = 0\neval_greedy = false",
+            "eval_num_samples",
+        ),
+        ("eval_temperature = -1.0", "eval_temperature"),
+    ];
+    for (text, key) in cases {
+        let e = load(text, Format::Toml, &[]).unwrap_err().to_string();
+        assert!(e.contains(&format!("`{key}`")), "{text}: {e}");
+    }
+    let e = load("a = [", Format::Toml, &[]).unwrap_err().to_string();
+    assert!(e.contains("test") && e.contains("line"), "{e}");
+}
+
+#[test]
+fn eval_keys_default_and_parse() {
+    let c = load("temperature = 0.7", Format::Toml, &[]).unwrap();
+    assert_eq!(c.logging.eval_num_samples, 4);
+    assert_eq!(c.logging.eval_k, vec![1]);
+    assert_eq!(c.eval_temperature(), 0.7);
+    assert!(c.logging.eval_greedy);
+    let c = load(
+        "eval_num_samples = 8\neval_k = [8, 1, 4, 4]\neval_temperature = 0.0",
+        Format::Toml,
+        &[],
+    )
+    .unwrap();
+    assert_eq!(c.logging.eval_k, vec![1, 4, 8]);
+    assert_eq!(c.eval_temperature(), 0.0);
+    let c = load(
+        "",
+        Format::Toml,
+        &["--eval_num_samples=8", "--eval_k=1,4,8"],
+    )
+    .unwrap();
+    assert_eq!(c.logging.eval_k, vec![1, 4, 8]);
+    let c = load("", Format::Toml, &["--eval_k=2"]).unwrap();
+    assert_eq!(c.logging.eval_k, vec![2]);
+    // Greedy only: the ks are not checked.
+    let c = load("eval_num_samples = 0\neval_k = [16]", Format::Toml, &[]).unwrap();
+    assert_eq!(c.logging.eval_num_samples, 0);
+    let e = load("eval_num_samples = 2\neval_k = [1, 4]", Format::Toml, &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`eval_k`") && e.contains("raise eval_num_samples to 4"),
+        "{e}"
+    );
+}
+
+#[test]
+fn resolved_toml_round_trips() {
+    let c = load(
+        "beta = 0.04\nstop = [\"x\"]\n[[rewards]]\nkind = \"answer_match\"\nweight = 2.0\n",
+        Format::Toml,
+        &["--task.ops=+,-"],
+    )
+    .unwrap();
+    let text = c.to_toml();
+    let c2 = load(&text, Format::Toml, &[]).unwrap();
+    assert_eq!(c, c2, "{text}");
+    assert_eq!(c2.rewards.len(), 1);
+}
+
+/// The configs whose `to_toml()` is pinned byte for byte (it is each checkpoint's
+/// config.toml): (name, input text, format, overrides).
+fn golden_cases() -> Vec<(&'static str, &'static str, Format, Vec<String>)> {
+    let o = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    vec![
+        ("default", DEFAULT_CONFIG, Format::Toml, vec![]),
+        (
+            "trl",
+            include_str!("../../testdata/to_toml/trl.yaml"),
+            Format::Yaml,
+            vec![],
+        ),
+        (
+            "rewards",
+            include_str!("../../testdata/to_toml/rewards.toml"),
+            Format::Toml,
+            vec![],
+        ),
+        (
+            "lora",
+            include_str!("../../testdata/to_toml/lora.toml"),
+            Format::Toml,
+            o(&["--lora.dropout=0.1"]),
+        ),
+        (
+            "overrides",
+            DEFAULT_CONFIG,
+            Format::Toml,
+            o(&[
+                "--num_generations=4",
+                "--stop=###,END",
+                "--eval_k=1,4",
+                "--eval_num_samples=4",
+                "--task.ops=+,-",
+                "--lora_r=4",
+                "--max_steps=-1",
+                "--threads=2",
+                "--model_name_or_path=/models/x",
+                "--learning_rate=5e-6",
+                "--temperature=\"0.7\"",
+                "--report_to=jsonl,tensorboard",
+                "--reward_weights=[1.0, 0.5]",
+                "--generation_batch_size=128",
+                "--gradient_accumulation_steps=2",
+                "--use_vllm=true",
+                "--system_prompt=Be brief.",
+            ]),
+        ),
+    ]
+}
+
+#[test]
+fn reward_tables_are_checked_when_the_config_is_read() {
+    let c = load(
+        "max_completion_length = 40\n[[rewards]]\nkind = \"length\"\n\
+         [[rewards]]\nkind = \"command\"\ncommand = \"python3 score.py\"\nname = \"mine\"\n",
+        Format::Toml,
+        &[],
+    )
+    .unwrap();
+    use crate::rewards::{rules::Length, RewardKind};
+    assert_eq!(c.rewards.len(), 2);
+    // The default max_length of a length reward is the config's max_completion_length.
+    assert_eq!(
+        c.rewards[0].kind,
+        RewardKind::Length(Length::Overlong {
+            max_length: 40,
+            cache: 10
+        })
+    );
+    assert_eq!(
+        (c.rewards[1].name.as_str(), c.rewards[1].path.as_str()),
+        ("mine", "rewards[1]")
+    );
+    // Nothing is started while the config is read: the scorer program need not exist.
+    assert!(
+        matches!(&c.rewards[1].kind, RewardKind::Command(s) if s.command == ["python3", "score.py"])
+    );
+    for (text, want) in [
+        (
+            "[[rewards]]\nkind = \"answer_match\"\n[[rewards]]\nkind = \"answer_matc\"\n",
+            &["rewards[1].kind", "did you mean `answer_match`"][..],
+        ),
+        (
+            "[[rewards]]\nkind = \"format\"\npatern = \"x\"\n",
+            &["rewards[0].patern", "did you mean `pattern`"],
+        ),
+        (
+            "[[rewards]]\nkind = \"composite\"\n[rewards.quality]\nkind = \"judge\"\nmode = \"x\"\n",
+            &["rewards[0].quality.mode"],
+        ),
+        (
+            "[[rewards]]\nkind = \"classifier\"\n",
+            &["rewards[0].model", "missing"],
+        ),
+        (
+            "[[rewards]]\nkind = \"judge\"\nmode = \"expected_score\"\nscores = [\"1\", \"2\"]\nscore_values = [1.0]\n",
+            &["rewards[0].score_values", "1 values for 2 score tokens"],
+        ),
+        (
+            "[[rewards]]\nkind = \"diversity\"\n[[rewards]]\nkind = \"diversity\"\n",
+            &["rewards[1].name"],
+        ),
+    ] {
+        let e = load(text, Format::Toml, &[]).unwrap_err().to_string();
+        for w in want {
+            assert!(e.contains(w), "{text}: {e}");
+        }
+    }
+}
+
+#[test]
+fn a_new_completion_budget_moves_the_length_default() {
+    use crate::rewards::{rules::Length, RewardKind};
+    let mut c = load(
+        "max_completion_length = 40\n[[rewards]]\nkind = \"length\"\n\
+         [[rewards]]\nkind = \"length\"\nmax_length = 8\nname = \"fixed\"\n",
+        Format::Toml,
+        &[],
+    )
+    .unwrap();
+    c.set_max_completion_length(100).unwrap();
+    assert_eq!(c.generation.max_completion_length, 100);
+    let lengths: Vec<&RewardKind> = c.rewards.iter().map(|r| &r.kind).collect();
+    assert_eq!(
+        lengths,
+        [
+            &RewardKind::Length(Length::Overlong {
+                max_length: 100,
+                cache: 25
+            }),
+            &RewardKind::Length(Length::Overlong {
+                max_length: 8,
+                cache: 2
+            })
+        ]
+    );
+    assert!(c.to_toml().contains("max_completion_length = 100\n"));
+    assert!(c.set_max_completion_length(0).is_err());
+}
+
+#[test]
+fn kernels_key_parses_and_stays_out_of_the_toml_when_unset() {
+    use crate::kernels::Kernels;
+    let c = load("", Format::Toml, &[]).unwrap();
+    assert_eq!(c.run.kernels, None);
+    assert!(!c.to_toml().lines().any(|l| l.starts_with("kernels")));
+    for (v, want) in [("portable", Kernels::Portable), ("auto", Kernels::Fused)] {
+        let c = load(&format!("kernels = \"{v}\""), Format::Toml, &[]).unwrap();
+        assert_eq!(c.run.kernels, Some(want));
+        assert!(c.to_toml().contains(&format!("kernels = \"{v}\"")));
+    }
+    let c = load("", Format::Toml, &["--kernels=portable"]).unwrap();
+    assert_eq!(c.run.kernels, Some(Kernels::Portable));
+    let e = load("kernels = \"gpu\"", Format::Toml, &[])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`kernels`") && e.contains("portable"), "{e}");
+}
+
+#[test]
+fn device_key_parses_and_stays_out_of_the_toml_when_unset() {
+    let c = load("", Format::Toml, &[]).unwrap();
+    assert_eq!(c.run.device, DeviceSpec::Cpu);
+    assert!(!c.to_toml().lines().any(|l| l.starts_with("device")));
+    assert!(c.run.device.device().unwrap().is_cpu());
+    for (v, want) in [
+        ("cpu", DeviceSpec::Cpu),
+        ("cuda", DeviceSpec::Cuda(0)),
+        ("cuda:1", DeviceSpec::Cuda(1)),
+    ] {
+        let c = load(&format!("device = \"{v}\""), Format::Toml, &[]).unwrap();
+        assert_eq!(c.run.device, want);
+        assert!(c
+            .to_toml()
+            .lines()
+            .any(|l| l == format!("device = \"{v}\"")));
+    }
+    let c = load("", Format::Toml, &["--device=cuda:2"]).unwrap();
+    assert_eq!(c.run.device, DeviceSpec::Cuda(2));
+    for bad in ["\"tpu\"", "\"cuda:x\"", "\"cuda1\"", "1"] {
+        let e = load(&format!("device = {bad}"), Format::Toml, &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`device`"), "{bad}: {e}");
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let e = DeviceSpec::Cuda(0).device().unwrap_err().to_string();
+        assert!(
+            e.contains("`device`") && e.contains("--features cuda"),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn ignored_trl_keys_are_not_keys() {
+    for k in ignored_trl_keys() {
+        assert!(
+            !KEYS.iter().any(|d| d.key == k),
+            "{k} is a key and in IGNORED"
+        );
+    }
+    for k in ["report_to", "gradient_checkpointing"] {
+        assert!(
+            KEYS.iter().any(|d| d.key == k) && !ignored_trl_keys().contains(&k),
+            "{k}"
+        );
+    }
+    let c = load(
+        "report_to = [\"jsonl\"]\ngradient_checkpointing = true\nfp16 = false",
+        Format::Toml,
+        &[],
+    )
+    .unwrap();
+    assert_eq!(c.ignored_keys, vec!["fp16"]);
+    assert!(c.update.gradient_checkpointing && c.logging.report_to.is_empty());
+}
+
+#[test]
+fn kinds_come_from_the_declared_types() {
+    let kind = |key: &str| {
+        reference()
+            .into_iter()
+            .find(|k| k.key == key)
+            .map(|k| k.kind)
+            .unwrap()
+    };
+    assert_eq!(
+        kind("loss_type"),
+        "grpo|bnpo|dr_grpo|dapo|cispo|sapo|luspo|vespo"
+    );
+    assert_eq!(kind("scale_rewards"), "group|batch|none");
+    assert_eq!(kind("base_quantization"), "none|q4_0|q4_1|nf4|q8_0");
+    assert_eq!(kind("output_dir"), "path");
+    assert_eq!(kind("eval_k"), "list of int");
+    assert_eq!(kind("task.ops"), "list of \"+\" \"-\" \"*\"");
+    assert_eq!(kind("device"), "cpu|cuda|cuda:N");
+    let keys: Vec<&str> = KEYS.iter().map(|k| k.key).collect();
+    let mut unique = keys.clone();
+    unique.sort_unstable();
+    unique.dedup();
+    assert_eq!(unique.len(), keys.len(), "a key is declared twice");
+}
+
+/// `to_toml()` is written into every checkpoint: the same input must give the same bytes.
+#[test]
+fn to_toml_is_pinned_byte_for_byte() {
+    let expected = [
+        include_str!("../../testdata/to_toml/default.expected.toml"),
+        include_str!("../../testdata/to_toml/trl.expected.toml"),
+        include_str!("../../testdata/to_toml/rewards.expected.toml"),
+        include_str!("../../testdata/to_toml/lora.expected.toml"),
+        include_str!("../../testdata/to_toml/overrides.expected.toml"),
+    ];
+    let files = ["default", "trl", "rewards", "lora", "overrides"];
+    for (((name, text, f, o), want), file) in golden_cases().into_iter().zip(expected).zip(files) {
+        let c = TrainConfig::from_str(text, f, name, &o).unwrap();
+        let got = c.to_toml();
+        // A deliberate change: GRPO_BLESS=1 rewrites the pinned files (review the diff).
+        if std::env::var_os("GRPO_BLESS").is_some() {
+            let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join(format!("testdata/to_toml/{file}.expected.toml"));
+            std::fs::write(path, &got).unwrap();
+            continue;
+        }
+        assert!(got == want, "{name}: to_toml changed:\n{got}");
+        // And it loads back to the same config.
+        let c2 = TrainConfig::from_str(&got, Format::Toml, name, &[]).unwrap();
+        assert_eq!(c2.to_toml(), got, "{name}");
+    }
+}
+
+#[test]
+fn policy_fill_in_alone_loads_the_embedded_fill_in_run() {
+    let c = TrainConfig::load(None, &["--policy=fill_in".to_string()]).unwrap();
+    assert_eq!(c.run.policy, PolicyType::FillIn);
+    assert_eq!(c.data.task_mask_ratio.0, (0.1, 0.5));
+    assert_eq!(
+        (c.generation.temperature, c.generation.top_p, c.loss.beta),
+        (0.8, 0.95, 0.1)
+    );
+    assert!(c.run.model.is_none() && c.data.train_file.is_none());
+    // The causal default is unchanged; bad ratios name the key.
+    assert_eq!(
+        TrainConfig::load(None, &[]).unwrap().run.policy,
+        PolicyType::CausalLm
+    );
+    for bad in ["0", "0.5..0.2", "x", "0.2..1.5"] {
+        let e = TrainConfig::load(
+            None,
+            &[
+                "--policy=fill_in".into(),
+                format!("--task.mask_ratio={bad}"),
+            ],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("task.mask_ratio"), "{bad}: {e}");
+    }
+    let c = TrainConfig::load(
+        None,
+        &["--policy=fill_in".into(), "--task.mask_ratio=0.3".into()],
+    )
+    .unwrap();
+    assert_eq!(c.data.task_mask_ratio.0, (0.3, 0.3));
+}
+
+#[test]
+fn trl_generation_and_template_kwargs_map_onto_grpo() {
+    let y = "generation_kwargs:\n  temperature: 0.7\n  top_k: 20\n  max_new_tokens: 64\n  \
+             do_sample: true\nchat_template_kwargs:\n  enable_thinking: false\n\
+             num_generations_eval: 6\n";
+    let c = load(y, Format::Yaml, &[]).unwrap();
+    assert_eq!(
+        (
+            c.generation.temperature,
+            c.generation.top_k,
+            c.generation.max_completion_length
+        ),
+        (0.7, 20, 64)
+    );
+    assert_eq!(c.logging.eval_num_samples, 6);
+    assert_eq!(
+        c.chat_template_kwargs["enable_thinking"],
+        Value::Bool(false)
+    );
+    // Into config.toml and back.
+    let back = TrainConfig::from_str(&c.to_toml(), Format::Toml, "t", &[]).unwrap();
+    assert_eq!(back.chat_template_kwargs, c.chat_template_kwargs);
+    let e = load("generation_kwargs:\n  num_beams: 4\n", Format::Yaml, &[])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("generation_kwargs.num_beams"), "{e}");
+}
+
+#[test]
+fn the_seeds_ppo_era_names_work() {
+    for k in ["cliprange", "clip_eps", "clip_range"] {
+        let c = load(&format!("{k} = 0.1\n"), Format::Toml, &[]).unwrap();
+        assert_eq!(c.loss.epsilon, 0.1, "{k}");
+    }
+    let c = load(
+        "save_freq = 5\ninit_kl_coef = 0.05\ntarget_kl = 6.0\nhorizon = 5000\n",
+        Format::Toml,
+        &[],
+    )
+    .unwrap();
+    assert_eq!(c.logging.save_steps, 5);
+    let KlMode::Reward { coef, adaptive } = c.loss.kl() else {
+        panic!("{:?}", c.loss.kl())
+    };
+    assert_eq!(coef, 0.05);
+    let a = adaptive.unwrap();
+    assert_eq!((a.target, a.horizon), (6.0, 5000.0));
+    // TRL PPOConfig's adap_kl_ctrl: on with its default target, or off (a fixed coef).
+    let c = load(
+        "init_kl_coef = 0.2\nadap_kl_ctrl = true\n",
+        Format::Toml,
+        &[],
+    )
+    .unwrap();
+    assert!(matches!(c.loss.kl(), KlMode::Reward { adaptive: Some(a), .. } if a.target == 6.0));
+    let c = load(
+        "init_kl_coef = 0.2\nadap_kl_ctrl = false\ntarget_kl = 3.0\ngen_batch_size = 8\n",
+        Format::Toml,
+        &[],
+    )
+    .unwrap();
+    assert!(matches!(c.loss.kl(), KlMode::Reward { adaptive: None, coef } if coef == 0.2));
+    assert_eq!(c.generation.sampling_batch_size, Some(8));
+}
+
+#[test]
+fn the_fill_in_seeds_names_work() {
+    let c = load(
+        "policy = \"fill_in\"\ngenerator_checkpoint = \"gen\"\njudge_checkpoint = \"judge\"\n\
+         group_size = 16\nkl_beta = 0.2\nout_dir = \"out-grpo\"\nsave_interval = 7\n\
+         eval_interval = 7\nlearning_rate = 5e-6\nper_device_train_batch_size = 32\n",
+        Format::Toml,
+        &[],
+    )
+    .unwrap();
+    assert_eq!(c.run.model.as_deref(), Some("gen"));
+    assert_eq!(c.run.judge.as_deref(), Some(Path::new("judge")));
+    assert_eq!((c.generation.num_generations, c.loss.beta), (16, 0.2));
+    assert_eq!(c.run.output_dir, PathBuf::from("out-grpo"));
+    assert_eq!((c.logging.save_steps, c.logging.eval_steps), (7, 7));
+    // On the command line too, as the seed's README runs it.
+    let c = TrainConfig::load(
+        None,
+        &[
+            "--policy=fill_in".into(),
+            "--group_size=16".into(),
+            "--kl_beta=0.2".into(),
+            "--learning_rate=5e-6".into(),
+        ],
+    )
+    .unwrap();
+    assert_eq!(
+        (
+            c.generation.num_generations,
+            c.loss.beta,
+            c.update.learning_rate
+        ),
+        (16, 0.2, 5e-6)
+    );
+    // The example config with the seed's defaults loads.
+    let c = load(
+        include_str!("../../../../examples/configs/fill_in.toml"),
+        Format::Toml,
+        &["--group_size=16", "--kl_beta=0.2"],
+    )
+    .unwrap();
+    assert_eq!(c.run.policy, PolicyType::FillIn);
+    assert_eq!(
+        (
+            c.generation.num_generations,
+            c.loss.beta,
+            c.generation.temperature,
+            c.generation.top_p
+        ),
+        (16, 0.2, 0.8, 0.95)
+    );
+    assert_eq!(c.update.lr_scheduler_type, LrSchedule::Cosine);
+}
+
+#[test]
+fn embedded_default_is_valid() {
+    let c = TrainConfig::load(None, &[]).unwrap();
+    assert!(c.data.train_file.is_none());
+    assert!(c.run.max_steps.is_some());
+}
+
+#[test]
+fn options_from_the_default_config_validate() {
+    let cfg = TrainConfig::load(None, &[]).unwrap();
+    let o = cfg.eval_options(vec![2]);
+    o.validate().unwrap();
+    assert_eq!(o.sampling.temperature, cfg.eval_temperature());
+    let bad = crate::eval::EvalOptions {
+        num_samples: 0,
+        greedy: false,
+        ..o.clone()
+    };
+    assert!(bad
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("eval_num_samples"));
+    let bad = crate::eval::EvalOptions {
+        num_samples: 2,
+        ks: vec![4],
+        ..o
+    };
+    assert!(bad.validate().unwrap_err().to_string().contains("eval_k"));
+}
+
+#[test]
+fn best_model_and_dynamic_sampling_keys() {
+    // The embedded default keeps its best checkpoint by held-out accuracy.
+    let d = TrainConfig::load(None, &[]).unwrap();
+    assert_eq!(
+        d.logging.metric_for_best_model.as_deref(),
+        Some("eval/accuracy")
+    );
+    assert!(d.logging.greater_is_better() && !d.logging.load_best_model_at_end);
+    // TRL's defaults: off.
+    let load = |o: &[&str]| {
+        let o: Vec<String> = o.iter().map(|s| s.to_string()).collect();
+        TrainConfig::from_str("", Format::Toml, "empty", &o)
+    };
+    let c = load(&[]).unwrap();
+    assert!(
+        !c.logging.dynamic_sampling
+            && c.logging.metric_for_best_model.is_none()
+            && !c.logging.load_best_model_at_end
+    );
+    assert_eq!(c.logging.dynamic_sampling_max_passes, 4);
+    // HF's spellings name the eval metric; a loss is lower-is-better unless told.
+    for (given, want) in [
+        ("eval_accuracy", "eval/accuracy"),
+        ("accuracy", "eval/accuracy"),
+        ("eval/pass@4", "eval/pass@4"),
+    ] {
+        let c = load(&[&format!("--metric_for_best_model={given}")]).unwrap();
+        assert_eq!(c.logging.metric_for_best_model.as_deref(), Some(want));
+        assert!(c.logging.greater_is_better());
+    }
+    assert!(!load(&["--metric_for_best_model=loss"])
+        .unwrap()
+        .logging
+        .greater_is_better());
+    let e = load(&["--load_best_model_at_end=true"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("load_best_model_at_end") && e.contains("metric_for_best_model"),
+        "{e}"
+    );
+    let e = load(&[
+        "--load_best_model_at_end=true",
+        "--metric_for_best_model=eval/accuracy",
+        "--save_steps=7",
+    ])
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("multiple of eval_steps"), "{e}");
+    // Unset keys stay out of the resolved config, so older runs resolve as before.
+    assert!(!c.to_toml().contains("dynamic_sampling"));
+}

@@ -1,0 +1,925 @@
+//! TRL's (and PEFT's, HF `TrainingArguments`', the seeds') keys: aliases of grpo's keys, keys
+//! read with their own rule (mapped), and keys accepted and ignored with their reason. A config
+//! document's keys go through [`Translation::apply`] first; what it leaves is grpo's own.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use super::sections::{is_key, suggest};
+use super::values::expected;
+use crate::{Error, Result};
+
+/// TRL's, PEFT's and the seeds' names for grpo's keys (the value is used as it is).
+const ALIASES: &[(&str, &str)] = &[
+    ("model_name_or_path", "model"),
+    ("num_generations_eval", "eval_num_samples"),
+    // The fill-in seed's names (single-step fill-in GRPO).
+    ("generator_checkpoint", "model"),
+    ("judge_checkpoint", "judge"),
+    ("group_size", "num_generations"),
+    ("wandb_run_name", "run_name"),
+    ("kl_beta", "beta"),
+    ("out_dir", "output_dir"),
+    ("save_interval", "save_steps"),
+    ("eval_interval", "eval_steps"),
+    // The seeds' PPO-era names (TRL's PPOConfig and their scripts).
+    ("cliprange", "epsilon"),
+    ("clip_eps", "epsilon"),
+    ("clip_range", "epsilon"),
+    ("save_freq", "save_steps"),
+    ("init_kl_coef", "kl_coef"),
+    ("target_kl", "kl_target"),
+    ("horizon", "kl_horizon"),
+    ("gen_batch_size", "sampling_batch_size"),
+    // grpo's own earlier name.
+    ("max_consecutive_nonfinite", "max_bad_steps"),
+    // TRL's ModelConfig names for PEFT.
+    ("lora_r", "lora.r"),
+    ("lora_alpha", "lora.alpha"),
+    ("lora_dropout", "lora.dropout"),
+    ("lora_target_modules", "lora.target_modules"),
+    ("use_rslora", "lora.use_rslora"),
+];
+
+/// Keys that are read with their own rule (not a key of the table): what each does.
+const MAPPED: &[(&str, &str)] = &[
+    ("use_peft", "true: LoRA at rank 16 unless lora_r says otherwise"),
+    ("torch_dtype", "sets dtype on a GPU; on the CPU a half-precision torch_dtype is ignored (warned) and training stays f32, as candle has no fast bf16 GEMM there: set dtype = \"bf16\" to force it"),
+    ("bf16", "true: dtype = bf16 on a GPU (mixed precision: bf16 weights and activations over f32 master parameters, f32 optimizer and loss); on the CPU training stays f32 (warned), as candle has no fast bf16 GEMM there: set dtype = \"bf16\" to force it"),
+    ("load_in_4bit", "base_quantization = nf4 (QLoRA's 4-bit NormalFloat, bitsandbytes' blocks of 64)"),
+    ("load_in_8bit", "base_quantization = q8_0"),
+    ("use_dora", "true is refused: DoRA adapters are not supported"),
+    ("lora_modules_to_save", "refused when set: grpo trains adapters on projections only"),
+    ("lora_target_parameters", "refused when set: adapters go on projections by name (lora_target_modules)"),
+    ("model_revision", "main only (a hub model's main revision); another is refused with how to use it"),
+    ("resume_from_checkpoint", "true: resume from the newest checkpoint in output_dir (as --resume); a path is refused with how to resume"),
+    ("dataset_name", "a local dataset file, a directory holding its splits, or a hub dataset id whose split files are fetched into the hub cache: train_file / eval_file"),
+    ("dataset_train_split", "the split of dataset_name used as train_file"),
+    ("dataset_test_split", "the split of dataset_name used as eval_file"),
+    ("reward_funcs", "TRL's built-in rewards as grpo rules (accuracy_reward, reasoning_accuracy_reward, think_format_reward, get_soft_overlong_punishment); dotted Python paths are refused with how to use a command scorer"),
+    ("reward_model_name_or_path", "a classifier reward on prompt + completion, label 0's logit (TRL's reward model)"),
+    ("generation_kwargs", "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens, stop_strings set the sampler's keys; others are refused"),
+    ("chat_template_kwargs", "variables for the chat template (e.g. enable_thinking)"),
+    ("optim", "adamw_* values are grpo's AdamW; another optimizer is refused"),
+    ("wandb_log", "true: adds wandb to report_to (the seeds' switch)"),
+    ("adap_kl_ctrl", "TRL PPOConfig's switch for the seeds' kl_ctl: true makes kl_coef adaptive (kl_target, TRL's default 6.0 unless given), false keeps it fixed"),
+];
+
+/// TRL / HF keys accepted and ignored, each with its reason (listed in the warning at start).
+/// Any `vllm_*` key is ignored too: grpo samples with its own KV-cached sampler.
+const IGNORED: &[(&str, &str)] = &[
+    ("fp16", "grpo computes in f32 (bf16 through dtype)"),
+    ("tf32", "grpo computes in f32 (bf16 through dtype)"),
+    ("bf16_full_eval", "evaluation runs at dtype"),
+    ("fp16_full_eval", "evaluation runs at dtype"),
+    (
+        "cast_lm_head_to_fp32",
+        "grpo computes the LM head in f32 already",
+    ),
+    ("use_vllm", "grpo samples with its own KV-cached sampler"),
+    ("vllm_mode", "grpo samples with its own KV-cached sampler"),
+    (
+        "use_transformers_paged",
+        "grpo samples with its own KV-cached sampler",
+    ),
+    (
+        "use_transformers_continuous_batching",
+        "grpo samples with its own KV-cached sampler",
+    ),
+    (
+        "transformers_continuous_batching_config",
+        "grpo samples with its own KV-cached sampler",
+    ),
+    (
+        "cache_implementation",
+        "grpo samples with its own KV-cached sampler",
+    ),
+    (
+        "use_cache",
+        "sampling always uses the KV cache, training never needs one",
+    ),
+    (
+        "attn_implementation",
+        "grpo's attention kernels are its own",
+    ),
+    (
+        "trust_remote_code",
+        "grpo runs no model code from the hub; its architectures are built in",
+    ),
+    (
+        "model_init_kwargs",
+        "models load through grpo's own loader (dtype, base_quantization)",
+    ),
+    (
+        "disable_dropout",
+        "grpo's policies run without dropout (LoRA's own dropout is lora_dropout)",
+    ),
+    (
+        "router_aux_loss_coef",
+        "grpo's architectures have no mixture-of-experts router",
+    ),
+    ("pad_to_multiple_of", "grpo packs and pads its own batches"),
+    ("torch_compile", "PyTorch-only speed-ups"),
+    ("torch_compile_backend", "PyTorch-only speed-ups"),
+    ("torch_compile_mode", "PyTorch-only speed-ups"),
+    ("use_liger_loss", "PyTorch-only speed-ups"),
+    ("use_liger_kernel", "PyTorch-only speed-ups"),
+    ("liger_kernel_config", "PyTorch-only speed-ups"),
+    ("torch_empty_cache_steps", "PyTorch's allocator setting"),
+    (
+        "auto_find_batch_size",
+        "grpo bounds memory with forward_chunk_tokens instead",
+    ),
+    (
+        "gradient_checkpointing_kwargs",
+        "gradient_checkpointing has no options in grpo",
+    ),
+    (
+        "gradient_checkpointing_use_reentrant",
+        "gradient_checkpointing has no options in grpo",
+    ),
+    ("activation_checkpointing", "use gradient_checkpointing"),
+    (
+        "activation_checkpointing_kwargs",
+        "use gradient_checkpointing",
+    ),
+    (
+        "optim_args",
+        "grpo's AdamW takes adam_beta1, adam_beta2, adam_epsilon, weight_decay",
+    ),
+    (
+        "optim_target_modules",
+        "grpo's AdamW updates every trainable parameter",
+    ),
+    (
+        "lr_scheduler_kwargs",
+        "grpo's schedules take warmup_steps / warmup_ratio only",
+    ),
+    ("label_smoothing_factor", "a supervised-training setting"),
+    ("neftune_noise_alpha", "a supervised-training setting"),
+    ("label_names", "a supervised-training setting"),
+    ("length_column_name", "a supervised-training setting"),
+    (
+        "train_sampling_strategy",
+        "prompts are shuffled by shuffle_dataset and seed",
+    ),
+    (
+        "include_num_input_tokens_seen",
+        "grpo logs its own token counts",
+    ),
+    (
+        "logging_nan_inf_filter",
+        "a non-finite step is skipped and logged (max_bad_steps)",
+    ),
+    ("logging_dir", "TensorBoard events go to output_dir/tb"),
+    ("logging_strategy", "grpo logs every logging_steps steps"),
+    ("logging_first_step", "grpo logs every logging_steps steps"),
+    ("log_level", "set RUST_LOG (e.g. RUST_LOG=debug)"),
+    ("log_level_replica", "set RUST_LOG (e.g. RUST_LOG=debug)"),
+    ("log_on_each_node", "rank 0 logs"),
+    (
+        "disable_tqdm",
+        "the progress bar hides itself without a terminal",
+    ),
+    ("log_multimodal", "grpo trains text models"),
+    ("log_unique_prompts", "completions.jsonl has every prompt"),
+    (
+        "log_completions_hub_repo",
+        "grpo does not upload; completions.jsonl is in output_dir",
+    ),
+    ("project", "a Trackio setting; W&B takes wandb_project"),
+    (
+        "trackio_space_id",
+        "trackio is not supported (report_to = trackio is an error)",
+    ),
+    (
+        "trackio_bucket_id",
+        "trackio is not supported (report_to = trackio is an error)",
+    ),
+    (
+        "trackio_static_space_id",
+        "trackio is not supported (report_to = trackio is an error)",
+    ),
+    ("eval_strategy", "evaluation runs every eval_steps (0: off)"),
+    (
+        "evaluation_strategy",
+        "evaluation runs every eval_steps (0: off)",
+    ),
+    (
+        "eval_on_start",
+        "with eval_steps > 0 grpo always evaluates before the first step",
+    ),
+    ("eval_delay", "evaluation runs every eval_steps (0: off)"),
+    (
+        "per_device_eval_batch_size",
+        "evaluation batches are sized by the sampler",
+    ),
+    (
+        "prediction_loss_only",
+        "a Trainer evaluation setting GRPO does not use",
+    ),
+    (
+        "eval_do_concat_batches",
+        "a Trainer evaluation setting GRPO does not use",
+    ),
+    (
+        "eval_use_gather_object",
+        "a Trainer evaluation setting GRPO does not use",
+    ),
+    (
+        "eval_accumulation_steps",
+        "a Trainer evaluation setting GRPO does not use",
+    ),
+    (
+        "include_for_metrics",
+        "a Trainer evaluation setting GRPO does not use",
+    ),
+    (
+        "batch_eval_metrics",
+        "a Trainer evaluation setting GRPO does not use",
+    ),
+    ("do_train", "grpo train trains"),
+    ("do_eval", "evaluation runs every eval_steps (0: off)"),
+    ("do_predict", "grpo eval evaluates a model"),
+    (
+        "save_strategy",
+        "grpo saves every save_steps steps and at the end",
+    ),
+    (
+        "save_only_model",
+        "checkpoints hold what exact resume needs",
+    ),
+    ("save_on_each_node", "rank 0 writes checkpoints"),
+    (
+        "enable_jit_checkpoint",
+        "checkpoints are written atomically every save_steps and on SIGINT/SIGTERM",
+    ),
+    (
+        "overwrite_output_dir",
+        "grpo resumes only when asked (--resume) and never deletes a run",
+    ),
+    (
+        "ignore_data_skip",
+        "resume restores the prompt order exactly",
+    ),
+    (
+        "restore_callback_states_from_checkpoint",
+        "grpo has no callbacks; trainer_state.json restores everything",
+    ),
+    (
+        "push_to_hub",
+        "grpo does not upload; `grpo export` writes the HF directory",
+    ),
+    (
+        "hub_model_id",
+        "grpo does not upload; `grpo export` writes the HF directory",
+    ),
+    (
+        "hub_token",
+        "grpo does not upload; `grpo export` writes the HF directory",
+    ),
+    (
+        "hub_private_repo",
+        "grpo does not upload; `grpo export` writes the HF directory",
+    ),
+    (
+        "hub_strategy",
+        "grpo does not upload; `grpo export` writes the HF directory",
+    ),
+    (
+        "hub_always_push",
+        "grpo does not upload; `grpo export` writes the HF directory",
+    ),
+    (
+        "hub_revision",
+        "grpo does not upload; `grpo export` writes the HF directory",
+    ),
+    ("full_determinism", "grpo runs are deterministic from seed"),
+    ("data_seed", "prompt order and sampling follow seed"),
+    (
+        "shuffle_dataset_seed",
+        "prompt order and sampling follow seed",
+    ),
+    ("use_cpu", "set device"),
+    ("no_cuda", "set device"),
+    (
+        "remove_unused_columns",
+        "rows keep every field; rewards read what they need",
+    ),
+    ("dataset_streaming", "datasets are read from disk whole"),
+    (
+        "dataset_config",
+        "a local dataset directory has one configuration",
+    ),
+    ("report_to_wandb", "use report_to = [\"wandb\"]"),
+    ("ignore_bias_buffers", "a DDP setting"),
+    (
+        "lora_task_type",
+        "grpo's adapters are for causal LMs (PEFT's CAUSAL_LM)",
+    ),
+    (
+        "bnb_4bit_quant_type",
+        "load_in_4bit is NF4 (fp4 is not implemented; base_quantization = q4_0 is grpo's other 4-bit type)",
+    ),
+    (
+        "use_bnb_nested_quant",
+        "NF4's absmax stays f32 (no double quantization)",
+    ),
+    (
+        "bnb_4bit_quant_storage",
+        "NF4 codes are stored two per byte",
+    ),
+    (
+        "accelerator_config",
+        "Accelerate settings: grpo runs one process, or MPI ranks",
+    ),
+    (
+        "parallelism_config",
+        "Accelerate settings: grpo runs one process, or MPI ranks",
+    ),
+    (
+        "local_rank",
+        "set by launchers for PyTorch; grpo's ranks come from MPI",
+    ),
+    (
+        "average_tokens_across_devices",
+        "dapo's normalizer counts every rank's tokens",
+    ),
+    (
+        "ds3_gather_for_generation",
+        "PyTorch distributed and data-loader settings",
+    ),
+    ("deepspeed", "PyTorch distributed and data-loader settings"),
+    ("fsdp", "PyTorch distributed and data-loader settings"),
+    (
+        "fsdp_config",
+        "PyTorch distributed and data-loader settings",
+    ),
+    ("debug", "PyTorch distributed and data-loader settings"),
+    (
+        "skip_memory_metrics",
+        "grpo traces memory with RUST_LOG=grpo=debug",
+    ),
+    ("max_tool_calling_iterations", "grpo has no tool calling"),
+];
+
+/// How grpo reads a TRL (or PEFT, or the seeds') key: `None` when it does not know the key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TrlKey {
+    /// A key of grpo's own, same name and meaning.
+    Key,
+    /// Another name for the grpo key given.
+    Alias(&'static str),
+    /// Read with its own rule, described.
+    Mapped(&'static str),
+    /// Accepted and ignored with a warning giving the reason.
+    Ignored(&'static str),
+}
+
+pub fn trl_key(key: &str) -> Option<TrlKey> {
+    let find = |t: &'static [(&'static str, &'static str)]| {
+        t.iter().find(|(k, _)| *k == key).map(|(_, v)| *v)
+    };
+    if is_key(key) {
+        Some(TrlKey::Key)
+    } else if let Some(to) = find(ALIASES) {
+        Some(TrlKey::Alias(to))
+    } else if let Some(how) = find(MAPPED) {
+        Some(TrlKey::Mapped(how))
+    } else if let Some(why) = find(IGNORED) {
+        Some(TrlKey::Ignored(why))
+    } else if key.starts_with("vllm_") {
+        Some(TrlKey::Ignored(
+            "grpo samples with its own KV-cached sampler",
+        ))
+    } else if key.starts_with("ddp_") || key.starts_with("dataloader_") {
+        Some(TrlKey::Ignored(
+            "PyTorch distributed and data-loader settings",
+        ))
+    } else {
+        None
+    }
+}
+
+/// Why a TRL/HF key is ignored (the warning's line for it).
+pub fn ignore_reason(key: &str) -> &'static str {
+    match trl_key(key) {
+        Some(TrlKey::Ignored(why) | TrlKey::Mapped(why)) => why,
+        _ => "no effect in grpo",
+    }
+}
+
+/// The TRL/HF keys that are accepted and ignored with a warning (besides any `vllm_*` key).
+pub fn ignored_trl_keys() -> Vec<&'static str> {
+    IGNORED.iter().map(|(k, _)| *k).collect()
+}
+
+/// The rewards of `trl grpo`'s `reward_funcs` names, as `[[rewards]]` tables; and whether one
+/// reads the `solution` column.
+fn trl_reward_funcs(v: &Value) -> Result<(Vec<Value>, bool)> {
+    let names: Vec<String> = match v {
+        Value::String(s) => vec![s.clone()],
+        Value::Array(a) => a
+            .iter()
+            .map(|x| {
+                x.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| type_err("reward_funcs", "a list of reward names", x))
+            })
+            .collect::<Result<_>>()?,
+        other => return Err(type_err("reward_funcs", "a list of reward names", other)),
+    };
+    let (mut tables, mut solution) = (vec![], false);
+    for name in names {
+        let t = match name.as_str() {
+            "accuracy_reward" => {
+                solution = true;
+                serde_json::json!({"kind": "answer_match", "name": name, "extract": "boxed"})
+            }
+            "reasoning_accuracy_reward" => {
+                solution = true;
+                serde_json::json!({"kind": "answer_match", "name": name, "extract": "boxed",
+                                   "after": "</think>"})
+            }
+            "think_format_reward" => serde_json::json!({"kind": "think_format", "name": name}),
+            // `trl grpo`'s fixed arguments.
+            "get_soft_overlong_punishment" => serde_json::json!({
+                "kind": "length", "name": "soft_overlong_punishment_reward",
+                "max_length": 1280, "cache_length": 256}),
+            other if other.contains('.') => {
+                return Err(Error::config(
+                    "reward_funcs",
+                    format!(
+                        "`{other}`: grpo does not import Python reward functions; run it as a \
+                         scorer program instead ([[rewards]] kind = \"command\", docs/rewards.md \
+                         shows a Python scorer in a few lines)"
+                    ),
+                ))
+            }
+            other => {
+                return Err(Error::config(
+                    "reward_funcs",
+                    format!(
+                        "`{other}` is not one of TRL's rewards: accuracy_reward, \
+                         reasoning_accuracy_reward, think_format_reward, \
+                         get_soft_overlong_punishment (or give [[rewards]] tables)"
+                    ),
+                ))
+            }
+        };
+        tables.push(t);
+    }
+    Ok((tables, solution))
+}
+
+/// The file of split `split` of TRL's `dataset_name`: the name itself when it is a file, else in
+/// that directory `{split}.jsonl|.json|.parquet|.csv|.txt`, or `data/{split}-*.parquet` as the
+/// hub lays datasets out; else a hub id, whose split is fetched into the hub cache.
+fn dataset_split_file(name: &str, split: &str) -> Result<String> {
+    let p = Path::new(name);
+    if p.is_file() {
+        return Ok(name.to_string());
+    }
+    if p.is_dir() {
+        for ext in ["jsonl", "json", "parquet", "csv", "txt"] {
+            let f = p.join(format!("{split}.{ext}"));
+            if f.is_file() {
+                return Ok(f.display().to_string());
+            }
+        }
+        let data = p.join("data");
+        let mut parts: Vec<PathBuf> = std::fs::read_dir(&data)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|f| {
+                f.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with(&format!("{split}-")) && n.ends_with(".parquet"))
+            })
+            .collect();
+        parts.sort();
+        if let [one] = parts.as_slice() {
+            return Ok(one.display().to_string());
+        }
+        return Err(Error::config(
+            "dataset_name",
+            format!(
+                "{name}: no file for split `{split}` ({split}.jsonl, .json, .parquet, .csv, .txt, \
+                 or one data/{split}-*.parquet); {} found",
+                if parts.is_empty() {
+                    "none".to_string()
+                } else {
+                    format!("{} parquet shards", parts.len())
+                }
+            ),
+        ));
+    }
+    // A hub id (`owner/name`): the split fetched through the hub client into its cache.
+    let hub_id = name.split('/').count() == 2
+        && !name.starts_with('.')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./".contains(c));
+    if !hub_id {
+        return Err(Error::config(
+            "dataset_name",
+            format!(
+                "{name}: not a local file or directory, nor a hub dataset id (owner/name): give \
+                 a dataset file, a directory holding its splits, or a hub id"
+            ),
+        ));
+    }
+    let path = crate::hub::fetch_dataset_split(name, split)
+        .map_err(|e| Error::config("dataset_name", e.to_string()))?;
+    Ok(path.display().to_string())
+}
+
+fn type_err(key: &str, want: &str, got: &Value) -> Error {
+    Error::config(key, expected(want, got))
+}
+
+/// TRL's `generation_kwargs`: those that map onto the sampler are set as its keys (they win, as
+/// in TRL), the rest are refused by name.
+fn generation_kwargs(merged: &mut BTreeMap<String, Value>, v: Value) -> Result<()> {
+    let Value::Object(m) = v else {
+        return Err(type_err(
+            "generation_kwargs",
+            "a table of generation options",
+            &v,
+        ));
+    };
+    for (g, gv) in m {
+        let key = match g.as_str() {
+            "temperature" | "top_p" | "top_k" | "min_p" | "repetition_penalty" => g.clone(),
+            "max_new_tokens" => "max_completion_length".into(),
+            "stop_strings" | "stop" => "stop".into(),
+            "do_sample" if gv == Value::Bool(true) => continue,
+            other => {
+                return Err(Error::config(
+                    format!("generation_kwargs.{other}"),
+                    "not a sampling option grpo has: give temperature, top_p, top_k, min_p, \
+                     repetition_penalty, max_new_tokens, stop_strings (or do_sample = true)",
+                ))
+            }
+        };
+        merged.insert(key, gv);
+    }
+    Ok(())
+}
+
+/// TRL's `resume_from_checkpoint`: true resumes (as --resume); a path is refused with how.
+fn resume(v: Value) -> Result<bool> {
+    match v {
+        Value::Bool(b) => Ok(b),
+        other => Err(Error::config(
+            "resume_from_checkpoint",
+            format!(
+                "{other}: grpo resumes from the newest checkpoint in output_dir: set \
+                 resume_from_checkpoint = true (or pass --resume) with output_dir = the run's \
+                 directory"
+            ),
+        )),
+    }
+}
+
+/// TRL's keys whose other values grpo does not have: another model revision, DoRA, modules to
+/// save, target parameters, another optimizer. Refused with what to do instead.
+fn refuse_unsupported(k: &str, v: &Value) -> Result<()> {
+    let set = match v {
+        Value::Bool(b) => *b,
+        Value::Array(a) => !a.is_empty(),
+        _ => true,
+    };
+    let msg = match k {
+        "model_revision" if *v != Value::String("main".into()) => format!(
+            "{v}: grpo loads a hub model's main revision; download the revision you want and \
+             give its directory as model"
+        ),
+        "optim" if !v.as_str().is_some_and(|o| o.starts_with("adamw")) => format!(
+            "{v}: grpo's optimizer is AdamW (set adam_beta1, adam_beta2, adam_epsilon, \
+             weight_decay); give an adamw_* value or leave it unset"
+        ),
+        "use_dora" if set => "DoRA adapters are not supported: use LoRA (use_peft = true)".into(),
+        "lora_modules_to_save" if set => {
+            "grpo trains adapters on projections only; leave it unset".into()
+        }
+        "lora_target_parameters" if set => {
+            "give the projections by name in lora_target_modules".into()
+        }
+        _ => return Ok(()),
+    };
+    Err(Error::config(k, msg))
+}
+
+/// What TRL's keys said, collected while the documents are merged and applied at the end.
+#[derive(Default)]
+pub(super) struct Translation {
+    /// TRL/HF keys given that are ignored here.
+    pub ignored: Vec<String>,
+    /// TRL's `bf16 = true`: bf16 on a GPU, f32 on the CPU (warned), see MAPPED.
+    trl_bf16: bool,
+    torch_dtype: Option<String>,
+    dtype_given: bool,
+    wandb_log: bool,
+    /// `dataset_name`, `dataset_train_split`, `dataset_test_split`.
+    script: BTreeMap<String, String>,
+    pub resume_requested: bool,
+    pub template_kwargs: serde_json::Map<String, Value>,
+    rewards: Vec<Value>,
+    reward_model: Option<Value>,
+    needs_solution: bool,
+    pub answer_field_given: bool,
+    adaptive_kl: Option<bool>,
+}
+
+impl Translation {
+    /// Refuses a document that sets both TRL's `bf16 = true` and grpo's `dtype`.
+    pub fn check_doc(doc: &BTreeMap<String, Value>) -> Result<()> {
+        if doc.get("bf16") == Some(&Value::Bool(true)) && doc.contains_key("dtype") {
+            return Err(Error::config(
+                "bf16",
+                "give either `bf16 = true` or `dtype`, not both",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Reads TRL's key `k` (an alias becomes its grpo key). Returns the key and value when they
+    /// are left for the caller (grpo's own keys, `rewards`, unknown keys); `None` when consumed.
+    pub fn apply(
+        &mut self,
+        merged: &mut BTreeMap<String, Value>,
+        k: String,
+        v: Value,
+        from: &str,
+    ) -> Result<Option<(String, Value)>> {
+        if k == "torch_dtype" {
+            // Like `bf16`: decided in `finish`, once the device is known.
+            self.torch_dtype = v.as_str().map(str::to_string);
+            return Ok(None);
+        }
+        let k = ALIASES
+            .iter()
+            .find(|(a, _)| *a == k)
+            .map_or(k, |(_, to)| to.to_string());
+        self.dtype_given |= k == "dtype";
+        if v.is_null() {
+            // YAML's `key: null` (TRL's dumps have many): unset, the default stays.
+            return match trl_key(&k) {
+                Some(_) => Ok(None),
+                None if k == "rewards" || k == "wandb_log" => Ok(None),
+                None => Err(Error::config(
+                    &k,
+                    format!("unknown key in {from}{}", suggest(&k)),
+                )),
+            };
+        }
+        if k == "logging_steps" && v.as_f64().is_some_and(|f| f > 0.0 && f < 1.0) {
+            // TRL's ratio of the total steps.
+            return Err(Error::config(
+                &k,
+                "a ratio of total steps is not supported: give a whole number of steps",
+            ));
+        }
+        match k.as_str() {
+            // TRL's switch: LoRA with its default rank 16 unless lora_r says otherwise.
+            "use_peft" => {
+                if v == Value::Bool(true)
+                    && !merged.get("lora.r").is_some_and(|r| r != &Value::from(0))
+                {
+                    merged.insert("lora.r".into(), Value::from(16));
+                }
+            }
+            // TRL passes these to generate(); those that map onto the sampler are set as its
+            // keys (they win, as in TRL), the rest are refused by name.
+            "generation_kwargs" => generation_kwargs(merged, v)?,
+            "dataset_name" | "dataset_train_split" | "dataset_test_split" => {
+                let text = match &v {
+                    Value::String(t) => t.clone(),
+                    other => return Err(type_err(&k, "a string", other)),
+                };
+                self.script.insert(k, text);
+            }
+            "chat_template_kwargs" => {
+                let Value::Object(m) = v else {
+                    return Err(type_err(&k, "a table of chat-template variables", &v));
+                };
+                self.template_kwargs = m;
+            }
+            "resume_from_checkpoint" => self.resume_requested = resume(v)?,
+            "load_in_4bit" | "load_in_8bit" => {
+                if v == Value::Bool(true) {
+                    let q = if k == "load_in_4bit" { "nf4" } else { "q8_0" };
+                    merged.insert("base_quantization".into(), Value::String(q.into()));
+                    self.ignored.push(k);
+                }
+            }
+            "model_revision"
+            | "use_dora"
+            | "lora_modules_to_save"
+            | "lora_target_parameters"
+            | "optim" => refuse_unsupported(&k, &v)?,
+            "reward_funcs" => {
+                let (tables, solution) = trl_reward_funcs(&v)?;
+                self.rewards.extend(tables);
+                self.needs_solution |= solution;
+            }
+            "reward_model_name_or_path" => {
+                let Some(path) = v.as_str() else {
+                    return Err(type_err(&k, "a model directory", &v));
+                };
+                // TRL scores prompt + completion with the model's first logit.
+                self.reward_model = Some(serde_json::json!({
+                    "kind": "classifier", "name": "reward_model", "model": path,
+                    "input": "joined", "label": 0, "output": "logit"}));
+            }
+            "adap_kl_ctrl" => self.adaptive_kl = Some(v == Value::Bool(true)),
+            // The seeds' switch: W&B beside what report_to already names.
+            "wandb_log" => self.wandb_log = v == Value::Bool(true),
+            "bf16" => self.trl_bf16 = v == Value::Bool(true),
+            _ if !is_key(&k) && matches!(trl_key(&k), Some(TrlKey::Ignored(_))) => {
+                self.ignored.push(k)
+            }
+            _ => return Ok(Some((k, v))),
+        }
+        Ok(None)
+    }
+
+    /// Applies what TRL's keys said once every document is merged; `reward_tables` are the
+    /// `[[rewards]]` given, TRL's rewards come before them.
+    pub fn finish(
+        &mut self,
+        merged: &mut BTreeMap<String, Value>,
+        reward_tables: &mut Vec<Value>,
+    ) -> Result<()> {
+        // `trl grpo`'s rewards come first (its reward model, then its functions), as TRL orders
+        // them; TRL's accuracy rewards read the `solution` column.
+        if self.reward_model.is_some() || !self.rewards.is_empty() {
+            let mut all: Vec<Value> = self.reward_model.take().into_iter().collect();
+            all.append(&mut self.rewards);
+            all.append(reward_tables);
+            *reward_tables = all;
+        }
+        match self.adaptive_kl {
+            Some(true) if !merged.contains_key("kl_target") => {
+                merged.insert("kl_target".into(), Value::from(6.0));
+            }
+            Some(false) => {
+                merged.remove("kl_target");
+            }
+            _ => {}
+        }
+        if self.needs_solution && !self.answer_field_given {
+            merged.insert("answer_field".into(), Value::String("solution".into()));
+        }
+        // `dataset_name`: a local dataset file, a directory holding its splits, or a hub id.
+        if let Some(name) = self.script.get("dataset_name") {
+            let train_split = self
+                .script
+                .get("dataset_train_split")
+                .map_or("train", String::as_str);
+            if !merged.contains_key("train_file") {
+                merged.insert(
+                    "train_file".into(),
+                    Value::String(dataset_split_file(name, train_split)?),
+                );
+            }
+            if let (Some(test), false) = (
+                self.script.get("dataset_test_split"),
+                merged.contains_key("eval_file"),
+            ) {
+                merged.insert(
+                    "eval_file".into(),
+                    Value::String(dataset_split_file(name, test)?),
+                );
+            }
+        }
+        if self.wandb_log {
+            let mut to = match merged.get("report_to") {
+                Some(Value::Array(a)) => a.clone(),
+                Some(Value::String(s)) => s
+                    .split(',')
+                    .map(|x| Value::String(x.trim().to_string()))
+                    .filter(|x| x != "none")
+                    .collect(),
+                Some(_) => vec![],
+                None => vec![Value::String("tensorboard".into())],
+            };
+            to.push(Value::String("wandb".into()));
+            merged.insert("report_to".into(), Value::Array(to));
+        }
+        let on_gpu =
+            matches!(merged.get("device"), Some(Value::String(d)) if d.starts_with("cuda"));
+        if let Some(t) = self.torch_dtype.take().filter(|_| !self.dtype_given) {
+            let half = matches!(
+                t.as_str(),
+                "bfloat16" | "bf16" | "float16" | "fp16" | "half"
+            );
+            match on_gpu || !half {
+                true => {
+                    merged.insert("dtype".into(), Value::String(t));
+                }
+                false => self.ignored.push("torch_dtype".into()),
+            }
+        }
+        if self.trl_bf16 {
+            match on_gpu {
+                true => {
+                    merged.insert("dtype".into(), Value::String("bf16".into()));
+                }
+                false => self.ignored.push("bf16".into()),
+            }
+        }
+        self.ignored.sort();
+        self.ignored.dedup();
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Format, TrainConfig};
+
+    /// Every key of TRL 1.16's GRPOConfig (TrainingArguments included) and of `trl grpo`'s
+    /// script and model arguments, as `scripts/dump_trl_keys.py` wrote them.
+    fn trl_keys() -> Vec<(String, String, Value)> {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/trl/keys.json");
+        let v: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        v["keys"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|k| {
+                (
+                    k["key"].as_str().unwrap().to_string(),
+                    k["origin"].as_str().unwrap().to_string(),
+                    k["default"].clone(),
+                )
+            })
+            .collect()
+    }
+
+    /// The key table of docs/config.md: every TRL key and what grpo does with it.
+    fn trl_table() -> String {
+        let mut out = String::from("| key | TRL class | in grpo |\n| --- | --- | --- |\n");
+        for (key, origin, _) in trl_keys() {
+            let what = match trl_key(&key) {
+                Some(TrlKey::Key) => "implemented".to_string(),
+                Some(TrlKey::Alias(to)) => format!("read as `{to}`"),
+                Some(TrlKey::Mapped(how)) => how.to_string(),
+                Some(TrlKey::Ignored(why)) => format!("ignored (warned): {why}"),
+                None => "unknown".to_string(),
+            };
+            out.push_str(&format!("| `{key}` | {origin} | {what} |\n"));
+        }
+        out
+    }
+
+    /// docs/config.md lists every TRL key with its status, as [`trl_table`] makes it
+    /// (GRPO_BLESS=1 rewrites the table there).
+    #[test]
+    fn docs_list_every_trl_key() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/config.md");
+        let doc = std::fs::read_to_string(&path).unwrap();
+        let (begin, end) = ("<!-- trl-keys:begin -->\n", "<!-- trl-keys:end -->");
+        let i = doc
+            .find(begin)
+            .expect("docs/config.md has the trl-keys markers")
+            + begin.len();
+        let j = doc.find(end).unwrap();
+        let table = trl_table();
+        if std::env::var_os("GRPO_BLESS").is_some() {
+            std::fs::write(&path, format!("{}{table}{}", &doc[..i], &doc[j..])).unwrap();
+            return;
+        }
+        assert!(
+            doc[i..j] == table,
+            "docs/config.md's TRL key table is stale: rerun with GRPO_BLESS=1"
+        );
+        assert!(!table.contains("| unknown |"));
+    }
+
+    #[test]
+    fn every_trl_key_loads_at_its_default() {
+        let mut bad = vec![];
+        for (key, origin, default) in trl_keys() {
+            let mut doc = serde_json::Map::new();
+            doc.insert(key.clone(), default.clone());
+            let yaml = serde_yaml::to_string(&Value::Object(doc)).unwrap();
+            if let Err(e) = TrainConfig::from_str(&yaml, Format::Yaml, "trl.yaml", &[]) {
+                bad.push(format!("{key} ({origin}) = {default}: {e}"));
+            }
+        }
+        assert!(
+            bad.is_empty(),
+            "{} keys fail:\n{}",
+            bad.len(),
+            bad.join("\n")
+        );
+    }
+}
