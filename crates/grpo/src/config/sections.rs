@@ -312,6 +312,7 @@ sections! {
         report_to: Vec<String> as "list of tensorboard|wandb|mlflow|all|none" = "[\"tensorboard\"]", "where metrics go besides metrics.jsonl (always written): tensorboard (output_dir/tb), wandb (your wandb package; WANDB_* settings apply), mlflow (the server at MLFLOW_TRACKING_URI), all, none";
         run_name: Option<String> = "", "the run's name in W&B and MLflow (unset: the output directory's name)";
         wandb_project: Option<String> = "", "the W&B project (unset: WANDB_PROJECT, else grpo)";
+        project: Option<String> = "", "the Trackio project (HF's `project`, for report_to = trackio; unset: huggingface, HF's default)";
         metric_for_best_model: Option<String> = "", "keep the best checkpoint by this logged metric (e.g. eval/accuracy; HF's eval_accuracy and accuracy mean the same): it survives save_total_limit and trainer_state.json names it (unset: off)";
         greater_is_better: Option<bool> = "", "whether a larger metric_for_best_model is better (unset: true, false for a metric named like a loss)";
         load_best_model_at_end: bool = "" unset "false", "end the run with the best checkpoint as its model (needs metric_for_best_model and save_steps a multiple of eval_steps; unset: false)";

@@ -189,18 +189,17 @@ const IGNORED: &[(&str, &str)] = &[
         "log_completions_hub_repo",
         "grpo does not upload; completions.jsonl is in output_dir",
     ),
-    ("project", "a Trackio setting; W&B takes wandb_project"),
     (
         "trackio_space_id",
-        "trackio is not supported (report_to = trackio is an error)",
+        "report_to = trackio logs locally (TRACKIO_DIR); sync it to a Space with `trackio sync`",
     ),
     (
         "trackio_bucket_id",
-        "trackio is not supported (report_to = trackio is an error)",
+        "report_to = trackio logs locally (TRACKIO_DIR); sync it with `trackio sync`",
     ),
     (
         "trackio_static_space_id",
-        "trackio is not supported (report_to = trackio is an error)",
+        "report_to = trackio logs locally (TRACKIO_DIR); sync it with `trackio sync`",
     ),
     ("eval_strategy", "evaluation runs every eval_steps (0: off)"),
     (

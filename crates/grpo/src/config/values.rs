@@ -488,26 +488,20 @@ impl FromValue for SpanLen {
     }
 }
 
-/// `report_to` as TRL spells it, checked: `all` is every tracker grpo has, `none` (alone) none;
+/// `report_to` as TRL spells it, checked: `all` is TensorBoard, W&B and MLflow (Trackio only
+/// when named: it needs its package), `none` (alone) none;
 /// `jsonl` is accepted (metrics.jsonl is always written). Unknown values are errors naming them.
 pub(super) fn resolve_report_to(values: &[String]) -> Res<Vec<String>> {
     let mut out: Vec<String> = Vec::new();
     for v in values {
         match v.as_str() {
-            "tensorboard" | "wandb" | "mlflow" => out.push(v.clone()),
+            "tensorboard" | "wandb" | "mlflow" | "trackio" => out.push(v.clone()),
             "all" => out.extend(["tensorboard", "wandb", "mlflow"].map(String::from)),
             "none" | "jsonl" => {}
-            "trackio" => {
-                return Err(
-                    "trackio is not supported: keep tensorboard (event files in \
-                            output_dir/tb, which trackio can import) or use wandb / mlflow"
-                        .into(),
-                )
-            }
             other => {
                 return Err(format!(
-                    "unknown value `{other}`: use tensorboard, wandb, mlflow, all or none \
-                     (metrics.jsonl is always written)"
+                    "unknown value `{other}`: use tensorboard, wandb, mlflow, trackio, all or \
+                     none (metrics.jsonl is always written)"
                 ))
             }
         }

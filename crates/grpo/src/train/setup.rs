@@ -450,7 +450,11 @@ fn writers(cfg: &TrainConfig, resumed: bool, main: bool) -> Result<(MetricsWrite
             config: cfg.resolved().clone().into_iter().collect(),
             resume: resumed,
             wandb_project: cfg.logging.wandb_project.clone(),
-            project: "huggingface".into(),
+            project: cfg
+                .logging
+                .project
+                .clone()
+                .unwrap_or_else(|| "huggingface".into()),
         },
     );
     let metrics = MetricsWriter::open(
