@@ -261,12 +261,13 @@ fn wandb_offline_gets_the_config_every_step_and_a_completions_table() {
 
 #[test]
 fn report_to_values_are_checked() {
-    for (v, want) in [("\"comet\"", "unknown value `comet`")] {
-        let e = TrainConfig::from_str(&format!("report_to = {v}"), Format::Toml, "t", &[])
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("report_to") && e.contains(want), "{e}");
-    }
+    let e = TrainConfig::from_str("report_to = \"comet\"", Format::Toml, "t", &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("report_to") && e.contains("unknown value `comet`"),
+        "{e}"
+    );
     let c = TrainConfig::from_str("report_to = \"all\"", Format::Toml, "t", &[]).unwrap();
     assert_eq!(c.logging.report_to, ["mlflow", "tensorboard", "wandb"]);
     // Trackio is a tracker since it has a bridge (it was an error before).
