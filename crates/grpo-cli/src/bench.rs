@@ -7,7 +7,7 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::{Args, Subcommand};
-use grpo::sampler::{self, PromptInput, SamplingParams};
+use grpo_models::sampler::{self, PromptInput, SamplingParams};
 
 use crate::common::ModelArgs;
 use crate::generate::{encode_prompt, read_prompts_jsonl, PromptSpec};
@@ -170,7 +170,7 @@ fn bench_generate(a: GenBenchArgs) -> Result<()> {
                 };
                 Ok(PromptInput {
                     ids: encode_prompt(tok, &s, true, None)?,
-                    seed: grpo::seeding::mix_seed(a.seed, i as u64),
+                    seed: grpo_models::seeding::mix_seed(a.seed, i as u64),
                 })
             })
             .collect::<Result<_>>()?;
@@ -202,7 +202,7 @@ fn bench_generate(a: GenBenchArgs) -> Result<()> {
                     .iter()
                     .map(|x| PromptInput {
                         ids: x.ids.clone(),
-                        seed: grpo::seeding::mix_seed(x.seed, r as u64),
+                        seed: grpo_models::seeding::mix_seed(x.seed, r as u64),
                     })
                     .collect();
                 let region = Region::start();
@@ -217,7 +217,7 @@ fn bench_generate(a: GenBenchArgs) -> Result<()> {
             let best = tps.iter().cloned().fold(0.0, f64::max);
             let line = serde_json::json!({
                 "bench": "grpo_generate",
-                "isa": grpo::kernels::Isa::active().name(),
+                "isa": grpo_models::kernels::Isa::active().name(),
                 "prompts": p,
                 "samples_per_prompt": g,
                 "batch": p * g,
@@ -242,7 +242,7 @@ fn bench_generate(a: GenBenchArgs) -> Result<()> {
 fn bench_gemm(a: GemmArgs) -> Result<()> {
     if let Some(n) = a.threads {
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
-        let _ = grpo::threads::set_global_threads(n);
+        let _ = grpo_models::threads::set_global_threads(n);
     }
     let dev = Device::Cpu;
     let n = a.size;
@@ -271,7 +271,7 @@ fn bench_gemm(a: GemmArgs) -> Result<()> {
         let gflops_t = 2.0 * (m * k * nn) as f64 / best_t / 1e9;
         let line = serde_json::json!({
             "bench": "gemm_f32",
-            "isa": grpo::kernels::Isa::active().name(),
+            "isa": grpo_models::kernels::Isa::active().name(),
             "m": m, "k": k, "n": nn,
             "best_s": best,
             "gflops": (gflops * 10.0).round() / 10.0,

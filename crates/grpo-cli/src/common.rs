@@ -5,7 +5,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use clap::Args;
-use grpo::weights::LoadedModel;
+use grpo_models::weights::LoadedModel;
 
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
@@ -68,9 +68,9 @@ impl ModelArgs {
         self.init_threads();
         let dtype = self.dtype()?;
         let device = self.device()?;
-        let source = grpo::hub::resolve_model(self.model.as_deref())?;
+        let source = grpo_models::hub::resolve_model(self.model.as_deref())?;
         let t0 = Instant::now();
-        let m = grpo::weights::load_model(&source, dtype, &device)?;
+        let m = grpo_models::weights::load_model(&source, dtype, &device)?;
         tracing::info!(
             "loaded {} ({}, {} layers, vocab {}) in {:.1}s",
             m.origin.display(),
@@ -86,7 +86,7 @@ impl ModelArgs {
 impl ModelArgs {
     /// The model to sample from, with its loaded base (tokenizer, EOS ids): like [`Self::load`],
     /// and a LoRA checkpoint directory (adapter_config.json) loads over its base.
-    pub fn load_model(&self) -> Result<(grpo::models::CausalLm, LoadedModel)> {
+    pub fn load_model(&self) -> Result<(grpo_models::models::CausalLm, LoadedModel)> {
         let is_adapter = self
             .model
             .as_deref()
@@ -111,7 +111,7 @@ impl ModelArgs {
 }
 
 fn rayon_global(n: usize) -> std::result::Result<(), String> {
-    grpo::threads::set_global_threads(n).map_err(|e| e.to_string())
+    grpo_models::threads::set_global_threads(n).map_err(|e| e.to_string())
 }
 
 /// A command's trailing words after clap: the `--key=value` overrides, with the command's own

@@ -5,8 +5,8 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use grpo::sampler::{self, PromptInput, SamplingParams};
-use grpo::tokenizer::{ChatMessage, Tokenizer};
+use grpo_models::sampler::{self, PromptInput, SamplingParams};
+use grpo_models::tokenizer::{ChatMessage, Tokenizer};
 
 use crate::common::ModelArgs;
 
@@ -175,7 +175,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         }
         inputs.push(PromptInput {
             ids,
-            seed: grpo::seeding::mix_seed(a.seed, i as u64),
+            seed: grpo_models::seeding::mix_seed(a.seed, i as u64),
         });
     }
     let (groups, stats) = sampler::generate(&model, Some(tok), &inputs, a.n, &params)?;
@@ -249,7 +249,7 @@ fn run_fill(a: GenerateArgs) -> Result<()> {
         }
         inputs.push(PromptInput {
             ids,
-            seed: grpo::seeding::mix_seed(a.seed, i as u64),
+            seed: grpo_models::seeding::mix_seed(a.seed, i as u64),
         });
     }
     use grpo::rollout::GroupSampler;

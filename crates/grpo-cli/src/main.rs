@@ -83,7 +83,7 @@ fn main() -> ExitCode {
     // SAFETY: as above.
     unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_LARGE_OS_PAGES, 1) };
     quiet_error_backtraces();
-    if let Err(e) = grpo::faults::init_from_env() {
+    if let Err(e) = grpo_models::faults::init_from_env() {
         eprintln!("error: {e}");
         return ExitCode::from(2);
     }
@@ -114,7 +114,7 @@ fn main() -> ExitCode {
         _ => fmt.init(),
     }
     // GRPO_ISA / GRPO_KERNELS: a bad value is an error here, not a silent `auto`.
-    if let Err(e) = grpo::kernels::check_env() {
+    if let Err(e) = grpo_models::kernels::check_env() {
         eprintln!("error: {e}");
         return ExitCode::from(2);
     }

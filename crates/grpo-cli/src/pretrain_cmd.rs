@@ -103,7 +103,8 @@ fn parse_ratio(s: &str) -> Result<(f64, f64)> {
 
 pub fn run(a: PretrainArgs) -> Result<()> {
     if let Some(n) = a.threads {
-        grpo::threads::set_global_threads(n).map_err(|e| anyhow::anyhow!("--threads: {e}"))?;
+        grpo_models::threads::set_global_threads(n)
+            .map_err(|e| anyhow::anyhow!("--threads: {e}"))?;
     }
     let o = PretrainOptions {
         data: a.data.clone(),
@@ -135,7 +136,7 @@ pub fn run(a: PretrainArgs) -> Result<()> {
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     let t0 = std::time::Instant::now();
-    let log = grpo::threads::on_pool(|| {
+    let log = grpo_models::threads::on_pool(|| {
         let mut on_step = |r: &grpo::fill_in::pretrain::PretrainStep| {
             bar.set_position(r.step);
             bar.set_message(format!("loss {:.3}", r.loss));

@@ -15,7 +15,8 @@ use grpo::config::TrainConfig;
 use grpo::data::{self, DataFields, Example};
 use grpo::inputs;
 use grpo::rewards::{score_all, Reward, ScoreItem};
-use grpo::{hub, Error, Result};
+use grpo::{Error, Result};
+use grpo_models::hub;
 
 /// One scored sample.
 #[derive(Debug, Clone)]
@@ -102,7 +103,7 @@ pub fn check_samples(cfg: &TrainConfig, samples: &Path) -> Result<CheckReport> {
                 .collect()
         } else {
             let source = hub::resolve_model(cfg.run.model.as_deref())?;
-            let tok = grpo::weights::load_tokenizer(&source)?;
+            let tok = grpo_models::weights::load_tokenizer(&source)?;
             completions
                 .iter()
                 .map(|c| tok.encode(c, false).map(|ids| ids.len()))

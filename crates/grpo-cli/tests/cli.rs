@@ -666,7 +666,7 @@ fn train_at_avx2_is_bit_identical_and_the_portable_kernels_train() {
     };
     let (best, log) = weights(run("best", &[], &[]));
     assert!(log.contains("kernels: fused"), "{log}");
-    if grpo::kernels::Isa::detected() >= grpo::kernels::Isa::Avx2 {
+    if grpo_models::kernels::Isa::detected() >= grpo_models::kernels::Isa::Avx2 {
         let (avx2, log) = weights(run("avx2", &[("GRPO_ISA", "avx2")], &[]));
         assert!(
             log.contains("kernels: fused (CPU instruction set avx2)"),

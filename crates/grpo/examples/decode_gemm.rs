@@ -1,11 +1,11 @@
 //! Decoding-step projections (SmolLM2-135M shapes, 1 to 64 rows): candle's GEMM on the
-//! contiguous [in, out] weight vs the packed decoding kernel (`grpo::models::packed`), plus the
+//! contiguous [in, out] weight vs the packed decoding kernel (`grpo_models::models::packed`), plus the
 //! cost of packing. Not a test.
 //!   cargo run --release -p grpo --example decode_gemm
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
-use grpo::models::packed::PackedWeight;
+use grpo_models::models::packed::PackedWeight;
 
 fn time(reps: usize, mut f: impl FnMut() -> candle_core::Result<()>) -> candle_core::Result<f64> {
     f()?;
@@ -20,7 +20,7 @@ fn main() -> candle_core::Result<()> {
     let dev = Device::Cpu;
     println!(
         "packed kernel available: {}",
-        grpo::kernels::Compute::resolve(&candle_core::Device::Cpu, candle_core::DType::F32)
+        grpo_models::kernels::Compute::resolve(&candle_core::Device::Cpu, candle_core::DType::F32)
             .packs_for_decoding()
     );
     // (out, in): q/k/v joined, o, gate/up joined, down, LM head.

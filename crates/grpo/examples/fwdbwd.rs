@@ -8,9 +8,9 @@ use std::time::Instant;
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use candle_core::{DType, Device, Tensor, Var};
-use grpo::hub::ModelSource;
 use grpo::logprobs::{completion_logprobs, Entropy, Packing};
-use grpo::models::{CausalLm, Mode};
+use grpo_models::hub::ModelSource;
+use grpo_models::models::{CausalLm, Mode};
 
 fn main() -> anyhow::Result<()> {
     if std::env::var("INPOOL").is_ok() {
@@ -35,7 +35,7 @@ fn run() -> anyhow::Result<()> {
         Packing::SharedPrompt
     };
     let dir = std::path::PathBuf::from("/opt/peers/smollm2-135m-instruct-f32");
-    let m = grpo::weights::load_model(&ModelSource::HfDir(dir), DType::F32, &Device::Cpu)?;
+    let m = grpo_models::weights::load_model(&ModelSource::HfDir(dir), DType::F32, &Device::Cpu)?;
     let vars: Vec<(String, Var)> = m
         .tensors
         .iter()
@@ -71,7 +71,7 @@ fn run() -> anyhow::Result<()> {
         let mut model = CausalLm::from_tensors(&m.config, tensors, DType::F32, &Device::Cpu)?;
         // SINK=1: projection weight gradients through the trainer's gradient sink.
         let list: Vec<Var> = vars.iter().map(|(_, v)| v.clone()).collect();
-        let sink = grpo::models::grad_sink::GradSink::new(&list);
+        let sink = grpo_models::models::grad_sink::GradSink::new(&list);
         if std::env::var("SINK").is_ok() {
             model.attach_grad_sink(&sink)?;
         }

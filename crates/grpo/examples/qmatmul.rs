@@ -6,7 +6,7 @@
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
-use grpo::models::{QuantProj, QuantType};
+use grpo_models::models::{QuantProj, QuantType};
 
 fn main() -> candle_core::Result<()> {
     let dev = Device::Cpu;

@@ -12,10 +12,10 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
 
-use crate::files::{save_tensors, write_file};
-use crate::models::ModelConfig;
-use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
+use grpo_models::files::{save_tensors, write_file};
+use grpo_models::models::ModelConfig;
+use grpo_models::tokenizer::Tokenizer;
 
 /// What an HF model directory is written from.
 pub struct HfExport<'a> {
@@ -326,7 +326,7 @@ pub fn save_checkpoint(
                 }
             }
         }
-        crate::faults::kill_point("checkpoint.model_written");
+        grpo_models::faults::kill_point("checkpoint.model_written");
         save_tensors(&tmp.join("optimizer.safetensors"), data.optimizer)?;
         let state = serde_json::to_vec_pretty(data.trainer_state).unwrap_or_default();
         write_file(&tmp.join("trainer_state.json"), &state)?;
@@ -351,11 +351,11 @@ pub fn save_checkpoint(
         std::process::id()
     ));
     let had_old = final_dir.exists();
-    crate::faults::kill_point("checkpoint.before_rename");
+    grpo_models::faults::kill_point("checkpoint.before_rename");
     if had_old {
         std::fs::rename(&final_dir, &aside)
             .map_err(|e| Error::file(&final_dir, format!("cannot replace: {e}")))?;
-        crate::faults::kill_point("checkpoint.replacing");
+        grpo_models::faults::kill_point("checkpoint.replacing");
     }
     std::fs::rename(&tmp, &final_dir).map_err(|e| {
         let _ = std::fs::remove_dir_all(&tmp);
@@ -432,9 +432,9 @@ pub fn load_checkpoint(dir: &Path, device: &Device) -> Result<LoadedCheckpoint> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hub::ModelSource;
-    use crate::weights::load_model;
     use candle_core::DType;
+    use grpo_models::hub::ModelSource;
+    use grpo_models::weights::load_model;
 
     fn fixture(name: &str) -> PathBuf {
         Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -505,7 +505,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         tok.save_hf_dir(dir.path()).unwrap();
         let back = Tokenizer::from_hf_dir(dir.path()).unwrap();
-        let msgs = [crate::tokenizer::ChatMessage::user(
+        let msgs = [grpo_models::tokenizer::ChatMessage::user(
             "What is 12 + 30?  Answer:\n ok",
         )];
         assert_eq!(

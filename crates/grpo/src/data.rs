@@ -7,8 +7,8 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde_json::{Map, Value};
 
-use crate::tokenizer::{ChatMessage, Tokenizer};
 use crate::{Error, Result};
+use grpo_models::tokenizer::{ChatMessage, Tokenizer};
 
 /// Raw rows of a file: (line number, the row's fields or why it is unusable).
 type RawRows = Vec<(usize, std::result::Result<Map<String, Value>, String>)>;
@@ -367,7 +367,7 @@ impl PromptOrder {
     fn permutation(&self, epoch: usize) -> Vec<usize> {
         let mut p: Vec<usize> = (0..self.n).collect();
         if self.shuffle {
-            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(crate::seeding::mix_seed(
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(grpo_models::seeding::mix_seed(
                 self.seed,
                 epoch as u64,
             ));

@@ -28,13 +28,13 @@ use candle_core::{DType, Device};
 use serde_json::{json, Map, Value};
 
 use crate::data::{self, Example};
-use crate::models::CausalLm;
 use crate::rewards::Reward;
 use crate::rollout::{self, Episode, GroupSampler};
-use crate::sampler::SamplingParams;
-use crate::seeding::mix_seed;
-use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
+use grpo_models::models::CausalLm;
+use grpo_models::sampler::SamplingParams;
+use grpo_models::seeding::mix_seed;
+use grpo_models::tokenizer::Tokenizer;
 
 /// Unbiased pass@k of one prompt with `n` samples of which `c` are correct: the probability that
 /// k samples drawn without replacement from the n include a correct one, `1 - C(n-c, k) / C(n, k)`

@@ -7,11 +7,11 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 
 use crate::checkpoint::{resolve_run_dir, HfExport};
-use crate::hub;
-use crate::models::{CausalLm, QuantProj, QuantType};
 use crate::peft::{self, LoadedAdapter};
-use crate::weights::{load_model, LoadedModel};
 use crate::{Error, Result};
+use grpo_models::hub;
+use grpo_models::models::{CausalLm, QuantProj, QuantType};
+use grpo_models::weights::{load_model, LoadedModel};
 
 /// The base quantization a LoRA checkpoint was trained on (its `config.toml`), if any.
 pub fn checkpoint_base_quantization(dir: &Path) -> Result<Option<QuantType>> {
@@ -122,13 +122,13 @@ fn round_trip_quantization(
     for (module, _, _) in model.projection_shapes()? {
         let key = format!("{module}.weight");
         if let Some(w) = tensors.get(&key) {
-            let w = if model.config().arch == crate::models::Arch::Gpt2 {
+            let w = if model.config().arch == grpo_models::models::Arch::Gpt2 {
                 w.t()?
             } else {
                 w.clone()
             };
             let mut d = QuantProj::quantize(&w, q)?.dequantize()?;
-            if model.config().arch == crate::models::Arch::Gpt2 {
+            if model.config().arch == grpo_models::models::Arch::Gpt2 {
                 d = d.t()?.contiguous()?;
             }
             tensors.insert(key, d);

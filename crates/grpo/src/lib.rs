@@ -1,7 +1,7 @@
 //! grpo: fine-tune causal language models with Group Relative Policy Optimization.
 //!
-//! The RL layer over [`grpo_models`] (the model runtime, re-exported here under its own module
-//! names so that `grpo::models`, `grpo::sampler`, ... keep working). Modules, bottom up:
+//! The RL layer over [`grpo_models`] (the model runtime: models, sampler, tokenizer, hub, ...;
+//! its users import it as `grpo_models::...`, not through this crate). Modules, bottom up:
 //! - [`config`]: the training configuration (TOML/YAML with TRL's option names), validated once.
 //! - [`data`]: prompt datasets (JSONL, CSV, Parquet) and the built-in arithmetic task.
 //! - [`rewards`]: reward functions scoring completions.
@@ -17,11 +17,6 @@
 //! - [`inputs`]: a run's prompt sets and rewards, loaded one way for train, eval and rewards check.
 //! - [`eval`]: held-out evaluation: pass@k, accuracy (greedy and sampled), mean rewards.
 //! - [`train`]: the training loop.
-
-pub use grpo_models::{
-    error, faults, files, hub, kernels, kv_cache, models, sampler, seeding, threads, tokenizer,
-    weights,
-};
 
 pub mod advantages;
 pub mod checkpoint;
@@ -42,4 +37,5 @@ pub mod rollout;
 pub mod trackers;
 pub mod train;
 
-pub use error::{Error, Result};
+/// The library's error type is the model runtime's: one enum for both crates.
+pub use grpo_models::error::{Error, Result};

@@ -8,12 +8,12 @@
 
 use candle_core::{Tensor, D};
 
-use crate::models::fused;
-use crate::models::layers::reduce_dtype;
+use grpo_models::models::fused;
+use grpo_models::models::layers::reduce_dtype;
 
-use crate::kernels::Compute;
-use crate::models::{CausalLm, Mode, SeqBatch};
 use crate::Result;
+use grpo_models::kernels::Compute;
+use grpo_models::models::{CausalLm, Mode, SeqBatch};
 
 /// Rows of hidden states per LM-head chunk.
 pub const DEFAULT_CHUNK_ROWS: usize = 256;
@@ -167,7 +167,7 @@ pub fn token_logprobs_entropy_with(
 /// Like [`token_logprobs_entropy`] for a differentiable forward that keeps no logits: each
 /// chunk's `[c, V]` logits exist only while it is computed, in the forward and again in the
 /// backward, which recomputes them from `hidden` and `lm_head` (the fused linear + log-softmax
-/// plan of Liger's kernels, in candle ops; see [`crate::models::recompute`]). What the backward
+/// plan of Liger's kernels, in candle ops; see [`grpo_models::models::recompute`]). What the backward
 /// keeps is `hidden`, `lm_head` and one log-sum-exp per row. `lm_head` [V, H] gets a gradient
 /// only where it tracks one (a frozen head under LoRA does not).
 ///
@@ -193,7 +193,7 @@ pub fn token_logprobs_entropy_recomputed(
         ..op
     };
     let both =
-        crate::models::recompute::attach(&both, &[hidden, lm_head], std::sync::Arc::new(op))?;
+        grpo_models::models::recompute::attach(&both, &[hidden, lm_head], std::sync::Arc::new(op))?;
     let lp = both.narrow(1, 0, 1)?.squeeze(1)?; // [N]
     let ent = both.narrow(1, 1, 1)?.squeeze(1)?; // [N]
     Ok((
@@ -252,7 +252,7 @@ impl HeadLogprobs {
     }
 }
 
-impl crate::models::recompute::Backward for HeadLogprobs {
+impl grpo_models::models::recompute::Backward for HeadLogprobs {
     fn name(&self) -> &'static str {
         "head-logprobs"
     }
@@ -504,7 +504,7 @@ pub fn completion_logprobs(
     let (lp, ent) = match model.plain_head() {
         // Off the fused CPU path (a GPU's), a training forward keeps no [M, V] logits.
         Some(w) if mode == Mode::Train && !one_row => {
-            let rows = crate::models::chunked_attention::CHUNK_BYTES / (4 * w.dim(0)?.max(1));
+            let rows = grpo_models::models::chunked_attention::CHUNK_BYTES / (4 * w.dim(0)?.max(1));
             token_logprobs_entropy_recomputed(&picked, w, &targets, temperature, rows, entropy)?
         }
         _ => token_logprobs_entropy_with(

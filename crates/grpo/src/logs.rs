@@ -167,7 +167,7 @@ fn retain_steps(dir: &Path, keep: impl Fn(u64) -> bool) -> Result<()> {
                 kept.push('\n');
             }
         }
-        crate::files::write_atomic(&path, kept.as_bytes())?;
+        grpo_models::files::write_atomic(&path, kept.as_bytes())?;
     }
     let eval = dir.join("eval");
     for e in std::fs::read_dir(&eval).into_iter().flatten().flatten() {

@@ -74,7 +74,7 @@ enum Moments {
 impl Moments {
     fn zeros(var: &Var) -> Result<Moments> {
         Ok(
-            if crate::kernels::Compute::resolve(var.device(), var.dtype()).is_fused() {
+            if grpo_models::kernels::Compute::resolve(var.device(), var.dtype()).is_fused() {
                 let n = var.elem_count();
                 Moments::Host {
                     exp_avg: vec![0.0; n],

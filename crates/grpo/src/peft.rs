@@ -23,9 +23,9 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::json;
 
-use crate::models::{Arch, CausalLm, LoraAdapter, LoraDropout, ModelConfig};
-use crate::seeding::mix_seed;
 use crate::{Error, Result};
+use grpo_models::models::{Arch, CausalLm, LoraAdapter, LoraDropout, ModelConfig};
+use grpo_models::seeding::mix_seed;
 
 /// PEFT's key prefix for a causal LM (`PeftModelForCausalLM.base_model.model`).
 pub const PEFT_PREFIX: &str = "base_model.model.";
@@ -249,8 +249,8 @@ pub fn save_peft(
 ) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| Error::file(dir, format!("cannot create: {e}")))?;
     let conf = serde_json::to_vec_pretty(&cfg.peft_json(arch, base_model)).unwrap_or_default();
-    crate::files::write_file(&dir.join(ADAPTER_CONFIG), &conf)?;
-    crate::files::save_tensors(&dir.join(ADAPTER_WEIGHTS), tensors)
+    grpo_models::files::write_file(&dir.join(ADAPTER_CONFIG), &conf)?;
+    grpo_models::files::save_tensors(&dir.join(ADAPTER_WEIGHTS), tensors)
 }
 
 /// Whether `dir` holds a PEFT adapter.
@@ -380,7 +380,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("m.safetensors");
         let t = Tensor::zeros((2, 3), DType::F32, &Device::Cpu).unwrap();
-        crate::files::save_tensors(&p, &[("w".into(), t)]).unwrap();
+        grpo_models::files::save_tensors(&p, &[("w".into(), t)]).unwrap();
         let bytes = std::fs::read(&p).unwrap();
         let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
         let m = meta.metadata().as_ref().unwrap();

@@ -7,11 +7,11 @@ use std::time::Instant;
 use candle_core::{Device, Tensor};
 
 use crate::data::Example;
-use crate::models::CausalLm;
 use crate::rewards::{Reward, ScoreItem};
-use crate::sampler::{self, Completion, GenStats, PromptInput, SamplingParams, StopReason};
-use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
+use grpo_models::models::CausalLm;
+use grpo_models::sampler::{self, Completion, GenStats, PromptInput, SamplingParams, StopReason};
+use grpo_models::tokenizer::Tokenizer;
 
 /// One sampled completion of one prompt.
 #[derive(Debug, Clone)]

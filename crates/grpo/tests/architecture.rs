@@ -338,3 +338,41 @@ fn the_checker_sees_a_circle() {
     let found = all_cycles(src);
     assert_eq!(found, vec![vec!["a::x".to_string(), "a::y".to_string()]]);
 }
+
+/// Fill-in stays behind its boundary: besides `fill_in` itself, only the fill-in policy kind
+/// (`train::fill_in`) and the dispatch of each kind's built-in task and rewards (`inputs`)
+/// import it; the causal loop (`train`'s other modules) does not.
+#[test]
+fn fill_in_stays_behind_its_module() {
+    let mods = modules(&crate_src("grpo"));
+    let allowed = |m: &[String]| {
+        matches!(m.first().map(String::as_str), Some("fill_in" | "inputs"))
+            || m.starts_with(&["train".to_string(), "fill_in".to_string()])
+    };
+    let mut importers = BTreeSet::new();
+    for (m, text) in &mods {
+        for p in paths(text) {
+            if resolve(m, &p).first().map(String::as_str) == Some("fill_in") {
+                importers.insert(m.join("::"));
+                assert!(allowed(m), "{} imports {}", m.join("::"), p.join("::"));
+            }
+        }
+    }
+    assert!(importers.contains("train::fill_in"), "{importers:?}");
+}
+
+/// grpo re-exports none of grpo-models' modules: its users import them from grpo-models, so the
+/// crate boundary shows. Only the shared error type is re-exported.
+#[test]
+fn grpo_does_not_re_export_the_model_runtime() {
+    let lib = std::fs::read_to_string(crate_src("grpo").join("lib.rs")).unwrap();
+    let reexports: Vec<&str> = lib
+        .lines()
+        .filter(|l| l.trim_start().starts_with("pub use grpo_models"))
+        .collect();
+    assert_eq!(
+        reexports,
+        ["pub use grpo_models::error::{Error, Result};"],
+        "{reexports:?}"
+    );
+}

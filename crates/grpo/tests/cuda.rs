@@ -11,11 +11,11 @@
 use std::path::PathBuf;
 
 use candle_core::{DType, Device, Var};
-use grpo::hub::ModelSource;
 use grpo::logprobs::next_token_logprobs;
-use grpo::models::{CausalLm, Mode, SeqBatch};
-use grpo::sampler::{generate, PromptInput, SamplingParams};
-use grpo::weights::load_model;
+use grpo_models::hub::ModelSource;
+use grpo_models::models::{CausalLm, Mode, SeqBatch};
+use grpo_models::sampler::{generate, PromptInput, SamplingParams};
+use grpo_models::weights::load_model;
 use serde_json::Value;
 
 #[path = "support/tiny_llama.rs"]
@@ -385,7 +385,7 @@ fn gpu_qlora_with_truncated_sampling_equals_the_portable_cpu_path() {
 fn gpu_gradients_equal_the_portable_cpu_paths_for_every_parameter() {
     use grpo::logprobs::{completion_logprobs, Entropy, Packing};
     let Some(dev) = gpu() else { return };
-    grpo::kernels::set_kernels(grpo::kernels::Kernels::Portable);
+    grpo_models::kernels::set_kernels(grpo_models::kernels::Kernels::Portable);
     let grads_on = |name: &str, dev: &Device| {
         let (model, vars) = trainable(name, dev);
         let prompts: Vec<&[u32]> = vec![&[5, 17, 33], &[5, 17, 33], &[9, 4]];

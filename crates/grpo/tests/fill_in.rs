@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 
 use candle_core::Device;
 use grpo::config::{Format, TrainConfig};
-use grpo::models::masked_lm::MaskedLm;
 use grpo::train::{train, RunControl};
+use grpo_models::models::masked_lm::MaskedLm;
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")

@@ -7,9 +7,9 @@ use std::path::{Path, PathBuf};
 
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
-use grpo::hub::ModelSource;
-use grpo::models::{Arch, Mode, SeqBatch};
-use grpo::weights::{hf_name, load_model, LoadedModel};
+use grpo_models::hub::ModelSource;
+use grpo_models::models::{Arch, Mode, SeqBatch};
+use grpo_models::weights::{hf_name, load_model, LoadedModel};
 
 fn fixture_dir(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -307,7 +307,7 @@ fn broken_checkpoints_give_clear_errors() {
 
 #[test]
 fn bad_prompts_give_clear_errors() {
-    use grpo::sampler::{generate, PromptInput, SamplingParams};
+    use grpo_models::sampler::{generate, PromptInput, SamplingParams};
     let m = load_dir(&fixture_dir("gpt2"), DType::F32).unwrap();
     let model = m.build().unwrap();
     let p = SamplingParams {

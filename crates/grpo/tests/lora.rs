@@ -6,10 +6,10 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, Var, D};
-use grpo::hub::ModelSource;
-use grpo::models::{CausalLm, Mode, QuantType, SeqBatch};
 use grpo::peft;
-use grpo::weights::load_model;
+use grpo_models::hub::ModelSource;
+use grpo_models::models::{CausalLm, Mode, QuantType, SeqBatch};
+use grpo_models::weights::load_model;
 
 #[path = "support/rerun.rs"]
 mod rerun;
@@ -68,7 +68,7 @@ fn loss_and_logits(model: &CausalLm, ids: &[Vec<u32>], mode: Mode) -> (Tensor, T
 }
 
 struct Case {
-    base: grpo::weights::LoadedModel,
+    base: grpo_models::weights::LoadedModel,
     adapter: peft::LoadedAdapter,
     expected: HashMap<String, Tensor>,
     ids: Vec<Vec<u32>>,
@@ -104,7 +104,7 @@ fn tracked_adapters(
     a: &peft::LoadedAdapter,
 ) -> (
     Vec<(String, Var)>,
-    HashMap<String, grpo::models::LoraAdapter>,
+    HashMap<String, grpo_models::models::LoraAdapter>,
 ) {
     let vars: Vec<(String, Var)> = a
         .tensors
@@ -336,7 +336,7 @@ fn qlora_gradients_match_the_dequantized_base() {
         for (module, _, _) in quant.projection_shapes().unwrap() {
             let key = format!("{module}.weight");
             let w = &deq[&key];
-            let d = grpo::models::QuantProj::quantize(w, kind)
+            let d = grpo_models::models::QuantProj::quantize(w, kind)
                 .unwrap()
                 .dequantize()
                 .unwrap();
@@ -479,17 +479,19 @@ fn peft_and_transformers_load_what_grpo_writes() {
     .build()
     .unwrap();
     let greedy = |m: &CausalLm| -> Vec<u32> {
-        let params = grpo::sampler::SamplingParams {
+        let params = grpo_models::sampler::SamplingParams {
             max_new_tokens: 8,
             min_new_tokens: 8,
             temperature: 0.0,
             ..Default::default()
         };
-        let p = [grpo::sampler::PromptInput {
+        let p = [grpo_models::sampler::PromptInput {
             ids: ids.clone(),
             seed: 0,
         }];
-        grpo::sampler::generate(m, None, &p, 1, &params).unwrap().0[0][0]
+        grpo_models::sampler::generate(m, None, &p, 1, &params)
+            .unwrap()
+            .0[0][0]
             .ids
             .clone()
     };

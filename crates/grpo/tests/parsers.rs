@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 use grpo::config::{Format, TrainConfig};
 use grpo::data::{load_examples, DataFields};
 use grpo::rewards::rules::{extract_answer, AnswerMatch, EXTRACT_CHOICES};
-use grpo::tokenizer::{ChatMessage, Tokenizer};
+use grpo_models::tokenizer::{ChatMessage, Tokenizer};
 use proptest::prelude::*;
 use proptest::test_runner::RngSeed;
 

@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
-use grpo::hub::resolve_encoder_model;
-use grpo::models::encoder::{SentenceEmbedder, SequenceClassifier};
+use grpo_models::hub::resolve_encoder_model;
+use grpo_models::models::encoder::{SentenceEmbedder, SequenceClassifier};
 use serde_json::Value;
 
 const TOL: f32 = 1e-4;

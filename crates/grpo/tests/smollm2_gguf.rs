@@ -5,12 +5,12 @@
 use std::path::PathBuf;
 
 use candle_core::{DType, Device};
-use grpo::hub::{ensure_default_gguf, ModelSource};
 use grpo::logprobs::next_token_logprobs;
-use grpo::models::{Mode, SeqBatch};
-use grpo::sampler::{generate, PromptInput, SamplingParams, StopReason};
-use grpo::tokenizer::ChatMessage;
-use grpo::weights::load_model;
+use grpo_models::hub::{ensure_default_gguf, ModelSource};
+use grpo_models::models::{Mode, SeqBatch};
+use grpo_models::sampler::{generate, PromptInput, SamplingParams, StopReason};
+use grpo_models::tokenizer::ChatMessage;
+use grpo_models::weights::load_model;
 use serde_json::Value;
 
 fn fixture() -> Value {
@@ -84,7 +84,7 @@ fn gguf_greedy_decoding_matches_transformers() {
     packed.pack_for_decoding().unwrap();
     assert_eq!(
         packed.fused_decoding(),
-        grpo::kernels::Compute::resolve(&candle_core::Device::Cpu, candle_core::DType::F32)
+        grpo_models::kernels::Compute::resolve(&candle_core::Device::Cpu, candle_core::DType::F32)
             .packs_for_decoding()
     );
     let (out_packed, _) = generate(&packed, Some(tok), &inputs, 1, &params).unwrap();
@@ -146,11 +146,11 @@ fn gguf_greedy_decoding_matches_transformers() {
 /// moving quantized rows, they dequantize to exactly the f32 weights the loader produces.
 #[test]
 fn gguf_projections_are_kept_quantized_as_they_are() {
-    use grpo::models::QuantType;
+    use grpo_models::models::QuantType;
     let gguf = std::env::var("GRPO_TEST_GGUF")
         .map(PathBuf::from)
         .unwrap_or_else(|_| ensure_default_gguf().unwrap());
-    let q = grpo::weights::gguf_quantized_projections(&gguf, QuantType::Q4_1).unwrap();
+    let q = grpo_models::weights::gguf_quantized_projections(&gguf, QuantType::Q4_1).unwrap();
     assert_eq!(q.len(), 30 * 7, "every projection of the 30 layers is Q4_1");
     let m = load_model(&ModelSource::Gguf(gguf), DType::F32, &Device::Cpu).unwrap();
     for name in [

@@ -6,11 +6,11 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor, Var};
-use grpo::hub::ModelSource;
 use grpo::logprobs::next_token_logprobs;
-use grpo::models::{CausalLm, Mode, SeqBatch};
-use grpo::sampler::{generate, PromptInput, SamplingParams};
-use grpo::weights::{load_model, LoadedModel};
+use grpo_models::hub::ModelSource;
+use grpo_models::models::{CausalLm, Mode, SeqBatch};
+use grpo_models::sampler::{generate, PromptInput, SamplingParams};
+use grpo_models::weights::{load_model, LoadedModel};
 use serde_json::Value;
 
 #[path = "support/rerun.rs"]
@@ -69,18 +69,21 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 fn packed_model(m: &LoadedModel) -> CausalLm {
     let mut model = m.build().unwrap();
     let n = model.pack_for_decoding().unwrap();
-    match grpo::kernels::Compute::resolve(&candle_core::Device::Cpu, candle_core::DType::F32)
+    match grpo_models::kernels::Compute::resolve(&candle_core::Device::Cpu, candle_core::DType::F32)
         .packs_for_decoding()
     {
         true => assert!(n > 4, "only {n} weights packed"),
         false => assert_eq!(n, 0),
     }
-    let llama_family = model.config().arch != grpo::models::Arch::Gpt2;
+    let llama_family = model.config().arch != grpo_models::models::Arch::Gpt2;
     assert_eq!(
         model.fused_decoding(),
         llama_family
-            && grpo::kernels::Compute::resolve(&candle_core::Device::Cpu, candle_core::DType::F32)
-                .packs_for_decoding()
+            && grpo_models::kernels::Compute::resolve(
+                &candle_core::Device::Cpu,
+                candle_core::DType::F32
+            )
+            .packs_for_decoding()
     );
     model
 }
@@ -267,7 +270,7 @@ fn cached_greedy_decoding_matches_transformers_and_is_batch_independent() {
                 ..sp.clone()
             };
             let mut seen = vec![];
-            let (c, st) = grpo::sampler::generate_streaming(
+            let (c, st) = grpo_models::sampler::generate_streaming(
                 &model,
                 None,
                 &batch,
@@ -533,8 +536,8 @@ fn shared_prompt_packing_equals_one_row_per_completion() {
 
 #[test]
 fn gradient_sink_equals_autograd_and_accumulates() {
-    use grpo::models::grad_sink::GradSink;
-    if grpo::kernels::kernels() == grpo::kernels::Kernels::Portable {
+    use grpo_models::models::grad_sink::GradSink;
+    if grpo_models::kernels::kernels() == grpo_models::kernels::Kernels::Portable {
         return; // the sink is CPU code, which the portable kernels (a GPU's path) do not run
     }
     for name in ARCHS {
@@ -548,7 +551,7 @@ fn gradient_sink_equals_autograd_and_accumulates() {
         let attached = sunk.attach_grad_sink(&sink).unwrap();
         // Four projections per block, the token embedding and the LM head (tied or not), and
         // GPT-2's position embedding.
-        let extra = if m.config.arch == grpo::models::Arch::Gpt2 {
+        let extra = if m.config.arch == grpo_models::models::Arch::Gpt2 {
             3
         } else {
             2

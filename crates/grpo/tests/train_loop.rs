@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device};
 use grpo::config::{Format, TrainConfig};
-use grpo::hub::ModelSource;
 use grpo::train::{train, RunControl};
+use grpo_models::hub::ModelSource;
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
@@ -57,7 +57,7 @@ fn metrics(dir: &Path) -> Vec<serde_json::Value> {
 }
 
 fn weights(dir: &Path) -> HashMap<String, Vec<f32>> {
-    let m = grpo::weights::load_model(
+    let m = grpo_models::weights::load_model(
         &ModelSource::HfDir(dir.to_path_buf()),
         DType::F32,
         &Device::Cpu,
@@ -451,11 +451,12 @@ fn early_scoring_equals_scoring_after_sampling() {
     use grpo::data::{Example, Prompt};
     use grpo::rewards::{parse_rewards, RewardContext};
     use grpo::rollout::{rollout, rollout_scoring_early, score};
-    use grpo::sampler::{generate, generate_streaming, PromptInput, SamplingParams};
+    use grpo_models::sampler::{generate, generate_streaming, PromptInput, SamplingParams};
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("model");
     tiny_model(&dir);
-    let m = grpo::weights::load_model(&ModelSource::HfDir(dir), DType::F32, &Device::Cpu).unwrap();
+    let m = grpo_models::weights::load_model(&ModelSource::HfDir(dir), DType::F32, &Device::Cpu)
+        .unwrap();
     let tok = m.tokenizer().unwrap().clone();
     let model = m.build().unwrap();
     let data: Vec<Example> = ["one", "two two", "three three three"]
@@ -497,7 +498,7 @@ fn early_scoring_equals_scoring_after_sampling() {
         })
         .unwrap();
     assert_eq!(seen, vec![1; 12], "every sample is reported once");
-    let texts = |g: &Vec<Vec<grpo::sampler::Completion>>| -> Vec<String> {
+    let texts = |g: &Vec<Vec<grpo_models::sampler::Completion>>| -> Vec<String> {
         g.iter().flatten().map(|c| c.text.clone()).collect()
     };
     assert_eq!(texts(&plain), texts(&streamed));
@@ -908,7 +909,10 @@ fn a_trl_grpo_yaml_trains() {
     )
     .unwrap();
     assert!(c.ignored_keys.iter().any(|k| k == "load_in_4bit"));
-    assert_eq!(c.lora.base_quantization, Some(grpo::models::QuantType::Nf4));
+    assert_eq!(
+        c.lora.base_quantization,
+        Some(grpo_models::models::QuantType::Nf4)
+    );
 }
 
 /// Each example config of a seed's scenario (examples/configs/) trains on a tiny model, with the

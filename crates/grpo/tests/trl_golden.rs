@@ -11,11 +11,8 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor, Var};
 use grpo::advantages::ScaleRewards;
 use grpo::advantages::{combine_rewards, decoupled_advantages, group_advantages, AdvantageOptions};
-use grpo::hub::ModelSource;
 use grpo::logprobs::{completion_logprobs, Entropy, Packing};
 use grpo::loss::{grpo_loss, AdaptiveEntropy, LossInputs, LossOptions, Reduction, VespoParams};
-use grpo::models::grad_sink::GradSink;
-use grpo::models::{CausalLm, Mode};
 use grpo::optim::LrSchedule;
 use grpo::optim::{clip_factor, lr_lambda, AdamW, AdamWConfig};
 use grpo::rollout::{TrainBatch, TrainRow};
@@ -23,6 +20,9 @@ use grpo::train::{
     policy_gradients, update_policy, update_round, CausalLmPolicy, Schedule, SingleProcess,
     StepCounter, UpdateOptions,
 };
+use grpo_models::hub::ModelSource;
+use grpo_models::models::grad_sink::GradSink;
+use grpo_models::models::{CausalLm, Mode};
 use serde_json::Value;
 
 #[path = "support/rerun.rs"]
@@ -91,7 +91,7 @@ fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
 }
 
 /// The fixture model's parameters as a full fine-tuning policy (names sorted, as the trainer's).
-fn fixture_policy(m: &grpo::weights::LoadedModel) -> CausalLmPolicy {
+fn fixture_policy(m: &grpo_models::weights::LoadedModel) -> CausalLmPolicy {
     let mut names: Vec<String> = m.tensors.keys().cloned().collect();
     names.sort();
     let vars = names
@@ -167,7 +167,7 @@ fn normalize_then_sum_advantages_equal_trl() {
 #[test]
 fn loss_and_every_gradient_equal_trl() {
     let c = json("cases.json");
-    let m = grpo::weights::load_model(
+    let m = grpo_models::weights::load_model(
         &ModelSource::HfDir(dir().join("model")),
         DType::F32,
         &Device::Cpu,
@@ -213,7 +213,7 @@ fn loss_and_every_gradient_equal_trl() {
         let sink = GradSink::new(&list);
         if ci % 4 >= 2 {
             // The sink is fused CPU code: on the portable kernels nothing attaches.
-            let fused = grpo::kernels::kernels() == grpo::kernels::Kernels::Fused;
+            let fused = grpo_models::kernels::kernels() == grpo_models::kernels::Kernels::Fused;
             assert_eq!(model.attach_grad_sink(&sink).unwrap() > 0, fused);
         }
         let t = case["temperature"].as_f64().unwrap();
@@ -457,7 +457,7 @@ fn loss_options(case: &Value) -> LossOptions {
 #[test]
 fn the_trainers_update_equals_trl() {
     let c = json("cases.json");
-    let m = grpo::weights::load_model(
+    let m = grpo_models::weights::load_model(
         &ModelSource::HfDir(dir().join("model")),
         DType::F32,
         &Device::Cpu,
@@ -592,7 +592,7 @@ fn the_trainers_update_equals_trl() {
 #[test]
 fn update_round_walks_passes_and_accumulation_windows() {
     let c = json("cases.json");
-    let m = grpo::weights::load_model(
+    let m = grpo_models::weights::load_model(
         &ModelSource::HfDir(dir().join("model")),
         DType::F32,
         &Device::Cpu,
@@ -671,7 +671,7 @@ fn update_round_walks_passes_and_accumulation_windows() {
 fn adaptive_entropy_control_equals_trl() {
     let c = json("cases.json");
     let a = &c["adaptive_entropy"];
-    let m = grpo::weights::load_model(
+    let m = grpo_models::weights::load_model(
         &ModelSource::HfDir(dir().join("model")),
         DType::F32,
         &Device::Cpu,

@@ -11,14 +11,14 @@ use serde_json::Value;
 
 use super::values::{self, DTypeOpt, DeviceSpec, FromValue, MaskRatio, PolicyType, SpanLen};
 use crate::advantages::{RewardAggregation, ScaleRewards};
-use crate::error::nearest;
 use crate::loss::{
     AdaptiveEntropy, AdaptiveKlCfg, IsLevel, KlMode, LossOptions, LossType, VespoParams,
 };
-use crate::models::QuantType;
 use crate::optim::LrSchedule;
-use crate::sampler::SamplingParams;
 use crate::{Error, Result};
+use grpo_models::error::nearest;
+use grpo_models::models::QuantType;
+use grpo_models::sampler::SamplingParams;
 
 /// One declared key (see [`sections!`]).
 pub(super) struct KeyDef {
@@ -191,7 +191,7 @@ sections! {
         seed: u64 = "42", "seeds prompt order and sampling; a run is reproducible from it";
         threads: Option<usize> = "", "CPU threads (unset: all cores)";
         device: DeviceSpec = "", "where training runs: cpu, cuda or cuda:N (needs a build with --features cuda)";
-        kernels: Option<crate::kernels::Kernels> = "", "CPU kernels: auto or fused (grpo's fused f32 kernels where they apply), or portable (candle ops only: the path a GPU runs, on the CPU); unset: GRPO_KERNELS, else fused";
+        kernels: Option<grpo_models::kernels::Kernels> = "", "CPU kernels: auto or fused (grpo's fused f32 kernels where they apply), or portable (candle ops only: the path a GPU runs, on the CPU); unset: GRPO_KERNELS, else fused";
         max_steps: Option<u64> = "-1", "optimizer steps to run (-1: from num_train_epochs)";
         num_train_epochs: f64 = "1.0", "passes over the prompts when max_steps is -1";
         save_on_signal: bool = "true", "SIGTERM / SIGINT (Slurm or Kubernetes preemption, Ctrl-C) finish the current step, save a checkpoint and exit 0 (false: exit at once, 143 / 130, without one)";

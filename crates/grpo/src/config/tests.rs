@@ -388,7 +388,7 @@ fn a_new_completion_budget_moves_the_length_default() {
 
 #[test]
 fn kernels_key_parses_and_stays_out_of_the_toml_when_unset() {
-    use crate::kernels::Kernels;
+    use grpo_models::kernels::Kernels;
     let c = load("", Format::Toml, &[]).unwrap();
     assert_eq!(c.run.kernels, None);
     assert!(!c.to_toml().lines().any(|l| l.starts_with("kernels")));

@@ -532,7 +532,7 @@ fn dataset_split_file(name: &str, split: &str) -> Result<String> {
             ),
         ));
     }
-    let path = crate::hub::fetch_dataset_split(name, split)
+    let path = grpo_models::hub::fetch_dataset_split(name, split)
         .map_err(|e| Error::config("dataset_name", e.to_string()))?;
     Ok(path.display().to_string())
 }

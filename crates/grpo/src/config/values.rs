@@ -11,9 +11,9 @@ use serde_json::Value;
 
 use crate::advantages::{RewardAggregation, ScaleRewards};
 use crate::loss::{IsLevel, LossType};
-use crate::models::QuantType;
 use crate::named::Named;
 use crate::optim::LrSchedule;
+use grpo_models::models::QuantType;
 
 type Res<T> = std::result::Result<T, String>;
 
@@ -408,13 +408,13 @@ impl FromValue for DeviceSpec {
 }
 
 /// Unset: the process's setting (`GRPO_KERNELS`, else fused).
-impl FromValue for Option<crate::kernels::Kernels> {
+impl FromValue for Option<grpo_models::kernels::Kernels> {
     fn kind() -> Cow<'static, str> {
         "auto|fused|portable".into()
     }
     fn from_value(v: Option<&Value>) -> Res<Self> {
         Option::<String>::from_value(v)?
-            .map(|s| crate::kernels::Kernels::parse(&s).map_err(|e| e.to_string()))
+            .map(|s| grpo_models::kernels::Kernels::parse(&s).map_err(|e| e.to_string()))
             .transpose()
     }
 }

@@ -9,19 +9,19 @@
 //! to [`MASK_VALUE`] before the temperature, in the sampler and in the trainer alike, so the
 //! log-probs the two compute are of the same distribution.
 //!
-//! Everything fill-in lives under this module, so the causal path names none of it:
+//! What is fill-in lives under this module, so the causal path names none of it:
 //! - this file: masking, [`FillInputs`] (a run's masked inputs and fill metrics), the sampler
 //!   ([`FillInModel`]) and the trainer's log-probs ([`fill_logprobs`]);
-//! - [`policy`]: [`FillInPolicy`], the `policy = "fill_in"` kind behind the loop's `Policy` seam;
 //! - [`task`]: the built-in fill-in task (masked copies `w=w`) and its rewards;
 //! - [`pretrain`]: `grpo pretrain`, the supervised pretrainer of small generators, judges and
 //!   causal LMs (the built-in fill-in task's models come from it).
+//!
+//! The policy kind itself, `FillInPolicy` behind the loop's `Policy` seam, is
+//! `crate::train::FillInPolicy` (`train/fill_in.rs`): it implements the loop's traits, so it sits
+//! with the loop, which this module (used by the data and rewards below the loop) cannot import.
 
-pub mod policy;
 pub mod pretrain;
 pub mod task;
-
-pub use policy::{FillInForward, FillInPolicy};
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -33,13 +33,15 @@ use rand_chacha::ChaCha8Rng;
 
 pub use crate::config::Masking;
 use crate::logprobs::{unpad_rows, Entropy};
-use crate::models::fused_attention::MASK_VALUE;
-use crate::models::masked_lm::{pad_batch, MaskedLm, MlmTokenizer};
 use crate::rollout::GroupSampler;
-use crate::sampler::{choose_token, Completion, GenStats, PromptInput, SamplingParams, StopReason};
-use crate::seeding::mix_seed;
-use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
+use grpo_models::models::fused_attention::MASK_VALUE;
+use grpo_models::models::masked_lm::{pad_batch, MaskedLm, MlmTokenizer};
+use grpo_models::sampler::{
+    choose_token, Completion, GenStats, PromptInput, SamplingParams, StopReason,
+};
+use grpo_models::seeding::mix_seed;
+use grpo_models::tokenizer::Tokenizer;
 
 /// Positions of `mask_id` in `ids`.
 pub fn masked_positions(ids: &[u32], mask_id: u32) -> Vec<usize> {
@@ -600,8 +602,8 @@ impl GroupSampler for FillInModel {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::models::masked_lm::masked_lm_config;
     use candle_core::Var;
+    use grpo_models::models::masked_lm::masked_lm_config;
     use std::path::PathBuf;
 
     fn fixture(name: &str) -> PathBuf {

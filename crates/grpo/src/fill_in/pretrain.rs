@@ -20,13 +20,13 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::json;
 
-use crate::files::{save_tensors, write_file};
 pub use crate::fill_in::mask_example;
-use crate::models::encoder::{ClassifierNet, EncoderConfig, EncoderKind};
-use crate::models::masked_lm::{masked_lm_config, pad_batch, MaskedLm, MlmTokenizer};
 use crate::optim::{clip_factor, lr_lambda, var_tensors, AdamW, AdamWConfig, LrSchedule};
-use crate::seeding::mix_seed;
 use crate::{Error, Result};
+use grpo_models::files::{save_tensors, write_file};
+use grpo_models::models::encoder::{ClassifierNet, EncoderConfig, EncoderKind};
+use grpo_models::models::masked_lm::{masked_lm_config, pad_batch, MaskedLm, MlmTokenizer};
+use grpo_models::seeding::mix_seed;
 
 /// The char tokenizer's special tokens, in id order.
 pub const SPECIALS: [&str; 5] = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"];
@@ -509,7 +509,7 @@ fn split_held_out(rows: Vec<Vec<u32>>) -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
 
 /// A batch: right-padded masked rows, flat masked positions, their targets.
 struct MaskedBatch {
-    batch: crate::models::encoder::EncoderBatch,
+    batch: grpo_models::models::encoder::EncoderBatch,
     positions: Vec<u32>,
     targets: Vec<u32>,
 }
@@ -641,10 +641,13 @@ fn normal_tensor(shape: &[usize], rng: &mut ChaCha8Rng, device: &Device) -> Resu
 
 /// Next-token cross-entropy [] and greedy next-token accuracy of `model` on `rows`
 /// (`[CLS] tokens [SEP]`: every token after the first is a target).
-fn next_token_loss(model: &crate::models::CausalLm, rows: &[&Vec<u32>]) -> Result<(Tensor, f64)> {
+fn next_token_loss(
+    model: &grpo_models::models::CausalLm,
+    rows: &[&Vec<u32>],
+) -> Result<(Tensor, f64)> {
     let seqs: Vec<Vec<u32>> = rows.iter().map(|r| r.to_vec()).collect();
-    let batch = crate::models::SeqBatch::right_padded(&seqs, PAD, model.device())?;
-    let h = model.forward_hidden(&batch, crate::models::Mode::Train)?; // [B, T, H]
+    let batch = grpo_models::models::SeqBatch::right_padded(&seqs, PAD, model.device())?;
+    let h = model.forward_hidden(&batch, grpo_models::models::Mode::Train)?; // [B, T, H]
     let (b, t, hd) = h.dims3()?;
     let (mut idx, mut targets) = (Vec::new(), Vec::new());
     for (i, r) in seqs.iter().enumerate() {
@@ -684,10 +687,10 @@ pub fn pretrain_causal(
         "generation_config.json",
         &json!({"bos_token_id": CLS, "eos_token_id": SEP, "pad_token_id": PAD}),
     )?;
-    let cfg = crate::models::ModelConfig::from_hf_file(&staging.tmp.join("config.json"))?;
+    let cfg = grpo_models::models::ModelConfig::from_hf_file(&staging.tmp.join("config.json"))?;
     let mut params = Params::new(init_llama(&cfg_json, mix_seed(o.seed, 2), &device)?)?;
     let build = |p: &Params, track: bool| {
-        crate::models::CausalLm::from_tensors(&cfg, p.tensors(track), DType::F32, &device)
+        grpo_models::models::CausalLm::from_tensors(&cfg, p.tensors(track), DType::F32, &device)
     };
     let mut rng = ChaCha8Rng::seed_from_u64(mix_seed(o.seed, 3));
     let log = run_steps(
@@ -925,10 +928,10 @@ pub fn pretrain_judge(
         for &(ids, fake, seed) in rows {
             if fake {
                 let (masked, _, _) = mask_example(ids, o.mask_ratio, gen.mask_id, &specials, rng);
-                inputs.push(crate::sampler::PromptInput { ids: masked, seed });
+                inputs.push(grpo_models::sampler::PromptInput { ids: masked, seed });
             }
         }
-        let params = crate::sampler::SamplingParams {
+        let params = grpo_models::sampler::SamplingParams {
             temperature: 1.0,
             max_new_tokens: 1,
             ..Default::default()
@@ -975,7 +978,7 @@ pub fn pretrain_judge(
     }
     let held = held_rows;
 
-    let gen_cfg = crate::files::read_json(&generator.join("config.json"))?;
+    let gen_cfg = grpo_models::files::read_json(&generator.join("config.json"))?;
     let cfg_json = bert_judge_config(&gen_cfg, o);
     staging.json("config.json", &cfg_json)?;
     for f in ["tokenizer.json", "tokenizer_config.json"] {
@@ -1105,7 +1108,7 @@ pub fn builtin_fill_in_models(
     let hash = key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
         (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
     });
-    let dir = crate::hub::cache_dir()
+    let dir = grpo_models::hub::cache_dir()
         .join("fill_in")
         .join(format!("{hash:016x}"));
     let (gen, judge) = (dir.join("generator"), dir.join("judge"));
@@ -1158,7 +1161,7 @@ pub fn builtin_fill_in_models(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tokenizer::Tokenizer;
+    use grpo_models::tokenizer::Tokenizer;
 
     fn opts(dir: &Path, data: PathBuf) -> PretrainOptions {
         PretrainOptions {
@@ -1293,14 +1296,14 @@ mod tests {
         // Chance is 1 in 16 characters; the sums' structure is learned.
         assert!(accs[accs.len() - 1] > 0.4, "{accs:?}");
         assert!(log.last().unwrap().loss < log[0].loss * 0.7, "{log:?}");
-        let loaded = crate::weights::load_model(
-            &crate::hub::ModelSource::HfDir(c.out.clone()),
+        let loaded = grpo_models::weights::load_model(
+            &grpo_models::hub::ModelSource::HfDir(c.out.clone()),
             DType::F32,
             &Device::Cpu,
         )
         .unwrap();
         let tok = loaded.tokenizer.clone().unwrap();
-        let lm = crate::models::CausalLm::from_tensors(
+        let lm = grpo_models::models::CausalLm::from_tensors(
             &loaded.config,
             loaded.tensors,
             DType::F32,
@@ -1345,7 +1348,8 @@ mod tests {
         );
         assert!(acc > 0.7, "held-out judge accuracy {acc}");
         // A classifier reward loads it: labels by name, the generator's tokenizer.
-        let c = crate::models::encoder::SequenceClassifier::load(&judge.out, &Device::Cpu).unwrap();
+        let c = grpo_models::models::encoder::SequenceClassifier::load(&judge.out, &Device::Cpu)
+            .unwrap();
         assert_eq!(c.labels(), JUDGE_LABELS);
         let real = c.logits(&[("aaaa", None), ("aaba", None)], 2).unwrap();
         assert_eq!(real.len(), 2);

@@ -14,8 +14,8 @@ use rand::{Rng, SeedableRng};
 use crate::data::arithmetic::TaskParams;
 use crate::data::{Example, Prompt};
 use crate::rewards::Reward;
-use crate::seeding::mix_seed;
 use crate::{Error, Result};
+use grpo_models::seeding::mix_seed;
 
 /// The mask token the built-in task writes (the char tokenizer's).
 pub const MASK: &str = "[MASK]";
@@ -105,7 +105,7 @@ pub fn builtin_rewards(
 ) -> Result<Vec<Reward>> {
     // The label `real` (a judge `grpo pretrain` made), else the judge's last label.
     let config = judge.join("config.json");
-    let labels: Vec<String> = crate::files::read_json(&config)?
+    let labels: Vec<String> = grpo_models::files::read_json(&config)?
         .get("id2label")
         .and_then(|m| m.as_object())
         .map(|m| {

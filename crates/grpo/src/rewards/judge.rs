@@ -12,11 +12,11 @@ use candle_core::{DType, Device, IndexOp, D};
 
 use super::table::Table;
 use super::ScoreItem;
-use crate::hub;
-use crate::models::{CausalLm, Mode, SeqBatch};
-use crate::tokenizer::{ChatMessage, Tokenizer};
-use crate::weights::load_model;
 use crate::{Error, Result};
+use grpo_models::hub;
+use grpo_models::models::{CausalLm, Mode, SeqBatch};
+use grpo_models::tokenizer::{ChatMessage, Tokenizer};
+use grpo_models::weights::load_model;
 
 const DEFAULT_TEMPLATE: &str = "Question: {{ prompt }}\n\nResponse: {{ completion }}\n\
 {% if answer %}Reference answer: {{ answer }}\n\n{% endif %}\

@@ -414,7 +414,7 @@ impl RewardSpec {
             )
         })?;
         let Some((_, keys)) = KINDS.iter().find(|k| k.0 == kind) else {
-            let hint = crate::error::nearest(kind, &kinds)
+            let hint = grpo_models::error::nearest(kind, &kinds)
                 .map(|n| format!(" (did you mean `{n}`?)"))
                 .unwrap_or_default();
             return Err(Error::config(

@@ -9,8 +9,8 @@ use serde_json::Value;
 
 use super::table::Table;
 use super::ScoreItem;
-use crate::models::encoder::{SentenceEmbedder, SequenceClassifier};
 use crate::{Error, Result};
+use grpo_models::models::encoder::{SentenceEmbedder, SequenceClassifier};
 
 /// What the classifier reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -246,7 +246,7 @@ pub struct EmbeddingReward {
 impl EmbeddingReward {
     /// Fetches the model if needed and loads it on `device`.
     pub fn load(spec: &EmbeddingSpec, device: &Device) -> Result<Self> {
-        let dir = crate::hub::resolve_encoder_model(&spec.model)?;
+        let dir = grpo_models::hub::resolve_encoder_model(&spec.model)?;
         Ok(EmbeddingReward {
             model: SentenceEmbedder::load(&dir, device)?,
             reference_field: spec.reference_field.clone(),

@@ -23,7 +23,7 @@ impl<'a> Table<'a> {
             .collect();
         if let Some(k) = obj.keys().find(|k| !all.contains(&k.as_str())) {
             let kind = obj.get("kind").and_then(Value::as_str).unwrap_or("?");
-            let hint = crate::error::nearest(k, &all)
+            let hint = grpo_models::error::nearest(k, &all)
                 .map(|n| format!(" (did you mean `{n}`?)"))
                 .unwrap_or_default();
             return Err(t.err(

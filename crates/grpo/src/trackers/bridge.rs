@@ -53,7 +53,7 @@ fn new_id() -> String {
     let t = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64);
-    let mut x = crate::seeding::mix_seed(t, u64::from(std::process::id()));
+    let mut x = grpo_models::seeding::mix_seed(t, u64::from(std::process::id()));
     (0..8)
         .map(|_| {
             let c = b"abcdefghijklmnopqrstuvwxyz0123456789"[(x % 36) as usize] as char;

@@ -116,7 +116,7 @@ impl Client {
                 std::fs::create_dir_all(p)
                     .map_err(|e| Error::file(p, format!("cannot create: {e}")))?;
             }
-            return crate::files::write_file(&to, &bytes);
+            return grpo_models::files::write_file(&to, &bytes);
         }
         let why = format!(
             "artifacts at `{artifact_uri}` cannot be written by grpo; start the server with \

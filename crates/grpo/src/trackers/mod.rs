@@ -135,7 +135,7 @@ pub fn write_state(output_dir: &Path, key: &str, value: Value) -> Result<()> {
         .unwrap_or_else(|| Value::Object(Default::default()));
     all[key] = value;
     let tmp = path.with_extension("json.tmp");
-    crate::files::write_file(&tmp, all.to_string().as_bytes())?;
+    grpo_models::files::write_file(&tmp, all.to_string().as_bytes())?;
     std::fs::rename(&tmp, &path).map_err(|e| Error::file(&path, format!("cannot write: {e}")))
 }
 

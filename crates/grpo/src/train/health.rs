@@ -233,7 +233,8 @@ impl Health {
 
 #[cfg(test)]
 mod tests {
-    use super::super::metrics::{names, RoundTimes, UpdateMetrics};
+    use super::super::metrics::{names, UpdateMetrics};
+    use super::super::round::RoundTimes;
     use super::*;
 
     fn round(entropy: f64, zero_std: f64, kl: f64, grad: f64, acc: Option<f64>) -> StepMetrics {

@@ -3,7 +3,7 @@
 //! (through [`StepMetrics::pairs`]), the console line, and (by the names in [`names`]) the report.
 
 use super::policy::Policy;
-use super::round::{Sampled, Scored};
+use super::round::{RoundTimes, Sampled, Scored};
 use super::setup::Run;
 use crate::advantages::nan_std;
 use crate::rewards::Reward;
@@ -130,16 +130,6 @@ pub struct DynamicSampling {
     pub groups_kept: usize,
 }
 
-/// Seconds of each part of a round.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct RoundTimes {
-    pub generate: f64,
-    pub score: f64,
-    pub reference: f64,
-    pub update: f64,
-    pub step: f64,
-}
-
 /// Everything a round logs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepMetrics {
@@ -164,7 +154,7 @@ pub struct StepMetrics {
     pub tokens_per_second: f64,
     pub epoch: f64,
     /// Memory, open files and child processes after the round.
-    pub resources: Option<crate::threads::ProcessResources>,
+    pub resources: Option<grpo_models::threads::ProcessResources>,
     /// Optimizer steps skipped so far for non-finite numbers (the run's total).
     pub skipped_steps: u64,
     /// Seconds of the evaluation after this round, and its metrics (`eval/...`).
@@ -300,7 +290,7 @@ impl StepMetrics {
             times: round.times,
             tokens_per_second: round.generated_tokens as f64 / round.times.step.max(1e-9),
             epoch: r.state.order.epoch() as f64,
-            resources: crate::threads::process_resources(),
+            resources: grpo_models::threads::process_resources(),
             skipped_steps: r.state.skipped_steps,
             eval_seconds: None,
             eval: vec![],

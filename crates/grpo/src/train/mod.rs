@@ -15,6 +15,7 @@
 //! generator, [`crate::fill_in`]) and for data-parallel runs.
 
 mod after;
+mod fill_in;
 mod health;
 mod metrics;
 mod policy;
@@ -29,10 +30,11 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Instant;
 
+pub use fill_in::{FillInForward, FillInPolicy};
 pub use health::{Health, HealthKind, HealthOptions, HealthWarning};
-pub use metrics::{names, RewardMetrics, RoundTimes, StepMetrics, UpdateMetrics};
+pub use metrics::{names, RewardMetrics, StepMetrics, UpdateMetrics};
 pub use policy::{CausalLmForward, CausalLmPolicy, Policy, Reference, TrainForward};
-pub use round::{Sampled, Scored};
+pub use round::{RoundTimes, Sampled, Scored};
 pub use setup::{update_options, BestModel, LoadPolicy, Loaded, RoundOptions, TrainerState};
 pub use update::{
     policy_gradients, skip_round, update_policy, update_round, Schedule, StepCounter, StepStats,
@@ -81,13 +83,13 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
         (w.size() > 1).then(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
     });
     if let Some(n) = threads {
-        if let Err(e) = crate::threads::set_global_threads(n) {
+        if let Err(e) = grpo_models::threads::set_global_threads(n) {
             tracing::warn!("threads: {e}");
         }
     }
-    let out = crate::threads::on_pool(|| match cfg.run.policy {
+    let out = grpo_models::threads::on_pool(|| match cfg.run.policy {
         PolicyType::CausalLm => run::<CausalLmPolicy>(cfg, ctl, w),
-        PolicyType::FillIn => run::<crate::fill_in::FillInPolicy>(cfg, ctl, w),
+        PolicyType::FillIn => run::<FillInPolicy>(cfg, ctl, w),
     });
     if let (Err(e), true) = (&out, w.size() > 1) {
         // One rank failing ends the job, naming itself, instead of leaving the others waiting.
@@ -186,7 +188,7 @@ impl Console {
 
 /// Current and peak RSS at `phase`, at debug level (`--log-level debug`).
 fn trace_memory(phase: &str) {
-    if let Some((cur, peak)) = crate::threads::rss_gb() {
+    if let Some((cur, peak)) = grpo_models::threads::rss_gb() {
         tracing::debug!("memory after {phase}: rss {cur:.2} GB, peak {peak:.2} GB");
     }
 }

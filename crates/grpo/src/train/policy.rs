@@ -2,7 +2,7 @@
 //! parameters and gives the loop what GRPO needs of it: a frozen copy that samples groups and
 //! scores log-probs (rollout, old log-probs, evaluation), a differentiable forward for the update,
 //! and the files of a checkpoint. The causal LM ([`CausalLmPolicy`], full fine-tuning or LoRA over
-//! a frozen base) is the default kind, the fill-in generator ([`crate::fill_in::FillInPolicy`]) the
+//! a frozen base) is the default kind, the fill-in generator ([`super::FillInPolicy`]) the
 //! other; what a kind does to its inputs, logs and metrics beyond GRPO's core are the trait's
 //! provided methods. The frozen reference model is a [`Reference`].
 
@@ -14,15 +14,15 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use crate::checkpoint::{AdapterExport, HfExport, ModelFiles};
 use crate::logprobs::{completion_logprobs, Entropy, Packing};
-use crate::models::checkpointing::CheckpointGrads;
-use crate::models::grad_sink::GradSink;
-use crate::models::{CausalLm, Mode, ModelConfig};
 use crate::optim::var_tensors;
 use crate::peft::{self, LoraConfig};
 use crate::rewards::Reward;
 use crate::rollout::{Episode, GroupSampler, MicroBatch};
-use crate::tokenizer::Tokenizer;
 use crate::Result;
+use grpo_models::models::checkpointing::CheckpointGrads;
+use grpo_models::models::grad_sink::GradSink;
+use grpo_models::models::{CausalLm, Mode, ModelConfig};
+use grpo_models::tokenizer::Tokenizer;
 
 use super::StepMetrics;
 
@@ -211,10 +211,10 @@ impl Policy for CausalLmPolicy {
     /// On the fused CPU path the default; elsewhere sized to half the device's free memory now
     /// ([`crate::logprobs::tokens_for_memory`]).
     fn forward_chunk_tokens(&self, gradient_checkpointing: bool) -> usize {
-        let compute = crate::kernels::Compute::resolve(&self.device, self.dtype);
+        let compute = grpo_models::kernels::Compute::resolve(&self.device, self.dtype);
         match (
             compute.is_fused(),
-            crate::kernels::free_memory(&self.device),
+            grpo_models::kernels::free_memory(&self.device),
         ) {
             (false, Some(free)) => crate::logprobs::tokens_for_memory(
                 (

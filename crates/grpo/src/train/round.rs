@@ -7,7 +7,6 @@
 
 use std::time::Instant;
 
-use super::metrics::RoundTimes;
 use super::policy::Policy;
 use super::setup::Run;
 use super::shard::{gather_episodes, owned_groups};
@@ -18,8 +17,18 @@ use crate::advantages::{combine_rewards, groups_with_signal, round_advantages, A
 use crate::loss::{kl_reward_penalty, KlMode};
 use crate::rewards::Reward;
 use crate::rollout::{self, Episode, GroupSampler, TrainBatch};
-use crate::seeding::mix_seed;
 use crate::{Error, Result};
+use grpo_models::seeding::mix_seed;
+
+/// Seconds of each part of a round.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct RoundTimes {
+    pub generate: f64,
+    pub score: f64,
+    pub reference: f64,
+    pub update: f64,
+    pub step: f64,
+}
 
 /// What a round sampled, scored and kept.
 #[derive(Debug, Default)]
@@ -322,7 +331,7 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> R
     )?;
     let t_generate = t0.elapsed().as_secs_f64() - early.wait_s;
     super::trace_memory("rollout");
-    crate::faults::kill_point("train.sampled");
+    grpo_models::faults::kill_point("train.sampled");
 
     // 2. Old (sampling-policy) and reference log-probs, without a graph.
     let t0 = Instant::now();
@@ -367,8 +376,8 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> R
     )?;
     // What scoring added to the step: waiting for the early scorer, then the late rewards.
     let t_score = wait_s + t0.elapsed().as_secs_f64();
-    crate::faults::kill_point("train.scored");
-    if crate::faults::fires("rewards.inf") {
+    grpo_models::faults::kill_point("train.scored");
+    if grpo_models::faults::fires("rewards.inf") {
         if let Some(x) = episodes.first_mut().and_then(|e| e.rewards.first_mut()) {
             *x = f32::INFINITY;
         }

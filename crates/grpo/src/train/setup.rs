@@ -15,18 +15,18 @@ use crate::advantages::AdvantageOptions;
 use crate::checkpoint::{self, CheckpointData};
 use crate::config::{DTypeOpt, DeviceSpec, TrainConfig};
 use crate::data::{self, PromptOrder};
-use crate::hub::{self, ModelSource};
 use crate::inputs::{load_run_data, reward_weights, RunData};
 use crate::logprobs::Entropy;
 use crate::logs::MetricsWriter;
 use crate::loss::{AdaptiveEntropy, AdaptiveKl, KlMode};
-use crate::models::CausalLm;
 use crate::optim::{AdamW, AdamWConfig};
 use crate::peft;
-use crate::sampler::SamplingParams;
-use crate::tokenizer::Tokenizer;
-use crate::weights::load_model;
 use crate::{Error, Result};
+use grpo_models::hub::{self, ModelSource};
+use grpo_models::models::CausalLm;
+use grpo_models::sampler::SamplingParams;
+use grpo_models::tokenizer::Tokenizer;
+use grpo_models::weights::load_model;
 
 /// Everything a checkpoint must hold beyond weights and moments to resume exactly.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -233,13 +233,13 @@ fn process_device(cfg: &TrainConfig, world: &dyn World) -> Result<Device> {
         );
     }
     if let Some(k) = cfg.run.kernels {
-        crate::kernels::set_kernels(k);
+        grpo_models::kernels::set_kernels(k);
     }
     if main {
         tracing::info!(
             "kernels: {} (CPU instruction set {})",
-            crate::kernels::kernels().name(),
-            crate::kernels::Isa::active()
+            grpo_models::kernels::kernels().name(),
+            grpo_models::kernels::Isa::active()
         );
     }
     let device = match cfg.run.device {
@@ -250,7 +250,7 @@ fn process_device(cfg: &TrainConfig, world: &dyn World) -> Result<Device> {
     };
     if main {
         // What every model and optimizer of the run resolves to ([`Compute::resolve`]).
-        let compute = crate::kernels::Compute::resolve(&device, cfg.run.dtype.compute());
+        let compute = grpo_models::kernels::Compute::resolve(&device, cfg.run.dtype.compute());
         tracing::info!("compute: {} on {device:?}", compute.name());
     }
     Ok(device)
@@ -437,7 +437,7 @@ fn writers(cfg: &TrainConfig, resumed: bool, main: bool) -> Result<(MetricsWrite
             out_dir.display()
         );
     }
-    crate::files::write_atomic(&out_dir.join("config.toml"), config_toml.as_bytes())?;
+    grpo_models::files::write_atomic(&out_dir.join("config.toml"), config_toml.as_bytes())?;
     let trackers = crate::trackers::Trackers::open(
         &cfg.logging.report_to,
         &crate::trackers::RunInfo {
@@ -695,7 +695,7 @@ impl LoadPolicy for CausalLmPolicy {
 fn policy_parameters(
     cfg: &TrainConfig,
     source: &ModelSource,
-    base: &mut crate::weights::LoadedModel,
+    base: &mut grpo_models::weights::LoadedModel,
     resume_from: Option<&PathBuf>,
     device: &Device,
 ) -> Result<CausalLmPolicy> {
@@ -731,7 +731,7 @@ fn policy_parameters(
             if let Some(q) = cfg.lora.base_quantization {
                 // A GGUF's weights of this type are used as they are; the rest are quantized.
                 let given = match source {
-                    ModelSource::Gguf(p) => crate::weights::gguf_quantized_projections(p, q)?,
+                    ModelSource::Gguf(p) => grpo_models::weights::gguf_quantized_projections(p, q)?,
                     ModelSource::HfDir(_) => HashMap::new(),
                 };
                 let n = frozen.use_quantized(&given, q)?;

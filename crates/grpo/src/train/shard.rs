@@ -57,8 +57,8 @@ mod tests {
 
     #[test]
     fn episodes_round_trip_in_group_order_with_missing_rewards() {
-        use crate::sampler::StopReason;
         use crate::train::world::SingleProcess;
+        use grpo_models::sampler::StopReason;
         let e = |group: usize, r: f32| Episode {
             example: group * 10,
             group,

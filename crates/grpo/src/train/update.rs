@@ -14,8 +14,8 @@ use crate::logprobs::{forward_chunks, Entropy};
 use crate::loss::{grpo_loss, AdaptiveEntropy, LossInputs, LossOptions, MicroTotals, Reduction};
 use crate::optim::{accumulate, clip_factor, lr_lambda, AdamW, LrSchedule};
 use crate::rollout::TrainBatch;
-use crate::seeding::mix_seed;
 use crate::{Error, Result};
+use grpo_models::seeding::mix_seed;
 
 /// How the update runs; resolved from the config once.
 #[derive(Debug, Clone)]
@@ -264,15 +264,15 @@ pub fn update_policy<P: Policy>(
     for (x, sum) in st.shares_mut().into_iter().zip(sums) {
         *x = sum;
     }
-    if crate::faults::fires("update.nan_grad") {
+    if grpo_models::faults::fires("update.nan_grad") {
         if let Some(g) = grads.first_mut() {
             *g = (&*g * f64::NAN)?;
         }
     }
-    if crate::faults::fires("update.nan_loss") {
+    if grpo_models::faults::fires("update.nan_loss") {
         st.loss = f64::NAN;
     }
-    crate::faults::kill_point("update.before_step");
+    grpo_models::faults::kill_point("update.before_step");
     let (norm, scale) = clip_factor(&grads, opts.max_grad_norm)?;
     st.lr = lr;
     st.grad_norm = norm;
@@ -310,7 +310,7 @@ pub fn policy_gradients<P: Policy>(
     let mut st = StepStats::default();
     let k = window.len() as f64;
     for range in window {
-        crate::faults::kill_point("update.micro_batch");
+        grpo_models::faults::kill_point("update.micro_batch");
         let mut t = [
             range.len() as f64,
             batch.active_tokens_in(range.clone()) as f64,
@@ -337,7 +337,7 @@ pub fn policy_gradients<P: Policy>(
             let part = range.start + part.start..range.start + part.end;
             let mb = batch.micro(part, &device)?;
             let (mut logps, ents) = fwd.logprobs(&mb, opts.pad, opts.temperature, opts.entropy)?; // [n, Tc] f32
-            if crate::faults::fires("update.nan_logits") {
+            if grpo_models::faults::fires("update.nan_logits") {
                 logps = (logps * f64::NAN)?;
             }
             let out = grpo_loss(

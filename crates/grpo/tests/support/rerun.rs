@@ -16,7 +16,7 @@ pub fn rerun_with(env: &[(&str, &str)], min_tests: usize) {
         return;
     }
     if let Some((_, isa)) = env.iter().find(|(k, _)| *k == "GRPO_ISA") {
-        let want = grpo::kernels::Isa::parse(isa).unwrap().unwrap();
+        let want = grpo_models::kernels::Isa::parse(isa).unwrap().unwrap();
         if want.usable() != want {
             eprintln!("GRPO_ISA={isa}: this CPU does not run it; rerun skipped");
             return;

@@ -8,20 +8,20 @@ use std::path::PathBuf;
 
 use candle_core::{Device, Tensor, Var};
 
-use super::{fill_logprobs, FillInModel, FillInputs, FILL_JUDGE_SCORE};
+use super::{LoadPolicy, Loaded, Policy, Reference, StepMetrics, TrainForward};
 use crate::checkpoint::{CopiedExport, ModelFiles};
 use crate::config::{DTypeOpt, TrainConfig};
-use crate::hub::{self, ModelSource};
+use crate::fill_in::{fill_logprobs, FillInModel, FillInputs, FILL_JUDGE_SCORE};
 use crate::inputs::RunData;
 use crate::logprobs::Entropy;
-use crate::models::encoder::EncoderConfig;
-use crate::models::masked_lm::{masked_lm_config, MaskedLm, MlmTokenizer};
 use crate::optim::var_tensors;
 use crate::rewards::Reward;
 use crate::rollout::{Episode, MicroBatch};
-use crate::tokenizer::Tokenizer;
-use crate::train::{LoadPolicy, Loaded, Policy, Reference, StepMetrics, TrainForward};
 use crate::{Error, Result};
+use grpo_models::hub::{self, ModelSource};
+use grpo_models::models::encoder::EncoderConfig;
+use grpo_models::models::masked_lm::{masked_lm_config, MaskedLm, MlmTokenizer};
+use grpo_models::tokenizer::Tokenizer;
 
 /// A masked-LM generator, every tensor it uses trained.
 pub struct FillInPolicy {
