@@ -16,8 +16,9 @@ pub struct ModelArgs {
     /// Weight precision: f32 or bf16.
     #[arg(long, default_value = "f32")]
     pub dtype: String,
-    /// Device: cpu, or cuda / cuda:N when built with `--features cuda`.
-    #[arg(long, default_value = "cpu")]
+    /// Device: auto (a GPU when this build has CUDA and one answers, else the CPU), cpu, or
+    /// cuda / cuda:N when built with `--features cuda`.
+    #[arg(long, default_value = "auto")]
     pub device: String,
     /// CPU threads (default: all cores).
     #[arg(long)]
@@ -33,25 +34,15 @@ impl ModelArgs {
         }
     }
 
+    /// The device `--device` names, as the config's `device` key reads it.
     pub fn device(&self) -> Result<Device> {
         let d = self.device.as_str();
-        if d == "cpu" {
-            return Ok(Device::Cpu);
-        }
-        if let Some(rest) = d.strip_prefix("cuda") {
-            let ordinal = match rest.strip_prefix(':') {
-                Some(n) => n
-                    .parse::<usize>()
-                    .with_context(|| format!("--device {d}: bad GPU index"))?,
-                None if rest.is_empty() => 0,
-                None => bail!("--device {d}: expected cpu, cuda or cuda:N"),
-            };
-            if !candle_core::utils::cuda_is_available() {
-                bail!("--device {d}: this grpo was built without CUDA; rebuild with `cargo build --release --features cuda`");
-            }
-            return Device::new_cuda(ordinal).with_context(|| format!("--device {d}"));
-        }
-        bail!("--device {d}: expected cpu, cuda or cuda:N")
+        let spec: grpo::config::DeviceSpec = d
+            .parse()
+            .map_err(|e: String| anyhow::anyhow!("--device {d}: {e}"))?;
+        let device = spec.device().with_context(|| format!("--device {d}"))?;
+        tracing::debug!("device: {device:?} (--device {d})");
+        Ok(device)
     }
 
     /// Sets the CPU thread count for candle and rayon; call before any tensor work.

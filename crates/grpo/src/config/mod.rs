@@ -49,10 +49,29 @@ pub enum Format {
 }
 
 impl DeviceSpec {
+    /// `auto` made definite: GPU 0 when this build has CUDA and it answers, else the CPU (the
+    /// others are themselves).
+    pub fn resolve(self) -> DeviceSpec {
+        match self {
+            DeviceSpec::Auto => {
+                match candle_core::utils::cuda_is_available() && Device::new_cuda(0).is_ok() {
+                    true => DeviceSpec::Cuda(0),
+                    false => DeviceSpec::Cpu,
+                }
+            }
+            spec => spec,
+        }
+    }
+
+    pub fn is_cuda(self) -> bool {
+        matches!(self, DeviceSpec::Cuda(_))
+    }
+
     /// The candle device; an error naming the `device` key when this build has no CUDA or the
     /// GPU cannot be opened.
     pub fn device(&self) -> Result<Device> {
         match *self {
+            DeviceSpec::Auto => self.resolve().device(),
             DeviceSpec::Cpu => Ok(Device::Cpu),
             DeviceSpec::Cuda(n) => {
                 if !candle_core::utils::cuda_is_available() {

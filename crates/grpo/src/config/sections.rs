@@ -190,7 +190,7 @@ sections! {
         output_dir: PathBuf = "\"runs/grpo\"", "where metrics, samples and checkpoints go";
         seed: u64 = "42", "seeds prompt order and sampling; a run is reproducible from it";
         threads: Option<usize> = "", "CPU threads (unset: all cores)";
-        device: DeviceSpec = "", "where training runs: cpu, cuda or cuda:N (needs a build with --features cuda)";
+        device: DeviceSpec = "", "where training runs: auto (unset: a GPU when this build has CUDA and one answers, else the CPU; the run says which), cpu, cuda or cuda:N (needs a build with --features cuda)";
         kernels: Option<grpo_models::kernels::Kernels> = "", "CPU kernels: auto or fused (grpo's fused f32 kernels where they apply), or portable (candle ops only: the path a GPU runs, on the CPU); unset: GRPO_KERNELS, else fused";
         max_steps: Option<u64> = "-1", "optimizer steps to run (-1: from num_train_epochs)";
         num_train_epochs: f64 = "1.0", "passes over the prompts when max_steps is -1";

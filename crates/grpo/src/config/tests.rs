@@ -407,11 +407,17 @@ fn kernels_key_parses_and_stays_out_of_the_toml_when_unset() {
 
 #[test]
 fn device_key_parses_and_stays_out_of_the_toml_when_unset() {
+    // Unset is auto (issue 33; it was the CPU): a GPU when the build has CUDA and one answers.
     let c = load("", Format::Toml, &[]).unwrap();
-    assert_eq!(c.run.device, DeviceSpec::Cpu);
+    assert_eq!(c.run.device, DeviceSpec::Auto);
     assert!(!c.to_toml().lines().any(|l| l.starts_with("device")));
-    assert!(c.run.device.device().unwrap().is_cpu());
+    #[cfg(not(feature = "cuda"))]
+    {
+        assert_eq!(c.run.device.resolve(), DeviceSpec::Cpu);
+        assert!(c.run.device.device().unwrap().is_cpu());
+    }
     for (v, want) in [
+        ("auto", DeviceSpec::Auto),
         ("cpu", DeviceSpec::Cpu),
         ("cuda", DeviceSpec::Cuda(0)),
         ("cuda:1", DeviceSpec::Cuda(1)),
@@ -483,7 +489,7 @@ fn kinds_come_from_the_declared_types() {
     assert_eq!(kind("output_dir"), "path");
     assert_eq!(kind("eval_k"), "list of int");
     assert_eq!(kind("task.ops"), "list of \"+\" \"-\" \"*\"");
-    assert_eq!(kind("device"), "cpu|cuda|cuda:N");
+    assert_eq!(kind("device"), "auto|cpu|cuda|cuda:N");
     let keys: Vec<&str> = KEYS.iter().map(|k| k.key).collect();
     let mut unique = keys.clone();
     unique.sort_unstable();

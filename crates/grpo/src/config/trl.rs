@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use super::sections::{is_key, suggest};
-use super::values::expected;
+use super::values::{expected, DeviceSpec};
 use crate::{Error, Result};
 
 /// TRL's, PEFT's and the seeds' names for grpo's keys (the value is used as it is).
@@ -636,6 +636,15 @@ pub(super) struct Translation {
 }
 
 impl Translation {
+    /// TRL asked for half precision (`bf16 = true`, or a half `torch_dtype`).
+    fn wants_half(&self) -> bool {
+        self.trl_bf16
+            || self
+                .torch_dtype
+                .as_deref()
+                .is_some_and(|t| matches!(t, "bfloat16" | "bf16" | "float16" | "fp16" | "half"))
+    }
+
     /// Refuses a document that sets both TRL's `bf16 = true` and grpo's `dtype`.
     pub fn check_doc(doc: &BTreeMap<String, Value>) -> Result<()> {
         if doc.get("bf16") == Some(&Value::Bool(true)) && doc.contains_key("dtype") {
@@ -811,8 +820,16 @@ impl Translation {
             to.push(Value::String("wandb".into()));
             merged.insert("report_to".into(), Value::Array(to));
         }
-        let on_gpu =
-            matches!(merged.get("device"), Some(Value::String(d)) if d.starts_with("cuda"));
+        // `device` unset or `auto`: a GPU when this build has CUDA and one answers (probed only
+        // when TRL's half-precision keys ask).
+        let on_gpu = match merged.get("device") {
+            Some(Value::String(d)) if d.starts_with("cuda") => true,
+            None | Some(Value::Null) => self.wants_half() && DeviceSpec::Auto.resolve().is_cuda(),
+            Some(Value::String(d)) if d == "auto" => {
+                self.wants_half() && DeviceSpec::Auto.resolve().is_cuda()
+            }
+            _ => false,
+        };
         if let Some(t) = self.torch_dtype.take().filter(|_| !self.dtype_given) {
             let half = matches!(
                 t.as_str(),

@@ -366,7 +366,10 @@ crate::named::named_enum! {
 /// Where training runs (`device`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DeviceSpec {
+    /// A GPU when this build has CUDA and one answers (GPU 0; under a launcher, the rank's),
+    /// else the CPU (unset: this).
     #[default]
+    Auto,
     Cpu,
     /// A CUDA GPU by ordinal (`cuda` is `cuda:0`).
     Cuda(usize),
@@ -375,6 +378,7 @@ pub enum DeviceSpec {
 impl std::fmt::Display for DeviceSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
+            DeviceSpec::Auto => write!(f, "auto"),
             DeviceSpec::Cpu => write!(f, "cpu"),
             DeviceSpec::Cuda(n) => write!(f, "cuda:{n}"),
         }
@@ -383,10 +387,11 @@ impl std::fmt::Display for DeviceSpec {
 
 impl std::str::FromStr for DeviceSpec {
     type Err = String;
-    /// `cpu`, `cuda` (GPU 0) or `cuda:N`.
+    /// `auto`, `cpu`, `cuda` (GPU 0) or `cuda:N`.
     fn from_str(s: &str) -> Res<Self> {
-        let bad = || format!("`{s}` is not a device: use cpu, cuda or cuda:N");
+        let bad = || format!("`{s}` is not a device: use auto, cpu, cuda or cuda:N");
         match s {
+            "auto" => Ok(DeviceSpec::Auto),
             "cpu" => Ok(DeviceSpec::Cpu),
             "cuda" => Ok(DeviceSpec::Cuda(0)),
             _ => match s.strip_prefix("cuda:") {
@@ -397,13 +402,13 @@ impl std::str::FromStr for DeviceSpec {
     }
 }
 
-/// Unset: the CPU.
+/// Unset: `auto`.
 impl FromValue for DeviceSpec {
     fn kind() -> Cow<'static, str> {
-        "cpu|cuda|cuda:N".into()
+        "auto|cpu|cuda|cuda:N".into()
     }
     fn from_value(v: Option<&Value>) -> Res<Self> {
-        Option::<String>::from_value(v)?.map_or(Ok(DeviceSpec::Cpu), |s| s.parse())
+        Option::<String>::from_value(v)?.map_or(Ok(DeviceSpec::Auto), |s| s.parse())
     }
 }
 

@@ -167,7 +167,7 @@ impl TrainForward for FillInForward {
 impl LoadPolicy for FillInPolicy {
     /// bf16 does not apply; a `model` directory that cannot be a generator is refused before any
     /// reward model (the built-in judge is pretrained for minutes) is loaded.
-    fn check(cfg: &TrainConfig, _main: bool) -> Result<()> {
+    fn check(cfg: &TrainConfig, _device: &Device, _main: bool) -> Result<()> {
         if cfg.run.dtype != DTypeOpt::F32 {
             tracing::warn!("dtype = bf16 is not used by fill-in policies: they run in f32");
         }

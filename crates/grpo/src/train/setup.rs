@@ -102,8 +102,9 @@ pub struct Loaded<P: Policy> {
 /// A kind of policy the loop can train: how a run checks its config, loads it and prepares its
 /// inputs.
 pub trait LoadPolicy: Policy + Sized {
-    /// Checks the config before anything is loaded (and warns where an option does not apply).
-    fn check(_cfg: &TrainConfig, _main: bool) -> Result<()> {
+    /// Checks the config before anything is loaded (and warns where an option does not apply
+    /// on `device`).
+    fn check(_cfg: &TrainConfig, _device: &Device, _main: bool) -> Result<()> {
         Ok(())
     }
 
@@ -184,7 +185,7 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
         let main = world.is_main();
         check_world(cfg, world)?;
         let device = process_device(cfg, world)?;
-        P::check(cfg, main)?;
+        P::check(cfg, &device, main)?;
         let resumed_from = resume_point(cfg, resume, main)?;
         let loaded = load::<P>(cfg, resumed_from.as_ref(), &device)?;
         let (opt, state) = optimizer_and_state(cfg, &loaded, resumed_from.as_ref(), &device, main)?;
@@ -242,7 +243,8 @@ fn process_device(cfg: &TrainConfig, world: &dyn World) -> Result<Device> {
             grpo_models::kernels::Isa::active()
         );
     }
-    let device = match cfg.run.device {
+    let spec = cfg.run.device.resolve();
+    let device = match spec {
         DeviceSpec::Cuda(n) => {
             DeviceSpec::Cuda(super::world::rank_gpu(n, world.size())).device()?
         }
@@ -251,7 +253,15 @@ fn process_device(cfg: &TrainConfig, world: &dyn World) -> Result<Device> {
     if main {
         // What every model and optimizer of the run resolves to ([`Compute::resolve`]).
         let compute = grpo_models::kernels::Compute::resolve(&device, cfg.run.dtype.compute());
-        tracing::info!("compute: {} on {device:?}", compute.name());
+        let why = match (cfg.run.device, spec) {
+            (DeviceSpec::Auto, DeviceSpec::Cpu) if candle_core::utils::cuda_is_available() => {
+                " (device = auto: no GPU answered)"
+            }
+            (DeviceSpec::Auto, DeviceSpec::Cpu) => " (device = auto: a build without CUDA)",
+            (DeviceSpec::Auto, _) => " (device = auto: a GPU answered)",
+            _ => "",
+        };
+        tracing::info!("compute: {} on {device:?}{why}", compute.name());
     }
     Ok(device)
 }
@@ -641,8 +651,8 @@ pub fn update_options(cfg: &TrainConfig, pad: u32) -> UpdateOptions {
 }
 
 impl LoadPolicy for CausalLmPolicy {
-    fn check(cfg: &TrainConfig, main: bool) -> Result<()> {
-        if cfg.run.dtype != DTypeOpt::F32 && cfg.run.device == DeviceSpec::Cpu && main {
+    fn check(cfg: &TrainConfig, device: &Device, main: bool) -> Result<()> {
+        if cfg.run.dtype != DTypeOpt::F32 && device.is_cpu() && main {
             tracing::warn!(
                 "dtype = bf16 on the CPU: candle multiplies bf16 matrices with a plain loop \
                  there (its GEMM has no bf16 kernels), many times slower than f32; bf16 is \
