@@ -320,6 +320,127 @@ fn rewards_check_prints_a_table_and_json() {
     );
 }
 
+/// A TRL user's reward functions, unchanged: a file written as TRL's docs write one (two
+/// functions, one reading a dataset column), named in `reward_funcs` as a dotted import path and
+/// as `file.py:function`, give through `grpo rewards check` exactly what calling them in Python
+/// gives.
+#[test]
+fn trl_python_reward_functions_score_as_in_python() {
+    let python = std::env::var("GRPO_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
+    if Command::new(&python).arg("-c").arg("1").output().is_err() {
+        eprintln!("skipped: no `{python}` to run the reward functions (set GRPO_TEST_PYTHON)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("my_rewards.py"),
+        r#"import re
+
+
+def format_reward(completions, **kwargs):
+    """1 when the completion is <think>...</think><answer>...</answer>."""
+    pattern = r"^<think>.*?</think>\s*<answer>.*?</answer>$"
+    return [1.0 if re.match(pattern, c, re.DOTALL) else 0.0 for c in completions]
+
+
+def level_bonus(prompts, completions, level, **kwargs):
+    """Reads the dataset column `level`; None (no score) for a completion without a digit."""
+    return [None if not any(ch.isdigit() for ch in c) else 0.5 * lv + len(p) / 100
+            for p, c, lv in zip(prompts, completions, level)]
+"#,
+    )
+    .unwrap();
+    let rows = [
+        (
+            r#"What is 6 x 7?"#,
+            "<think>6*7</think><answer>42</answer>",
+            1,
+        ),
+        ("Say hi", "hi there", 2),
+        ("What is 2 + 2?", "It is 4", 3),
+    ];
+    let mut samples = String::new();
+    for (p, c, l) in rows {
+        samples += &serde_json::json!({"prompt": p, "completion": c, "level": l}).to_string();
+        samples.push('\n');
+    }
+    std::fs::write(dir.path().join("samples.jsonl"), &samples).unwrap();
+    std::fs::write(
+        dir.path().join("run.yaml"),
+        "reward_funcs:\n  - my_rewards.format_reward\n  - my_rewards.py:level_bonus\n",
+    )
+    .unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_grpo"))
+        .args([
+            "rewards",
+            "check",
+            "--config",
+            "run.yaml",
+            "--samples",
+            "samples.jsonl",
+            "--json",
+        ])
+        .current_dir(dir.path())
+        .env("RUST_LOG", "warn")
+        .env("GRPO_PYTHON", &python)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let got: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    // The same functions called in Python, as TRL calls them.
+    let o = Command::new(&python)
+        .arg("-c")
+        .arg(
+            "import json, my_rewards\n\
+             rows = [json.loads(l) for l in open('samples.jsonl')]\n\
+             kw = dict(prompts=[r['prompt'] for r in rows], completions=[r['completion'] for r in rows],\n\
+                       level=[r['level'] for r in rows])\n\
+             print(json.dumps({'format_reward': my_rewards.format_reward(**kw),\n\
+                               'level_bonus': my_rewards.level_bonus(**kw)}))",
+        )
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let want: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(got.len(), rows.len());
+    for (i, row) in got.iter().enumerate() {
+        for name in ["format_reward", "level_bonus"] {
+            let (g, w) = (&row["rewards"][name], &want[name][i]);
+            match w.as_f64() {
+                Some(w) => assert!(
+                    (g.as_f64().unwrap() - w).abs() < 1e-6,
+                    "{name}[{i}]: {g} vs {w}"
+                ),
+                None => assert!(g.is_null(), "{name}[{i}]: {g}, Python says None"),
+            }
+        }
+    }
+    // A bare name that is neither TRL's nor a path says how to name a function.
+    std::fs::write(dir.path().join("run.yaml"), "reward_funcs: [level_bonus]\n").unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_grpo"))
+        .args([
+            "rewards",
+            "check",
+            "--config",
+            "run.yaml",
+            "--samples",
+            "samples.jsonl",
+        ])
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("reward_funcs") && stderr(&o).contains("my_rewards.level_bonus"),
+        "{}",
+        stderr(&o)
+    );
+}
+
 #[path = "../../grpo/tests/support/tiny_llama.rs"]
 mod support;
 

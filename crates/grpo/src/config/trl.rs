@@ -58,7 +58,7 @@ const MAPPED: &[(&str, &str)] = &[
     ("dataset_name", "a local dataset file, a directory holding its splits, or a hub dataset id whose split files are fetched into the hub cache: train_file / eval_file"),
     ("dataset_train_split", "the split of dataset_name used as train_file"),
     ("dataset_test_split", "the split of dataset_name used as eval_file"),
-    ("reward_funcs", "TRL's built-in rewards as grpo rules (accuracy_reward, reasoning_accuracy_reward, think_format_reward, get_soft_overlong_punishment); dotted Python paths are refused with how to use a command scorer"),
+    ("reward_funcs", "TRL's built-in rewards as grpo rules (accuracy_reward, reasoning_accuracy_reward, think_format_reward, get_soft_overlong_punishment); Python functions (`module.function`, `file.py:function`) run unchanged as `kind = \"python\"` rewards"),
     ("reward_model_name_or_path", "a classifier reward on prompt + completion, label 0's logit (TRL's reward model)"),
     ("generation_kwargs", "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens, stop_strings set the sampler's keys; others are refused"),
     ("chat_template_kwargs", "variables for the chat template (e.g. enable_thinking)"),
@@ -419,7 +419,8 @@ pub fn ignored_trl_keys() -> Vec<&'static str> {
 /// reads the `solution` column.
 fn trl_reward_funcs(v: &Value) -> Result<(Vec<Value>, bool)> {
     let names: Vec<String> = match v {
-        Value::String(s) => vec![s.clone()],
+        // One name, or several from the command line (`--reward_funcs a b` arrives as "a,b").
+        Value::String(s) => s.split(',').map(|x| x.trim().to_string()).collect(),
         Value::Array(a) => a
             .iter()
             .map(|x| {
@@ -447,15 +448,12 @@ fn trl_reward_funcs(v: &Value) -> Result<(Vec<Value>, bool)> {
             "get_soft_overlong_punishment" => serde_json::json!({
                 "kind": "length", "name": "soft_overlong_punishment_reward",
                 "max_length": 1280, "cache_length": 256}),
-            other if other.contains('.') => {
-                return Err(Error::config(
-                    "reward_funcs",
-                    format!(
-                        "`{other}`: grpo does not import Python reward functions; run it as a \
-                         scorer program instead ([[rewards]] kind = \"command\", docs/rewards.md \
-                         shows a Python scorer in a few lines)"
-                    ),
-                ))
+            // A Python function, as `trl grpo` takes it: `my_rewards.correctness` or
+            // `path/to/file.py:correctness`, served by grpo's adapter (kind = "python").
+            other if other.contains('.') || other.contains(':') => {
+                crate::rewards::command::python_target(other)
+                    .map_err(|m| Error::config("reward_funcs", m))?;
+                serde_json::json!({"kind": "python", "function": other})
             }
             other => {
                 return Err(Error::config(
@@ -463,7 +461,9 @@ fn trl_reward_funcs(v: &Value) -> Result<(Vec<Value>, bool)> {
                     format!(
                         "`{other}` is not one of TRL's rewards: accuracy_reward, \
                          reasoning_accuracy_reward, think_format_reward, \
-                         get_soft_overlong_punishment (or give [[rewards]] tables)"
+                         get_soft_overlong_punishment, or a Python function as \
+                         my_rewards.{other} or path/to/file.py:{other} (or give [[rewards]] \
+                         tables)"
                     ),
                 ))
             }

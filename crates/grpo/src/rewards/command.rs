@@ -126,11 +126,55 @@ impl CommandSpec {
                 "is empty: give the scorer program and its arguments",
             ));
         }
-        let mut spec = CommandSpec::new(command);
+        CommandSpec::new(command).with_options(t, 1)
+    }
+
+    /// The keys of a `kind = "python"` table besides `kind`, `name` and `weight`: the
+    /// function, the interpreter, and a command's process options.
+    pub const PYTHON_KEYS: &'static [&'static str] = &[
+        "function",
+        "python",
+        "timeout_s",
+        "processes",
+        "max_in_flight",
+        "batch_size",
+        "cwd",
+        "env",
+        "max_restarts",
+        "cpu_seconds",
+        "memory_mb",
+        "no_network",
+    ];
+
+    /// A TRL-style Python reward function, `f(prompts, completions, answer=..., **columns) ->
+    /// list[float | None]`, served unchanged by grpo's adapter (`examples/scorers/trl_adapter.py`,
+    /// embedded) through the scorer protocol: `function` is `path/to/file.py:name`, `pkg.module:name`
+    /// or TRL's dotted `pkg.module.name`; `python` the interpreter (default `GRPO_PYTHON`, else
+    /// `python3`). The function gets up to `batch_size` (default 64) completions per call; a call
+    /// that raises loses only its batch (missing rewards) and the adapter is restarted.
+    pub fn from_python_table(t: &Table) -> Result<Self> {
+        let function = t.opt_str("function")?.ok_or_else(|| {
+            t.err(
+                "function",
+                "missing: the reward function, as path/to/file.py:name or module.name",
+            )
+        })?;
+        let target = python_target(function).map_err(|m| t.err("function", m))?;
+        let python = match t.opt_str("python")? {
+            Some(p) => p.to_string(),
+            None => std::env::var("GRPO_PYTHON").unwrap_or_else(|_| "python3".into()),
+        };
+        let command = vec![python, "-c".into(), TRL_ADAPTER.into(), target];
+        CommandSpec::new(command).with_options(t, 64)
+    }
+
+    /// The process options every scorer program takes, from its table.
+    fn with_options(self, t: &Table, default_batch: usize) -> Result<Self> {
+        let mut spec = self;
         spec.timeout = timeout(t)?;
         spec.processes = at_least_one(t, "processes", 1)?;
         spec.max_in_flight = at_least_one(t, "max_in_flight", 64)?;
-        spec.batch_size = at_least_one(t, "batch_size", 1)?;
+        spec.batch_size = at_least_one(t, "batch_size", default_batch)?;
         spec.cwd = t.opt_str("cwd")?.map(PathBuf::from);
         spec.env = string_table(t, "env")?;
         spec.max_restarts = t.usize("max_restarts", 5)?;
@@ -140,9 +184,49 @@ impl CommandSpec {
         Ok(spec)
     }
 
+    /// The command as messages show it (an inline script as `<script>`).
     fn display(&self) -> String {
-        self.command.join(" ")
+        let shown: Vec<&str> = self
+            .command
+            .iter()
+            .map(|a| {
+                if a.contains('\n') {
+                    "<script>"
+                } else {
+                    a.as_str()
+                }
+            })
+            .collect();
+        shown.join(" ")
     }
+}
+
+/// What `kind = "python"` serves: examples/scorers/trl_adapter.py, run with `python -c`.
+const TRL_ADAPTER: &str = include_str!("../../../../examples/scorers/trl_adapter.py");
+
+/// `function` as the adapter loads it (`FILE.py:NAME` or `MODULE:NAME`): TRL's dotted
+/// `pkg.module.name` becomes `pkg.module:name`.
+pub fn python_target(function: &str) -> std::result::Result<String, String> {
+    let (where_, name) = match function.rsplit_once(':') {
+        Some(x) => x,
+        None => function.rsplit_once('.').ok_or_else(|| {
+            format!(
+                "`{function}`: give the module or file too, as TRL does: my_rewards.{function} \
+                 or path/to/my_rewards.py:{function}"
+            )
+        })?,
+    };
+    let ident = |s: &str| {
+        !s.is_empty()
+            && !s.starts_with(|c: char| c.is_ascii_digit())
+            && s.chars().all(|c| c.is_alphanumeric() || c == '_')
+    };
+    if where_.is_empty() || !ident(name) {
+        return Err(format!(
+            "`{function}`: expected path/to/file.py:function, module:function or module.function"
+        ));
+    }
+    Ok(format!("{where_}:{name}"))
 }
 
 fn timeout(t: &Table) -> Result<Duration> {
@@ -868,6 +952,21 @@ fn describe(s: ExitStatus) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn python_targets_read_as_trl_names_them() {
+        for (f, want) in [
+            ("my_rewards.correctness", "my_rewards:correctness"),
+            ("pkg.sub.fn_2", "pkg.sub:fn_2"),
+            ("path/to/file.py:score", "path/to/file.py:score"),
+            ("pkg.module:score", "pkg.module:score"),
+        ] {
+            assert_eq!(python_target(f).unwrap(), want);
+        }
+        for bad in ["correctness", "file.py:", ":f", "m.2f", "a.b-c"] {
+            assert!(python_target(bad).is_err(), "{bad}");
+        }
+    }
     use serde_json::Map;
 
     fn table_of(json: &str) -> Map<String, Value> {

@@ -316,6 +316,7 @@ const KINDS: &[(&str, &[&str])] = &[
     ("classifier", models::ClassifierSpec::KEYS),
     ("embedding", models::EmbeddingSpec::KEYS),
     ("command", command::CommandSpec::KEYS),
+    ("python", command::CommandSpec::PYTHON_KEYS),
     ("http", command::HttpSpec::KEYS),
 ];
 
@@ -479,11 +480,17 @@ impl RewardSpec {
             "classifier" => RewardKind::Classifier(models::ClassifierSpec::from_table(&t)?),
             "embedding" => RewardKind::Embedding(models::EmbeddingSpec::from_table(&t)?),
             "command" => RewardKind::Command(command::CommandSpec::from_table(&t)?),
+            "python" => RewardKind::Command(command::CommandSpec::from_python_table(&t)?),
             "http" => RewardKind::Http(command::HttpSpec::from_table(&t)?),
             _ => unreachable!("kinds are checked above"),
         };
+        // A Python function is named after itself, as TRL names its reward functions.
+        let default_name = match (kind, t.opt_str("function")?) {
+            ("python", Some(f)) => f.rsplit([':', '.']).next().unwrap_or(kind),
+            _ => kind,
+        };
         Ok(RewardSpec {
-            name: t.str("name", kind)?.to_string(),
+            name: t.str("name", default_name)?.to_string(),
             weight: t.f32("weight", 1.0)?,
             path,
             kind: parsed,
