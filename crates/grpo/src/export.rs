@@ -8,8 +8,8 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::checkpoint::{resolve_run_dir, HfExport};
 use crate::hub;
-use crate::peft::{self, LoadedAdapter};
 use crate::models::{CausalLm, QuantProj, QuantType};
+use crate::peft::{self, LoadedAdapter};
 use crate::weights::{load_model, LoadedModel};
 use crate::{Error, Result};
 

@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, Var, D};
 use grpo::hub::ModelSource;
-use grpo::peft;
 use grpo::models::{CausalLm, Mode, QuantType, SeqBatch};
+use grpo::peft;
 use grpo::weights::load_model;
 
 #[path = "support/rerun.rs"]

@@ -1,4 +1,5 @@
-//! Tiny random Llama / Llama-3 / Qwen2 / Qwen3 / GPT-2 checkpoints made by
+//! Tiny random Llama / Llama-3 / Qwen2 / Qwen3 / GPT-2 / Mistral (sliding window) / Phi-3 /
+//! Phi-4-mini (partial RoPE, tied) / Gemma 2 / Gemma 3 checkpoints made by
 //! `scripts/make_fixtures.py` with transformers: our logits, log-probs and greedy decoding must match
 //! theirs; every parameter must receive a gradient; analytic gradients must match finite differences.
 
@@ -16,7 +17,9 @@ use serde_json::Value;
 #[path = "support/rerun.rs"]
 mod rerun;
 
-const ARCHS: [&str; 5] = ["llama", "llama3", "qwen2", "qwen3", "gpt2"];
+const ARCHS: [&str; 10] = [
+    "llama", "llama3", "qwen2", "qwen3", "gpt2", "mistral", "phi3", "phi4mini", "gemma2", "gemma3",
+];
 
 fn fixture_dir(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -75,7 +78,13 @@ fn packed_model(m: &LoadedModel) -> CausalLm {
         true => assert!(n > 4, "only {n} weights packed"),
         false => assert_eq!(n, 0),
     }
-    let llama_family = model.config().arch != grpo::models::Arch::Gpt2;
+    // The fused decoding step computes the Llama layout, a window on every layer included;
+    // GPT-2, partial RoPE and Gemma's layers decode through the tensor path.
+    let cfg = model.config();
+    let llama_family = !matches!(
+        cfg.arch,
+        grpo::models::Arch::Gpt2 | grpo::models::Arch::Gemma2 | grpo::models::Arch::Gemma3
+    ) && cfg.extras.rotary_dim.is_none();
     assert_eq!(
         model.fused_decoding(),
         llama_family
@@ -87,7 +96,7 @@ fn packed_model(m: &LoadedModel) -> CausalLm {
 
 #[test]
 fn fused_decoding_step_equals_the_tensor_path() {
-    for name in ["llama", "llama3", "qwen2", "qwen3"] {
+    for name in ["llama", "llama3", "qwen2", "qwen3", "mistral", "phi3"] {
         let (m, _) = load(name, DType::F32);
         let fused = packed_model(&m);
         let mut plain = packed_model(&m);

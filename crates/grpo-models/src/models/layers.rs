@@ -597,6 +597,11 @@ impl RmsNorm {
     pub fn load(size: usize, eps: f64, vb: VarBuilder, compute: Compute) -> Result<Self> {
         Ok(Self::new(vb.get(size, "weight")?, eps, compute))
     }
+    /// Gemma's RMSNorm, which scales by `1 + w`: the same norm over the weight `w + 1` (the
+    /// gradient reaches the stored `w` through the add).
+    pub fn load_plus_one(size: usize, eps: f64, vb: VarBuilder, compute: Compute) -> Result<Self> {
+        Ok(Self::new((vb.get(size, "weight")? + 1.0)?, eps, compute))
+    }
     pub fn forward(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
         match mode {
             Mode::Infer => {
@@ -759,8 +764,15 @@ pub fn rope_inv_freq(head_dim: usize, theta: f64, scaling: Option<Llama3RopeScal
 
 impl Rope {
     pub fn new(cfg: &ModelConfig, device: &Device) -> Result<Self> {
-        let half = cfg.head_dim / 2;
-        let mut inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling);
+        Self::with_theta(cfg, cfg.rope_theta, device)
+    }
+
+    /// The tables for base `theta` (Gemma 3's local layers have their own) over the rotated
+    /// dims (`rotary_dim`, all of the head unless partial).
+    pub fn with_theta(cfg: &ModelConfig, theta: f64, device: &Device) -> Result<Self> {
+        let dim = cfg.extras.rotary_dim.unwrap_or(cfg.head_dim);
+        let half = dim / 2;
+        let mut inv = rope_inv_freq(dim, theta, cfg.rope_scaling);
         if let Some(factors) = &cfg.rope_freq_factors {
             if factors.len() != inv.len() {
                 candle_core::bail!(
@@ -895,6 +907,101 @@ impl AttnMask {
             false => AttnMask::Dense(mask),
         })
     }
+
+    /// `self` with sliding-window attention: a key `window` or more positions before its query
+    /// is masked too. Without a cache (`first_slot` None) the distance is that of the batch's
+    /// `positions` [B, S] (keys are the queries; without them, slots), so a packed continuation counts from its own
+    /// prompt as it would alone; over a cache it is the distance of key slots, queries at slots
+    /// `first_slot..first_slot + S` (the sampler writes each row's tokens in consecutive slots).
+    /// Still 0 / [`MASK_VALUE`], so the fused attention's key runs express it.
+    pub fn windowed(
+        &self,
+        window: usize,
+        positions: Option<&Tensor>,
+        first_slot: Option<usize>,
+    ) -> Result<AttnMask> {
+        let dense = match self {
+            AttnMask::LeftPad(pad, shared) => {
+                // One query, at slot `first_slot`: keys from slot first_slot + 1 - window on.
+                let from = (first_slot.unwrap_or(0) + 1).saturating_sub(window);
+                let pad = pad.iter().map(|&p| p.max(from)).collect();
+                return Ok(AttnMask::LeftPad(pad, shared.clone()));
+            }
+            AttnMask::Dense(m) | AttnMask::Spanned(m, _) => m,
+        };
+        let (b, _, s, tk) = dense.dims4()?;
+        let dev = dense.device();
+        let slots = |from: usize, n: usize| -> Result<Tensor> {
+            Tensor::arange(from as u32, (from + n) as u32, dev)?
+                .to_dtype(DType::F32)?
+                .unsqueeze(0)?
+                .broadcast_as((b, n))
+        };
+        let (pq, pk) = match (first_slot, positions) {
+            (None, Some(p)) if tk == s => {
+                let p = p.to_dtype(DType::F32)?; // [B, S]
+                (p.clone(), p)
+            }
+            _ => (slots(first_slot.unwrap_or(0), s)?, slots(0, tk)?), // [B, S], [B, Tk]
+        };
+        let far = pq
+            .unsqueeze(2)?
+            .broadcast_sub(&pk.unsqueeze(1)?)?
+            .ge(window as f64)?; // [B, S, Tk]
+        let masked = Tensor::full(MASK_VALUE, (b, s, tk), dev)?;
+        let extra = far
+            .where_cond(&masked, &masked.zeros_like()?)?
+            .unsqueeze(1)?
+            .to_dtype(dense.dtype())?; // [B, 1, S, Tk]
+        AttnMask::dense(dense.minimum(&extra)?)
+    }
+
+    /// The additive mask `[B, 1, S, Tk]` for `s` queries over `tk` key slots.
+    fn to_dense(&self, s: usize, tk: usize, device: &Device) -> Result<Tensor> {
+        match self {
+            AttnMask::Dense(m) | AttnMask::Spanned(m, _) => Ok(m.clone()),
+            AttnMask::LeftPad(pad, _) => {
+                let valid: Vec<Vec<bool>> = pad
+                    .iter()
+                    .map(|&p| (0..tk).map(|j| j >= p).collect())
+                    .collect();
+                build_mask(&valid, tk - s, s, tk, device)
+            }
+        }
+    }
+}
+
+/// Attention with Gemma 2's score softcapping, `cap * tanh(score * scale / cap)` before the
+/// mask, as candle ops on every device: no fused kernel has the cap. `q` [B, H, S, D],
+/// `k`/`v` [B, Hkv, Tk, D]; returns [B, S, H*D].
+pub fn softcapped_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttnMask,
+    scale: f64,
+    cap: f64,
+    mode: Mode,
+) -> Result<Tensor> {
+    let (b, h, s, d) = q.dims4()?;
+    let (hkv, tk) = (k.dim(1)?, k.dim(2)?);
+    let g = h / hkv;
+    let dense = mask.to_dense(s, tk, q.device())?; // [B, 1, S, Tk]
+                                                   // Query heads h = j*g + i all read kv head j: fold the group into the query axis.
+    let q = q.contiguous()?.reshape((b, hkv, g * s, d))?; // [B, Hkv, g*S, D]
+    let scores = q.matmul(&matmul_operand(k)?.t()?)?; // [B, Hkv, g*S, Tk]
+    let scores = scores.to_dtype(reduce_dtype(scores.dtype()))?;
+    let scores = (((scores * scale)? / cap)?.tanh()? * cap)?;
+    let mask = dense.to_dtype(scores.dtype())?;
+    let mask = mask
+        .unsqueeze(2)?
+        .broadcast_as((b, 1, g, s, tk))?
+        .reshape((b, 1, g * s, tk))?;
+    let probs = softmax(&scores.broadcast_add(&mask)?, mode)?.to_dtype(v.dtype())?;
+    let out = probs.matmul(&matmul_operand(v)?)?; // [B, Hkv, g*S, D]
+    out.reshape((b, h, s, d))?
+        .transpose(1, 2)? // [B, S, H, D]
+        .reshape((b, s, h * d))
 }
 
 /// Scaled dot-product attention with grouped KV heads, without copying K/V per group.
@@ -1219,6 +1326,7 @@ pub(crate) mod tests {
             bos_token_id: None,
             eos_token_ids: vec![],
             build_quantized: None,
+            extras: Default::default(),
         };
         let rope = Rope::new(&cfg, &dev).unwrap();
         let (c, s) = rope.tables(&pos, DType::F32).unwrap();

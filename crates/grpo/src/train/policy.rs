@@ -14,11 +14,11 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use crate::checkpoint::{AdapterExport, HfExport, ModelFiles};
 use crate::logprobs::{completion_logprobs, Entropy, Packing};
-use crate::peft::{self, LoraConfig};
 use crate::models::checkpointing::CheckpointGrads;
 use crate::models::grad_sink::GradSink;
 use crate::models::{CausalLm, Mode, ModelConfig};
 use crate::optim::var_tensors;
+use crate::peft::{self, LoraConfig};
 use crate::rewards::Reward;
 use crate::rollout::{Episode, GroupSampler, MicroBatch};
 use crate::tokenizer::Tokenizer;
