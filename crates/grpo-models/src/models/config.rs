@@ -45,6 +45,11 @@ impl Arch {
         }
     }
 
+    /// Whether `model_type` names a causal LM family grpo loads.
+    pub fn is_causal_model_type(model_type: &str) -> bool {
+        Self::from_model_type(model_type).is_some()
+    }
+
     fn from_model_type(model_type: &str) -> Option<Arch> {
         match model_type {
             "llama" | "smollm" | "smollm2" => Some(Arch::Llama),
@@ -775,6 +780,86 @@ fn gguf_f64_opt(md: &HashMap<String, gguf_file::Value>, key: &str) -> Result<Opt
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn fixture(name: &str) -> String {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/tiny")
+            .join(name)
+            .join("config.json");
+        std::fs::read_to_string(p).unwrap()
+    }
+
+    /// What each later family's tiny config resolves to, and that a checkpoint's config.json
+    /// reads back to the same config.
+    #[test]
+    fn later_families_resolve_their_additions() {
+        let p = Path::new("config.json");
+        let read = |name: &str| ModelConfig::from_hf_json(&fixture(name), p).unwrap();
+        let m = read("mistral");
+        assert_eq!(m.arch, Arch::Mistral);
+        assert_eq!(m.extras.sliding_window, Some(4));
+        assert_eq!(m.extras.sliding_layers, vec![true; 2]);
+        let p3 = read("phi3");
+        assert!(p3.extras.fused_proj_names && p3.extras.rotary_dim.is_none());
+        assert!(p3.extras.sliding_window.is_none());
+        let p4 = read("phi4mini");
+        assert_eq!(
+            (p4.extras.rotary_dim, p4.tie_word_embeddings),
+            (Some(12), true)
+        );
+        let g2 = read("gemma2");
+        assert_eq!(g2.extras.sliding_layers, vec![true, false, true]);
+        assert_eq!(g2.extras.activation, Activation::GeluTanh);
+        assert_eq!(
+            (g2.extras.attn_softcap, g2.extras.final_softcap),
+            (Some(10.0), Some(15.0))
+        );
+        assert_eq!(g2.extras.query_pre_attn_scalar, Some(24.0));
+        assert_eq!(g2.extras.embed_scale, Some(8.0));
+        assert!(g2.extras.norm_plus_one && g2.extras.sandwich_norms && !g2.qk_norm);
+        assert_eq!((g2.head_dim, g2.num_heads, g2.hidden_size), (32, 4, 64));
+        let g3 = read("gemma3");
+        assert_eq!(g3.extras.sliding_layers, vec![true, true, false]);
+        assert_eq!(
+            (g3.rope_theta, g3.extras.rope_local_theta),
+            (1e6, Some(1e4))
+        );
+        assert!(g3.qk_norm && g3.extras.attn_softcap.is_none());
+        for name in ["mistral", "phi3", "phi4mini", "gemma2", "gemma3"] {
+            let c = read(name);
+            let back = c.to_hf_json().unwrap().to_string();
+            assert_eq!(ModelConfig::from_hf_json(&back, p).unwrap(), c, "{name}");
+        }
+    }
+
+    #[test]
+    fn refuses_what_the_later_families_do_not_run() {
+        let p = Path::new("config.json");
+        let mut v: serde_json::Value = serde_json::from_str(&fixture("phi3")).unwrap();
+        v["rope_parameters"] = serde_json::json!({
+            "rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": [1.0], "long_factor": [1.0]
+        });
+        let err = ModelConfig::from_hf_json(&v.to_string(), p)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("longrope") && err.contains("rope_scaling"),
+            "{err}"
+        );
+        let mut v: serde_json::Value = serde_json::from_str(&fixture("gemma3")).unwrap();
+        v["use_bidirectional_attention"] = true.into();
+        let err = ModelConfig::from_hf_json(&v.to_string(), p)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("use_bidirectional_attention"), "{err}");
+        let mut v: serde_json::Value = serde_json::from_str(&fixture("gemma2")).unwrap();
+        v["layer_types"] = serde_json::json!(["sliding_attention"]);
+        let err = ModelConfig::from_hf_json(&v.to_string(), p)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("layer_types"), "{err}");
+    }
 
     #[test]
     fn parses_llama_and_rejects_unknown_arch() {
