@@ -288,8 +288,9 @@ def tiny_specs():
             ),
         ),
         (
-            # Phi-4-mini: Phi-3's architecture with partial RoPE (12 of 16 dims) and tied
-            # embeddings.
+            # Phi-4-mini: Phi-3's architecture with partial RoPE (12 of 16 dims), tied
+            # embeddings and LongRoPE (short factors within original_max_position_embeddings 64;
+            # max 256 makes the attention factor sqrt(1 + ln 4 / ln 64)).
             "phi4mini",
             Phi3ForCausalLM,
             Phi3Config(
@@ -298,11 +299,18 @@ def tiny_specs():
                 num_hidden_layers=2,
                 num_attention_heads=4,
                 num_key_value_heads=2,
-                rope_theta=10000.0,
+                rope_parameters={
+                    "rope_type": "longrope",
+                    "rope_theta": 10000.0,
+                    "partial_rotary_factor": 0.75,
+                    "short_factor": [1.0, 1.25, 1.5, 2.0, 3.0, 5.0],
+                    "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+                    "original_max_position_embeddings": 64,
+                },
                 partial_rotary_factor=0.75,
                 rms_norm_eps=1e-5,
                 max_position_embeddings=256,
-                original_max_position_embeddings=256,
+                original_max_position_embeddings=64,
                 sliding_window=None,
                 tie_word_embeddings=True,
                 **COMMON_IDS,

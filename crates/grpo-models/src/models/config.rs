@@ -78,6 +78,17 @@ pub enum Activation {
     GeluTanh,
 }
 
+/// Phi-3's LongRoPE (`rope_type = "longrope"`) as transformers computes it for sequences up to
+/// `original_max_position_embeddings`: inverse frequencies divided by `short_factor`, cos and sin
+/// times `attention_factor`. Longer sequences would take `long_factor` for the whole sequence;
+/// grpo instead caps the model's positions at `original_max_position_embeddings`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LongRope {
+    pub short_factor: Vec<f64>,
+    pub attention_factor: f64,
+    pub original_max_position_embeddings: usize,
+}
+
 /// What the newer decoder families add to the Llama layout, all off by default (so Llama, Qwen
 /// and GPT-2 leave it at `Default`). Read once from `config.json`; the model code reads fields.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -92,6 +103,8 @@ pub struct DecoderExtras {
     /// Leading dims of each head that RoPE rotates (`partial_rotary_factor`; Phi-4-mini);
     /// `None`: all of them.
     pub rotary_dim: Option<usize>,
+    /// Phi-3's LongRoPE, within the pretraining length (see [`LongRope`]).
+    pub long_rope: Option<LongRope>,
     /// q/k/v and gate/up are single HF tensors `qkv_proj` / `gate_up_proj` (Phi-3).
     pub fused_proj_names: bool,
     /// RMSNorm scales by `1 + w` (Gemma).
@@ -185,6 +198,7 @@ struct RawHfConfig {
     sliding_window_pattern: Option<usize>,
     rope_local_base_freq: Option<f64>,
     partial_rotary_factor: Option<f64>,
+    original_max_position_embeddings: Option<usize>,
     query_pre_attn_scalar: Option<f64>,
     attn_logit_softcapping: Option<f64>,
     final_logit_softcapping: Option<f64>,
@@ -358,10 +372,34 @@ impl ModelConfig {
             .and_then(|p| p.get("rope_theta")?.as_f64())
             .unwrap_or(rope_theta);
         let scaling = raw.rope_scaling.as_ref().or(rope_params);
-        let rope_scaling = parse_rope_scaling(scaling, path)?;
+        let long_rope = match arch {
+            Arch::Phi3 => parse_long_rope(&raw, scaling, path)?,
+            _ => None,
+        };
+        let rope_scaling = match long_rope {
+            Some(_) => None,
+            None => parse_rope_scaling(scaling, path)?,
+        };
         let extras = decoder_extras(&raw, arch, head_dim, rope_params, local_params, text, path)?;
+        let max_position_embeddings = match &long_rope {
+            Some(l) => l.original_max_position_embeddings,
+            None => raw.max_position_embeddings.unwrap_or(2048),
+        };
+        if let (Some(l), Some(d)) = (&long_rope, extras.rotary_dim.or(Some(head_dim))) {
+            if l.short_factor.len() != d / 2 {
+                return Err(Error::file(
+                    path,
+                    format!(
+                        "longrope short_factor has {} entries for {d} rotary dims (want {})",
+                        l.short_factor.len(),
+                        d / 2
+                    ),
+                ));
+            }
+        }
         let extras = DecoderExtras {
             activation,
+            long_rope,
             ..extras
         };
         Ok(ModelConfig {
@@ -377,7 +415,7 @@ impl ModelConfig {
             rope_theta,
             rope_scaling,
             rope_freq_factors: None,
-            max_position_embeddings: raw.max_position_embeddings.unwrap_or(2048),
+            max_position_embeddings,
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(gemma),
             attention_bias: arch == Arch::Qwen2 || raw.attention_bias.unwrap_or(false),
             mlp_bias: raw.mlp_bias.unwrap_or(false),
@@ -666,6 +704,7 @@ fn decoder_extras(
         sliding_layers,
         rope_local_theta,
         rotary_dim,
+        long_rope: None,
         fused_proj_names: arch == Arch::Phi3,
         norm_plus_one: gemma,
         embed_scale: match gemma {
@@ -682,6 +721,53 @@ fn decoder_extras(
         final_softcap: raw.final_logit_softcapping.filter(|_| gemma),
         source,
     })
+}
+
+/// Phi-3's `longrope` scaling, when `v` has it (see [`LongRope`]).
+fn parse_long_rope(
+    raw: &RawHfConfig,
+    v: Option<&serde_json::Value>,
+    path: &Path,
+) -> Result<Option<LongRope>> {
+    let Some(v) = v.filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let kind = v.get("rope_type").or_else(|| v.get("type"));
+    if !matches!(kind.and_then(|k| k.as_str()), Some("longrope" | "su")) {
+        return Ok(None);
+    }
+    let err = |what: &str| Error::file(path, format!("rope_scaling of type longrope: {what}"));
+    let short_factor = v
+        .get("short_factor")
+        .and_then(|x| x.as_array())
+        .ok_or_else(|| err("needs `short_factor`"))?
+        .iter()
+        .map(|x| {
+            x.as_f64()
+                .ok_or_else(|| err("`short_factor` holds a non-number"))
+        })
+        .collect::<Result<Vec<f64>>>()?;
+    let original = v
+        .get("original_max_position_embeddings")
+        .and_then(|x| x.as_u64())
+        .map(|x| x as usize)
+        .or(raw.original_max_position_embeddings)
+        .ok_or_else(|| err("needs `original_max_position_embeddings`"))?;
+    let max = raw.max_position_embeddings.unwrap_or(original);
+    let factor = v
+        .get("factor")
+        .and_then(|x| x.as_f64())
+        .unwrap_or(max as f64 / original as f64);
+    let attention_factor = match v.get("attention_factor").and_then(|x| x.as_f64()) {
+        Some(a) => a,
+        None if factor <= 1.0 => 1.0,
+        None => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
+    };
+    Ok(Some(LongRope {
+        short_factor,
+        attention_factor,
+        original_max_position_embeddings: original,
+    }))
 }
 
 fn parse_rope_scaling(
@@ -712,10 +798,9 @@ fn parse_rope_scaling(
                 original_max_position_embeddings: f("original_max_position_embeddings")? as usize,
             }))
         }
-        "longrope" => Err(Error::file(
+        "longrope" | "su" => Err(Error::file(
             path,
-            "rope_scaling (or rope_parameters) of type `longrope` (Phi-3 128k / Phi-4-mini's \
-             long context) is not supported: use a checkpoint without it",
+            "rope_scaling (or rope_parameters) of type `longrope` is supported for phi3 only",
         )),
         other => Err(Error::file(
             path,
@@ -803,6 +888,12 @@ mod tests {
         assert!(p3.extras.fused_proj_names && p3.extras.rotary_dim.is_none());
         assert!(p3.extras.sliding_window.is_none());
         let p4 = read("phi4mini");
+        let l = p4.extras.long_rope.as_ref().unwrap();
+        assert_eq!(l.short_factor, vec![1.0, 1.25, 1.5, 2.0, 3.0, 5.0]);
+        assert!((l.attention_factor - (1.0 + 4f64.ln() / 64f64.ln()).sqrt()).abs() < 1e-12);
+        // Positions stop where the short factors stop applying.
+        assert_eq!(p4.max_position_embeddings, 64);
+        assert!(p4.rope_scaling.is_none());
         assert_eq!(
             (p4.extras.rotary_dim, p4.tie_word_embeddings),
             (Some(12), true)
@@ -835,11 +926,13 @@ mod tests {
     #[test]
     fn refuses_what_the_later_families_do_not_run() {
         let p = Path::new("config.json");
-        let mut v: serde_json::Value = serde_json::from_str(&fixture("phi3")).unwrap();
-        v["rope_parameters"] = serde_json::json!({
-            "rope_type": "longrope", "rope_theta": 10000.0,
+        let long = serde_json::json!({
+            "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
             "short_factor": [1.0], "long_factor": [1.0]
         });
+        // LongRoPE is Phi-3's; its short factors must cover the rotary dims.
+        let mut v: serde_json::Value = serde_json::from_str(&fixture("mistral")).unwrap();
+        v["rope_parameters"] = long.clone();
         let err = ModelConfig::from_hf_json(&v.to_string(), p)
             .unwrap_err()
             .to_string();
@@ -847,6 +940,12 @@ mod tests {
             err.contains("longrope") && err.contains("rope_scaling"),
             "{err}"
         );
+        let mut v: serde_json::Value = serde_json::from_str(&fixture("phi3")).unwrap();
+        v["rope_parameters"] = long;
+        let err = ModelConfig::from_hf_json(&v.to_string(), p)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("short_factor"), "{err}");
         let mut v: serde_json::Value = serde_json::from_str(&fixture("gemma3")).unwrap();
         v["use_bidirectional_attention"] = true.into();
         let err = ModelConfig::from_hf_json(&v.to_string(), p)

@@ -783,6 +783,22 @@ impl Rope {
             }
             inv.iter_mut().zip(factors).for_each(|(f, d)| *f /= d);
         }
+        // Phi-3's LongRoPE within its pretraining length: frequencies divided by the short
+        // factors, cos and sin scaled.
+        let mut gain = 1f32;
+        if let Some(l) = &cfg.extras.long_rope {
+            if l.short_factor.len() != inv.len() {
+                candle_core::bail!(
+                    "longrope has {} short factors, expected {}",
+                    l.short_factor.len(),
+                    inv.len()
+                );
+            }
+            inv.iter_mut()
+                .zip(&l.short_factor)
+                .for_each(|(f, s)| *f /= s);
+            gain = l.attention_factor as f32;
+        }
         // HF multiplies f32 positions by f32 inverse frequencies.
         let inv32: Vec<f32> = inv.iter().map(|&x| x as f32).collect();
         let n = cfg.max_position_embeddings;
@@ -791,8 +807,8 @@ impl Rope {
         for p in 0..n {
             for &f in &inv32 {
                 let a = p as f32 * f;
-                cos.push(a.cos());
-                sin.push(a.sin());
+                cos.push(a.cos() * gain);
+                sin.push(a.sin() * gain);
             }
         }
         Ok(Self {
