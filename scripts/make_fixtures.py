@@ -282,7 +282,7 @@ def tiny_specs():
                 rms_norm_eps=1e-5,
                 max_position_embeddings=256,
                 original_max_position_embeddings=256,
-                sliding_window=None,
+                sliding_window=4,  # Phi-3-mini-4k has one (2047)
                 tie_word_embeddings=False,
                 **COMMON_IDS,
             ),

@@ -886,7 +886,8 @@ mod tests {
         assert_eq!(m.extras.sliding_layers, vec![true; 2]);
         let p3 = read("phi3");
         assert!(p3.extras.fused_proj_names && p3.extras.rotary_dim.is_none());
-        assert!(p3.extras.sliding_window.is_none());
+        assert_eq!(p3.extras.sliding_window, Some(4));
+        assert_eq!(p3.extras.sliding_layers, vec![true; 2]);
         let p4 = read("phi4mini");
         let l = p4.extras.long_rope.as_ref().unwrap();
         assert_eq!(l.short_factor, vec![1.0, 1.25, 1.5, 2.0, 3.0, 5.0]);

@@ -348,7 +348,11 @@ impl Model {
                 .get((cfg.vocab_size, cfg.hidden_size), "weight")?
         };
         let x = &cfg.extras;
-        let sliding = match x.sliding_window {
+        // A window as long as the positions masks nothing.
+        let window = x
+            .sliding_window
+            .filter(|&w| w < cfg.max_position_embeddings);
+        let sliding = match window {
             Some(_) => x.sliding_layers.clone(),
             None => vec![],
         };
@@ -373,7 +377,7 @@ impl Model {
             lm_head,
             rope: Rope::new(cfg, vb.device())?,
             rope_local,
-            sliding_window: x.sliding_window.filter(|_| sliding.iter().any(|&s| s)),
+            sliding_window: window.filter(|_| sliding.iter().any(|&s| s)),
             sliding,
             embed_scale: x.embed_scale,
             fused_proj_names: x.fused_proj_names,
