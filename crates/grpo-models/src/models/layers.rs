@@ -926,9 +926,10 @@ impl AttnMask {
 
     /// `self` with sliding-window attention: a key `window` or more positions before its query
     /// is masked too. Without a cache (`first_slot` None) the distance is that of the batch's
-    /// `positions` [B, S] (keys are the queries; without them, slots), so a packed continuation counts from its own
-    /// prompt as it would alone; over a cache it is the distance of key slots, queries at slots
-    /// `first_slot..first_slot + S` (the sampler writes each row's tokens in consecutive slots).
+    /// `positions` [B, S] (keys are the queries), so a packed continuation counts from its own
+    /// prompt as it would alone; over a cache (or without positions) it is the distance of key
+    /// slots, queries at slots `first_slot..first_slot + S` (the sampler writes each row's
+    /// tokens in consecutive slots).
     /// Still 0 / [`MASK_VALUE`], so the fused attention's key runs express it.
     pub fn windowed(
         &self,
@@ -1349,6 +1350,108 @@ pub(crate) mod tests {
         let a = apply_rope(&x, &c, &s, Mode::Train).unwrap();
         let f = apply_rope(&x, &c, &s, Mode::Infer).unwrap();
         assert!(max_abs_diff(&a, &f) < 1e-5);
+    }
+
+    /// The window masks keys `window` or more positions back: by positions without a cache
+    /// (a packed continuation counts from its prompt), by slots over one, as raised left padding
+    /// when decoding; what the mask already masked stays masked.
+    #[test]
+    fn windowed_mask_masks_keys_a_window_back() {
+        let dev = Device::Cpu;
+        // One row: a prompt at positions 0..3, then a continuation at 3, 4 that sees the prompt
+        // and itself, and a second continuation at 3 that sees only the prompt and itself.
+        let pos = Tensor::new(&[[0u32, 1, 2, 3, 4, 3]], &dev).unwrap();
+        let sees = [
+            vec![0],
+            vec![0, 1],
+            vec![0, 1, 2],
+            vec![0, 1, 2, 3],
+            vec![0, 1, 2, 3, 4],
+            vec![0, 1, 2, 5],
+        ];
+        let mut m = vec![MASK_VALUE; 36];
+        for (q, ks) in sees.iter().enumerate() {
+            ks.iter().for_each(|&k| m[q * 6 + k] = 0.0);
+        }
+        let mask = AttnMask::dense(Tensor::from_vec(m, (1, 1, 6, 6), &dev).unwrap()).unwrap();
+        let allowed = |mask: &AttnMask| -> Vec<Vec<usize>> {
+            let AttnMask::Spanned(t, _) = mask else {
+                panic!("a dense mask on the CPU is spanned")
+            };
+            let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let tk = t.dim(3).unwrap();
+            v.chunks(tk)
+                .map(|r| (0..tk).filter(|&k| r[k] == 0.0).collect())
+                .collect()
+        };
+        let by_pos = mask.windowed(2, Some(&pos), None).unwrap();
+        let want: Vec<Vec<usize>> = vec![
+            vec![0],
+            vec![0, 1],
+            vec![1, 2],
+            vec![2, 3],
+            vec![3, 4],
+            vec![2, 5],
+        ];
+        assert_eq!(allowed(&by_pos), want);
+        // Over a cache: 2 queries at slots 4, 5 of 6 key slots, all keys valid.
+        let cached = AttnMask::dense(build_mask(&[vec![true; 6]], 4, 2, 6, &dev).unwrap()).unwrap();
+        let by_slot = cached.windowed(3, None, Some(4)).unwrap();
+        assert_eq!(allowed(&by_slot), vec![vec![2, 3, 4], vec![3, 4, 5]]);
+        // Decoding at slot 6 (7 key slots) with window 3: keys from slot 4 on.
+        let pads = AttnMask::LeftPad(vec![0, 5], None);
+        match pads.windowed(3, None, Some(6)).unwrap() {
+            AttnMask::LeftPad(p, None) => assert_eq!(p, vec![4, 5]),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// Softcapped attention against a plain f32 twin (grouped heads, a masked key); a cap far
+    /// above the scores gives plain attention.
+    #[test]
+    fn softcapped_attention_matches_plain_twin() {
+        let dev = Device::Cpu;
+        let (h, hkv, s, d) = (4, 2, 3, 4);
+        let q = (Tensor::randn(0f32, 1.0, (1, h, s, d), &dev).unwrap() * 3.0).unwrap();
+        let k = Tensor::randn(0f32, 1.0, (1, hkv, s, d), &dev).unwrap();
+        let v = Tensor::randn(0f32, 1.0, (1, hkv, s, d), &dev).unwrap();
+        let valid = vec![vec![false, true, true]];
+        let mask = AttnMask::Dense(build_mask(&valid, 0, s, s, &dev).unwrap());
+        let (scale, cap) = (0.4, 2.0);
+        let got = softcapped_attention(&q, &k, &v, &mask, scale, cap, Mode::Train).unwrap();
+        let got = got.flatten_all().unwrap().to_vec1::<f32>().unwrap(); // [S, H*D]
+        let at = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let (qv, kv, vv) = (at(&q), at(&k), at(&v));
+        for hi in 0..h {
+            let j = hi / (h / hkv);
+            for si in 1..s {
+                let keys: Vec<usize> = (1..=si).collect();
+                let scores: Vec<f32> = keys
+                    .iter()
+                    .map(|&t| {
+                        let dot: f32 = (0..d)
+                            .map(|x| qv[(hi * s + si) * d + x] * kv[(j * s + t) * d + x])
+                            .sum();
+                        cap as f32 * (dot * scale as f32 / cap as f32).tanh()
+                    })
+                    .collect();
+                let mx = scores.iter().cloned().fold(f32::MIN, f32::max);
+                let e: Vec<f32> = scores.iter().map(|x| (x - mx).exp()).collect();
+                let z: f32 = e.iter().sum();
+                for x in 0..d {
+                    let want: f32 = keys
+                        .iter()
+                        .zip(&e)
+                        .map(|(&t, w)| w / z * vv[(j * s + t) * d + x])
+                        .sum();
+                    let g = got[si * h * d + hi * d + x];
+                    assert!((g - want).abs() < 1e-5, "{g} vs {want}");
+                }
+            }
+        }
+        let uncapped = softcapped_attention(&q, &k, &v, &mask, 0.5, 1e9, Mode::Infer).unwrap();
+        let plain = attention(&q, &k, &v, &mask, Mode::Infer, Compute::Portable).unwrap();
+        assert!(max_abs_diff(&uncapped, &plain) < 1e-5);
     }
 
     /// Plain-f32 twin of RMSNorm for one row.

@@ -318,11 +318,13 @@ impl CausalLm {
         // A window on every layer (Mistral) is left padding to the fused step.
         let windowed;
         let mask = match (&self.inner, mask) {
-            (Inner::Llama(m), AttnMask::LeftPad(..)) if m.uniform_window().is_some() => {
-                let w = m.uniform_window().unwrap_or(usize::MAX);
-                windowed = mask.windowed(w, None, Some(cache.len()))?;
-                &windowed
-            }
+            (Inner::Llama(m), AttnMask::LeftPad(..)) => match m.uniform_window() {
+                Some(w) => {
+                    windowed = mask.windowed(w, None, Some(cache.len()))?;
+                    &windowed
+                }
+                None => mask,
+            },
             _ => mask,
         };
         if let (Some(plan), Some(head), AttnMask::LeftPad(pad, shared)) =
