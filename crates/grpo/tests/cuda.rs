@@ -21,7 +21,9 @@ use serde_json::Value;
 #[path = "support/tiny_llama.rs"]
 mod support;
 
-const ARCHS: [&str; 5] = ["llama", "llama3", "qwen2", "qwen3", "gpt2"];
+const ARCHS: [&str; 10] = [
+    "llama", "llama3", "qwen2", "qwen3", "gpt2", "mistral", "phi3", "phi4mini", "gemma2", "gemma3",
+];
 
 fn gpu() -> Option<Device> {
     match Device::new_cuda(0) {

@@ -1,4 +1,5 @@
-//! Tiny random Llama / Llama-3 / Qwen2 / Qwen3 / GPT-2 checkpoints made by
+//! Tiny random Llama / Llama-3 / Qwen2 / Qwen3 / GPT-2 / Mistral (sliding window) / Phi-3 /
+//! Phi-4-mini (partial RoPE, tied) / Gemma 2 / Gemma 3 checkpoints made by
 //! `scripts/make_fixtures.py` with transformers: our logits, log-probs and greedy decoding must match
 //! theirs; every parameter must receive a gradient; analytic gradients must match finite differences.
 
@@ -16,7 +17,9 @@ use serde_json::Value;
 #[path = "support/rerun.rs"]
 mod rerun;
 
-const ARCHS: [&str; 5] = ["llama", "llama3", "qwen2", "qwen3", "gpt2"];
+const ARCHS: [&str; 10] = [
+    "llama", "llama3", "qwen2", "qwen3", "gpt2", "mistral", "phi3", "phi4mini", "gemma2", "gemma3",
+];
 
 fn fixture_dir(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -75,7 +78,15 @@ fn packed_model(m: &LoadedModel) -> CausalLm {
         true => assert!(n > 4, "only {n} weights packed"),
         false => assert_eq!(n, 0),
     }
-    let llama_family = model.config().arch != grpo_models::models::Arch::Gpt2;
+    // The fused decoding step computes the Llama layout, a window on every layer included;
+    // GPT-2, partial RoPE and Gemma's layers decode through the tensor path.
+    let cfg = model.config();
+    let llama_family = !matches!(
+        cfg.arch,
+        grpo_models::models::Arch::Gpt2
+            | grpo_models::models::Arch::Gemma2
+            | grpo_models::models::Arch::Gemma3
+    ) && cfg.extras.rotary_dim.is_none();
     assert_eq!(
         model.fused_decoding(),
         llama_family
@@ -90,7 +101,7 @@ fn packed_model(m: &LoadedModel) -> CausalLm {
 
 #[test]
 fn fused_decoding_step_equals_the_tensor_path() {
-    for name in ["llama", "llama3", "qwen2", "qwen3"] {
+    for name in ["llama", "llama3", "qwen2", "qwen3", "mistral", "phi3"] {
         let (m, _) = load(name, DType::F32);
         let fused = packed_model(&m);
         let mut plain = packed_model(&m);
@@ -655,6 +666,87 @@ fn one_row_packing_matches_rows_per_pack() {
                 );
             }
         }
+    }
+}
+
+/// The later families keep HF module names: PEFT's default LoRA targets name projections of
+/// theirs (Phi-3's fused `qkv_proj` as one), an attached adapter moves the logits and merging it
+/// gives the same logits; a checkpoint written in HF layout loads back to the same logits.
+#[test]
+fn later_families_keep_hf_names_for_lora_and_checkpoints() {
+    use grpo_models::models::LoraAdapter;
+    for name in ["mistral", "phi3", "phi4mini", "gemma2", "gemma3"] {
+        let (m, exp) = load(name, DType::F32);
+        let mut model = m.build().unwrap();
+        let batch = SeqBatch::right_padded(&ids2(&exp["input_ids"]), 0, &Device::Cpu).unwrap();
+        let logits = |model: &CausalLm| {
+            let h = model.forward_hidden(&batch, Mode::Infer).unwrap();
+            model
+                .logits(&h)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        };
+        let base = logits(&model);
+        let targets = grpo::peft::default_targets(m.config.arch);
+        let mut adapters = HashMap::new();
+        for (module, i, o) in model.projection_shapes().unwrap() {
+            if targets.iter().any(|t| module.ends_with(&format!(".{t}"))) {
+                let a = Tensor::randn(0f32, 0.1, (4, i), &Device::Cpu).unwrap();
+                let b = Tensor::randn(0f32, 0.1, (o, 4), &Device::Cpu).unwrap();
+                adapters.insert(module, LoraAdapter::new(a, b, 2.0, None).unwrap());
+            }
+        }
+        let per_layer = if m.config.arch == grpo_models::models::Arch::Phi3 {
+            1
+        } else {
+            2
+        };
+        assert_eq!(
+            adapters.len(),
+            per_layer * m.config.num_layers,
+            "{name}: {targets:?}"
+        );
+        assert_eq!(model.set_lora(&adapters).unwrap(), adapters.len());
+        let attached = logits(&model);
+        assert!(
+            max_diff(&attached, &base) > 1e-3,
+            "{name}: the adapters change nothing"
+        );
+        let mut merged = m.build().unwrap();
+        merged.merge_lora(&adapters).unwrap();
+        let d = max_diff(&logits(&merged), &attached);
+        assert!(d < 1e-4, "{name}: merged adapters differ by {d}");
+
+        let dir = tempfile::tempdir().unwrap();
+        let mut tensors: Vec<(String, Tensor)> = m
+            .tensors
+            .iter()
+            .map(|(k, t)| (k.clone(), t.clone()))
+            .collect();
+        tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        let export = grpo::checkpoint::HfExport {
+            config: &m.config,
+            tensors: &tensors,
+            tokenizer: None,
+            generation_config: None,
+            eos_token_ids: &m.eos_token_ids,
+        };
+        grpo::checkpoint::write_hf_model(dir.path(), &export).unwrap();
+        let back = load_model(
+            &ModelSource::HfDir(dir.path().into()),
+            DType::F32,
+            &Device::Cpu,
+        )
+        .unwrap();
+        assert_eq!(back.config.arch, m.config.arch);
+        let d = max_diff(&logits(&back.build().unwrap()), &base);
+        assert_eq!(
+            d, 0.0,
+            "{name}: the written checkpoint's logits differ by {d}"
+        );
     }
 }
 

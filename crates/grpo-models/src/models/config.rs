@@ -20,6 +20,15 @@ pub enum Arch {
     Qwen3,
     /// GPT-2: learned positions, LayerNorm, GELU, fused c_attn.
     Gpt2,
+    /// Mistral: Llama plus a sliding attention window on every layer.
+    Mistral,
+    /// Phi-3 / Phi-4-mini: Llama with fused `qkv_proj` and `gate_up_proj`, partial RoPE.
+    Phi3,
+    /// Gemma 2: (1 + w) RMSNorm, scaled embeddings, GeGLU, sandwich norms, logit softcapping,
+    /// sliding window on alternating layers.
+    Gemma2,
+    /// Gemma 3 (text): Gemma 2 plus q/k norms and a local RoPE base on the sliding layers.
+    Gemma3,
 }
 
 impl Arch {
@@ -29,12 +38,25 @@ impl Arch {
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
             Arch::Gpt2 => "gpt2",
+            Arch::Mistral => "mistral",
+            Arch::Phi3 => "phi3",
+            Arch::Gemma2 => "gemma2",
+            Arch::Gemma3 => "gemma3_text",
         }
+    }
+
+    /// Whether `model_type` names a causal LM family grpo loads.
+    pub fn is_causal_model_type(model_type: &str) -> bool {
+        Self::from_model_type(model_type).is_some()
     }
 
     fn from_model_type(model_type: &str) -> Option<Arch> {
         match model_type {
-            "llama" | "mistral" | "smollm" | "smollm2" => Some(Arch::Llama),
+            "llama" | "smollm" | "smollm2" => Some(Arch::Llama),
+            "mistral" => Some(Arch::Mistral),
+            "phi3" => Some(Arch::Phi3),
+            "gemma2" => Some(Arch::Gemma2),
+            "gemma3_text" => Some(Arch::Gemma3),
             "qwen2" => Some(Arch::Qwen2),
             "qwen3" => Some(Arch::Qwen3),
             "gpt2" => Some(Arch::Gpt2),
@@ -43,7 +65,65 @@ impl Arch {
     }
 }
 
-pub const SUPPORTED_ARCHS: &str = "llama (Llama 2/3.x, SmolLM2, TinyLlama), qwen2, qwen3, gpt2";
+pub const SUPPORTED_ARCHS: &str = "llama (Llama 2/3.x, SmolLM2, TinyLlama), qwen2, qwen3, gpt2, \
+     mistral, phi3 (Phi-3, Phi-4-mini), gemma2, gemma3_text (Gemma3ForCausalLM)";
+
+/// The MLP's activation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Activation {
+    /// SwiGLU (`silu`).
+    #[default]
+    Silu,
+    /// GeGLU with the tanh approximation (`gelu_pytorch_tanh`, Gemma).
+    GeluTanh,
+}
+
+/// Phi-3's LongRoPE (`rope_type = "longrope"`) as transformers computes it for sequences up to
+/// `original_max_position_embeddings`: inverse frequencies divided by `short_factor`, cos and sin
+/// times `attention_factor`. Longer sequences would take `long_factor` for the whole sequence;
+/// grpo instead caps the model's positions at `original_max_position_embeddings`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LongRope {
+    pub short_factor: Vec<f64>,
+    pub attention_factor: f64,
+    pub original_max_position_embeddings: usize,
+}
+
+/// What the newer decoder families add to the Llama layout, all off by default (so Llama, Qwen
+/// and GPT-2 leave it at `Default`). Read once from `config.json`; the model code reads fields.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct DecoderExtras {
+    /// Keys more than `window - 1` positions before a query are masked on the layers that
+    /// `sliding_layers` marks (Mistral: all; Gemma 2/3: `layer_types`).
+    pub sliding_window: Option<usize>,
+    /// Per layer: whether it attends through the window (and takes `rope_local_theta`).
+    pub sliding_layers: Vec<bool>,
+    /// RoPE base of the sliding layers (Gemma 3's `rope_local_base_freq`).
+    pub rope_local_theta: Option<f64>,
+    /// Leading dims of each head that RoPE rotates (`partial_rotary_factor`; Phi-4-mini);
+    /// `None`: all of them.
+    pub rotary_dim: Option<usize>,
+    /// Phi-3's LongRoPE, within the pretraining length (see [`LongRope`]).
+    pub long_rope: Option<LongRope>,
+    /// q/k/v and gate/up are single HF tensors `qkv_proj` / `gate_up_proj` (Phi-3).
+    pub fused_proj_names: bool,
+    /// RMSNorm scales by `1 + w` (Gemma).
+    pub norm_plus_one: bool,
+    /// Embeddings are multiplied by this (Gemma: sqrt(hidden_size)).
+    pub embed_scale: Option<f64>,
+    pub activation: Activation,
+    /// Norms on the attention and MLP outputs before the residual adds (Gemma 2/3:
+    /// `post_attention_layernorm`, `pre_feedforward_layernorm`, `post_feedforward_layernorm`).
+    pub sandwich_norms: bool,
+    /// Attention scores are scaled by `query_pre_attn_scalar^-1/2` instead of `head_dim^-1/2`.
+    pub query_pre_attn_scalar: Option<f64>,
+    /// `cap * tanh(score / cap)` on attention scores (Gemma 2).
+    pub attn_softcap: Option<f64>,
+    /// `cap * tanh(logit / cap)` on the LM head's logits (Gemma 2).
+    pub final_softcap: Option<f64>,
+    /// The `config.json` read, written back as it was by checkpoints of these families.
+    pub source: Option<serde_json::Value>,
+}
 
 /// Llama 3.x RoPE frequency scaling (`rope_scaling.rope_type = "llama3"`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -84,6 +164,8 @@ pub struct ModelConfig {
     /// A build option, not part of config.json: projections are quantized to this type as the
     /// model is built (a frozen QLoRA base), so their f32 weights are never all held at once.
     pub build_quantized: Option<super::QuantType>,
+    /// Mistral, Phi-3 and Gemma's additions ([`DecoderExtras`]).
+    pub extras: DecoderExtras,
 }
 
 /// The raw `config.json` keys we read. Unknown keys are ignored: HF configs carry many that do not
@@ -110,6 +192,17 @@ struct RawHfConfig {
     bos_token_id: Option<serde_json::Value>,
     eos_token_id: Option<serde_json::Value>,
     hidden_act: Option<String>,
+    hidden_activation: Option<String>,
+    sliding_window: Option<usize>,
+    layer_types: Option<Vec<String>>,
+    sliding_window_pattern: Option<usize>,
+    rope_local_base_freq: Option<f64>,
+    partial_rotary_factor: Option<f64>,
+    original_max_position_embeddings: Option<usize>,
+    query_pre_attn_scalar: Option<f64>,
+    attn_logit_softcapping: Option<f64>,
+    final_logit_softcapping: Option<f64>,
+    use_bidirectional_attention: Option<bool>,
     // GPT-2 names.
     n_embd: Option<usize>,
     n_layer: Option<usize>,
@@ -159,7 +252,10 @@ impl ModelConfig {
                     ("qwen2", Arch::Qwen2),
                     ("gpt2", Arch::Gpt2),
                     ("llama", Arch::Llama),
-                    ("mistral", Arch::Llama),
+                    ("mistral", Arch::Mistral),
+                    ("phi3", Arch::Phi3),
+                    ("gemma2", Arch::Gemma2),
+                    ("gemma3", Arch::Gemma3),
                 ]
                 .into_iter()
                 .find(|(k, _)| first.starts_with(k))
@@ -219,16 +315,28 @@ impl ModelConfig {
                 bos_token_id,
                 eos_token_ids,
                 build_quantized: None,
+                extras: DecoderExtras::default(),
             });
         }
-        if let Some(act) = &raw.hidden_act {
-            if act != "silu" {
+        let gemma = matches!(arch, Arch::Gemma2 | Arch::Gemma3);
+        let activation = match raw.hidden_activation.as_ref().or(raw.hidden_act.as_ref()) {
+            None if gemma => Activation::GeluTanh,
+            None => Activation::Silu,
+            Some(a) if a == "silu" && !gemma => Activation::Silu,
+            Some(a) if gemma && matches!(a.as_str(), "gelu_pytorch_tanh" | "gelu_new") => {
+                Activation::GeluTanh
+            }
+            Some(a) => {
+                let want = if gemma { "gelu_pytorch_tanh" } else { "silu" };
                 return Err(Error::file(
                     path,
-                    format!("hidden_act `{act}` is not supported (only silu)"),
+                    format!(
+                        "hidden_act `{a}` is not supported for {} (only {want})",
+                        arch.name()
+                    ),
                 ));
             }
-        }
+        };
         let hidden = need(raw.hidden_size, "hidden_size", path)?;
         let heads = need(raw.num_attention_heads, "num_attention_heads", path)?;
         let kv_heads = raw.num_key_value_heads.unwrap_or(heads);
@@ -256,8 +364,44 @@ impl ModelConfig {
             .rope_theta
             .or_else(|| rope_params?.get("rope_theta")?.as_f64())
             .unwrap_or(10000.0);
+        // Gemma 3 keeps one RoPE dict per layer type.
+        let global_params = rope_params.and_then(|p| p.get("full_attention"));
+        let local_params = rope_params.and_then(|p| p.get("sliding_attention"));
+        let rope_params = global_params.or(rope_params);
+        let rope_theta = global_params
+            .and_then(|p| p.get("rope_theta")?.as_f64())
+            .unwrap_or(rope_theta);
         let scaling = raw.rope_scaling.as_ref().or(rope_params);
-        let rope_scaling = parse_rope_scaling(scaling, path)?;
+        let long_rope = match arch {
+            Arch::Phi3 => parse_long_rope(&raw, scaling, path)?,
+            _ => None,
+        };
+        let rope_scaling = match long_rope {
+            Some(_) => None,
+            None => parse_rope_scaling(scaling, path)?,
+        };
+        let extras = decoder_extras(&raw, arch, head_dim, rope_params, local_params, text, path)?;
+        let max_position_embeddings = match &long_rope {
+            Some(l) => l.original_max_position_embeddings,
+            None => raw.max_position_embeddings.unwrap_or(2048),
+        };
+        if let (Some(l), Some(d)) = (&long_rope, extras.rotary_dim.or(Some(head_dim))) {
+            if l.short_factor.len() != d / 2 {
+                return Err(Error::file(
+                    path,
+                    format!(
+                        "longrope short_factor has {} entries for {d} rotary dims (want {})",
+                        l.short_factor.len(),
+                        d / 2
+                    ),
+                ));
+            }
+        }
+        let extras = DecoderExtras {
+            activation,
+            long_rope,
+            ..extras
+        };
         Ok(ModelConfig {
             arch,
             vocab_size: need(raw.vocab_size, "vocab_size", path)?,
@@ -271,14 +415,15 @@ impl ModelConfig {
             rope_theta,
             rope_scaling,
             rope_freq_factors: None,
-            max_position_embeddings: raw.max_position_embeddings.unwrap_or(2048),
-            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            max_position_embeddings,
+            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(gemma),
             attention_bias: arch == Arch::Qwen2 || raw.attention_bias.unwrap_or(false),
             mlp_bias: raw.mlp_bias.unwrap_or(false),
-            qk_norm: arch == Arch::Qwen3,
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
             bos_token_id,
             eos_token_ids,
             build_quantized: None,
+            extras,
         })
     }
 
@@ -360,6 +505,7 @@ impl ModelConfig {
             bos_token_id: bos,
             eos_token_ids: eos.into_iter().collect(),
             build_quantized: None,
+            extras: DecoderExtras::default(),
         })
     }
 
@@ -377,7 +523,16 @@ impl ModelConfig {
                 "this model's per-frequency RoPE factors (GGUF rope_freqs) have no config.json form".into(),
             ));
         }
+        if let Some(source) = &self.extras.source {
+            return Ok(source.clone());
+        }
         Ok(match self.arch {
+            Arch::Mistral | Arch::Phi3 | Arch::Gemma2 | Arch::Gemma3 => {
+                return Err(Error::Model(format!(
+                    "a {} model read from elsewhere than config.json has no config.json form",
+                    self.arch.name()
+                )))
+            }
             Arch::Gpt2 => json!({
                 "architectures": ["GPT2LMHeadModel"],
                 "model_type": "gpt2",
@@ -446,6 +601,175 @@ impl ModelConfig {
     }
 }
 
+/// Mistral's, Phi-3's and Gemma's additions to the Llama layout.
+fn decoder_extras(
+    raw: &RawHfConfig,
+    arch: Arch,
+    head_dim: usize,
+    rope_params: Option<&serde_json::Value>,
+    local_params: Option<&serde_json::Value>,
+    text: &str,
+    path: &Path,
+) -> Result<DecoderExtras> {
+    let layers = need(raw.num_hidden_layers, "num_hidden_layers", path)?;
+    let gemma = matches!(arch, Arch::Gemma2 | Arch::Gemma3);
+    // Which layers slide: `layer_types` when given, else the family's pattern.
+    let sliding_layers: Vec<bool> = match (&raw.layer_types, arch) {
+        (_, Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Gpt2) => vec![],
+        (Some(types), _) => {
+            if types.len() != layers {
+                return Err(Error::file(
+                    path,
+                    format!(
+                        "layer_types has {} entries for {layers} layers",
+                        types.len()
+                    ),
+                ));
+            }
+            types
+                .iter()
+                .map(|t| match t.as_str() {
+                    "sliding_attention" => Ok(true),
+                    "full_attention" => Ok(false),
+                    other => Err(Error::file(path, format!("layer_types: unknown `{other}`"))),
+                })
+                .collect::<Result<_>>()?
+        }
+        (None, Arch::Mistral | Arch::Phi3) => vec![true; layers],
+        (None, Arch::Gemma2) => (0..layers).map(|i| i % 2 == 0).collect(),
+        (None, _) => {
+            let every = raw.sliding_window_pattern.unwrap_or(6).max(1);
+            (0..layers).map(|i| (i + 1) % every != 0).collect()
+        }
+    };
+    let sliding_window = match arch {
+        Arch::Mistral | Arch::Phi3 | Arch::Gemma2 | Arch::Gemma3 => raw.sliding_window,
+        _ => None,
+    };
+    if raw.use_bidirectional_attention == Some(true) {
+        return Err(Error::file(
+            path,
+            "use_bidirectional_attention = true (an embedding model) is not a causal LM",
+        ));
+    }
+    let sliding_layers = match sliding_window {
+        Some(0) => return Err(Error::file(path, "sliding_window must be positive")),
+        Some(_) => sliding_layers,
+        None => vec![],
+    };
+    let factor = raw
+        .partial_rotary_factor
+        .or_else(|| rope_params?.get("partial_rotary_factor")?.as_f64());
+    let rotary_dim = match factor {
+        Some(f) if arch == Arch::Phi3 && f != 1.0 => {
+            let d = (head_dim as f64 * f) as usize;
+            if d == 0 || !d.is_multiple_of(2) || d > head_dim {
+                return Err(Error::file(
+                    path,
+                    format!("partial_rotary_factor {f} gives {d} rotary dims of {head_dim}"),
+                ));
+            }
+            Some(d)
+        }
+        Some(f) if f != 1.0 => {
+            return Err(Error::file(
+                path,
+                format!(
+                    "partial_rotary_factor {f} is not supported for {}",
+                    arch.name()
+                ),
+            ))
+        }
+        _ => None,
+    };
+    let rope_local_theta = match arch {
+        Arch::Gemma3 => raw
+            .rope_local_base_freq
+            .or_else(|| local_params?.get("rope_theta")?.as_f64())
+            .or(Some(10000.0)),
+        _ => None,
+    };
+    if let Some(local) = local_params {
+        parse_rope_scaling(Some(local), path)?;
+    }
+    let source = match arch {
+        Arch::Mistral | Arch::Phi3 | Arch::Gemma2 | Arch::Gemma3 => Some(
+            serde_json::from_str(text)
+                .map_err(|e| Error::file(path, format!("invalid JSON: {e}")))?,
+        ),
+        _ => None,
+    };
+    Ok(DecoderExtras {
+        sliding_window,
+        sliding_layers,
+        rope_local_theta,
+        rotary_dim,
+        long_rope: None,
+        fused_proj_names: arch == Arch::Phi3,
+        norm_plus_one: gemma,
+        embed_scale: match gemma {
+            true => Some((need(raw.hidden_size, "hidden_size", path)? as f64).sqrt()),
+            false => None,
+        },
+        activation: Activation::Silu,
+        sandwich_norms: gemma,
+        query_pre_attn_scalar: match gemma {
+            true => Some(raw.query_pre_attn_scalar.unwrap_or(256.0)),
+            false => None,
+        },
+        attn_softcap: raw.attn_logit_softcapping.filter(|_| gemma),
+        final_softcap: raw.final_logit_softcapping.filter(|_| gemma),
+        source,
+    })
+}
+
+/// Phi-3's `longrope` scaling, when `v` has it (see [`LongRope`]).
+fn parse_long_rope(
+    raw: &RawHfConfig,
+    v: Option<&serde_json::Value>,
+    path: &Path,
+) -> Result<Option<LongRope>> {
+    let Some(v) = v.filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let kind = v.get("rope_type").or_else(|| v.get("type"));
+    if !matches!(kind.and_then(|k| k.as_str()), Some("longrope" | "su")) {
+        return Ok(None);
+    }
+    let err = |what: &str| Error::file(path, format!("rope_scaling of type longrope: {what}"));
+    let short_factor = v
+        .get("short_factor")
+        .and_then(|x| x.as_array())
+        .ok_or_else(|| err("needs `short_factor`"))?
+        .iter()
+        .map(|x| {
+            x.as_f64()
+                .ok_or_else(|| err("`short_factor` holds a non-number"))
+        })
+        .collect::<Result<Vec<f64>>>()?;
+    let original = v
+        .get("original_max_position_embeddings")
+        .and_then(|x| x.as_u64())
+        .map(|x| x as usize)
+        .or(raw.original_max_position_embeddings)
+        .ok_or_else(|| err("needs `original_max_position_embeddings`"))?;
+    let max = raw.max_position_embeddings.unwrap_or(original);
+    let factor = v
+        .get("factor")
+        .and_then(|x| x.as_f64())
+        .unwrap_or(max as f64 / original as f64);
+    let attention_factor = match v.get("attention_factor").and_then(|x| x.as_f64()) {
+        Some(a) => a,
+        None if factor <= 1.0 => 1.0,
+        None => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
+    };
+    Ok(Some(LongRope {
+        short_factor,
+        attention_factor,
+        original_max_position_embeddings: original,
+    }))
+}
+
 fn parse_rope_scaling(
     v: Option<&serde_json::Value>,
     path: &Path,
@@ -474,6 +798,10 @@ fn parse_rope_scaling(
                 original_max_position_embeddings: f("original_max_position_embeddings")? as usize,
             }))
         }
+        "longrope" | "su" => Err(Error::file(
+            path,
+            "rope_scaling (or rope_parameters) of type `longrope` is supported for phi3 only",
+        )),
         other => Err(Error::file(
             path,
             format!("rope_scaling type `{other}` is not supported (supported: default, llama3)"),
@@ -537,6 +865,101 @@ fn gguf_f64_opt(md: &HashMap<String, gguf_file::Value>, key: &str) -> Result<Opt
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn fixture(name: &str) -> String {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/tiny")
+            .join(name)
+            .join("config.json");
+        std::fs::read_to_string(p).unwrap()
+    }
+
+    /// What each later family's tiny config resolves to, and that a checkpoint's config.json
+    /// reads back to the same config.
+    #[test]
+    fn later_families_resolve_their_additions() {
+        let p = Path::new("config.json");
+        let read = |name: &str| ModelConfig::from_hf_json(&fixture(name), p).unwrap();
+        let m = read("mistral");
+        assert_eq!(m.arch, Arch::Mistral);
+        assert_eq!(m.extras.sliding_window, Some(4));
+        assert_eq!(m.extras.sliding_layers, vec![true; 2]);
+        let p3 = read("phi3");
+        assert!(p3.extras.fused_proj_names && p3.extras.rotary_dim.is_none());
+        assert_eq!(p3.extras.sliding_window, Some(4));
+        assert_eq!(p3.extras.sliding_layers, vec![true; 2]);
+        let p4 = read("phi4mini");
+        let l = p4.extras.long_rope.as_ref().unwrap();
+        assert_eq!(l.short_factor, vec![1.0, 1.25, 1.5, 2.0, 3.0, 5.0]);
+        assert!((l.attention_factor - (1.0 + 4f64.ln() / 64f64.ln()).sqrt()).abs() < 1e-12);
+        // Positions stop where the short factors stop applying.
+        assert_eq!(p4.max_position_embeddings, 64);
+        assert!(p4.rope_scaling.is_none());
+        assert_eq!(
+            (p4.extras.rotary_dim, p4.tie_word_embeddings),
+            (Some(12), true)
+        );
+        let g2 = read("gemma2");
+        assert_eq!(g2.extras.sliding_layers, vec![true, false, true]);
+        assert_eq!(g2.extras.activation, Activation::GeluTanh);
+        assert_eq!(
+            (g2.extras.attn_softcap, g2.extras.final_softcap),
+            (Some(10.0), Some(15.0))
+        );
+        assert_eq!(g2.extras.query_pre_attn_scalar, Some(24.0));
+        assert_eq!(g2.extras.embed_scale, Some(8.0));
+        assert!(g2.extras.norm_plus_one && g2.extras.sandwich_norms && !g2.qk_norm);
+        assert_eq!((g2.head_dim, g2.num_heads, g2.hidden_size), (32, 4, 64));
+        let g3 = read("gemma3");
+        assert_eq!(g3.extras.sliding_layers, vec![true, true, false]);
+        assert_eq!(
+            (g3.rope_theta, g3.extras.rope_local_theta),
+            (1e6, Some(1e4))
+        );
+        assert!(g3.qk_norm && g3.extras.attn_softcap.is_none());
+        for name in ["mistral", "phi3", "phi4mini", "gemma2", "gemma3"] {
+            let c = read(name);
+            let back = c.to_hf_json().unwrap().to_string();
+            assert_eq!(ModelConfig::from_hf_json(&back, p).unwrap(), c, "{name}");
+        }
+    }
+
+    #[test]
+    fn refuses_what_the_later_families_do_not_run() {
+        let p = Path::new("config.json");
+        let long = serde_json::json!({
+            "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+            "short_factor": [1.0], "long_factor": [1.0]
+        });
+        // LongRoPE is Phi-3's; its short factors must cover the rotary dims.
+        let mut v: serde_json::Value = serde_json::from_str(&fixture("mistral")).unwrap();
+        v["rope_parameters"] = long.clone();
+        let err = ModelConfig::from_hf_json(&v.to_string(), p)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("longrope") && err.contains("rope_scaling"),
+            "{err}"
+        );
+        let mut v: serde_json::Value = serde_json::from_str(&fixture("phi3")).unwrap();
+        v["rope_parameters"] = long;
+        let err = ModelConfig::from_hf_json(&v.to_string(), p)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("short_factor"), "{err}");
+        let mut v: serde_json::Value = serde_json::from_str(&fixture("gemma3")).unwrap();
+        v["use_bidirectional_attention"] = true.into();
+        let err = ModelConfig::from_hf_json(&v.to_string(), p)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("use_bidirectional_attention"), "{err}");
+        let mut v: serde_json::Value = serde_json::from_str(&fixture("gemma2")).unwrap();
+        v["layer_types"] = serde_json::json!(["sliding_attention"]);
+        let err = ModelConfig::from_hf_json(&v.to_string(), p)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("layer_types"), "{err}");
+    }
 
     #[test]
     fn parses_llama_and_rejects_unknown_arch() {

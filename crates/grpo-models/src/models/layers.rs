@@ -597,6 +597,11 @@ impl RmsNorm {
     pub fn load(size: usize, eps: f64, vb: VarBuilder, compute: Compute) -> Result<Self> {
         Ok(Self::new(vb.get(size, "weight")?, eps, compute))
     }
+    /// Gemma's RMSNorm, which scales by `1 + w`: the same norm over the weight `w + 1` (the
+    /// gradient reaches the stored `w` through the add).
+    pub fn load_plus_one(size: usize, eps: f64, vb: VarBuilder, compute: Compute) -> Result<Self> {
+        Ok(Self::new((vb.get(size, "weight")? + 1.0)?, eps, compute))
+    }
     pub fn forward(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
         match mode {
             Mode::Infer => {
@@ -759,8 +764,15 @@ pub fn rope_inv_freq(head_dim: usize, theta: f64, scaling: Option<Llama3RopeScal
 
 impl Rope {
     pub fn new(cfg: &ModelConfig, device: &Device) -> Result<Self> {
-        let half = cfg.head_dim / 2;
-        let mut inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling);
+        Self::with_theta(cfg, cfg.rope_theta, device)
+    }
+
+    /// The tables for base `theta` (Gemma 3's local layers have their own) over the rotated
+    /// dims (`rotary_dim`, all of the head unless partial).
+    pub fn with_theta(cfg: &ModelConfig, theta: f64, device: &Device) -> Result<Self> {
+        let dim = cfg.extras.rotary_dim.unwrap_or(cfg.head_dim);
+        let half = dim / 2;
+        let mut inv = rope_inv_freq(dim, theta, cfg.rope_scaling);
         if let Some(factors) = &cfg.rope_freq_factors {
             if factors.len() != inv.len() {
                 candle_core::bail!(
@@ -771,6 +783,22 @@ impl Rope {
             }
             inv.iter_mut().zip(factors).for_each(|(f, d)| *f /= d);
         }
+        // Phi-3's LongRoPE within its pretraining length: frequencies divided by the short
+        // factors, cos and sin scaled.
+        let mut gain = 1f32;
+        if let Some(l) = &cfg.extras.long_rope {
+            if l.short_factor.len() != inv.len() {
+                candle_core::bail!(
+                    "longrope has {} short factors, expected {}",
+                    l.short_factor.len(),
+                    inv.len()
+                );
+            }
+            inv.iter_mut()
+                .zip(&l.short_factor)
+                .for_each(|(f, s)| *f /= s);
+            gain = l.attention_factor as f32;
+        }
         // HF multiplies f32 positions by f32 inverse frequencies.
         let inv32: Vec<f32> = inv.iter().map(|&x| x as f32).collect();
         let n = cfg.max_position_embeddings;
@@ -779,8 +807,8 @@ impl Rope {
         for p in 0..n {
             for &f in &inv32 {
                 let a = p as f32 * f;
-                cos.push(a.cos());
-                sin.push(a.sin());
+                cos.push(a.cos() * gain);
+                sin.push(a.sin() * gain);
             }
         }
         Ok(Self {
@@ -895,6 +923,102 @@ impl AttnMask {
             false => AttnMask::Dense(mask),
         })
     }
+
+    /// `self` with sliding-window attention: a key `window` or more positions before its query
+    /// is masked too. Without a cache (`first_slot` None) the distance is that of the batch's
+    /// `positions` [B, S] (keys are the queries), so a packed continuation counts from its own
+    /// prompt as it would alone; over a cache (or without positions) it is the distance of key
+    /// slots, queries at slots `first_slot..first_slot + S` (the sampler writes each row's
+    /// tokens in consecutive slots).
+    /// Still 0 / [`MASK_VALUE`], so the fused attention's key runs express it.
+    pub fn windowed(
+        &self,
+        window: usize,
+        positions: Option<&Tensor>,
+        first_slot: Option<usize>,
+    ) -> Result<AttnMask> {
+        let dense = match self {
+            AttnMask::LeftPad(pad, shared) => {
+                // One query, at slot `first_slot`: keys from slot first_slot + 1 - window on.
+                let from = (first_slot.unwrap_or(0) + 1).saturating_sub(window);
+                let pad = pad.iter().map(|&p| p.max(from)).collect();
+                return Ok(AttnMask::LeftPad(pad, shared.clone()));
+            }
+            AttnMask::Dense(m) | AttnMask::Spanned(m, _) => m,
+        };
+        let (b, _, s, tk) = dense.dims4()?;
+        let dev = dense.device();
+        let slots = |from: usize, n: usize| -> Result<Tensor> {
+            Tensor::arange(from as u32, (from + n) as u32, dev)?
+                .to_dtype(DType::F32)?
+                .unsqueeze(0)?
+                .broadcast_as((b, n))
+        };
+        let (pq, pk) = match (first_slot, positions) {
+            (None, Some(p)) if tk == s => {
+                let p = p.to_dtype(DType::F32)?; // [B, S]
+                (p.clone(), p)
+            }
+            _ => (slots(first_slot.unwrap_or(0), s)?, slots(0, tk)?), // [B, S], [B, Tk]
+        };
+        let far = pq
+            .unsqueeze(2)?
+            .broadcast_sub(&pk.unsqueeze(1)?)?
+            .ge(window as f64)?; // [B, S, Tk]
+        let masked = Tensor::full(MASK_VALUE, (b, s, tk), dev)?;
+        let extra = far
+            .where_cond(&masked, &masked.zeros_like()?)?
+            .unsqueeze(1)?
+            .to_dtype(dense.dtype())?; // [B, 1, S, Tk]
+        AttnMask::dense(dense.minimum(&extra)?)
+    }
+
+    /// The additive mask `[B, 1, S, Tk]` for `s` queries over `tk` key slots.
+    fn to_dense(&self, s: usize, tk: usize, device: &Device) -> Result<Tensor> {
+        match self {
+            AttnMask::Dense(m) | AttnMask::Spanned(m, _) => Ok(m.clone()),
+            AttnMask::LeftPad(pad, _) => {
+                let valid: Vec<Vec<bool>> = pad
+                    .iter()
+                    .map(|&p| (0..tk).map(|j| j >= p).collect())
+                    .collect();
+                build_mask(&valid, tk - s, s, tk, device)
+            }
+        }
+    }
+}
+
+/// Attention with Gemma 2's score softcapping, `cap * tanh(score * scale / cap)` before the
+/// mask, as candle ops on every device: no fused kernel has the cap. `q` [B, H, S, D],
+/// `k`/`v` [B, Hkv, Tk, D]; returns [B, S, H*D].
+pub fn softcapped_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttnMask,
+    scale: f64,
+    cap: f64,
+    mode: Mode,
+) -> Result<Tensor> {
+    let (b, h, s, d) = q.dims4()?;
+    let (hkv, tk) = (k.dim(1)?, k.dim(2)?);
+    let g = h / hkv;
+    let dense = mask.to_dense(s, tk, q.device())?; // [B, 1, S, Tk]
+                                                   // Query heads h = j*g + i all read kv head j: fold the group into the query axis.
+    let q = q.contiguous()?.reshape((b, hkv, g * s, d))?; // [B, Hkv, g*S, D]
+    let scores = q.matmul(&matmul_operand(k)?.t()?)?; // [B, Hkv, g*S, Tk]
+    let scores = scores.to_dtype(reduce_dtype(scores.dtype()))?;
+    let scores = (((scores * scale)? / cap)?.tanh()? * cap)?;
+    let mask = dense.to_dtype(scores.dtype())?;
+    let mask = mask
+        .unsqueeze(2)?
+        .broadcast_as((b, 1, g, s, tk))?
+        .reshape((b, 1, g * s, tk))?;
+    let probs = softmax(&scores.broadcast_add(&mask)?, mode)?.to_dtype(v.dtype())?;
+    let out = probs.matmul(&matmul_operand(v)?)?; // [B, Hkv, g*S, D]
+    out.reshape((b, h, s, d))?
+        .transpose(1, 2)? // [B, S, H, D]
+        .reshape((b, s, h * d))
 }
 
 /// Scaled dot-product attention with grouped KV heads, without copying K/V per group.
@@ -1219,12 +1343,115 @@ pub(crate) mod tests {
             bos_token_id: None,
             eos_token_ids: vec![],
             build_quantized: None,
+            extras: Default::default(),
         };
         let rope = Rope::new(&cfg, &dev).unwrap();
         let (c, s) = rope.tables(&pos, DType::F32).unwrap();
         let a = apply_rope(&x, &c, &s, Mode::Train).unwrap();
         let f = apply_rope(&x, &c, &s, Mode::Infer).unwrap();
         assert!(max_abs_diff(&a, &f) < 1e-5);
+    }
+
+    /// The window masks keys `window` or more positions back: by positions without a cache
+    /// (a packed continuation counts from its prompt), by slots over one, as raised left padding
+    /// when decoding; what the mask already masked stays masked.
+    #[test]
+    fn windowed_mask_masks_keys_a_window_back() {
+        let dev = Device::Cpu;
+        // One row: a prompt at positions 0..3, then a continuation at 3, 4 that sees the prompt
+        // and itself, and a second continuation at 3 that sees only the prompt and itself.
+        let pos = Tensor::new(&[[0u32, 1, 2, 3, 4, 3]], &dev).unwrap();
+        let sees = [
+            vec![0],
+            vec![0, 1],
+            vec![0, 1, 2],
+            vec![0, 1, 2, 3],
+            vec![0, 1, 2, 3, 4],
+            vec![0, 1, 2, 5],
+        ];
+        let mut m = vec![MASK_VALUE; 36];
+        for (q, ks) in sees.iter().enumerate() {
+            ks.iter().for_each(|&k| m[q * 6 + k] = 0.0);
+        }
+        let mask = AttnMask::dense(Tensor::from_vec(m, (1, 1, 6, 6), &dev).unwrap()).unwrap();
+        let allowed = |mask: &AttnMask| -> Vec<Vec<usize>> {
+            let AttnMask::Spanned(t, _) = mask else {
+                panic!("a dense mask on the CPU is spanned")
+            };
+            let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let tk = t.dim(3).unwrap();
+            v.chunks(tk)
+                .map(|r| (0..tk).filter(|&k| r[k] == 0.0).collect())
+                .collect()
+        };
+        let by_pos = mask.windowed(2, Some(&pos), None).unwrap();
+        let want: Vec<Vec<usize>> = vec![
+            vec![0],
+            vec![0, 1],
+            vec![1, 2],
+            vec![2, 3],
+            vec![3, 4],
+            vec![2, 5],
+        ];
+        assert_eq!(allowed(&by_pos), want);
+        // Over a cache: 2 queries at slots 4, 5 of 6 key slots, all keys valid.
+        let cached = AttnMask::dense(build_mask(&[vec![true; 6]], 4, 2, 6, &dev).unwrap()).unwrap();
+        let by_slot = cached.windowed(3, None, Some(4)).unwrap();
+        assert_eq!(allowed(&by_slot), vec![vec![2, 3, 4], vec![3, 4, 5]]);
+        // Decoding at slot 6 (7 key slots) with window 3: keys from slot 4 on.
+        let pads = AttnMask::LeftPad(vec![0, 5], None);
+        match pads.windowed(3, None, Some(6)).unwrap() {
+            AttnMask::LeftPad(p, None) => assert_eq!(p, vec![4, 5]),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// Softcapped attention against a plain f32 twin (grouped heads, a masked key); a cap far
+    /// above the scores gives plain attention.
+    #[test]
+    fn softcapped_attention_matches_plain_twin() {
+        let dev = Device::Cpu;
+        let (h, hkv, s, d) = (4, 2, 3, 4);
+        let q = (Tensor::randn(0f32, 1.0, (1, h, s, d), &dev).unwrap() * 3.0).unwrap();
+        let k = Tensor::randn(0f32, 1.0, (1, hkv, s, d), &dev).unwrap();
+        let v = Tensor::randn(0f32, 1.0, (1, hkv, s, d), &dev).unwrap();
+        let valid = vec![vec![false, true, true]];
+        let mask = AttnMask::Dense(build_mask(&valid, 0, s, s, &dev).unwrap());
+        let (scale, cap) = (0.4, 2.0);
+        let got = softcapped_attention(&q, &k, &v, &mask, scale, cap, Mode::Train).unwrap();
+        let got = got.flatten_all().unwrap().to_vec1::<f32>().unwrap(); // [S, H*D]
+        let at = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let (qv, kv, vv) = (at(&q), at(&k), at(&v));
+        for hi in 0..h {
+            let j = hi / (h / hkv);
+            for si in 1..s {
+                let keys: Vec<usize> = (1..=si).collect();
+                let scores: Vec<f32> = keys
+                    .iter()
+                    .map(|&t| {
+                        let dot: f32 = (0..d)
+                            .map(|x| qv[(hi * s + si) * d + x] * kv[(j * s + t) * d + x])
+                            .sum();
+                        cap as f32 * (dot * scale as f32 / cap as f32).tanh()
+                    })
+                    .collect();
+                let mx = scores.iter().cloned().fold(f32::MIN, f32::max);
+                let e: Vec<f32> = scores.iter().map(|x| (x - mx).exp()).collect();
+                let z: f32 = e.iter().sum();
+                for x in 0..d {
+                    let want: f32 = keys
+                        .iter()
+                        .zip(&e)
+                        .map(|(&t, w)| w / z * vv[(j * s + t) * d + x])
+                        .sum();
+                    let g = got[si * h * d + hi * d + x];
+                    assert!((g - want).abs() < 1e-5, "{g} vs {want}");
+                }
+            }
+        }
+        let uncapped = softcapped_attention(&q, &k, &v, &mask, 0.5, 1e9, Mode::Infer).unwrap();
+        let plain = attention(&q, &k, &v, &mask, Mode::Infer, Compute::Portable).unwrap();
+        assert!(max_abs_diff(&uncapped, &plain) < 1e-5);
     }
 
     /// Plain-f32 twin of RMSNorm for one row.

@@ -1,6 +1,13 @@
-//! Llama-family decoder (Llama 2/3.x, SmolLM2, TinyLlama, Qwen2/2.5, Qwen3), one struct per HF
-//! module with HF weight names: `model.layers.N.self_attn.q_proj.weight`, ... Qwen2's q/k/v biases
-//! and Qwen3's per-head q/k RMSNorm are flags on the config, not separate code paths.
+//! Llama-family decoder (Llama 2/3.x, SmolLM2, TinyLlama, Qwen2/2.5, Qwen3, Mistral, Phi-3,
+//! Gemma 2/3), one struct per HF module with HF weight names:
+//! `model.layers.N.self_attn.q_proj.weight`, ... Qwen2's q/k/v biases, Qwen3's per-head q/k
+//! RMSNorm and the later families' additions ([`super::config::DecoderExtras`]: sliding windows,
+//! Phi-3's fused `qkv_proj` / `gate_up_proj` and partial RoPE, Gemma's norms, GeGLU, score scale
+//! and softcapping) are fields of the config, not separate code paths.
+//!
+//! What the fused CPU kernels cannot express takes the candle-op composition, on every device:
+//! partial RoPE, softcapped attention. Sliding windows are masks, which the fused attention
+//! reads as it reads any mask.
 
 use candle_core::{Module, Result, Tensor};
 use candle_nn::VarBuilder;
@@ -8,18 +15,42 @@ use candle_nn::VarBuilder;
 use std::sync::Arc;
 
 use super::checkpointing::{checkpoint, CheckpointGrads};
-use super::config::ModelConfig;
+use super::config::{Activation, ModelConfig};
 use super::grad_sink::GradSink;
 use super::layers::{
-    attention, linear, linear_parts, rope_heads, AttnMask, Embedding, FusedLinear, Linear, Mode,
-    ProjMut, RmsNorm, Rope,
+    apply_rope, attention, linear, linear_parts, rope_heads, softcapped_attention, AttnMask,
+    Embedding, FusedLinear, Linear, Mode, ProjMut, RmsNorm, Rope,
 };
 use crate::kernels::Compute;
 use crate::kv_cache::KvCache;
 
+/// An RMSNorm of `size` as the family stores it (Gemma's scales by `1 + w`).
+fn rms_norm(cfg: &ModelConfig, size: usize, vb: VarBuilder, compute: Compute) -> Result<RmsNorm> {
+    match cfg.extras.norm_plus_one {
+        true => RmsNorm::load_plus_one(size, cfg.norm_eps, vb, compute),
+        false => RmsNorm::load(size, cfg.norm_eps, vb, compute),
+    }
+}
+
+/// `n` outputs of a projection: its parts, or one joined part cut into `outs` (Phi-3's
+/// `qkv_proj` / `gate_up_proj`).
+fn split_parts(parts: Vec<Tensor>, outs: &[usize]) -> Result<Vec<Tensor>> {
+    if parts.len() == outs.len() {
+        return Ok(parts);
+    }
+    let last = parts[0].rank() - 1;
+    let mut start = 0;
+    let mut out = Vec::with_capacity(outs.len());
+    for &n in outs {
+        out.push(parts[0].narrow(last, start, n)?);
+        start += n;
+    }
+    Ok(out)
+}
+
 #[derive(Debug, Clone)]
 pub struct Attention {
-    /// q_proj, k_proj, v_proj as one GEMM.
+    /// q_proj, k_proj, v_proj as one GEMM (Phi-3: its one `qkv_proj`).
     qkv_proj: FusedLinear,
     o_proj: Linear,
     q_norm: Option<RmsNorm>,
@@ -27,6 +58,11 @@ pub struct Attention {
     num_heads: usize,
     num_kv_heads: usize,
     head_dim: usize,
+    /// Leading dims of each head that RoPE rotates (< head_dim: partial RoPE).
+    rotary_dim: usize,
+    /// The score scale (`head_dim^-1/2`, or Gemma's `query_pre_attn_scalar^-1/2`).
+    scale: f64,
+    softcap: Option<f64>,
     compute: Compute,
 }
 
@@ -40,20 +76,34 @@ impl Attention {
         );
         let (q_norm, k_norm) = if cfg.qk_norm {
             (
-                Some(RmsNorm::load(hd, cfg.norm_eps, vb.pp("q_norm"), compute)?),
-                Some(RmsNorm::load(hd, cfg.norm_eps, vb.pp("k_norm"), compute)?),
+                Some(rms_norm(cfg, hd, vb.pp("q_norm"), compute)?),
+                Some(rms_norm(cfg, hd, vb.pp("k_norm"), compute)?),
             )
         } else {
             (None, None)
         };
+        let bias = cfg.attention_bias;
+        let parts = match cfg.extras.fused_proj_names {
+            true => vec![linear_parts(
+                h,
+                (nh + 2 * nkv) * hd,
+                bias,
+                vb.pp("qkv_proj"),
+            )?],
+            false => vec![
+                linear_parts(h, nh * hd, bias, vb.pp("q_proj"))?,
+                linear_parts(h, nkv * hd, bias, vb.pp("k_proj"))?,
+                linear_parts(h, nkv * hd, bias, vb.pp("v_proj"))?,
+            ],
+        };
+        let scale = match cfg.extras.query_pre_attn_scalar {
+            Some(s) => 1.0 / s.sqrt(),
+            None => 1.0 / (hd as f64).sqrt(),
+        };
         Ok(Self {
-            qkv_proj: FusedLinear::new(vec![
-                linear_parts(h, nh * hd, cfg.attention_bias, vb.pp("q_proj"))?,
-                linear_parts(h, nkv * hd, cfg.attention_bias, vb.pp("k_proj"))?,
-                linear_parts(h, nkv * hd, cfg.attention_bias, vb.pp("v_proj"))?,
-            ])?
-            .with_compute(compute)
-            .quantized_if(cfg.build_quantized)?,
+            qkv_proj: FusedLinear::new(parts)?
+                .with_compute(compute)
+                .quantized_if(cfg.build_quantized)?,
             o_proj: linear(nh * hd, h, cfg.mlp_bias, vb.pp("o_proj"))?
                 .with_compute(compute)
                 .quantized_if(cfg.build_quantized)?,
@@ -62,11 +112,34 @@ impl Attention {
             num_heads: nh,
             num_kv_heads: nkv,
             head_dim: hd,
+            rotary_dim: cfg.extras.rotary_dim.unwrap_or(hd),
+            scale,
+            softcap: cfg.extras.attn_softcap,
             compute,
         })
     }
 
-    /// `x` [B, S, H]; `cos`/`sin` [B, S, D/2]; `mask` over Tk key slots. With a cache, the new keys
+    /// RoPE on `x` [B, S, heads*D] -> [B, heads, S, D]; a partial RoPE rotates the leading
+    /// `rotary_dim` dims of each head and passes the rest (candle ops).
+    fn rope(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        heads: usize,
+        mode: Mode,
+    ) -> Result<Tensor> {
+        let (hd, rd) = (self.head_dim, self.rotary_dim);
+        if rd == hd {
+            return rope_heads(x, cos, sin, heads, mode, self.compute);
+        }
+        let (b, s, _) = x.dims3()?;
+        let x = x.reshape((b, s, heads, hd))?.transpose(1, 2)?; // [B, heads, S, D]
+        let rot = apply_rope(&x.narrow(3, 0, rd)?.contiguous()?, cos, sin, mode)?;
+        Tensor::cat(&[&rot, &x.narrow(3, rd, hd - rd)?], 3)?.contiguous()
+    }
+
+    /// `x` [B, S, H]; `cos`/`sin` [B, S, R/2]; `mask` over Tk key slots. With a cache, the new keys
     /// are written into it and attention reads all cached slots; without, Tk = S.
     fn forward(
         &self,
@@ -79,7 +152,8 @@ impl Attention {
     ) -> Result<Tensor> {
         let (b, s, _) = x.dims3()?;
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let qkv = self.qkv_proj.forward(x)?; // views [B, S, H*D], [B, S, Hkv*D] x 2
+        let outs = [nh * hd, nkv * hd, nkv * hd];
+        let qkv = split_parts(self.qkv_proj.forward(x)?, &outs)?; // [B, S, H*D], [B, S, Hkv*D] x 2
         let normed = |t: &Tensor, n: &Option<RmsNorm>, heads: usize| -> Result<Tensor> {
             match n {
                 Some(n) => {
@@ -91,50 +165,75 @@ impl Attention {
         };
         let q = normed(&qkv[0], &self.q_norm, nh)?;
         let k = normed(&qkv[1], &self.k_norm, nkv)?;
-        let q = rope_heads(&q, cos, sin, nh, mode, self.compute)?; // [B, H, S, D]
-        let k = rope_heads(&k, cos, sin, nkv, mode, self.compute)?; // [B, Hkv, S, D]
+        let q = self.rope(&q, cos, sin, nh, mode)?; // [B, H, S, D]
+        let k = self.rope(&k, cos, sin, nkv, mode)?; // [B, Hkv, S, D]
         let v = qkv[2].reshape((b, s, nkv, hd))?.transpose(1, 2)?; // [B, Hkv, S, D]
         let (k, v) = match cache {
             Some((c, layer)) => c.append(layer, &k, &v)?, // [B, Hkv, Tk, D]
             None => (k, v),
         };
-        let y = attention(&q, &k, &v, mask, mode, self.compute)?; // [B, S, H*D]
+        let y = match self.softcap {
+            Some(cap) => softcapped_attention(&q, &k, &v, mask, self.scale, cap, mode)?,
+            None => {
+                // `attention` scales by head_dim^-1/2: fold any other scale into q.
+                let fold = self.scale * (hd as f64).sqrt();
+                let q = match (fold - 1.0).abs() > 1e-12 {
+                    true => (q * fold)?,
+                    false => q,
+                };
+                attention(&q, &k, &v, mask, mode, self.compute)?
+            }
+        }; // [B, S, H*D]
         self.o_proj.forward(&y)
     }
 }
 
 #[derive(Debug, Clone)]
 pub struct Mlp {
-    /// gate_proj and up_proj as one GEMM.
+    /// gate_proj and up_proj as one GEMM (Phi-3: its one `gate_up_proj`).
     gate_up_proj: FusedLinear,
     down_proj: Linear,
+    intermediate: usize,
+    activation: Activation,
     compute: Compute,
 }
 
 impl Mlp {
     fn load(cfg: &ModelConfig, vb: VarBuilder, compute: Compute) -> Result<Self> {
         let (h, i, b) = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
-        Ok(Self {
-            gate_up_proj: FusedLinear::new(vec![
+        let parts = match cfg.extras.fused_proj_names {
+            true => vec![linear_parts(h, 2 * i, b, vb.pp("gate_up_proj"))?],
+            false => vec![
                 linear_parts(h, i, b, vb.pp("gate_proj"))?,
                 linear_parts(h, i, b, vb.pp("up_proj"))?,
-            ])?
-            .with_compute(compute)
-            .quantized_if(cfg.build_quantized)?,
+            ],
+        };
+        Ok(Self {
+            gate_up_proj: FusedLinear::new(parts)?
+                .with_compute(compute)
+                .quantized_if(cfg.build_quantized)?,
             down_proj: linear(i, h, b, vb.pp("down_proj"))?
                 .with_compute(compute)
                 .quantized_if(cfg.build_quantized)?,
+            intermediate: i,
+            activation: cfg.extras.activation,
             compute,
         })
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if self.compute.fuses(x) {
+        if self.activation == Activation::Silu && self.compute.fuses(x) {
             let gu = self.gate_up_proj.forward_joined(x)?; // [B, S, 2I]
             return self.down_proj.forward(&super::fused::silu_mul(&gu)?);
         }
-        let gu = self.gate_up_proj.forward(x)?;
-        self.down_proj.forward(&(gu[0].silu()? * &gu[1])?)
+        let i = self.intermediate;
+        let gu = split_parts(self.gate_up_proj.forward(x)?, &[i, i])?;
+        let gate = match self.activation {
+            Activation::Silu => gu[0].silu()?,
+            // candle's `gelu` is the tanh approximation (`gelu_pytorch_tanh`).
+            Activation::GeluTanh => gu[0].gelu()?,
+        };
+        self.down_proj.forward(&(gate * &gu[1])?)
     }
 }
 
@@ -143,26 +242,40 @@ pub struct DecoderLayer {
     self_attn: Attention,
     mlp: Mlp,
     input_layernorm: RmsNorm,
+    /// Llama: the norm before the MLP. Gemma: the norm of the attention's output.
     post_attention_layernorm: RmsNorm,
+    /// Gemma's sandwich norms: before the MLP and on its output.
+    pre_feedforward_layernorm: Option<RmsNorm>,
+    post_feedforward_layernorm: Option<RmsNorm>,
 }
 
 impl DecoderLayer {
     fn load(cfg: &ModelConfig, vb: VarBuilder, compute: Compute) -> Result<Self> {
+        let h = cfg.hidden_size;
+        let (pre_ff, post_ff) = match cfg.extras.sandwich_norms {
+            true => (
+                Some(rms_norm(
+                    cfg,
+                    h,
+                    vb.pp("pre_feedforward_layernorm"),
+                    compute,
+                )?),
+                Some(rms_norm(
+                    cfg,
+                    h,
+                    vb.pp("post_feedforward_layernorm"),
+                    compute,
+                )?),
+            ),
+            false => (None, None),
+        };
         Ok(Self {
             self_attn: Attention::load(cfg, vb.pp("self_attn"), compute)?,
             mlp: Mlp::load(cfg, vb.pp("mlp"), compute)?,
-            input_layernorm: RmsNorm::load(
-                cfg.hidden_size,
-                cfg.norm_eps,
-                vb.pp("input_layernorm"),
-                compute,
-            )?,
-            post_attention_layernorm: RmsNorm::load(
-                cfg.hidden_size,
-                cfg.norm_eps,
-                vb.pp("post_attention_layernorm"),
-                compute,
-            )?,
+            input_layernorm: rms_norm(cfg, h, vb.pp("input_layernorm"), compute)?,
+            post_attention_layernorm: rms_norm(cfg, h, vb.pp("post_attention_layernorm"), compute)?,
+            pre_feedforward_layernorm: pre_ff,
+            post_feedforward_layernorm: post_ff,
         })
     }
 
@@ -176,9 +289,22 @@ impl DecoderLayer {
         mode: Mode,
     ) -> Result<Tensor> {
         let h = self.input_layernorm.forward(x, mode)?;
-        let x = (x + self.self_attn.forward(&h, cos, sin, mask, cache, mode)?)?;
-        let h = self.post_attention_layernorm.forward(&x, mode)?;
-        x + self.mlp.forward(&h)?
+        let a = self.self_attn.forward(&h, cos, sin, mask, cache, mode)?;
+        match (
+            &self.pre_feedforward_layernorm,
+            &self.post_feedforward_layernorm,
+        ) {
+            (Some(pre), Some(post)) => {
+                let x = (x + self.post_attention_layernorm.forward(&a, mode)?)?;
+                let m = self.mlp.forward(&pre.forward(&x, mode)?)?;
+                x + post.forward(&m, mode)?
+            }
+            _ => {
+                let x = (x + a)?;
+                let h = self.post_attention_layernorm.forward(&x, mode)?;
+                x + self.mlp.forward(&h)?
+            }
+        }
     }
 }
 
@@ -190,6 +316,18 @@ pub struct Model {
     norm: RmsNorm,
     lm_head: Tensor,
     rope: Rope,
+    /// The sliding layers' tables when their RoPE base differs (Gemma 3).
+    rope_local: Option<Rope>,
+    /// The window and, per layer, whether it slides (empty: none does).
+    sliding_window: Option<usize>,
+    sliding: Vec<bool>,
+    /// Embeddings are multiplied by this (Gemma).
+    embed_scale: Option<f64>,
+    /// HF module names of the fused projections (Phi-3) instead of the parts'.
+    fused_proj_names: bool,
+    /// The fused decoding step computes this model ([`Self::decode_plan`]): no partial RoPE,
+    /// softcapping, Gemma layer or window that differs between layers.
+    plain_decoder: bool,
 }
 
 impl Model {
@@ -209,12 +347,41 @@ impl Model {
             vb.pp("lm_head")
                 .get((cfg.vocab_size, cfg.hidden_size), "weight")?
         };
+        let x = &cfg.extras;
+        // A window as long as the positions masks nothing.
+        let window = x
+            .sliding_window
+            .filter(|&w| w < cfg.max_position_embeddings);
+        let sliding = match window {
+            Some(_) => x.sliding_layers.clone(),
+            None => vec![],
+        };
+        let rope_local = match (x.rope_local_theta, sliding.iter().any(|&s| s)) {
+            (Some(t), true) => Some(Rope::with_theta(cfg, t, vb.device())?),
+            _ => None,
+        };
+        let uniform_window = sliding.iter().all(|&s| s) || sliding.iter().all(|&s| !s);
+        let plain_decoder = uniform_window
+            && x.rotary_dim.is_none()
+            && !x.norm_plus_one
+            && x.embed_scale.is_none()
+            && x.activation == Activation::Silu
+            && !x.sandwich_norms
+            && x.query_pre_attn_scalar.is_none()
+            && x.attn_softcap.is_none()
+            && x.final_softcap.is_none();
         Ok(Self {
             embed_tokens: Embedding::new(embed),
             layers,
-            norm: RmsNorm::load(cfg.hidden_size, cfg.norm_eps, m.pp("norm"), compute)?,
+            norm: rms_norm(cfg, cfg.hidden_size, m.pp("norm"), compute)?,
             lm_head,
             rope: Rope::new(cfg, vb.device())?,
+            rope_local,
+            sliding_window: window.filter(|_| sliding.iter().any(|&s| s)),
+            sliding,
+            embed_scale: x.embed_scale,
+            fused_proj_names: x.fused_proj_names,
+            plain_decoder,
         })
     }
 
@@ -243,18 +410,19 @@ impl Model {
                 parts.iter().map(|n| format!("{p}.{n}")).collect()
             };
             let attn = &mut l.self_attn;
-            out.push((
-                names(&["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
-                ProjMut::Fused(&mut attn.qkv_proj),
-            ));
+            let (qkv, gate_up): (&[&str], &[&str]) = match self.fused_proj_names {
+                true => (&["self_attn.qkv_proj"], &["mlp.gate_up_proj"]),
+                false => (
+                    &["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                    &["mlp.gate_proj", "mlp.up_proj"],
+                ),
+            };
+            out.push((names(qkv), ProjMut::Fused(&mut attn.qkv_proj)));
             out.push((
                 names(&["self_attn.o_proj"]),
                 ProjMut::Single(&mut attn.o_proj),
             ));
-            out.push((
-                names(&["mlp.gate_proj", "mlp.up_proj"]),
-                ProjMut::Fused(&mut l.mlp.gate_up_proj),
-            ));
+            out.push((names(gate_up), ProjMut::Fused(&mut l.mlp.gate_up_proj)));
             out.push((
                 names(&["mlp.down_proj"]),
                 ProjMut::Single(&mut l.mlp.down_proj),
@@ -267,10 +435,17 @@ impl Model {
         self.rope.max_positions()
     }
 
+    /// The window every layer attends through, when all do (Mistral): the fused decoding step
+    /// then takes it as left padding ([`AttnMask::windowed`]).
+    pub fn uniform_window(&self) -> Option<usize> {
+        self.sliding_window
+            .filter(|_| self.sliding.iter().all(|&s| s))
+    }
+
     /// The weights as the fused CPU decoding step takes them, when every projection is packed
     /// with nothing added to it and the norms are f32 ([`super::decode_cpu`]); else `None`.
     pub fn decode_plan(&self) -> Result<Option<super::decode_cpu::Plan>> {
-        let Some(first) = self.layers.first() else {
+        let Some(first) = self.layers.first().filter(|_| self.plain_decoder) else {
             return Ok(None);
         };
         let a = &first.self_attn;
@@ -358,9 +533,33 @@ impl Model {
         ckpt: Option<&Arc<CheckpointGrads>>,
     ) -> Result<Tensor> {
         let mut x = self.embed_tokens.forward(ids)?; // [B, S, H]
-        let (cos, sin) = self.rope.tables(positions, x.dtype())?; // [B, S, D/2]
+        if let Some(scale) = self.embed_scale {
+            // HF rounds the scale to the activations' dtype first.
+            let scale = Tensor::new(scale as f32, x.device())?.to_dtype(x.dtype())?;
+            x = x.broadcast_mul(&scale)?;
+        }
+        let (cos, sin) = self.rope.tables(positions, x.dtype())?; // [B, S, R/2]
+        let local = match &self.rope_local {
+            Some(r) => Some(r.tables(positions, x.dtype())?),
+            None => None,
+        };
+        let windowed = match self.sliding_window {
+            Some(w) => {
+                Some(mask.windowed(w, Some(positions), cache.as_deref().map(|c| c.len()))?)
+            }
+            None => None,
+        };
         let s = ids.dim(1)?;
         for (i, layer) in self.layers.iter().enumerate() {
+            let slides = self.sliding.get(i).copied().unwrap_or(false);
+            let mask = match (&windowed, slides) {
+                (Some(w), true) => w,
+                _ => mask,
+            };
+            let (cos, sin) = match (&local, slides) {
+                (Some((c, s)), true) => (c, s),
+                _ => (&cos, &sin),
+            };
             x = match (ckpt, &cache) {
                 (Some(g), None) if mode == Mode::Train => {
                     let (l, c, sn, m) = (layer.clone(), cos.clone(), sin.clone(), mask.clone());
@@ -368,7 +567,7 @@ impl Model {
                 }
                 _ => {
                     let c = cache.as_deref().map(|c| (c, i));
-                    layer.forward(&x, &cos, &sin, mask, c, mode)?
+                    layer.forward(&x, cos, sin, mask, c, mode)?
                 }
             };
         }

@@ -68,7 +68,7 @@ pub fn masked_lm_config(dir: &Path) -> Result<EncoderConfig> {
         .unwrap_or_default();
     let Some(kind) = EncoderKind::from_model_type(model_type) else {
         let causal = archs.iter().any(|a| a.ends_with("ForCausalLM"))
-            || matches!(model_type, "llama" | "qwen2" | "qwen3" | "gpt2" | "mistral");
+            || super::config::Arch::is_causal_model_type(model_type);
         let why = if causal {
             "is a causal LM (it generates left to right); a fill-in policy needs a bidirectional \
              masked-LM generator"

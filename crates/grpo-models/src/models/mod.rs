@@ -90,9 +90,13 @@ impl CausalLm {
         let device = vb.device().clone();
         let compute = Compute::resolve(&device, dtype);
         let built = match cfg.arch {
-            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => {
-                llama::Model::load(cfg, vb, compute).map(Inner::Llama)
-            }
+            Arch::Llama
+            | Arch::Qwen2
+            | Arch::Qwen3
+            | Arch::Mistral
+            | Arch::Phi3
+            | Arch::Gemma2
+            | Arch::Gemma3 => llama::Model::load(cfg, vb, compute).map(Inner::Llama),
             Arch::Gpt2 => gpt2::Model::load(cfg, vb, compute).map(Inner::Gpt2),
         };
         let inner = built
@@ -311,6 +315,18 @@ impl CausalLm {
         mask: &AttnMask,
         cache: &mut KvCache,
     ) -> Result<Vec<f32>> {
+        // A window on every layer (Mistral) is left padding to the fused step.
+        let windowed;
+        let mask = match (&self.inner, mask) {
+            (Inner::Llama(m), AttnMask::LeftPad(..)) => match m.uniform_window() {
+                Some(w) => {
+                    windowed = mask.windowed(w, None, Some(cache.len()))?;
+                    &windowed
+                }
+                None => mask,
+            },
+            _ => mask,
+        };
         if let (Some(plan), Some(head), AttnMask::LeftPad(pad, shared)) =
             (&self.decoder, &self.head_packed, mask)
         {
@@ -428,6 +444,19 @@ impl CausalLm {
     /// LM head for training: `h` [N, H] -> logits [N, V], through the gradient sink when one is
     /// attached (the weight's gradient then goes to its accumulator), else a plain matmul.
     pub fn head_logits(&self, h: &Tensor) -> Result<Tensor> {
+        let logits = self.head_logits_uncapped(h)?;
+        self.softcap(logits)
+    }
+
+    /// `cap * tanh(logits / cap)` when the model caps its logits (Gemma 2), else `logits`.
+    fn softcap(&self, logits: Tensor) -> Result<Tensor> {
+        match self.cfg.extras.final_softcap {
+            Some(cap) => Ok(((logits / cap)?.tanh()? * cap)?),
+            None => Ok(logits),
+        }
+    }
+
+    fn head_logits_uncapped(&self, h: &Tensor) -> Result<Tensor> {
         let w = self.lm_head();
         if let Some(p) = &self.head {
             return Ok(p.forward(h)?);
@@ -452,7 +481,8 @@ impl CausalLm {
     /// The LM head's weight [V, H] when the head is a plain matmul by it (no gradient sink
     /// attached): for callers that compute the head themselves (recomputed log-probs).
     pub fn plain_head(&self) -> Option<&Tensor> {
-        self.head.is_none().then(|| self.lm_head())
+        let plain = self.head.is_none() && self.cfg.extras.final_softcap.is_none();
+        plain.then(|| self.lm_head())
     }
 
     /// LM head: hidden [..., H] -> logits [..., V] (f32; f64 stays f64).
@@ -471,7 +501,7 @@ impl CausalLm {
         let mut shape = lead.to_vec();
         shape.push(self.lm_head().dim(0)?);
         let logits = logits.reshape(shape)?;
-        Ok(logits.to_dtype(layers::reduce_dtype(logits.dtype()))?)
+        self.softcap(logits.to_dtype(layers::reduce_dtype(logits.dtype()))?)
     }
 
     /// A zeroed decoding cache for `batch` rows of up to `max_len` tokens.
