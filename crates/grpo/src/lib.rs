@@ -19,8 +19,8 @@
 //! - [`train`]: the training loop.
 
 pub use grpo_models::{
-    error, faults, files, hub, kernels, kv_cache, models, sampler, seeding, threads, tokenizer,
-    weights,
+    error, faults, files, gguf_write, hub, kernels, kv_cache, models, sampler, seeding, threads,
+    tokenizer, weights,
 };
 
 pub mod advantages;
