@@ -134,6 +134,7 @@ fn gguf_exports_load_back_with_the_same_weights_tokenizer_and_tokens() {
     for (ty, ggml) in [
         (GgufType::F32, GgmlDType::F32),
         (GgufType::F16, GgmlDType::F16),
+        (GgufType::Bf16, GgmlDType::BF16),
         (GgufType::Q8_0, GgmlDType::Q8_0),
     ] {
         let out = tmp.path().join(format!("tiny-{ty:?}.gguf"));
@@ -191,9 +192,10 @@ fn gguf_exports_load_back_with_the_same_weights_tokenizer_and_tokens() {
             // f32 is HF's weights exactly; f16 rounds each weight by at most 2^-11 relative:
             // the same greedy tokens on this prompt.
             GgufType::F32 | GgufType::F16 => assert_eq!(got, want, "{ty:?}"),
-            // q8_0 moves each weight by up to half a step, 1/254 of its block's largest (and
-            // the loaded weights are exactly those, asserted above); at hidden size 32 few terms
-            // average that out and the logits move by ~1.3% of their range (3% allowed). The
+            // bf16 rounds each weight by up to 2^-9 relative; q8_0 moves it by up to half a
+            // step, 1/254 of its block's largest (the loaded weights are exactly those, asserted
+            // above). At hidden size 32 few terms average that out, and the logits move by up
+            // to 1.3% of their range (q8_0; 3% allowed). The
             // tokens are the same until a step where f32's top two logits are closer than twice
             // the largest logit change there, the only way greedy can pick another token.
             _ => {
