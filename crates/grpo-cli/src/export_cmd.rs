@@ -1,5 +1,6 @@
 //! `grpo export`: a checkpoint as a Hugging Face model directory (LoRA adapters merged into
-//! their base with `--merge`), or any model `--model` takes (a GGUF included) as HF safetensors.
+//! their base with `--merge`), or any model `--model` takes (a GGUF included) as HF safetensors;
+//! with `--format gguf`, as one GGUF file that llama.cpp and Ollama run.
 
 use std::path::PathBuf;
 
@@ -11,15 +12,21 @@ use clap::Args;
     grpo export --checkpoint runs/x/checkpoint-200 --merge --out merged/   # LoRA: base + adapters -> HF weights\n  \
     grpo export --checkpoint runs/x/checkpoint-200 --out adapter/          # LoRA: the PEFT adapter files only\n  \
     grpo export --checkpoint model.gguf --out hf/                           # dequantized HF copy of a GGUF\n  \
-    grpo export --checkpoint runs/x --merge --dtype bf16 --max-shard-size 2GB --out merged/   # bf16, sharded")]
+    grpo export --checkpoint runs/x --merge --dtype bf16 --max-shard-size 2GB --out merged/   # bf16, sharded\n  \
+    grpo export --checkpoint runs/x --format gguf --out model.gguf          # llama.cpp / Ollama, f16\n  \
+    grpo export --checkpoint runs/x --format gguf --outtype q8_0 --out model-q8_0.gguf")]
 pub struct ExportArgs {
     /// A checkpoint directory (full weights, or a LoRA adapter: adapter_config.json), or any
     /// model `--model` takes (HF directory, .gguf file).
     #[arg(long)]
     checkpoint: PathBuf,
-    /// Output directory (created; must not hold a model).
+    /// Output directory (created; must not hold a model); with `--format gguf`, the file.
     #[arg(long)]
     out: PathBuf,
+    /// `hf`: config.json + safetensors + tokenizer files, for transformers (and grpo).
+    /// `gguf`: one file for llama.cpp and Ollama (and grpo); LoRA adapters are always merged.
+    #[arg(long, default_value = "hf", value_parser = ["hf", "gguf"])]
+    format: String,
     /// LoRA checkpoints: add the adapters into the base weights (`W + alpha/r B A`) so that
     /// transformers loads the result with no peft. Without it the adapter files are copied.
     /// A QLoRA run's base is quantized and dequantized first, as training saw it.
@@ -28,9 +35,11 @@ pub struct ExportArgs {
     /// LoRA checkpoints: the base model (default: the adapter's base_model_name_or_path).
     #[arg(long)]
     base: Option<String>,
-    /// Weight dtype of the written model: f32, bf16 or f16 (config.json says which).
-    #[arg(long, default_value = "f32")]
-    dtype: String,
+    /// Weight type of the written model. hf: f32 (default), bf16 or f16 (config.json says
+    /// which). gguf (also spelled --outtype, as llama.cpp's converter): f16 (default), q8_0,
+    /// bf16 or f32 for the matrices; norms stay f32.
+    #[arg(long, visible_alias = "outtype")]
+    dtype: Option<String>,
     /// Split the weights into shards of at most this size (e.g. 2GB, 500MB, as transformers'
     /// max_shard_size), with model.safetensors.index.json. Default: one file.
     #[arg(long)]
@@ -65,10 +74,14 @@ fn parse_size(s: &str) -> Result<u64> {
 }
 
 pub fn run(a: ExportArgs) -> Result<()> {
-    let dtype = match a.dtype.as_str() {
+    if a.format == "gguf" {
+        return run_gguf(a);
+    }
+    let dtype = match a.dtype.as_deref().unwrap_or("f32") {
         "f32" | "float32" => candle_core::DType::F32,
         "bf16" | "bfloat16" => candle_core::DType::BF16,
         "f16" | "float16" => candle_core::DType::F16,
+        "q8_0" => anyhow::bail!("--dtype q8_0 is for GGUF files: add --format gguf"),
         other => anyhow::bail!("--dtype {other}: use f32, bf16 or f16"),
     };
     let opts = grpo::export::ExportOptions {
@@ -88,5 +101,35 @@ pub fn run(a: ExportArgs) -> Result<()> {
     for f in files {
         println!("{}", f.display());
     }
+    Ok(())
+}
+
+fn run_gguf(a: ExportArgs) -> Result<()> {
+    let spelled = a.dtype.as_deref().unwrap_or("f16");
+    let outtype = grpo_models::gguf_write::GgufType::parse(spelled)
+        .with_context(|| format!("--outtype {spelled}: use f16, q8_0, bf16 or f32"))?;
+    if a.max_shard_size.is_some() {
+        anyhow::bail!("--max-shard-size is for HF exports; a GGUF export is one file");
+    }
+    let (s, g) = grpo::export::export_gguf(&a.checkpoint, &a.out, a.base.as_deref(), outtype)
+        .with_context(|| format!("cannot export {}", a.checkpoint.display()))?;
+    if s.merged_adapters > 0 {
+        eprintln!(
+            "merged {} LoRA adapters into the base weights",
+            s.merged_adapters
+        );
+    }
+    if g.f16_fallbacks > 0 {
+        eprintln!(
+            "note: {} matrices whose rows are not whole 32-weight blocks were written as f16",
+            g.f16_fallbacks
+        );
+    }
+    if !g.has_tokenizer {
+        eprintln!(
+            "warning: the model has no tokenizer, so the file has none: grpo loads it, llama.cpp does not"
+        );
+    }
+    println!("{}", s.out.display());
     Ok(())
 }

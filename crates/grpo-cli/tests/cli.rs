@@ -652,6 +652,68 @@ fn export_merges_lora_adapters_into_hf_weights() {
     assert!(stderr(&o).contains("--base"), "{}", stderr(&o));
 }
 
+/// `grpo export --format gguf`: a PEFT adapter merged into its base as one GGUF file, and the
+/// errors (a type GGUF has no use for, an existing file, q8_0 without `--format gguf`).
+#[test]
+fn export_writes_merged_lora_adapters_as_gguf() {
+    let tmp = tempfile::tempdir().unwrap();
+    let adapter = fixture("lora/llama_qv");
+    let base = fixture("tiny/llama");
+    let out = tmp.path().join("merged.gguf").display().to_string();
+    let args = |outtype: &'static str, out: &str| {
+        let v: Vec<String> = [
+            "export",
+            "--checkpoint",
+            &adapter,
+            "--base",
+            &base,
+            "--format",
+            "gguf",
+            "--outtype",
+            outtype,
+            "--out",
+            out,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        v
+    };
+    let run = |a: Vec<String>| grpo(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    let o = run(args("q8_0", &out));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("merged 6 LoRA adapters"),
+        "{}",
+        stderr(&o)
+    );
+    // The tiny fixture has no tokenizer: grpo loads the file, llama.cpp would not.
+    assert!(stderr(&o).contains("no tokenizer"), "{}", stderr(&o));
+    let bytes = std::fs::read(&out).unwrap();
+    assert_eq!(&bytes[..4], b"GGUF");
+    assert_eq!(u32::from_le_bytes(bytes[4..8].try_into().unwrap()), 3);
+    let o = run(args("q8_0", &out));
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("already exists"), "{}", stderr(&o));
+    let o = run(args(
+        "q4_k",
+        &tmp.path().join("x.gguf").display().to_string(),
+    ));
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--outtype q4_k"), "{}", stderr(&o));
+    let o = grpo(&[
+        "export",
+        "--checkpoint",
+        &base,
+        "--dtype",
+        "q8_0",
+        "--out",
+        &tmp.path().join("hf").display().to_string(),
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--format gguf"), "{}", stderr(&o));
+}
+
 #[test]
 fn report_writes_html_and_plots_and_names_a_missing_metrics_file() {
     let dir = tempfile::tempdir().unwrap();

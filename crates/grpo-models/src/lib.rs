@@ -7,7 +7,8 @@
 //! - [`models`]: Llama / Qwen2 / Qwen3 / GPT-2 with HF weight names, a differentiable all-position
 //!   forward for training and a cached incremental forward for sampling; BERT-family encoders and
 //!   sequence classifiers for reward models.
-//! - [`weights`]: loading HF directories (safetensors) and GGUF files into those models.
+//! - [`weights`]: loading HF directories (safetensors) and GGUF files into those models;
+//!   [`gguf_write`]: the inverse, a model as a GGUF file for llama.cpp / Ollama.
 //! - [`tokenizer`]: HF-exact tokenization from tokenizer.json or GGUF metadata, chat templates.
 //! - [`hub`]: resolving `--model` (local dir, .gguf, hub id, the embedded default) with a cache.
 //! - [`kv_cache`], [`sampler`]: batched, KV-cached, group-aware sampling.
@@ -18,6 +19,7 @@ pub mod error;
 pub mod faults;
 pub mod files;
 pub mod gguf_check;
+pub mod gguf_write;
 pub mod hub;
 pub mod kernels;
 pub mod kv_cache;

@@ -1,5 +1,6 @@
 //! Using what training wrote: loading a checkpoint (full weights, or LoRA adapters over their
-//! base) for sampling and evaluation, and `grpo export` (HF safetensors, adapters merged).
+//! base) for sampling and evaluation, and `grpo export` (HF safetensors or one GGUF file for
+//! llama.cpp, adapters merged).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -9,6 +10,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::checkpoint::{resolve_run_dir, HfExport};
 use crate::peft::{self, LoadedAdapter};
 use crate::{Error, Result};
+use grpo_models::gguf_write::{write_gguf, GgufSummary, GgufType};
 use grpo_models::hub;
 use grpo_models::models::{CausalLm, QuantProj, QuantType};
 use grpo_models::weights::{load_model, LoadedModel};
@@ -156,14 +158,9 @@ pub fn export(
             "already holds a model; choose an empty directory",
         ));
     }
-    let device = Device::Cpu;
-    let spec = checkpoint.to_string_lossy().to_string();
-    if !peft::is_adapter_dir(checkpoint) {
-        let base = load_model(&hub::resolve_model(Some(&spec))?, DType::F32, &device)?;
-        return write_merged(out, &base, base.tensors.clone(), 0, opts);
-    }
-    let adapter = peft::load_peft(checkpoint, &device)?;
-    if !merge {
+    if !merge && peft::is_adapter_dir(checkpoint) {
+        // Read first, so that a broken adapter is refused rather than copied.
+        peft::load_peft(checkpoint, &Device::Cpu)?;
         std::fs::create_dir_all(out)
             .map_err(|e| Error::file(out, format!("cannot create: {e}")))?;
         let mut files = vec![];
@@ -187,6 +184,26 @@ pub fn export(
             files,
         });
     }
+    let (base, tensors, merged) = merged_weights(checkpoint, base_override)?;
+    write_merged(out, &base, tensors, merged, opts)
+}
+
+/// The weights a checkpoint stands for, in HF names and f32: a full checkpoint's own (any model
+/// `--model` takes), or a LoRA checkpoint's adapters merged into its base (quantized and
+/// dequantized first where a QLoRA run trained on a quantized base). Returns the base (config,
+/// tokenizer, EOS ids), the tensors and the number of adapters merged.
+fn merged_weights(
+    checkpoint: &Path,
+    base_override: Option<&str>,
+) -> Result<(LoadedModel, HashMap<String, Tensor>, usize)> {
+    let device = Device::Cpu;
+    if !peft::is_adapter_dir(checkpoint) {
+        let spec = checkpoint.to_string_lossy().to_string();
+        let base = load_model(&hub::resolve_model(Some(&spec))?, DType::F32, &device)?;
+        let tensors = base.tensors.clone();
+        return Ok((base, tensors, 0));
+    }
+    let adapter = peft::load_peft(checkpoint, &device)?;
     let base = load_base(checkpoint, &adapter, base_override)?;
     let mut tensors = base.tensors.clone();
     if let Some(q) = checkpoint_base_quantization(checkpoint)? {
@@ -194,7 +211,54 @@ pub fn export(
     }
     let adapters = peft::adapters(&adapter.tensors, &adapter.config, None)?;
     peft::merge_into(&mut tensors, &base.config, &adapters)?;
-    write_merged(out, &base, tensors, adapters.len(), opts)
+    Ok((base, tensors, adapters.len()))
+}
+
+/// `grpo export --format gguf`: writes `checkpoint` as one GGUF file at `out` that llama.cpp and
+/// Ollama run, matrices as `outtype`. A LoRA checkpoint is always merged into its base (as
+/// [`export`] with `merge`). The tokenizer goes into the file's metadata; a model without one is
+/// written all the same (grpo loads it; llama.cpp needs a tokenizer) and the summary says so.
+pub fn export_gguf(
+    checkpoint: &Path,
+    out: &Path,
+    base_override: Option<&str>,
+    outtype: GgufType,
+) -> Result<(ExportSummary, GgufSummary)> {
+    let checkpoint = &resolve_run_dir(checkpoint)?;
+    if out.is_dir() {
+        return Err(Error::file(
+            out,
+            "is a directory; a GGUF export is one file: give its path (e.g. model.gguf)",
+        ));
+    }
+    if out.exists() {
+        return Err(Error::file(out, "already exists; choose a new file name"));
+    }
+    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| Error::file(dir, format!("cannot create: {e}")))?;
+    }
+    let (base, tensors, merged) = merged_weights(checkpoint, base_override)?;
+    let name = checkpoint
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
+    let g = write_gguf(
+        out,
+        &base.config,
+        &tensors,
+        base.tokenizer.as_ref(),
+        &name,
+        outtype,
+    )?;
+    Ok((
+        ExportSummary {
+            out: out.to_path_buf(),
+            merged_adapters: merged,
+            files: vec![out.to_path_buf()],
+        },
+        g,
+    ))
 }
 
 /// How `grpo export` writes weights.

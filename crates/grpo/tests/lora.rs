@@ -300,6 +300,42 @@ fn saved_adapters_and_merged_exports_load_back() {
     }
 }
 
+/// `grpo export --format gguf` of a LoRA checkpoint: the adapters merged into the base and
+/// written as one GGUF file (f32), which grpo loads back to peft's adapted logits; Llama (Q/K
+/// rows permuted for llama.cpp) and Qwen2 (biases). GPT-2 is refused with a message.
+#[test]
+fn merged_gguf_exports_give_the_adapted_logits() {
+    let tmp = tempfile::tempdir().unwrap();
+    for &(case, base) in CASES {
+        let c = load_case(case, base);
+        let adir = tmp.path().join(case);
+        let base_path = fixtures().join("tiny").join(base);
+        peft::save_peft(
+            &adir,
+            &c.adapter.config,
+            c.base.config.arch,
+            &base_path.display().to_string(),
+            &c.adapter.tensors,
+        )
+        .unwrap();
+        let out = tmp.path().join(format!("{case}.gguf"));
+        let r =
+            grpo::export::export_gguf(&adir, &out, None, grpo_models::gguf_write::GgufType::F32);
+        if base == "gpt2" {
+            let e = r.unwrap_err().to_string();
+            assert!(e.contains("Llama family"), "{e}");
+            continue;
+        }
+        let (s, g) = r.unwrap();
+        assert_eq!(s.merged_adapters, c.adapter.tensors.len() / 2);
+        assert!(!g.has_tokenizer);
+        let m = load_model(&ModelSource::Gguf(out), DType::F32, &Device::Cpu).unwrap();
+        let (_, logits) = loss_and_logits(&m.build().unwrap(), &c.ids, Mode::Infer);
+        let d = max_diff(&logits, &c.expected["logits"]);
+        assert!(d < 1e-4, "{case}: merged GGUF logits differ by {d}");
+    }
+}
+
 /// The peft check's record: grpo's adapters loaded by peft, and grpo's merged export loaded by
 /// transformers, give the fixture logits (run by hand; see the script).
 #[test]

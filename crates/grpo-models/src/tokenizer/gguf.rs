@@ -35,6 +35,7 @@ const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L
 /// The `tokenizer.ggml.pre` values this module can rebuild.
 pub(crate) const SUPPORTED_PRE: &[&str] = &[
     "default",
+    "gpt-2",
     "gpt2",
     "smollm",
     "starcoder",
@@ -262,6 +263,219 @@ fn build_byte_level_bpe(md: &Meta) -> Result<GgufTokenizer> {
     })
 }
 
+/// llama.cpp's type for the filler entries of a vocabulary shorter than the embedding matrix.
+const TYPE_UNUSED: i32 = 5;
+const TYPE_NORMAL: i32 = 1;
+
+/// The `tokenizer.*` GGUF metadata for `tok` (the inverse of [`build`]): the byte-level BPE
+/// vocabulary padded to `vocab_size` entries (the embedding rows; llama.cpp wants one token per
+/// row), token types, merges, the `tokenizer.ggml.pre` name of its pre-tokenizer, the special
+/// ids, BOS/EOS insertion and the chat template.
+pub(crate) fn metadata(
+    tok: &super::Tokenizer,
+    vocab_size: usize,
+) -> Result<Vec<(String, GgufValue)>> {
+    let unsupported = |what: String| {
+        Error::Tokenizer(format!(
+            "{}: cannot write this tokenizer as GGUF metadata: {what}",
+            tok.source.display()
+        ))
+    };
+    let json: serde_json::Value = serde_json::from_str(
+        &tok.inner
+            .to_string(false)
+            .map_err(|e| Error::Tokenizer(format!("cannot serialise the tokenizer: {e}")))?,
+    )
+    .map_err(|e| Error::Tokenizer(format!("cannot read the serialised tokenizer: {e}")))?;
+    let model = &json["model"];
+    if model["type"] != "BPE" {
+        return Err(unsupported(format!(
+            "only byte-level BPE vocabularies are supported, not {}",
+            model["type"]
+        )));
+    }
+    let pre = pre_name(&json).map_err(unsupported)?;
+
+    // Tokens by id: added tokens in their plain spelling, the rest as the vocabulary spells them
+    // (byte-level); ids nothing names are filled with `[PAD{id}]`, type unused, as llama.cpp's
+    // converter does.
+    let alphabet = ByteAlphabet::new();
+    let mut tokens: Vec<Option<String>> = vec![None; vocab_size];
+    let mut types = vec![TYPE_NORMAL; vocab_size];
+    let vocab = model["vocab"]
+        .as_object()
+        .ok_or_else(|| unsupported("the BPE model has no vocabulary".into()))?;
+    for (text, id) in vocab {
+        let id = id.as_u64().unwrap_or(u64::MAX) as usize;
+        let slot = tokens.get_mut(id).ok_or_else(|| {
+            unsupported(format!(
+                "token {text:?} has id {id}, outside the model's {vocab_size} embedding rows"
+            ))
+        })?;
+        // A GGUF-built vocabulary holds added tokens under two spellings: keep the byte-level
+        // one (the added-token list below has the plain one); between equals, the smaller.
+        let byte_level = |t: &str| t.chars().all(|c| alphabet.contains(c));
+        let replace = match slot.as_deref() {
+            None => true,
+            Some(old) => (byte_level(text), old) > (byte_level(old), text.as_str()),
+        };
+        if replace {
+            *slot = Some(text.clone());
+        }
+    }
+    // A GGUF's own fillers stay fillers.
+    for (id, t) in tokens.iter().enumerate() {
+        if t.as_deref() == Some(format!("[PAD{id}]").as_str()) {
+            types[id] = TYPE_UNUSED;
+        }
+    }
+    for added in json["added_tokens"].as_array().into_iter().flatten() {
+        let (Some(id), Some(text)) = (added["id"].as_u64(), added["content"].as_str()) else {
+            continue;
+        };
+        let id = id as usize;
+        if id >= vocab_size {
+            return Err(unsupported(format!(
+                "added token {text:?} has id {id}, outside the model's {vocab_size} embedding rows"
+            )));
+        }
+        tokens[id] = Some(text.to_owned());
+        types[id] = if added["special"].as_bool() == Some(true) {
+            TYPE_CONTROL as i32
+        } else {
+            TYPE_USER_DEFINED as i32
+        };
+    }
+    let tokens: Vec<GgufValue> = tokens
+        .into_iter()
+        .enumerate()
+        .map(|(id, t)| {
+            GgufValue::String(t.unwrap_or_else(|| {
+                types[id] = TYPE_UNUSED;
+                format!("[PAD{id}]")
+            }))
+        })
+        .collect();
+    let merges = model["merges"]
+        .as_array()
+        .ok_or_else(|| unsupported("the BPE model has no merges".into()))?
+        .iter()
+        .map(|m| match m {
+            serde_json::Value::String(s) => Ok(GgufValue::String(s.clone())),
+            serde_json::Value::Array(p) => match (p.first(), p.get(1)) {
+                (Some(serde_json::Value::String(a)), Some(serde_json::Value::String(b))) => {
+                    Ok(GgufValue::String(format!("{a} {b}")))
+                }
+                _ => Err(unsupported(format!("a merge is not a pair of tokens: {m}"))),
+            },
+            _ => Err(unsupported(format!("a merge is not a pair of tokens: {m}"))),
+        })
+        .collect::<Result<Vec<_>>>()?;
+
+    // BOS / EOS insertion: what encoding with special tokens adds around a text.
+    let plain = tok.encode("a", false)?;
+    let with = tok.encode("a", true)?;
+    let add_bos = tok.bos_id.is_some()
+        && with.first() != plain.first()
+        && with.first() == tok.bos_id.as_ref();
+    let add_eos =
+        tok.eos_id.is_some() && with.last() != plain.last() && with.last() == tok.eos_id.as_ref();
+
+    let s = |v: &str| GgufValue::String(v.to_owned());
+    let mut md = vec![
+        ("tokenizer.ggml.model".to_owned(), s("gpt2")),
+        ("tokenizer.ggml.pre".to_owned(), s(pre)),
+        ("tokenizer.ggml.tokens".to_owned(), GgufValue::Array(tokens)),
+        (
+            "tokenizer.ggml.token_type".to_owned(),
+            GgufValue::Array(types.into_iter().map(GgufValue::I32).collect()),
+        ),
+        ("tokenizer.ggml.merges".to_owned(), GgufValue::Array(merges)),
+    ];
+    let unk = tok
+        .template_tokens
+        .iter()
+        .find(|(n, _)| n == "unk_token")
+        .and_then(|(_, t)| tok.inner.token_to_id(t));
+    for (key, id) in [
+        ("bos_token_id", tok.bos_id),
+        ("eos_token_id", tok.eos_id),
+        ("unknown_token_id", unk),
+        ("padding_token_id", tok.pad_id),
+    ] {
+        if let Some(id) = id {
+            md.push((format!("tokenizer.ggml.{key}"), GgufValue::U32(id)));
+        }
+    }
+    md.push((
+        "tokenizer.ggml.add_bos_token".to_owned(),
+        GgufValue::Bool(add_bos),
+    ));
+    md.push((
+        "tokenizer.ggml.add_eos_token".to_owned(),
+        GgufValue::Bool(add_eos),
+    ));
+    if let Some(t) = &tok.chat {
+        md.push(("tokenizer.chat_template".to_owned(), s(t.source())));
+    }
+    Ok(md)
+}
+
+/// The `tokenizer.ggml.pre` name of a serialised tokenizer's normalizer and pre-tokenizer: the
+/// layouts [`PreLayout::for_pre`] builds, recognised back.
+fn pre_name(json: &serde_json::Value) -> std::result::Result<&'static str, String> {
+    let pre = &json["pre_tokenizer"];
+    let nfc = match &json["normalizer"] {
+        serde_json::Value::Null => false,
+        n if n["type"] == "NFC" => true,
+        n => return Err(format!("its normalizer {n} has no llama.cpp equivalent")),
+    };
+    let byte_level = |p: &serde_json::Value, regex: bool| {
+        p["type"] == "ByteLevel"
+            && p["use_regex"].as_bool() == Some(regex)
+            && p["add_prefix_space"].as_bool() != Some(true)
+    };
+    let parts: Vec<&serde_json::Value> = match pre["type"].as_str() {
+        Some("Sequence") => pre["pretokenizers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .collect(),
+        _ => vec![pre],
+    };
+    let name = match parts.as_slice() {
+        // llama.cpp spells GPT-2's "gpt-2".
+        [b] if !nfc && byte_level(b, true) => Some("gpt-2"),
+        [d, b]
+            if !nfc
+                && d["type"] == "Digits"
+                && d["individual_digits"].as_bool() == Some(true)
+                && byte_level(b, true) =>
+        {
+            Some("smollm")
+        }
+        [sp, b]
+            if sp["type"] == "Split"
+                && sp["behavior"] == "Isolated"
+                && sp["invert"].as_bool() != Some(true)
+                && byte_level(b, false) =>
+        {
+            match sp["pattern"]["Regex"].as_str() {
+                Some(QWEN2_SPLIT) if nfc => Some("qwen2"),
+                Some(LLAMA3_SPLIT) if !nfc => Some("llama-bpe"),
+                _ => None,
+            }
+        }
+        _ => None,
+    };
+    name.ok_or_else(|| {
+        format!(
+            "its pre-tokenizer {pre} (normalizer: {}) is none of GPT-2's, SmolLM's, Qwen2's or Llama 3's, which llama.cpp knows by name",
+            json["normalizer"]
+        )
+    })
+}
+
 /// Normalizer, pre-tokenizer and BPE options for one `tokenizer.ggml.pre` value.
 struct PreLayout {
     nfc: bool,
@@ -300,7 +514,7 @@ impl PreLayout {
         let layout = match name {
             // GPT-2: the byte-level regex only. (llama.cpp's "default" uses a different regex, but
             // a GGUF without `tokenizer.ggml.pre` is an old GPT-2-style conversion.)
-            "default" | "gpt2" => Self {
+            "default" | "gpt-2" | "gpt2" => Self {
                 nfc: false,
                 pre_tokenizer: gpt2(add_space_prefix).into(),
                 ignore_merges: false,

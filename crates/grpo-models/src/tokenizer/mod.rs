@@ -275,7 +275,7 @@ impl Tokenizer {
     /// `path` is only used in error messages.
     ///
     /// Supported: `tokenizer.ggml.model` = "gpt2" (byte-level BPE) with `tokenizer.ggml.pre` one of
-    /// "default"/"gpt2", "smollm", "starcoder", "qwen2", "llama-bpe"/"llama3"/"llama-v3". Anything else
+    /// "default"/"gpt-2"/"gpt2", "smollm", "starcoder", "qwen2", "llama-bpe"/"llama3"/"llama-v3". Anything else
     /// (including SentencePiece "llama" vocabularies) is an error that says to use the HF tokenizer.
     pub fn from_gguf(
         content: &candle_core::quantized::gguf_file::Content,
@@ -387,6 +387,17 @@ impl Tokenizer {
 
     pub fn has_chat_template(&self) -> bool {
         self.chat.is_some()
+    }
+
+    /// The `tokenizer.*` metadata of a GGUF file (llama.cpp's keys) for this tokenizer, its
+    /// vocabulary padded to `vocab_size` entries (the model's embedding rows). Byte-level BPE
+    /// tokenizers whose pre-tokenizer llama.cpp knows by name (GPT-2, SmolLM, Qwen2, Llama 3)
+    /// only; [`Tokenizer::from_gguf`] reads it back.
+    pub fn gguf_metadata(
+        &self,
+        vocab_size: usize,
+    ) -> Result<Vec<(String, candle_core::quantized::gguf_file::Value)>> {
+        gguf::metadata(self, vocab_size)
     }
 
     /// Writes `tokenizer.json` and `tokenizer_config.json` (special tokens, chat template) into
