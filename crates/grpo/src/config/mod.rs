@@ -175,7 +175,7 @@ fn parse_doc(text: &str, format: Format, origin: &str) -> Result<BTreeMap<String
             if text.trim().is_empty() {
                 Value::Object(Default::default())
             } else {
-                serde_yaml::from_str(text)
+                serde_yaml_ng::from_str(text)
                     .map_err(|e| Error::file(origin, format!("invalid YAML: {e}")))?
             }
         }

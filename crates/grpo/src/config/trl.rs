@@ -926,7 +926,7 @@ mod tests {
         for (key, origin, default) in trl_keys() {
             let mut doc = serde_json::Map::new();
             doc.insert(key.clone(), default.clone());
-            let yaml = serde_yaml::to_string(&Value::Object(doc)).unwrap();
+            let yaml = serde_yaml_ng::to_string(&Value::Object(doc)).unwrap();
             if let Err(e) = TrainConfig::from_str(&yaml, Format::Yaml, "trl.yaml", &[]) {
                 bad.push(format!("{key} ({origin}) = {default}: {e}"));
             }
