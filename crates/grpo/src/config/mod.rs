@@ -34,7 +34,7 @@ use sections::{is_key, suggest, Sections, KEYS};
 pub use sections::{
     reference, Data, Generation, KeyDoc, Logging, Lora, Loss, Run, TaskConfig, Update,
 };
-pub use trl::{ignore_reason, ignored_trl_keys, trl_key, TrlKey};
+pub use trl::{ignore_reason, ignored_trl_keys, trl_key, TrlKey, DEFAULT_DIFFERENCES};
 pub use values::{DTypeOpt, DeviceSpec, MaskRatio, PolicyType, SpanLen};
 
 /// The embedded default run (`grpo train` with no arguments).
@@ -131,6 +131,9 @@ pub struct TrainConfig {
     pub rewards: Vec<RewardSpec>,
     /// TRL/HF keys that were given and are ignored here.
     pub ignored_keys: Vec<String>,
+    /// A config written for TRL that leaves some of grpo's differing defaults
+    /// ([`DEFAULT_DIFFERENCES`]) unset: those keys, warned about at the start of the run.
+    pub trl_defaults_relied_on: Vec<&'static str>,
     /// TRL's `resume_from_checkpoint = true`: resume as `--resume` does.
     pub resume_from_checkpoint: bool,
     /// Extra chat-template variables (TRL's `chat_template_kwargs`, e.g. `enable_thinking`).
@@ -279,6 +282,8 @@ impl TrainConfig {
     ) -> Result<TrainConfig> {
         let doc = parse_doc(text, format, origin)?;
         trl::Translation::check_doc(&doc)?;
+        let trl_style = trl::names_trl_keys(&doc, format == Format::Yaml);
+        let mut given = std::collections::BTreeSet::new();
         let mut merged: BTreeMap<String, Value> = KEYS
             .iter()
             .filter(|k| !k.default.is_empty())
@@ -302,6 +307,7 @@ impl TrainConfig {
                 };
             } else if is_key(&k) {
                 trl.answer_field_given |= k == "answer_field";
+                given.insert(k.clone());
                 merged.insert(k, v);
             } else {
                 return Err(Error::config(
@@ -333,6 +339,7 @@ impl TrainConfig {
             ));
         }
         cfg.ignored_keys = std::mem::take(&mut trl.ignored);
+        cfg.trl_defaults_relied_on = trl::defaults_relied_on(trl_style, &given);
         cfg.resume_from_checkpoint = trl.resume_requested;
         cfg.chat_template_kwargs = trl.template_kwargs.clone();
         let mut resolved = merged;
@@ -560,6 +567,7 @@ impl TrainConfig {
             masking,
             rewards: vec![],
             ignored_keys: vec![],
+            trl_defaults_relied_on: vec![],
             resume_from_checkpoint: false,
             chat_template_kwargs: Default::default(),
             resolved: BTreeMap::new(),

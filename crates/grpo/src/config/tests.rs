@@ -763,3 +763,43 @@ fn best_model_and_dynamic_sampling_keys() {
     // Unset keys stay out of the resolved config, so older runs resolve as before.
     assert!(!c.to_toml().contains("dynamic_sampling"));
 }
+
+#[test]
+fn a_trl_config_is_told_which_differing_defaults_it_relies_on() {
+    // A TRL YAML that sets two of the keys whose defaults differ: the others are listed.
+    let c = load(
+        "learning_rate: 1.0e-5\nmax_completion_length: 512\nlogging_steps: 10\n",
+        Format::Yaml,
+        &[],
+    )
+    .unwrap();
+    assert_eq!(
+        c.trl_defaults_relied_on,
+        [
+            "num_train_epochs",
+            "max_prompt_length",
+            "gradient_checkpointing",
+            "log_completions",
+            "report_to",
+            "output_dir"
+        ]
+    );
+    // A TOML of grpo's own keys is not a TRL config; one naming a TRL-only key is.
+    assert!(load("beta = 0.04", Format::Toml, &[])
+        .unwrap()
+        .trl_defaults_relied_on
+        .is_empty());
+    let c = load("use_vllm = false", Format::Toml, &["--num_train_epochs=3"]).unwrap();
+    assert!(c.trl_defaults_relied_on.contains(&"report_to"));
+    assert!(!c.trl_defaults_relied_on.contains(&"num_train_epochs"));
+    // Every listed key is a grpo key, with the default the table says.
+    for (key, ours, _, _) in DEFAULT_DIFFERENCES {
+        let doc = KEYS.iter().find(|k| k.key == *key).unwrap();
+        let shown = doc.default.trim_matches('"');
+        assert!(
+            shown == *ours || doc.default == *ours || shown.trim_end_matches(".0") == *ours,
+            "{key}: table says {ours}, the key's default is {}",
+            doc.default
+        );
+    }
+}

@@ -12,6 +12,47 @@ use super::values::{expected, DeviceSpec};
 use crate::{Error, Result};
 
 /// TRL's, PEFT's and the seeds' names for grpo's keys (the value is used as it is).
+/// grpo's defaults that differ from TRL 1.16's GRPOConfig, kept deliberately: `(key, grpo's
+/// default, TRL's default, why)`. A config that names TRL keys and leaves one of these unset is
+/// told at the start of the run ([`defaults_relied_on`]); docs/config.md has the same table.
+pub const DEFAULT_DIFFERENCES: &[(&str, &str, &str, &str)] = &[
+    ("num_train_epochs", "1", "3", "a GRPO run is usually sized by max_steps; one pass keeps a run left unsized short"),
+    ("max_completion_length", "256", "512", "each token costs a decoding step on the CPU; set it to what the task needs"),
+    ("max_prompt_length", "512", "none (TRL 1.16 keeps whole prompts)", "bounds a round's memory; -1 keeps whole prompts as TRL does"),
+    ("gradient_checkpointing", "false", "true", "on the CPU, recomputing each block costs a forward and saves little; turn it on for large models on a GPU"),
+    ("logging_steps", "1", "10", "every step's metrics are cheap, and the report's plots and the health checks read them"),
+    ("log_completions", "true", "false", "completions.jsonl is how you see what the model writes"),
+    ("report_to", "[\"tensorboard\"]", "none", "local event files, no service needed"),
+    ("output_dir", "runs/grpo", "trainer_output", "grpo's runs go under runs/"),
+];
+
+/// The keys of [`DEFAULT_DIFFERENCES`] that a config naming TRL keys (`trl_style`) leaves at
+/// grpo's default, given the keys it sets.
+pub fn defaults_relied_on(
+    trl_style: bool,
+    given: &std::collections::BTreeSet<String>,
+) -> Vec<&'static str> {
+    if !trl_style {
+        return vec![];
+    }
+    DEFAULT_DIFFERENCES
+        .iter()
+        .map(|d| d.0)
+        .filter(|k| !given.contains(*k))
+        .collect()
+}
+
+/// Whether a config document is written for TRL: YAML (TRL's format), or a key that only TRL
+/// or HF's TrainingArguments has.
+pub fn names_trl_keys(doc: &BTreeMap<String, Value>, yaml: bool) -> bool {
+    yaml || doc.keys().any(|k| {
+        matches!(
+            trl_key(k),
+            Some(TrlKey::Alias(_) | TrlKey::Mapped(_) | TrlKey::Ignored(_))
+        )
+    })
+}
+
 const ALIASES: &[(&str, &str)] = &[
     ("model_name_or_path", "model"),
     ("num_generations_eval", "eval_num_samples"),

@@ -233,6 +233,18 @@ fn process_device(cfg: &TrainConfig, world: &dyn World) -> Result<Device> {
             lines.join("\n")
         );
     }
+    if main && !cfg.trl_defaults_relied_on.is_empty() {
+        let lines: Vec<String> = crate::config::DEFAULT_DIFFERENCES
+            .iter()
+            .filter(|d| cfg.trl_defaults_relied_on.contains(&d.0))
+            .map(|(k, ours, theirs, why)| format!("  {k} = {ours} (TRL: {theirs}): {why}"))
+            .collect();
+        tracing::warn!(
+            "this config is written for TRL and relies on grpo defaults that differ from TRL \
+             1.16's (set them to keep TRL's; docs/config.md lists them):\n{}",
+            lines.join("\n")
+        );
+    }
     if let Some(k) = cfg.run.kernels {
         grpo_models::kernels::set_kernels(k);
     }
