@@ -86,7 +86,8 @@ pub fn write_copied_model(dir: &Path, export: &CopiedExport) -> Result<()> {
 pub struct CheckpointData<'a> {
     pub step: u64,
     pub model: ModelFiles<'a>,
-    pub optimizer: &'a [(String, Tensor)],
+    /// The AdamW state; `None` (`save_only_model`): the checkpoint cannot be resumed from.
+    pub optimizer: Option<&'a [(String, Tensor)]>,
     pub trainer_state: &'a serde_json::Value,
     pub config_toml: &'a str,
 }
@@ -327,7 +328,9 @@ pub fn save_checkpoint(
             }
         }
         grpo_models::faults::kill_point("checkpoint.model_written");
-        save_tensors(&tmp.join("optimizer.safetensors"), data.optimizer)?;
+        if let Some(optimizer) = data.optimizer {
+            save_tensors(&tmp.join("optimizer.safetensors"), optimizer)?;
+        }
         let state = serde_json::to_vec_pretty(data.trainer_state).unwrap_or_default();
         write_file(&tmp.join("trainer_state.json"), &state)?;
         write_file(&tmp.join("config.toml"), data.config_toml.as_bytes())
@@ -406,6 +409,14 @@ pub fn load_checkpoint(dir: &Path, device: &Device) -> Result<LoadedCheckpoint> 
         .and_then(|n| step_of(&n.to_string_lossy()))
         .ok_or_else(|| Error::file(dir, "not a checkpoint-<step> directory"))?;
     let opt_path = dir.join("optimizer.safetensors");
+    if !opt_path.exists() && dir.join("trainer_state.json").is_file() {
+        return Err(Error::checkpoint(
+            dir,
+            "has no optimizer state (saved with save_only_model = true), so --resume cannot \
+             continue it exactly; start a new run from its weights instead (model = this \
+             directory, without --resume)",
+        ));
+    }
     let optimizer = candle_core::safetensors::load(&opt_path, device).map_err(|e| {
         Error::file(
             &opt_path,
@@ -535,7 +546,7 @@ mod tests {
                 generation_config: None,
                 eos_token_ids: &[2],
             }),
-            optimizer: opt,
+            optimizer: Some(opt),
             trainer_state: st,
             config_toml: "seed = 1\n",
         }

@@ -1113,3 +1113,44 @@ fn bf16_mixed_precision_trains_and_resumes_exactly() {
         }
     }
 }
+
+/// TRL's `save_only_model` writes checkpoints without the AdamW state, which `--resume` then
+/// refuses with the reason; `save_strategy = "no"` writes none.
+#[test]
+fn save_only_model_and_save_strategy_no() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    tiny_model(&model);
+    let out = tmp.path().join("only-model");
+    let cfg = config(&model, &out, "save_only_model = true");
+    train(&cfg, &RunControl::default()).unwrap();
+    let ck = out.join("checkpoint-4");
+    assert!(ck.join("model.safetensors").is_file());
+    assert!(ck.join("trainer_state.json").is_file());
+    assert!(!ck.join("optimizer.safetensors").exists());
+    let e = train(
+        &config_with(&model, &out, "save_only_model = true", &["--max_steps=6"]),
+        &RunControl {
+            resume: true,
+            ..Default::default()
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("save_only_model") && e.contains("checkpoint-4"),
+        "{e}"
+    );
+
+    let out = tmp.path().join("no-save");
+    let cfg = config(&model, &out, "save_strategy = \"no\"");
+    let outcome = train(&cfg, &RunControl::default()).unwrap();
+    assert_eq!(outcome.steps, 4);
+    assert!(outcome.last_checkpoint.is_none());
+    let dirs: Vec<_> = std::fs::read_dir(&out)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("checkpoint-"))
+        .collect();
+    assert!(dirs.is_empty(), "{dirs:?}");
+}

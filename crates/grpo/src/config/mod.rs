@@ -35,7 +35,7 @@ pub use sections::{
     reference, Data, Generation, KeyDoc, Logging, Lora, Loss, Run, TaskConfig, Update,
 };
 pub use trl::{ignore_reason, ignored_trl_keys, trl_key, TrlKey, DEFAULT_DIFFERENCES};
-pub use values::{DTypeOpt, DeviceSpec, MaskRatio, PolicyType, SpanLen};
+pub use values::{DTypeOpt, DeviceSpec, MaskRatio, PolicyType, SaveStrategy, SpanLen};
 
 /// The embedded default run (`grpo train` with no arguments).
 pub const DEFAULT_CONFIG: &str = include_str!("../../configs/default.toml");

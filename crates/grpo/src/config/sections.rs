@@ -9,7 +9,9 @@ use std::path::PathBuf;
 
 use serde_json::Value;
 
-use super::values::{self, DTypeOpt, DeviceSpec, FromValue, MaskRatio, PolicyType, SpanLen};
+use super::values::{
+    self, DTypeOpt, DeviceSpec, FromValue, MaskRatio, PolicyType, SaveStrategy, SpanLen,
+};
 use crate::advantages::{RewardAggregation, ScaleRewards};
 use crate::loss::{
     AdaptiveEntropy, AdaptiveKlCfg, IsLevel, KlMode, LossOptions, LossType, VespoParams,
@@ -302,6 +304,8 @@ sections! {
         log_completions_steps: usize = "10", "every N generation rounds";
         num_completions_to_print: usize = "2", "samples shown on the console when completions are logged";
         save_steps: usize = "500", "checkpoint every N steps (0: only at the end)";
+        save_strategy: SaveStrategy = "" unset "\"steps\"", "when checkpoints are written: steps (every save_steps, at the end, and when asked to stop; TRL's epoch and best save the same way) or no (never: the trained model is not saved); unset: steps";
+        save_only_model: bool = "" unset "false", "checkpoints without the AdamW state (a full fine-tune's checkpoint is then a third of the size), which --resume then cannot continue from (unset: false)";
         save_total_limit: Option<usize> = "", "keep only the newest N checkpoints";
         eval_steps: usize = "0", "evaluate on the held-out prompts every N steps (0: off)";
         eval_num_prompts: Option<usize> = "", "held-out prompts per evaluation (unset: all)";

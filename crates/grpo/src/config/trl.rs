@@ -283,14 +283,6 @@ const IGNORED: &[(&str, &str)] = &[
     ("do_train", "grpo train trains"),
     ("do_eval", "evaluation runs every eval_steps (0: off)"),
     ("do_predict", "grpo eval evaluates a model"),
-    (
-        "save_strategy",
-        "grpo saves every save_steps steps and at the end",
-    ),
-    (
-        "save_only_model",
-        "checkpoints hold what exact resume needs",
-    ),
     ("save_on_each_node", "rank 0 writes checkpoints"),
     (
         "enable_jit_checkpoint",

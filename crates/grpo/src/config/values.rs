@@ -284,6 +284,7 @@ named_values!(
     IsLevel,
     LrSchedule,
     RewardAggregation,
+    SaveStrategy,
     PolicyType = PolicyType::CausalLm
 );
 
@@ -350,6 +351,20 @@ impl FromValue for Option<QuantType> {
     }
     fn from_value(v: Option<&Value>) -> Res<Self> {
         choice(v, QUANT_CHOICES)
+    }
+}
+
+crate::named::named_enum! {
+    /// When checkpoints are written (`save_strategy`, TRL's names).
+    pub enum SaveStrategy {
+        /// Every `save_steps` steps, at the end, and when the run is asked to stop.
+        Steps = "steps",
+        /// The same (grpo's checkpoints are step-based; an epoch's end is not one of them).
+        Epoch = "epoch",
+        /// The same, the best by `metric_for_best_model` kept as with `steps`.
+        Best = "best",
+        /// Never: no checkpoint, so the trained model is not saved.
+        No = "no",
     }
 }
 

@@ -16,6 +16,7 @@ use super::setup::Run;
 use super::update::StepStats;
 use super::world::World;
 use super::{Console, RunControl, TrainOutcome};
+use crate::config::SaveStrategy;
 use crate::data;
 use crate::rewards::Reward;
 use crate::rollout::Episode;
@@ -129,7 +130,8 @@ impl AfterRound {
                 r.opts.updates_per_round,
                 cfg.logging.save_steps as u64,
             );
-        if main && (periodic || at_end || stop_now) {
+        let saves = cfg.logging.save_strategy != SaveStrategy::No;
+        if main && saves && (periodic || at_end || stop_now) {
             // metric_for_best_model: this checkpoint is the best when this round's eval is.
             let new_best = r
                 .opts

@@ -593,7 +593,7 @@ impl<P: Policy> Run<'_, P> {
             &CheckpointData {
                 step: self.state.step,
                 model: self.policy.model_files(&tensors, &self.tok),
-                optimizer: &optimizer,
+                optimizer: (!self.cfg.logging.save_only_model).then_some(optimizer.as_slice()),
                 trainer_state: &trainer_state,
                 config_toml: &self.config_toml,
             },
