@@ -49,6 +49,26 @@ use crate::{Error, Result};
 // ---------------------------------------------------------------------------------------------
 // Options
 
+/// The table keys of a scorer program's kind: its own (`$own`) and the process options every
+/// scorer program takes ([`CommandSpec::with_options`]).
+macro_rules! process_keys {
+    ($($own:literal),*) => {
+        &[
+            $($own,)*
+            "timeout_s",
+            "processes",
+            "max_in_flight",
+            "batch_size",
+            "cwd",
+            "env",
+            "max_restarts",
+            "cpu_seconds",
+            "memory_mb",
+            "no_network",
+        ]
+    };
+}
+
 /// The options of a `kind = "command"` reward.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CommandSpec {
@@ -79,20 +99,7 @@ pub struct CommandSpec {
 
 impl CommandSpec {
     /// The keys of a `kind = "command"` table besides `kind`, `name` and `weight`.
-    pub const KEYS: &'static [&'static str] = &[
-        "command",
-        "timeout_s",
-        "processes",
-        "max_in_flight",
-        "batch_size",
-        "cwd",
-        "env",
-        "max_restarts",
-        "cpu_seconds",
-        "memory_mb",
-        "no_network",
-    ];
-
+    pub const KEYS: &'static [&'static str] = process_keys!("command");
     /// A spec with every option at its default.
     pub fn new(command: Vec<String>) -> Self {
         CommandSpec {
@@ -131,21 +138,7 @@ impl CommandSpec {
 
     /// The keys of a `kind = "python"` table besides `kind`, `name` and `weight`: the
     /// function, the interpreter, and a command's process options.
-    pub const PYTHON_KEYS: &'static [&'static str] = &[
-        "function",
-        "python",
-        "timeout_s",
-        "processes",
-        "max_in_flight",
-        "batch_size",
-        "cwd",
-        "env",
-        "max_restarts",
-        "cpu_seconds",
-        "memory_mb",
-        "no_network",
-    ];
-
+    pub const PYTHON_KEYS: &'static [&'static str] = process_keys!("function", "python");
     /// A TRL-style Python reward function, `f(prompts, completions, answer=..., **columns) ->
     /// list[float | None]`, served unchanged by grpo's adapter (`examples/scorers/trl_adapter.py`,
     /// embedded) through the scorer protocol: `function` is `path/to/file.py:name`, `pkg.module:name`
