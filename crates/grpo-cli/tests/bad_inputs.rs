@@ -244,7 +244,7 @@ fn cases() -> Vec<Case> {
         c("reward weights count", toml("reward_weights = [1.0, 2.0, 3.0]", "[[rewards]]\nkind = \"answer_match\"\n"), train, &["reward_weights"]),
         c("length reward negative", toml("", "[[rewards]]\nkind = \"length\"\nmax_length = -5\n"), resolve, &["max_length"]),
         c("duplicate reward names", toml("", "[[rewards]]\nkind = \"answer_match\"\nname = \"a\"\n[[rewards]]\nkind = \"answer_match\"\nname = \"a\"\n"), resolve, &["a"]),
-        c("python reward function", toml("reward_funcs = [\"my.module.func\"]", ""), resolve, &["my.module.func", "command"]),
+        c("python reward function misnamed", toml("reward_funcs = [\"my.module:2bad\"]", ""), resolve, &["my.module:2bad", "module.function"]),
         c("unknown TRL reward", toml("reward_funcs = [\"psychic_reward\"]", ""), resolve, &["psychic_reward"]),
         // ---- command-line arguments
         c("resume without a checkpoint", nothing(), &["train", "--model={model}", "--output_dir={d}/typo/dir", "--resume"], &["typo/dir", "--resume"]),
