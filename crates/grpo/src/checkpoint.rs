@@ -409,7 +409,11 @@ pub fn load_checkpoint(dir: &Path, device: &Device) -> Result<LoadedCheckpoint> 
         .and_then(|n| step_of(&n.to_string_lossy()))
         .ok_or_else(|| Error::file(dir, "not a checkpoint-<step> directory"))?;
     let opt_path = dir.join("optimizer.safetensors");
-    if !opt_path.exists() && dir.join("trainer_state.json").is_file() {
+    // A checkpoint saved with save_only_model (its config says so) has no optimizer state by
+    // design; any other without one is broken (the error below names the file).
+    let saved_only_model = std::fs::read_to_string(dir.join("config.toml"))
+        .is_ok_and(|t| t.lines().any(|l| l.trim() == "save_only_model = true"));
+    if !opt_path.exists() && saved_only_model {
         return Err(Error::checkpoint(
             dir,
             "has no optimizer state (saved with save_only_model = true), so --resume cannot \
