@@ -441,6 +441,47 @@ def level_bonus(prompts, completions, level, **kwargs):
     );
 }
 
+/// examples/configs/trl_grpo.yaml, a config written as TRL's docs write one with its reward
+/// functions in a Python file, trains as shipped from the repository's root (here on a tiny model,
+/// one step).
+#[test]
+fn the_trl_style_example_trains_as_shipped() {
+    let python = std::env::var("GRPO_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
+    if Command::new(&python).arg("-c").arg("1").output().is_err() {
+        eprintln!("skipped: no `{python}` to run the reward functions (set GRPO_TEST_PYTHON)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    tiny_model(&model);
+    let out = dir.path().join("run");
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let o = Command::new(env!("CARGO_BIN_EXE_grpo"))
+        .args(["train", "--config", "examples/configs/trl_grpo.yaml"])
+        .arg(format!("--model={}", model.display()))
+        .arg(format!("--output_dir={}", out.display()))
+        .args([
+            "--max_steps=1",
+            "--per_device_train_batch_size=8",
+            "--max_completion_length=6",
+            "--task.train_size=16",
+            "--task.eval_size=4",
+            "--threads=2",
+        ])
+        .current_dir(&root)
+        .env("RUST_LOG", "warn")
+        .env("GRPO_PYTHON", &python)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let m = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let last: serde_json::Value = serde_json::from_str(m.lines().last().unwrap()).unwrap();
+    for k in ["rewards/correct/mean", "rewards/short_answer/mean"] {
+        assert!(last[k].as_f64().is_some(), "{k} not in {last}");
+    }
+    assert!(out.join("checkpoint-1").is_dir());
+}
+
 #[path = "../../grpo/tests/support/tiny_llama.rs"]
 mod support;
 

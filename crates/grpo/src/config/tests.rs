@@ -792,6 +792,9 @@ fn a_trl_config_is_told_which_differing_defaults_it_relies_on() {
     let c = load("use_vllm = false", Format::Toml, &["--num_train_epochs=3"]).unwrap();
     assert!(c.trl_defaults_relied_on.contains(&"report_to"));
     assert!(!c.trl_defaults_relied_on.contains(&"num_train_epochs"));
+    // max_steps sizes the run: num_train_epochs is not relied on.
+    let c = load("use_vllm = false", Format::Toml, &["--max_steps=5"]).unwrap();
+    assert!(!c.trl_defaults_relied_on.contains(&"num_train_epochs"));
     // Every listed key is a grpo key, with the default the table says.
     for (key, ours, _, _) in DEFAULT_DIFFERENCES {
         let doc = KEYS.iter().find(|k| k.key == *key).unwrap();

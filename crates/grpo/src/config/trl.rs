@@ -39,6 +39,8 @@ pub fn defaults_relied_on(
         .iter()
         .map(|d| d.0)
         .filter(|k| !given.contains(*k))
+        // A run sized by max_steps does not read num_train_epochs.
+        .filter(|k| !(*k == "num_train_epochs" && given.contains("max_steps")))
         .collect()
 }
 
