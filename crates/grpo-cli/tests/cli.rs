@@ -320,17 +320,26 @@ fn rewards_check_prints_a_table_and_json() {
     );
 }
 
+/// The Python that runs reward functions (`GRPO_TEST_PYTHON`, else `python3`), or None with a
+/// line saying the test was skipped.
+fn reward_python() -> Option<String> {
+    let python = std::env::var("GRPO_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
+    if Command::new(&python).arg("-c").arg("1").output().is_err() {
+        eprintln!("skipped: no `{python}` to run the reward functions (set GRPO_TEST_PYTHON)");
+        return None;
+    }
+    Some(python)
+}
+
 /// A TRL user's reward functions, unchanged: a file written as TRL's docs write one (two
 /// functions, one reading a dataset column), named in `reward_funcs` as a dotted import path and
 /// as `file.py:function`, give through `grpo rewards check` exactly what calling them in Python
 /// gives.
 #[test]
 fn trl_python_reward_functions_score_as_in_python() {
-    let python = std::env::var("GRPO_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
-    if Command::new(&python).arg("-c").arg("1").output().is_err() {
-        eprintln!("skipped: no `{python}` to run the reward functions (set GRPO_TEST_PYTHON)");
+    let Some(python) = reward_python() else {
         return;
-    }
+    };
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(
         dir.path().join("my_rewards.py"),
@@ -446,11 +455,9 @@ def level_bonus(prompts, completions, level, **kwargs):
 /// one step).
 #[test]
 fn the_trl_style_example_trains_as_shipped() {
-    let python = std::env::var("GRPO_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
-    if Command::new(&python).arg("-c").arg("1").output().is_err() {
-        eprintln!("skipped: no `{python}` to run the reward functions (set GRPO_TEST_PYTHON)");
+    let Some(python) = reward_python() else {
         return;
-    }
+    };
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("model");
     tiny_model(&model);
