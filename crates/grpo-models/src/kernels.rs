@@ -133,6 +133,15 @@ impl Kernels {
     }
 }
 
+/// Whether `GRPO_PROFILE` asks for phase timers synchronized with the device (read once): a GPU
+/// runs kernels asynchronously, so a timer without a synchronization measures only launches.
+pub fn profiling() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var("GRPO_PROFILE").is_ok_and(|v| !matches!(v.trim(), "" | "0" | "false"))
+    })
+}
+
 /// 0: not read yet; 1: fused; 2: portable.
 static KERNELS: AtomicU8 = AtomicU8::new(0);
 

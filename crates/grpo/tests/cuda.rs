@@ -176,14 +176,16 @@ const SPREAD_REWARDS: &str =
     [[rewards]]\nkind = \"format\"\npattern = \"on\"\nname = \"has_on\"\n\
     [[rewards]]\nkind = \"format\"\npattern = \"th\"\nname = \"has_th\"\n";
 
-/// metrics.jsonl's training rows, without timings and memory readings.
+/// metrics.jsonl's training rows, without timings, throughput and memory readings.
 fn step_rows(dir: &std::path::Path) -> Vec<serde_json::Map<String, Value>> {
     std::fs::read_to_string(dir.join("metrics.jsonl"))
         .unwrap()
         .lines()
         .filter_map(|l| match serde_json::from_str::<Value>(l).unwrap() {
             Value::Object(mut o) if o.contains_key("loss") => {
-                o.retain(|k, _| !k.starts_with("time") && !k.starts_with("memory/"));
+                o.retain(|k, _| {
+                    !k.starts_with("time") && !k.starts_with("memory/") && k != "tokens_per_second"
+                });
                 Some(o)
             }
             _ => None,

@@ -13,6 +13,10 @@
 //! dQ = dS k       dK += dS^T q
 //! ```
 //!
+//! The attention is causal (a causal LM's: query `i` of `S` reads no key slot after
+//! `Tk - S + i`), so a chunk of queries scores only the keys up to its last query's: about half
+//! of the `[S, Tk]` scores of a row for a training forward.
+//!
 //! Grouped KV heads are read without copying K/V: query heads `j*g .. (j+1)*g` fold into the
 //! query axis of kv head `j`. Half-precision inputs multiply in their dtype; scores, softmax and
 //! the accumulated dK/dV are f32 (f64 stays f64), as in the all-at-once path this replaces.
@@ -33,8 +37,9 @@ pub fn chunk_queries(b: usize, h: usize, s: usize, tk: usize) -> usize {
 }
 
 /// `q` [B, H, S, D], `k`/`v` [B, Hkv, Tk, D], `mask` additive [B, 1, S, Tk] (broadcast over
-/// heads) -> [B, H, S, D] in `v`'s dtype. With `record`, the result takes part in the graph (its
-/// backward recomputes; see the module docs).
+/// heads) and causal: query `i` may read key slots up to `Tk - S + i` only (later ones are not
+/// scored at all) -> [B, H, S, D] in `v`'s dtype. With `record`, the result takes part in the
+/// graph (its backward recomputes; see the module docs).
 pub fn attention(
     q: &Tensor,
     k: &Tensor,
@@ -81,24 +86,32 @@ fn fold(x: &Tensor, s0: usize, n: usize) -> Result<Tensor> {
 }
 
 impl Chunked {
-    /// The mask of query chunk `[s0, s0+n)` for `g` query heads per kv head: [B, 1, g*n, Tk].
-    fn mask_chunk(&self, g: usize, s0: usize, n: usize, f: DType) -> Result<Tensor> {
-        let (b, _, _, tk) = self.mask.dims4()?;
-        let m = self.mask.narrow(2, s0, n)?.to_dtype(f)?; // [B, 1, n, Tk]
+    /// Key slots query chunk `[s0, s0+n)` reads: `0 .. Tk - S + s0 + n` (causal).
+    fn keys(&self, s0: usize, n: usize) -> Result<usize> {
+        let (_, _, s, tk) = self.mask.dims4()?;
+        Ok((tk - s.min(tk) + s0 + n).min(tk))
+    }
+
+    /// The mask of query chunk `[s0, s0+n)` over its first `kn` keys, for `g` query heads per kv
+    /// head: [B, 1, g*n, kn].
+    fn mask_chunk(&self, g: usize, s0: usize, n: usize, kn: usize, f: DType) -> Result<Tensor> {
+        let b = self.mask.dim(0)?;
+        let m = self.mask.narrow(2, s0, n)?.narrow(3, 0, kn)?.to_dtype(f)?; // [B, 1, n, kn]
         if g == 1 {
             return m.contiguous();
         }
         m.unsqueeze(2)?
-            .broadcast_as((b, 1, g, n, tk))?
-            .reshape((b, 1, g * n, tk))
+            .broadcast_as((b, 1, g, n, kn))?
+            .reshape((b, 1, g * n, kn))
     }
 
-    /// Scaled, masked scores of one folded query chunk, f32 (f64 stays f64): [B, Hkv, g*n, Tk].
+    /// Scaled, masked scores of one folded query chunk over the keys `k` [B, Hkv, kn, D] it
+    /// reads, f32 (f64 stays f64): [B, Hkv, g*n, kn].
     fn scores(&self, qc: &Tensor, k: &Tensor, g: usize, s0: usize, n: usize) -> Result<Tensor> {
-        let raw = (qc.matmul(&k.t()?)? * self.scale)?; // [B, Hkv, g*n, Tk]
+        let raw = (qc.matmul(&k.t()?)? * self.scale)?; // [B, Hkv, g*n, kn]
         let f = reduce_dtype(raw.dtype());
         raw.to_dtype(f)?
-            .broadcast_add(&self.mask_chunk(g, s0, n, f)?)
+            .broadcast_add(&self.mask_chunk(g, s0, n, k.dim(2)?, f)?)
     }
 
     fn dims(q: &Tensor, k: &Tensor) -> Result<(usize, usize, usize, usize, usize)> {
@@ -121,12 +134,14 @@ impl Chunked {
         while s0 < s {
             let n = self.chunk.min(s - s0);
             let qc = fold(&q5, s0, n)?; // [B, Hkv, g*n, D]
-            let z = self.scores(&qc, &k, g, s0, n)?; // [B, Hkv, g*n, Tk] f32
+            let kn = self.keys(s0, n)?;
+            let (kc, vc) = (k.narrow(2, 0, kn)?, v.narrow(2, 0, kn)?); // [B, Hkv, kn, D]
+            let z = self.scores(&qc, &kc, g, s0, n)?; // [B, Hkv, g*n, kn] f32
             let max = z.max_keepdim(D::Minus1)?; // [B, Hkv, g*n, 1]
             let e = z.broadcast_sub(&max)?.exp()?;
             let sum = e.sum_keepdim(D::Minus1)?;
             let p = e.broadcast_div(&sum)?.to_dtype(v.dtype())?;
-            let o = p.matmul(&v)?; // [B, Hkv, g*n, D]
+            let o = p.matmul(&vc)?; // [B, Hkv, g*n, D]
             outs.push(o.reshape((b, hkv, g, n, d))?);
             lses.push((max + sum.log()?)?.reshape((b, hkv, g, n, 1))?);
             s0 += n;
@@ -171,14 +186,18 @@ impl Backward for Chunked {
             let doc = fold(&do5, s0, n)?;
             let oc = fold(&o5, s0, n)?;
             let lc = fold(lse, s0, n)?; // [B, Hkv, g*n, 1]
-            let p = self.scores(&qc, &k, g, s0, n)?.broadcast_sub(&lc)?.exp()?; // f32
+            let kn = self.keys(s0, n)?;
+            let (kc, vc) = (k.narrow(2, 0, kn)?, v.narrow(2, 0, kn)?); // [B, Hkv, kn, D]
+                                                                       // A chunk's dK / dV cover its kn keys; the rest of the Tk slots get zeros.
+            let to_tk = |x: Tensor| x.to_dtype(f)?.pad_with_zeros(2, 0, tk - kn);
+            let p = self.scores(&qc, &kc, g, s0, n)?.broadcast_sub(&lc)?.exp()?; // f32
             let doc_v = doc.to_dtype(v.dtype())?;
-            dv = (dv + p.to_dtype(v.dtype())?.t()?.matmul(&doc_v)?.to_dtype(f)?)?;
-            let dp = doc_v.matmul(&v.t()?)?.to_dtype(f)?; // [B, Hkv, g*n, Tk]
+            dv = (dv + to_tk(p.to_dtype(v.dtype())?.t()?.matmul(&doc_v)?)?)?;
+            let dp = doc_v.matmul(&vc.t()?)?.to_dtype(f)?; // [B, Hkv, g*n, kn]
             let rows = (doc.to_dtype(f)? * oc.to_dtype(f)?)?.sum_keepdim(D::Minus1)?; // [B, Hkv, g*n, 1]
             let ds = ((p * dp.broadcast_sub(&rows)?)? * self.scale)?.to_dtype(q.dtype())?;
-            dqs.push(ds.matmul(&k)?.reshape((b, hkv, g, n, d))?);
-            dk = (dk + ds.t()?.matmul(&qc)?.to_dtype(f)?)?;
+            dqs.push(ds.matmul(&kc)?.reshape((b, hkv, g, n, d))?);
+            dk = (dk + to_tk(ds.t()?.matmul(&qc)?)?)?;
             s0 += n;
         }
         let dq = Tensor::cat(&dqs, 3)?.reshape((b, hkv * g, s, d))?;

@@ -232,6 +232,16 @@ fn need<T>(v: Option<T>, key: &str, path: &Path) -> Result<T> {
 }
 
 impl ModelConfig {
+    /// The parameter count of the blocks' projections and the embedding (norms and biases left
+    /// out): what sizes a model's training state.
+    pub fn approx_params(&self) -> u64 {
+        let (h, i) = (self.hidden_size as u64, self.intermediate_size as u64);
+        let q = (self.num_heads * self.head_dim) as u64;
+        let kv = (self.num_kv_heads * self.head_dim) as u64;
+        let block = h * q + 2 * h * kv + q * h + 3 * h * i;
+        self.num_layers as u64 * block + self.vocab_size as u64 * h
+    }
+
     /// Reads an HF `config.json`.
     pub fn from_hf_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path)
@@ -959,6 +969,19 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("layer_types"), "{err}");
+    }
+
+    /// SmolLM2-135M's shape counts 134.48M (HF reports 134.52M with the norms).
+    #[test]
+    fn approx_params_counts_projections_and_embedding() {
+        let c = ModelConfig::from_hf_json(
+            r#"{"model_type":"llama","vocab_size":49152,"hidden_size":576,"intermediate_size":1536,
+                "num_hidden_layers":30,"num_attention_heads":9,"num_key_value_heads":3,
+                "tie_word_embeddings":true}"#,
+            Path::new("config.json"),
+        )
+        .unwrap();
+        assert_eq!(c.approx_params(), 30 * 3_538_944 + 49152 * 576);
     }
 
     #[test]

@@ -974,7 +974,7 @@ impl AttnMask {
     }
 
     /// The additive mask `[B, 1, S, Tk]` for `s` queries over `tk` key slots.
-    fn to_dense(&self, s: usize, tk: usize, device: &Device) -> Result<Tensor> {
+    pub(crate) fn to_dense(&self, s: usize, tk: usize, device: &Device) -> Result<Tensor> {
         match self {
             AttnMask::Dense(m) | AttnMask::Spanned(m, _) => Ok(m.clone()),
             AttnMask::LeftPad(pad, _) => {

@@ -543,13 +543,27 @@ impl Model {
             Some(r) => Some(r.tables(positions, x.dtype())?),
             None => None,
         };
+        let s = ids.dim(1)?;
+        // Off the fused CPU path every layer would turn left padding into a dense mask on the
+        // host and upload it (a GPU's decoding step did that once per layer): do it once here.
+        let fused = self
+            .layers
+            .first()
+            .is_some_and(|l| l.self_attn.compute.is_fused());
+        let dense_once;
+        let mask = match (mask, cache.as_deref(), self.sliding_window) {
+            (AttnMask::LeftPad(..), Some(c), None) if !fused => {
+                dense_once = AttnMask::Dense(mask.to_dense(s, c.len() + s, ids.device())?);
+                &dense_once
+            }
+            _ => mask,
+        };
         let windowed = match self.sliding_window {
             Some(w) => {
                 Some(mask.windowed(w, Some(positions), cache.as_deref().map(|c| c.len()))?)
             }
             None => None,
         };
-        let s = ids.dim(1)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let slides = self.sliding.get(i).copied().unwrap_or(false);
             let mask = match (&windowed, slides) {

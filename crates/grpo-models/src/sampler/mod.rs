@@ -368,6 +368,9 @@ pub fn generate_streaming(
             if on_device {
                 let logits = model.decode_logits_tensor(&ids, &pos, &mask, &mut cache)?; // [b, V]
                 stats.decode_steps += 1;
+                if crate::kernels::profiling() {
+                    device.synchronize()?; // the forward's time is decode_s - sample_s
+                }
                 let ts = Instant::now();
                 step_rows_on_device(&mut rows, &batch, &logits, params, tokenizer)?;
                 stats.sample_s += ts.elapsed().as_secs_f64();

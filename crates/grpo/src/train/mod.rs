@@ -19,6 +19,7 @@ mod fill_in;
 mod health;
 mod metrics;
 mod policy;
+mod profile;
 mod round;
 mod setup;
 mod shard;

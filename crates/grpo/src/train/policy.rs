@@ -208,8 +208,8 @@ impl Policy for CausalLmPolicy {
         })
     }
 
-    /// On the fused CPU path the default; elsewhere sized to half the device's free memory now
-    /// ([`crate::logprobs::tokens_for_memory`]).
+    /// On the fused CPU path the default; elsewhere sized to a share of the device's free memory
+    /// now ([`crate::logprobs::activation_budget`], [`crate::logprobs::tokens_for_memory`]).
     fn forward_chunk_tokens(&self, gradient_checkpointing: bool) -> usize {
         let compute = grpo_models::kernels::Compute::resolve(&self.device, self.dtype);
         match (
@@ -224,7 +224,7 @@ impl Policy for CausalLmPolicy {
                 ),
                 self.dtype.size_in_bytes(),
                 gradient_checkpointing,
-                free / 2,
+                crate::logprobs::activation_budget(free, self.cfg.approx_params()),
             ),
             _ => crate::logprobs::DEFAULT_FORWARD_CHUNK_TOKENS,
         }

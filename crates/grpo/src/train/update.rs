@@ -9,6 +9,7 @@ use std::ops::Range;
 use candle_core::Tensor;
 
 use super::policy::{Policy, TrainForward};
+use super::profile::{lap, Laps};
 use super::world::World;
 use crate::logprobs::{forward_chunks, Entropy};
 use crate::loss::{grpo_loss, AdaptiveEntropy, LossInputs, LossOptions, MicroTotals, Reduction};
@@ -257,6 +258,7 @@ pub fn update_policy<P: Policy>(
 ) -> Result<StepStats> {
     let (mut grads, mut st) =
         policy_gradients(policy, batch, window, red, opts, dropout_stream, world)?;
+    let mut laps = grads.first().and_then(|g| Laps::start(g.device()));
     world.sum_grads(&mut grads)?;
     // Each rank's statistics are its share of the world's (global normalizers): sum them.
     let mut sums = st.shares_mut().map(|x| *x);
@@ -273,12 +275,18 @@ pub fn update_policy<P: Policy>(
         st.loss = f64::NAN;
     }
     grpo_models::faults::kill_point("update.before_step");
+    lap(&mut laps, "all-reduce");
     let (norm, scale) = clip_factor(&grads, opts.max_grad_norm)?;
+    lap(&mut laps, "clip");
     st.lr = lr;
     st.grad_norm = norm;
     st.finite = st.loss.is_finite() && norm.is_finite();
     if st.finite {
         opt.step(&grads, lr, scale)?;
+    }
+    lap(&mut laps, "adamw");
+    if let Some(l) = &laps {
+        l.report("optimizer");
     }
     Ok(st)
 }
@@ -308,6 +316,7 @@ pub fn policy_gradients<P: Policy>(
         .unwrap_or(candle_core::Device::Cpu);
     let mut grads: Vec<Option<Tensor>> = vec![None; vars.len()];
     let mut st = StepStats::default();
+    let mut laps = Laps::start(&device);
     let k = window.len() as f64;
     for range in window {
         grpo_models::faults::kill_point("update.micro_batch");
@@ -336,7 +345,9 @@ pub fn policy_gradients<P: Policy>(
         for part in forward_chunks(&prompts, &comps, chunk_tokens) {
             let part = range.start + part.start..range.start + part.end;
             let mb = batch.micro(part, &device)?;
+            lap(&mut laps, "inputs");
             let (mut logps, ents) = fwd.logprobs(&mb, opts.pad, opts.temperature, opts.entropy)?; // [n, Tc] f32
+            lap(&mut laps, "forward");
             if grpo_models::faults::fires("update.nan_logits") {
                 logps = (logps * f64::NAN)?;
             }
@@ -368,7 +379,9 @@ pub fn policy_gradients<P: Policy>(
             st.mean_logp += (logps.detach() * &mb.mask)?.sum_all()?.to_scalar::<f32>()? as f64
                 / totals.active_tokens.max(1.0)
                 / k;
+            lap(&mut laps, "loss");
             let mut g = out.loss.backward()?;
+            lap(&mut laps, "backward");
             super::trace_memory("a chunk's backward");
             // Take each gradient out of the store as it is added, so that at most one
             // parameter's chunk gradient is alive beside the accumulators. Every stored gradient
@@ -385,7 +398,11 @@ pub fn policy_gradients<P: Policy>(
                     });
                 }
             }
+            lap(&mut laps, "accumulate");
         }
+    }
+    if let Some(l) = &laps {
+        l.report(&format!("gradients ({} micro-batches)", window.len()));
     }
     let mut all = Vec::with_capacity(grads.len());
     for ((v, name), graph) in vars.iter().zip(policy.names()).zip(grads) {
