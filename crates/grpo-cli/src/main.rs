@@ -131,6 +131,10 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.downcast_ref::<train::Interrupted>().is_some() => {
+            let code = e.downcast_ref::<train::Interrupted>().map_or(1, |i| i.0);
+            ExitCode::from(code)
+        }
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE

@@ -80,9 +80,42 @@ pub fn run(a: TrainArgs) -> Result<()> {
     }
     if outcome.interrupted {
         println!("interrupted: continue with `grpo train --resume` and the same config");
+        let code = preempted_exit_code()?;
+        if code != 0 {
+            return Err(Interrupted(code).into());
+        }
     }
     Ok(())
 }
+
+/// The exit status of a run stopped by a signal after its checkpoint was written: 75 (EX_TEMPFAIL,
+/// "not finished, try again"), so that a scheduler requeues it instead of reading it as done;
+/// `GRPO_PREEMPTED_EXIT_CODE` sets another (0: exit as a finished run does).
+pub const PREEMPTED_EXIT_CODE: u8 = 75;
+
+fn preempted_exit_code() -> Result<u8> {
+    match std::env::var("GRPO_PREEMPTED_EXIT_CODE") {
+        Err(_) => Ok(PREEMPTED_EXIT_CODE),
+        Ok(v) => v.trim().parse::<u8>().map_err(|_| {
+            anyhow::anyhow!(
+                "GRPO_PREEMPTED_EXIT_CODE=`{v}` is not an exit status: give 0 to 255 (unset: {PREEMPTED_EXIT_CODE})"
+            )
+        }),
+    }
+}
+
+/// A run stopped by SIGTERM / Ctrl-C with its checkpoint saved: `main` exits with this status
+/// and prints no error.
+#[derive(Debug)]
+pub struct Interrupted(pub u8);
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "stopped before the last step (exit status {})", self.0)
+    }
+}
+
+impl std::error::Error for Interrupted {}
 
 /// SIGINT (Ctrl-C) and SIGTERM (Slurm, Kubernetes, `kill`) set `flag`: the loop finishes its
 /// step, saves a checkpoint and returns. A second signal exits at once.

@@ -196,7 +196,7 @@ sections! {
         kernels: Option<grpo_models::kernels::Kernels> = "", "CPU kernels: auto or fused (grpo's fused f32 kernels where they apply), or portable (candle ops only: the path a GPU runs, on the CPU); unset: GRPO_KERNELS, else fused";
         max_steps: Option<u64> = "-1", "optimizer steps to run (-1: from num_train_epochs)";
         num_train_epochs: f64 = "1.0", "passes over the prompts when max_steps is -1";
-        save_on_signal: bool = "true", "SIGTERM / SIGINT (Slurm or Kubernetes preemption, Ctrl-C) finish the current step, save a checkpoint and exit 0 (false: exit at once, 143 / 130, without one)";
+        save_on_signal: bool = "true", "SIGTERM / SIGINT (Slurm or Kubernetes preemption, Ctrl-C) finish the current step, save a checkpoint and exit 75 (EX_TEMPFAIL: not finished, requeue; GRPO_PREEMPTED_EXIT_CODE sets another, 0 the old behaviour) (false: exit at once, 143 / 130, without one)";
     }
     /// `[data]` keys.
     Data data {
