@@ -4,7 +4,7 @@
 
 prompts.parquet (snappy, as pandas/HF datasets write by default): a string prompt, an int64 answer
 and a float metadata column, with a null prompt in row 3. chat.parquet (gzip): the prompt as a list
-of {role, content} messages, as HF chat datasets store it. wrong_types.parquet: a prompt column of int64 and a messages
+of {role, content} messages, as HF chat datasets store it. nested.parquet: a struct column (see below). wrong_types.parquet: a prompt column of int64 and a messages
 column of strings, for the bad-input corpus.
 """
 import pathlib
@@ -48,3 +48,17 @@ pq.write_table(
     out / "wrong_types.parquet",
 )
 print("wrote", sorted(p.name for p in out.glob("*.parquet")))
+
+# nested.parquet (snappy): prompts nested in a record, as RealToxicityPrompts stores them
+# ({"prompt": {"text": ..., "toxicity": ...}}), read with prompt_field = "prompt.text".
+pq.write_table(
+    pa.table({
+        "filename": ["a.txt", "b.txt"],
+        "prompt": pa.array(
+            [{"text": "So I said", "toxicity": 0.1}, {"text": "Then they", "toxicity": 0.7}],
+            type=pa.struct([("text", pa.string()), ("toxicity", pa.float64())]),
+        ),
+    }),
+    out / "nested.parquet",
+    compression="snappy",
+)

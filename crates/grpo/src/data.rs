@@ -64,6 +64,20 @@ pub fn prompt_text(ex: &Example) -> String {
     }
 }
 
+/// Removes field `name` from `row`: the key itself when the row has it, else a dotted path into
+/// nested records (`prompt.text` in `{"prompt": {"text": ...}}`, as RealToxicityPrompts stores
+/// its prompts; JSONL and Parquet structs alike). The rest of a nested record stays in the row.
+fn take_field(row: &mut Map<String, Value>, name: &str) -> Option<Value> {
+    if let Some(v) = row.remove(name) {
+        return Some(v);
+    }
+    let (head, rest) = name.split_once('.')?;
+    match row.get_mut(head)? {
+        Value::Object(inner) => take_field(inner, rest),
+        _ => None,
+    }
+}
+
 /// Converts one row (a JSON object) into an example; `Err` holds the reason.
 fn row_to_example(
     row: Map<String, Value>,
@@ -71,7 +85,7 @@ fn row_to_example(
     origin: String,
 ) -> std::result::Result<Example, String> {
     let mut row = row;
-    let prompt = match row.remove(&f.prompt_field) {
+    let prompt = match take_field(&mut row, &f.prompt_field) {
         None => {
             return Err(format!(
                 "no `{}` field (set prompt_field to the field holding the prompt)",
@@ -97,7 +111,7 @@ fn row_to_example(
             ))
         }
     };
-    let answer = match row.remove(&f.answer_field) {
+    let answer = match take_field(&mut row, &f.answer_field) {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) => Some(s),
         Some(v @ (Value::Number(_) | Value::Bool(_))) => Some(v.to_string()),
@@ -702,6 +716,33 @@ mod tests {
         std::fs::write(&q, "not parquet").unwrap();
         let e = load_examples(&q, &fields(false)).unwrap_err().to_string();
         assert!(e.contains("x.parquet") && e.contains("Parquet"), "{e}");
+    }
+
+    /// prompt_field = "prompt.text": the prompt nested in a record, in JSONL and in a Parquet
+    /// struct column (made by scripts/make_parquet_fixtures.py); the rest of the record stays
+    /// as metadata; a path that leads nowhere names the field.
+    #[test]
+    fn a_dotted_prompt_field_reads_nested_records() {
+        let mut f = fields(false);
+        f.prompt_field = "prompt.text".into();
+        let dir =
+            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/data");
+        let l = load_examples(&dir.join("nested.parquet"), &f).unwrap();
+        assert!(matches!(&l.examples[1].prompt, Prompt::Text(t) if t == "Then they"));
+        assert_eq!(l.examples[1].metadata["prompt"]["toxicity"], 0.7);
+        let tmp = tempfile::tempdir().unwrap();
+        let p = tmp.path().join("rtp.jsonl");
+        std::fs::write(
+            &p,
+            "{\"prompt\": {\"text\": \"Hello\", \"toxicity\": 0.2}}\n{\"prompt\": \"flat\"}\n",
+        )
+        .unwrap();
+        let e = load_examples(&p, &f).unwrap_err().to_string();
+        assert!(e.contains("rtp.jsonl") && e.contains("prompt.text"), "{e}");
+        f.skip_bad_rows = true;
+        let l = load_examples(&p, &f).unwrap();
+        assert!(matches!(&l.examples[0].prompt, Prompt::Text(t) if t == "Hello"));
+        assert_eq!(l.skipped.len(), 1);
     }
 
     /// A split in shards: `train-*.parquet` reads every match in name order as one dataset (a

@@ -202,7 +202,7 @@ sections! {
     Data data {
         train_file: Option<PathBuf> = "", "prompts (.jsonl, .csv, .parquet, or .txt with one prompt per line; one `*` in the file name reads every matching shard, e.g. data/train-*.parquet); unset: the built-in task";
         eval_file: Option<PathBuf> = "", "held-out prompts for evaluation (the built-in task has its own)";
-        prompt_field: String = "\"prompt\"", "field holding the prompt: a string or a list of {role, content} messages";
+        prompt_field: String = "\"prompt\"", "field holding the prompt: a string or a list of {role, content} messages; a dotted path (prompt.text) reads a field of a nested record, in JSONL and Parquet";
         answer_field: String = "\"answer\"", "field holding the reference answer passed to rewards";
         system_prompt: Option<String> = "", "system message put before each prompt (unless it has one)";
         shuffle_dataset: bool = "true", "shuffle prompts each epoch (seeded)";
