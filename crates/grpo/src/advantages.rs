@@ -9,7 +9,8 @@
 //! - std is the unbiased (Bessel) standard deviation; a group with fewer than 2 scorable
 //!   completions has no std and its advantages are 0;
 //! - `scale_rewards`: `group` divides by the group's std + 1e-4, `batch` by the whole batch's
-//!   std + 1e-4 (still centred on the group mean), `none` only centres (Dr. GRPO).
+//!   std + 1e-4 (still centred on the group mean), `none` only centres (Dr. GRPO); the 1e-4 is
+//!   `advantage_epsilon` (the seeds' 1e-8 where their configs set it).
 //!
 //! Additions of ours, off by default: a floor on the std (`reward_std_floor`), re-normalizing
 //! all advantages of the batch to mean 0 / std 1, and dropping groups whose rewards are all equal.
@@ -37,7 +38,8 @@ named_enum! {
     }
 }
 
-/// Added to the std before dividing, as in TRL.
+/// Added to the std before dividing, as in TRL (`advantage_epsilon`'s default; GDPO's
+/// per-function normalization always uses it, as TRL's does).
 pub const STD_EPS: f32 = 1e-4;
 
 /// How advantages are computed; resolved from the config once.
@@ -49,6 +51,8 @@ pub struct AdvantageOptions {
     pub std_floor: Option<f32>,
     /// Re-normalize all advantages of the batch to mean 0 and std 1 at the end.
     pub normalize_batch: bool,
+    /// Added to the std before dividing by it ([`STD_EPS`], TRL's, unless set).
+    pub epsilon: f32,
 }
 
 /// Advantages and the statistics logged with them.
@@ -162,7 +166,7 @@ pub fn group_advantages(
         for &r in group {
             let a = match opts.scale {
                 ScaleRewards::None => r - mean,
-                _ => (r - mean) / (std + STD_EPS),
+                _ => (r - mean) / (std + opts.epsilon),
             };
             advantages.push(if a.is_finite() { a } else { 0.0 });
         }
@@ -172,7 +176,7 @@ pub fn group_advantages(
         let s = nan_std(&advantages);
         if s.is_finite() {
             for a in &mut advantages {
-                *a = (*a - m) / (s + STD_EPS);
+                *a = (*a - m) / (s + opts.epsilon);
             }
         }
     }
@@ -298,6 +302,37 @@ mod tests {
             scale,
             std_floor: None,
             normalize_batch: false,
+            epsilon: STD_EPS,
+        }
+    }
+
+    /// `advantage_epsilon`: seed 000's group std floored at 0.1 with 1e-8 added, and its batch
+    /// re-normalization over `std + 1e-8`, as plain f32 twins.
+    #[test]
+    fn the_epsilon_is_the_configured_one() {
+        let rewards = [0.0, 0.02, 0.04, 0.06, 1.0, 0.0, 1.0, 0.0];
+        let o = AdvantageOptions {
+            std_floor: Some(0.1),
+            epsilon: 1e-8,
+            ..opts(ScaleRewards::Group)
+        };
+        let a = group_advantages(&rewards, 4, &o).unwrap();
+        // Group 1's std (0.0258) is floored at 0.1.
+        assert!((a.advantages[0] - (0.0 - 0.03) / (0.1 + 1e-8)).abs() < 1e-6);
+        let s = nan_std(&rewards[4..]);
+        assert!((a.advantages[4] - 0.5 / (s + 1e-8)).abs() < 1e-6);
+        let b = group_advantages(
+            &rewards,
+            4,
+            &AdvantageOptions {
+                normalize_batch: true,
+                ..o.clone()
+            },
+        )
+        .unwrap();
+        let (m, sd) = (nan_mean(&a.advantages), nan_std(&a.advantages));
+        for (x, y) in b.advantages.iter().zip(&a.advantages) {
+            assert!((x - (y - m) / (sd + 1e-8)).abs() < 1e-6);
         }
     }
 

@@ -961,6 +961,14 @@ fn the_seed_example_configs_train() {
         .into();
         let cfg = TrainConfig::from_str(&text, Format::Toml, name, &overrides)
             .unwrap_or_else(|e| panic!("{name}: {e}"));
+        if name == "toxicity" {
+            // What seed 000 turns on (issue 34).
+            assert_eq!(cfg.loss.reward_std_floor, Some(0.1));
+            assert!(cfg.loss.normalize_advantages_batch);
+            assert_eq!(cfg.loss.advantage_epsilon, 1e-8);
+            assert_eq!(cfg.loss.entropy_coef, 0.01);
+            assert!(cfg.loss.kl_target.is_some() && cfg.loss.kl_coef > 0.0);
+        }
         let o = train(&cfg, &RunControl::default()).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(o.steps, 1, "{name}");
         let m = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();

@@ -136,6 +136,7 @@ fn advantages_equal_trl() {
             scale,
             std_floor: None,
             normalize_batch: false,
+            epsilon: grpo::advantages::STD_EPS,
         };
         let got = group_advantages(&rewards, 4, &opts).unwrap().advantages;
         let want = f32s(&c["advantages"][name]);

@@ -289,6 +289,7 @@ sections! {
         reward_std_floor: Option<f64> = "", "clamp each group's reward std from below before scaling";
         multi_objective_aggregation: RewardAggregation = "\"sum_then_normalize\"", "several rewards: weighted sum then advantages, or each normalized in its group, summed, normalized over the batch (GDPO)";
         normalize_advantages_batch: bool = "false", "re-normalize all advantages of a batch to mean 0, std 1";
+        advantage_epsilon: f64 = "1e-4" check values::non_negative, "added to the std before dividing by it (group or batch scaling, batch re-normalization): TRL's 1e-4; seed 000 and seed 004 use 1e-8";
         drop_zero_std_groups: bool = "false", "leave groups whose rewards all equal out of the update";
         kl_coef: f64 = "0.0" check values::non_negative, "KL in the reward: reward - kl_coef x sum_t(logp - ref_logp)";
         kl_target: Option<f64> = "", "adaptive KL controller target (unset: fixed kl_coef)";

@@ -75,6 +75,7 @@ const ALIASES: &[(&str, &str)] = &[
     ("init_kl_coef", "kl_coef"),
     ("target_kl", "kl_target"),
     ("horizon", "kl_horizon"),
+    ("normalize_batch", "normalize_advantages_batch"),
     ("gen_batch_size", "sampling_batch_size"),
     // grpo's own earlier name.
     ("max_consecutive_nonfinite", "max_bad_steps"),

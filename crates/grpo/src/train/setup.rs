@@ -529,6 +529,7 @@ impl RoundOptions {
                 scale: cfg.loss.scale_rewards,
                 std_floor: cfg.loss.reward_std_floor.map(|f| f as f32),
                 normalize_batch: cfg.loss.normalize_advantages_batch,
+                epsilon: cfg.loss.advantage_epsilon as f32,
             },
             weights,
             update,
