@@ -137,18 +137,68 @@ impl MetricsWriter {
 
 /// For resume: drops the lines of `metrics.jsonl`, `completions.jsonl` and `health.jsonl` with
 /// `step` > `step`, and a last line cut short by a kill; deletes `eval/step-N.jsonl` for N >
-/// `step`. So a resumed run does not log the same steps twice. Files are replaced atomically.
+/// `step`; drops the TensorBoard events (`tb/`) of later steps and a record cut short. So a
+/// resumed run does not log the same steps twice. Files are replaced atomically.
 pub fn truncate_after(dir: &Path, step: u64) -> Result<()> {
     retain_steps(dir, |s| s <= step)
 }
 
 /// For a fresh run in an `output_dir` that holds an earlier run's logs: drops every logged step
-/// of `metrics.jsonl`, `completions.jsonl`, `health.jsonl` and `eval/`, so the two runs' lines
-/// do not mix. Returns whether there was anything to drop.
+/// of `metrics.jsonl`, `completions.jsonl`, `health.jsonl` and `eval/`, and the earlier run's
+/// TensorBoard event files, so the two runs' lines and curves do not mix. Returns whether there
+/// was anything to drop.
 pub fn clear_logs(dir: &Path) -> Result<bool> {
-    let had = dir.join("metrics.jsonl").is_file() || dir.join("completions.jsonl").is_file();
+    let events = tb_files(dir);
+    let had = dir.join("metrics.jsonl").is_file()
+        || dir.join("completions.jsonl").is_file()
+        || !events.is_empty();
     retain_steps(dir, |_| false)?;
+    for f in events {
+        std::fs::remove_file(&f)
+            .map_err(|e| Error::io(format!("cannot delete {}", f.display()), e))?;
+    }
     Ok(had)
+}
+
+/// The TensorBoard event files grpo wrote in `dir/tb/`.
+fn tb_files(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut files: Vec<_> = std::fs::read_dir(dir.join("tb"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("events.out.tfevents."))
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+/// Keeps the records of a TensorBoard event file whose event's step passes `keep` (an event
+/// without a step, as the file-version header, is step 0), byte for byte; a record cut short
+/// by a kill ends the file.
+fn retain_tb_steps(path: &Path, keep: &impl Fn(u64) -> bool) -> Result<()> {
+    let bytes =
+        std::fs::read(path).map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
+    let mut kept = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i + 12 <= bytes.len() {
+        let mut len = [0u8; 8];
+        len.copy_from_slice(&bytes[i..i + 8]);
+        let n = u64::from_le_bytes(len) as usize;
+        let end = match (i + 12).checked_add(n).and_then(|e| e.checked_add(4)) {
+            Some(e) if e <= bytes.len() => e,
+            _ => break,
+        };
+        if keep(tb::event_step(&bytes[i + 12..i + 12 + n]).unwrap_or(0)) {
+            kept.extend_from_slice(&bytes[i..end]);
+        }
+        i = end;
+    }
+    grpo_models::files::write_atomic(path, &kept)
 }
 
 fn retain_steps(dir: &Path, keep: impl Fn(u64) -> bool) -> Result<()> {
@@ -168,6 +218,9 @@ fn retain_steps(dir: &Path, keep: impl Fn(u64) -> bool) -> Result<()> {
             }
         }
         grpo_models::files::write_atomic(&path, kept.as_bytes())?;
+    }
+    for f in tb_files(dir) {
+        retain_tb_steps(&f, &keep)?;
     }
     let eval = dir.join("eval");
     for e in std::fs::read_dir(&eval).into_iter().flatten().flatten() {
@@ -232,6 +285,43 @@ pub mod tb {
             bytes(5, &summary, &mut out);
         }
         out
+    }
+
+    /// The `step` (field 2) of an encoded event, if it has one.
+    pub fn event_step(ev: &[u8]) -> Option<u64> {
+        fn read_varint(b: &[u8], i: &mut usize) -> Option<u64> {
+            let (mut v, mut shift) = (0u64, 0);
+            loop {
+                let byte = *b.get(*i)?;
+                *i += 1;
+                v |= u64::from(byte & 0x7f) << shift;
+                if byte < 0x80 {
+                    return Some(v);
+                }
+                shift += 7;
+                if shift > 63 {
+                    return None;
+                }
+            }
+        }
+        let mut i = 0;
+        while i < ev.len() {
+            let key = read_varint(ev, &mut i)?;
+            match (key >> 3, key & 7) {
+                (2, 0) => return read_varint(ev, &mut i),
+                (_, 0) => {
+                    read_varint(ev, &mut i)?;
+                }
+                (_, 1) => i += 8,
+                (_, 5) => i += 4,
+                (_, 2) => {
+                    let n = read_varint(ev, &mut i)? as usize;
+                    i = i.checked_add(n)?;
+                }
+                _ => return None,
+            }
+        }
+        None
     }
 
     pub fn masked_crc(data: &[u8]) -> u32 {
@@ -372,6 +462,18 @@ mod tests {
             .lines()
             .count();
         assert_eq!(n, 1);
+        // TensorBoard too: the header and step 1 stay, byte for byte (CRCs still check); a
+        // record cut short by a kill goes.
+        let tb_file = tb_files(dir.path()).remove(0);
+        let events = read_events(&std::fs::read(&tb_file).unwrap());
+        assert_eq!(events.len(), 2);
+        assert_eq!(events[1], (1, vec![("reward".to_string(), 0.5)]));
+        let whole = std::fs::read(&tb_file).unwrap();
+        let mut cut = whole.clone();
+        cut.extend_from_slice(&[9, 0, 0, 0, 0, 0, 0, 0, 1, 2]);
+        std::fs::write(&tb_file, &cut).unwrap();
+        truncate_after(dir.path(), 1).unwrap();
+        assert_eq!(std::fs::read(&tb_file).unwrap(), whole);
         assert_eq!(
             std::fs::read_to_string(dir.path().join("completions.jsonl")).unwrap(),
             ""
@@ -392,5 +494,8 @@ mod tests {
             .collect();
         left.sort();
         assert_eq!(left, ["step-0.jsonl", "step-1.jsonl"]);
+        // A fresh run in the same directory: the earlier run's event files go.
+        assert!(clear_logs(dir.path()).unwrap());
+        assert!(tb_files(dir.path()).is_empty());
     }
 }
