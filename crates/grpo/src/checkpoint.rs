@@ -139,6 +139,7 @@ pub fn write_hf_model_as(
     };
     cfg["torch_dtype"] = dtype_name.into();
     cfg["dtype"] = dtype_name.into();
+    // A serde_json::Value always serializes (string keys only).
     let pretty = |v: &serde_json::Value| serde_json::to_vec_pretty(v).unwrap_or_default();
     write_file(&dir.join("config.json"), &pretty(&cfg))?;
     let mut gen = export
@@ -331,7 +332,9 @@ pub fn save_checkpoint(
         if let Some(optimizer) = data.optimizer {
             save_tensors(&tmp.join("optimizer.safetensors"), optimizer)?;
         }
-        let state = serde_json::to_vec_pretty(data.trainer_state).unwrap_or_default();
+        let state = serde_json::to_vec_pretty(data.trainer_state).map_err(|e| {
+            crate::Error::Invariant(format!("trainer_state.json could not be written: {e}"))
+        })?;
         write_file(&tmp.join("trainer_state.json"), &state)?;
         write_file(&tmp.join("config.toml"), data.config_toml.as_bytes())
     };

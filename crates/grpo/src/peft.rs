@@ -251,6 +251,7 @@ pub fn save_peft(
     tensors: &[(String, Tensor)],
 ) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| Error::file(dir, format!("cannot create: {e}")))?;
+    // A serde_json::Value always serializes (string keys only).
     let conf = serde_json::to_vec_pretty(&cfg.peft_json(arch, base_model)).unwrap_or_default();
     grpo_models::files::write_file(&dir.join(ADAPTER_CONFIG), &conf)?;
     grpo_models::files::save_tensors(&dir.join(ADAPTER_WEIGHTS), tensors)

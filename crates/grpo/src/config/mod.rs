@@ -645,7 +645,11 @@ impl TrainConfig {
         // Scalars first, then tables/arrays of tables, as TOML requires.
         root.insert("task".into(), toml::Value::Table(task));
         root.insert("lora".into(), toml::Value::Table(lora));
-        toml::to_string(&root).unwrap_or_default()
+        // Cannot fail: every value is a toml::Value converted from the resolved JSON (null and
+        // anything TOML cannot hold were left out above), under string keys. Were it to, the
+        // file says so instead of being written empty.
+        toml::to_string(&root)
+            .unwrap_or_else(|e| format!("# grpo could not write this config as TOML: {e}\n"))
     }
 }
 

@@ -199,8 +199,18 @@ fn check_same_parameters<P: Policy>(policy: &P, world: &dyn World) -> Result<()>
     let all = world.all_gather_bytes(sum.to_le_bytes().to_vec())?;
     let sums: Vec<f64> = all
         .iter()
-        .map(|b| f64::from_le_bytes(b.as_slice().try_into().unwrap_or([0; 8])))
-        .collect();
+        .enumerate()
+        .map(|(r, b)| {
+            let bytes: [u8; 8] = b.as_slice().try_into().map_err(|_| {
+                Error::Distributed(format!(
+                    "rank {r} sent a parameter checksum of {} bytes, not 8: the ranks run \
+                     different grpo builds or the transport corrupted it",
+                    b.len()
+                ))
+            })?;
+            Ok(f64::from_le_bytes(bytes))
+        })
+        .collect::<Result<_>>()?;
     if let Some(r) = sums.iter().position(|&s| s.to_bits() != sums[0].to_bits()) {
         return Err(Error::Distributed(format!(
             "rank {r}'s parameters differ from rank 0's (checksums {:e} and {:e}): the ranks \

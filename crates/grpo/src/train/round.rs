@@ -433,22 +433,29 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> R
     for &i in &mine {
         own[i] = true;
     }
-    let spread = |local: Option<Vec<Vec<f32>>>| {
-        local.map(|l| {
-            let mut it = l.into_iter();
-            gathered
-                .iter()
-                .map(|e| match own[e.group] {
-                    true => it.next().unwrap_or_default(),
-                    false => vec![],
-                })
-                .collect()
-        })
+    // This rank's log-prob rows, one per episode it sampled, in order, placed at its episodes
+    // among the gathered ones (other ranks' rows stay empty: they are never read here).
+    let spread = |local: Option<Vec<Vec<f32>>>| -> Result<Option<Vec<Vec<f32>>>> {
+        let Some(l) = local else { return Ok(None) };
+        let have = l.len();
+        let mut it = l.into_iter();
+        let rows = gathered
+            .iter()
+            .map(|e| match own[e.group] {
+                true => it.next().ok_or_else(|| {
+                    Error::Invariant(format!(
+                        "{have} log-prob rows for this rank's episodes, fewer than it sampled"
+                    ))
+                }),
+                false => Ok(vec![]),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Some(rows))
     };
     Ok(Sampled {
         groups_sampled: n_all,
-        old_logps: spread(old_logps),
-        ref_logps: spread(ref_logps),
+        old_logps: spread(old_logps)?,
+        ref_logps: spread(ref_logps)?,
         episodes: gathered,
         reward_secs,
         generated_tokens: generated[0] as usize,
