@@ -572,6 +572,60 @@ for r in requests():
     assert_eq!(run(&s, &["x"]), [1.0]);
 }
 
+/// The trainer's environment stays out of a scorer's (issue 34): a planted token is not visible,
+/// PATH is, a variable named by `inherit_env` is.
+#[test]
+fn a_scorer_sees_a_minimal_environment() {
+    let py = need_python!();
+    std::env::set_var("GRPO_TEST_PLANTED_TOKEN", "hf_secret_123");
+    std::env::set_var("GRPO_TEST_INHERITED", "yes");
+    let mut sc = scorer(
+        py,
+        r#"
+for r in requests():
+    leaked = "GRPO_TEST_PLANTED_TOKEN" in os.environ
+    ok = not leaked and "PATH" in os.environ and os.environ.get("GRPO_TEST_INHERITED") == r["completion"]
+    send({"id": r["id"], "reward": 1 if ok else 0})
+"#,
+    );
+    let s = CommandScorer::start(sc.spec.clone(), "env").unwrap();
+    assert_eq!(
+        run(&s, &["yes"]),
+        [0.0],
+        "inherit_env unset: GRPO_TEST_INHERITED is not passed"
+    );
+    sc.spec.inherit_env = vec!["GRPO_TEST_INHERITED".into()];
+    let s = CommandScorer::start(sc.spec.clone(), "env").unwrap();
+    assert_eq!(run(&s, &["yes"]), [1.0]);
+}
+
+/// A scorer that prints an endless answer line is read with bounded memory and treated as a
+/// crash: its requests are missing, the next process answers.
+#[test]
+fn an_oversized_answer_line_is_a_crash_not_an_allocation() {
+    let py = need_python!();
+    let sc = scorer(
+        py,
+        r#"
+for r in requests():
+    if r["completion"] == "flood" and not os.path.exists("flooded"):
+        open("flooded", "w").close()
+        chunk = "x" * (1 << 20)
+        for _ in range(24):
+            sys.stdout.write(chunk)
+        sys.stdout.write(chr(10))
+        sys.stdout.flush()
+        continue
+    send({"id": r["id"], "reward": 1})
+"#,
+    );
+    let s = CommandScorer::start(sc.spec.clone(), "flood").unwrap();
+    let got = run(&s, &["flood"]);
+    assert!(got[0].is_nan(), "{got:?}");
+    assert!(logged("over 16 MB"), "{:?}", log_lines());
+    assert_eq!(run(&s, &["ok"]), [1.0]);
+}
+
 #[test]
 fn command_tables_parse_into_a_working_scorer() {
     let py = need_python!();

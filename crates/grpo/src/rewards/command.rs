@@ -61,6 +61,7 @@ macro_rules! process_keys {
             "batch_size",
             "cwd",
             "env",
+            "inherit_env",
             "max_restarts",
             "cpu_seconds",
             "memory_mb",
@@ -85,8 +86,12 @@ pub struct CommandSpec {
     pub batch_size: usize,
     /// Working directory of the scorer (default: ours).
     pub cwd: Option<PathBuf>,
-    /// Extra environment variables.
+    /// Environment variables set for the scorer.
     pub env: Vec<(String, String)>,
+    /// Variables of the trainer's environment passed on as they are, besides [`BASE_ENV`]
+    /// (`inherit_env = ["CUDA_VISIBLE_DEVICES", "PYTHONPATH"]`). Nothing else is: a scorer
+    /// does not see the trainer's tokens and keys.
+    pub inherit_env: Vec<String>,
     /// Restarts in a row without an answer before `score()` gives up (default 5).
     pub max_restarts: usize,
     /// RLIMIT_CPU for the scorer and each process it starts: CPU seconds over its whole lifetime.
@@ -110,6 +115,7 @@ impl CommandSpec {
             batch_size: 1,
             cwd: None,
             env: vec![],
+            inherit_env: vec![],
             max_restarts: 5,
             cpu_seconds: None,
             memory_mb: None,
@@ -170,6 +176,7 @@ impl CommandSpec {
         spec.batch_size = at_least_one(t, "batch_size", default_batch)?;
         spec.cwd = t.opt_str("cwd")?.map(PathBuf::from);
         spec.env = string_table(t, "env")?;
+        spec.inherit_env = t.opt_strs("inherit_env")?.unwrap_or_default(); // unset: none
         spec.max_restarts = t.usize("max_restarts", 5)?;
         spec.cpu_seconds = positive(t, "cpu_seconds")?;
         spec.memory_mb = positive(t, "memory_mb")?;
@@ -703,6 +710,59 @@ enum Out {
     Eof,
 }
 
+/// The trainer's variables every scorer gets (where set): what finds programs and libraries and
+/// sets the locale. Others only through `inherit_env` or `env`.
+pub const BASE_ENV: [&str; 9] = [
+    "PATH",
+    "HOME",
+    "USER",
+    "LANG",
+    "LC_ALL",
+    "LC_CTYPE",
+    "TZ",
+    "TMPDIR",
+    "LD_LIBRARY_PATH",
+];
+
+/// The longest answer line kept from a scorer's stdout; a longer one ends the scorer as a crash.
+const MAX_ANSWER_LINE: usize = 16 << 20;
+/// The longest stderr line kept (the rest of the line is dropped).
+const MAX_STDERR_LINE: usize = 64 << 10;
+
+/// Reads one line into `buf`, keeping at most `max` bytes of it (the rest, up to the newline, is
+/// read and dropped): (bytes read, whether the line was cut). Memory stays bounded whatever a
+/// scorer prints.
+fn read_line_bounded(
+    r: &mut impl BufRead,
+    buf: &mut Vec<u8>,
+    max: usize,
+) -> std::io::Result<(usize, bool)> {
+    let (mut read, mut cut) = (0, false);
+    loop {
+        let (done, used) = {
+            let avail = r.fill_buf()?;
+            if avail.is_empty() {
+                return Ok((read, cut));
+            }
+            let (line, done) = match avail.iter().position(|&b| b == b'\n') {
+                Some(i) => (&avail[..=i], true),
+                None => (avail, false),
+            };
+            let room = max.saturating_sub(buf.len());
+            if line.len() > room {
+                cut = true;
+            }
+            buf.extend_from_slice(&line[..line.len().min(room)]);
+            (done, line.len())
+        };
+        r.consume(used);
+        read += used;
+        if done {
+            return Ok((read, cut));
+        }
+    }
+}
+
 /// One running scorer process and the threads that feed it and read it.
 struct Proc {
     child: Child,
@@ -737,6 +797,18 @@ impl Proc {
             .stderr(Stdio::piped());
         if let Some(dir) = &spec.cwd {
             cmd.current_dir(dir);
+        }
+        // A minimal environment: the trainer's tokens and keys (HF_TOKEN, WANDB_API_KEY, cloud
+        // credentials) stay out of a scorer's reach unless a reward names them.
+        cmd.env_clear();
+        for k in BASE_ENV
+            .iter()
+            .copied()
+            .chain(spec.inherit_env.iter().map(String::as_str))
+        {
+            if let Some(v) = std::env::var_os(k) {
+                cmd.env(k, v);
+            }
         }
         cmd.envs(spec.env.iter().map(|(k, v)| (k, v)));
         sandbox::apply(&mut cmd, spec);
@@ -784,14 +856,26 @@ impl Proc {
             .map_err(spawn_err)?;
 
         let (out_tx, out_rx) = mpsc::channel();
+        let name_out = name.to_owned();
         thread("out")
             .spawn(move || {
                 let mut r = BufReader::new(stdout);
                 let mut buf = vec![];
                 loop {
                     buf.clear();
-                    match r.read_until(b'\n', &mut buf) {
-                        Ok(0) | Err(_) => {
+                    match read_line_bounded(&mut r, &mut buf, MAX_ANSWER_LINE) {
+                        Ok((0, _)) | Err(_) => {
+                            let _ = out_tx.send(Out::Eof);
+                            return;
+                        }
+                        Ok((_, true)) => {
+                            // The scorer's memory, not the trainer's: stop reading it; its
+                            // pending requests count as crashed and it is started again.
+                            warn!(
+                                reward = %name_out,
+                                "scorer wrote an answer line over {} MB: treated as a crash",
+                                MAX_ANSWER_LINE >> 20
+                            );
                             let _ = out_tx.send(Out::Eof);
                             return;
                         }
@@ -815,8 +899,14 @@ impl Proc {
                 let _done = done_tx;
                 let mut r = BufReader::new(stderr);
                 let mut buf = vec![];
-                while matches!(r.read_until(b'\n', &mut buf), Ok(n) if n > 0) {
-                    let line = String::from_utf8_lossy(&buf).trim_end().to_owned();
+                while let Ok((n, cut)) = read_line_bounded(&mut r, &mut buf, MAX_STDERR_LINE) {
+                    if n == 0 {
+                        break;
+                    }
+                    let mut line = String::from_utf8_lossy(&buf).trim_end().to_owned();
+                    if cut {
+                        line.push_str(" [line cut: over 64 KB]");
+                    }
                     buf.clear();
                     info!(reward = %name2, "scorer: {line}");
                     let mut t = lock(&tail2);
@@ -825,8 +915,8 @@ impl Proc {
                     }
                     t.push_back(line);
                 }
-                // Whatever a scorer writes without a final newline is kept too.
-                let _ = r.read_to_end(&mut buf);
+                // Whatever a scorer writes without a final newline is kept too (bounded).
+                let _ = r.take(MAX_STDERR_LINE as u64).read_to_end(&mut buf);
             })
             .map_err(spawn_err)?;
 
