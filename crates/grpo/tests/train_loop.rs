@@ -916,6 +916,44 @@ fn a_trl_grpo_yaml_trains() {
     );
 }
 
+/// A reward missing for every completion (here: answer_match on prompts without answers) is
+/// warned about each round and stops the run after max_bad_steps rounds in a row, naming the
+/// reward, instead of training on nothing (issue 34).
+#[test]
+fn a_reward_missing_everywhere_stops_the_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    tiny_model(&model);
+    let data = tmp.path().join("train.jsonl");
+    let rows: Vec<String> = (0..8)
+        .map(|i| format!("{{\"prompt\": \"{i} + 1 =\"}}"))
+        .collect();
+    std::fs::write(&data, rows.join("\n")).unwrap();
+    let text = format!(
+        "model = {:?}\ntrain_file = {:?}\noutput_dir = {:?}\nnum_generations = 4\n\
+         per_device_train_batch_size = 4\nmax_completion_length = 4\nmax_steps = 6\n\
+         max_bad_steps = 2\nsave_steps = 0\neval_steps = 0\nreport_to = \"none\"\n\
+         [[rewards]]\nkind = \"answer_match\"\nname = \"correct\"\n\
+         [[rewards]]\nkind = \"format\"\nname = \"has_s\"\npattern = \"s\"\n",
+        model.display().to_string(),
+        data.display().to_string(),
+        tmp.path().join("out").display().to_string()
+    );
+    let cfg = TrainConfig::from_str(&text, Format::Toml, "t", &[]).unwrap();
+    let e = train(&cfg, &RunControl::default()).unwrap_err().to_string();
+    assert!(
+        e.contains("`correct`") && e.contains("every completion") && e.contains("2 rounds"),
+        "{e}"
+    );
+    // One round was trained before the second all-missing round stopped it.
+    let m = std::fs::read_to_string(tmp.path().join("out/metrics.jsonl")).unwrap();
+    assert_eq!(
+        m.lines().filter(|l| l.contains("\"loss\"")).count(),
+        1,
+        "{m}"
+    );
+}
+
 /// Each example config of a seed's scenario (examples/configs/) trains on a tiny model, with the
 /// fixture BERT classifier standing in for the toxicity classifier.
 #[test]

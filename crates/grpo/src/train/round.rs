@@ -129,6 +129,7 @@ pub struct Scored {
 pub fn score_round<P: Policy>(r: &mut Run<P>, sampled: &Sampled) -> Result<Scored> {
     let cfg = r.cfg;
     let (episodes, g) = (&sampled.episodes, r.opts.g);
+    check_missing_rewards(r, episodes)?;
     let p = episodes.len() / g;
     let per_func: Vec<f32> = episodes
         .iter()
@@ -463,6 +464,49 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> R
         groups_dropped: 0,
         own,
     })
+}
+
+/// A reward missing for every completion of a round (a scorer that answers nothing usable, an
+/// endpoint that is down) is warned about; `max_bad_steps` such rounds in a row stop the run
+/// with an error naming the reward and what its scorer reported, instead of training on.
+fn check_missing_rewards<P: Policy>(r: &mut Run<P>, episodes: &[Episode]) -> Result<()> {
+    let limit = r.cfg.update.max_bad_steps.max(1);
+    for (k, reward) in r.data.rewards.iter().enumerate() {
+        let all_missing = !episodes.is_empty() && episodes.iter().all(|e| e.rewards[k].is_nan());
+        let streak = &mut r.missing_streak[k];
+        *streak = if all_missing { *streak + 1 } else { 0 };
+        if *streak == 0 {
+            continue;
+        }
+        let causes = match reward.scorer_stats() {
+            Some(st) => format!(
+                "its scorer so far: {} timeouts, {} crashes, {} garbage answers, {} null answers, \
+                 {} HTTP errors, {} restarts",
+                st.timeout,
+                st.crash,
+                st.garbage + st.garbage_lines,
+                st.null,
+                st.http_error,
+                st.restarts
+            ),
+            None => "it returned no number for any completion".to_string(),
+        };
+        if *streak >= limit {
+            return Err(Error::Training(format!(
+                "reward `{}` was missing for every completion in {streak} rounds in a row \
+                 ({causes}): stopping rather than training on nothing. Check the scorer or \
+                 endpoint; max_bad_steps (now {limit}) sets how many rounds are tolerated",
+                reward.name
+            )));
+        }
+        tracing::warn!(
+            "reward `{}` is missing for every completion of this round ({causes}); {} more such \
+             rounds in a row stop the run",
+            reward.name,
+            limit - *streak
+        );
+    }
+    Ok(())
 }
 
 /// Per-round invariants, reported as errors: P x G completions, each group from one prompt,

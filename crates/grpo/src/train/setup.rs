@@ -147,6 +147,9 @@ pub struct Run<'a, P: Policy = CausalLmPolicy> {
     /// The resolved config, as written into the run directory and every checkpoint.
     pub config_toml: String,
     pub opts: RoundOptions,
+    /// Rounds in a row in which each reward was missing for every completion (not saved: a
+    /// resumed run counts afresh).
+    pub missing_streak: Vec<usize>,
 }
 
 /// What every round uses, resolved once from the config and what the run loaded.
@@ -200,7 +203,9 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
             reference,
             ..
         } = loaded;
+        let missing_streak = vec![0; data.rewards.len()];
         Ok(Run {
+            missing_streak,
             cfg,
             tok,
             pad,
