@@ -619,6 +619,9 @@ for r in requests():
     send({"id": r["id"], "reward": 1})
 "#,
     );
+    let mut sc = sc;
+    let cwd = tempfile::tempdir().unwrap();
+    sc.spec.cwd = Some(cwd.path().to_owned()); // where the "flooded" marker goes
     let s = CommandScorer::start(sc.spec.clone(), "flood").unwrap();
     let got = run(&s, &["flood"]);
     assert!(got[0].is_nan(), "{got:?}");

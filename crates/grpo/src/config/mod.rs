@@ -473,6 +473,26 @@ impl TrainConfig {
                     .into(),
             );
         }
+        // The fill-in policy trains its whole generator in f32 without recomputation: adapters
+        // and gradient checkpointing would be silently ignored, so they are refused.
+        if run.policy == PolicyType::FillIn {
+            if lora.r > 0 {
+                return bad(
+                    "lora.r",
+                    "policy = \"fill_in\" trains the whole generator: LoRA adapters are not \
+                     implemented for it; leave lora.r (TRL: lora_r, use_peft) unset"
+                        .into(),
+                );
+            }
+            if update.gradient_checkpointing {
+                return bad(
+                    "gradient_checkpointing",
+                    "policy = \"fill_in\" has no gradient checkpointing (its generator is \
+                     small and single-step); leave it false"
+                        .into(),
+                );
+            }
+        }
         // A fill-in run on the user's inputs needs their generator (the built-in task brings
         // one); its reward is checked once the reward tables are read.
         if run.policy == PolicyType::FillIn && data.train_file.is_some() && run.model.is_none() {

@@ -625,6 +625,21 @@ fn the_seeds_ppo_era_names_work() {
     assert_eq!(c.generation.sampling_batch_size, Some(8));
 }
 
+/// A fill-in run refuses what it would ignore: LoRA adapters and gradient checkpointing.
+#[test]
+fn fill_in_refuses_lora_and_gradient_checkpointing() {
+    for (extra, key) in [
+        ("--lora.r=8", "lora.r"),
+        ("--use_peft=true", "lora.r"),
+        ("--gradient_checkpointing=true", "gradient_checkpointing"),
+    ] {
+        let e = TrainConfig::load(None, &["--policy=fill_in".into(), extra.into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(key) && e.contains("fill_in"), "{extra}: {e}");
+    }
+}
+
 #[test]
 fn the_fill_in_seeds_names_work() {
     let c = load(
