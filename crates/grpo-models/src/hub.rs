@@ -2088,16 +2088,23 @@ mod tests {
         }
     }
 
-    /// Offline, a complete snapshot already in hf-hub's cache is used.
-    #[test]
-    fn hub_offline_uses_a_cached_snapshot() {
-        let tmp = tempfile::tempdir().unwrap();
+    /// An empty snapshot of model `someorg/{name}` in hf-hub's cache layout under `cache`, its
+    /// `main` ref pointing at it: the snapshot directory.
+    fn cached_snapshot_dir(cache: &Path, name: &str) -> PathBuf {
         let sha = "0123456789abcdef0123456789abcdef01234567";
-        let repo_dir = tmp.path().join("models--someorg--cached");
+        let repo_dir = cache.join(format!("models--someorg--{name}"));
         let snap = repo_dir.join("snapshots").join(sha);
         fs::create_dir_all(&snap).unwrap();
         fs::create_dir_all(repo_dir.join("refs")).unwrap();
         fs::write(repo_dir.join("refs").join("main"), sha).unwrap();
+        snap
+    }
+
+    /// Offline, a complete snapshot already in hf-hub's cache is used.
+    #[test]
+    fn hub_offline_uses_a_cached_snapshot() {
+        let tmp = tempfile::tempdir().unwrap();
+        let snap = cached_snapshot_dir(tmp.path(), "cached");
         fs::write(snap.join("config.json"), b"{}").unwrap();
         fs::write(snap.join("tokenizer.json"), b"{}").unwrap();
         // Incomplete (no weights): not used.
@@ -2135,12 +2142,7 @@ mod tests {
     #[test]
     fn an_encoder_hub_id_goes_through_the_hub_client() {
         let tmp = tempfile::tempdir().unwrap();
-        let sha = "89abcdef0123456789abcdef0123456789abcdef";
-        let repo_dir = tmp.path().join("models--someorg--rm");
-        let snap = repo_dir.join("snapshots").join(sha);
-        fs::create_dir_all(&snap).unwrap();
-        fs::create_dir_all(repo_dir.join("refs")).unwrap();
-        fs::write(repo_dir.join("refs").join("main"), sha).unwrap();
+        let snap = cached_snapshot_dir(tmp.path(), "rm");
         for f in ["config.json", "tokenizer.json", SAFETENSORS_SINGLE] {
             fs::write(snap.join(f), b"{}").unwrap();
         }
