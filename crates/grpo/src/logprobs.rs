@@ -733,8 +733,15 @@ mod tests {
             let g0 = loss((lp0, e0)).backward().unwrap();
             let g1 = loss((lp1, e1)).backward().unwrap();
             for x in [&hidden, &w] {
-                let d = diff(g0.get(x).unwrap(), g1.get(x).unwrap());
-                assert!(d < 1e-5, "t {t}, chunk {chunk}: {d}");
+                // Relative to the gradient's size: the inputs are random, and at t = 0.7 an entry
+                // reaches ~10, where f32 sums in another order differ by ~1e-5 (seen: 1.24e-5).
+                let (a, b) = (g0.get(x).unwrap(), g1.get(x).unwrap());
+                let scale = 1.0 + diff(a, &a.zeros_like().unwrap());
+                let d = diff(a, b);
+                assert!(
+                    d < 1e-5 * scale,
+                    "t {t}, chunk {chunk}: {d} (scale {scale})"
+                );
             }
         }
         let frozen = w.as_tensor().detach();

@@ -916,6 +916,55 @@ fn a_trl_grpo_yaml_trains() {
     );
 }
 
+/// A planted secret (a reward's header and env values) appears in no file a run writes: config.toml,
+/// the checkpoint, metrics, completions, the logs (issue 34).
+#[test]
+fn no_file_a_run_writes_holds_a_planted_secret() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    tiny_model(&model);
+    let out = tmp.path().join("out");
+    let text = format!(
+        "model = {:?}\noutput_dir = {:?}\nnum_generations = 4\nper_device_train_batch_size = 4\n\
+         max_completion_length = 4\nmax_steps = 1\nsave_steps = 1\neval_steps = 0\n\
+         report_to = [\"tensorboard\"]\n[task]\ntrain_size = 8\neval_size = 2\n\
+         [[rewards]]\nkind = \"format\"\nname = \"has_s\"\npattern = \"s\"\n\
+         [[rewards]]\nkind = \"http\"\nname = \"judge\"\nurl = \"http://127.0.0.1:9/score\"\n\
+         headers = {{ Authorization = \"Bearer planted-secret-1\" }}\n\
+         [[rewards]]\nkind = \"command\"\nname = \"cmd\"\ncommand = [\"sh\", \"-c\", \"cat > /dev/null\"]\n\
+         timeout_s = 1\nenv = {{ API_KEY = \"planted-secret-2\" }}\n",
+        model.display().to_string(),
+        out.display().to_string()
+    );
+    let cfg = TrainConfig::from_str(&text, Format::Toml, "t", &[]).unwrap();
+    assert_eq!(train(&cfg, &RunControl::default()).unwrap().steps, 1);
+    let mut files = vec![];
+    let mut dirs = vec![out.clone()];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            match e.path().is_dir() {
+                true => dirs.push(e.path()),
+                false => files.push(e.path()),
+            }
+        }
+    }
+    assert!(
+        files
+            .iter()
+            .any(|f| f.ends_with("checkpoint-1/config.toml")),
+        "{files:?}"
+    );
+    for f in &files {
+        let bytes = std::fs::read(f).unwrap();
+        let text = String::from_utf8_lossy(&bytes);
+        assert!(
+            !text.contains("planted-secret"),
+            "{} holds a secret",
+            f.display()
+        );
+    }
+}
+
 /// A reward missing for every completion (here: answer_match on prompts without answers) is
 /// warned about each round and stops the run after max_bad_steps rounds in a row, naming the
 /// reward, instead of training on nothing (issue 34).

@@ -594,9 +594,21 @@ impl TrainConfig {
         })
     }
 
-    /// Every key of the config as it resolved (defaults included), as `config.toml` has them.
+    /// Every key of the config as it resolved (defaults included), secrets included: what the
+    /// run uses. What leaves the process is [`Self::redacted`].
     pub fn resolved(&self) -> &BTreeMap<String, Value> {
         &self.resolved
+    }
+
+    /// [`Self::resolved`] with its secrets replaced by `"<redacted>"`: every value of a reward's
+    /// `headers` and `env`, and any string under a key named like a secret (`api_key`,
+    /// `hf_token`, `password`, `secret`, ...). This is what `config.toml` (in the run directory
+    /// and every checkpoint), the trackers' run config and the report show.
+    pub fn redacted(&self) -> BTreeMap<String, Value> {
+        self.resolved
+            .iter()
+            .map(|(k, v)| (k.clone(), redact(k, v)))
+            .collect()
     }
 
     /// This config's eval settings (`eval_num_samples`, `eval_k`, `eval_greedy`,
@@ -650,7 +662,7 @@ impl TrainConfig {
         let mut root = toml::Table::new();
         let mut task = toml::Table::new();
         let mut lora = toml::Table::new();
-        for (k, v) in &self.resolved {
+        for (k, v) in &self.redacted() {
             let Ok(tv) = serde_json::from_value::<toml::Value>(v.clone()) else {
                 continue;
             };
@@ -675,3 +687,59 @@ impl TrainConfig {
 
 #[cfg(test)]
 mod tests;
+
+/// What replaces a secret in everything grpo writes.
+pub const REDACTED: &str = "<redacted>";
+
+/// Whether a key names a secret: `password`, `secret`, `credentials`, `apikey`, or a `key` /
+/// `token` qualified as one (`api_key`, `access_key`, `hf_token`, `auth_token`, ...), not a
+/// tokenizer's `pad_token` or a length in tokens.
+pub fn secret_like(key: &str) -> bool {
+    let lower = key.to_ascii_lowercase();
+    let segs: Vec<&str> = lower.split(['_', '-', '.']).collect();
+    let plain = [
+        "secret",
+        "secrets",
+        "password",
+        "passwd",
+        "credential",
+        "credentials",
+        "apikey",
+    ];
+    let qualifier = [
+        "api", "access", "auth", "hub", "hf", "wandb", "private", "secret", "bearer", "session",
+    ];
+    lower == "token"
+        || segs.iter().any(|s| plain.contains(s))
+        || segs
+            .windows(2)
+            .any(|w| qualifier.contains(&w[0]) && matches!(w[1], "key" | "token"))
+}
+
+/// `v` (under key `k`) with its secrets replaced ([`TrainConfig::redacted`]).
+fn redact(k: &str, v: &Value) -> Value {
+    let hide_all = |v: &Value| match v {
+        Value::Object(m) => Value::Object(
+            m.keys()
+                .map(|name| (name.clone(), Value::String(REDACTED.into())))
+                .collect(),
+        ),
+        _ => Value::String(REDACTED.into()),
+    };
+    match v {
+        Value::String(_) if secret_like(k) => Value::String(REDACTED.into()),
+        Value::Object(m) => Value::Object(
+            m.iter()
+                .map(|(name, x)| {
+                    let x = match name.as_str() {
+                        "headers" | "env" => hide_all(x),
+                        _ => redact(name, x),
+                    };
+                    (name.clone(), x)
+                })
+                .collect(),
+        ),
+        Value::Array(items) => Value::Array(items.iter().map(|x| redact(k, x)).collect()),
+        other => other.clone(),
+    }
+}

@@ -821,3 +821,45 @@ fn a_trl_config_is_told_which_differing_defaults_it_relies_on() {
         );
     }
 }
+
+/// Secrets never leave the process (issue 34): a reward's headers and env values and any key
+/// named like a secret are "<redacted>" in config.toml and in what trackers get; the config the
+/// run uses keeps them; a tokenizer's pad_token or a length in tokens is not a secret.
+#[test]
+fn secrets_are_redacted_in_what_is_written() {
+    let c = load(
+        "[[rewards]]\nkind = \"http\"\nname = \"judge\"\nurl = \"http://127.0.0.1:9/score\"\n\
+         headers = { Authorization = \"Bearer planted-secret-1\" }\n\
+         [[rewards]]\nkind = \"command\"\nname = \"cmd\"\ncommand = [\"sh\", \"-c\", \"cat\"]\n\
+         env = { API_KEY = \"planted-secret-2\", MODE = \"strict\" }\n",
+        Format::Toml,
+        &[],
+    )
+    .unwrap();
+    let toml = c.to_toml();
+    assert!(!toml.contains("planted-secret"), "{toml}");
+    assert!(
+        toml.contains("<redacted>") && toml.contains("Authorization") && toml.contains("API_KEY")
+    );
+    let tracked = serde_json::to_string(&c.redacted()).unwrap();
+    assert!(!tracked.contains("planted-secret"), "{tracked}");
+    // The run itself still has them.
+    assert!(serde_json::to_string(c.resolved())
+        .unwrap()
+        .contains("planted-secret-2"));
+    for (key, secret) in [
+        ("hf_token", true),
+        ("api_key", true),
+        ("WANDB_API_KEY", true),
+        ("password", true),
+        ("client_secret", true),
+        ("token", true),
+        ("pad_token", false),
+        ("max_new_tokens", false),
+        ("forward_chunk_tokens", false),
+        ("eos_token_id", false),
+        ("keyword", false),
+    ] {
+        assert_eq!(secret_like(key), secret, "{key}");
+    }
+}

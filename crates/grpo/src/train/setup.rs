@@ -474,7 +474,7 @@ fn writers(cfg: &TrainConfig, resumed: bool, main: bool) -> Result<(MetricsWrite
                     .file_name()
                     .map_or_else(|| "grpo".into(), |n| n.to_string_lossy().into_owned())
             }),
-            config: cfg.resolved().clone().into_iter().collect(),
+            config: cfg.redacted().into_iter().collect(),
             resume: resumed,
             wandb_project: cfg.logging.wandb_project.clone(),
             project: cfg
