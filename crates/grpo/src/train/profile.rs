@@ -55,3 +55,32 @@ pub(super) fn lap(laps: &mut Option<Laps>, name: &'static str) {
         l.lap(name);
     }
 }
+
+/// The rollout's split (prefill, decoding, choosing tokens), when profiling is on. The sampler
+/// synchronizes the device before it times the token choice, so decode_s - sample_s is the
+/// model's decoding forward.
+pub(super) fn rollout(g: &grpo_models::sampler::GenStats) {
+    if profiling() {
+        tracing::info!(
+            "profile rollout: prefill {:.3}s ({} prompt tokens), decode {:.3}s ({} steps, {} tokens; choosing tokens {:.3}s of it), {} compactions",
+            g.prefill_s,
+            g.prompt_tokens,
+            g.decode_s,
+            g.decode_steps,
+            g.generated_tokens,
+            g.sample_s,
+            g.compactions
+        );
+    }
+}
+
+/// The old-policy and reference log-prob passes (each ends on a host read, so it is timed
+/// synchronized), when profiling is on.
+pub(super) fn log_probs(old_s: f64, ref_s: f64, pairs: &[(&[u32], &[u32])], chunk: usize) {
+    if profiling() {
+        let tokens: usize = pairs.iter().map(|(p, c)| p.len() + c.len()).sum();
+        tracing::info!(
+            "profile log-probs: old {old_s:.3}s, reference {ref_s:.3}s, {tokens} tokens in chunks of {chunk}"
+        );
+    }
+}

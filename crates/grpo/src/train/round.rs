@@ -331,18 +331,7 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> R
         &r.opts.early_rewards,
     )?;
     let t_generate = t0.elapsed().as_secs_f64() - early.wait_s;
-    if grpo_models::kernels::profiling() {
-        tracing::info!(
-            "profile rollout: prefill {:.3}s ({} prompt tokens), decode {:.3}s ({} steps, {} tokens; choosing tokens {:.3}s of it), {} compactions",
-            gen_stats.prefill_s,
-            gen_stats.prompt_tokens,
-            gen_stats.decode_s,
-            gen_stats.decode_steps,
-            gen_stats.generated_tokens,
-            gen_stats.sample_s,
-            gen_stats.compactions
-        );
-    }
+    super::profile::rollout(&gen_stats);
     super::trace_memory("rollout");
     grpo_models::faults::kill_point("train.sampled");
 
@@ -366,13 +355,7 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> R
         .reference
         .logprobs(&pairs, r.pad, cfg.generation.temperature, chunk)?;
     let t_reference = t0.elapsed().as_secs_f64();
-    if grpo_models::kernels::profiling() {
-        tracing::info!(
-            "profile log-probs: old {t_old:.3}s, reference {:.3}s, {} tokens in chunks of {chunk}",
-            t_reference - t_old,
-            pairs.iter().map(|(p, c)| p.len() + c.len()).sum::<usize>()
-        );
-    }
+    super::profile::log_probs(t_old, t_reference - t_old, &pairs, chunk);
     super::trace_memory("old/reference log-probs");
 
     // 3. Score the rest (coherence rewards read the reference's mean log-prob).
