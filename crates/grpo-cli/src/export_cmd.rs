@@ -125,6 +125,9 @@ fn run_gguf(a: ExportArgs) -> Result<()> {
             g.f16_fallbacks
         );
     }
+    for w in &g.warnings {
+        eprintln!("warning: {w}");
+    }
     if !g.has_tokenizer {
         eprintln!(
             "warning: the model has no tokenizer, so the file has none: grpo loads it, llama.cpp does not"

@@ -12,9 +12,11 @@ use candle_core::quantized::gguf_file::Value;
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Tensor};
 
+use crate::models::config::{llama_cpp_gemma_query_scalar, llama_cpp_sliding_layers};
 use crate::models::layers::rope_inv_freq;
 use crate::models::{Arch, ModelConfig};
 use crate::tokenizer::Tokenizer;
+use crate::weights::{gguf_name, llama_cpp_permutes_qk};
 use crate::{Error, Result};
 
 /// The type of a GGUF file's weight matrices (llama.cpp's `--outtype`); norms, biases and other
@@ -70,41 +72,9 @@ pub struct GgufSummary {
     pub f16_fallbacks: usize,
     /// The tokenizer was written (llama.cpp needs one; grpo loads a file without).
     pub has_tokenizer: bool,
-}
-
-/// llama.cpp's name for an HF tensor name of a Llama-family model (the inverse of
-/// [`crate::weights::hf_name`]).
-pub fn gguf_name(hf: &str) -> Option<String> {
-    let (stem, ext) = hf.rsplit_once('.')?;
-    if ext != "weight" && ext != "bias" {
-        return None;
-    }
-    let top = match stem {
-        "model.embed_tokens" => Some("token_embd"),
-        "model.norm" => Some("output_norm"),
-        "lm_head" => Some("output"),
-        _ => None,
-    };
-    if let Some(t) = top {
-        return Some(format!("{t}.{ext}"));
-    }
-    let (layer, part) = stem.strip_prefix("model.layers.")?.split_once('.')?;
-    layer.parse::<usize>().ok()?;
-    let g = match part {
-        "input_layernorm" => "attn_norm",
-        "post_attention_layernorm" => "ffn_norm",
-        "self_attn.q_proj" => "attn_q",
-        "self_attn.k_proj" => "attn_k",
-        "self_attn.v_proj" => "attn_v",
-        "self_attn.o_proj" => "attn_output",
-        "self_attn.q_norm" => "attn_q_norm",
-        "self_attn.k_norm" => "attn_k_norm",
-        "mlp.gate_proj" => "ffn_gate",
-        "mlp.up_proj" => "ffn_up",
-        "mlp.down_proj" => "ffn_down",
-        _ => return None,
-    };
-    Some(format!("blk.{layer}.{g}.{ext}"))
+    /// What llama.cpp will run differently from transformers and grpo (a sliding window it
+    /// ignores, a layer pattern it fixes), for the user to read.
+    pub warnings: Vec<String>,
 }
 
 /// llama.cpp's Q/K row permutation (`[h, 2, d/2] -> [h, d/2, 2]` per head: HF's rotate-half
@@ -126,26 +96,57 @@ pub fn permute_qk(t: &Tensor, heads: usize) -> Result<Tensor> {
         .reshape(dims)?)
 }
 
-/// The `general.architecture` name and the model's `<arch>.*` metadata.
+/// GGUF metadata entries, in the order they are written.
+type Metadata = Vec<(String, Value)>;
+
+/// llama.cpp's architecture for a family: Mistral's files are `llama` ones (llama.cpp's
+/// converter writes them so).
+fn gguf_arch(arch: Arch) -> &'static str {
+    match arch {
+        Arch::Llama | Arch::Mistral => "llama",
+        Arch::Qwen2 => "qwen2",
+        Arch::Qwen3 => "qwen3",
+        Arch::Phi3 => "phi3",
+        Arch::Gemma2 => "gemma2",
+        Arch::Gemma3 => "gemma3",
+        Arch::Gpt2 => "gpt2",
+    }
+}
+
+/// How much Gemma's queries are scaled in the file so that llama.cpp's fixed score scale
+/// ([`llama_cpp_gemma_query_scalar`]) gives the model's own `query_pre_attn_scalar^-1/2`: 1 for
+/// every released Gemma.
+fn gemma_query_factor(config: &ModelConfig) -> Option<f64> {
+    let own = config.extras.query_pre_attn_scalar?;
+    let theirs = llama_cpp_gemma_query_scalar(
+        config.arch,
+        config.num_layers,
+        config.hidden_size,
+        config.num_heads,
+        config.head_dim,
+    );
+    (own != theirs).then(|| (theirs / own).sqrt())
+}
+
+/// The `general.architecture` name and the model's `<arch>.*` metadata, and what llama.cpp will
+/// run differently from grpo and transformers (warnings for the user: the file itself is exact,
+/// and grpo loads it back as the model it is).
 fn model_metadata(
     config: &ModelConfig,
     name: &str,
     outtype: GgufType,
-) -> Result<Vec<(String, Value)>> {
-    let arch = match config.arch {
-        Arch::Llama => "llama",
-        Arch::Qwen2 => "qwen2",
-        Arch::Qwen3 => "qwen3",
-        other => {
-            return Err(Error::Model(format!(
-                "GGUF export supports the Llama family (llama, qwen2, qwen3), not {}",
-                other.name()
-            )))
-        }
-    };
-    if config.mlp_bias || (config.attention_bias && config.arch != Arch::Qwen2) {
+) -> Result<(Metadata, Vec<String>)> {
+    let arch = gguf_arch(config.arch);
+    let biases_ok = matches!(config.arch, Arch::Qwen2 | Arch::Gpt2);
+    if !biases_ok && (config.mlp_bias || config.attention_bias) {
+        return Err(Error::Model(format!(
+            "GGUF export: llama.cpp's {arch} graph has no projection biases, and this model has some"
+        )));
+    }
+    let gemma = matches!(config.arch, Arch::Gemma2 | Arch::Gemma3);
+    if config.arch == Arch::Gemma2 && !config.tie_word_embeddings {
         return Err(Error::Model(
-            "GGUF export: llama.cpp's llama and qwen3 graphs have no projection biases, and this model has some".into(),
+            "GGUF export: llama.cpp's gemma2 graph ties the output layer to the embeddings, and this model has its own lm_head".into(),
         ));
     }
     let u = |x: usize| -> Result<Value> {
@@ -154,27 +155,149 @@ fn model_metadata(
             .map_err(|_| Error::Model(format!("{x} does not fit GGUF's u32 metadata")))
     };
     let key = |k: &str| format!("{arch}.{k}");
-    Ok(vec![
+    let extras = &config.extras;
+    let mut warnings = vec![];
+    // Phi-3's LongRoPE: the file keeps the long factors too when the source config has them, so
+    // llama.cpp can run past the pretraining length as transformers does.
+    let long_factor = long_rope_long_factor(config);
+    let context = match (&extras.long_rope, &long_factor) {
+        (Some(_), Some(_)) => source_usize(config, "max_position_embeddings")
+            .unwrap_or(config.max_position_embeddings),
+        _ => config.max_position_embeddings,
+    };
+    let mut md = vec![
         ("general.architecture".into(), Value::String(arch.into())),
         ("general.name".into(), Value::String(name.into())),
         ("general.file_type".into(), Value::U32(outtype.file_type())),
         ("general.quantization_version".into(), Value::U32(2)),
         (key("vocab_size"), u(config.vocab_size)?),
-        (key("context_length"), u(config.max_position_embeddings)?),
+        (key("context_length"), u(context)?),
         (key("embedding_length"), u(config.hidden_size)?),
         (key("block_count"), u(config.num_layers)?),
         (key("feed_forward_length"), u(config.intermediate_size)?),
         (key("attention.head_count"), u(config.num_heads)?),
         (key("attention.head_count_kv"), u(config.num_kv_heads)?),
+    ];
+    if config.arch == Arch::Gpt2 {
+        md.push((
+            key("attention.layer_norm_epsilon"),
+            Value::F32(config.norm_eps as f32),
+        ));
+        return Ok((md, warnings));
+    }
+    md.extend([
         (key("attention.key_length"), u(config.head_dim)?),
         (key("attention.value_length"), u(config.head_dim)?),
-        (key("rope.dimension_count"), u(config.head_dim)?),
+        (
+            key("rope.dimension_count"),
+            u(extras.rotary_dim.unwrap_or(config.head_dim))?,
+        ),
         (key("rope.freq_base"), Value::F32(config.rope_theta as f32)),
         (
             key("attention.layer_norm_rms_epsilon"),
             Value::F32(config.norm_eps as f32),
         ),
-    ])
+    ]);
+    if let Some(l) = &extras.long_rope {
+        md.push((
+            key("rope.scaling.original_context_length"),
+            u(l.original_max_position_embeddings)?,
+        ));
+        md.push((
+            key("rope.scaling.attn_factor"),
+            Value::F32(l.attention_factor as f32),
+        ));
+    }
+    let window = extras.sliding_window;
+    if let Some(w) = window {
+        md.push((key("attention.sliding_window"), u(w)?));
+        let ignored = match config.arch {
+            Arch::Mistral => Some("has no sliding window in its llama graph"),
+            Arch::Phi3 => Some("turns Phi-3's sliding window off"),
+            _ => None,
+        };
+        if let (Some(why), true) = (ignored, w < context) {
+            warnings.push(format!(
+                "llama.cpp {why}: past {w} tokens it attends to every earlier token, where                  transformers and grpo (which loads this file with its window) attend to the                  last {w}"
+            ));
+        }
+    }
+    if gemma {
+        if window.is_none() {
+            // llama.cpp's Gemma graphs always slide (Gemma 2 at 4096 when the file does not
+            // say): a window as long as the context is none.
+            md.push((key("attention.sliding_window"), u(context)?));
+        }
+        let sliding: Vec<bool> = match extras.sliding_layers.is_empty() {
+            true => vec![false; config.num_layers],
+            false => extras.sliding_layers.clone(),
+        };
+        if window.is_some() && sliding != llama_cpp_sliding_layers(config.arch, config.num_layers) {
+            warnings.push(format!(
+                "llama.cpp fixes which {arch} layers slide ({}); this model's are {:?}, which                  the file records for grpo but llama.cpp ignores",
+                match config.arch {
+                    Arch::Gemma2 => "every other one from the first",
+                    _ => "five of every six",
+                },
+                sliding
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, &s)| s)
+                    .map(|(i, _)| i)
+                    .collect::<Vec<_>>()
+            ));
+        }
+        md.push((
+            key("attention.sliding_window_pattern"),
+            Value::Array(sliding.into_iter().map(Value::Bool).collect()),
+        ));
+        for (k, cap) in [
+            ("attn_logit_softcapping", extras.attn_softcap),
+            ("final_logit_softcapping", extras.final_softcap),
+        ] {
+            match (cap, config.arch) {
+                (Some(c), _) => md.push((key(k), Value::F32(c as f32))),
+                (None, Arch::Gemma2) => warnings.push(format!(
+                    "this model has no {k}; llama.cpp's gemma2 graph applies its default"
+                )),
+                _ => {}
+            }
+        }
+        if config.arch == Arch::Gemma3 {
+            let local = extras.rope_local_theta.unwrap_or(10000.0);
+            md.push((key("rope.freq_base_swa"), Value::F32(local as f32)));
+            if local != 10000.0 {
+                warnings.push(format!(
+                    "llama.cpp's gemma3 graph fixes the sliding layers' RoPE base at 10000; this                      model's is {local}"
+                ));
+            }
+            if extras.attn_softcap.is_some() || extras.final_softcap.is_some() {
+                warnings.push("llama.cpp's gemma3 graph has no logit soft-capping".into());
+            }
+        }
+    }
+    Ok((md, warnings))
+}
+
+/// A number from the source `config.json` (Phi-3's `max_position_embeddings`, which grpo caps).
+fn source_usize(config: &ModelConfig, k: &str) -> Option<usize> {
+    Some(config.extras.source.as_ref()?.get(k)?.as_u64()? as usize)
+}
+
+/// Phi-3's LongRoPE `long_factor`, from the source `config.json` (grpo itself runs the short
+/// factors only).
+fn long_rope_long_factor(config: &ModelConfig) -> Option<Vec<f32>> {
+    config.extras.long_rope.as_ref()?;
+    let src = config.extras.source.as_ref()?;
+    let rope = ["rope_scaling", "rope_parameters"]
+        .iter()
+        .filter_map(|k| src.get(*k))
+        .find(|r| r.get("long_factor").is_some())?;
+    rope.get("long_factor")?
+        .as_array()?
+        .iter()
+        .map(|x| x.as_f64().map(|x| x as f32))
+        .collect()
 }
 
 /// Llama 3 RoPE scaling as llama.cpp takes it: per-frequency divisors in a `rope_freqs.weight`
@@ -201,10 +324,37 @@ fn rope_freqs(config: &ModelConfig) -> Result<Option<Tensor>> {
     )?))
 }
 
+/// The 1-D F32 tensors that carry RoPE factors: Llama 3's scaling as `rope_freqs`, Phi-3's
+/// LongRoPE as `rope_factors_short` (and `rope_factors_long` when the source config has them).
+fn rope_factor_tensors(config: &ModelConfig) -> Result<Vec<(String, Tensor)>> {
+    let cpu = candle_core::Device::Cpu;
+    let mut out = vec![];
+    if let Some(f) = rope_freqs(config)? {
+        out.push(("rope_freqs.weight".to_string(), f));
+    }
+    if let Some(l) = &config.extras.long_rope {
+        let short: Vec<f32> = l.short_factor.iter().map(|&x| x as f32).collect();
+        let n = short.len();
+        out.push((
+            "rope_factors_short.weight".into(),
+            Tensor::from_vec(short, n, &cpu)?,
+        ));
+        if let Some(long) = long_rope_long_factor(config).filter(|f| f.len() == n) {
+            out.push((
+                "rope_factors_long.weight".into(),
+                Tensor::from_vec(long, n, &cpu)?,
+            ));
+        }
+    }
+    Ok(out)
+}
+
 /// Writes `config` + `tensors` (HF names and layout; any dtype) + `tokenizer` as a GGUF file at
 /// `path` (through a temporary file beside it, renamed when complete). Matrices are written as
 /// `outtype`, everything 1-D as F32. Without a tokenizer the file has no `tokenizer.*` metadata:
-/// grpo loads it, llama.cpp does not.
+/// grpo loads it, llama.cpp does not. Each family's tensors take llama.cpp's form: Llama's and
+/// Mistral's Q/K rows its RoPE order, Gemma's norms `1 + w` (and its queries the scale llama.cpp
+/// cannot be told), GPT-2's Conv1D weights `[out, in]`.
 pub fn write_gguf(
     path: &Path,
     config: &ModelConfig,
@@ -213,7 +363,7 @@ pub fn write_gguf(
     name: &str,
     outtype: GgufType,
 ) -> Result<GgufSummary> {
-    let mut metadata = model_metadata(config, name, outtype)?;
+    let (mut metadata, warnings) = model_metadata(config, name, outtype)?;
     if let Some(tok) = tokenizer {
         metadata.extend(tok.gguf_metadata(config.vocab_size)?);
         // The model's EOS when the tokenizer names none (generation_config.json's).
@@ -225,37 +375,57 @@ pub fn write_gguf(
     }
 
     // llama.cpp's order: embeddings, blocks in order, final norm, output.
-    let mut named: Vec<(String, &String)> = Vec::with_capacity(tensors.len());
+    let mut named: Vec<(String, &String, bool)> = Vec::with_capacity(tensors.len());
     for hf in tensors.keys() {
         if config.tie_word_embeddings && hf == "lm_head.weight" {
             continue;
         }
-        let g = gguf_name(hf).ok_or_else(|| {
+        let (g, conv1d) = gguf_name(config.arch, hf).ok_or_else(|| {
             Error::Model(format!("GGUF export: tensor `{hf}` has no llama.cpp name"))
         })?;
-        named.push((g, hf));
+        named.push((g, hf, conv1d));
     }
     let rank = |g: &str| -> (usize, usize, String) {
         match g.strip_prefix("blk.").and_then(|r| r.split_once('.')) {
             Some((l, rest)) => (1, l.parse().unwrap_or(0), rest.to_owned()),
-            None if g.starts_with("token_embd") => (0, 0, g.to_owned()),
+            None if g.starts_with("token_embd") || g.starts_with("position_embd") => {
+                (0, 0, g.to_owned())
+            }
             None => (2, 0, g.to_owned()),
         }
     };
-    named.sort_by_key(|(g, _)| rank(g));
+    named.sort_by_key(|(g, _, _)| rank(g));
 
-    let mut qtensors: Vec<(String, QTensor)> = Vec::with_capacity(named.len() + 1);
+    let q_factor = gemma_query_factor(config);
+    let mut qtensors: Vec<(String, QTensor)> = Vec::with_capacity(named.len() + 2);
     let mut f16_fallbacks = 0;
-    for (g, hf) in &named {
+    for (g, hf, conv1d) in &named {
         let mut t = tensors[*hf]
             .to_device(&candle_core::Device::Cpu)?
             .to_dtype(DType::F32)?;
-        if config.arch == Arch::Llama {
+        if llama_cpp_permutes_qk(config.arch) {
             if hf.contains("self_attn.q_proj.") {
                 t = permute_qk(&t, config.num_heads)?;
             } else if hf.contains("self_attn.k_proj.") {
                 t = permute_qk(&t, config.num_kv_heads)?;
             }
+        }
+        if config.extras.norm_plus_one && hf.ends_with("norm.weight") {
+            t = t.affine(1.0, 1.0)?;
+        }
+        if let Some(c) = q_factor {
+            // Gemma 3 scales q through its norm (after which a scaled q_proj would not show),
+            // Gemma 2 through q_proj.
+            let q = match config.qk_norm {
+                true => "self_attn.q_norm.weight",
+                false => "self_attn.q_proj.weight",
+            };
+            if hf.ends_with(q) {
+                t = t.affine(c, 0.0)?;
+            }
+        }
+        if *conv1d {
+            t = t.t()?.contiguous()?;
         }
         let ty = if t.rank() < 2 {
             GgmlDType::F32
@@ -272,11 +442,8 @@ pub fn write_gguf(
             .map_err(|e| Error::Model(format!("GGUF export: cannot convert `{hf}`: {e}")))?;
         qtensors.push((g.clone(), q));
     }
-    if let Some(f) = rope_freqs(config)? {
-        qtensors.push((
-            "rope_freqs.weight".into(),
-            QTensor::quantize(&f, GgmlDType::F32)?,
-        ));
+    for (g, f) in rope_factor_tensors(config)? {
+        qtensors.push((g, QTensor::quantize(&f, GgmlDType::F32)?));
     }
 
     let tmp = path.with_extension("gguf.partial");
@@ -302,6 +469,7 @@ pub fn write_gguf(
         tensors: qtensors.len(),
         f16_fallbacks,
         has_tokenizer: tokenizer.is_some(),
+        warnings,
     })
 }
 
@@ -322,7 +490,8 @@ mod tests {
             "model.layers.3.self_attn.k_norm.weight",
             "model.layers.2.mlp.down_proj.weight",
         ] {
-            let g = gguf_name(hf).unwrap();
+            let (g, conv) = gguf_name(Arch::Llama, hf).unwrap();
+            assert!(!conv);
             assert_eq!(
                 hf_name(Arch::Llama, &g),
                 Some((hf.to_owned(), false)),
@@ -330,11 +499,78 @@ mod tests {
             );
         }
         assert_eq!(
-            gguf_name("model.layers.0.self_attn.q_proj.weight").unwrap(),
-            "blk.0.attn_q.weight"
+            gguf_name(Arch::Llama, "model.layers.0.self_attn.q_proj.weight").unwrap(),
+            ("blk.0.attn_q.weight".into(), false)
         );
-        assert_eq!(gguf_name("model.layers.x.mlp.up_proj.weight"), None);
-        assert_eq!(gguf_name("transformer.wte.weight"), None);
+        assert_eq!(
+            gguf_name(Arch::Llama, "model.layers.x.mlp.up_proj.weight"),
+            None
+        );
+        assert_eq!(gguf_name(Arch::Llama, "transformer.wte.weight"), None);
+        // The other families' own names, both ways.
+        for (arch, hf, g, conv) in [
+            (
+                Arch::Phi3,
+                "model.layers.1.self_attn.qkv_proj.weight",
+                "blk.1.attn_qkv.weight",
+                false,
+            ),
+            (
+                Arch::Phi3,
+                "model.layers.0.mlp.gate_up_proj.weight",
+                "blk.0.ffn_up.weight",
+                false,
+            ),
+            (
+                Arch::Gemma2,
+                "model.layers.2.pre_feedforward_layernorm.weight",
+                "blk.2.ffn_norm.weight",
+                false,
+            ),
+            (
+                Arch::Gemma2,
+                "model.layers.2.post_attention_layernorm.weight",
+                "blk.2.post_attention_norm.weight",
+                false,
+            ),
+            (
+                Arch::Gemma3,
+                "model.layers.0.post_feedforward_layernorm.weight",
+                "blk.0.post_ffw_norm.weight",
+                false,
+            ),
+            (
+                Arch::Gemma3,
+                "model.layers.0.self_attn.k_norm.weight",
+                "blk.0.attn_k_norm.weight",
+                false,
+            ),
+            (
+                Arch::Gpt2,
+                "transformer.h.3.attn.c_attn.weight",
+                "blk.3.attn_qkv.weight",
+                true,
+            ),
+            (
+                Arch::Gpt2,
+                "transformer.h.3.attn.c_attn.bias",
+                "blk.3.attn_qkv.bias",
+                false,
+            ),
+            (
+                Arch::Gpt2,
+                "transformer.wpe.weight",
+                "position_embd.weight",
+                false,
+            ),
+        ] {
+            assert_eq!(gguf_name(arch, hf), Some((g.to_owned(), conv)), "{hf}");
+            assert_eq!(hf_name(arch, g), Some((hf.to_owned(), conv)), "{g}");
+        }
+        assert_eq!(
+            gguf_name(Arch::Phi3, "model.layers.0.mlp.up_proj.weight"),
+            None
+        );
     }
 
     #[test]

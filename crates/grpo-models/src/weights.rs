@@ -189,64 +189,154 @@ fn normalize_gpt2_names(tensors: HashMap<String, Tensor>) -> HashMap<String, Ten
         .collect()
 }
 
+/// llama.cpp's names for a family's tensors and HF's: the whole-model tensors (`token_embd` ->
+/// `model.embed_tokens`) and the per-layer ones (`attn_q` -> `self_attn.q_proj`, under `blk.N.`
+/// and `model.layers.N.`). One table per family, read one way to load a GGUF and the other way
+/// to write one ([`crate::gguf_write`]), so the two cannot disagree.
+struct NameTable {
+    top: &'static [(&'static str, &'static str)],
+    layer_prefix: &'static str,
+    layer: &'static [(&'static str, &'static str)],
+}
+
+const LLAMA_TOP: &[(&str, &str)] = &[
+    ("token_embd", "model.embed_tokens"),
+    ("output_norm", "model.norm"),
+    ("output", "lm_head"),
+];
+
+fn name_table(arch: Arch) -> NameTable {
+    const ATTN: [(&str, &str); 6] = [
+        ("attn_q", "self_attn.q_proj"),
+        ("attn_k", "self_attn.k_proj"),
+        ("attn_v", "self_attn.v_proj"),
+        ("attn_output", "self_attn.o_proj"),
+        ("attn_q_norm", "self_attn.q_norm"),
+        ("attn_k_norm", "self_attn.k_norm"),
+    ];
+    let layer: &'static [(&str, &str)] = match arch {
+        Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => &[
+            ("attn_norm", "input_layernorm"),
+            ("ffn_norm", "post_attention_layernorm"),
+            ATTN[0],
+            ATTN[1],
+            ATTN[2],
+            ATTN[3],
+            ATTN[4],
+            ATTN[5],
+            ("ffn_gate", "mlp.gate_proj"),
+            ("ffn_up", "mlp.up_proj"),
+            ("ffn_down", "mlp.down_proj"),
+        ],
+        // Fused q/k/v and gate/up, as HF's Phi-3 stores them (gate first, as llama.cpp splits).
+        Arch::Phi3 => &[
+            ("attn_norm", "input_layernorm"),
+            ("ffn_norm", "post_attention_layernorm"),
+            ("attn_qkv", "self_attn.qkv_proj"),
+            ("attn_output", "self_attn.o_proj"),
+            ("ffn_up", "mlp.gate_up_proj"),
+            ("ffn_down", "mlp.down_proj"),
+        ],
+        // Gemma's sandwich: HF's post_attention_layernorm is the attention output's norm and the
+        // MLP's input norm is pre_feedforward_layernorm.
+        Arch::Gemma2 | Arch::Gemma3 => &[
+            ("attn_norm", "input_layernorm"),
+            ("post_attention_norm", "post_attention_layernorm"),
+            ("ffn_norm", "pre_feedforward_layernorm"),
+            ("post_ffw_norm", "post_feedforward_layernorm"),
+            ATTN[0],
+            ATTN[1],
+            ATTN[2],
+            ATTN[3],
+            ATTN[4],
+            ATTN[5],
+            ("ffn_gate", "mlp.gate_proj"),
+            ("ffn_up", "mlp.up_proj"),
+            ("ffn_down", "mlp.down_proj"),
+        ],
+        Arch::Gpt2 => {
+            return NameTable {
+                top: &[
+                    ("token_embd", "transformer.wte"),
+                    ("position_embd", "transformer.wpe"),
+                    ("output_norm", "transformer.ln_f"),
+                    ("output", "lm_head"),
+                ],
+                layer_prefix: "transformer.h.",
+                layer: &[
+                    ("attn_norm", "ln_1"),
+                    ("attn_qkv", "attn.c_attn"),
+                    ("attn_output", "attn.c_proj"),
+                    ("ffn_norm", "ln_2"),
+                    ("ffn_up", "mlp.c_fc"),
+                    ("ffn_down", "mlp.c_proj"),
+                ],
+            }
+        }
+    };
+    NameTable {
+        top: LLAMA_TOP,
+        layer_prefix: "model.layers.",
+        layer,
+    }
+}
+
+/// GPT-2's projections are Conv1D (`[in, out]`) in HF and `[out, in]` in GGUF.
+fn is_conv1d(arch: Arch, hf: &str) -> bool {
+    arch == Arch::Gpt2
+        && hf.ends_with(".weight")
+        && ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"]
+            .iter()
+            .any(|p| hf.contains(&format!(".{p}.")))
+}
+
+/// Maps `name` (`<stem>.weight` / `<stem>.bias`) through `table`: GGUF -> HF when `to_hf`, else
+/// HF -> GGUF.
+fn map_name(table: &NameTable, name: &str, to_hf: bool) -> Option<String> {
+    let (stem, ext) = name.rsplit_once('.')?;
+    if ext != "weight" && ext != "bias" {
+        return None;
+    }
+    let pick = |pairs: &[(&'static str, &'static str)], s: &str| -> Option<&'static str> {
+        pairs.iter().find_map(|&(g, h)| match to_hf {
+            true => (g == s).then_some(h),
+            false => (h == s).then_some(g),
+        })
+    };
+    if let Some(t) = pick(table.top, stem) {
+        return Some(format!("{t}.{ext}"));
+    }
+    let (from_prefix, to_prefix) = match to_hf {
+        true => ("blk.", table.layer_prefix),
+        false => (table.layer_prefix, "blk."),
+    };
+    let (layer, part) = stem.strip_prefix(from_prefix)?.split_once('.')?;
+    layer.parse::<usize>().ok()?;
+    Some(format!(
+        "{to_prefix}{layer}.{}.{ext}",
+        pick(table.layer, part)?
+    ))
+}
+
 /// HF name for a GGUF tensor name, and whether the tensor is a GPT-2 Conv1D weight stored
 /// transposed in GGUF.
 pub fn hf_name(arch: Arch, gguf: &str) -> Option<(String, bool)> {
-    let (suffix, ext) = match gguf.rsplit_once('.') {
-        Some((s, e)) if e == "weight" || e == "bias" => (s, e),
-        _ => return None,
-    };
-    if arch == Arch::Gpt2 {
-        let top = match suffix {
-            "token_embd" => Some("transformer.wte"),
-            "position_embd" => Some("transformer.wpe"),
-            "output_norm" => Some("transformer.ln_f"),
-            "output" => Some("lm_head"),
-            _ => None,
-        };
-        if let Some(t) = top {
-            return Some((format!("{t}.{ext}"), false));
-        }
-        let (layer, part) = suffix.strip_prefix("blk.")?.split_once('.')?;
-        let (hf, conv) = match part {
-            "attn_norm" => ("ln_1", false),
-            "attn_qkv" => ("attn.c_attn", true),
-            "attn_output" => ("attn.c_proj", true),
-            "ffn_norm" => ("ln_2", false),
-            "ffn_up" => ("mlp.c_fc", true),
-            "ffn_down" => ("mlp.c_proj", true),
-            _ => return None,
-        };
-        return Some((
-            format!("transformer.h.{layer}.{hf}.{ext}"),
-            conv && ext == "weight",
-        ));
-    }
-    let top = match suffix {
-        "token_embd" => Some("model.embed_tokens"),
-        "output_norm" => Some("model.norm"),
-        "output" => Some("lm_head"),
-        _ => None,
-    };
-    if let Some(t) = top {
-        return Some((format!("{t}.{ext}"), false));
-    }
-    let (layer, part) = suffix.strip_prefix("blk.")?.split_once('.')?;
-    let hf = match part {
-        "attn_norm" => "input_layernorm",
-        "ffn_norm" => "post_attention_layernorm",
-        "attn_q" => "self_attn.q_proj",
-        "attn_k" => "self_attn.k_proj",
-        "attn_v" => "self_attn.v_proj",
-        "attn_output" => "self_attn.o_proj",
-        "attn_q_norm" => "self_attn.q_norm",
-        "attn_k_norm" => "self_attn.k_norm",
-        "ffn_gate" => "mlp.gate_proj",
-        "ffn_up" => "mlp.up_proj",
-        "ffn_down" => "mlp.down_proj",
-        _ => return None,
-    };
-    Some((format!("model.layers.{layer}.{hf}.{ext}"), false))
+    let hf = map_name(&name_table(arch), gguf, true)?;
+    let conv = is_conv1d(arch, &hf);
+    Some((hf, conv))
+}
+
+/// llama.cpp's name for an HF tensor name (the inverse of [`hf_name`]), and whether it is a GPT-2
+/// Conv1D weight to transpose.
+pub fn gguf_name(arch: Arch, hf: &str) -> Option<(String, bool)> {
+    let g = map_name(&name_table(arch), hf, false)?;
+    Some((g, is_conv1d(arch, hf)))
+}
+
+/// Whether llama.cpp stores this family's Q/K rows in its interleaved RoPE order (its `llama`
+/// graph, which Mistral's files use too); the others use HF's rotate-half (NEOX) order as is.
+pub fn llama_cpp_permutes_qk(arch: Arch) -> bool {
+    matches!(arch, Arch::Llama | Arch::Mistral)
 }
 
 /// Undoes llama.cpp's Q/K row permutation (`[h, 2, d/2] -> [h, d/2, 2]` per head) so RoPE can use
@@ -317,7 +407,7 @@ pub fn gguf_quantized_projections(
         else {
             continue;
         };
-        if config.arch == Arch::Llama {
+        if llama_cpp_permutes_qk(config.arch) {
             let heads = if hf.contains("self_attn.q_proj.") {
                 Some(config.num_heads)
             } else if hf.contains("self_attn.k_proj.") {
@@ -334,19 +424,38 @@ pub fn gguf_quantized_projections(
     Ok(out)
 }
 
+/// The 1-D F32 tensors that carry RoPE factors rather than weights (`rope_freqs`: Llama 3.1's
+/// per-frequency divisors; `rope_factors_short` / `_long`: Phi-3's LongRoPE), by name.
+const ROPE_FACTOR_TENSORS: [&str; 3] = [
+    "rope_freqs.weight",
+    "rope_factors_short.weight",
+    "rope_factors_long.weight",
+];
+
 fn load_gguf(path: &Path, dtype: DType, device: &Device) -> Result<LoadedModel> {
     let (mut file, content) = open_gguf(path)?;
-    let mut config = ModelConfig::from_gguf(&content.metadata, path)?;
+    let mut factors: HashMap<&str, Vec<f64>> = HashMap::new();
+    for name in ROPE_FACTOR_TENSORS {
+        if content.tensor_infos.contains_key(name) {
+            let q = content
+                .tensor(&mut file, name, &Device::Cpu)
+                .map_err(|e| Error::file(path, format!("cannot read tensor `{name}`: {e}")))?;
+            let f: Vec<f32> = q.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1()?;
+            factors.insert(name, f.into_iter().map(f64::from).collect());
+        }
+    }
+    let mut config = ModelConfig::from_gguf_with_factors(
+        &content.metadata,
+        path,
+        factors.get("rope_factors_short.weight").map(Vec::as_slice),
+        factors.get("rope_factors_long.weight").map(Vec::as_slice),
+    )?;
+    config.rope_freq_factors = factors.remove("rope_freqs.weight");
     let mut tensors = HashMap::new();
     let mut names: Vec<&String> = content.tensor_infos.keys().collect();
     names.sort();
     for name in names {
-        if name == "rope_freqs.weight" {
-            let q = content
-                .tensor(&mut file, name, device)
-                .map_err(|e| Error::file(path, format!("cannot read tensor `{name}`: {e}")))?;
-            let f: Vec<f32> = q.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1()?;
-            config.rope_freq_factors = Some(f.into_iter().map(f64::from).collect());
+        if ROPE_FACTOR_TENSORS.contains(&name.as_str()) {
             continue;
         }
         let Some((hf, conv1d)) = hf_name(config.arch, name) else {
@@ -364,12 +473,16 @@ fn load_gguf(path: &Path, dtype: DType, device: &Device) -> Result<LoadedModel> 
         let mut t = q
             .dequantize(device)
             .map_err(|e| Error::file(path, format!("cannot dequantize `{name}`: {e}")))?;
-        if config.arch == Arch::Llama {
+        if llama_cpp_permutes_qk(config.arch) {
             if hf.contains("self_attn.q_proj.") {
                 t = unpermute_qk(&t, config.num_heads)?;
             } else if hf.contains("self_attn.k_proj.") {
                 t = unpermute_qk(&t, config.num_kv_heads)?;
             }
+        }
+        // llama.cpp's Gemma norms hold the scale itself; HF's (and grpo's) hold scale - 1.
+        if config.extras.norm_plus_one && hf.ends_with("norm.weight") {
+            t = t.affine(1.0, -1.0)?;
         }
         if conv1d {
             t = t.t()?.contiguous()?;
@@ -377,6 +490,12 @@ fn load_gguf(path: &Path, dtype: DType, device: &Device) -> Result<LoadedModel> 
         tensors.insert(hf, t.to_dtype(dtype)?);
     }
     config.tie_word_embeddings = !tensors.contains_key("lm_head.weight");
+    if let Some(serde_json::Value::Object(source)) = config.extras.source.as_mut() {
+        source.insert(
+            "tie_word_embeddings".into(),
+            config.tie_word_embeddings.into(),
+        );
+    }
     let tokenizer = if content.metadata.contains_key("tokenizer.ggml.tokens") {
         Some(Tokenizer::from_gguf(&content, path)?)
     } else {

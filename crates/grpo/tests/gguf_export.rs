@@ -2,8 +2,10 @@
 //! back in grpo with the exported weights exactly (f16 rounding, q8_0 blocks), the same tokenizer
 //! and the same greedy tokens; and, where a Python with the `gguf` package and llama-cpp-python
 //! is there (`GRPO_TEST_PYTHON`, else `python3`), llama.cpp reads it and decodes the tokens grpo
-//! decodes. Without one that test says it was skipped, unless `GRPO_REQUIRE_GGUF=1` (set by
-//! `.ci/run`, which installs them) makes it a failure.
+//! decodes. Every other family (Llama 3, Qwen2/3, Mistral, Phi-3, Phi-4-mini, Gemma 2/3, GPT-2)
+//! round-trips through grpo from the tiny fixtures, and llama.cpp runs each as grpo does. Without
+//! that Python those tests say they were skipped, unless `GRPO_REQUIRE_GGUF=1` (set by `.ci/run`,
+//! which installs them) makes it a failure.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -236,42 +238,134 @@ fn gguf_exports_load_back_with_the_same_weights_tokenizer_and_tokens() {
     }
 }
 
-/// Every architecture the writer takes, from the tiny fixtures (no tokenizer: grpo loads such a
-/// file, llama.cpp would not): Llama, Llama 3 (its RoPE scaling as `rope_freqs`), Qwen2 (q/k/v
-/// biases), Qwen3 (q/k norms). f32 files give the HF model's logits; GPT-2 is refused.
+/// Logits of `m` on `ids` (right-padded), `[B*T, V]`.
+fn all_logits(m: &LoadedModel, ids: &[Vec<u32>]) -> Tensor {
+    let batch = SeqBatch::right_padded(ids, 0, &Device::Cpu).unwrap();
+    let model = m.build().unwrap();
+    let h = model.forward_hidden(&batch, Mode::Infer).unwrap(); // [B, T, H]
+    let (b, t, d) = h.dims3().unwrap();
+    model.head_logits(&h.reshape((b * t, d)).unwrap()).unwrap() // [B*T, V]
+}
+
+/// A copy of the tiny fixture `name` with its `config.json` changed by `patch` (keys replaced;
+/// `tie_word_embeddings: true` also drops `lm_head`), to vary what the fixtures do not.
+fn patched_fixture(name: &str, dir: &Path, patch: serde_json::Value) {
+    let src = fixtures().join("tiny").join(name);
+    std::fs::create_dir_all(dir).unwrap();
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    for (k, v) in patch.as_object().unwrap() {
+        cfg[k] = v.clone();
+    }
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    let mut t =
+        candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
+    if cfg["tie_word_embeddings"] == true {
+        t.remove("lm_head.weight");
+    }
+    candle_core::safetensors::save(&t, dir.join("model.safetensors")).unwrap();
+}
+
+/// Every architecture, from the tiny fixtures (no tokenizer: grpo loads such a file, llama.cpp
+/// would not): Llama, Llama 3 (its RoPE scaling as `rope_freqs`), Qwen2 (q/k/v biases), Qwen3
+/// (q/k norms), Mistral (its window kept for grpo), Phi-3 (fused projections; Phi-4-mini's
+/// partial rotary and LongRoPE factors), Gemma 2 (softcaps, a query scale llama.cpp cannot be
+/// told, folded into q_proj) and Gemma 3 (its own layer pattern and local RoPE base, recorded)
+/// and GPT-2. f32 files give the HF model's logits. Gemma 2 with its own lm_head is refused
+/// (llama.cpp ties it), and tied it round-trips.
 #[test]
-fn every_llama_family_architecture_round_trips() {
+fn every_architecture_round_trips() {
     let tmp = tempfile::tempdir().unwrap();
-    for name in ["llama", "llama3", "qwen2", "qwen3", "gpt2"] {
-        let dir = fixtures().join("tiny").join(name);
+    let tied_gemma2 = tmp.path().join("gemma2-tied");
+    patched_fixture(
+        "gemma2",
+        &tied_gemma2,
+        serde_json::json!({"tie_word_embeddings": true}),
+    );
+    let families = [
+        "llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "phi4mini", "gemma2", "gemma3",
+        "gpt2",
+    ];
+    for name in families.iter().copied().chain(["gemma2-tied"]) {
+        let dir = match name {
+            "gemma2-tied" => tied_gemma2.clone(),
+            _ => fixtures().join("tiny").join(name),
+        };
         let out = tmp.path().join(format!("{name}.gguf"));
         let r = export_gguf(&dir, &out, None, GgufType::F32);
-        if name == "gpt2" {
+        if name == "gemma2" {
             let e = r.unwrap_err().to_string();
-            assert!(e.contains("Llama family"), "{e}");
+            assert!(e.contains("ties the output layer"), "{e}");
             continue;
         }
-        assert!(!r.unwrap().1.has_tokenizer);
+        let (_, summary) = r.unwrap();
+        assert!(!summary.has_tokenizer);
+        // What llama.cpp runs differently is said: the fixtures' 4-token windows on Mistral and
+        // Phi-3, Gemma 3's three-layer pattern.
+        let warned = |w: &str| summary.warnings.iter().any(|x| x.contains(w));
+        match name {
+            "mistral" => assert!(warned("no sliding window"), "{:?}", summary.warnings),
+            "phi3" => assert!(
+                warned("turns Phi-3's sliding window off"),
+                "{:?}",
+                summary.warnings
+            ),
+            "gemma3" => assert!(warned("five of every six"), "{:?}", summary.warnings),
+            _ => assert!(
+                summary.warnings.is_empty(),
+                "{name}: {:?}",
+                summary.warnings
+            ),
+        }
         let hf = load_model(&ModelSource::HfDir(dir.clone()), DType::F32, &Device::Cpu).unwrap();
         let g = load_model(&ModelSource::Gguf(out), DType::F32, &Device::Cpu).unwrap();
-        assert_eq!(g.config.arch, hf.config.arch);
+        assert_eq!(g.config.arch, hf.config.arch, "{name}");
+        assert_eq!(
+            g.config.tie_word_embeddings, hf.config.tie_word_embeddings,
+            "{name}"
+        );
+        assert_eq!(
+            g.config.extras.sliding_window, hf.config.extras.sliding_window,
+            "{name}"
+        );
+        assert_eq!(
+            g.config.extras.sliding_layers, hf.config.extras.sliding_layers,
+            "{name}"
+        );
         assert_eq!(
             g.config.rope_scaling.is_some() || g.config.rope_freq_factors.is_some(),
             name == "llama3"
         );
-        let expected: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap())
-                .unwrap();
+        assert_eq!(
+            g.config.extras.long_rope.is_some(),
+            name == "phi4mini",
+            "{name}"
+        );
+        let expected: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(
+                fixtures()
+                    .join("tiny")
+                    .join(name.trim_end_matches("-tied"))
+                    .join("expected.json"),
+            )
+            .unwrap(),
+        )
+        .unwrap();
         let ids: Vec<Vec<u32>> = serde_json::from_value(expected["input_ids"].clone()).unwrap();
-        let logits = |m: &LoadedModel| {
-            let batch = SeqBatch::right_padded(&ids, 0, &Device::Cpu).unwrap();
-            let model = m.build().unwrap();
-            let h = model.forward_hidden(&batch, Mode::Infer).unwrap(); // [B, T, H]
-            let (b, t, d) = h.dims3().unwrap();
-            model.head_logits(&h.reshape((b * t, d)).unwrap()).unwrap() // [B*T, V]
-        };
-        let d = max_diff(&logits(&g), &logits(&hf));
+        let d = max_diff(&all_logits(&g, &ids), &all_logits(&hf, &ids));
         assert!(d < 1e-4, "{name}: GGUF logits differ by {d}");
+        // A GGUF read back exports to the same file (its config.json form included).
+        let again = tmp.path().join(format!("{name}-again.gguf"));
+        export_gguf(
+            &tmp.path().join(format!("{name}.gguf")),
+            &again,
+            None,
+            GgufType::F32,
+        )
+        .unwrap();
+        let g2 = load_model(&ModelSource::Gguf(again), DType::F32, &Device::Cpu).unwrap();
+        let d = max_diff(&all_logits(&g2, &ids), &all_logits(&g, &ids));
+        assert!(d < 1e-5, "{name}: re-exported GGUF logits differ by {d}");
     }
 }
 
@@ -420,5 +514,223 @@ fn llama_cpp_decodes_grpo_gguf_exports_as_grpo_does() {
         if ty != GgufType::Q8_0 {
             assert_eq!(got, want, "{ty:?}");
         }
+    }
+}
+
+/// A random model of the tiny fixture `name`'s family and shape with SmolLM2's vocabulary and
+/// tokenizer (llama.cpp needs one), its config changed by `patch` (`num_hidden_layers` may grow:
+/// layer 0's tensors are repeated). Weights come from a fixed seed, norms near their identity.
+fn random_family(name: &str, dir: &Path, patch: serde_json::Value) {
+    use rand::{Rng, SeedableRng};
+    let src = fixtures().join("tiny").join(name);
+    std::fs::create_dir_all(dir).unwrap();
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let vocab = 49152usize;
+    cfg["vocab_size"] = vocab.into();
+    for (k, v) in patch.as_object().unwrap() {
+        cfg[k] = v.clone();
+    }
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    let layers = cfg["num_hidden_layers"]
+        .as_u64()
+        .or(cfg["n_layer"].as_u64())
+        .unwrap() as usize;
+    let gemma = name.starts_with("gemma");
+    let fixture =
+        candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
+    let mut shapes: Vec<(String, Vec<usize>)> = vec![];
+    for (k, t) in &fixture {
+        let mut dims = t.dims().to_vec();
+        if [
+            "model.embed_tokens.weight",
+            "lm_head.weight",
+            "transformer.wte.weight",
+        ]
+        .contains(&k.as_str())
+        {
+            dims[0] = vocab;
+        }
+        if k == "lm_head.weight" && cfg["tie_word_embeddings"] == true {
+            continue;
+        }
+        match k.split_once(".layers.0.").or(k.split_once(".h.0.")) {
+            Some((pre, rest)) => {
+                let sep = if k.contains(".layers.0.") {
+                    "layers"
+                } else {
+                    "h"
+                };
+                for l in 0..layers {
+                    shapes.push((format!("{pre}.{sep}.{l}.{rest}"), dims.clone()));
+                }
+            }
+            None if k.contains(".layers.") || k.contains(".h.") => {}
+            None => shapes.push((k.clone(), dims)),
+        }
+    }
+    shapes.sort();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+    let mut m = std::collections::HashMap::new();
+    for (k, dims) in shapes {
+        let (scale, offset) =
+            if k.ends_with("norm.weight") || k.contains(".ln_") && k.ends_with(".weight") {
+                (0.1, if gemma { 0.0 } else { 1.0 })
+            } else if k.ends_with(".bias") || k.contains("wpe") {
+                (0.1, 0.0)
+            } else if k.contains("embed_tokens") || k.contains("wte") || k.contains("lm_head") {
+                (0.5, 0.0)
+            } else {
+                (0.3 * (32.0f32 / 64.0).sqrt(), 0.0)
+            };
+        let n: usize = dims.iter().product();
+        let v: Vec<f32> = (0..n)
+            .map(|_| offset + (rng.random::<f32>() - 0.5) * 2.0 * scale)
+            .collect();
+        m.insert(k, Tensor::from_vec(v, dims, &Device::Cpu).unwrap());
+    }
+    candle_core::safetensors::save(&m, dir.join("model.safetensors")).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(fixtures().join("smollm2").join(f), dir.join(f)).unwrap();
+    }
+}
+
+/// llama.cpp runs every family grpo exports as grpo runs the file: random models of each tiny
+/// fixture's shape (SmolLM2's tokenizer), in configurations llama.cpp can hold: Mistral's and
+/// Phi-3's windows longer than the test (llama.cpp has none for them), Gemma 3 with six layers
+/// (llama.cpp's fixed pattern: five sliding, one global). The windows that remain (Gemma's 4
+/// tokens) are shorter than the prompt, so they are exercised; so are Gemma 2's soft-caps, the
+/// query scale both Gemmas fold in, Phi-4-mini's partial rotary and LongRoPE short factors, Llama
+/// 3's rope_freqs, Qwen2's biases and GPT-2's learned positions.
+#[test]
+fn llama_cpp_runs_every_family_as_grpo_does() {
+    let Some(py) = python() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/tools/check_gguf.py");
+    let families = [
+        ("llama3", "llama", serde_json::json!({})),
+        ("qwen2", "qwen2", serde_json::json!({})),
+        ("qwen3", "qwen3", serde_json::json!({})),
+        (
+            "mistral",
+            "llama",
+            serde_json::json!({"sliding_window": 4096}),
+        ),
+        ("phi3", "phi3", serde_json::json!({"sliding_window": null})),
+        // llama.cpp takes the long factors when its context (which it rounds up to 256) is
+        // past the original length; within it, both run the short ones.
+        (
+            "phi4mini",
+            "phi3",
+            serde_json::json!({
+                "max_position_embeddings": 1024, "original_max_position_embeddings": 256,
+                "rope_parameters": {
+                    "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+                    "short_factor": [1.0, 1.25, 1.5, 2.0, 3.0, 5.0],
+                    "original_max_position_embeddings": 256, "partial_rotary_factor": 0.75,
+                    "rope_theta": 10000.0, "rope_type": "longrope",
+                },
+            }),
+        ),
+        (
+            "gemma2",
+            "gemma2",
+            serde_json::json!({"tie_word_embeddings": true}),
+        ),
+        (
+            "gemma3",
+            "gemma3",
+            serde_json::json!({
+                "num_hidden_layers": 6,
+                "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention",
+                    "sliding_attention", "sliding_attention", "full_attention"],
+                "sliding_window_pattern": 6, "_sliding_window_pattern": 6,
+            }),
+        ),
+        ("gpt2", "gpt2", serde_json::json!({})),
+    ];
+    for (i, (name, arch, patch)) in families.into_iter().enumerate() {
+        // Not named after the family: llama.cpp gives a model *named* like Phi-3 Phi-3's special
+        // tokens, which SmolLM2's tokenizer lacks.
+        let dir = tmp.path().join(format!("model{i}"));
+        random_family(name, &dir, patch);
+        let out = tmp.path().join(format!("model{i}.gguf"));
+        let (_, summary) = export_gguf(&dir, &out, None, GgufType::F32).unwrap();
+        assert!(
+            summary.warnings.is_empty(),
+            "{name}: {:?}",
+            summary.warnings
+        );
+        let g = load_model(&ModelSource::Gguf(out.clone()), DType::F32, &Device::Cpu).unwrap();
+        let prompt = prompt(&g);
+        let model = g.build().unwrap();
+        let want = greedy(&model, &prompt, N);
+        let want_logits = step_logits(&model, &prompt, &want);
+        // The file is the HF model: grpo's logits from either agree.
+        let hf = load_model(&ModelSource::HfDir(dir.clone()), DType::F32, &Device::Cpu).unwrap();
+        let hf_logits = step_logits(&hf.build().unwrap(), &prompt, &want);
+        let d = want_logits
+            .iter()
+            .flatten()
+            .zip(hf_logits.iter().flatten())
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            d < 1e-4,
+            "{name}: the GGUF's logits differ from HF's by {d}"
+        );
+
+        let run = Command::new(&py)
+            .arg(&script)
+            .arg(&out)
+            .arg(serde_json::to_string(&prompt).unwrap())
+            .arg(N.to_string())
+            .arg(serde_json::to_string(&want).unwrap())
+            .output()
+            .unwrap();
+        assert!(
+            run.status.success(),
+            "{name}: check_gguf.py failed (CHECK_GGUF_VERBOSE=1 shows llama.cpp's log):\n{}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&run.stdout).unwrap();
+        assert_eq!(v["arch"], arch, "{name}");
+        for t in v["tensors"].as_object().unwrap().keys() {
+            assert!(
+                grpo_models::weights::hf_name(g.config.arch, t).is_some() || t.starts_with("rope_"),
+                "{name}: {t}"
+            );
+        }
+        // llama.cpp's logits on grpo's tokens: within its f16 KV cache's rounding (0.3% of the
+        // logits' range allowed, as for Llama above).
+        let spread = want_logits[0].iter().fold(0f32, |m, x| m.max(x.abs()));
+        let worst = v["forced_logits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(&want_logits)
+            .flat_map(|(l, w)| {
+                l.as_array()
+                    .unwrap()
+                    .iter()
+                    .zip(w)
+                    .map(|(a, b)| (a.as_f64().unwrap() as f32 - b).abs())
+                    .collect::<Vec<_>>()
+            })
+            .fold(0f32, f32::max);
+        let got: Vec<u32> = v["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
+        eprintln!(
+            "{name}: llama.cpp's logits differ from grpo's by at most {worst} (max |logit| {spread}); tokens {got:?} vs {want:?}"
+        );
+        assert!(
+            worst < 3e-3 * spread,
+            "{name}: llama.cpp's logits differ by {worst} (max |logit| {spread})"
+        );
+        assert_eq!(got, want, "{name}");
     }
 }

@@ -439,7 +439,26 @@ impl ModelConfig {
 
     /// Reads the model hyper-parameters from GGUF metadata (`<arch>.block_count`, ...).
     pub fn from_gguf(md: &HashMap<String, gguf_file::Value>, path: &Path) -> Result<Self> {
+        Self::from_gguf_with_factors(md, path, None, None)
+    }
+
+    /// [`Self::from_gguf`] with Phi-3's LongRoPE factors, which GGUF keeps as tensors
+    /// (`rope_factors_short` / `rope_factors_long`). Mistral (a `llama` file with a sliding
+    /// window), Phi-3 and Gemma 2/3 files are read as llama.cpp reads them, into the `config.json`
+    /// transformers would take for the same model, which is then read as any other.
+    pub fn from_gguf_with_factors(
+        md: &HashMap<String, gguf_file::Value>,
+        path: &Path,
+        short_factor: Option<&[f64]>,
+        long_factor: Option<&[f64]>,
+    ) -> Result<Self> {
         let arch_name = gguf_str(md, "general.architecture", path)?;
+        let window_key = format!("{arch_name}.attention.sliding_window");
+        let mistral = arch_name == "llama" && md.contains_key(&window_key);
+        if mistral || matches!(arch_name.as_str(), "phi3" | "gemma2" | "gemma3") {
+            let json = hf_json_from_gguf(md, &arch_name, path, short_factor, long_factor)?;
+            return Self::from_hf_json(&json.to_string(), path);
+        }
         let arch = match arch_name.as_str() {
             "llama" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
@@ -468,23 +487,7 @@ impl ModelConfig {
             Some(d) => d,
             None => hidden / heads,
         };
-        let vocab_size = match gguf_usize_opt(md, &key("vocab_size"))? {
-            Some(v) => v,
-            None => match md.get("tokenizer.ggml.tokens") {
-                Some(v) => v.to_vec().map(|v| v.len()).map_err(|e| {
-                    Error::file(path, format!("tokenizer.ggml.tokens is not an array: {e}"))
-                })?,
-                None => {
-                    return Err(Error::file(
-                        path,
-                        format!(
-                            "missing `{}` and `tokenizer.ggml.tokens`",
-                            key("vocab_size")
-                        ),
-                    ))
-                }
-            },
-        };
+        let vocab_size = gguf_vocab_size(md, &arch_name, path)?;
         let eos = gguf_usize_opt(md, "tokenizer.ggml.eos_token_id")?.map(|x| x as u32);
         let bos = gguf_usize_opt(md, "tokenizer.ggml.bos_token_id")?.map(|x| x as u32);
         let is_gpt2 = arch == Arch::Gpt2;
@@ -817,6 +820,196 @@ fn parse_rope_scaling(
             format!("rope_scaling type `{other}` is not supported (supported: default, llama3)"),
         )),
     }
+}
+
+/// `<arch>.vocab_size`, else the length of the tokenizer's token list.
+fn gguf_vocab_size(
+    md: &HashMap<String, gguf_file::Value>,
+    arch_name: &str,
+    path: &Path,
+) -> Result<usize> {
+    let key = format!("{arch_name}.vocab_size");
+    if let Some(v) = gguf_usize_opt(md, &key)? {
+        return Ok(v);
+    }
+    match md.get("tokenizer.ggml.tokens") {
+        Some(v) => v
+            .to_vec()
+            .map(|v| v.len())
+            .map_err(|e| Error::file(path, format!("tokenizer.ggml.tokens is not an array: {e}"))),
+        None => Err(Error::file(
+            path,
+            format!("missing `{key}` and `tokenizer.ggml.tokens`"),
+        )),
+    }
+}
+
+/// The attention-score scale llama.cpp gives a Gemma 2/3 model, as `query_pre_attn_scalar`
+/// (scores are scaled by its inverse square root). llama.cpp keeps no key for it: it takes
+/// `hidden / heads` for the 27B models (which it knows by their layer count) and `head_dim` for
+/// every other, which is what each released Gemma's config says.
+pub fn llama_cpp_gemma_query_scalar(
+    arch: Arch,
+    layers: usize,
+    hidden: usize,
+    heads: usize,
+    head_dim: usize,
+) -> f64 {
+    let is_27b = match arch {
+        Arch::Gemma2 => layers == 46,
+        Arch::Gemma3 => layers == 62,
+        _ => false,
+    };
+    match is_27b {
+        true => (hidden / heads.max(1)) as f64,
+        false => head_dim as f64,
+    }
+}
+
+/// The layers llama.cpp makes sliding when a file does not list them: every other one from the
+/// first (Gemma 2), five of every six (Gemma 3).
+pub fn llama_cpp_sliding_layers(arch: Arch, layers: usize) -> Vec<bool> {
+    let every = match arch {
+        Arch::Gemma2 => 2,
+        _ => 6,
+    };
+    (0..layers).map(|i| i % every < every - 1).collect()
+}
+
+/// The `config.json` of a Mistral (`llama` with a sliding window), Phi-3 or Gemma 2/3 GGUF file,
+/// with llama.cpp's defaults where the file is silent.
+fn hf_json_from_gguf(
+    md: &HashMap<String, gguf_file::Value>,
+    arch_name: &str,
+    path: &Path,
+    short_factor: Option<&[f64]>,
+    long_factor: Option<&[f64]>,
+) -> Result<serde_json::Value> {
+    use serde_json::json;
+    let key = |k: &str| format!("{arch_name}.{k}");
+    let hidden = gguf_usize(md, &key("embedding_length"), path)?;
+    let heads = gguf_usize(md, &key("attention.head_count"), path)?;
+    let layers = gguf_usize(md, &key("block_count"), path)?;
+    let head_dim = match gguf_usize_opt(md, &key("attention.key_length"))? {
+        Some(d) => d,
+        None => hidden / heads.max(1),
+    };
+    let context = gguf_usize_opt(md, &key("context_length"))?.unwrap_or(2048);
+    let theta = gguf_f64_opt(md, &key("rope.freq_base"))?.unwrap_or(10000.0);
+    let window = gguf_usize_opt(md, &key("attention.sliding_window"))?;
+    let mut v = json!({
+        "vocab_size": gguf_vocab_size(md, arch_name, path)?,
+        "hidden_size": hidden,
+        "intermediate_size": gguf_usize(md, &key("feed_forward_length"), path)?,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": gguf_usize_opt(md, &key("attention.head_count_kv"))?.unwrap_or(heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": gguf_f64_opt(md, &key("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-6),
+        "rope_theta": theta,
+        "max_position_embeddings": context,
+        // Set from the presence of `output.weight` once the tensors are read.
+        "tie_word_embeddings": true,
+        "bos_token_id": gguf_usize_opt(md, "tokenizer.ggml.bos_token_id")?,
+        "eos_token_id": gguf_usize_opt(md, "tokenizer.ggml.eos_token_id")?,
+        "dtype": "float32",
+    });
+    let arch = match arch_name {
+        "phi3" => Arch::Phi3,
+        "gemma2" => Arch::Gemma2,
+        "gemma3" => Arch::Gemma3,
+        _ => Arch::Mistral,
+    };
+    let (class, model_type) = match arch {
+        Arch::Phi3 => ("Phi3ForCausalLM", "phi3"),
+        Arch::Gemma2 => ("Gemma2ForCausalLM", "gemma2"),
+        Arch::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
+        _ => ("MistralForCausalLM", "mistral"),
+    };
+    v["architectures"] = json!([class]);
+    v["model_type"] = json!(model_type);
+    match arch {
+        Arch::Mistral => {
+            v["hidden_act"] = json!("silu");
+            v["sliding_window"] = json!(window);
+        }
+        Arch::Phi3 => {
+            v["hidden_act"] = json!("silu");
+            v["sliding_window"] = json!(window);
+            let rotary = gguf_usize_opt(md, &key("rope.dimension_count"))?.unwrap_or(head_dim);
+            v["partial_rotary_factor"] = json!(rotary as f64 / head_dim as f64);
+            if let Some(short) = short_factor {
+                let original = gguf_usize_opt(md, &key("rope.scaling.original_context_length"))?
+                    .unwrap_or(context);
+                let mut rope = json!({
+                    "rope_type": "longrope",
+                    "rope_theta": theta,
+                    "short_factor": short,
+                    "long_factor": long_factor.unwrap_or(short),
+                    "original_max_position_embeddings": original,
+                });
+                if let Some(a) = gguf_f64_opt(md, &key("rope.scaling.attn_factor"))? {
+                    rope["attention_factor"] = json!(a);
+                }
+                v["rope_scaling"] = rope;
+                v["original_max_position_embeddings"] = json!(original);
+            }
+        }
+        _ => {
+            v["hidden_activation"] = json!("gelu_pytorch_tanh");
+            v["query_pre_attn_scalar"] = json!(llama_cpp_gemma_query_scalar(
+                arch, layers, hidden, heads, head_dim
+            ));
+            let window = match (window, arch) {
+                (Some(w), _) => w,
+                // llama.cpp's default for Gemma 2; Gemma 3 files must say.
+                (None, Arch::Gemma2) => 4096,
+                (None, _) => gguf_usize(md, &key("attention.sliding_window"), path)?,
+            };
+            v["sliding_window"] = json!(window);
+            let sliding = match md.get(&key("attention.sliding_window_pattern")) {
+                None => llama_cpp_sliding_layers(arch, layers),
+                Some(gguf_file::Value::Array(a)) => a
+                    .iter()
+                    .map(|x| x.to_bool().map_err(|e| Error::file(path, e.to_string())))
+                    .collect::<Result<Vec<bool>>>()?,
+                Some(n) => {
+                    let every = gguf_value_usize(n).filter(|&n| n > 0).ok_or_else(|| {
+                        Error::file(
+                            path,
+                            format!(
+                                "`{}` is neither a layer list nor a period",
+                                key("attention.sliding_window_pattern")
+                            ),
+                        )
+                    })?;
+                    (0..layers).map(|i| i % every < every - 1).collect()
+                }
+            };
+            let types: Vec<&str> = sliding
+                .iter()
+                .map(|&s| match s {
+                    true => "sliding_attention",
+                    false => "full_attention",
+                })
+                .collect();
+            v["layer_types"] = json!(types);
+            let (attn_cap, final_cap) = match arch {
+                // llama.cpp's defaults for Gemma 2; Gemma 3 has none.
+                Arch::Gemma2 => (Some(50.0), Some(30.0)),
+                _ => (None, None),
+            };
+            v["attn_logit_softcapping"] =
+                json!(gguf_f64_opt(md, &key("attn_logit_softcapping"))?.or(attn_cap));
+            v["final_logit_softcapping"] =
+                json!(gguf_f64_opt(md, &key("final_logit_softcapping"))?.or(final_cap));
+            if arch == Arch::Gemma3 {
+                v["rope_local_base_freq"] =
+                    json!(gguf_f64_opt(md, &key("rope.freq_base_swa"))?.unwrap_or(10000.0));
+            }
+        }
+    }
+    Ok(v)
 }
 
 fn gguf_str(md: &HashMap<String, gguf_file::Value>, key: &str, path: &Path) -> Result<String> {
