@@ -293,6 +293,93 @@ pub fn round_advantages(
     Ok(adv)
 }
 
+/// One group's statistics over its scorable completions (seed 003's "validation logs": reward
+/// mean and std, advantage mean and std per group), as `groups.jsonl` logs them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GroupStats {
+    pub reward_mean: f32,
+    /// Unbiased, as the advantages use it (NaN with fewer than 2 scorable completions).
+    pub reward_std: f32,
+    pub advantage_mean: f32,
+    pub advantage_std: f32,
+    /// Completions with a reward (the others have advantage 0 and are left out of all four).
+    pub scorable: usize,
+}
+
+/// [`GroupStats`] of each group of `g` in `rewards` / `advantages` (`[P * G]`, NaN = unscorable).
+pub fn group_stats(rewards: &[f32], advantages: &[f32], g: usize) -> Vec<GroupStats> {
+    rewards
+        .chunks(g.max(1))
+        .zip(advantages.chunks(g.max(1)))
+        .map(|(r, a)| {
+            let scored: Vec<f32> = r
+                .iter()
+                .zip(a)
+                .filter(|(r, _)| !r.is_nan())
+                .map(|(_, &a)| a)
+                .collect();
+            GroupStats {
+                reward_mean: nan_mean(r),
+                reward_std: nan_std(r),
+                advantage_mean: nan_mean(&scored),
+                advantage_std: nan_std(&scored),
+                scorable: scored.len(),
+            }
+        })
+        .collect()
+}
+
+/// Seed 003's second invariant: in every group whose rewards have a spread, the advantages'
+/// std is the rewards' std over the divisor the options chose, `s / (max(s, floor) + eps)` for
+/// `scale_rewards = group` (~1 once `s` is well above `eps`), the batch's std in its place for
+/// `batch`, `s` itself for `none`. (Their mean is 0 in every mode: checked with the round.)
+/// Batch re-normalization and `normalize_then_sum` scale otherwise and are not checked here.
+/// The bound allows f32 rounding of `r - mean` divided by a small divisor.
+pub fn check_group_spread(
+    rewards: &[f32],
+    advantages: &[f32],
+    g: usize,
+    opts: &AdvantageOptions,
+) -> Result<()> {
+    if opts.normalize_batch {
+        return Ok(());
+    }
+    let batch_std = nan_std(rewards);
+    for (gi, (st, r)) in group_stats(rewards, advantages, g)
+        .iter()
+        .zip(rewards.chunks(g.max(1)))
+        .enumerate()
+    {
+        let s = st.reward_std;
+        if !s.is_finite() || is_zero_std(s) {
+            continue;
+        }
+        let floored = |x: f32| match opts.std_floor {
+            Some(f) => x.max(f),
+            None => x,
+        };
+        let divisor = match opts.scale {
+            ScaleRewards::Group => floored(s) + opts.epsilon,
+            ScaleRewards::Batch => floored(batch_std) + opts.epsilon,
+            ScaleRewards::None => 1.0,
+        };
+        let want = s / divisor;
+        let largest = r
+            .iter()
+            .filter(|x| !x.is_nan())
+            .fold(0f32, |m, x| m.max(x.abs()));
+        let bound = 1e-3 * want.max(1.0) + 8.0 * f32::EPSILON * largest / divisor;
+        if (st.advantage_std - want).abs() > bound {
+            return Err(Error::Invariant(format!(
+                "advantages of group {gi} have std {}, not {want} (its rewards' std {s} over \
+                 {divisor})",
+                st.advantage_std
+            )));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -334,6 +421,62 @@ mod tests {
         for (x, y) in b.advantages.iter().zip(&a.advantages) {
             assert!((x - (y - m) / (sd + 1e-8)).abs() < 1e-6);
         }
+    }
+
+    /// Seed 003: a group with a spread has advantages of std ~1 (group scaling), or the rewards'
+    /// std over the divisor the options chose, and the check fails, naming the group, when they
+    /// do not.
+    #[test]
+    fn group_spread_is_checked_and_a_wrong_one_fails() {
+        let rewards = [
+            0.0,
+            1.0,
+            1.0,
+            0.0,
+            0.5,
+            0.5,
+            0.5,
+            0.5,
+            2.0,
+            f32::NAN,
+            0.0,
+            1.0,
+        ];
+        for (scale, floor) in [
+            (ScaleRewards::Group, None),
+            (ScaleRewards::Group, Some(0.8)),
+            (ScaleRewards::Batch, None),
+            (ScaleRewards::None, None),
+        ] {
+            let o = AdvantageOptions {
+                std_floor: floor,
+                ..opts(scale)
+            };
+            let a = group_advantages(&rewards, 4, &o).unwrap();
+            check_group_spread(&rewards, &a.advantages, 4, &o).unwrap();
+            let st = group_stats(&rewards, &a.advantages, 4);
+            assert_eq!(st[2].scorable, 3);
+            assert!(st[0].advantage_mean.abs() < 1e-6);
+            if scale == ScaleRewards::Group && floor.is_none() {
+                assert!((st[0].advantage_std - 1.0).abs() < 1e-3, "{st:?}");
+                assert!((st[2].advantage_std - 1.0).abs() < 1e-3, "{st:?}");
+            }
+            // The all-equal group has no spread: not checked, advantages 0.
+            assert_eq!(st[1].advantage_std, 0.0);
+            // Advantages twice what they should be fail, naming the group.
+            let mut wrong = a.advantages.clone();
+            for x in &mut wrong[8..] {
+                *x *= 2.0;
+            }
+            let e = check_group_spread(&rewards, &wrong, 4, &o).unwrap_err();
+            assert!(e.to_string().contains("group 2 have std"), "{e}");
+        }
+        // Batch re-normalization rescales every group: not checked.
+        let o = AdvantageOptions {
+            normalize_batch: true,
+            ..opts(ScaleRewards::Group)
+        };
+        check_group_spread(&rewards, &[9.0; 12], 4, &o).unwrap();
     }
 
     #[test]

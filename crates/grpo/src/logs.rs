@@ -135,17 +135,18 @@ impl MetricsWriter {
     }
 }
 
-/// For resume: drops the lines of `metrics.jsonl`, `completions.jsonl` and `health.jsonl` with
-/// `step` > `step`, and a last line cut short by a kill; deletes `eval/step-N.jsonl` for N >
-/// `step`; drops the TensorBoard events (`tb/`) of later steps and a record cut short. So a
-/// resumed run does not log the same steps twice. Files are replaced atomically.
+/// For resume: drops the lines of `metrics.jsonl`, `completions.jsonl`, `groups.jsonl` and
+/// `health.jsonl` with `step` > `step`, and a last line cut short by a kill; deletes
+/// `eval/step-N.jsonl` for N > `step`; drops the TensorBoard events (`tb/`) of later steps and a
+/// record cut short. So a resumed run does not log the same steps twice. Files are replaced
+/// atomically.
 pub fn truncate_after(dir: &Path, step: u64) -> Result<()> {
     retain_steps(dir, |s| s <= step)
 }
 
 /// For a fresh run in an `output_dir` that holds an earlier run's logs: drops every logged step
-/// of `metrics.jsonl`, `completions.jsonl`, `health.jsonl` and `eval/`, and the earlier run's
-/// TensorBoard event files, so the two runs' lines and curves do not mix. Returns whether there
+/// of `metrics.jsonl`, `completions.jsonl`, `groups.jsonl`, `health.jsonl` and `eval/`, and the
+/// earlier run's TensorBoard event files, so the two runs' lines and curves do not mix. Returns whether there
 /// was anything to drop.
 pub fn clear_logs(dir: &Path) -> Result<bool> {
     let events = tb_files(dir);
@@ -202,7 +203,12 @@ fn retain_tb_steps(path: &Path, keep: &impl Fn(u64) -> bool) -> Result<()> {
 }
 
 fn retain_steps(dir: &Path, keep: impl Fn(u64) -> bool) -> Result<()> {
-    for name in ["metrics.jsonl", "completions.jsonl", "health.jsonl"] {
+    for name in [
+        "metrics.jsonl",
+        "completions.jsonl",
+        "groups.jsonl",
+        "health.jsonl",
+    ] {
         let path = dir.join(name);
         let Ok(f) = File::open(&path) else { continue };
         let mut kept = String::new();

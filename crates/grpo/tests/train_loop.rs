@@ -140,8 +140,48 @@ fn resumed_run_equals_uninterrupted_run() {
         assert!(full.join("checkpoint-4").join(f).exists(), "{f}");
     }
     assert!(full.join("completions.jsonl").exists());
+    // groups.jsonl (seed 003's per-group log), the same rows when resumed (here every group's
+    // rewards are equal: the random model never answers right).
+    check_groups_log(&full);
+    assert_eq!(
+        jsonl(&full.join("groups.jsonl")),
+        jsonl(&part.join("groups.jsonl"))
+    );
     assert!(full.join("eval/step-4.jsonl").exists());
     assert!(std::fs::read_dir(full.join("tb")).unwrap().count() >= 1);
+}
+
+/// `groups.jsonl` against `completions.jsonl` in `dir` (groups of 4): one row per group, its
+/// reward mean and advantage mean / std those of its completions, std ~1 where the rewards spread
+/// (`scale_rewards = group`). Returns how many groups had a spread.
+fn check_groups_log(dir: &Path) -> usize {
+    let comps = jsonl(&dir.join("completions.jsonl"));
+    let groups = jsonl(&dir.join("groups.jsonl"));
+    assert_eq!(groups.len() * 4, comps.len());
+    let f = |v: &serde_json::Value| v.as_f64().unwrap();
+    let mean = |x: &[f64]| x.iter().sum::<f64>() / x.len() as f64;
+    let std = |x: &[f64]| {
+        let m = mean(x);
+        (x.iter().map(|v| (v - m).powi(2)).sum::<f64>() / (x.len() - 1) as f64).sqrt()
+    };
+    let mut spread = 0;
+    for (gr, c) in groups.iter().zip(comps.chunks(4)) {
+        assert_eq!(gr["step"], c[0]["step"]);
+        let rewards: Vec<f64> = c.iter().map(|x| f(&x["reward"])).collect();
+        let adv: Vec<f64> = c.iter().map(|x| f(&x["advantage"])).collect();
+        assert!(
+            (f(&gr["reward_mean"]) - mean(&rewards)).abs() < 1e-5,
+            "{gr}"
+        );
+        assert!(f(&gr["advantage_mean"]).abs() < 1e-5, "{gr}");
+        assert!((f(&gr["advantage_std"]) - std(&adv)).abs() < 1e-4, "{gr}");
+        assert_eq!(gr["scorable"], 4);
+        if gr["zero_std"] == false {
+            spread += 1;
+            assert!((f(&gr["advantage_std"]) - 1.0).abs() < 1e-2, "{gr}");
+        }
+    }
+    spread
 }
 
 fn jsonl(path: &Path) -> Vec<serde_json::Value> {
@@ -779,6 +819,11 @@ fn dynamic_sampling_replaces_groups_without_signal() {
         assert_eq!(get(&m, "frac_reward_zero_std"), 0.0, "{m}");
         assert!(get(&m, "loss").is_finite());
     }
+    // The kept groups are what groups.jsonl logs: each with a spread, advantages of std ~1.
+    let dir = tmp.path().join("varied");
+    let spread = check_groups_log(&dir);
+    assert_eq!(spread, jsonl(&dir.join("groups.jsonl")).len());
+    assert!(spread > 0);
 }
 
 /// `metric_for_best_model`: the best checkpoint is recorded in the trainer state, survives

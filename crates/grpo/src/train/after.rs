@@ -250,7 +250,8 @@ fn evaluate<P: Policy>(r: &mut Run<P>, step: u64, world: &dyn World) -> Result<V
     Ok(report.metrics)
 }
 
-/// Every completion of the round to `completions.jsonl`, and a few on the console.
+/// Every completion of the round to `completions.jsonl`, each group's statistics to
+/// `groups.jsonl`, and a few completions on the console.
 fn log_completions<P: Policy>(
     r: &mut Run<P>,
     episodes: &[Episode],
@@ -269,6 +270,25 @@ fn log_completions<P: Policy>(
                 "rewards": Reward::named_scores(&r.data.rewards, &e.rewards),
                 "reward": rewards[i],
                 "advantage": advantages[i],
+            }),
+        )?;
+    }
+    // Seed 003's per-group validation log: one row per group.
+    let stats = crate::advantages::group_stats(rewards, advantages, r.opts.g);
+    for (gi, st) in stats.iter().enumerate() {
+        let e = &episodes[gi * r.opts.g];
+        r.metrics.log_json(
+            "groups.jsonl",
+            &json!({
+                "step": r.state.step,
+                "group": gi,
+                "prompt": prompt_shown(r, e)?,
+                "reward_mean": st.reward_mean,
+                "reward_std": st.reward_std,
+                "advantage_mean": st.advantage_mean,
+                "advantage_std": st.advantage_std,
+                "scorable": st.scorable,
+                "zero_std": scored.adv.zero_std[gi],
             }),
         )?;
     }

@@ -13,7 +13,10 @@ use super::shard::{gather_episodes, owned_groups};
 use super::update::{skip_round, update_round, StepCounter, StepStats};
 use super::world::World;
 use super::Console;
-use crate::advantages::{combine_rewards, groups_with_signal, round_advantages, Advantages};
+use crate::advantages::{
+    check_group_spread, combine_rewards, groups_with_signal, round_advantages, Advantages,
+    RewardAggregation,
+};
 use crate::loss::{kl_reward_penalty, KlMode};
 use crate::rewards::Reward;
 use crate::rollout::{self, Episode, GroupSampler, TrainBatch};
@@ -153,6 +156,9 @@ pub fn score_round<P: Policy>(r: &mut Run<P>, sampled: &Sampled) -> Result<Score
         &r.opts.adv,
     )?;
     check_round_invariants(episodes, p, g, &adv.advantages, r.opts.adv.normalize_batch)?;
+    if cfg.loss.multi_objective_aggregation == RewardAggregation::SumThenNormalize {
+        check_group_spread(&adv.rewards, &adv.advantages, g, &r.opts.adv)?;
+    }
     let batch = TrainBatch::from_round(
         episodes,
         &adv.advantages,
