@@ -1188,6 +1188,191 @@ fn hub_error(id: &str, hub: &HubSettings, what: &str, err: &ApiError) -> Error {
     }
 }
 
+/// What the hub's API says one file of a revision is (`?blobs=true`): every file's git blob id,
+/// and for LFS files (weights, data shards) the sha256 of its content.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct HubFileHash {
+    blob_id: Option<String>,
+    sha256: Option<String>,
+}
+
+/// The hub's hashes of the files of revision `sha` of a repo (`kind`: `models` or `datasets`).
+fn hub_file_hashes(
+    hub: &HubSettings,
+    kind: &str,
+    id: &str,
+    sha: &str,
+) -> std::result::Result<HashMap<String, HubFileHash>, String> {
+    let url = format!("{}/api/{kind}/{id}/revision/{sha}?blobs=true", hub.endpoint);
+    let mut req = http_agent().get(&url);
+    if let Some(token) = &hub.token {
+        req = req.set("Authorization", &format!("Bearer {token}"));
+    }
+    let text = req
+        .call()
+        .map_err(|e| e.to_string())?
+        .into_string()
+        .map_err(|e| e.to_string())?;
+    parse_hub_file_hashes(&text)
+}
+
+fn parse_hub_file_hashes(text: &str) -> std::result::Result<HashMap<String, HubFileHash>, String> {
+    let v: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| format!("invalid JSON: {e}"))?;
+    let siblings = v
+        .get("siblings")
+        .and_then(|s| s.as_array())
+        .ok_or("no `siblings` list")?;
+    let hex = |x: Option<&serde_json::Value>| {
+        x.and_then(|x| x.as_str())
+            .map(|x| x.trim().to_ascii_lowercase())
+    };
+    Ok(siblings
+        .iter()
+        .filter_map(|s| {
+            let name = s.get("rfilename")?.as_str()?.to_string();
+            let hash = HubFileHash {
+                blob_id: hex(s.get("blobId")),
+                sha256: hex(s.get("lfs").and_then(|l| l.get("sha256"))),
+            };
+            Some((name, hash))
+        })
+        .collect())
+}
+
+/// git's id of a file's content (what the hub lists as `blobId`): the sha1 of `blob <len>\0`
+/// followed by the content.
+fn git_blob_id(path: &Path) -> io::Result<String> {
+    use sha1::Digest as _;
+    let len = fs::metadata(path)?.len();
+    let mut file = File::open(path)?;
+    let mut hasher = sha1::Sha1::new();
+    hasher.update(format!("blob {len}\0").as_bytes());
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = match file.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        hasher.update(&buf[..n]);
+    }
+    Ok(format!("{:x}", hasher.finalize()))
+}
+
+/// Checks a file just downloaded from the hub against the hub's own hash of it: the LFS sha256
+/// where the hub gives one (weights, data shards), else the git blob id. A mismatch deletes the
+/// download (so that the next try fetches it again) and is an error naming the file.
+fn verify_hub_file(
+    path: &Path,
+    name: &str,
+    what: &str,
+    hashes: &HashMap<String, HubFileHash>,
+) -> Result<()> {
+    let listed = hashes.get(name).cloned().unwrap_or_default();
+    let (kind, want, got) = match (&listed.sha256, &listed.blob_id) {
+        (Some(want), _) => ("sha256", want, sha256_file(path)),
+        (None, Some(want)) => ("git blob id", want, git_blob_id(path)),
+        (None, None) => {
+            return Err(Error::Download(format!(
+                "the hub lists no sha256 or blob id for {name} of {what}, so its download cannot \
+                 be checked; grpo uses only files that match the hub's hashes"
+            )))
+        }
+    };
+    let got = got.map_err(|e| Error::io(format!("hashing {}", path.display()), e))?;
+    if &got != want {
+        let blob = fs::canonicalize(path).ok();
+        let _ = fs::remove_file(path);
+        if let Some(b) = blob {
+            let _ = fs::remove_file(b);
+        }
+        return Err(Error::file(
+            path,
+            format!(
+                "{name} of {what}: its {kind} is {got}, but the hub lists {want}: the download is \
+                 corrupt or was altered on the way. It was deleted; fetch again, and if this \
+                 recurs check your proxy or mirror (HF_ENDPOINT)"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Downloads of one pinned revision, each checked against the hub's hashes (fetched once, on the
+/// first file not yet in the cache). Files already in the cache snapshot were checked when they
+/// came.
+struct VerifiedFetch<'a> {
+    hub: &'a HubSettings,
+    repo: hf_hub::api::sync::ApiRepo,
+    /// `models` / `datasets`, the id and the revision, for the hashes' URL.
+    kind: &'static str,
+    id: String,
+    sha: String,
+    /// `snapshots/<sha>` of the repo in the cache.
+    snapshot: PathBuf,
+    /// "model `x`" / "dataset `x`", for messages.
+    what: String,
+    hashes: Option<HashMap<String, HubFileHash>>,
+}
+
+impl<'a> VerifiedFetch<'a> {
+    fn new(
+        hub: &'a HubSettings,
+        api: &hf_hub::api::sync::Api,
+        kind: RepoType,
+        id: &str,
+        sha: &str,
+    ) -> Self {
+        let repo = Repo::with_revision(id.to_string(), kind, sha.to_string());
+        let snapshot = hub
+            .cache
+            .join(repo.folder_name())
+            .join("snapshots")
+            .join(sha);
+        let (kind, what) = match kind {
+            RepoType::Dataset => ("datasets", format!("dataset `{id}`")),
+            _ => ("models", format!("model `{id}`")),
+        };
+        Self {
+            hub,
+            repo: api.repo(repo),
+            kind,
+            id: id.to_string(),
+            sha: sha.to_string(),
+            snapshot,
+            what,
+            hashes: None,
+        }
+    }
+
+    /// `name`, from the cache or downloaded and checked; `Err(message)` for a failed download
+    /// (the caller words it), `Ok(Err(error))` for a failed check.
+    fn get(&mut self, name: &str) -> std::result::Result<Result<PathBuf>, ApiError> {
+        let fresh = !self.snapshot.join(name).exists();
+        let path = self.repo.get(name)?;
+        if !fresh {
+            return Ok(Ok(path));
+        }
+        if self.hashes.is_none() {
+            match hub_file_hashes(self.hub, self.kind, &self.id, &self.sha) {
+                Ok(h) => self.hashes = Some(h),
+                Err(e) => {
+                    return Ok(Err(Error::Download(format!(
+                        "could not read the hub's hashes of {}'s files ({e}), which grpo checks \
+                         every download against",
+                        self.what
+                    ))))
+                }
+            }
+        }
+        let none = HashMap::new();
+        let hashes = self.hashes.as_ref().unwrap_or(&none);
+        Ok(verify_hub_file(&path, name, &self.what, hashes).map(|_| path))
+    }
+}
+
 /// Fetch a model from the hub into hf-hub's cache; returns the snapshot directory.
 fn fetch_from_hub(id: &str, hub: &HubSettings) -> Result<PathBuf> {
     if hub.offline {
@@ -1244,11 +1429,7 @@ fn fetch_from_hub(id: &str, hub: &HubSettings) -> Result<PathBuf> {
     }
 
     // Pin the revision so every file lands in the same snapshot.
-    let repo = api.repo(Repo::with_revision(
-        id.to_string(),
-        RepoType::Model,
-        info.sha.clone(),
-    ));
+    let mut fetch = VerifiedFetch::new(hub, &api, RepoType::Model, id, &info.sha);
     if !listed.contains(SAFETENSORS_SINGLE) && !listed.contains(SAFETENSORS_INDEX) {
         return Err(Error::Download(format!(
             "model `{id}` on the Hugging Face hub has no {SAFETENSORS_SINGLE} or \
@@ -1256,10 +1437,11 @@ fn fetch_from_hub(id: &str, hub: &HubSettings) -> Result<PathBuf> {
             listing()
         )));
     }
-    let get = |name: &str| {
+    let mut get = |name: &str| {
         info!("fetching {name} of `{id}` from {}", hub.endpoint);
-        repo.get(name)
-            .map_err(|e| hub_error(id, hub, &format!("file {name}"), &e))
+        fetch
+            .get(name)
+            .map_err(|e| hub_error(id, hub, &format!("file {name}"), &e))?
     };
     let config = get("config.json")?;
     let snapshot = config
@@ -1555,18 +1737,14 @@ fn fetch_dataset_split_from(
     };
     let files: Vec<&str> = info.siblings.iter().map(|s| s.rfilename.as_str()).collect();
     let names = dataset_split_in(&files, id, split, config)?;
-    let pinned = api.repo(Repo::with_revision(
-        id.to_string(),
-        RepoType::Dataset,
-        info.sha.clone(),
-    ));
+    let mut pinned = VerifiedFetch::new(hub, &api, RepoType::Dataset, id, &info.sha);
     let mut paths = Vec::with_capacity(names.len());
     for name in &names {
         info!("fetching {name} of dataset `{id}` from {}", hub.endpoint);
         paths.push(
             pinned
                 .get(name)
-                .map_err(|e| unreachable(format!("file {name}: {e}")))?,
+                .map_err(|e| unreachable(format!("file {name}: {e}")))??,
         );
     }
     let path = split_path(&paths, split)
@@ -1587,6 +1765,50 @@ fn fetch_dataset_split_from(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The hub's hashes: `git hash-object`'s id for a small file, the LFS sha256 for a large
+    /// one; a file that matches passes, one that does not is deleted and named.
+    #[test]
+    fn downloads_are_checked_against_the_hubs_hashes() {
+        let tmp = tempfile::tempdir().unwrap();
+        let small = tmp.path().join("config.json");
+        fs::write(&small, "hello\n").unwrap();
+        // `printf 'hello\n' | git hash-object --stdin`
+        assert_eq!(
+            git_blob_id(&small).unwrap(),
+            "ce013625030ba8dba906f756967f9e9ca394464a"
+        );
+        let big = tmp.path().join("model.safetensors");
+        fs::write(&big, b"weights").unwrap();
+        let sha = sha256_file(&big).unwrap();
+        let listing = serde_json::json!({"sha": "x", "siblings": [
+            {"rfilename": "config.json", "blobId": "CE013625030BA8DBA906F756967F9E9CA394464A"},
+            {"rfilename": "model.safetensors", "blobId": "0000", "lfs": {"sha256": sha, "size": 7}},
+            {"rfilename": "tokenizer.json"},
+        ]});
+        let hashes = parse_hub_file_hashes(&listing.to_string()).unwrap();
+        verify_hub_file(&small, "config.json", "model `o/m`", &hashes).unwrap();
+        // The LFS sha256 is what counts for an LFS file (its blob id is the pointer's).
+        verify_hub_file(&big, "model.safetensors", "model `o/m`", &hashes).unwrap();
+        // A file the hub gives no hash for cannot be checked: refused.
+        let e = verify_hub_file(&small, "tokenizer.json", "model `o/m`", &hashes).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("no sha256 or blob id for tokenizer.json"),
+            "{e}"
+        );
+        // Altered content: an error naming the file and both hashes; the file is gone.
+        fs::write(&big, b"weightz").unwrap();
+        let e = verify_hub_file(&big, "model.safetensors", "model `o/m`", &hashes)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("model.safetensors of model `o/m`: its sha256 is") && e.contains(&sha),
+            "{e}"
+        );
+        assert!(!big.exists());
+        assert!(parse_hub_file_hashes("{}").is_err());
+    }
 
     #[test]
     fn a_dataset_split_is_found_as_the_hub_lays_it_out() {

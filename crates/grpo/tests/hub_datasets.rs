@@ -1,6 +1,7 @@
 //! `dataset_name` as a hub id: the split is fetched through the hub client (from a mock hub on
-//! 127.0.0.1 set as HF_ENDPOINT) into the hub cache, trains, and is found again offline. One test
-//! in its own process, since it sets the HF_* environment.
+//! 127.0.0.1 set as HF_ENDPOINT) into the hub cache, trains, and is found again offline; hub
+//! downloads (datasets and models) are checked against the hub's hashes. One test in its own
+//! process, since it sets the HF_* environment.
 
 use std::path::{Path, PathBuf};
 
@@ -126,4 +127,71 @@ fn a_hub_dataset_is_fetched_trained_on_and_found_offline() {
         e.contains("someone/nothing-here") && e.contains("404"),
         "{e}"
     );
+
+    // Every download is checked against the hub's hashes (issue 34): a data file whose git blob
+    // id is not the hub's is refused, named, and deleted from the cache.
+    let liar = mock_hub::serve(
+        "datasets",
+        "someone/altered",
+        vec![("data/train.jsonl".into(), train_rows.clone())],
+        &["data/train.jsonl"],
+    );
+    std::env::set_var("HF_ENDPOINT", &liar);
+    let e = TrainConfig::from_str(
+        &yaml.replace("someone/tiny-math", "someone/altered"),
+        Format::Yaml,
+        "trl.yaml",
+        &[],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("data/train.jsonl of dataset `someone/altered`: its git blob id is"),
+        "{e}"
+    );
+    let snapshot = home.join(format!(
+        "hub/datasets--someone--altered/snapshots/{}",
+        mock_hub::SHA
+    ));
+    assert!(!snapshot.join("data/train.jsonl").exists());
+
+    // A model by hub id: fetched, each file checked (the weights by their LFS sha256), loaded;
+    // a model whose weights do not match is refused the same way.
+    let files: Vec<(String, Vec<u8>)> = std::fs::read_dir(&model)
+        .unwrap()
+        .map(|e| e.unwrap())
+        .map(|e| {
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                std::fs::read(e.path()).unwrap(),
+            )
+        })
+        .collect();
+    for (id, lie) in [
+        ("someone/tiny-llama", None),
+        ("someone/altered-llama", Some("model.safetensors")),
+    ] {
+        let endpoint = mock_hub::serve("models", id, files.clone(), lie.as_slice());
+        std::env::set_var("HF_ENDPOINT", &endpoint);
+        let r = grpo_models::hub::resolve_model(Some(id));
+        match lie {
+            None => {
+                let src = r.unwrap();
+                let m = grpo_models::weights::load_model(
+                    &src,
+                    candle_core::DType::F32,
+                    &candle_core::Device::Cpu,
+                )
+                .unwrap();
+                assert_eq!(m.config.num_layers, 2);
+            }
+            Some(f) => {
+                let e = r.unwrap_err().to_string();
+                assert!(
+                    e.contains(&format!("{f} of model `{id}`: its sha256 is")),
+                    "{e}"
+                );
+            }
+        }
+    }
 }
