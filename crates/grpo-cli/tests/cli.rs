@@ -1182,3 +1182,72 @@ fn a_launch_of_several_processes_without_mpi_says_to_rebuild() {
     );
     assert!(!tmp.path().join("out").exists(), "nothing is written");
 }
+
+/// Seed 002 through the binary, as its README runs it (`--policy=fill_in --group_size=16
+/// --kl_beta=0.2`), on the tiny committed BERT generator and judge so it takes seconds: the run
+/// trains, logs the KL to the frozen initial generator and the judge's score, and writes an HF
+/// masked-LM checkpoint.
+#[test]
+fn the_fill_in_seed_runs_through_the_binary() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("masked.jsonl");
+    let rows: Vec<String> = [
+        "The quick brown [MASK] jumps over the [MASK] dog.",
+        "The cat sat on the [MASK] while the [MASK] slept.",
+        "What is 17 plus 25? The answer is [MASK].",
+        "A helpful answer explains the [MASK] step by [MASK].",
+    ]
+    .iter()
+    .map(|p| serde_json::json!({ "prompt": p }).to_string())
+    .collect();
+    std::fs::write(&data, rows.join("\n") + "\n").unwrap();
+    let out = tmp.path().join("out-grpo");
+    let o = grpo(&[
+        "train",
+        "--policy=fill_in",
+        "--group_size=16",
+        "--kl_beta=0.2",
+        &format!("--generator_checkpoint={}", fixture("fillin/bert_mlm")),
+        &format!("--judge_checkpoint={}", fixture("rewards/bert")),
+        &format!("--train_file={}", data.display()),
+        &format!("--out_dir={}", out.display()),
+        "--per_device_train_batch_size=32",
+        "--max_steps=2",
+        "--save_interval=2",
+        "--eval_interval=0",
+        "--threads=2",
+        "--report_to=none",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let metrics: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(metrics.len(), 2, "{metrics:?}");
+    for m in &metrics {
+        assert!(m["kl"].as_f64().is_some_and(f64::is_finite), "{m}");
+        assert!(
+            m["reward"]
+                .as_f64()
+                .is_some_and(|r| (0.0..=1.0).contains(&r)),
+            "{m}"
+        );
+        assert!(m["loss"].as_f64().is_some_and(f64::is_finite), "{m}");
+    }
+    let ckpt = out.join("checkpoint-2");
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ckpt.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["architectures"][0], "BertForMaskedLM");
+    assert!(ckpt.join("model.safetensors").is_file());
+    // 16 fills per input: each group of 16 completions in completions.jsonl shares its prompt.
+    let comps = std::fs::read_to_string(out.join("completions.jsonl")).unwrap();
+    let prompts: Vec<String> = comps
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["prompt"].to_string())
+        .collect();
+    assert_eq!(prompts.len() % 16, 0);
+    for g in prompts.chunks(16) {
+        assert!(g.iter().all(|p| p == &g[0]));
+    }
+}

@@ -267,28 +267,38 @@ fn a_two_rank_checkpoint_resumes_in_one_process_and_back() {
     assert_same_run(&straight, &mixed, 3);
 }
 
-/// A rank that fails ends the job, naming itself and the cause.
+/// A rank that fails ends the job, naming itself and the cause. What would make the ranks take
+/// different numbers of collective calls (`dynamic_sampling`, `drop_zero_std_groups`: each rank
+/// drops its own groups) is refused before training, not ended by the collective watchdog.
 #[test]
 fn a_failing_rank_ends_the_job_naming_itself() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("model");
     support::tiny_llama(&model, &fixtures());
-    let out = launch(
-        2,
-        &args(
-            &model,
-            &tmp.path().join("bad"),
-            4,
-            1,
-            &["--dynamic_sampling=true"],
-        ),
-    );
-    assert!(!out.status.success());
-    let e = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        e.contains("grpo rank") && e.contains("of 2") && e.contains("dynamic_sampling"),
-        "{e}"
-    );
+    for key in ["dynamic_sampling", "drop_zero_std_groups"] {
+        let started = std::time::Instant::now();
+        let flag = format!("--{key}=true");
+        let out = launch(
+            2,
+            &args(&model, &tmp.path().join(key), 4, 1, &[flag.as_str()]),
+        );
+        assert!(!out.status.success());
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            e.contains("grpo rank") && e.contains("of 2") && e.contains(key),
+            "{e}"
+        );
+        assert!(e.contains("not supported across 2 ranks"), "{e}");
+        assert!(
+            !e.contains("GRPO_MPI_TIMEOUT"),
+            "the watchdog ended it: {e}"
+        );
+        assert!(
+            started.elapsed().as_secs() < 120,
+            "{key}: {:?}",
+            started.elapsed()
+        );
+    }
 }
 
 /// Several GPUs (`--features nccl`, opt-in: it needs two CUDA devices and fails, saying so, with

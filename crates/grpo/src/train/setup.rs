@@ -629,6 +629,9 @@ fn check_world(cfg: &TrainConfig, world: &dyn World) -> Result<()> {
     }
     let refused = [
         (cfg.logging.dynamic_sampling, "dynamic_sampling"),
+        // Each rank would drop its own groups' rows: ranks with different numbers of
+        // micro-batches take different numbers of all-reduces, and the job hangs.
+        (cfg.loss.drop_zero_std_groups, "drop_zero_std_groups"),
         (matches!(cfg.loss.kl(), KlMode::Reward { .. }), "kl_coef"),
         (cfg.loss.top_entropy_quantile < 1.0, "top_entropy_quantile"),
     ];
