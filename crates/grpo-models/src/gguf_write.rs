@@ -198,6 +198,10 @@ fn model_metadata(
             Value::F32(config.norm_eps as f32),
         ),
     ]);
+    if let Some(f) = extras.rope_linear_factor {
+        md.push((key("rope.scaling.type"), Value::String("linear".into())));
+        md.push((key("rope.scaling.factor"), Value::F32(f as f32)));
+    }
     if let Some(l) = &extras.long_rope {
         md.push((
             key("rope.scaling.original_context_length"),

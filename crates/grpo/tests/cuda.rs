@@ -22,8 +22,18 @@ use serde_json::Value;
 #[path = "support/tiny_llama.rs"]
 mod support;
 
-const ARCHS: [&str; 10] = [
-    "llama", "llama3", "qwen2", "qwen3", "gpt2", "mistral", "phi3", "phi4mini", "gemma2", "gemma3",
+const ARCHS: [&str; 11] = [
+    "llama",
+    "llama3",
+    "qwen2",
+    "qwen3",
+    "gpt2",
+    "mistral",
+    "phi3",
+    "phi4mini",
+    "gemma2",
+    "gemma3",
+    "gemma3_linear",
 ];
 
 /// The GPU the checks run on; a check without one fails, saying why.

@@ -283,7 +283,16 @@ fn every_architecture_round_trips() {
         serde_json::json!({"tie_word_embeddings": true}),
     );
     let families = [
-        "llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "phi4mini", "gemma2", "gemma3",
+        "llama",
+        "llama3",
+        "qwen2",
+        "qwen3",
+        "mistral",
+        "phi3",
+        "phi4mini",
+        "gemma2",
+        "gemma3",
+        "gemma3_linear",
         "gpt2",
     ];
     for name in families.iter().copied().chain(["gemma2-tied"]) {
@@ -310,7 +319,9 @@ fn every_architecture_round_trips() {
                 "{:?}",
                 summary.warnings
             ),
-            "gemma3" => assert!(warned("five of every six"), "{:?}", summary.warnings),
+            "gemma3" | "gemma3_linear" => {
+                assert!(warned("five of every six"), "{:?}", summary.warnings)
+            }
             _ => assert!(
                 summary.warnings.is_empty(),
                 "{name}: {:?}",
@@ -339,6 +350,10 @@ fn every_architecture_round_trips() {
         assert_eq!(
             g.config.extras.long_rope.is_some(),
             name == "phi4mini",
+            "{name}"
+        );
+        assert_eq!(
+            g.config.extras.rope_linear_factor, hf.config.extras.rope_linear_factor,
             "{name}"
         );
         let expected: serde_json::Value = serde_json::from_str(
@@ -639,6 +654,17 @@ fn llama_cpp_runs_every_family_as_grpo_does() {
         ),
         (
             "gemma3",
+            "gemma3",
+            serde_json::json!({
+                "num_hidden_layers": 6,
+                "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention",
+                    "sliding_attention", "sliding_attention", "full_attention"],
+                "sliding_window_pattern": 6, "_sliding_window_pattern": 6,
+            }),
+        ),
+        // Gemma 3 4B and larger: linear RoPE scaling on the global layer.
+        (
+            "gemma3_linear",
             "gemma3",
             serde_json::json!({
                 "num_hidden_layers": 6,

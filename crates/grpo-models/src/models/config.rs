@@ -105,6 +105,9 @@ pub struct DecoderExtras {
     pub rotary_dim: Option<usize>,
     /// Phi-3's LongRoPE, within the pretraining length (see [`LongRope`]).
     pub long_rope: Option<LongRope>,
+    /// Linear RoPE scaling (`rope_type = "linear"`, Gemma 3 4B and larger): positions divided by
+    /// this factor, on Gemma 3's global layers only (its sliding layers have their own base).
+    pub rope_linear_factor: Option<f64>,
     /// q/k/v and gate/up are single HF tensors `qkv_proj` / `gate_up_proj` (Phi-3).
     pub fused_proj_names: bool,
     /// RMSNorm scales by `1 + w` (Gemma).
@@ -217,6 +220,7 @@ struct RawHfConfig {
 pub fn token_ids_from_json(v: Option<&serde_json::Value>) -> Vec<u32> {
     match v {
         Some(serde_json::Value::Number(n)) => {
+            // A number that is no token id (negative) names none, as in a list below.
             n.as_u64().map(|x| vec![x as u32]).unwrap_or_default()
         }
         Some(serde_json::Value::Array(a)) => a
@@ -253,6 +257,7 @@ impl ModelConfig {
     pub fn from_hf_json(text: &str, path: &Path) -> Result<Self> {
         let raw: RawHfConfig = serde_json::from_str(text)
             .map_err(|e| Error::file(path, format!("invalid JSON: {e}")))?;
+        // No model_type: the architectures decide, else the error below.
         let model_type = raw.model_type.clone().unwrap_or_default();
         let arch = Arch::from_model_type(&model_type)
             .or_else(|| {
@@ -277,6 +282,7 @@ impl ModelConfig {
                     format!(
                         "unsupported architecture: model_type `{model_type}`, architectures {:?}. \
                          Supported: {SUPPORTED_ARCHS}",
+                        // Only used in the message.
                         raw.architectures.clone().unwrap_or_default()
                     ),
                 )
@@ -407,9 +413,14 @@ impl ModelConfig {
                 ));
             }
         }
+        let rope_linear_factor = match long_rope {
+            Some(_) => None,
+            None => parse_linear_factor(scaling, path)?,
+        };
         let extras = DecoderExtras {
             activation,
             long_rope,
+            rope_linear_factor,
             ..extras
         };
         Ok(ModelConfig {
@@ -518,7 +529,10 @@ impl ModelConfig {
             bos_token_id: bos,
             eos_token_ids: eos.into_iter().collect(),
             build_quantized: None,
-            extras: DecoderExtras::default(),
+            extras: DecoderExtras {
+                rope_linear_factor: gguf_linear_factor(md, &arch_name)?,
+                ..DecoderExtras::default()
+            },
         })
     }
 
@@ -564,6 +578,10 @@ impl ModelConfig {
             }),
             arch => {
                 let mut rope = json!({"rope_type": "default", "rope_theta": self.rope_theta});
+                if let Some(f) = self.extras.rope_linear_factor {
+                    rope =
+                        json!({"rope_type": "linear", "factor": f, "rope_theta": self.rope_theta});
+                }
                 if let Some(r) = &self.rope_scaling {
                     rope = json!({
                         "rope_type": "llama3",
@@ -704,6 +722,13 @@ fn decoder_extras(
     };
     if let Some(local) = local_params {
         parse_rope_scaling(Some(local), path)?;
+        if parse_linear_factor(Some(local), path)?.is_some() {
+            return Err(Error::file(
+                path,
+                "linear RoPE scaling of the sliding layers is not supported (Gemma 3 scales its \
+                 global layers only)",
+            ));
+        }
     }
     let source = match arch {
         Arch::Mistral | Arch::Phi3 | Arch::Gemma2 | Arch::Gemma3 => Some(
@@ -718,6 +743,7 @@ fn decoder_extras(
         rope_local_theta,
         rotary_dim,
         long_rope: None,
+        rope_linear_factor: None,
         fused_proj_names: arch == Arch::Phi3,
         norm_plus_one: gemma,
         embed_scale: match gemma {
@@ -783,6 +809,24 @@ fn parse_long_rope(
     }))
 }
 
+/// The factor of `rope_type = "linear"` scaling, when `v` has it.
+fn parse_linear_factor(v: Option<&serde_json::Value>, path: &Path) -> Result<Option<f64>> {
+    let Some(v) = v.filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let kind = v.get("rope_type").or_else(|| v.get("type"));
+    if kind.and_then(|k| k.as_str()) != Some("linear") {
+        return Ok(None);
+    }
+    match v.get("factor").and_then(|x| x.as_f64()) {
+        Some(f) if f > 0.0 && f.is_finite() => Ok(Some(f)),
+        _ => Err(Error::file(
+            path,
+            "rope_scaling of type linear needs a positive `factor`",
+        )),
+    }
+}
+
 fn parse_rope_scaling(
     v: Option<&serde_json::Value>,
     path: &Path,
@@ -797,7 +841,8 @@ fn parse_rope_scaling(
         .and_then(|x| x.as_str())
         .unwrap_or("default");
     match kind {
-        "default" => Ok(None),
+        // Linear scaling is read by `parse_linear_factor`.
+        "default" | "linear" => Ok(None),
         "llama3" => {
             let f = |k: &str| {
                 v.get(k).and_then(|x| x.as_f64()).ok_or_else(|| {
@@ -817,8 +862,23 @@ fn parse_rope_scaling(
         )),
         other => Err(Error::file(
             path,
-            format!("rope_scaling type `{other}` is not supported (supported: default, llama3)"),
+            format!(
+                "rope_scaling type `{other}` is not supported (supported: default, linear, llama3)"
+            ),
         )),
+    }
+}
+
+/// The factor of linear RoPE scaling in GGUF metadata (`<arch>.rope.scaling.type = "linear"`).
+fn gguf_linear_factor(
+    md: &HashMap<String, gguf_file::Value>,
+    arch_name: &str,
+) -> Result<Option<f64>> {
+    match md.get(&format!("{arch_name}.rope.scaling.type")) {
+        Some(gguf_file::Value::String(t)) if t == "linear" => {
+            gguf_f64_opt(md, &format!("{arch_name}.rope.scaling.factor"))
+        }
+        _ => Ok(None),
     }
 }
 
@@ -928,6 +988,9 @@ fn hf_json_from_gguf(
     };
     v["architectures"] = json!([class]);
     v["model_type"] = json!(model_type);
+    if let Some(f) = gguf_linear_factor(md, arch_name)? {
+        v["rope_scaling"] = json!({"rope_type": "linear", "factor": f, "rope_theta": theta});
+    }
     match arch {
         Arch::Mistral => {
             v["hidden_act"] = json!("silu");

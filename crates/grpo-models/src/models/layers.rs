@@ -763,16 +763,26 @@ pub fn rope_inv_freq(head_dim: usize, theta: f64, scaling: Option<Llama3RopeScal
 }
 
 impl Rope {
+    /// The model's tables (its global layers', with linear scaling where it has one).
     pub fn new(cfg: &ModelConfig, device: &Device) -> Result<Self> {
-        Self::with_theta(cfg, cfg.rope_theta, device)
+        Self::with_theta(cfg, cfg.rope_theta, cfg.extras.rope_linear_factor, device)
     }
 
-    /// The tables for base `theta` (Gemma 3's local layers have their own) over the rotated
-    /// dims (`rotary_dim`, all of the head unless partial).
-    pub fn with_theta(cfg: &ModelConfig, theta: f64, device: &Device) -> Result<Self> {
+    /// The tables for base `theta` (Gemma 3's local layers have their own, unscaled) over the
+    /// rotated dims (`rotary_dim`, all of the head unless partial), positions divided by
+    /// `linear` when given.
+    pub fn with_theta(
+        cfg: &ModelConfig,
+        theta: f64,
+        linear: Option<f64>,
+        device: &Device,
+    ) -> Result<Self> {
         let dim = cfg.extras.rotary_dim.unwrap_or(cfg.head_dim);
         let half = dim / 2;
         let mut inv = rope_inv_freq(dim, theta, cfg.rope_scaling);
+        if let Some(f) = linear {
+            inv.iter_mut().for_each(|x| *x /= f);
+        }
         if let Some(factors) = &cfg.rope_freq_factors {
             if factors.len() != inv.len() {
                 candle_core::bail!(

@@ -357,7 +357,7 @@ impl Model {
             None => vec![],
         };
         let rope_local = match (x.rope_local_theta, sliding.iter().any(|&s| s)) {
-            (Some(t), true) => Some(Rope::with_theta(cfg, t, vb.device())?),
+            (Some(t), true) => Some(Rope::with_theta(cfg, t, None, vb.device())?),
             _ => None,
         };
         let uniform_window = sliding.iter().all(|&s| s) || sliding.iter().all(|&s| !s);
