@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::{Args, Subcommand};
 use grpo_models::sampler::{self, PromptInput, SamplingParams};
@@ -77,8 +77,8 @@ struct Region {
     self0: u64,
 }
 
-fn machine_busy() -> u64 {
-    let s = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+fn machine_busy() -> Result<u64> {
+    let s = read_proc("/proc/stat")?;
     let v: Vec<u64> = s
         .lines()
         .next()
@@ -88,50 +88,61 @@ fn machine_busy() -> u64 {
         .filter_map(|x| x.parse().ok())
         .collect();
     if v.len() < 8 {
-        return 0;
+        return Ok(0);
     }
-    v[0] + v[1] + v[2] + v[5] + v[6] + v[7]
+    Ok(v[0] + v[1] + v[2] + v[5] + v[6] + v[7])
 }
 
-fn self_busy() -> u64 {
-    let s = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    let Some(i) = s.rfind(')') else { return 0 };
+fn self_busy() -> Result<u64> {
+    let s = read_proc("/proc/self/stat")?;
+    let Some(i) = s.rfind(')') else { return Ok(0) };
     let f: Vec<&str> = s[i + 2..].split_whitespace().collect();
     let p = |k: usize| f.get(k).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
-    p(11) + p(12)
+    Ok(p(11) + p(12))
+}
+
+/// A `/proc` file; without it (not Linux) the foreign CPU share cannot be measured.
+fn read_proc(path: &str) -> Result<String> {
+    std::fs::read_to_string(path).with_context(|| {
+        format!(
+            "reading {path}: `grpo bench` measures other processes' CPU use from /proc, so it \
+             runs on Linux only"
+        )
+    })
 }
 
 const HZ: f64 = 100.0;
 
 impl Region {
-    fn start() -> Self {
-        Self {
+    fn start() -> Result<Self> {
+        Ok(Self {
             t0: Instant::now(),
-            machine0: machine_busy(),
-            self0: self_busy(),
-        }
+            machine0: machine_busy()?,
+            self0: self_busy()?,
+        })
     }
     /// (wall seconds, foreign CPU share)
-    fn stop(&self) -> (f64, f64) {
+    fn stop(&self) -> Result<(f64, f64)> {
         let wall = self.t0.elapsed().as_secs_f64();
-        let m = machine_busy().saturating_sub(self.machine0) as f64;
-        let s = self_busy().saturating_sub(self.self0) as f64;
+        let m = machine_busy()?.saturating_sub(self.machine0) as f64;
+        let s = self_busy()?.saturating_sub(self.self0) as f64;
         let ncpu = std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(1) as f64;
-        (wall, ((m - s) / HZ / wall.max(1e-9) / ncpu).max(0.0))
+        Ok((wall, ((m - s) / HZ / wall.max(1e-9) / ncpu).max(0.0)))
     }
 }
 
-fn wait_quiet(threshold: f64, max_wait_s: f64) {
+fn wait_quiet(threshold: f64, max_wait_s: f64) -> Result<()> {
     let t0 = Instant::now();
     while t0.elapsed().as_secs_f64() < max_wait_s {
-        let r = Region::start();
+        let r = Region::start()?;
         std::thread::sleep(std::time::Duration::from_millis(1000));
-        if r.stop().1 < threshold {
-            return;
+        if r.stop()?.1 < threshold {
+            return Ok(());
         }
     }
+    Ok(())
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -197,7 +208,7 @@ fn bench_generate(a: GenBenchArgs) -> Result<()> {
             let (mut tps, mut secs, mut foreign, mut tokens) = (vec![], vec![], vec![], vec![]);
             let mut last_stats = None;
             for r in 0..a.reps {
-                wait_quiet(a.quiet_threshold, 60.0);
+                wait_quiet(a.quiet_threshold, 60.0)?;
                 let inputs_r: Vec<PromptInput> = inputs
                     .iter()
                     .map(|x| PromptInput {
@@ -205,9 +216,9 @@ fn bench_generate(a: GenBenchArgs) -> Result<()> {
                         seed: grpo_models::seeding::mix_seed(x.seed, r as u64),
                     })
                     .collect();
-                let region = Region::start();
+                let region = Region::start()?;
                 let (_out, stats) = sampler::generate(&model, Some(tok), &inputs_r, g, &params)?;
-                let (wall, f) = region.stop();
+                let (wall, f) = region.stop()?;
                 tps.push(stats.generated_tokens as f64 / wall);
                 secs.push((wall * 1000.0).round() / 1000.0);
                 foreign.push((f * 1000.0).round() / 1000.0);

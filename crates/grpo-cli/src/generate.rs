@@ -244,6 +244,7 @@ fn run_fill(a: GenerateArgs) -> Result<()> {
     for (i, text) in a.fill.iter().enumerate() {
         let ids = tok.encode(text, true)?;
         if !ids.contains(&model.mask_id) {
+            // Only used in the message below.
             let mask = tok.id_to_token(model.mask_id).unwrap_or_default();
             bail!("--fill {i} ({text:?}) has no mask token: write {mask} where a token is to be filled");
         }
@@ -262,8 +263,18 @@ fn run_fill(a: GenerateArgs) -> Result<()> {
                 let fills: Vec<String> = c
                     .ids
                     .iter()
-                    .map(|&t| tok.id_to_token(t).unwrap_or_default())
-                    .collect();
+                    .map(|&t| {
+                        tok.id_to_token(t).with_context(|| {
+                            format!(
+                                "--fill {pi}: the model chose token id {t}, which the tokenizer \
+                                 in {} does not have: the model's vocab_size (config.json) is \
+                                 larger than its tokenizer's; use a tokenizer.json that covers \
+                                 every id",
+                                dir.display()
+                            )
+                        })
+                    })
+                    .collect::<Result<_>>()?;
                 let line = serde_json::json!({
                     "input_index": pi,
                     "sample_index": si,

@@ -1244,6 +1244,7 @@ fn read_health(path: &Path) -> Vec<HealthRow> {
             message: o
                 .get("message")
                 .and_then(Value::as_str)
+                // Rows grpo writes always have a message; a row without one still shows its step.
                 .unwrap_or_default()
                 .to_string(),
         })
@@ -1462,6 +1463,7 @@ impl Page<'_> {
                     file: path
                         .file_name()
                         .map(|f| f.to_string_lossy().into_owned())
+                        // The plot's path is the run's plot folder joined with a file name.
                         .unwrap_or_default(),
                     png_base64: b64.encode(png),
                 }),

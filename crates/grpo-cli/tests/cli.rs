@@ -56,6 +56,13 @@ fn help_explains_every_generate_option() {
 
 #[test]
 fn generate_with_the_default_model_prints_json_lines() {
+    let fetched = grpo_models::hub::download_or_skip(
+        "the default model",
+        grpo_models::hub::ensure_default_gguf(),
+    );
+    if fetched.is_none() {
+        return;
+    }
     let o = grpo(&[
         "generate",
         "--prompt",

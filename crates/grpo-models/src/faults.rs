@@ -33,6 +33,7 @@ pub fn init_from_env() -> Result<(), String> {
 
 /// The argument of point `name` when it triggers now.
 fn triggered(name: &str) -> Option<String> {
+    // A point set without an argument triggers with an empty one.
     fail::eval(name, |arg| arg.unwrap_or_default())
 }
 

@@ -155,6 +155,7 @@ pub fn kernels() -> Kernels {
             let k = std::env::var("GRPO_KERNELS")
                 .ok()
                 .and_then(|v| Kernels::parse(&v).ok())
+                // Unset means fused; a bad value is refused at start by `check_env`.
                 .unwrap_or_default();
             set_kernels(k);
             k

@@ -272,6 +272,7 @@ pub fn recover(output_dir: &Path) -> Result<()> {
     for name in names {
         let path = output_dir.join(&name);
         if let Some(rest) = name.strip_prefix(".old-checkpoint-") {
+            // split always yields a first piece; a bad one fails the parse below.
             let step = rest.split('-').next().unwrap_or_default();
             let target = output_dir.join(format!("checkpoint-{step}"));
             if step.parse::<u64>().is_ok() && !target.exists() {

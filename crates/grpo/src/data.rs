@@ -132,6 +132,7 @@ fn row_to_example(
 }
 
 fn messages(v: &Value, field: &str) -> std::result::Result<Prompt, String> {
+    // Callers pass only lists.
     let items = v.as_array().map(Vec::as_slice).unwrap_or_default();
     if items.is_empty() {
         return Err(format!("`{field}` is an empty list of messages"));

@@ -19,7 +19,7 @@ pub struct RunData {
 
 /// Training prompts (`train_file`, else the built-in task's training problems), held-out prompts
 /// (`eval_file`, else the built-in task's held-out problems; none for a `train_file` without an
-/// `eval_file`) and the rewards ([`config_rewards`]).
+/// `eval_file`) and the rewards ([`config_rewards`]), each scorer endpoint checked to answer.
 pub fn load_run_data(cfg: &TrainConfig, device: &Device) -> Result<RunData> {
     let (train, mut eval) = match &cfg.data.train_file {
         Some(p) => (load_examples(cfg, p)?, vec![]),
@@ -28,10 +28,14 @@ pub fn load_run_data(cfg: &TrainConfig, device: &Device) -> Result<RunData> {
     if let Some(p) = &cfg.data.eval_file {
         eval = load_examples(cfg, p)?;
     }
+    let rewards = config_rewards(cfg, device)?;
+    for r in &rewards {
+        r.check_reachable()?;
+    }
     Ok(RunData {
         train,
         eval,
-        rewards: config_rewards(cfg, device)?,
+        rewards,
     })
 }
 

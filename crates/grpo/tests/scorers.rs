@@ -767,3 +767,52 @@ fn http_errors_and_timeouts_are_missing_and_counted() {
     assert_rewards(&run_http(&s, &["a"]), &[None]);
     assert_eq!(s.stats().http_error, 1);
 }
+
+/// The check before training (issue 34): an endpoint that answers at all (here 405 to the GET)
+/// passes and is not sent anything to score; one that nobody listens on fails, naming the
+/// reward and the address.
+#[test]
+fn an_endpoint_that_does_not_answer_fails_the_check_before_training() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(vec![]));
+    let log = seen.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            let mut r = BufReader::new(conn.try_clone().unwrap());
+            let mut first = String::new();
+            r.read_line(&mut first).unwrap();
+            log.lock().unwrap().push(first.trim().to_owned());
+            loop {
+                let mut h = String::new();
+                if r.read_line(&mut h).unwrap_or(0) == 0 || h.trim().is_empty() {
+                    break;
+                }
+            }
+            let mut w = conn;
+            let _ = write!(
+                w,
+                "HTTP/1.1 405 Method Not Allowed\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+            );
+        }
+    });
+    let s = http(&format!("http://{addr}/score"), 1, Duration::from_secs(2));
+    s.probe().unwrap();
+    assert_eq!(*seen.lock().unwrap(), ["GET /score HTTP/1.1"]);
+    assert_eq!(s.stats().requests, 0);
+
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("http://127.0.0.1:{port}/score");
+    let e = http(&url, 1, Duration::from_secs(2))
+        .probe()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`http`") && e.contains(&url) && e.contains("does not answer"),
+        "{e}"
+    );
+}

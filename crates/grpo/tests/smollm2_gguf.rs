@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use candle_core::{DType, Device};
 use grpo::logprobs::next_token_logprobs;
-use grpo_models::hub::{ensure_default_gguf, ModelSource};
+use grpo_models::hub::{download_or_skip, ensure_default_gguf, ModelSource};
 use grpo_models::models::{Mode, SeqBatch};
 use grpo_models::sampler::{generate, PromptInput, SamplingParams, StopReason};
 use grpo_models::tokenizer::ChatMessage;
@@ -27,11 +27,17 @@ fn u32s(v: &Value) -> Vec<u32> {
         .collect()
 }
 
+/// `$GRPO_TEST_GGUF`, else the default model (downloaded once); `None`: the test skips, saying so.
+fn default_gguf() -> Option<PathBuf> {
+    match std::env::var("GRPO_TEST_GGUF") {
+        Ok(p) => Some(PathBuf::from(p)),
+        Err(_) => download_or_skip("the default model", ensure_default_gguf()),
+    }
+}
+
 #[test]
 fn gguf_greedy_decoding_matches_transformers() {
-    let gguf = std::env::var("GRPO_TEST_GGUF")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| ensure_default_gguf().unwrap());
+    let Some(gguf) = default_gguf() else { return };
     let m = load_model(&ModelSource::Gguf(gguf), DType::F32, &Device::Cpu).unwrap();
     assert_eq!(m.config.num_layers, 30);
     assert!(m.config.tie_word_embeddings);
@@ -147,9 +153,7 @@ fn gguf_greedy_decoding_matches_transformers() {
 #[test]
 fn gguf_projections_are_kept_quantized_as_they_are() {
     use grpo_models::models::QuantType;
-    let gguf = std::env::var("GRPO_TEST_GGUF")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| ensure_default_gguf().unwrap());
+    let Some(gguf) = default_gguf() else { return };
     let q = grpo_models::weights::gguf_quantized_projections(&gguf, QuantType::Q4_1).unwrap();
     assert_eq!(q.len(), 30 * 7, "every projection of the 30 layers is Q4_1");
     let m = load_model(&ModelSource::Gguf(gguf), DType::F32, &Device::Cpu).unwrap();

@@ -961,6 +961,43 @@ fn a_trl_grpo_yaml_trains() {
     );
 }
 
+/// An HTTP endpoint that answers every request with an empty 200 (so every reward it is asked for
+/// is missing): enough for runs that need an endpoint that is up. Returns `http://ADDR`.
+fn unscoring_endpoint() -> String {
+    use std::io::{BufRead, BufReader, Read, Write};
+    static URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    URL.get_or_init(|| {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        std::thread::spawn(move || {
+            for conn in listener.incoming().flatten() {
+                let mut r = BufReader::new(conn.try_clone().unwrap());
+                let mut len = 0usize;
+                loop {
+                    let mut h = String::new();
+                    if r.read_line(&mut h).unwrap_or(0) == 0 || h.trim().is_empty() {
+                        break;
+                    }
+                    if let Some((k, v)) = h.split_once(':') {
+                        if k.eq_ignore_ascii_case("content-length") {
+                            len = v.trim().parse().unwrap_or(0);
+                        }
+                    }
+                }
+                let mut body = vec![0; len];
+                let _ = r.read_exact(&mut body);
+                let mut w = conn;
+                let _ = write!(
+                    w,
+                    "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{{}}"
+                );
+            }
+        });
+        url
+    })
+    .clone()
+}
+
 /// A planted secret (a reward's header and env values) appears in no file a run writes: config.toml,
 /// the checkpoint, metrics, completions, the logs (issue 34).
 #[test]
@@ -974,15 +1011,33 @@ fn no_file_a_run_writes_holds_a_planted_secret() {
          max_completion_length = 4\nmax_steps = 1\nsave_steps = 1\neval_steps = 0\n\
          report_to = [\"tensorboard\"]\n[task]\ntrain_size = 8\neval_size = 2\n\
          [[rewards]]\nkind = \"format\"\nname = \"has_s\"\npattern = \"s\"\n\
-         [[rewards]]\nkind = \"http\"\nname = \"judge\"\nurl = \"http://127.0.0.1:9/score\"\n\
+         [[rewards]]\nkind = \"http\"\nname = \"judge\"\nurl = \"{}/score\"\n\
          headers = {{ Authorization = \"Bearer planted-secret-1\" }}\n\
          [[rewards]]\nkind = \"command\"\nname = \"cmd\"\ncommand = [\"sh\", \"-c\", \"cat > /dev/null\"]\n\
          timeout_s = 1\nenv = {{ API_KEY = \"planted-secret-2\" }}\n",
         model.display().to_string(),
-        out.display().to_string()
+        out.display().to_string(),
+        unscoring_endpoint(),
     );
     let cfg = TrainConfig::from_str(&text, Format::Toml, "t", &[]).unwrap();
     assert_eq!(train(&cfg, &RunControl::default()).unwrap().steps, 1);
+    // The same run against an endpoint nobody listens on fails before training (issue 34),
+    // naming the reward and the address.
+    let dead = text.replace(&unscoring_endpoint(), "http://127.0.0.1:9");
+    let dead_out = tmp.path().join("dead");
+    let dead = dead.replace(
+        &format!("{:?}", out.display().to_string()),
+        &format!("{:?}", dead_out.display().to_string()),
+    );
+    let cfg = TrainConfig::from_str(&dead, Format::Toml, "t", &[]).unwrap();
+    let e = train(&cfg, &RunControl::default()).unwrap_err().to_string();
+    assert!(
+        e.contains("`judge`")
+            && e.contains("http://127.0.0.1:9/score")
+            && e.contains("does not answer"),
+        "{e}"
+    );
+    assert!(!dead_out.join("metrics.jsonl").exists());
     let mut files = vec![];
     let mut dirs = vec![out.clone()];
     while let Some(d) = dirs.pop() {

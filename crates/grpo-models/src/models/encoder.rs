@@ -870,6 +870,7 @@ impl SequenceClassifier {
         let model_type = config
             .get("model_type")
             .and_then(|v| v.as_str())
+            // A missing model_type matches no kind and is refused below.
             .unwrap_or_default()
             .to_string();
         let labels = label_names(&config, &config_path)?;
@@ -1024,8 +1025,18 @@ impl SentenceEmbedder {
                 .as_array()
                 .ok_or_else(|| Error::file(&modules_path, "expected a list of modules"))?;
             for m in list {
-                let ty = m.get("type").and_then(|v| v.as_str()).unwrap_or_default();
+                let ty = m.get("type").and_then(|v| v.as_str()).ok_or_else(|| {
+                    Error::file(
+                        &modules_path,
+                        format!(
+                            "module {m} has no `type`: give each module its class, e.g. \
+                             \"sentence_transformers.models.Transformer\""
+                        ),
+                    )
+                })?;
+                // No path: the module is the directory itself (sentence-transformers writes "").
                 let sub = dir.join(m.get("path").and_then(|v| v.as_str()).unwrap_or_default());
+                // rsplit always yields a last piece.
                 match ty.rsplit('.').next().unwrap_or_default() {
                     "Transformer" => model_dir = sub,
                     "Pooling" => pooling = read_pooling(&sub.join("config.json"))?,
@@ -1047,6 +1058,7 @@ impl SentenceEmbedder {
         let model_type = config
             .get("model_type")
             .and_then(|v| v.as_str())
+            // A missing model_type matches no kind and is refused below.
             .unwrap_or_default();
         let kind = EncoderKind::from_model_type(model_type).ok_or_else(|| {
             Error::file(

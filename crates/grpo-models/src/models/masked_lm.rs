@@ -60,11 +60,13 @@ pub fn masked_lm_config(dir: &Path) -> Result<EncoderConfig> {
     let model_type = config
         .get("model_type")
         .and_then(|v| v.as_str())
+        // A missing model_type matches no kind and is refused below.
         .unwrap_or_default();
     let archs: Vec<&str> = config
         .get("architectures")
         .and_then(|v| v.as_array())
         .map(|a| a.iter().filter_map(|x| x.as_str()).collect())
+        // Only used to word the error below.
         .unwrap_or_default();
     let Some(kind) = EncoderKind::from_model_type(model_type) else {
         let causal = archs.iter().any(|a| a.ends_with("ForCausalLM"))

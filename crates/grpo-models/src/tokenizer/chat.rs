@@ -201,6 +201,7 @@ fn write_py_repr(out: &mut String, v: &Value) -> std::result::Result<(), minijin
         ValueKind::Number => out.push_str(&python_float_repr(
             f64::try_from(v.clone()).unwrap_or(f64::NAN),
         )),
+        // A string value always has its text.
         ValueKind::String => write_py_str(out, v.as_str().unwrap_or_default()),
         ValueKind::Seq => {
             out.push('[');
@@ -316,6 +317,7 @@ fn tojson(value: &Value, kwargs: Kwargs) -> std::result::Result<Value, minijinja
             let parts: Vec<Value> = v.try_iter()?.collect();
             match parts.as_slice() {
                 [a, b] if a.as_str().is_some() && b.as_str().is_some() => (
+                    // Both were checked to be strings just above.
                     a.as_str().unwrap_or_default().to_owned(),
                     b.as_str().unwrap_or_default().to_owned(),
                 ),
@@ -379,10 +381,12 @@ fn write_json(
             }
         }
         ValueKind::String => {
+            // A string value always has its text.
             write_json_str(out, v.as_str().unwrap_or_default(), style.ensure_ascii)
         }
         ValueKind::Bytes => write_json_str(
             out,
+            // A bytes value always has its bytes.
             &String::from_utf8_lossy(v.as_bytes().unwrap_or_default()),
             style.ensure_ascii,
         ),
@@ -437,6 +441,7 @@ fn write_json(
 /// A map key as Python's `json.dumps` writes it.
 fn json_key(key: &Value) -> std::result::Result<String, minijinja::Error> {
     Ok(match key.kind() {
+        // A string key always has its text.
         ValueKind::String => key.as_str().unwrap_or_default().to_owned(),
         ValueKind::None | ValueKind::Undefined => "null".to_owned(),
         ValueKind::Bool => (if key.is_true() { "true" } else { "false" }).to_owned(),

@@ -397,6 +397,7 @@ impl Staging {
     fn json(&self, name: &str, v: &serde_json::Value) -> Result<()> {
         write_file(
             &self.tmp.join(name),
+            // Serializing a serde_json::Value cannot fail.
             &serde_json::to_vec_pretty(v).unwrap_or_default(),
         )
     }
@@ -446,6 +447,7 @@ fn write_weights_and_log(dir: &Path, params: &Params, log: &[PretrainStep]) -> R
     save_tensors(&dir.join("model.safetensors"), &tensors)?;
     let lines: Vec<String> = log
         .iter()
+        // A row of plain numbers always serializes (a NaN is written as null).
         .map(|r| serde_json::to_string(r).unwrap_or_default())
         .collect();
     write_file(

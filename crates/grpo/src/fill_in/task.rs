@@ -105,7 +105,8 @@ pub fn builtin_rewards(
 ) -> Result<Vec<Reward>> {
     // The label `real` (a judge `grpo pretrain` made), else the judge's last label.
     let config = judge.join("config.json");
-    let labels: Vec<String> = grpo_models::files::read_json(&config)?
+    let json = grpo_models::files::read_json(&config)?;
+    let labels: Vec<String> = json
         .get("id2label")
         .and_then(|m| m.as_object())
         .map(|m| {
@@ -116,10 +117,19 @@ pub fn builtin_rewards(
             v.sort();
             v.into_iter().map(|x| x.1).collect()
         })
+        // No id2label: the labels have no names; they are counted below.
         .unwrap_or_default();
+    // As the classifier counts its labels: id2label's, else num_labels, else 2 (transformers).
+    let count = match labels.len() {
+        0 => json
+            .get("num_labels")
+            .and_then(|n| n.as_u64())
+            .map_or(2, |n| n as usize),
+        n => n,
+    };
     let label = match labels.iter().any(|l| l == "real") {
         true => serde_json::json!("real"),
-        false => serde_json::json!(labels.len().max(2) - 1),
+        false => serde_json::json!(count.max(2) - 1),
     };
     let mut tables = vec![
         serde_json::json!({"kind": "classifier", "name": "judge", "model": judge.display().to_string(),

@@ -131,6 +131,7 @@ impl CommandSpec {
                 "missing: the scorer program and its arguments, e.g. [\"python3\", \"score.py\"]",
             )),
             Some(Value::String(s)) => s.split_whitespace().map(str::to_owned).collect(),
+            // The key is set, so opt_strs gives a list or an error.
             Some(_) => t.opt_strs("command")?.unwrap_or_default(),
         };
         if command.is_empty() || command[0].is_empty() {
@@ -176,7 +177,8 @@ impl CommandSpec {
         spec.batch_size = at_least_one(t, "batch_size", default_batch)?;
         spec.cwd = t.opt_str("cwd")?.map(PathBuf::from);
         spec.env = string_table(t, "env")?;
-        spec.inherit_env = t.opt_strs("inherit_env")?.unwrap_or_default(); // unset: none
+        // An absent key means none (documented default).
+        spec.inherit_env = t.opt_strs("inherit_env")?.unwrap_or_default();
         spec.max_restarts = t.usize("max_restarts", 5)?;
         spec.cpu_seconds = positive(t, "cpu_seconds")?;
         spec.memory_mb = positive(t, "memory_mb")?;
@@ -576,6 +578,7 @@ impl Call<'_> {
                         ));
                         continue;
                     };
+                    // `item` was checked to be in line_of just above.
                     let s = line_of.remove(&item).unwrap_or_default();
                     if let Some(entry) = sent.get_mut(&s) {
                         entry.items.retain(|&i| i != item);

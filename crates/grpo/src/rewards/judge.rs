@@ -90,6 +90,7 @@ impl JudgeSpec {
         )? {
             M::Yes => JudgeWords::YesProbability {
                 yes: t.opt_strs("yes")?.unwrap_or_else(|| vec!["Yes".into()]),
+                // An absent key means none (documented default).
                 no: t.opt_strs("no")?.unwrap_or_default(),
             },
             M::Expected => {

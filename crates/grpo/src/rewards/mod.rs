@@ -238,6 +238,16 @@ impl Reward {
         }
     }
 
+    /// Before training: an HTTP scorer's endpoint answers ([`command::HttpScorer::probe`]); a
+    /// scorer program was already watched for an exit at start. Other rewards are local.
+    pub fn check_reachable(&self) -> Result<()> {
+        match &self.func {
+            RewardFn::Http(h) => h.probe(),
+            RewardFn::Composite(c) => c.terms.iter().try_for_each(Reward::check_reachable),
+            _ => Ok(()),
+        }
+    }
+
     /// Counts of a scorer program's or endpoint's answers by outcome, since it started.
     pub fn scorer_stats(&self) -> Option<command::ScorerStats> {
         match &self.func {
@@ -417,6 +427,7 @@ impl RewardSpec {
         let Some((_, keys)) = KINDS.iter().find(|k| k.0 == kind) else {
             let hint = grpo_models::error::nearest(kind, &kinds)
                 .map(|n| format!(" (did you mean `{n}`?)"))
+                // No near name: the message leaves the hint out.
                 .unwrap_or_default();
             return Err(Error::config(
                 format!("{path}.kind"),

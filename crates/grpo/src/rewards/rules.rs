@@ -364,6 +364,7 @@ impl Format {
                     .map_err(|e| t.err("pattern", format!("not a valid regular expression: {e}")))
             })
             .transpose()?;
+        // An absent key means none (documented); none with no pattern is refused below.
         let tags = t.opt_strs("required_tags")?.unwrap_or_default();
         if pattern.is_none() && tags.is_empty() {
             return Err(t.err(

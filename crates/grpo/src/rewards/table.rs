@@ -25,6 +25,7 @@ impl<'a> Table<'a> {
             let kind = obj.get("kind").and_then(Value::as_str).unwrap_or("?");
             let hint = grpo_models::error::nearest(k, &all)
                 .map(|n| format!(" (did you mean `{n}`?)"))
+                // No near name: the message leaves the hint out.
                 .unwrap_or_default();
             return Err(t.err(
                 k,

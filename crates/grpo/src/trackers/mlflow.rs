@@ -48,6 +48,7 @@ impl Client {
     fn error(&self, what: &str, e: ureq::Error) -> Error {
         let why = match e {
             ureq::Error::Status(code, resp) => {
+                // The body only adds detail to the message; the status is the error.
                 format!("HTTP {code}: {}", resp.into_string().unwrap_or_default())
             }
             ureq::Error::Transport(t) => format!(

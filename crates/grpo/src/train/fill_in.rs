@@ -233,6 +233,7 @@ impl LoadPolicy for FillInPolicy {
 /// is refused, saying what loads).
 fn resolve_generator(spec: &str) -> Result<PathBuf> {
     let p = std::path::Path::new(spec);
+    // No extension: none of the refused ones below.
     let ext = p.extension().and_then(|e| e.to_str()).unwrap_or_default();
     if p.is_file() && matches!(ext, "pt" | "pth" | "ckpt" | "bin") {
         return Err(Error::file(

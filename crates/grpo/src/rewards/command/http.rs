@@ -102,6 +102,28 @@ impl HttpScorer {
         })
     }
 
+    /// Whether the endpoint answers at all, before training: one GET of `url` (any HTTP status
+    /// counts, as the endpoint may take POSTs only), so that a server that is down or a wrong
+    /// address fails the run at start instead of as missing rewards at the first step. Nothing
+    /// is scored.
+    pub fn probe(&self) -> Result<()> {
+        let mut req = self.agent.get(&self.spec.url);
+        for (k, v) in &self.spec.headers {
+            req = req.set(k, v);
+        }
+        match req.call() {
+            Ok(_) | Err(ureq::Error::Status(..)) => Ok(()),
+            Err(ureq::Error::Transport(t)) => Err(crate::Error::reward(
+                &self.name,
+                format!(
+                    "the endpoint {} does not answer ({t}); start the scorer before training, or \
+                     fix the reward's `url`",
+                    self.spec.url
+                ),
+            )),
+        }
+    }
+
     /// One reward per item, NaN where the endpoint answered null or garbage, returned an error
     /// status, could not be reached or did not answer within `timeout_s` (each counted and
     /// warned about).
@@ -157,6 +179,7 @@ impl HttpScorer {
                 }
             },
             Err(ureq::Error::Status(code, resp)) => {
+                // The body only adds detail to the message; the status is the error.
                 let body = resp.into_string().unwrap_or_default();
                 return fail(
                     Miss::HttpError,
