@@ -88,10 +88,13 @@ impl<'a> ScoreItem<'a> {
 pub enum RewardFn {
     AnswerMatch(AnswerMatch),
     /// `value` if the whole completion is just an integer (optionally followed by a period);
-    /// with `only_if_correct`, only when that integer is also the right answer.
+    /// with `only_if_correct`, only when that integer is also the right answer. With `graded`,
+    /// a completion that is more than its last number is paid `value` times the share of its
+    /// characters that number is ([`rules::answer_share`]), so that shorter answers earn more.
     IntegerOnly {
         value: f32,
         only_if_correct: bool,
+        graded: bool,
     },
     Format(Format),
     /// See [`rules::equation_holds`].
@@ -164,13 +167,17 @@ impl Reward {
             RewardFn::IntegerOnly {
                 value,
                 only_if_correct,
+                graded,
             } => {
                 let correct = AnswerMatch::new(Extract::LastNumber);
                 each(&|it| {
-                    let ok = rules::is_integer_only(it.completion)
-                        && (!only_if_correct || correct.score(it.completion, it.answer) == 1.0);
+                    let share = match graded {
+                        true => rules::answer_share(it.completion),
+                        false => f32::from(u8::from(rules::is_integer_only(it.completion))),
+                    };
+                    let ok = !only_if_correct || correct.score(it.completion, it.answer) == 1.0;
                     if ok {
-                        *value
+                        *value * share
                     } else {
                         0.0
                     }
@@ -310,7 +317,7 @@ pub struct RewardContext {
 /// Kinds and the keys each takes (besides `kind`, `name`, `weight`).
 const KINDS: &[(&str, &[&str])] = &[
     ("answer_match", AnswerMatch::KEYS),
-    ("integer_only", &["value", "only_if_correct"]),
+    ("integer_only", &["value", "only_if_correct", "graded"]),
     ("format", Format::KEYS),
     ("equation", &[]),
     ("sides_match", &[]),
@@ -350,6 +357,7 @@ pub enum RewardKind {
     IntegerOnly {
         value: f32,
         only_if_correct: bool,
+        graded: bool,
     },
     Format(Format),
     Equation,
@@ -443,6 +451,7 @@ impl RewardSpec {
             "integer_only" => RewardKind::IntegerOnly {
                 value: t.f32("value", 0.1)?,
                 only_if_correct: t.bool("only_if_correct", false)?,
+                graded: t.bool("graded", false)?,
             },
             "format" => RewardKind::Format(Format::from_table(&t)?),
             "equation" => RewardKind::Equation,
@@ -516,9 +525,11 @@ impl RewardSpec {
             &RewardKind::IntegerOnly {
                 value,
                 only_if_correct,
+                graded,
             } => RewardFn::IntegerOnly {
                 value,
                 only_if_correct,
+                graded,
             },
             RewardKind::Format(f) => RewardFn::Format(f.clone()),
             RewardKind::Equation => RewardFn::Equation,
@@ -611,6 +622,7 @@ pub fn builtin_task_rewards() -> Vec<Reward> {
             func: RewardFn::IntegerOnly {
                 value: 0.1,
                 only_if_correct: true,
+                graded: false,
             },
             weight: 1.0,
         },
@@ -630,6 +642,7 @@ pub fn peer_addition_rewards() -> Vec<Reward> {
             func: RewardFn::IntegerOnly {
                 value: 0.1,
                 only_if_correct: false,
+                graded: false,
             },
             weight: 1.0,
         },

@@ -334,6 +334,25 @@ pub fn is_integer_only(text: &str) -> bool {
     !t.is_empty() && t.chars().all(|c| c.is_ascii_digit())
 }
 
+/// How much of a completion its last number is: 1 for a bare integer ([`is_integer_only`]),
+/// else the number's characters over the trimmed completion's ("34 + 30 = 64": 2 of 12), 0
+/// without a number. `integer_only` with `graded = true` pays this share of its value, so that
+/// every correct answer earns a little and the shortest earn most: a format reward that acts
+/// before any completion is bare.
+pub fn answer_share(text: &str) -> f32 {
+    if is_integer_only(text) {
+        return 1.0;
+    }
+    let t = text.trim();
+    match last_number_span(t) {
+        Some((a, b)) => {
+            let number = t[a..b].chars().count() as f32;
+            (number / t.chars().count().max(1) as f32).min(1.0)
+        }
+        None => 0.0,
+    }
+}
+
 /// `kind = "format"`: `value` when the completion matches `pattern` (searched, Python syntax;
 /// write `^...$` for a whole match; `.` matches newlines unless `dotall = false`) and contains
 /// every `required_tags` pair `<t>...</t>` in the given order. With `partial = true` and tags,
@@ -785,6 +804,28 @@ mod tests {
             tags: tags.iter().map(|s| s.to_string()).collect(),
             partial,
             value: 1.0,
+        }
+    }
+
+    /// `integer_only`'s graded share, with an f32 twin of its arithmetic: a bare integer is 1,
+    /// an equation the number's share of its characters, text without a number 0.
+    #[test]
+    fn answer_share_of_completions() {
+        for (text, want) in [
+            ("64", 1.0),
+            (" 64. ", 1.0),
+            ("-3", 1.0),
+            ("34 + 30 = 64", 2.0 / 12.0),
+            ("The answer is 64.", 2.0 / 17.0),
+            ("  sum: 1,234  ", 5.0 / 10.0),
+            ("no number", 0.0),
+            ("", 0.0),
+        ] {
+            let got = answer_share(text);
+            assert!(
+                (got - want as f32).abs() < 1e-6,
+                "{text:?}: {got} vs {want}"
+            );
         }
     }
 
