@@ -1037,8 +1037,15 @@ fn extract_member(zip_path: &Path, member: &str, out: &mut File) -> Result<Strin
 
 /// sha256 of a file, lowercase hex.
 fn sha256_file(path: &Path) -> io::Result<String> {
+    digest_file(path, Sha256::new())
+}
+
+/// `hasher` fed the whole file, lowercase hex.
+fn digest_file<D: Digest>(path: &Path, mut hasher: D) -> io::Result<String>
+where
+    sha2::digest::Output<D>: std::fmt::LowerHex,
+{
     let mut file = File::open(path)?;
-    let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
         let n = match file.read(&mut buf) {
@@ -1268,22 +1275,10 @@ fn parse_hub_file_hashes(text: &str) -> std::result::Result<HashMap<String, HubF
 /// git's id of a file's content (what the hub lists as `blobId`): the sha1 of `blob <len>\0`
 /// followed by the content.
 fn git_blob_id(path: &Path) -> io::Result<String> {
-    use sha1::Digest as _;
     let len = fs::metadata(path)?.len();
-    let mut file = File::open(path)?;
     let mut hasher = sha1::Sha1::new();
     hasher.update(format!("blob {len}\0").as_bytes());
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = match file.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
-        };
-        hasher.update(&buf[..n]);
-    }
-    Ok(format!("{:x}", hasher.finalize()))
+    digest_file(path, hasher)
 }
 
 /// Checks a file just downloaded from the hub against the hub's own hash of it: the LFS sha256

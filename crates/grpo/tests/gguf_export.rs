@@ -412,13 +412,38 @@ fn python() -> Option<String> {
     None
 }
 
+/// `tests/tools/check_gguf.py` on `file`: the gguf package's view of it, llama.cpp's greedy
+/// tokens after `prompt` and its logits with `forced` fed instead (`what` names the case).
+fn check_gguf(
+    py: &str,
+    file: &Path,
+    prompt: &[u32],
+    forced: &[u32],
+    what: &str,
+) -> serde_json::Value {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/tools/check_gguf.py");
+    let run = Command::new(py)
+        .arg(&script)
+        .arg(file)
+        .arg(serde_json::to_string(prompt).unwrap())
+        .arg(N.to_string())
+        .arg(serde_json::to_string(forced).unwrap())
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{what}: check_gguf.py failed (CHECK_GGUF_VERBOSE=1 shows llama.cpp's log):\n{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    serde_json::from_slice(&run.stdout).unwrap()
+}
+
 #[test]
 fn llama_cpp_decodes_grpo_gguf_exports_as_grpo_does() {
     let Some(py) = python() else { return };
     let tmp = tempfile::tempdir().unwrap();
     let hf = tiny(&tmp.path().join("hf"));
     let prompt = prompt(&hf);
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/tools/check_gguf.py");
     for (ty, matrix_type) in [
         (GgufType::F32, "F32"),
         (GgufType::F16, "F16"),
@@ -430,20 +455,7 @@ fn llama_cpp_decodes_grpo_gguf_exports_as_grpo_does() {
         let model = g.build().unwrap();
         let want = greedy(&model, &prompt, N);
         let want_logits = step_logits(&model, &prompt, &want);
-        let run = Command::new(&py)
-            .arg(&script)
-            .arg(&out)
-            .arg(serde_json::to_string(&prompt).unwrap())
-            .arg(N.to_string())
-            .arg(serde_json::to_string(&want).unwrap())
-            .output()
-            .unwrap();
-        assert!(
-            run.status.success(),
-            "{ty:?}: check_gguf.py failed (CHECK_GGUF_VERBOSE=1 shows llama.cpp's log):\n{}",
-            String::from_utf8_lossy(&run.stderr)
-        );
-        let v: serde_json::Value = serde_json::from_slice(&run.stdout).unwrap();
+        let v = check_gguf(&py, &out, &prompt, &want, &format!("{ty:?}"));
 
         // The gguf package: a v3 llama file with llama.cpp's names, shapes and types, whose
         // data dequantizes to what grpo loaded (sums: the Q/K row order does not change them).
@@ -621,7 +633,6 @@ fn random_family(name: &str, dir: &Path, patch: serde_json::Value) {
 fn llama_cpp_runs_every_family_as_grpo_does() {
     let Some(py) = python() else { return };
     let tmp = tempfile::tempdir().unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/tools/check_gguf.py");
     let families = [
         ("llama3", "llama", serde_json::json!({})),
         ("qwen2", "qwen2", serde_json::json!({})),
@@ -706,20 +717,7 @@ fn llama_cpp_runs_every_family_as_grpo_does() {
             "{name}: the GGUF's logits differ from HF's by {d}"
         );
 
-        let run = Command::new(&py)
-            .arg(&script)
-            .arg(&out)
-            .arg(serde_json::to_string(&prompt).unwrap())
-            .arg(N.to_string())
-            .arg(serde_json::to_string(&want).unwrap())
-            .output()
-            .unwrap();
-        assert!(
-            run.status.success(),
-            "{name}: check_gguf.py failed (CHECK_GGUF_VERBOSE=1 shows llama.cpp's log):\n{}",
-            String::from_utf8_lossy(&run.stderr)
-        );
-        let v: serde_json::Value = serde_json::from_slice(&run.stdout).unwrap();
+        let v = check_gguf(&py, &out, &prompt, &want, name);
         assert_eq!(v["arch"], arch, "{name}");
         for t in v["tensors"].as_object().unwrap().keys() {
             assert!(
