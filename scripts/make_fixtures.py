@@ -155,6 +155,31 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float) 
 COMMON_IDS = dict(vocab_size=VOCAB, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
 
 
+def gemma3_text(full_attention_rope):
+    """The tiny Gemma 3: 3 layers (sliding, sliding, full), window 4, local RoPE base 1e4;
+    `full_attention_rope` is the global layers' RoPE."""
+    return Gemma3TextConfig(
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=256,
+        query_pre_attn_scalar=24,
+        sliding_window=4,
+        sliding_window_pattern=3,
+        rope_parameters={
+            "full_attention": full_attention_rope,
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=False,
+        **COMMON_IDS,
+    )
+
+
 def tiny_specs():
     """(name, model class, config) for every tiny fixture. Attention is forced to eager."""
     llama_common = dict(
@@ -347,52 +372,14 @@ def tiny_specs():
             # heads are pinned by llama3, qwen2 and phi4mini).
             "gemma3",
             Gemma3ForCausalLM,
-            Gemma3TextConfig(
-                hidden_size=64,
-                intermediate_size=64,
-                num_hidden_layers=3,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=32,
-                rms_norm_eps=1e-6,
-                max_position_embeddings=256,
-                query_pre_attn_scalar=24,
-                sliding_window=4,
-                sliding_window_pattern=3,
-                rope_parameters={
-                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
-                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                },
-                hidden_activation="gelu_pytorch_tanh",
-                tie_word_embeddings=False,
-                **COMMON_IDS,
-            ),
+            gemma3_text({"rope_type": "default", "rope_theta": 1000000.0}),
         ),
         (
             # Gemma 3 4B / 12B / 27B's RoPE: linear scaling (factor 8) on the global layers only.
             # As gemma3 otherwise, so the scaling is what differs.
             "gemma3_linear",
             Gemma3ForCausalLM,
-            Gemma3TextConfig(
-                hidden_size=64,
-                intermediate_size=64,
-                num_hidden_layers=3,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=32,
-                rms_norm_eps=1e-6,
-                max_position_embeddings=256,
-                query_pre_attn_scalar=24,
-                sliding_window=4,
-                sliding_window_pattern=3,
-                rope_parameters={
-                    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
-                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                },
-                hidden_activation="gelu_pytorch_tanh",
-                tie_word_embeddings=False,
-                **COMMON_IDS,
-            ),
+            gemma3_text({"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}),
         ),
     ]
 

@@ -1368,29 +1368,29 @@ impl<'a> VerifiedFetch<'a> {
         }
     }
 
-    /// `name`, from the cache or downloaded and checked; `Err(message)` for a failed download
-    /// (the caller words it), `Ok(Err(error))` for a failed check.
-    fn get(&mut self, name: &str) -> std::result::Result<Result<PathBuf>, ApiError> {
+    /// `name`, from the cache or downloaded and checked against the hub's hashes; a failed
+    /// download is worded by `failed`.
+    fn get(&mut self, name: &str, failed: impl FnOnce(ApiError) -> Error) -> Result<PathBuf> {
         let fresh = !self.snapshot.join(name).exists();
-        let path = self.repo.get(name)?;
+        let path = self.repo.get(name).map_err(failed)?;
         if !fresh {
-            return Ok(Ok(path));
+            return Ok(path);
         }
-        if self.hashes.is_none() {
-            match hub_file_hashes(self.hub, self.kind, &self.id, &self.sha) {
-                Ok(h) => self.hashes = Some(h),
-                Err(e) => {
-                    return Ok(Err(Error::Download(format!(
+        let hashes = match &self.hashes {
+            Some(h) => h,
+            None => {
+                let h = hub_file_hashes(self.hub, self.kind, &self.id, &self.sha).map_err(|e| {
+                    Error::Download(format!(
                         "could not read the hub's hashes of {}'s files ({e}), which grpo checks \
                          every download against",
                         self.what
-                    ))))
-                }
+                    ))
+                })?;
+                self.hashes.insert(h)
             }
-        }
-        let none = HashMap::new();
-        let hashes = self.hashes.as_ref().unwrap_or(&none);
-        Ok(verify_hub_file(&path, name, &self.what, hashes).map(|_| path))
+        };
+        verify_hub_file(&path, name, &self.what, hashes)?;
+        Ok(path)
     }
 }
 
@@ -1460,9 +1460,7 @@ fn fetch_from_hub(id: &str, hub: &HubSettings) -> Result<PathBuf> {
     }
     let mut get = |name: &str| {
         info!("fetching {name} of `{id}` from {}", hub.endpoint);
-        fetch
-            .get(name)
-            .map_err(|e| hub_error(id, hub, &format!("file {name}"), &e))?
+        fetch.get(name, |e| hub_error(id, hub, &format!("file {name}"), &e))
     };
     let config = get("config.json")?;
     let snapshot = config
@@ -1764,11 +1762,7 @@ fn fetch_dataset_split_from(
     let mut paths = Vec::with_capacity(names.len());
     for name in &names {
         info!("fetching {name} of dataset `{id}` from {}", hub.endpoint);
-        paths.push(
-            pinned
-                .get(name)
-                .map_err(|e| unreachable(format!("file {name}: {e}")))??,
-        );
+        paths.push(pinned.get(name, |e| unreachable(format!("file {name}: {e}")))?);
     }
     let path = split_path(&paths, split)
         .ok_or_else(|| unreachable(format!("no file of split `{split}` came back")))?;

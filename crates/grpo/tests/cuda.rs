@@ -19,22 +19,11 @@ use grpo_models::sampler::{generate, PromptInput, SamplingParams};
 use grpo_models::weights::load_model;
 use serde_json::Value;
 
+#[path = "support/archs.rs"]
+mod archs;
 #[path = "support/tiny_llama.rs"]
 mod support;
-
-const ARCHS: [&str; 11] = [
-    "llama",
-    "llama3",
-    "qwen2",
-    "qwen3",
-    "gpt2",
-    "mistral",
-    "phi3",
-    "phi4mini",
-    "gemma2",
-    "gemma3",
-    "gemma3_linear",
-];
+use archs::ARCHS;
 
 /// The GPU the checks run on; a check without one fails, saying why.
 fn gpu() -> Device {

@@ -20,6 +20,8 @@ use grpo_models::sampler::{generate, PromptInput, SamplingParams};
 use grpo_models::tokenizer::ChatMessage;
 use grpo_models::weights::{load_model, LoadedModel};
 
+#[path = "support/archs.rs"]
+mod archs;
 #[path = "support/tiny_llama.rs"]
 mod support;
 
@@ -282,20 +284,7 @@ fn every_architecture_round_trips() {
         &tied_gemma2,
         serde_json::json!({"tie_word_embeddings": true}),
     );
-    let families = [
-        "llama",
-        "llama3",
-        "qwen2",
-        "qwen3",
-        "mistral",
-        "phi3",
-        "phi4mini",
-        "gemma2",
-        "gemma3",
-        "gemma3_linear",
-        "gpt2",
-    ];
-    for name in families.iter().copied().chain(["gemma2-tied"]) {
+    for name in archs::ARCHS.into_iter().chain(["gemma2-tied"]) {
         let dir = match name {
             "gemma2-tied" => tied_gemma2.clone(),
             _ => fixtures().join("tiny").join(name),
@@ -633,6 +622,13 @@ fn random_family(name: &str, dir: &Path, patch: serde_json::Value) {
 fn llama_cpp_runs_every_family_as_grpo_does() {
     let Some(py) = python() else { return };
     let tmp = tempfile::tempdir().unwrap();
+    // Gemma 3 in llama.cpp's fixed pattern: five sliding layers, then a global one.
+    let gemma3_six_layers = serde_json::json!({
+        "num_hidden_layers": 6,
+        "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention",
+            "sliding_attention", "sliding_attention", "full_attention"],
+        "sliding_window_pattern": 6, "_sliding_window_pattern": 6,
+    });
     let families = [
         ("llama3", "llama", serde_json::json!({})),
         ("qwen2", "qwen2", serde_json::json!({})),
@@ -663,27 +659,9 @@ fn llama_cpp_runs_every_family_as_grpo_does() {
             "gemma2",
             serde_json::json!({"tie_word_embeddings": true}),
         ),
-        (
-            "gemma3",
-            "gemma3",
-            serde_json::json!({
-                "num_hidden_layers": 6,
-                "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention",
-                    "sliding_attention", "sliding_attention", "full_attention"],
-                "sliding_window_pattern": 6, "_sliding_window_pattern": 6,
-            }),
-        ),
+        ("gemma3", "gemma3", gemma3_six_layers.clone()),
         // Gemma 3 4B and larger: linear RoPE scaling on the global layer.
-        (
-            "gemma3_linear",
-            "gemma3",
-            serde_json::json!({
-                "num_hidden_layers": 6,
-                "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention",
-                    "sliding_attention", "sliding_attention", "full_attention"],
-                "sliding_window_pattern": 6, "_sliding_window_pattern": 6,
-            }),
-        ),
+        ("gemma3_linear", "gemma3", gemma3_six_layers.clone()),
         ("gpt2", "gpt2", serde_json::json!({})),
     ];
     for (i, (name, arch, patch)) in families.into_iter().enumerate() {

@@ -14,22 +14,11 @@ use grpo_models::sampler::{generate, PromptInput, SamplingParams};
 use grpo_models::weights::{load_model, LoadedModel};
 use serde_json::Value;
 
+#[path = "support/archs.rs"]
+mod archs;
 #[path = "support/rerun.rs"]
 mod rerun;
-
-const ARCHS: [&str; 11] = [
-    "llama",
-    "llama3",
-    "qwen2",
-    "qwen3",
-    "gpt2",
-    "mistral",
-    "phi3",
-    "phi4mini",
-    "gemma2",
-    "gemma3",
-    "gemma3_linear",
-];
+use archs::{ARCHS, LATER};
 
 fn fixture_dir(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -685,14 +674,7 @@ fn one_row_packing_matches_rows_per_pack() {
 #[test]
 fn later_families_keep_hf_names_for_lora_and_checkpoints() {
     use grpo_models::models::LoraAdapter;
-    for name in [
-        "mistral",
-        "phi3",
-        "phi4mini",
-        "gemma2",
-        "gemma3",
-        "gemma3_linear",
-    ] {
+    for name in LATER {
         let (m, exp) = load(name, DType::F32);
         let mut model = m.build().unwrap();
         let batch = SeqBatch::right_padded(&ids2(&exp["input_ids"]), 0, &Device::Cpu).unwrap();
