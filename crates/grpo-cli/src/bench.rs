@@ -18,6 +18,9 @@ pub enum BenchCommand {
     Generate(GenBenchArgs),
     /// f32 matrix-multiply FLOP/s of this machine (the ceiling for generation throughput).
     Gemm(GemmArgs),
+    /// Device-synchronized times of a training pass's pieces (projections, norm, RoPE,
+    /// attention, SwiGLU, LM-head log-probs), forward and forward + backward.
+    Ops(crate::bench_ops::OpsArgs),
 }
 
 #[derive(Args, Debug)]
@@ -67,6 +70,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Generate(a) => bench_generate(a),
         BenchCommand::Gemm(a) => bench_gemm(a),
+        BenchCommand::Ops(a) => crate::bench_ops::bench_ops(a),
     }
 }
 

@@ -11,6 +11,7 @@ use clap::{Parser, Subcommand};
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod bench;
+mod bench_ops;
 mod common;
 mod config_cmd;
 mod eval_cmd;

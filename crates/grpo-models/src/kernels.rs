@@ -314,6 +314,35 @@ macro_rules! isa_dispatch {
 }
 pub(crate) use isa_dispatch;
 
+/// Makes CUDA's default memory pool of `device` keep what is freed (release threshold = max)
+/// instead of returning it to the driver at every synchronization: later allocations of the
+/// same sizes are then served from the pool, as PyTorch's caching allocator serves them. A no-op
+/// on the CPU and in a build without CUDA.
+pub fn keep_device_pool(device: &candle_core::Device) -> candle_core::Result<()> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        let cu_dev = d.cuda_stream().context().cu_device();
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        let mut keep: u64 = u64::MAX;
+        // SAFETY: `pool` is written by the driver for a valid device; the attribute takes a
+        // pointer to a u64, alive for the call.
+        let ok = unsafe {
+            sys::cuDeviceGetDefaultMemPool(&mut pool, cu_dev) == sys::CUresult::CUDA_SUCCESS
+                && sys::cuMemPoolSetAttribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                    &mut keep as *mut u64 as *mut std::ffi::c_void,
+                ) == sys::CUresult::CUDA_SUCCESS
+        };
+        if !ok {
+            candle_core::bail!("could not set the CUDA memory pool's release threshold");
+        }
+    }
+    let _ = device;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

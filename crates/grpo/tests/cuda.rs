@@ -215,6 +215,7 @@ fn checkpoint_weights(dir: &std::path::Path) -> std::collections::HashMap<String
 ///   relative (plus 1e-6 absolute), the rest of the steps within 1e-2;
 /// - after 4 steps the GPU's weights differ from the CPU's by at most 2% of how far training
 ///   moved them (L2 over all weights).
+///
 /// Then bf16 mixed precision trains on the GPU, and a GPU run stopped after step 2 and resumed
 /// equals the uninterrupted one bit for bit.
 #[test]
@@ -519,4 +520,136 @@ fn gpu_135m_micro_batch_in_one_pass_fits_in_16_gb() {
         gb <= 16.0,
         "peak GPU memory {gb:.1} GB is above the 16 GB bound"
     );
+}
+
+/// grpo's GPU kernels (attention forward and backward, SwiGLU) against the same computation in
+/// candle ops on the same GPU: grouped heads, left padding, head sizes 64 and 128, f32 and bf16.
+#[test]
+fn gpu_kernels_equal_candle_ops_with_their_gradients() {
+    use candle_core::Tensor;
+    use grpo_models::models::{chunked_attention, fused_gpu};
+    let dev = gpu();
+    let rel = |a: &Tensor, e: &Tensor| -> f32 {
+        let a = a.to_dtype(DType::F32).unwrap();
+        let e = e.to_dtype(DType::F32).unwrap();
+        let diff = (&a - &e)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap();
+        let top = e.abs().unwrap().flatten_all().unwrap().max(0).unwrap();
+        diff.to_scalar::<f32>().unwrap() / top.to_scalar::<f32>().unwrap().max(1.0)
+    };
+    for (dt, tol) in [(DType::F32, 1e-4f32), (DType::BF16, 3e-2)] {
+        for &(b, h, hkv, s, d) in &[(3, 9, 3, 100, 64), (2, 4, 2, 37, 128)] {
+            let (tk, scale) = (s, 1.0 / (d as f64).sqrt());
+            let var = |shape: (usize, usize, usize, usize)| {
+                Var::from_tensor(
+                    &Tensor::randn(0f32, 1.0, shape, &dev)
+                        .unwrap()
+                        .to_dtype(dt)
+                        .unwrap(),
+                )
+                .unwrap()
+            };
+            let (q, k, v) = (
+                var((b, h, s, d)),
+                var((b, hkv, tk, d)),
+                var((b, hkv, tk, d)),
+            );
+            let gout = Tensor::randn(0f32, 1.0, (b, h, s, d), &dev).unwrap();
+            // Causal, and row 0 left-padded by 3 slots (its first 3 queries see only padding:
+            // their gradient is 0 in training, so it is here).
+            let mut m = vec![0f32; b * s * tk];
+            let mut live = vec![1f32; b * h * s * d];
+            for bi in 0..b {
+                for i in 0..s {
+                    for j in 0..tk {
+                        if j > i || (bi == 0 && j < 3) {
+                            m[(bi * s + i) * tk + j] = -1e30;
+                        }
+                    }
+                    if bi == 0 && i < 3 {
+                        for hh in 0..h {
+                            let at = ((bi * h + hh) * s + i) * d;
+                            live[at..at + d].iter_mut().for_each(|x| *x = 0.0);
+                        }
+                    }
+                }
+            }
+            let mask = Tensor::from_vec(m, (b, 1, s, tk), &dev).unwrap();
+            let live = Tensor::from_vec(live, (b, h, s, d), &dev).unwrap();
+            let gout = (gout * &live).unwrap();
+            // 0: the default (forward kernel, candle-op backward), 1: the backward kernels too,
+            // 2: candle ops only.
+            let run = |path: usize| {
+                let out = match path {
+                    0 => chunked_attention::attention(&q, &k, &v, &mask, scale, true).unwrap(),
+                    1 => fused_gpu::attention_full_kernels(&q, &k, &v, &mask, scale)
+                        .unwrap()
+                        .expect("grpo's GPU kernels are off or did not compile"),
+                    _ => chunked_attention::attention_ops(&q, &k, &v, &mask, scale, true).unwrap(),
+                };
+                let g = (out.to_dtype(DType::F32).unwrap() * &gout)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .backward()
+                    .unwrap();
+                let grads: Vec<Tensor> = [&q, &k, &v]
+                    .iter()
+                    .map(|x| g.get(x).unwrap().clone())
+                    .collect();
+                (out, grads)
+            };
+            let (co, cg) = run(2);
+            for path in [0, 1] {
+                let (ko, kg) = run(path);
+                let what = format!("{dt:?} b{b} h{h}/{hkv} s{s} d{d} path {path}");
+                // Outputs compared where a query sees a real key (a padding query's output is
+                // unused: the kernel averages its visible keys, the candle ops its chunk's).
+                let keep = |o: &Tensor| (o.to_dtype(DType::F32).unwrap() * &live).unwrap();
+                let e = rel(&keep(&ko), &keep(&co));
+                println!("{what}: output {e:.2e}");
+                assert!(e < tol, "{what}: output {e}");
+                for (name, (a, c)) in ["dq", "dk", "dv"].iter().zip(kg.iter().zip(&cg)) {
+                    let e = rel(a, c);
+                    println!("{what}: {name} {e:.2e}");
+                    assert!(e < tol, "{what}: {name} {e}");
+                }
+            }
+        }
+        // SwiGLU: the kernel against silu(gate) * up in candle ops.
+        let gu = Var::from_tensor(
+            &Tensor::randn(0f32, 2.0, (7, 33, 2 * 96), &dev)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap(),
+        )
+        .unwrap();
+        assert!(
+            fused_gpu::applies(&gu),
+            "grpo's GPU kernels are off or did not compile"
+        );
+        let dy = Tensor::randn(0f32, 1.0, (7, 33, 96), &dev).unwrap();
+        let grad = |y: Tensor| {
+            let g = (y.to_dtype(DType::F32).unwrap() * &dy)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            (y, g.get(&gu).unwrap().clone())
+        };
+        let (ky, kg) = grad(fused_gpu::swiglu(&gu).unwrap());
+        let ops =
+            (gu.narrow(2, 0, 96).unwrap().silu().unwrap() * gu.narrow(2, 96, 96).unwrap()).unwrap();
+        let (cy, cg) = grad(ops);
+        let (ey, eg) = (rel(&ky, &cy), rel(&kg, &cg));
+        println!("{dt:?} swiglu: output {ey:.2e}, gradient {eg:.2e}");
+        assert!(ey < tol && eg < tol, "{dt:?} swiglu: {ey} {eg}");
+    }
 }

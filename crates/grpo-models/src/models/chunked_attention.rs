@@ -1,5 +1,6 @@
 //! Attention over query chunks that keeps no `[B, H, S, Tk]` tensor: the portable path's
-//! (and the GPU's) attention for several queries.
+//! attention for several queries (a GPU's too, where grpo's own kernels of
+//! [`super::fused_gpu`] do not apply).
 //!
 //! The forward scores a chunk of queries at a time (`[B, H, c, Tk]`, `c` sized to a byte
 //! budget), softmaxes in f32 and keeps only the output and each query's log-sum-exp. In a
@@ -48,6 +49,23 @@ pub fn attention(
     scale: f64,
     record: bool,
 ) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if let Some(out) = super::fused_gpu::attention(q, k, v, mask, scale, record)? {
+        return Ok(out);
+    }
+    attention_ops(q, k, v, mask, scale, record)
+}
+
+/// [`attention`] as candle ops only (never grpo's GPU kernels): what the kernels are checked
+/// against on a GPU.
+pub fn attention_ops(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Tensor,
+    scale: f64,
+    record: bool,
+) -> Result<Tensor> {
     let (b, h, s, _) = q.dims4()?;
     let tk = k.dim(2)?;
     let op = Chunked {
@@ -65,6 +83,30 @@ pub fn attention(
         ..op
     };
     attach(&out, &[q, k, v], Arc::new(op))
+}
+
+/// `out` (attention of `q`, `k`, `v` under `mask`, computed elsewhere with each query's
+/// log-sum-exp `lse` [B, H, S] f32) recorded in the graph with this module's backward (the
+/// GPU's `GRPO_GPU_KERNELS=forward`).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn record(
+    out: &Tensor,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Tensor,
+    scale: f64,
+    lse: &Tensor,
+) -> Result<Tensor> {
+    let (b, h, s, _) = q.dims4()?;
+    let (hkv, tk) = (k.dim(1)?, k.dim(2)?);
+    let op = Chunked {
+        mask: mask.broadcast_as((b, 1, s, tk))?.detach(),
+        scale,
+        chunk: chunk_queries(b, h, s, tk),
+        lse: std::sync::OnceLock::from(lse.reshape((b, hkv, h / hkv.max(1), s, 1))?),
+    };
+    attach(out, &[q, k, v], Arc::new(op))
 }
 
 struct Chunked {

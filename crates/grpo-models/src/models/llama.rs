@@ -226,6 +226,11 @@ impl Mlp {
             let gu = self.gate_up_proj.forward_joined(x)?; // [B, S, 2I]
             return self.down_proj.forward(&super::fused::silu_mul(&gu)?);
         }
+        #[cfg(feature = "cuda")]
+        if self.activation == Activation::Silu && super::fused_gpu::applies(x) {
+            let gu = self.gate_up_proj.forward_joined(x)?; // [B, S, 2I]
+            return self.down_proj.forward(&super::fused_gpu::swiglu(&gu)?);
+        }
         let i = self.intermediate;
         let gu = split_parts(self.gate_up_proj.forward(x)?, &[i, i])?;
         let gate = match self.activation {

@@ -17,6 +17,7 @@ pub mod decode_cpu;
 pub mod encoder;
 pub mod fused;
 pub mod fused_attention;
+pub mod fused_gpu;
 pub mod gpt2;
 pub mod grad_sink;
 pub mod layers;

@@ -83,7 +83,7 @@ impl DeviceSpec {
                         ),
                     ));
                 }
-                Device::new_cuda(n).map_err(|e| {
+                let dev = Device::new_cuda(n).map_err(|e| {
                     Error::config(
                         "device",
                         format!(
@@ -91,7 +91,13 @@ impl DeviceSpec {
                              has, or to \"cpu\""
                         ),
                     )
-                })
+                })?;
+                // Freed memory stays in CUDA's pool for the next pass's tensors (PyTorch's
+                // caching allocator does the same); GRPO_CUDA_POOL=release hands it back.
+                if std::env::var("GRPO_CUDA_POOL").as_deref() != Ok("release") {
+                    grpo_models::kernels::keep_device_pool(&dev)?;
+                }
+                Ok(dev)
             }
         }
     }

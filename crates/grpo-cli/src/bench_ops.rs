@@ -1,0 +1,324 @@
+//! `grpo bench ops`: device-synchronized times of the training pass's pieces (one decoder
+//! layer's projections, norm, RoPE, attention, SwiGLU, and the LM head's log-probs), forward
+//! alone and forward + backward, at a batch's shape: where a GPU's step goes, piece by piece,
+//! on the same code the trainer runs (grpo's GPU kernels where they apply; `GRPO_GPU_KERNELS=off`
+//! for candle ops only). One JSON line per piece.
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Device, Tensor, Var};
+use clap::Args;
+use grpo_models::kernels::Compute;
+use grpo_models::models::layers::{self, AttnMask, Mode};
+
+#[derive(Args, Debug)]
+pub struct OpsArgs {
+    /// `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Activations' dtype: `bf16` (weights f32, cast in the graph, as `dtype = "bf16"` trains)
+    /// or `f32`.
+    #[arg(long, default_value = "bf16")]
+    pub dtype: String,
+    /// Model shape: `135m` or `1.7b` (SmolLM2's).
+    #[arg(long, default_value = "1.7b")]
+    pub shape: String,
+    /// Rows x tokens per row of the pass (the GPU kit's 16x8x256 batch: 128 rows of ~306, in
+    /// passes of ~46 rows for the 1.7B model).
+    #[arg(long, default_value_t = 46)]
+    pub rows: usize,
+    #[arg(long, default_value_t = 304)]
+    pub seq: usize,
+    #[arg(long, default_value_t = 3)]
+    pub reps: usize,
+    /// Keep freed GPU memory in CUDA's pool (release threshold = max) instead of handing it back
+    /// at every synchronization.
+    #[arg(long)]
+    pub keep_pool: bool,
+}
+
+struct Shape {
+    hidden: usize,
+    heads: usize,
+    kv_heads: usize,
+    inter: usize,
+    vocab: usize,
+    layers: usize,
+}
+
+fn shape(name: &str) -> Result<Shape> {
+    Ok(match name {
+        "135m" => Shape {
+            hidden: 576,
+            heads: 9,
+            kv_heads: 3,
+            inter: 1536,
+            vocab: 49152,
+            layers: 30,
+        },
+        "1.7b" => Shape {
+            hidden: 2048,
+            heads: 32,
+            kv_heads: 32,
+            inter: 8192,
+            vocab: 49152,
+            layers: 24,
+        },
+        other => bail!("--shape: unknown `{other}` (135m, 1.7b)"),
+    })
+}
+
+/// Median seconds of `f` over `reps` runs after one warm-up, the device synchronized around each.
+fn time(dev: &Device, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    dev.synchronize()?;
+    let mut t = Vec::with_capacity(reps);
+    for _ in 0..reps.max(1) {
+        dev.synchronize()?;
+        let t0 = Instant::now();
+        f()?;
+        dev.synchronize()?;
+        t.push(t0.elapsed().as_secs_f64());
+    }
+    t.sort_by(f64::total_cmp);
+    Ok(t[t.len() / 2])
+}
+
+/// A trainable f32 weight [out, in] and its product with `x` in `x`'s dtype (mixed precision).
+fn project(x: &Tensor, w: &Var) -> candle_core::Result<Tensor> {
+    x.matmul(&w.as_tensor().to_dtype(x.dtype())?.t()?)
+}
+
+/// `y`'s sum as f32, backpropagated (gradients dropped).
+fn backward(y: &Tensor) -> candle_core::Result<()> {
+    y.to_dtype(DType::F32)?.sum_all()?.backward().map(|_| ())
+}
+
+pub fn bench_ops(a: OpsArgs) -> Result<()> {
+    let dev = match a.device.as_str() {
+        "cpu" => Device::Cpu,
+        "cuda" => Device::new_cuda(0)?,
+        d => match d.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
+            Some(n) => Device::new_cuda(n)?,
+            None => bail!("--device: `{d}` is not cpu, cuda or cuda:N"),
+        },
+    };
+    if a.keep_pool {
+        grpo_models::kernels::keep_device_pool(&dev)?;
+    }
+    let dt = match a.dtype.as_str() {
+        "bf16" => DType::BF16,
+        "f32" => DType::F32,
+        other => bail!("--dtype: `{other}` is not bf16 or f32"),
+    };
+    let s = shape(&a.shape)?;
+    let (b, t) = (a.rows, a.seq);
+    let n = b * t;
+    let hd = s.hidden / s.heads;
+    let compute = Compute::resolve(&dev, dt);
+    let w = |o: usize, i: usize| -> Result<Var> {
+        Ok(Var::from_tensor(
+            &(Tensor::randn(0f32, 1.0, (o, i), &dev)? * (1.0 / (i as f64).sqrt()))?,
+        )?)
+    };
+    let qkv_out = (s.heads + 2 * s.kv_heads) * hd;
+    let (w_qkv, w_o) = (w(qkv_out, s.hidden)?, w(s.hidden, s.heads * hd)?);
+    let (w_gu, w_down) = (w(2 * s.inter, s.hidden)?, w(s.hidden, s.inter)?);
+    let norm_w = Var::from_tensor(&Tensor::ones(s.hidden, DType::F32, &dev)?)?;
+    let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (b, t, s.hidden), &dev)?.to_dtype(dt)?)?;
+    let pos: Vec<f32> = (0..b * t).map(|i| (i % t) as f32).collect();
+    let pos = Tensor::from_vec(pos, (b, t, 1), &dev)?;
+    let inv: Vec<f32> = (0..hd / 2)
+        .map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / hd as f32))
+        .collect();
+    let ang = pos.broadcast_mul(&Tensor::from_vec(inv, (1, 1, hd / 2), &dev)?)?; // [B, T, D/2]
+    let (cos, sin) = (ang.cos()?.to_dtype(dt)?, ang.sin()?.to_dtype(dt)?);
+    let valid = vec![vec![true; t]; b];
+    let mask = AttnMask::dense(layers::build_mask(&valid, 0, t, t, &dev)?)?;
+    let qkv_in = |g: bool| -> Result<(Tensor, Tensor, Tensor)> {
+        let mk = |h: usize| -> Result<Tensor> {
+            let r = Tensor::randn(0f32, 1.0, (b, h, t, hd), &dev)?.to_dtype(dt)?;
+            Ok(match g {
+                true => Var::from_tensor(&r)?.as_tensor().clone(),
+                false => r,
+            })
+        };
+        Ok((mk(s.heads)?, mk(s.kv_heads)?, mk(s.kv_heads)?))
+    };
+    let flat = |x: &Tensor| x.reshape((n, x.dim(2).unwrap_or(1)));
+    let report = |name: &str, fwd: f64, both: f64, flops: f64| {
+        let line = serde_json::json!({
+            "bench": "ops", "device": a.device, "dtype": a.dtype, "shape": a.shape,
+            "rows": b, "seq": t, "keep_pool": a.keep_pool, "op": name,
+            "fwd_ms": (fwd * 1e5).round() / 100.0,
+            "fwd_bwd_ms": (both * 1e5).round() / 100.0,
+            "fwd_tflops": match flops > 0.0 { true => ((flops / fwd / 1e12) * 10.0).round() / 10.0, false => 0.0 },
+            "per_model_pass_s": ((both * s.layers as f64) * 1000.0).round() / 1000.0,
+        });
+        println!("{line}");
+    };
+    let reps = a.reps;
+    let xt = x.as_tensor().detach();
+    // Projections (x [N, in] x W^T), the weight cast from f32 in the graph.
+    for (name, wv, inp) in [
+        ("qkv_proj", &w_qkv, s.hidden),
+        ("o_proj", &w_o, s.heads * hd),
+        ("gate_up_proj", &w_gu, s.hidden),
+        ("down_proj", &w_down, s.inter),
+    ] {
+        let xin = Var::from_tensor(&Tensor::randn(0f32, 1.0, (n, inp), &dev)?.to_dtype(dt)?)?;
+        let out = wv.as_tensor().dim(0)?;
+        let f = time(&dev, reps, || {
+            Ok(project(&xin.as_tensor().detach(), wv).map(|_| ())?)
+        })?;
+        let fb = time(&dev, reps, || Ok(backward(&project(xin.as_tensor(), wv)?)?))?;
+        report(name, f, fb, 2.0 * (n * inp * out) as f64);
+    }
+    let cast = time(&dev, reps, || {
+        for wv in [&w_qkv, &w_o, &w_gu, &w_down] {
+            wv.as_tensor().to_dtype(dt)?;
+        }
+        Ok(())
+    })?;
+    report("cast_layer_weights", cast, cast, 0.0);
+    // RMSNorm: Infer (candle's fused kernel) and Train (recorded, backward written out).
+    let nf = time(&dev, reps, || {
+        Ok(
+            layers::RmsNorm::new(norm_w.as_tensor().to_dtype(dt)?, 1e-5, compute)
+                .forward(&xt, Mode::Infer)
+                .map(|_| ())?,
+        )
+    })?;
+    let nb = time(&dev, reps, || {
+        let y =
+            layers::rms_norm_recomputed(x.as_tensor(), &norm_w.as_tensor().to_dtype(dt)?, 1e-5)?;
+        Ok(backward(&y)?)
+    })?;
+    report("rms_norm", nf, nb, 0.0);
+    // RoPE of q over [B, T, H*D] -> [B, H, T, D].
+    let qflat =
+        Var::from_tensor(&Tensor::randn(0f32, 1.0, (b, t, s.heads * hd), &dev)?.to_dtype(dt)?)?;
+    let rf = time(&dev, reps, || {
+        Ok(layers::rope_heads(
+            &qflat.as_tensor().detach(),
+            &cos,
+            &sin,
+            s.heads,
+            Mode::Infer,
+            compute,
+        )
+        .map(|_| ())?)
+    })?;
+    let rb = time(&dev, reps, || {
+        Ok(backward(&layers::rope_heads(
+            qflat.as_tensor(),
+            &cos,
+            &sin,
+            s.heads,
+            Mode::Train,
+            compute,
+        )?)?)
+    })?;
+    report("rope_q", rf, rb, 0.0);
+    // Attention (causal, the portable path's chunked attention).
+    let (q0, k0, v0) = qkv_in(false)?;
+    let af = time(&dev, reps, || {
+        Ok(layers::attention(&q0, &k0, &v0, &mask, Mode::Infer, compute).map(|_| ())?)
+    })?;
+    let (q1, k1, v1) = qkv_in(true)?;
+    let ab = time(&dev, reps, || {
+        Ok(backward(&layers::attention(
+            &q1,
+            &k1,
+            &v1,
+            &mask,
+            Mode::Train,
+            compute,
+        )?)?)
+    })?;
+    let att_flops = 4.0 * (b * s.heads * t * t * hd) as f64 / 2.0;
+    report("attention", af, ab, att_flops);
+    // SwiGLU on the joined gate/up output.
+    let gu = Var::from_tensor(&Tensor::randn(0f32, 1.0, (n, 2 * s.inter), &dev)?.to_dtype(dt)?)?;
+    let swiglu = |g: &Tensor| -> candle_core::Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if grpo_models::models::fused_gpu::applies(g) {
+            return grpo_models::models::fused_gpu::swiglu(g);
+        }
+        let gate = g.narrow(1, 0, s.inter)?;
+        let up = g.narrow(1, s.inter, s.inter)?;
+        gate.silu()? * up
+    };
+    let sf = time(&dev, reps, || {
+        Ok(swiglu(&gu.as_tensor().detach()).map(|_| ())?)
+    })?;
+    let sb = time(&dev, reps, || Ok(backward(&swiglu(gu.as_tensor())?)?))?;
+    report("swiglu", sf, sb, 0.0);
+    // One Llama layer from these pieces (Train mode: what the update's recompute runs).
+    let layer = |x: &Tensor, mode: Mode| -> Result<Tensor> {
+        let nw = norm_w.as_tensor().to_dtype(dt)?;
+        let norm = |h: &Tensor| -> Result<Tensor> {
+            Ok(match mode {
+                Mode::Infer => layers::RmsNorm::new(nw.clone(), 1e-5, compute).forward(h, mode)?,
+                Mode::Train => layers::rms_norm_recomputed(h, &nw, 1e-5)?,
+            })
+        };
+        let h = norm(x)?;
+        let qkv = project(&flat(&h)?, &w_qkv)?.reshape((b, t, qkv_out))?;
+        let q = qkv.narrow(2, 0, s.heads * hd)?;
+        let k = qkv.narrow(2, s.heads * hd, s.kv_heads * hd)?;
+        let v = qkv.narrow(2, (s.heads + s.kv_heads) * hd, s.kv_heads * hd)?;
+        let q = layers::rope_heads(&q, &cos, &sin, s.heads, mode, compute)?;
+        let k = layers::rope_heads(&k, &cos, &sin, s.kv_heads, mode, compute)?;
+        let v = v.reshape((b, t, s.kv_heads, hd))?.transpose(1, 2)?;
+        let y = layers::attention(&q, &k, &v, &mask, mode, compute)?; // [B, T, H*D]
+        let x = (x + project(&flat(&y)?, &w_o)?.reshape((b, t, s.hidden))?)?;
+        let h = norm(&x)?;
+        let g = project(&flat(&h)?, &w_gu)?;
+        let m = project(&swiglu(&g)?, &w_down)?.reshape((b, t, s.hidden))?;
+        Ok((x + m)?)
+    };
+    let lf = time(&dev, reps, || layer(&xt, Mode::Infer).map(|_| ()))?;
+    let lb = time(&dev, reps, || {
+        Ok(backward(&layer(x.as_tensor(), Mode::Train)?)?)
+    })?;
+    let layer_flops =
+        2.0 * n as f64 * (s.hidden * (qkv_out + s.heads * hd + 3 * s.inter)) as f64 + att_flops;
+    report("layer", lf, lb, layer_flops);
+    // The LM head's log-probs over the whole vocabulary, recomputed in the backward.
+    let head = Var::from_tensor(&(Tensor::randn(0f32, 1.0, (s.vocab, s.hidden), &dev)? * 0.02)?)?;
+    let targets = Tensor::from_vec(
+        (0..n as u32)
+            .map(|i| i % s.vocab as u32)
+            .collect::<Vec<_>>(),
+        n,
+        &dev,
+    )?;
+    let chunk = grpo_models::models::chunked_attention::CHUNK_BYTES / (4 * s.vocab);
+    let hf = time(&dev, reps, || {
+        let h = flat(&xt)?;
+        grpo::logprobs::token_logprobs(&h, &head.as_tensor().to_dtype(dt)?, &targets, 1.0, chunk)?;
+        Ok(())
+    })?;
+    let hb = time(&dev, reps, || {
+        let h = flat(x.as_tensor())?;
+        let (lp, _) = grpo::logprobs::token_logprobs_entropy_recomputed(
+            &h,
+            &head.as_tensor().to_dtype(dt)?,
+            &targets,
+            1.0,
+            chunk,
+            grpo::logprobs::Entropy::Detached,
+        )?;
+        Ok(backward(&lp)?)
+    })?;
+    let line = serde_json::json!({
+        "bench": "ops", "device": a.device, "dtype": a.dtype, "shape": a.shape, "rows": b, "seq": t,
+        "keep_pool": a.keep_pool, "op": "lm_head_logprobs",
+        "fwd_ms": (hf * 1e5).round() / 100.0, "fwd_bwd_ms": (hb * 1e5).round() / 100.0,
+        "fwd_tflops": ((2.0 * (n * s.hidden * s.vocab) as f64 / hf / 1e12) * 10.0).round() / 10.0,
+    });
+    println!("{line}");
+    Ok(())
+}

@@ -1,0 +1,700 @@
+//! grpo's own GPU kernels (`cuda/kernels.cu`, compiled at run time by NVRTC, so the build needs
+//! no CUDA compiler for them): causal attention that never stores a score matrix, forward and
+//! backward, and SwiGLU (`silu(gate) * up`) forward and backward in one pass each.
+//!
+//! The plan is FlashAttention's: the forward keeps the output and one log-sum-exp per query; the
+//! backward recomputes each probability from it. Each kernel gives a thread one query (forward,
+//! dQ) or one key (dK, dV), with f32 arithmetic over bf16 or f32 tensors; head sizes 64 and 128.
+//! By default attention's backward runs as [`super::chunked_attention`]'s candle ops from the
+//! kernel's log-sum-exps (faster on an H200 than the backward kernels, which
+//! `GRPO_GPU_KERNELS=full` turns on). Where the kernels do not apply (another head size or
+//! dtype, or `GRPO_GPU_KERNELS=off`), attention and SwiGLU run as candle ops.
+//!
+//! The kernels' twins in plain Rust ([`twin_forward`], [`twin_backward`], [`twin_swiglu`]) follow
+//! the same loops
+//! and is tested against the chunked path on the CPU in CI; `scripts/check_gpu_kernels.py` runs
+//! the CUDA source itself on the CPU (thread by thread) against torch, and the GPU tests
+//! (`crates/grpo/tests/cuda.rs`) compare a GPU's training with the CPU's portable path.
+
+/// The kernels' CUDA source.
+pub const KERNELS_CU: &str = include_str!("cuda/kernels.cu");
+
+/// Head sizes the kernels are instantiated for.
+pub const HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// Shapes of one attention call: rows, query heads, kv heads, queries, key slots, head size.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Dims {
+    pub b: usize,
+    pub h: usize,
+    pub hkv: usize,
+    pub s: usize,
+    pub tk: usize,
+    pub d: usize,
+}
+
+impl Dims {
+    /// Key slots query `i` reads (causal): `0 .. Tk - S + i + 1`.
+    fn end(&self, i: usize) -> usize {
+        (self.tk + i + 1).saturating_sub(self.s).min(self.tk)
+    }
+}
+
+/// The forward kernel's twin: `q` [B, H, S, D], `k`/`v` [B, Hkv, Tk, D], `mask` [B, S, Tk]
+/// additive -> (o [B, H, S, D], lse [B, H, S]).
+pub fn twin_forward(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    mask: &[f32],
+    n: Dims,
+    scale: f32,
+) -> (Vec<f32>, Vec<f32>) {
+    let Dims {
+        b: _,
+        h,
+        hkv,
+        s,
+        tk,
+        d,
+    } = n;
+    let mut o = vec![0f32; q.len()];
+    let mut lse = vec![0f32; q.len() / d.max(1)];
+    for (row, (oq, l_out)) in o.chunks_mut(d).zip(lse.iter_mut()).enumerate() {
+        let (bh, i) = (row / s, row % s);
+        let (bi, hi) = (bh / h, bh % h);
+        let hk = hi / (h / hkv);
+        let qs: Vec<f32> = q[row * d..(row + 1) * d]
+            .iter()
+            .map(|x| x * scale)
+            .collect();
+        let kv = (bi * hkv + hk) * tk * d;
+        let mrow = &mask[(bi * s + i) * tk..(bi * s + i + 1) * tk];
+        let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
+        let mut acc = vec![0f32; d];
+        for j in 0..n.end(i) {
+            let kj = &k[kv + j * d..kv + (j + 1) * d];
+            let z = qs.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() + mrow[j];
+            let mn = m.max(z);
+            let (c, p) = ((m - mn).exp(), (z - mn).exp());
+            l = l * c + p;
+            for (a, vv) in acc.iter_mut().zip(&v[kv + j * d..kv + (j + 1) * d]) {
+                *a = *a * c + p * vv;
+            }
+            m = mn;
+        }
+        let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
+        for (x, a) in oq.iter_mut().zip(&acc) {
+            *x = a * inv;
+        }
+        *l_out = m + l.ln();
+    }
+    (o, lse)
+}
+
+/// The backward kernels' twin: given the forward's `o` and `lse` and the output's gradient
+/// `dout`, -> (dq, dk, dv) in the inputs' shapes.
+#[allow(clippy::too_many_arguments)]
+pub fn twin_backward(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    mask: &[f32],
+    o: &[f32],
+    dout: &[f32],
+    lse: &[f32],
+    n: Dims,
+    scale: f32,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let Dims {
+        b,
+        h,
+        hkv,
+        s,
+        tk,
+        d,
+    } = n;
+    let g = h / hkv;
+    let dot = |a: &[f32], c: &[f32]| a.iter().zip(c).map(|(x, y)| x * y).sum::<f32>();
+    let at = |x: &[f32], r: usize| x[r * d..(r + 1) * d].to_vec();
+    // Per query: delta and dQ.
+    let mut delta = vec![0f32; b * h * s];
+    let mut dq = vec![0f32; q.len()];
+    for row in 0..b * h * s {
+        let (bh, i) = (row / s, row % s);
+        let (bi, hk) = (bh / h, (bh % h) / g);
+        let qs: Vec<f32> = at(q, row).iter().map(|x| x * scale).collect();
+        let gs = at(dout, row);
+        let dl = dot(&gs, &at(o, row));
+        delta[row] = dl;
+        let mut acc = vec![0f32; d];
+        for j in 0..n.end(i) {
+            let kr = (bi * hkv + hk) * tk + j;
+            let (kj, vj) = (at(k, kr), at(v, kr));
+            let p = (dot(&qs, &kj) + mask[(bi * s + i) * tk + j] - lse[row]).exp();
+            let ds = p * (dot(&gs, &vj) - dl);
+            for (a, kk) in acc.iter_mut().zip(&kj) {
+                *a += ds * kk;
+            }
+        }
+        for (x, a) in dq[row * d..(row + 1) * d].iter_mut().zip(&acc) {
+            *x = a * scale;
+        }
+    }
+    // Per key: dK and dV over the g heads that read it and the queries that reach it.
+    let (mut dk, mut dv) = (vec![0f32; k.len()], vec![0f32; v.len()]);
+    for kr in 0..b * hkv * tk {
+        let (bk, j) = (kr / tk, kr % tk);
+        let (bi, hk) = (bk / hkv, bk % hkv);
+        let ks: Vec<f32> = at(k, kr).iter().map(|x| x * scale).collect();
+        let vs = at(v, kr);
+        let (mut ak, mut av) = (vec![0f32; d], vec![0f32; d]);
+        for hh in hk * g..(hk + 1) * g {
+            for i in (j + s).saturating_sub(tk)..s {
+                let row = (bi * h + hh) * s + i;
+                let (qi, gi) = (at(q, row), at(dout, row));
+                let p = (dot(&ks, &qi) + mask[(bi * s + i) * tk + j] - lse[row]).exp();
+                let ds = p * (dot(&vs, &gi) - delta[row]);
+                for dd in 0..d {
+                    av[dd] += p * gi[dd];
+                    ak[dd] += ds * qi[dd];
+                }
+            }
+        }
+        for dd in 0..d {
+            dk[kr * d + dd] = ak[dd] * scale;
+            dv[kr * d + dd] = av[dd];
+        }
+    }
+    (dq, dk, dv)
+}
+
+/// The SwiGLU kernels' twin: `gu` [N, 2I] (gate then up per row) and the output's gradient `dy`
+/// [N, I] -> (silu(gate) * up [N, I], d gu [N, 2I]).
+pub fn twin_swiglu(gu: &[f32], dy: &[f32], inter: usize) -> (Vec<f32>, Vec<f32>) {
+    let mut y = vec![0f32; dy.len()];
+    let mut dgu = vec![0f32; gu.len()];
+    for (idx, (yo, d)) in y.iter_mut().zip(dy).enumerate() {
+        let (r, c) = (idx / inter, idx % inter);
+        let (g, u) = (gu[r * 2 * inter + c], gu[r * 2 * inter + inter + c]);
+        let s = 1.0 / (1.0 + (-g).exp());
+        *yo = g * s * u;
+        dgu[r * 2 * inter + c] = d * u * s * (1.0 + g * (1.0 - s));
+        dgu[r * 2 * inter + inter + c] = d * g * s;
+    }
+    (y, dgu)
+}
+
+#[cfg(feature = "cuda")]
+pub use gpu::{applies, attention, attention_full_kernels, swiglu};
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use std::sync::{Arc, OnceLock};
+
+    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::{CudaDevice, WrapErr};
+    use candle_core::{DType, Device, Result, Storage, Tensor};
+
+    use super::super::recompute::{attach, Backward};
+    use super::{Dims, HEAD_DIMS, KERNELS_CU};
+
+    /// The kernels' PTX, compiled once per process (an error is kept and reported once).
+    fn ptx() -> std::result::Result<&'static str, &'static str> {
+        static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
+        let r = PTX.get_or_init(|| {
+            candle_core::cuda_backend::cudarc::nvrtc::compile_ptx(KERNELS_CU)
+                .map(|p| p.to_src())
+                .map_err(|e| format!("{e:?}"))
+        });
+        match r {
+            Ok(s) => Ok(s.as_str()),
+            Err(e) => Err(e.as_str()),
+        }
+    }
+
+    /// Which of grpo's kernels run. By default attention's forward and SwiGLU both ways, with
+    /// attention's backward as candle ops (measured faster than the backward kernels on an
+    /// H200: bench/README.md); `GRPO_GPU_KERNELS=full` adds the backward kernels, `off` (or
+    /// kernels that do not compile) runs candle ops only.
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    enum Use {
+        Full,
+        Forward,
+        Off,
+    }
+
+    fn used() -> Use {
+        static USE: OnceLock<Use> = OnceLock::new();
+        *USE.get_or_init(|| {
+            let want = match std::env::var("GRPO_GPU_KERNELS").as_deref() {
+                Ok("off") => Use::Off,
+                Ok("full") => Use::Full,
+                _ => Use::Forward,
+            };
+            if want == Use::Off {
+                tracing::info!("GRPO_GPU_KERNELS=off: attention and SwiGLU run as candle ops");
+                return Use::Off;
+            }
+            match ptx() {
+                Ok(_) => want,
+                Err(e) => {
+                    tracing::warn!(
+                        "grpo's GPU kernels did not compile ({e}); attention and SwiGLU run \
+                         as candle ops"
+                    );
+                    Use::Off
+                }
+            }
+        })
+    }
+
+    fn enabled() -> bool {
+        used() != Use::Off
+    }
+
+    fn cuda(t: &Tensor) -> Result<CudaDevice> {
+        match t.device() {
+            Device::Cuda(d) => Ok(d.clone()),
+            _ => candle_core::bail!("gpu attention: a tensor is not on the GPU"),
+        }
+    }
+
+    fn suffix(dt: DType) -> &'static str {
+        if dt == DType::BF16 {
+            "bf16"
+        } else {
+            "f32"
+        }
+    }
+
+    fn name(kernel: &str, dt: DType, d: usize) -> String {
+        format!("attn_{kernel}_{}_{d}", suffix(dt))
+    }
+
+    /// Threads per block: 64 queries or keys for D = 64, 32 for D = 128 (shared memory).
+    fn threads(d: usize) -> u32 {
+        if d > 64 {
+            32
+        } else {
+            64
+        }
+    }
+
+    fn config(items: usize, groups: usize, d: usize, rows_per_thread: usize) -> LaunchConfig {
+        let t = threads(d);
+        LaunchConfig {
+            grid_dim: (items.div_ceil(t as usize) as u32, groups as u32, 1),
+            block_dim: (t, 1, 1),
+            shared_mem_bytes: t * (rows_per_thread * d + 1) as u32 * 4,
+        }
+    }
+
+    /// A kernel's scalar argument.
+    enum Scalar {
+        I32(i32),
+        I64(i64),
+        F32(f32),
+    }
+
+    /// Runs kernel `name` over contiguous tensors `args` (inputs, then freshly made outputs whose
+    /// storage the kernel writes in place), then `scalars`.
+    fn launch(
+        dev: &CudaDevice,
+        name: &str,
+        cfg: LaunchConfig,
+        args: &[&Tensor],
+        scalars: &[Scalar],
+    ) -> Result<()> {
+        let f = match ptx() {
+            Ok(p) => dev.get_or_load_custom_func(name, "grpo_kernels", p)?,
+            Err(e) => candle_core::bail!("grpo's GPU kernels: {e}"),
+        };
+        let mut b = f.builder();
+        // Each argument's storage guard and view live until the launch.
+        let guards: Vec<_> = args.iter().map(|t| t.storage_and_layout()).collect();
+        let mut views_f32 = Vec::new();
+        let mut views_bf16 = Vec::new();
+        let mut order = Vec::new();
+        for (g, t) in guards.iter().zip(args) {
+            let Storage::Cuda(c) = &*g.0 else {
+                candle_core::bail!("{name}: a tensor is not on the GPU");
+            };
+            let off = g.1.start_offset();
+            match t.dtype() {
+                DType::F32 => {
+                    views_f32.push(c.as_cuda_slice::<f32>()?.slice(off..));
+                    order.push((true, views_f32.len() - 1));
+                }
+                DType::BF16 => {
+                    views_bf16.push(c.as_cuda_slice::<half::bf16>()?.slice(off..));
+                    order.push((false, views_bf16.len() - 1));
+                }
+                other => candle_core::bail!("{name}: unsupported dtype {other:?}"),
+            }
+        }
+        for (f32s, i) in &order {
+            match f32s {
+                true => b.arg(&views_f32[*i]),
+                false => b.arg(&views_bf16[*i]),
+            };
+        }
+        for x in scalars {
+            match x {
+                Scalar::I32(v) => b.arg(v),
+                Scalar::I64(v) => b.arg(v),
+                Scalar::F32(v) => b.arg(v),
+            };
+        }
+        // SAFETY: the arguments match the kernel's signature (kernels.cu), every tensor is
+        // contiguous with the element counts its scalars imply, and the outputs are fresh
+        // tensors no one else reads until the launch is done (same stream).
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(())
+    }
+
+    /// The attention kernels' scalars.
+    fn dims_args(n: Dims, scale: f32) -> [Scalar; 5] {
+        let i = |x: usize| Scalar::I32(x as i32);
+        [i(n.h), i(n.hkv), i(n.s), i(n.tk), Scalar::F32(scale)]
+    }
+
+    /// Whether grpo's elementwise GPU kernels take `x` (on a GPU, f32 or bf16, turned on).
+    pub fn applies(x: &Tensor) -> bool {
+        x.device().is_cuda() && matches!(x.dtype(), DType::F32 | DType::BF16) && enabled()
+    }
+
+    fn elementwise(n: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (n.div_ceil(256) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// `gu` [.., 2I] (gate, then up) -> silu(gate) * up [.., I] in one kernel, recorded in the
+    /// graph with a one-kernel backward (where [`applies`] holds; the caller checks).
+    pub fn swiglu(gu: &Tensor) -> Result<Tensor> {
+        let dims = gu.dims().to_vec();
+        let Some((&two_i, lead)) = dims.split_last() else {
+            candle_core::bail!("swiglu: a scalar input");
+        };
+        if two_i % 2 != 0 {
+            candle_core::bail!("swiglu: the last dim ({two_i}) must be even");
+        }
+        let mut out_dims = lead.to_vec();
+        out_dims.push(two_i / 2);
+        let x = gu.detach().contiguous()?;
+        let y = Tensor::zeros(out_dims, x.dtype(), x.device())?;
+        let n = y.elem_count();
+        let kernel = format!("swiglu_fwd_{}", suffix(x.dtype()));
+        let scalars = [Scalar::I64(n as i64), Scalar::I32((two_i / 2) as i32)];
+        launch(&cuda(&x)?, &kernel, elementwise(n), &[&x, &y], &scalars)?;
+        attach(&y, &[gu], Arc::new(SwigluBackward))
+    }
+
+    struct SwigluBackward;
+
+    impl Backward for SwigluBackward {
+        fn name(&self) -> &'static str {
+            "gpu-swiglu"
+        }
+
+        fn backward(
+            &self,
+            inputs: &[Tensor],
+            _wanted: &[bool],
+            out: &Tensor,
+            grad: &Tensor,
+        ) -> Result<Vec<Option<Tensor>>> {
+            let [gu] = inputs else {
+                candle_core::bail!("gpu swiglu: one input expected");
+            };
+            let gu = gu.contiguous()?;
+            let g = grad.to_dtype(gu.dtype())?.contiguous()?;
+            let dgu = Tensor::zeros(gu.shape(), gu.dtype(), gu.device())?;
+            let (n, inter) = (out.elem_count(), out.dim(candle_core::D::Minus1)?);
+            let kernel = format!("swiglu_bwd_{}", suffix(gu.dtype()));
+            let scalars = [Scalar::I64(n as i64), Scalar::I32(inter as i32)];
+            launch(
+                &cuda(&gu)?,
+                &kernel,
+                elementwise(n),
+                &[&gu, &g, &dgu],
+                &scalars,
+            )?;
+            Ok(vec![Some(dgu)])
+        }
+    }
+
+    /// `q` [B, H, S, D], `k`/`v` [B, Hkv, Tk, D], `mask` additive [B, 1, S, Tk] f32, causal ->
+    /// [B, H, S, D], or `None` where the kernels do not apply (the caller runs candle ops).
+    /// With `record`, the result is a node of the graph whose backward is the two backward
+    /// kernels.
+    pub fn attention(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &Tensor,
+        scale: f64,
+        record: bool,
+    ) -> Result<Option<Tensor>> {
+        attention_with(q, k, v, mask, scale, record, used() == Use::Full)
+    }
+
+    /// [`attention`] recorded with the backward kernels whatever `GRPO_GPU_KERNELS` says (unless
+    /// `off`): for checking them.
+    pub fn attention_full_kernels(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &Tensor,
+        scale: f64,
+    ) -> Result<Option<Tensor>> {
+        attention_with(q, k, v, mask, scale, true, true)
+    }
+
+    fn attention_with(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &Tensor,
+        scale: f64,
+        record: bool,
+        backward_kernels: bool,
+    ) -> Result<Option<Tensor>> {
+        let (b, h, s, d) = q.dims4()?;
+        let (hkv, tk) = (k.dim(1)?, k.dim(2)?);
+        let dt = q.dtype();
+        let applies = applies(q)
+            && k.dtype() == dt
+            && v.dtype() == dt
+            && HEAD_DIMS.contains(&d)
+            && hkv > 0
+            && h % hkv == 0
+            && s <= tk;
+        if !applies {
+            return Ok(None);
+        }
+        let n = Dims {
+            b,
+            h,
+            hkv,
+            s,
+            tk,
+            d,
+        };
+        let dev = cuda(q)?;
+        let mask = mask
+            .broadcast_as((b, 1, s, tk))?
+            .to_dtype(DType::F32)?
+            .contiguous()?;
+        let (qd, kd, vd) = (
+            q.detach().contiguous()?,
+            k.detach().contiguous()?,
+            v.detach().contiguous()?,
+        );
+        let o = Tensor::zeros((b, h, s, d), dt, q.device())?;
+        let lse = Tensor::zeros((b, h, s), DType::F32, q.device())?;
+        launch(
+            &dev,
+            &name("fwd", dt, d),
+            config(s, b * h, d, 1),
+            &[&qd, &kd, &vd, &mask, &o, &lse],
+            &dims_args(n, scale as f32),
+        )?;
+        if !record {
+            return Ok(Some(o));
+        }
+        if !backward_kernels {
+            let lse = lse.reshape((b, hkv, h / hkv, s, 1))?;
+            let rec = super::super::chunked_attention::record(&o, q, k, v, &mask, scale, &lse)?;
+            return Ok(Some(rec));
+        }
+        let op = GpuAttention {
+            mask,
+            scale: scale as f32,
+            lse,
+            n,
+        };
+        Ok(Some(attach(&o, &[q, k, v], Arc::new(op))?))
+    }
+
+    struct GpuAttention {
+        /// [B, 1, S, Tk] f32, contiguous.
+        mask: Tensor,
+        scale: f32,
+        /// [B, H, S] f32.
+        lse: Tensor,
+        n: Dims,
+    }
+
+    impl Backward for GpuAttention {
+        fn name(&self) -> &'static str {
+            "gpu-attention"
+        }
+
+        fn backward(
+            &self,
+            inputs: &[Tensor],
+            _wanted: &[bool],
+            out: &Tensor,
+            grad: &Tensor,
+        ) -> Result<Vec<Option<Tensor>>> {
+            let [q, k, v] = inputs else {
+                candle_core::bail!("gpu attention: three inputs expected");
+            };
+            let n = self.n;
+            let dt = q.dtype();
+            let dev = cuda(q)?;
+            let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+            let (o, g) = (out.contiguous()?, grad.to_dtype(dt)?.contiguous()?);
+            let delta = Tensor::zeros((n.b, n.h, n.s), DType::F32, q.device())?;
+            let dq = Tensor::zeros(q.shape(), dt, q.device())?;
+            let dk = Tensor::zeros(k.shape(), dt, q.device())?;
+            let dv = Tensor::zeros(v.shape(), dt, q.device())?;
+            let scalars = dims_args(n, self.scale);
+            launch(
+                &dev,
+                &name("bwd_dq", dt, n.d),
+                config(n.s, n.b * n.h, n.d, 2),
+                &[&q, &k, &v, &self.mask, &o, &g, &self.lse, &delta, &dq],
+                &scalars,
+            )?;
+            for (kernel, out) in [("bwd_dk", &dk), ("bwd_dv", &dv)] {
+                launch(
+                    &dev,
+                    &name(kernel, dt, n.d),
+                    config(n.tk, n.b * n.hkv, n.d, 2),
+                    &[&q, &k, &v, &self.mask, &g, &self.lse, &delta, out],
+                    &scalars,
+                )?;
+            }
+            Ok(vec![Some(dq), Some(dk), Some(dv)])
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Tensor, Var};
+
+    /// The kernels' twin equals the chunked candle-op attention (the portable path's), output
+    /// and every gradient, with grouped heads, a key prefix, left padding and several chunks.
+    #[test]
+    fn the_kernels_twin_equals_the_chunked_path_with_its_gradients() {
+        let dev = Device::Cpu;
+        for &(b, h, hkv, s, tk, d) in &[(2, 6, 2, 7, 9, 8), (1, 4, 4, 12, 12, 16)] {
+            let n = Dims {
+                b,
+                h,
+                hkv,
+                s,
+                tk,
+                d,
+            };
+            let q = Var::randn(0f32, 1.0, (b, h, s, d), &dev).unwrap();
+            let k = Var::randn(0f32, 1.0, (b, hkv, tk, d), &dev).unwrap();
+            let v = Var::randn(0f32, 1.0, (b, hkv, tk, d), &dev).unwrap();
+            let gout = Tensor::randn(0f32, 1.0, (b, h, s, d), &dev).unwrap();
+            // Causal (the mask callers pass is), and the last row left-padded by one slot (no
+            // query sees only padding).
+            let mut m = vec![0f32; b * s * tk];
+            for bi in 0..b {
+                for i in 0..s {
+                    for j in 0..tk {
+                        if j > tk - s + i || (b > 1 && bi == b - 1 && j == 0) {
+                            m[(bi * s + i) * tk + j] = super::super::fused_attention::MASK_VALUE;
+                        }
+                    }
+                }
+            }
+            let mask = Tensor::from_vec(m.clone(), (b, 1, s, tk), &dev).unwrap();
+            let scale = 0.3f64;
+            let want =
+                super::super::chunked_attention::attention(&q, &k, &v, &mask, scale, true).unwrap();
+            let grads = (&want * &gout)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let host = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let (qh, kh, vh) = (host(&q), host(&k), host(&v));
+            let (o, lse) = twin_forward(&qh, &kh, &vh, &m, n, scale as f32);
+            let (dq, dk, dv) =
+                twin_backward(&qh, &kh, &vh, &m, &o, &host(&gout), &lse, n, scale as f32);
+            let close = |a: &[f32], e: &[f32], what: &str| {
+                let err = a
+                    .iter()
+                    .zip(e)
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0f32, f32::max);
+                assert!(err < 1e-5, "{what} ({b}x{h}/{hkv}x{s}x{tk}x{d}): {err}");
+            };
+            close(&o, &host(&want), "output");
+            // The twin's output and log-sum-exps recorded with the chunked backward (the GPU's
+            // GRPO_GPU_KERNELS=forward) give the same gradients.
+            let t = |x: Vec<f32>, shape: &[usize]| Tensor::from_vec(x, shape, &dev).unwrap();
+            let rec = super::super::chunked_attention::record(
+                &t(o.clone(), &[b, h, s, d]),
+                &q,
+                &k,
+                &v,
+                &mask,
+                scale,
+                &t(lse.clone(), &[b, h, s]),
+            )
+            .unwrap();
+            let rg = (&rec * &gout)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            for (x, what) in [
+                (&q, "recorded dq"),
+                (&k, "recorded dk"),
+                (&v, "recorded dv"),
+            ] {
+                close(
+                    &host(rg.get(x).unwrap()),
+                    &host(grads.get(x).unwrap()),
+                    what,
+                );
+            }
+            close(&dq, &host(grads.get(&q).unwrap()), "dq");
+            close(&dk, &host(grads.get(&k).unwrap()), "dk");
+            close(&dv, &host(grads.get(&v).unwrap()), "dv");
+        }
+    }
+
+    /// The SwiGLU kernels' twin equals candle's silu(gate) * up and its autograd gradient.
+    #[test]
+    fn the_swiglu_twin_equals_candle_ops_with_the_gradient() {
+        let dev = Device::Cpu;
+        let (n, inter) = (5, 12);
+        let gu = Var::randn(0f32, 2.0, (n, 2 * inter), &dev).unwrap();
+        let dy = Tensor::randn(0f32, 1.0, (n, inter), &dev).unwrap();
+        let want = (gu.narrow(1, 0, inter).unwrap().silu().unwrap()
+            * gu.narrow(1, inter, inter).unwrap())
+        .unwrap();
+        let grads = (&want * &dy)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let host = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let (y, dgu) = twin_swiglu(&host(&gu), &host(&dy), inter);
+        let err = |a: &[f32], e: &[f32]| {
+            a.iter()
+                .zip(e)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max)
+        };
+        assert!(err(&y, &host(&want)) < 1e-5);
+        assert!(err(&dgu, &host(grads.get(&gu).unwrap())) < 1e-5);
+    }
+}

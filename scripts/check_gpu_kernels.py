@@ -1,0 +1,104 @@
+"""Checks grpo's CUDA kernels' source on a CPU against torch: scripts/gpu_kernels_emu.cpp runs
+each kernel thread by thread (exact for kernels without __syncthreads), this compares the outputs,
+attention's log-sum-exp and every gradient with torch autograd's on the same inputs.
+    /opt/peers/venv/bin/python scripts/check_gpu_kernels.py     (needs g++ and torch)
+The GPU itself runs the same source through NVRTC; crates/grpo/tests/cuda.rs checks it there."""
+import os, subprocess, sys, tempfile
+import numpy as np
+import torch
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+MASK = -1e30
+
+
+def build():
+    exe = os.path.join(tempfile.gettempdir(), "grpo_gpu_kernels_emu")
+    subprocess.run(["g++", "-O2", "-std=c++17", "-x", "c++", "-o", exe,
+                    os.path.join(ROOT, "gpu_kernels_emu.cpp")], check=True)
+    return exe
+
+
+def case(exe, dtype, B, H, Hkv, S, Tk, D, seed):
+    g = torch.Generator().manual_seed(seed)
+    tdt = torch.float32 if dtype == "f32" else torch.bfloat16
+    q = torch.randn(B, H, S, D, generator=g).to(tdt)
+    k = torch.randn(B, Hkv, Tk, D, generator=g).to(tdt)
+    v = torch.randn(B, Hkv, Tk, D, generator=g).to(tdt)
+    dout = torch.randn(B, H, S, D, generator=g).to(tdt)
+    mask = torch.zeros(B, S, Tk)
+    mask[-1, :, :2] = MASK  # the last row is left-padded by two slots
+    scale = D ** -0.5
+    # A query whose visible keys are all padding is a padding position: its loss and so its
+    # output gradient are 0 in training (its log-sum-exp, -1e30 + log n, rounds to -1e30).
+    visible = (torch.arange(Tk)[None, :] <= (Tk - S + torch.arange(S))[:, None])  # [S, Tk]
+    dead = ((mask == 0) & visible).sum(-1) == 0  # [B, S]
+    dout = dout.masked_fill(dead[:, None, :, None], 0)
+    with tempfile.TemporaryDirectory() as d:
+        raw = lambda t: (t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy())
+        for name, t in [("q", q), ("k", k), ("v", v), ("dout", dout), ("mask", mask)]:
+            raw(t.contiguous()).tofile(os.path.join(d, name + ".bin"))
+        subprocess.run([exe, d, dtype, *map(str, [B, H, Hkv, S, Tk, D]), repr(scale)], check=True)
+        def back(name, shape, bf):
+            a = np.fromfile(os.path.join(d, name + ".bin"), dtype=np.int16 if bf else np.float32)
+            t = torch.from_numpy(a.copy())
+            return (t.view(torch.bfloat16).float() if bf else t).reshape(shape)
+        bf = dtype == "bf16"
+        got = {"o": back("o", q.shape, bf), "lse": back("lse", (B, H, S), False),
+               "dq": back("dq", q.shape, bf), "dk": back("dk", k.shape, bf), "dv": back("dv", v.shape, bf)}
+    qf, kf, vf = (t.float().requires_grad_() for t in (q, k, v))
+    rep = lambda t: t.repeat_interleave(H // Hkv, dim=1)
+    z = qf @ rep(kf).transpose(-1, -2) * scale + mask[:, None]
+    causal = torch.arange(Tk)[None, :] > (Tk - S + torch.arange(S))[:, None]
+    z = z.masked_fill(causal, float("-inf"))
+    lse = torch.logsumexp(z, -1)
+    o = torch.softmax(z, -1) @ rep(vf)
+    o.backward(dout.float())
+    want = {"o": o.detach(), "lse": lse.detach(), "dq": qf.grad, "dk": kf.grad, "dv": vf.grad}
+    tol = 1e-4 if dtype == "f32" else 3e-2
+    worst = 0.0
+    for name, w in want.items():
+        err = ((got[name] - w).abs().max() / w.abs().max().clamp(min=1)).item()
+        worst = max(worst, err)
+        status = "ok" if err < tol else "FAIL"
+        print(f"{dtype} B{B} H{H}/{Hkv} S{S} Tk{Tk} D{D} {name}: {err:.2e} {status}")
+        if err >= tol:
+            sys.exit(1)
+    return worst
+
+
+def swiglu(exe, dtype, n, inter, seed):
+    g = torch.Generator().manual_seed(seed)
+    tdt = torch.float32 if dtype == "f32" else torch.bfloat16
+    gu = (torch.randn(n, 2 * inter, generator=g) * 3).to(tdt)
+    dy = torch.randn(n, inter, generator=g).to(tdt)
+    bf = dtype == "bf16"
+    raw = lambda t: (t.view(torch.int16).numpy() if bf else t.numpy())
+    with tempfile.TemporaryDirectory() as d:
+        raw(gu).tofile(os.path.join(d, "gu.bin"))
+        raw(dy).tofile(os.path.join(d, "dy.bin"))
+        subprocess.run([exe, "swiglu", d, dtype, str(n), str(inter)], check=True)
+        def back(name, shape):
+            a = torch.from_numpy(np.fromfile(os.path.join(d, name + ".bin"),
+                                             dtype=np.int16 if bf else np.float32).copy())
+            return (a.view(torch.bfloat16).float() if bf else a).reshape(shape)
+        y, dgu = back("y", (n, inter)), back("dgu", (n, 2 * inter))
+    x = gu.float().requires_grad_()
+    want = torch.nn.functional.silu(x[:, :inter]) * x[:, inter:]
+    want.backward(dy.float())
+    tol = 1e-5 if dtype == "f32" else 1e-2
+    for name, a, w in [("y", y, want.detach()), ("dgu", dgu, x.grad)]:
+        err = ((a - w).abs().max() / w.abs().max().clamp(min=1)).item()
+        status = "ok" if err < tol else "FAIL"
+        print(f"{dtype} swiglu N{n} I{inter} {name}: {err:.2e} {status}")
+        if err >= tol:
+            sys.exit(1)
+
+
+if __name__ == "__main__":
+    exe = build()
+    for dtype in ["f32", "bf16"]:
+        case(exe, dtype, 2, 6, 2, 7, 9, 64, 0)     # grouped heads, a key prefix, left padding
+        case(exe, dtype, 2, 4, 4, 40, 40, 64, 1)   # square causal, more than one block of queries
+        case(exe, dtype, 1, 2, 1, 5, 5, 128, 2)    # head_dim 128
+        swiglu(exe, dtype, 7, 300, 3)
+    print("all kernels agree with torch")

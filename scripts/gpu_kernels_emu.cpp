@@ -1,0 +1,85 @@
+// Runs grpo's CUDA kernels (crates/grpo-models/src/models/cuda/*.cu) on the CPU, one thread at a
+// time, for scripts/check_gpu_kernels.py: the kernels use no __syncthreads and each thread its own
+// slice of shared memory, so running the threads one after another is exact.
+//   gpu_kernels_emu DIR DTYPE B H HKV S TK D SCALE
+// reads DIR/{q,k,v,mask,dout}.bin, writes DIR/{o,lse,dq,dk,dv}.bin (DTYPE f32 or bf16 as u16);
+//   gpu_kernels_emu swiglu DIR DTYPE N I
+// reads DIR/{gu,dy}.bin, writes DIR/{y,dgu}.bin.
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+#define __device__
+#define __forceinline__ inline
+#define __global__
+#define __shared__
+struct Dim3 { int x, y, z; };
+static Dim3 blockIdx, threadIdx, blockDim;
+float sm[1 << 20];
+static inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+static inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
+static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
+#define __expf expf
+#include "../crates/grpo-models/src/models/cuda/kernels.cu"
+
+template <typename T> std::vector<T> rd(const std::string& p, size_t n) {
+    std::vector<T> v(n);
+    FILE* f = fopen(p.c_str(), "rb");
+    if (!f || fread(v.data(), sizeof(T), n, f) != n) { fprintf(stderr, "read %s\n", p.c_str()); exit(1); }
+    fclose(f);
+    return v;
+}
+template <typename T> void wr(const std::string& p, const std::vector<T>& v) {
+    FILE* f = fopen(p.c_str(), "wb");
+    fwrite(v.data(), sizeof(T), v.size(), f);
+    fclose(f);
+}
+template <typename F> void launch(int gx, int gy, int bx, F f) {
+    blockDim = {bx, 1, 1};
+    for (int y = 0; y < gy; ++y)
+        for (int x = 0; x < gx; ++x)
+            for (int t = 0; t < bx; ++t) { blockIdx = {x, y, 0}; threadIdx = {t, 0, 0}; f(); }
+}
+template <typename T, int D> void run(const std::string& dir, int B, int H, int Hkv, int S, int Tk, float sc) {
+    size_t nq = (size_t)B * H * S * D, nk = (size_t)B * Hkv * Tk * D;
+    auto q = rd<T>(dir + "/q.bin", nq), k = rd<T>(dir + "/k.bin", nk), v = rd<T>(dir + "/v.bin", nk);
+    auto dout = rd<T>(dir + "/dout.bin", nq);
+    auto mask = rd<float>(dir + "/mask.bin", (size_t)B * S * Tk);
+    std::vector<T> o(nq), dq(nq), dk(nk), dv(nk);
+    std::vector<float> lse((size_t)B * H * S), delta((size_t)B * H * S);
+    const int QT = 32;
+    launch((S + QT - 1) / QT, B * H, QT, [&] { attn_fwd<T, D>(q.data(), k.data(), v.data(), mask.data(), o.data(), lse.data(), H, Hkv, S, Tk, sc); });
+    launch((S + QT - 1) / QT, B * H, QT, [&] { attn_bwd_dq<T, D>(q.data(), k.data(), v.data(), mask.data(), o.data(), dout.data(), lse.data(), delta.data(), dq.data(), H, Hkv, S, Tk, sc); });
+    launch((Tk + QT - 1) / QT, B * Hkv, QT, [&] { attn_bwd_kv<T, D, true>(q.data(), k.data(), v.data(), mask.data(), dout.data(), lse.data(), delta.data(), dk.data(), H, Hkv, S, Tk, sc); });
+    launch((Tk + QT - 1) / QT, B * Hkv, QT, [&] { attn_bwd_kv<T, D, false>(q.data(), k.data(), v.data(), mask.data(), dout.data(), lse.data(), delta.data(), dv.data(), H, Hkv, S, Tk, sc); });
+    wr(dir + "/o.bin", o); wr(dir + "/lse.bin", lse); wr(dir + "/dq.bin", dq); wr(dir + "/dk.bin", dk); wr(dir + "/dv.bin", dv);
+}
+template <typename T> void run_swiglu(const std::string& dir, long n, int inter) {
+    auto gu = rd<T>(dir + "/gu.bin", n * 2 * inter), dy = rd<T>(dir + "/dy.bin", n * inter);
+    std::vector<T> y(n * inter), dgu(n * 2 * inter);
+    const int T_ = 256;
+    const int blocks = (int)((n * inter + T_ - 1) / T_);
+    launch(blocks, 1, T_, [&] { swiglu_fwd<T>(gu.data(), y.data(), n * inter, inter); });
+    launch(blocks, 1, T_, [&] { swiglu_bwd<T>(gu.data(), dy.data(), dgu.data(), n * inter, inter); });
+    wr(dir + "/y.bin", y); wr(dir + "/dgu.bin", dgu);
+}
+int main(int argc, char** argv) {
+    if (argc == 6 && std::string(argv[1]) == "swiglu") {
+        std::string dir = argv[2], dt = argv[3];
+        long n = atol(argv[4]); int inter = atoi(argv[5]);
+        if (dt == "f32") run_swiglu<float>(dir, n, inter); else run_swiglu<bf16_t>(dir, n, inter);
+        return 0;
+    }
+    if (argc != 10) { fprintf(stderr, "usage: DIR DTYPE B H HKV S TK D SCALE\n"); return 2; }
+    std::string dir = argv[1], dt = argv[2];
+    int B = atoi(argv[3]), H = atoi(argv[4]), Hkv = atoi(argv[5]), S = atoi(argv[6]), Tk = atoi(argv[7]), D = atoi(argv[8]);
+    float sc = atof(argv[9]);
+    if (dt == "f32" && D == 64) run<float, 64>(dir, B, H, Hkv, S, Tk, sc);
+    else if (dt == "bf16" && D == 64) run<bf16_t, 64>(dir, B, H, Hkv, S, Tk, sc);
+    else if (dt == "f32" && D == 128) run<float, 128>(dir, B, H, Hkv, S, Tk, sc);
+    else if (dt == "bf16" && D == 128) run<bf16_t, 128>(dir, B, H, Hkv, S, Tk, sc);
+    else { fprintf(stderr, "unsupported %s D=%d\n", dt.c_str(), D); return 2; }
+    return 0;
+}
