@@ -1258,3 +1258,35 @@ fn the_fill_in_seed_runs_through_the_binary() {
         assert!(g.iter().all(|p| p == &g[0]));
     }
 }
+
+/// `grpo bench ops` times every piece of a layer, forward and forward + backward, one JSON line
+/// each (here on the CPU at a tiny batch; on a GPU build `--device cuda`).
+#[test]
+fn bench_ops_reports_every_piece_of_a_layer() {
+    let o = grpo(&[
+        "bench", "ops", "--shape", "135m", "--rows", "2", "--seq", "8", "--reps", "1", "--dtype",
+        "f32",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let ops: Vec<String> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("a JSON line");
+            assert!(v["fwd_ms"].as_f64().is_some_and(|t| t >= 0.0), "{l}");
+            v["op"].as_str().expect("op").to_string()
+        })
+        .collect();
+    for want in [
+        "qkv_proj",
+        "rms_norm",
+        "rope_q",
+        "attention",
+        "swiglu",
+        "layer",
+        "lm_head_logprobs",
+    ] {
+        assert!(ops.iter().any(|o| o == want), "no {want} in {ops:?}");
+    }
+    let bad = grpo(&["bench", "ops", "--shape", "7b"]);
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--shape"));
+}
