@@ -21,6 +21,8 @@ use serde_json::Value;
 
 #[path = "support/archs.rs"]
 mod archs;
+#[path = "support/diff.rs"]
+mod diff;
 #[path = "support/tiny_llama.rs"]
 mod support;
 use archs::ARCHS;
@@ -529,20 +531,7 @@ fn gpu_kernels_equal_candle_ops_with_their_gradients() {
     use candle_core::Tensor;
     use grpo_models::models::{chunked_attention, fused_gpu};
     let dev = gpu();
-    let rel = |a: &Tensor, e: &Tensor| -> f32 {
-        let a = a.to_dtype(DType::F32).unwrap();
-        let e = e.to_dtype(DType::F32).unwrap();
-        let diff = (&a - &e)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap();
-        let top = e.abs().unwrap().flatten_all().unwrap().max(0).unwrap();
-        diff.to_scalar::<f32>().unwrap() / top.to_scalar::<f32>().unwrap().max(1.0)
-    };
+    let rel = |a: &Tensor, e: &Tensor| -> f32 { diff::max_diff(a, e) / diff::max_abs(e).max(1.0) };
     for (dt, tol) in [(DType::F32, 1e-4f32), (DType::BF16, 3e-2)] {
         for &(b, h, hkv, s, d) in &[(3, 9, 3, 100, 64), (2, 4, 2, 37, 128)] {
             let (tk, scale) = (s, 1.0 / (d as f64).sqrt());

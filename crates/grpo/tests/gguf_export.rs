@@ -20,6 +20,9 @@ use grpo_models::sampler::{generate, PromptInput, SamplingParams};
 use grpo_models::tokenizer::ChatMessage;
 use grpo_models::weights::{load_model, LoadedModel};
 
+#[path = "support/diff.rs"]
+mod diff;
+use diff::max_diff;
 #[path = "support/archs.rs"]
 mod archs;
 #[path = "support/tiny_llama.rs"]
@@ -87,19 +90,6 @@ fn margin(logits: &[f32]) -> f32 {
         }
     }
     a - b
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
 }
 
 /// What a tensor becomes in a GGUF of type `ty`: matrices in `ty`, the rest f32.

@@ -11,6 +11,9 @@ use grpo_models::hub::ModelSource;
 use grpo_models::models::{CausalLm, Mode, QuantType, SeqBatch};
 use grpo_models::weights::load_model;
 
+#[path = "support/diff.rs"]
+mod diff;
+use diff::{max_abs, max_diff};
 #[path = "support/rerun.rs"]
 mod rerun;
 
@@ -22,30 +25,6 @@ const CASES: &[(&str, &str)] = &[
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
-}
-
-fn max_abs(a: &Tensor) -> f32 {
-    a.abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
 }
 
 /// Mean log-prob of each next token (the fixture script's loss), and the logits.

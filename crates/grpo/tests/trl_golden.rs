@@ -25,6 +25,9 @@ use grpo_models::models::grad_sink::GradSink;
 use grpo_models::models::{CausalLm, Mode};
 use serde_json::Value;
 
+#[path = "support/diff.rs"]
+mod diff;
+use diff::max_diff as max_abs_diff;
 #[path = "support/rerun.rs"]
 mod rerun;
 
@@ -77,17 +80,6 @@ fn grad_diff(a: &Tensor, b: &Tensor) -> f32 {
         .to_scalar::<f32>()
         .unwrap();
     max_abs_diff(a, b) / scale.max(1.0)
-}
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
 }
 
 /// The fixture model's parameters as a full fine-tuning policy (names sorted, as the trainer's).
