@@ -1,6 +1,6 @@
-"""Checks grpo's CUDA kernels' source on a CPU against torch: scripts/gpu_kernels_emu.cpp runs
-each kernel thread by thread (exact for kernels without __syncthreads), this compares the outputs,
-attention's log-sum-exp and every gradient with torch autograd's on the same inputs.
+"""Checks grpo's CUDA kernels' source on a CPU against torch: scripts/gpu_kernels_emu.cpp compiles
+kernels.cu as C++ and runs each block's threads as OS threads (__syncthreads a barrier), this
+compares the outputs, attention's log-sum-exp and every gradient with torch autograd's.
     /opt/peers/venv/bin/python scripts/check_gpu_kernels.py     (needs g++ and torch)
 The GPU itself runs the same source through NVRTC; crates/grpo/tests/cuda.rs checks it there."""
 import os, subprocess, sys, tempfile
@@ -13,7 +13,7 @@ MASK = -1e30
 
 def build():
     exe = os.path.join(tempfile.gettempdir(), "grpo_gpu_kernels_emu")
-    subprocess.run(["g++", "-O2", "-std=c++17", "-x", "c++", "-o", exe,
+    subprocess.run(["g++", "-O2", "-std=c++20", "-pthread", "-x", "c++", "-o", exe,
                     os.path.join(ROOT, "gpu_kernels_emu.cpp")], check=True)
     return exe
 
@@ -94,6 +94,39 @@ def swiglu(exe, dtype, n, inter, seed):
             sys.exit(1)
 
 
+def rmsnorm(exe, dtype, n, h, seed):
+    g_ = torch.Generator().manual_seed(seed)
+    tdt = torch.float32 if dtype == "f32" else torch.bfloat16
+    x = (torch.randn(n, h, generator=g_) * 2).to(tdt)
+    w = (1 + torch.randn(h, generator=g_) * 0.1).to(tdt)
+    g = torch.randn(n, h, generator=g_).to(tdt)
+    eps = 1e-5
+    bf = dtype == "bf16"
+    raw = lambda t: (t.view(torch.int16).numpy() if bf else t.numpy())
+    with tempfile.TemporaryDirectory() as d:
+        for name, t in [("x", x), ("w", w), ("g", g)]:
+            raw(t.contiguous()).tofile(os.path.join(d, name + ".bin"))
+        subprocess.run([exe, "rmsnorm", d, dtype, str(n), str(h), repr(eps)], check=True)
+        def back(name, f32=False):
+            a = torch.from_numpy(np.fromfile(os.path.join(d, name + ".bin"),
+                                             dtype=np.int16 if bf and not f32 else np.float32).copy())
+            return (a.view(torch.bfloat16).float() if bf and not f32 else a).reshape(n, h)
+        y, dx, gn = back("y"), back("dx"), back("gn", True)
+    # HF's LlamaRMSNorm: f32 statistics, the normalized row in the input's dtype, times the weight.
+    xf, wf = x.float().requires_grad_(), w.float().requires_grad_()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    want = wf * normed
+    want.backward(g.float())
+    tol = 1e-5 if dtype == "f32" else 2e-2
+    dw = gn.sum(0)
+    for name, a, e in [("y", y, want.detach()), ("dx", dx, xf.grad), ("dw", dw, wf.grad)]:
+        err = ((a - e).abs().max() / e.abs().max().clamp(min=1)).item()
+        status = "ok" if err < tol else "FAIL"
+        print(f"{dtype} rmsnorm N{n} H{h} {name}: {err:.2e} {status}")
+        if err >= tol:
+            sys.exit(1)
+
+
 if __name__ == "__main__":
     exe = build()
     for dtype in ["f32", "bf16"]:
@@ -101,4 +134,7 @@ if __name__ == "__main__":
         case(exe, dtype, 2, 4, 4, 40, 40, 64, 1)   # square causal, more than one block of queries
         case(exe, dtype, 1, 2, 1, 5, 5, 128, 2)    # head_dim 128
         swiglu(exe, dtype, 7, 300, 3)
+        rmsnorm(exe, dtype, 5, 300, 6)
+    case(exe, "f32", 2, 4, 2, 9, 9, 16, 4)         # the tiny fixtures' head sizes
+    case(exe, "bf16", 2, 4, 2, 9, 11, 32, 5)
     print("all kernels agree with torch")

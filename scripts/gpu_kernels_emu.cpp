@@ -1,23 +1,32 @@
-// Runs grpo's CUDA kernels (crates/grpo-models/src/models/cuda/*.cu) on the CPU, one thread at a
-// time, for scripts/check_gpu_kernels.py: the kernels use no __syncthreads and each thread its own
-// slice of shared memory, so running the threads one after another is exact.
+// Runs grpo's CUDA kernels (crates/grpo-models/src/models/cuda/*.cu) on the CPU for
+// scripts/check_gpu_kernels.py: a block's threads are OS threads sharing the block's shared memory,
+// __syncthreads is a barrier (a thread that returns drops out of it, as on a GPU), blocks run one
+// after another.
 //   gpu_kernels_emu DIR DTYPE B H HKV S TK D SCALE
 // reads DIR/{q,k,v,mask,dout}.bin, writes DIR/{o,lse,dq,dk,dv}.bin (DTYPE f32 or bf16 as u16);
 //   gpu_kernels_emu swiglu DIR DTYPE N I
-// reads DIR/{gu,dy}.bin, writes DIR/{y,dgu}.bin.
+// reads DIR/{gu,dy}.bin, writes DIR/{y,dgu}.bin;
+//   gpu_kernels_emu rmsnorm DIR DTYPE N H EPS
+// reads DIR/{x,w,g}.bin, writes DIR/{y,dx,gn}.bin.
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <barrier>
+#include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 #define __device__
 #define __forceinline__ inline
 #define __global__
 #define __shared__
 struct Dim3 { int x, y, z; };
-static Dim3 blockIdx, threadIdx, blockDim;
+static Dim3 blockIdx, blockDim;
+thread_local Dim3 threadIdx;
 float sm[1 << 20];
+static std::barrier<>* block_barrier;
+#define __syncthreads() block_barrier->arrive_and_wait()
 static inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 static inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
 static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
@@ -39,8 +48,15 @@ template <typename T> void wr(const std::string& p, const std::vector<T>& v) {
 template <typename F> void launch(int gx, int gy, int bx, F f) {
     blockDim = {bx, 1, 1};
     for (int y = 0; y < gy; ++y)
-        for (int x = 0; x < gx; ++x)
-            for (int t = 0; t < bx; ++t) { blockIdx = {x, y, 0}; threadIdx = {t, 0, 0}; f(); }
+        for (int x = 0; x < gx; ++x) {
+            blockIdx = {x, y, 0};
+            std::barrier<> bar(bx);
+            block_barrier = &bar;
+            std::vector<std::thread> threads;
+            for (int t = 0; t < bx; ++t)
+                threads.emplace_back([&, t] { threadIdx = {t, 0, 0}; f(); bar.arrive_and_drop(); });
+            for (auto& th : threads) th.join();
+        }
 }
 template <typename T, int D> void run(const std::string& dir, int B, int H, int Hkv, int S, int Tk, float sc) {
     size_t nq = (size_t)B * H * S * D, nk = (size_t)B * Hkv * Tk * D;
@@ -65,7 +81,21 @@ template <typename T> void run_swiglu(const std::string& dir, long n, int inter)
     launch(blocks, 1, T_, [&] { swiglu_bwd<T>(gu.data(), dy.data(), dgu.data(), n * inter, inter); });
     wr(dir + "/y.bin", y); wr(dir + "/dgu.bin", dgu);
 }
+template <typename T> void run_rms(const std::string& dir, long n, int h, float eps) {
+    auto x = rd<T>(dir + "/x.bin", n * h), w = rd<T>(dir + "/w.bin", h), g = rd<T>(dir + "/g.bin", n * h);
+    std::vector<T> y(n * h), dx(n * h);
+    std::vector<float> gn(n * h);
+    launch((int)n, 1, NORM_THREADS, [&] { rms_norm_fwd<T>(x.data(), w.data(), y.data(), h, eps); });
+    launch((int)n, 1, NORM_THREADS, [&] { rms_norm_bwd<T>(x.data(), w.data(), g.data(), dx.data(), gn.data(), h, eps); });
+    wr(dir + "/y.bin", y); wr(dir + "/dx.bin", dx); wr(dir + "/gn.bin", gn);
+}
 int main(int argc, char** argv) {
+    if (argc == 7 && std::string(argv[1]) == "rmsnorm") {
+        std::string dir = argv[2], dt = argv[3];
+        long n = atol(argv[4]); int h = atoi(argv[5]); float eps = atof(argv[6]);
+        if (dt == "f32") run_rms<float>(dir, n, h, eps); else run_rms<bf16_t>(dir, n, h, eps);
+        return 0;
+    }
     if (argc == 6 && std::string(argv[1]) == "swiglu") {
         std::string dir = argv[2], dt = argv[3];
         long n = atol(argv[4]); int inter = atoi(argv[5]);
@@ -76,7 +106,9 @@ int main(int argc, char** argv) {
     std::string dir = argv[1], dt = argv[2];
     int B = atoi(argv[3]), H = atoi(argv[4]), Hkv = atoi(argv[5]), S = atoi(argv[6]), Tk = atoi(argv[7]), D = atoi(argv[8]);
     float sc = atof(argv[9]);
-    if (dt == "f32" && D == 64) run<float, 64>(dir, B, H, Hkv, S, Tk, sc);
+    if (dt == "f32" && D == 16) run<float, 16>(dir, B, H, Hkv, S, Tk, sc);
+    else if (dt == "bf16" && D == 32) run<bf16_t, 32>(dir, B, H, Hkv, S, Tk, sc);
+    else if (dt == "f32" && D == 64) run<float, 64>(dir, B, H, Hkv, S, Tk, sc);
     else if (dt == "bf16" && D == 64) run<bf16_t, 64>(dir, B, H, Hkv, S, Tk, sc);
     else if (dt == "f32" && D == 128) run<float, 128>(dir, B, H, Hkv, S, Tk, sc);
     else if (dt == "bf16" && D == 128) run<bf16_t, 128>(dir, B, H, Hkv, S, Tk, sc);

@@ -1,9 +1,13 @@
 //! `grpo bench ops`: device-synchronized times of the training pass's pieces (one decoder
 //! layer's projections, norm, RoPE, attention, SwiGLU, and the LM head's log-probs), forward
-//! alone and forward + backward, at a batch's shape: where a GPU's step goes, piece by piece,
+//! alone and forward + backward (a random gradient fed in at the piece's output, as the layer
+//! above would send it), at a batch's shape: where a GPU's step goes, piece by piece,
 //! on the same code the trainer runs (grpo's GPU kernels where they apply; `GRPO_GPU_KERNELS=off`
 //! for candle ops only). One JSON line per piece.
 
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
@@ -90,9 +94,44 @@ fn project(x: &Tensor, w: &Var) -> candle_core::Result<Tensor> {
     x.matmul(&w.as_tensor().to_dtype(x.dtype())?.t()?)
 }
 
-/// `y`'s sum as f32, backpropagated (gradients dropped).
-fn backward(y: &Tensor) -> candle_core::Result<()> {
-    y.to_dtype(DType::F32)?.sum_all()?.backward().map(|_| ())
+/// A fixed gradient for a recorded result, whatever reaches it: what a layer above would send.
+struct GivenGrad(Tensor);
+
+impl grpo_models::models::recompute::Backward for GivenGrad {
+    fn name(&self) -> &'static str {
+        "given-gradient"
+    }
+
+    fn backward(
+        &self,
+        _inputs: &[Tensor],
+        _wanted: &[bool],
+        _out: &Tensor,
+        _grad: &Tensor,
+    ) -> candle_core::Result<Vec<Option<Tensor>>> {
+        Ok(vec![Some(self.0.clone())])
+    }
+}
+
+/// Random gradients, one per shape and dtype, made once (outside the timed runs).
+#[derive(Default)]
+struct Grads(RefCell<HashMap<(Vec<usize>, DType), Tensor>>);
+
+impl Grads {
+    /// Backpropagates a random contiguous gradient of `y`'s shape into `y`'s graph (gradients
+    /// dropped), as the layer above would: not the broadcast gradient of a sum, whose strided
+    /// casts would be timed instead of the piece.
+    fn backward(&self, y: &Tensor) -> candle_core::Result<()> {
+        let key = (y.dims().to_vec(), y.dtype());
+        let g = match self.0.borrow().get(&key) {
+            Some(g) => g.clone(),
+            None => Tensor::randn(0f32, 1.0, y.shape(), y.device())?.to_dtype(y.dtype())?,
+        };
+        self.0.borrow_mut().insert(key, g.clone());
+        let fed =
+            grpo_models::models::recompute::attach(&y.detach(), &[y], Arc::new(GivenGrad(g)))?;
+        fed.sum_all()?.backward().map(|_| ())
+    }
 }
 
 pub fn bench_ops(a: OpsArgs) -> Result<()> {
@@ -159,6 +198,8 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
         println!("{line}");
     };
     let reps = a.reps;
+    let grads = Grads::default();
+    let backward = |y: &Tensor| grads.backward(y);
     let xt = x.as_tensor().detach();
     // Projections (x [N, in] x W^T), the weight cast from f32 in the graph.
     for (name, wv, inp) in [

@@ -24,11 +24,19 @@ fn run() -> anyhow::Result<()> {
         unsafe { libmimalloc_sys::mi_option_set(15, -1) };
     }
     let args: Vec<String> = std::env::args().collect();
-    let n: usize = args.get(1).map_or(32, |s| s.parse().unwrap());
-    let lp: usize = args.get(2).map_or(46, |s| s.parse().unwrap());
-    let lc: usize = args.get(3).map_or(20, |s| s.parse().unwrap());
+    let arg = |i: usize, default: usize, what: &str| -> anyhow::Result<usize> {
+        match args.get(i) {
+            None => Ok(default),
+            Some(s) => s.parse().map_err(|e| {
+                anyhow::anyhow!("argument {i} ({what}): `{s}` is not a whole number ({e})")
+            }),
+        }
+    };
+    let n = arg(1, 32, "ROWS")?;
+    let lp = arg(2, 46, "PROMPT_LEN")?;
+    let lc = arg(3, 20, "COMPLETION_LEN")?;
     // Completions per prompt (rows sharing a prompt are packed) ; 1 = every row its own prompt.
-    let group: usize = args.get(4).map_or(1, |s| s.parse().unwrap());
+    let group = arg(4, 1, "GROUP")?;
     let packing = if std::env::var("PER_ROW").is_ok() {
         Packing::PerRow
     } else {
@@ -36,11 +44,11 @@ fn run() -> anyhow::Result<()> {
     };
     let dir = std::path::PathBuf::from("/opt/peers/smollm2-135m-instruct-f32");
     let m = grpo_models::weights::load_model(&ModelSource::HfDir(dir), DType::F32, &Device::Cpu)?;
-    let vars: Vec<(String, Var)> = m
+    let vars = m
         .tensors
         .iter()
-        .map(|(k, t)| (k.clone(), Var::from_tensor(t).unwrap()))
-        .collect();
+        .map(|(k, t)| Ok((k.clone(), Var::from_tensor(t)?)))
+        .collect::<anyhow::Result<Vec<(String, Var)>>>()?;
     let prompts: Vec<Vec<u32>> = (0..n)
         .map(|i| i / group)
         .map(|i| {

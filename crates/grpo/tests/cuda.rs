@@ -611,6 +611,37 @@ fn gpu_kernels_equal_candle_ops_with_their_gradients() {
                 }
             }
         }
+        // RMSNorm: the kernels against the candle-op norm (HF's rounding) and its gradients.
+        let x = Var::from_tensor(
+            &Tensor::randn(0f32, 2.0, (5, 7, 300), &dev)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap(),
+        )
+        .unwrap();
+        let w = Var::from_tensor(
+            &(Tensor::randn(0f32, 0.1, 300, &dev).unwrap() + 1.0)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap(),
+        )
+        .unwrap();
+        let gy = Tensor::randn(0f32, 1.0, (5, 7, 300), &dev).unwrap();
+        let norm_grads = |y: Tensor| {
+            let g = (y.to_dtype(DType::F32).unwrap() * &gy)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            (y, g.get(&x).unwrap().clone(), g.get(&w).unwrap().clone())
+        };
+        let (ky, kx, kw) = norm_grads(fused_gpu::rms_norm(&x, &w, 1e-5).unwrap());
+        let (cy, cx, cw) =
+            norm_grads(grpo_models::models::layers::rms_norm_diff(&x, &w, 1e-5).unwrap());
+        let errs = [rel(&ky, &cy), rel(&kx, &cx), rel(&kw, &cw)];
+        println!("{dt:?} rms-norm: output, dx, dw {errs:?}");
+        assert!(errs.iter().all(|e| *e < tol), "{dt:?} rms-norm: {errs:?}");
         // SwiGLU: the kernel against silu(gate) * up in candle ops.
         let gu = Var::from_tensor(
             &Tensor::randn(0f32, 2.0, (7, 33, 2 * 96), &dev)

@@ -1,26 +1,29 @@
 //! grpo's own GPU kernels (`cuda/kernels.cu`, compiled at run time by NVRTC, so the build needs
 //! no CUDA compiler for them): causal attention that never stores a score matrix, forward and
-//! backward, and SwiGLU (`silu(gate) * up`) forward and backward in one pass each.
+//! backward, SwiGLU (`silu(gate) * up`) forward and backward in one pass each, and RMSNorm
+//! forward and backward (a block per row; under `GRPO_GPU_KERNELS=full` only, not yet measured).
 //!
 //! The plan is FlashAttention's: the forward keeps the output and one log-sum-exp per query; the
 //! backward recomputes each probability from it. Each kernel gives a thread one query (forward,
-//! dQ) or one key (dK, dV), with f32 arithmetic over bf16 or f32 tensors; head sizes 64 and 128.
+//! dQ) or one key (dK, dV), with f32 arithmetic over bf16 or f32 tensors; head sizes 16, 32, 64
+//! and 128.
 //! By default attention's backward runs as [`super::chunked_attention`]'s candle ops from the
 //! kernel's log-sum-exps (faster on an H200 than the backward kernels, which
 //! `GRPO_GPU_KERNELS=full` turns on). Where the kernels do not apply (another head size or
 //! dtype, or `GRPO_GPU_KERNELS=off`), attention and SwiGLU run as candle ops.
 //!
-//! The kernels' twins in plain Rust ([`twin_forward`], [`twin_backward`], [`twin_swiglu`]) follow
-//! the same loops
-//! and is tested against the chunked path on the CPU in CI; `scripts/check_gpu_kernels.py` runs
-//! the CUDA source itself on the CPU (thread by thread) against torch, and the GPU tests
-//! (`crates/grpo/tests/cuda.rs`) compare a GPU's training with the CPU's portable path.
+//! The kernels' twins in plain Rust ([`twin_forward`], [`twin_backward`], [`twin_swiglu`],
+//! [`twin_rms_norm`]) follow the same loops and are tested against the candle-op path on the CPU
+//! in CI; `scripts/check_gpu_kernels.py` runs the CUDA source itself on the CPU (a block's
+//! threads as OS threads) against torch; the GPU tests (`crates/grpo/tests/cuda.rs`) compare the
+//! kernels with candle ops on the GPU, and a GPU's training with the CPU's portable path.
 
 /// The kernels' CUDA source.
 pub const KERNELS_CU: &str = include_str!("cuda/kernels.cu");
 
-/// Head sizes the kernels are instantiated for.
-pub const HEAD_DIMS: [usize; 2] = [64, 128];
+/// Head sizes the kernels are instantiated for (16 and 32: the tiny test fixtures', so that the
+/// GPU tests against transformers run through the kernels).
+pub const HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
 
 /// Shapes of one attention call: rows, query heads, kv heads, queries, key slots, head size.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -185,8 +188,26 @@ pub fn twin_swiglu(gu: &[f32], dy: &[f32], inter: usize) -> (Vec<f32>, Vec<f32>)
     (y, dgu)
 }
 
+/// The RMSNorm kernels' twin (f32): rows of `x` [N, H], weight `w` [H], the output's gradient
+/// `g` [N, H] -> (y, dx, dw).
+pub fn twin_rms_norm(x: &[f32], w: &[f32], g: &[f32], eps: f32) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let h = w.len();
+    let (mut y, mut dx, mut dw) = (vec![0f32; x.len()], vec![0f32; x.len()], vec![0f32; h]);
+    for (row, (xr, gr)) in x.chunks(h).zip(g.chunks(h)).enumerate() {
+        let r = 1.0 / (xr.iter().map(|v| v * v).sum::<f32>() / h as f32 + eps).sqrt();
+        let proj = (0..h).map(|i| gr[i] * w[i] * xr[i] * r).sum::<f32>() / h as f32;
+        for i in 0..h {
+            let n = xr[i] * r;
+            y[row * h + i] = n * w[i];
+            dx[row * h + i] = (gr[i] * w[i] - n * proj) * r;
+            dw[i] += gr[i] * n;
+        }
+    }
+    (y, dx, dw)
+}
+
 #[cfg(feature = "cuda")]
-pub use gpu::{applies, attention, attention_full_kernels, swiglu};
+pub use gpu::{applies, attention, attention_full_kernels, rms_norm, rms_norm_applies, swiglu};
 
 #[cfg(feature = "cuda")]
 mod gpu {
@@ -215,8 +236,9 @@ mod gpu {
 
     /// Which of grpo's kernels run. By default attention's forward and SwiGLU both ways, with
     /// attention's backward as candle ops (measured faster than the backward kernels on an
-    /// H200: bench/README.md); `GRPO_GPU_KERNELS=full` adds the backward kernels, `off` (or
-    /// kernels that do not compile) runs candle ops only.
+    /// H200: bench/README.md); `GRPO_GPU_KERNELS=full` adds attention's backward kernels and
+    /// the RMSNorm kernels (not yet measured), `off` (or kernels that do not compile) runs
+    /// candle ops only.
     #[derive(Debug, Clone, Copy, PartialEq)]
     enum Use {
         Full,
@@ -424,6 +446,82 @@ mod gpu {
                 &scalars,
             )?;
             Ok(vec![Some(dgu)])
+        }
+    }
+
+    /// Whether a training RMSNorm of `x` by `w` runs grpo's kernels: only under
+    /// `GRPO_GPU_KERNELS=full` (they have not been measured on a GPU yet).
+    pub fn rms_norm_applies(x: &Tensor, w: &Tensor) -> bool {
+        applies(x) && used() == Use::Full && w.dtype() == x.dtype() && w.rank() == 1
+    }
+
+    /// A block of 256 threads per row (`NORM_THREADS` in kernels.cu) and its reduction buffer.
+    fn norm_config(rows: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 256 * 4,
+        }
+    }
+
+    /// RMSNorm of `x` [.., H] by `w` [H] as HF computes it (f32 statistics, the normalized row
+    /// rounded to `x`'s dtype, then times `w`), one kernel each way; the backward keeps only `x`
+    /// and `w` (where [`rms_norm_applies`] holds; the caller checks).
+    pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+        let h = x.dim(candle_core::D::Minus1)?;
+        let rows = x.elem_count() / h.max(1);
+        let (xd, wd) = (x.detach().contiguous()?, w.detach().contiguous()?);
+        let y = Tensor::zeros(x.shape(), x.dtype(), x.device())?;
+        let kernel = format!("rms_norm_fwd_{}", suffix(x.dtype()));
+        let scalars = [Scalar::I32(h as i32), Scalar::F32(eps as f32)];
+        launch(
+            &cuda(x)?,
+            &kernel,
+            norm_config(rows),
+            &[&xd, &wd, &y],
+            &scalars,
+        )?;
+        attach(&y, &[x, w], Arc::new(RmsNormBackward { eps }))
+    }
+
+    struct RmsNormBackward {
+        eps: f64,
+    }
+
+    impl Backward for RmsNormBackward {
+        fn name(&self) -> &'static str {
+            "gpu-rms-norm"
+        }
+
+        fn backward(
+            &self,
+            inputs: &[Tensor],
+            _wanted: &[bool],
+            _out: &Tensor,
+            grad: &Tensor,
+        ) -> Result<Vec<Option<Tensor>>> {
+            let [x, w] = inputs else {
+                candle_core::bail!("gpu rms-norm: two inputs expected");
+            };
+            let h = w.dim(0)?;
+            let rows = x.elem_count() / h.max(1);
+            let (x, w) = (x.contiguous()?, w.contiguous()?);
+            let g = grad.to_dtype(x.dtype())?.contiguous()?;
+            let dx = Tensor::zeros(x.shape(), x.dtype(), x.device())?;
+            let gn = Tensor::zeros((rows, h), DType::F32, x.device())?; // [N, H] f32
+            let kernel = format!("rms_norm_bwd_{}", suffix(x.dtype()));
+            let scalars = [Scalar::I32(h as i32), Scalar::F32(self.eps as f32)];
+            launch(
+                &cuda(&x)?,
+                &kernel,
+                norm_config(rows),
+                &[&x, &w, &g, &dx, &gn],
+                &scalars,
+            )?;
+            // dw: the column sums of gn, as one GEMM.
+            let ones = Tensor::ones((1, rows), DType::F32, x.device())?;
+            let dw = ones.matmul(&gn)?.reshape(h)?.to_dtype(w.dtype())?; // [H]
+            Ok(vec![Some(dx), Some(dw)])
         }
     }
 
@@ -696,5 +794,29 @@ mod tests {
         };
         assert!(err(&y, &host(&want)) < 1e-5);
         assert!(err(&dgu, &host(grads.get(&gu).unwrap())) < 1e-5);
+    }
+
+    /// The RMSNorm kernels' twin equals the recorded candle-op RMSNorm and its gradients.
+    #[test]
+    fn the_rms_norm_twin_equals_candle_ops_with_the_gradients() {
+        let dev = Device::Cpu;
+        let (n, h) = (4, 37);
+        let x = Var::randn(0f32, 2.0, (n, h), &dev).unwrap();
+        let w =
+            Var::from_tensor(&(Tensor::randn(0f32, 0.1, h, &dev).unwrap() + 1.0).unwrap()).unwrap();
+        let g = Tensor::randn(0f32, 1.0, (n, h), &dev).unwrap();
+        let want = super::super::layers::rms_norm_recomputed(&x, &w, 1e-5).unwrap();
+        let grads = (&want * &g).unwrap().sum_all().unwrap().backward().unwrap();
+        let host = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let (y, dx, dw) = twin_rms_norm(&host(&x), &host(&w), &host(&g), 1e-5);
+        let err = |a: &[f32], e: &[f32]| {
+            a.iter()
+                .zip(e)
+                .map(|(p, q)| (p - q).abs())
+                .fold(0f32, f32::max)
+        };
+        assert!(err(&y, &host(&want)) < 1e-5);
+        assert!(err(&dx, &host(grads.get(&x).unwrap())) < 1e-5);
+        assert!(err(&dw, &host(grads.get(&w).unwrap())) < 1e-4);
     }
 }

@@ -633,6 +633,10 @@ pub fn rms_norm_diff(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
 /// `n = x r`, `r = 1 / sqrt(mean(x^2) + eps)` and `y = n w`: `dw = sum(g n)`,
 /// `dx = r (g w - n mean(g w n))`, in f32 (f64 stays f64).
 pub fn rms_norm_recomputed(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if super::fused_gpu::rms_norm_applies(x, w) {
+        return super::fused_gpu::rms_norm(x, w, eps);
+    }
     let y = rms_norm_diff(&x.detach(), &w.detach(), eps)?;
     super::recompute::attach(&y, &[x, w], Arc::new(RmsNormBackward { eps }))
 }

@@ -180,6 +180,10 @@ extern "C" __global__ void attn_bwd_dv_##NAME##_##D(const T* q, const T* k, cons
     attn_bwd_kv<T, D, false>(q, k, v, mask, dout, lse, delta, dv, H, Hkv, S, Tk, scale);           \
 }
 
+INSTANCES(float, f32, 16)
+INSTANCES(bf16_t, bf16, 16)
+INSTANCES(float, f32, 32)
+INSTANCES(bf16_t, bf16, 32)
 INSTANCES(float, f32, 64)
 INSTANCES(bf16_t, bf16, 64)
 INSTANCES(float, f32, 128)
@@ -219,3 +223,81 @@ extern "C" __global__ void swiglu_bwd_##NAME(const T* gu, const T* dout, T* dgu,
 
 SWIGLU(float, f32)
 SWIGLU(bf16_t, bf16)
+
+// RMSNorm over rows of x [N, H] with weight w [H] (HF's: the normalized row rounded to x's dtype,
+// then times w), a block of NT threads per row. Forward: y = round(x r) w, r = 1/sqrt(mean(x^2) + eps).
+// Backward (n = x r in f32): dx = r (g w - n mean(g w n)); gn = g round(n) per element (f32), whose
+// column sums are dw.
+#define NORM_THREADS 256
+
+__device__ float block_sum(float v, float* red) {
+    red[threadIdx.x] = v;
+    __syncthreads();
+    for (int s = NORM_THREADS / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) red[threadIdx.x] += red[threadIdx.x + s];
+        __syncthreads();
+    }
+    const float total = red[0];
+    __syncthreads();
+    return total;
+}
+
+template <typename T>
+__device__ float row_rsqrt(const T* xr, int h, float eps, float* red) {
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < h; i += NORM_THREADS) {
+        const float v = ld(xr, i);
+        ss += v * v;
+    }
+    return 1.f / sqrtf(block_sum(ss, red) / h + eps);
+}
+
+template <typename T>
+__device__ void rms_norm_fwd(const T* x, const T* w, T* y, int h, float eps) {
+    extern __shared__ float sm[];  // NORM_THREADS floats
+    const long row = blockIdx.x;
+    const T* xr = x + row * h;
+    const float r = row_rsqrt(xr, h, eps, sm);
+    T nb[1];
+    for (int i = threadIdx.x; i < h; i += NORM_THREADS) {
+        st(nb, 0, ld(xr, i) * r);  // rounded to T, as HF does before the weight
+        st(y, row * h + i, ld(nb, 0) * ld(w, i));
+    }
+}
+
+template <typename T>
+__device__ void rms_norm_bwd(const T* x, const T* w, const T* g, T* dx, float* gn, int h,
+                             float eps) {
+    extern __shared__ float sm[];  // NORM_THREADS floats
+    const long row = blockIdx.x;
+    const T* xr = x + row * h;
+    const T* gr = g + row * h;
+    const float r = row_rsqrt(xr, h, eps, sm);
+    T tb[1];
+    float acc = 0.f;
+    for (int i = threadIdx.x; i < h; i += NORM_THREADS) {
+        const float n = ld(xr, i) * r;
+        st(tb, 0, ld(gr, i) * ld(w, i));  // g w in T, as candle's op computes it
+        acc += ld(tb, 0) * n;
+        st(tb, 0, n);
+        gn[row * h + i] = ld(gr, i) * ld(tb, 0);
+    }
+    const float proj = block_sum(acc, sm) / h;
+    for (int i = threadIdx.x; i < h; i += NORM_THREADS) {
+        const float n = ld(xr, i) * r;
+        st(tb, 0, ld(gr, i) * ld(w, i));
+        st(dx, row * h + i, (ld(tb, 0) - n * proj) * r);
+    }
+}
+
+#define RMS_NORM(T, NAME)                                                                          \
+extern "C" __global__ void rms_norm_fwd_##NAME(const T* x, const T* w, T* y, int h, float eps) {  \
+    rms_norm_fwd<T>(x, w, y, h, eps);                                                              \
+}                                                                                                  \
+extern "C" __global__ void rms_norm_bwd_##NAME(const T* x, const T* w, const T* g, T* dx,         \
+                                               float* gn, int h, float eps) {                      \
+    rms_norm_bwd<T>(x, w, g, dx, gn, h, eps);                                                      \
+}
+
+RMS_NORM(float, f32)
+RMS_NORM(bf16_t, bf16)
