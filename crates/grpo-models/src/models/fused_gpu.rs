@@ -252,7 +252,13 @@ mod gpu {
             let want = match std::env::var("GRPO_GPU_KERNELS").as_deref() {
                 Ok("off") => Use::Off,
                 Ok("full") => Use::Full,
-                _ => Use::Forward,
+                Ok("default") | Ok("") | Err(_) => Use::Forward,
+                Ok(other) => {
+                    tracing::warn!(
+                        "GRPO_GPU_KERNELS={other} is not default, full or off: using the default"
+                    );
+                    Use::Forward
+                }
             };
             if want == Use::Off {
                 tracing::info!("GRPO_GPU_KERNELS=off: attention and SwiGLU run as candle ops");
