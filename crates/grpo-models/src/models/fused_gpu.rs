@@ -684,6 +684,18 @@ mod tests {
     use super::*;
     use candle_core::{Device, Tensor, Var};
 
+    fn host(t: &Tensor) -> Vec<f32> {
+        t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    }
+
+    /// The largest |a - e|.
+    fn err(a: &[f32], e: &[f32]) -> f32 {
+        a.iter()
+            .zip(e)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max)
+    }
+
     /// The kernels' twin equals the chunked candle-op attention (the portable path's), output
     /// and every gradient, with grouped heads, a key prefix, left padding and several chunks.
     #[test]
@@ -724,18 +736,13 @@ mod tests {
                 .unwrap()
                 .backward()
                 .unwrap();
-            let host = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
             let (qh, kh, vh) = (host(&q), host(&k), host(&v));
             let (o, lse) = twin_forward(&qh, &kh, &vh, &m, n, scale as f32);
             let (dq, dk, dv) =
                 twin_backward(&qh, &kh, &vh, &m, &o, &host(&gout), &lse, n, scale as f32);
             let close = |a: &[f32], e: &[f32], what: &str| {
-                let err = a
-                    .iter()
-                    .zip(e)
-                    .map(|(x, y)| (x - y).abs())
-                    .fold(0f32, f32::max);
-                assert!(err < 1e-5, "{what} ({b}x{h}/{hkv}x{s}x{tk}x{d}): {err}");
+                let worst = err(a, e);
+                assert!(worst < 1e-5, "{what} ({b}x{h}/{hkv}x{s}x{tk}x{d}): {worst}");
             };
             close(&o, &host(&want), "output");
             // The twin's output and log-sum-exps recorded with the chunked backward (the GPU's
@@ -790,14 +797,7 @@ mod tests {
             .unwrap()
             .backward()
             .unwrap();
-        let host = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let (y, dgu) = twin_swiglu(&host(&gu), &host(&dy), inter);
-        let err = |a: &[f32], e: &[f32]| {
-            a.iter()
-                .zip(e)
-                .map(|(x, y)| (x - y).abs())
-                .fold(0f32, f32::max)
-        };
         assert!(err(&y, &host(&want)) < 1e-5);
         assert!(err(&dgu, &host(grads.get(&gu).unwrap())) < 1e-5);
     }
@@ -813,14 +813,7 @@ mod tests {
         let g = Tensor::randn(0f32, 1.0, (n, h), &dev).unwrap();
         let want = super::super::layers::rms_norm_recomputed(&x, &w, 1e-5).unwrap();
         let grads = (&want * &g).unwrap().sum_all().unwrap().backward().unwrap();
-        let host = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let (y, dx, dw) = twin_rms_norm(&host(&x), &host(&w), &host(&g), 1e-5);
-        let err = |a: &[f32], e: &[f32]| {
-            a.iter()
-                .zip(e)
-                .map(|(p, q)| (p - q).abs())
-                .fold(0f32, f32::max)
-        };
         assert!(err(&y, &host(&want)) < 1e-5);
         assert!(err(&dx, &host(grads.get(&x).unwrap())) < 1e-5);
         assert!(err(&dw, &host(grads.get(&w).unwrap())) < 1e-4);
