@@ -102,8 +102,60 @@ fn packed_model(m: &LoadedModel) -> CausalLm {
 fn fused_decoding_step_equals_the_tensor_path() {
     for name in ["llama", "llama3", "qwen2", "qwen3", "mistral", "phi3"] {
         let (m, _) = load(name, DType::F32);
-        let fused = packed_model(&m);
-        let mut plain = packed_model(&m);
+        assert_fused_step_samples_as_the_tensor_path(&packed_model(&m), name);
+    }
+}
+
+/// A quantized model (QLoRA's frozen base, `grpo generate` on a quantized model) packs its
+/// projections as quantized panels (`models::packed_quant`) and decodes with the fused step:
+/// its forward equals the unpacked model's (dequantize + GEMM) to rounding, and the fused step
+/// samples what its tensor path samples.
+#[test]
+fn quantized_model_packs_for_decoding_and_decodes_fused() {
+    use grpo_models::models::QuantType;
+    let (m, _) = load("llama", DType::F32);
+    let packs =
+        grpo_models::kernels::Compute::resolve(&Device::Cpu, DType::F32).packs_for_decoding();
+    // 36 rows: past candle's few-row quantized kernel (which rounds the input to 8 bits).
+    let ids: Vec<Vec<u32>> = (0..3)
+        .map(|r| {
+            (0..12)
+                .map(|t| ((r * 37 + t * 11) % 250 + 3) as u32)
+                .collect()
+        })
+        .collect();
+    let batch = SeqBatch::right_padded(&ids, 0, &Device::Cpu).unwrap();
+    let logits = |m: &CausalLm| -> Vec<f32> {
+        let h = m.forward_hidden(&batch, Mode::Infer).unwrap();
+        m.logits(&h)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    };
+    for kind in [
+        QuantType::Q4_0,
+        QuantType::Q4_1,
+        QuantType::Q8_0,
+        QuantType::Nf4,
+    ] {
+        let mut plain = m.build().unwrap();
+        plain.quantize_projections(kind).unwrap();
+        let mut packed = plain.clone();
+        let n = packed.pack_for_decoding().unwrap();
+        assert_eq!(n > 4, packs, "{kind:?}: {n} weights packed");
+        assert_eq!(packed.fused_decoding(), packs, "{kind:?}");
+        let d = max_diff(&logits(&packed), &logits(&plain));
+        assert!(d < 1e-4, "{kind:?}: packed logits differ by {d}");
+        assert_fused_step_samples_as_the_tensor_path(&packed, kind.name());
+    }
+}
+
+/// `fused` (packed) samples the tokens and log-probs of the same model on the tensor path.
+fn assert_fused_step_samples_as_the_tensor_path(fused: &CausalLm, name: &str) {
+    {
+        let mut plain = fused.clone();
         plain.disable_fused_decoding();
         assert!(!plain.fused_decoding());
         // Prompts of different lengths (left padding), three samples each (shared prompts),
@@ -122,7 +174,7 @@ fn fused_decoding_step_equals_the_tensor_path() {
             eos_token_ids: (0..24).collect(),
             ..Default::default()
         };
-        let (a, sa) = generate(&fused, None, &prompts, 3, &params).unwrap();
+        let (a, sa) = generate(fused, None, &prompts, 3, &params).unwrap();
         let (b, sb) = generate(&plain, None, &prompts, 3, &params).unwrap();
         assert_eq!(sa.compactions, sb.compactions);
         assert!(sa.compactions > 0, "{name}: no row left the batch");

@@ -185,7 +185,8 @@ impl Linear {
     }
 
     /// Repacks a detached f32 CPU weight into the decoding GEMM's panels (see [`PackedWeight`]),
-    /// where that kernel is available; the dense copy is dropped. Returns whether it did. The
+    /// where that kernel is available; the dense copy is dropped. A quantized base is re-laid
+    /// as quantized panels ([`super::packed_quant`]) instead. Returns whether it did. The
     /// projection then has a forward only: for sampling and scoring models.
     pub fn pack(&mut self) -> Result<bool> {
         match &self.base {
@@ -197,6 +198,15 @@ impl Linear {
             {
                 self.base = Base::Packed(std::sync::Arc::new(PackedWeight::from_in_out(wt)?));
                 Ok(true)
+            }
+            Base::Quant(q) if self.sink.is_none() && self.compute.packs_for_decoding() => {
+                match PackedWeight::from_quant(q)? {
+                    Some(p) => {
+                        self.base = Base::Packed(std::sync::Arc::new(p));
+                        Ok(true)
+                    }
+                    None => Ok(false),
+                }
             }
             _ => Ok(false),
         }

@@ -25,6 +25,7 @@ pub mod llama;
 pub mod lora;
 pub mod masked_lm;
 pub mod packed;
+pub mod packed_quant;
 pub mod quant;
 pub mod recompute;
 mod seq_cls;

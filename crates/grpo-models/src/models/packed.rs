@@ -17,6 +17,8 @@
 
 use candle_core::{bail, CpuStorage, DType, Device, Result, Storage, Tensor};
 
+use super::packed_quant::QuantPanels;
+use super::quant::QuantProj;
 use crate::kernels::Isa;
 use rayon::prelude::*;
 
@@ -30,13 +32,28 @@ const BLOCK_ROWS: usize = 192;
 
 /// A weight `W` [out, in] stored as `ceil(out / PANEL)` panels, panel `p` holding
 /// `W[p*PANEL .. p*PANEL+PANEL, :]^T` as `[in, PANEL]` rows (zero columns past `out`).
+///
+/// A frozen quantized weight keeps its codes instead ([`QuantPanels`]), and each panel is
+/// dequantized as the product reaches it: the same product at about the quantized size.
 #[derive(Debug)]
 pub struct PackedWeight {
-    data: Vec<f32>,
+    data: Store,
     /// in
     k: usize,
     /// out
     n: usize,
+}
+
+/// A packed weight's panels: floats, or quantized codes dequantized panel by panel.
+#[derive(Debug)]
+enum Store {
+    F32(Vec<f32>),
+    Quant(QuantPanels),
+}
+
+thread_local! {
+    /// A dequantized panel of a quantized weight, per thread (reused across calls).
+    static PANEL_BUF: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// The f32 data of a CPU tensor, made contiguous.
@@ -76,8 +93,47 @@ impl PackedWeight {
                         row[..c1 - c0].copy_from_slice(&src[kk * n + c0..kk * n + c1]);
                     }
                 });
-            Ok(Self { data, k, n })
+            Ok(Self {
+                data: Store::F32(data),
+                k,
+                n,
+            })
         })
+    }
+
+    /// Packs a frozen quantized weight ([`QuantPanels`]); `None` where that layout does not
+    /// apply (NF4 rows that are not whole blocks).
+    pub fn from_quant(q: &QuantProj) -> Result<Option<Self>> {
+        Ok(QuantPanels::new(q)?.map(|qp| {
+            let (k, n) = qp.dims();
+            Self {
+                data: Store::Quant(qp),
+                k,
+                n,
+            }
+        }))
+    }
+
+    /// Bytes the packed weight occupies.
+    pub fn size_in_bytes(&self) -> usize {
+        match &self.data {
+            Store::F32(d) => 4 * d.len(),
+            Store::Quant(q) => q.size_in_bytes(),
+        }
+    }
+
+    /// Panel `p` as `[k, PANEL]` floats: a view of the f32 panels, or the quantized panel
+    /// dequantized into `buf` (resized as needed) with the `isa` variant.
+    fn panel<'a>(&'a self, isa: Isa, p: usize, buf: &'a mut Vec<f32>) -> &'a [f32] {
+        let len = self.k * PANEL;
+        match &self.data {
+            Store::F32(d) => &d[p * len..(p + 1) * len],
+            Store::Quant(q) => {
+                buf.resize(len, 0.0);
+                q.panel_into(isa, p, buf);
+                &buf[..len]
+            }
+        }
     }
 
     /// Packs `w` [out, in] (HF layout, e.g. a tied embedding used as the LM head).
@@ -95,7 +151,11 @@ impl PackedWeight {
                         }
                     }
                 });
-            Ok(Self { data, k, n })
+            Ok(Self {
+                data: Store::F32(data),
+                k,
+                n,
+            })
         })
     }
 
@@ -108,10 +168,12 @@ impl PackedWeight {
     pub fn to_in_out(&self) -> Result<Tensor> {
         let (k, n) = (self.k, self.n);
         let mut out = vec![0f32; k * n];
+        let mut buf = Vec::new();
         for p in 0..self.panels() {
             let (c0, c1) = (p * PANEL, ((p + 1) * PANEL).min(n));
+            let panel = self.panel(Isa::Baseline, p, &mut buf);
             for kk in 0..k {
-                let row = &self.data[(p * k + kk) * PANEL..];
+                let row = &panel[kk * PANEL..];
                 out[kk * n + c0..kk * n + c1].copy_from_slice(&row[..c1 - c0]);
             }
         }
@@ -203,9 +265,17 @@ impl PackedWeight {
                 let tiles = (r1 - r0).div_ceil(TILE_ROWS);
                 for p in panels.clone() {
                     let cols = (n - p * PANEL).min(PANEL);
-                    let w = &self.data[p * k * PANEL..(p + 1) * k * PANEL];
-                    // The next panel, a share per tile, fetched while this one computes.
-                    let next = self.data.get((p + 1) * k * PANEL..(p + 2) * k * PANEL);
+                    let mut buf = match &self.data {
+                        Store::F32(_) => Vec::new(),
+                        Store::Quant(_) => PANEL_BUF.with(|b| b.take()),
+                    };
+                    let w = self.panel(isa, p, &mut buf);
+                    // The next f32 panel, a share per tile, fetched while this one computes (a
+                    // quantized one is small and read in order: left to the hardware).
+                    let next = match &self.data {
+                        Store::F32(d) => d.get((p + 1) * k * PANEL..(p + 2) * k * PANEL),
+                        Store::Quant(_) => None,
+                    };
                     let share = (k * PANEL).div_ceil(tiles);
                     let (mut r, mut tile) = (r0, 0);
                     while r < r1 {
@@ -227,6 +297,9 @@ impl PackedWeight {
                         }
                         r += mr;
                         tile += 1;
+                    }
+                    if let Store::Quant(_) = &self.data {
+                        PANEL_BUF.with(|b| b.replace(buf));
                     }
                 }
             }
@@ -262,10 +335,12 @@ pub fn matmul_portable(w: &PackedWeight, x: &[f32], rows: usize) -> Vec<f32> {
     let mut y = vec![0f32; rows * n];
     y.par_chunks_mut(n).enumerate().for_each(|(r, yr)| {
         let xr = &x[r * k..(r + 1) * k];
+        let mut buf = Vec::new();
         for p in 0..w.panels() {
+            let panel = w.panel(Isa::Baseline, p, &mut buf);
             let mut acc = [0f32; PANEL];
             for (kk, xv) in xr.iter().enumerate() {
-                let wr = &w.data[(p * k + kk) * PANEL..(p * k + kk + 1) * PANEL];
+                let wr = &panel[kk * PANEL..(kk + 1) * PANEL];
                 for (a, wv) in acc.iter_mut().zip(wr) {
                     *a += xv * wv;
                 }

@@ -71,6 +71,36 @@ impl QuantType {
 /// Values per NF4 block (bitsandbytes' QLoRA default).
 pub const NF4_BLOCK: usize = 64;
 
+impl QuantType {
+    /// The value of each 4-bit code before its block's scale (and Q4_1's offset): `code - 8`
+    /// (Q4_0), `code` (Q4_1), the NF4 value (NF4). Q8_0's codes are the i8 values themselves.
+    pub(crate) fn table(self) -> [f32; 16] {
+        std::array::from_fn(|c| match self {
+            QuantType::Q4_0 => c as f32 - 8.0,
+            QuantType::Q4_1 | QuantType::Q8_0 => c as f32,
+            QuantType::Nf4 => NF4_CODE[c],
+        })
+    }
+}
+
+/// A quantized weight taken apart (the decoding GEMM's quantized panels are built from it):
+/// value `(r, c)` is `table[code] * scale` (Q8_0: `code as i8 * scale`), plus Q4_1's offset,
+/// with the scale and offset of the row's block `c / block`: the same two f32 operations
+/// candle's and NF4's dequantization do, so rebuilding from the parts is exact.
+pub(crate) struct Codes {
+    pub kind: QuantType,
+    pub rows: usize,
+    pub cols: usize,
+    /// Values per scale along a row (whole blocks per row).
+    pub block: usize,
+    /// One code per value, [rows, cols] row-major: a 4-bit index, or Q8_0's i8 as a byte.
+    pub codes: Vec<u8>,
+    /// [rows, cols / block]
+    pub scales: Vec<f32>,
+    /// Q4_1's offsets, [rows, cols / block]; empty for the other types.
+    pub mins: Vec<f32>,
+}
+
 /// The 16 NF4 values (QLoRA, appendix E): quantiles of a standard normal scaled to [-1, 1], with
 /// an exact 0. bitsandbytes' table, as f32.
 pub const NF4_CODE: [f32; 16] = [
@@ -409,6 +439,73 @@ impl QuantProj {
     /// From a GGUF tensor kept as is (no re-quantization); `None` when its type is not `kind`.
     pub fn from_qtensor(q: Arc<QTensor>, kind: QuantType) -> Option<Self> {
         (Some(q.dtype()) == kind.ggml() && q.rank() == 2).then(|| Self::of(QWeight::Ggml(q), kind))
+    }
+
+    /// The weight taken apart into codes and block scales ([`Codes`]); `None` for an NF4
+    /// weight whose rows are not whole blocks.
+    pub(crate) fn codes(&self) -> Result<Option<Codes>> {
+        let (rows, cols) = self.dims()?;
+        let (block, _) = self.kind.block();
+        let nb = cols / block;
+        let mut out = Codes {
+            kind: self.kind,
+            rows,
+            cols,
+            block,
+            codes: vec![0u8; rows * cols],
+            scales: vec![0f32; rows * nb],
+            mins: match self.kind {
+                QuantType::Q4_1 => vec![0f32; rows * nb],
+                _ => vec![],
+            },
+        };
+        let q = match &self.w {
+            QWeight::Nf4(w) if !w.rows_are_blocks() => return Ok(None),
+            QWeight::Nf4(w) => {
+                // Two codes per byte, the first in the high nibble; blocks never cross rows.
+                for (pair, &b) in out.codes.chunks_exact_mut(2).zip(&w.packed) {
+                    pair[0] = b >> 4;
+                    pair[1] = b & 15;
+                }
+                out.scales.copy_from_slice(&w.absmax);
+                return Ok(Some(out));
+            }
+            QWeight::Ggml(q) => q,
+        };
+        // GGML's block layouts (ggml-common.h): Q4_0 {f16 d; u8 qs[16]}, Q4_1 {f16 d, m;
+        // u8 qs[16]}, Q8_0 {f16 d; i8 qs[32]}; a 4-bit block's value j < 16 is the low nibble
+        // of qs[j], value j + 16 its high nibble.
+        let data = q.data()?;
+        let (_, ts) = self.kind.block();
+        if data.len() != rows * nb * ts {
+            candle_core::bail!(
+                "quantized weight: {} bytes for [{rows}, {cols}]",
+                data.len()
+            );
+        }
+        let f16_at = |o: usize| half::f16::from_le_bytes([data[o], data[o + 1]]).to_f32();
+        for (bi, blk) in data.chunks_exact(ts).enumerate() {
+            let o = bi * ts;
+            let codes = &mut out.codes[bi * block..(bi + 1) * block];
+            out.scales[bi] = f16_at(o);
+            let qs = match self.kind {
+                QuantType::Q4_1 => {
+                    out.mins[bi] = f16_at(o + 2);
+                    &blk[4..]
+                }
+                _ => &blk[2..],
+            };
+            match self.kind {
+                QuantType::Q8_0 => codes.copy_from_slice(qs),
+                _ => {
+                    for (j, &b) in qs.iter().enumerate() {
+                        codes[j] = b & 15;
+                        codes[j + 16] = b >> 4;
+                    }
+                }
+            }
+        }
+        Ok(Some(out))
     }
 
     /// The NF4 weight, when the projection is one.
