@@ -109,10 +109,10 @@ fn fused_decoding_step_equals_the_tensor_path() {
 /// A quantized model (QLoRA's frozen base, `grpo generate` on a quantized model) packs its
 /// projections as quantized panels (`models::packed_quant`) and decodes with the fused step:
 /// its forward equals the unpacked model's (dequantize + GEMM) to rounding, and the fused step
-/// samples what its tensor path samples.
+/// samples what its tensor path samples, with LoRA adapters on or off.
 #[test]
 fn quantized_model_packs_for_decoding_and_decodes_fused() {
-    use grpo_models::models::QuantType;
+    use grpo_models::models::{LoraAdapter, QuantType};
     let (m, _) = load("llama", DType::F32);
     let packs =
         grpo_models::kernels::Compute::resolve(&Device::Cpu, DType::F32).packs_for_decoding();
@@ -134,20 +134,45 @@ fn quantized_model_packs_for_decoding_and_decodes_fused() {
             .to_vec1()
             .unwrap()
     };
-    for kind in [
+    // QLoRA's sampling model keeps its adapters (a quantized base takes none merged): ranks 4
+    // and 2 with different scales, on parts of fused projections (q and v around k; up) and a
+    // plain one (o).
+    let shapes = m.build().unwrap().projection_shapes().unwrap();
+    let mut adapters = HashMap::new();
+    for (module, i, o) in shapes {
+        let (r, scale) = match module.rsplit('.').next() {
+            Some("q_proj" | "o_proj") => (4, 2.0),
+            Some("v_proj" | "up_proj") => (2, 0.5),
+            _ => continue,
+        };
+        let a = Tensor::randn(0f32, 0.3, (r, i), &Device::Cpu).unwrap();
+        let b = Tensor::randn(0f32, 0.3, (o, r), &Device::Cpu).unwrap();
+        adapters.insert(module, LoraAdapter::new(a, b, scale, None).unwrap());
+    }
+    let cases = [
         QuantType::Q4_0,
         QuantType::Q4_1,
         QuantType::Q8_0,
         QuantType::Nf4,
-    ] {
+    ]
+    .into_iter()
+    .map(|k| (k, false))
+    .chain([(QuantType::Q4_0, true), (QuantType::Nf4, true)]);
+    for (kind, with_lora) in cases {
         let mut plain = m.build().unwrap();
         plain.quantize_projections(kind).unwrap();
+        if with_lora {
+            assert_eq!(plain.set_lora(&adapters).unwrap(), adapters.len());
+        }
         let mut packed = plain.clone();
         let n = packed.pack_for_decoding().unwrap();
         assert_eq!(n > 4, packs, "{kind:?}: {n} weights packed");
         assert_eq!(packed.fused_decoding(), packs, "{kind:?}");
         let d = max_diff(&logits(&packed), &logits(&plain));
-        assert!(d < 1e-4, "{kind:?}: packed logits differ by {d}");
+        assert!(
+            d < 1e-4,
+            "{kind:?} lora {with_lora}: packed logits differ by {d}"
+        );
         assert_fused_step_samples_as_the_tensor_path(&packed, kind.name());
     }
 }

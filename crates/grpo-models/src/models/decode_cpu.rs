@@ -27,11 +27,86 @@ use super::packed::{share, PackedWeight, PANEL};
 use super::SharedPrefix;
 use crate::kv_cache::KvCache;
 
-/// A packed projection and its bias.
+/// A packed projection, its bias, and the LoRA adapters left on it (QLoRA's: a quantized base
+/// cannot take them merged).
 #[derive(Debug)]
 pub struct Proj {
     pub w: Arc<PackedWeight>,
     pub bias: Option<Vec<f32>>,
+    pub lora: Option<ProjLora>,
+}
+
+/// The LoRA adapters of a packed projection's parts as one low-rank product added after the
+/// bias: `y += ((x A^T) B^T) * scale`, as [`super::lora::LoraAdapter::forward`] computes each
+/// (no dropout: a sampling model's adapters). `A` stacks the parts' `A`s ([R, in]); `B` is
+/// block diagonal ([out, R]: part `i`'s rows see only its own rank), so each output column sums
+/// its own part's rank in order and adds zeros for the others'.
+#[derive(Debug)]
+pub struct ProjLora {
+    /// [in -> R]
+    pub a: PackedWeight,
+    /// [R -> out]
+    pub b: PackedWeight,
+    /// Per output column: its part's scale (0 for parts without an adapter).
+    pub scale: Vec<f32>,
+}
+
+impl ProjLora {
+    /// From each part's adapter (or none) and output size, for a projection of `in_dim` inputs;
+    /// `None` when no part has one, or one drops out its input or is not f32 on the CPU.
+    pub fn new(
+        parts: &[(Option<&super::lora::LoraAdapter>, usize)],
+        in_dim: usize,
+    ) -> Result<Option<Self>> {
+        let host = |t: &Tensor| -> Result<Option<Vec<f32>>> {
+            match t.device().is_cpu() && t.dtype() == DType::F32 {
+                true => Ok(Some(t.flatten_all()?.to_vec1()?)),
+                false => Ok(None),
+            }
+        };
+        let rank: usize = parts
+            .iter()
+            .flat_map(|(l, _)| l.map(|l| l.a().dim(0)))
+            .sum::<Result<_>>()?;
+        let out: usize = parts.iter().map(|(_, o)| o).sum();
+        if rank == 0
+            || parts
+                .iter()
+                .any(|(l, _)| l.is_some_and(|l| l.has_dropout()))
+        {
+            return Ok(None);
+        }
+        let (mut a, mut b) = (Vec::with_capacity(rank * in_dim), vec![0f32; out * rank]);
+        let mut scale = vec![0f32; out];
+        let (mut r0, mut o0) = (0, 0);
+        for (lora, o) in parts {
+            if let Some(l) = lora {
+                let (Some(la), Some(lb)) = (host(l.a())?, host(l.b())?) else {
+                    return Ok(None);
+                };
+                let r = l.a().dim(0)?;
+                if l.dims()? != (in_dim, *o) {
+                    bail!(
+                        "adapter shape {:?} does not match its part's ({in_dim}, {o})",
+                        l.dims()?
+                    );
+                }
+                a.extend_from_slice(&la); // [r, in]
+                for (j, row) in lb.chunks_exact(r).enumerate() {
+                    b[(o0 + j) * rank + r0..(o0 + j) * rank + r0 + r].copy_from_slice(row);
+                }
+                scale[o0..o0 + o].fill(l.scale() as f32);
+                r0 += r;
+            }
+            o0 += o;
+        }
+        let dev = candle_core::Device::Cpu;
+        Ok(Some(ProjLora {
+            a: PackedWeight::from_out_in(&Tensor::from_vec(a, (rank, in_dim), &dev)?)?,
+            b: PackedWeight::from_out_in(&Tensor::from_vec(b, (out, rank), &dev)?)?,
+            scale,
+        }))
+    }
 }
 
 /// One decoder layer's weights for the fused step.
@@ -81,7 +156,12 @@ impl Plan {
         );
         let norm_ok = |n: &Option<Vec<f32>>| n.as_ref().is_none_or(|w| w.len() == d);
         let proj_ok = |p: &Proj, k: usize, n: usize| {
-            p.w.dims() == (k, n) && p.bias.as_ref().is_none_or(|b| b.len() == n)
+            p.w.dims() == (k, n)
+                && p.bias.as_ref().is_none_or(|b| b.len() == n)
+                && p.lora.as_ref().is_none_or(|l| {
+                    let r = l.a.dims().1;
+                    l.a.dims() == (k, r) && l.b.dims() == (r, n) && l.scale.len() == n
+                })
         };
         nkv > 0
             && nh % nkv == 0
@@ -328,17 +408,40 @@ pub fn step(
     // SAFETY (callers): `x` holds `b` rows of the weight's `in`, `y` is `b` rows of its `out`;
     // between two barriers thread `t` alone writes its panels' columns of `y`, and no thread
     // writes `x`.
-    let gemm = |p: &PackedWeight, bias: Option<&[f32]>, x: Shared, y: Shared, t, nt| unsafe {
-        let (k, n) = p.dims();
-        let panels = share(p.panel_count(), t, nt);
-        p.panels_simd(isa, x.get(0..b * k), 0..b, panels.clone(), y.ptr);
-        if let Some(bias) = bias {
-            let cols = (panels.start * PANEL).min(n)..(panels.end * PANEL).min(n);
+    // An adapter's low rank (`x A^T`, all of it, per thread: a few hundred thousand FMAs) and
+    // its product with this thread's panels of `B` go through `lora_buf`, the thread's own.
+    let gemm = |p: &Proj, x: Shared, y: Shared, t, nt, lora_buf: &mut (Vec<f32>, Vec<f32>)| unsafe {
+        let (k, n) = p.w.dims();
+        let panels = share(p.w.panel_count(), t, nt);
+        p.w.panels_simd(isa, x.get(0..b * k), 0..b, panels.clone(), y.ptr);
+        let cols = (panels.start * PANEL).min(n)..(panels.end * PANEL).min(n);
+        if let Some(bias) = &p.bias {
             for r in 0..b {
                 let yr = y.get_mut(r * n + cols.start..r * n + cols.end);
                 yr.iter_mut()
                     .zip(&bias[cols.clone()])
                     .for_each(|(v, c)| *v += c);
+            }
+        }
+        if let Some(l) = &p.lora {
+            let rank = l.a.dims().1;
+            let (h, lo) = lora_buf;
+            h.resize(b * rank, 0.0);
+            lo.resize(b * n, 0.0);
+            l.a.panels_simd(
+                isa,
+                x.get(0..b * k),
+                0..b,
+                0..l.a.panel_count(),
+                h.as_mut_ptr(),
+            );
+            l.b.panels_simd(isa, h, 0..b, panels.clone(), lo.as_mut_ptr());
+            for r in 0..b {
+                let yr = y.get_mut(r * n + cols.start..r * n + cols.end);
+                let lr = &lo[r * n + cols.start..r * n + cols.end];
+                for ((v, u), s) in yr.iter_mut().zip(lr).zip(&l.scale[cols.clone()]) {
+                    *v += u * s;
+                }
             }
         }
     };
@@ -360,6 +463,7 @@ pub fn step(
     let body = |t: usize, nt: usize, bar: &SpinBarrier| {
         let rows = share(b, t, nt);
         let mut qbuf = vec![0f32; g * d];
+        let mut lb = (Vec::new(), Vec::new());
         // SAFETY (all phases): each phase writes only this thread's share (rows, (row, KV head)
         // pairs, or panel columns) of its output buffer and reads buffers that no thread writes
         // in that phase; `bar.wait()` separates the phases.
@@ -372,7 +476,7 @@ pub fn step(
             for (l, lp) in plan.layers.iter().enumerate() {
                 add_norm(rows.clone(), l > 0, &lp.input_layernorm);
                 bar.wait();
-                gemm(&lp.qkv.w, lp.qkv.bias.as_deref(), shn, sqkv, t, nt);
+                gemm(&lp.qkv, shn, sqkv, t, nt, &mut lb);
                 bar.wait();
                 for u in share(b * nkv, t, nt) {
                     let (bi, j) = (u / nkv, u % nkv);
@@ -422,11 +526,11 @@ pub fn step(
                     }
                 }
                 bar.wait();
-                gemm(&lp.o.w, lp.o.bias.as_deref(), satt, sdn, t, nt);
+                gemm(&lp.o, satt, sdn, t, nt, &mut lb);
                 bar.wait();
                 add_norm(rows.clone(), true, &lp.post_attention_layernorm);
                 bar.wait();
-                gemm(&lp.gate_up.w, lp.gate_up.bias.as_deref(), shn, sgu, t, nt);
+                gemm(&lp.gate_up, shn, sgu, t, nt, &mut lb);
                 bar.wait();
                 for r in rows.clone() {
                     let gr = sgu.get(r * 2 * inter..(r + 1) * 2 * inter);
@@ -434,12 +538,20 @@ pub fn step(
                     super::vmath::silu_mul(gate, up, sact.get_mut(r * inter..(r + 1) * inter));
                 }
                 bar.wait();
-                gemm(&lp.down.w, lp.down.bias.as_deref(), sact, sdn, t, nt);
+                gemm(&lp.down, sact, sdn, t, nt, &mut lb);
                 bar.wait();
             }
             add_norm(rows, true, &plan.norm);
             bar.wait();
-            gemm(head, None, shn, slog, t, nt);
+            // The whole `Shared` moves in (its pointer field alone is not `Sync`).
+            let logits_out = slog;
+            head.panels_simd(
+                isa,
+                shn.get(0..b * h),
+                0..b,
+                share(head.panel_count(), t, nt),
+                logits_out.ptr,
+            );
         }
     };
 

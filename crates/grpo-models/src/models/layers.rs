@@ -9,6 +9,7 @@ use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::VarBuilder;
 
 use super::config::{Llama3RopeScaling, ModelConfig};
+use super::decode_cpu::ProjLora;
 use super::fused_attention::Spans;
 use super::grad_sink::{GradSink, SinkProj};
 use super::lora::LoraAdapter;
@@ -212,20 +213,29 @@ impl Linear {
         }
     }
 
-    /// The packed weight and the bias as host floats, when this projection is packed and has
-    /// nothing else to add (no adapter, no gradient sink): the fused decoding step's view of it.
+    /// The packed weight, the bias as host floats and the adapter, when this projection is
+    /// packed with no gradient sink and an adapter the fused step can add (none, or one without
+    /// dropout): the fused decoding step's view of it.
     pub fn packed_parts(&self) -> Result<Option<super::decode_cpu::Proj>> {
-        match (&self.base, &self.lora, &self.sink) {
-            (Base::Packed(p), None, None) => Ok(Some(super::decode_cpu::Proj {
-                w: p.clone(),
-                bias: match &self.bias {
-                    Some(b) if b.dtype() == DType::F32 => Some(b.flatten_all()?.to_vec1()?),
-                    Some(_) => return Ok(None),
-                    None => None,
-                },
-            })),
-            _ => Ok(None),
-        }
+        let (Base::Packed(p), None) = (&self.base, &self.sink) else {
+            return Ok(None);
+        };
+        let lora = match &self.lora {
+            Some(l) => match ProjLora::new(&[(Some(l), p.dims().1)], p.dims().0)? {
+                Some(l) => Some(l),
+                None => return Ok(None),
+            },
+            None => None,
+        };
+        Ok(Some(super::decode_cpu::Proj {
+            w: p.clone(),
+            bias: match &self.bias {
+                Some(b) if b.dtype() == DType::F32 => Some(b.flatten_all()?.to_vec1()?),
+                Some(_) => return Ok(None),
+                None => None,
+            },
+            lora,
+        }))
     }
 
     /// The base projection and bias, without the adapter.
@@ -460,16 +470,27 @@ impl FusedLinear {
     }
 
     /// The joined projection's packed parts ([`Linear::packed_parts`]) when it is packed and
-    /// has no adapters or sink.
+    /// has no sink, with the parts' adapters as one low-rank product ([`ProjLora`]).
     pub fn packed_parts(&self) -> Result<Option<super::decode_cpu::Proj>> {
-        match (
-            &self.joined,
-            &self.sink,
-            self.loras.iter().all(|l| l.is_none()),
-        ) {
-            (Some(j), None, true) => j.packed_parts(),
-            _ => Ok(None),
+        let (Some(j), None) = (&self.joined, &self.sink) else {
+            return Ok(None);
+        };
+        let Some(mut proj) = j.packed_parts()? else {
+            return Ok(None);
+        };
+        if self.loras.iter().any(|l| l.is_some()) {
+            let parts: Vec<_> = self
+                .loras
+                .iter()
+                .map(|l| l.as_ref())
+                .zip(self.outs.iter().copied())
+                .collect();
+            match ProjLora::new(&parts, proj.w.dims().0)? {
+                Some(l) => proj.lora = Some(l),
+                None => return Ok(None),
+            }
         }
+        Ok(Some(proj))
     }
 
     /// `x` [.., in] -> [.., sum of out_i], the parts side by side.

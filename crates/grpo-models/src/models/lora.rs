@@ -67,6 +67,10 @@ impl LoraAdapter {
     pub fn scale(&self) -> f64 {
         self.scale
     }
+    /// Whether the adapter drops out its input (a training model's adapter).
+    pub fn has_dropout(&self) -> bool {
+        self.dropout.is_some()
+    }
 
     /// `scale * B A` [out, in]: what merging adds to the base weight (HF layout).
     pub fn delta_weight(&self) -> Result<Tensor> {
