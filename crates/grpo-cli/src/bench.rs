@@ -255,6 +255,7 @@ fn bench_generate(a: GenBenchArgs) -> Result<()> {
 }
 
 fn bench_gemm(a: GemmArgs) -> Result<()> {
+    use grpo_models::models::gemm_bf16;
     if let Some(n) = a.threads {
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
         let _ = grpo_models::threads::set_global_threads(n);
@@ -284,6 +285,31 @@ fn bench_gemm(a: GemmArgs) -> Result<()> {
             best_t = best_t.min(t0.elapsed().as_secs_f64());
         }
         let gflops_t = 2.0 * (m * k * nn) as f64 / best_t / 1e9;
+        // CPU mixed precision's product (`dtype = "bf16"`): inputs rounded to bf16 and packed at
+        // each call, f32 sums.
+        let (xs, ws) = (
+            x.flatten_all()?.to_vec1::<f32>()?,
+            w.flatten_all()?.to_vec1::<f32>()?,
+        );
+        let mut y = vec![0f32; m * nn];
+        let mut best_b = f64::INFINITY;
+        for _ in 0..a.reps {
+            let t0 = Instant::now();
+            let av = gemm_bf16::Strided {
+                ptr: xs.as_ptr(),
+                rs: k as isize,
+                cs: 1,
+            };
+            let bv = gemm_bf16::Strided {
+                ptr: ws.as_ptr(),
+                rs: 1,
+                cs: k as isize,
+            };
+            // SAFETY: x is [m, k], w is [nn, k] read as its transpose, y is [m, nn]; all owned here.
+            unsafe { gemm_bf16::gemm(m, nn, k, y.as_mut_ptr(), nn as isize, 1, false, av, bv) };
+            best_b = best_b.min(t0.elapsed().as_secs_f64());
+        }
+        let gflops_b = 2.0 * (m * k * nn) as f64 / best_b / 1e9;
         let line = serde_json::json!({
             "bench": "gemm_f32",
             "isa": grpo_models::kernels::Isa::active().name(),
@@ -291,9 +317,52 @@ fn bench_gemm(a: GemmArgs) -> Result<()> {
             "best_s": best,
             "gflops": (gflops * 10.0).round() / 10.0,
             "gflops_weight_in_out": (gflops_t * 10.0).round() / 10.0,
+            "gflops_bf16": (gflops_b * 10.0).round() / 10.0,
             "total_s": t_all.elapsed().as_secs_f64(),
         });
         println!("{line}");
     }
+    // A weight's gradient as training computes it: dW [out, in] = dY^T X, dY [rows, out] and X
+    // [rows, in] row-major (dY read transposed), f32 (the `gemm` crate) and bf16.
+    let (rows, o, i) = (a.rows, 1536, 576);
+    let gy: Vec<f32> = Tensor::randn(0f32, 1.0, (rows, o), &dev)?
+        .flatten_all()?
+        .to_vec1()?;
+    let xv: Vec<f32> = Tensor::randn(0f32, 1.0, (rows, i), &dev)?
+        .flatten_all()?
+        .to_vec1()?;
+    let gyt = Tensor::from_slice(&gy, (rows, o), &dev)?;
+    let xt = Tensor::from_slice(&xv, (rows, i), &dev)?;
+    let mut dw = vec![0f32; o * i];
+    let (mut best_f, mut best_b) = (f64::INFINITY, f64::INFINITY);
+    for _ in 0..a.reps {
+        let t0 = Instant::now();
+        // candle's matmul of the transposed view: the `gemm` crate with dY's strides.
+        let _dw32 = gyt.t()?.matmul(&xt)?;
+        best_f = best_f.min(t0.elapsed().as_secs_f64());
+        let t0 = Instant::now();
+        let av = gemm_bf16::Strided {
+            ptr: gy.as_ptr(),
+            rs: 1,
+            cs: o as isize,
+        };
+        let bv = gemm_bf16::Strided {
+            ptr: xv.as_ptr(),
+            rs: i as isize,
+            cs: 1,
+        };
+        // SAFETY: dw is [o, i], gy [rows, o] read as its transpose, xv [rows, i]; all owned here.
+        unsafe { gemm_bf16::gemm(o, i, rows, dw.as_mut_ptr(), i as isize, 1, false, av, bv) };
+        best_b = best_b.min(t0.elapsed().as_secs_f64());
+    }
+    let flops = 2.0 * (rows * o * i) as f64 / 1e9;
+    let line = serde_json::json!({
+        "bench": "gemm_weight_grad",
+        "isa": grpo_models::kernels::Isa::active().name(),
+        "rows": rows, "out": o, "in": i,
+        "gflops": (flops / best_f * 10.0).round() / 10.0,
+        "gflops_bf16": (flops / best_b * 10.0).round() / 10.0,
+    });
+    println!("{line}");
     Ok(())
 }

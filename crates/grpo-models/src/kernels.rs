@@ -28,11 +28,14 @@ pub enum Isa {
     Avx2,
     /// AVX-512F (x86-64).
     Avx512,
+    /// AVX-512F with AVX512_BF16 (`vdpbf16ps`): the f32 kernels run as at [`Isa::Avx512`]; the
+    /// bf16 GEMM of CPU mixed precision ([`crate::models::gemm_bf16`]) uses the instruction.
+    Avx512Bf16,
 }
 
 impl Isa {
     /// Every level, lowest first.
-    pub const ALL: [Isa; 3] = [Isa::Baseline, Isa::Avx2, Isa::Avx512];
+    pub const ALL: [Isa; 4] = [Isa::Baseline, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16];
 
     /// The name `GRPO_ISA` takes.
     pub fn name(self) -> &'static str {
@@ -40,18 +43,20 @@ impl Isa {
             Isa::Baseline => "baseline",
             Isa::Avx2 => "avx2",
             Isa::Avx512 => "avx512",
+            Isa::Avx512Bf16 => "avx512bf16",
         }
     }
 
-    /// Parses a `GRPO_ISA` value: `auto` (None), `avx512`, `avx2` or `baseline`.
+    /// Parses a `GRPO_ISA` value: `auto` (None), `avx512bf16`, `avx512`, `avx2` or `baseline`.
     pub fn parse(s: &str) -> Result<Option<Isa>, String> {
         match s.trim().to_ascii_lowercase().as_str() {
             "" | "auto" => Ok(None),
+            "avx512bf16" | "avx512_bf16" => Ok(Some(Isa::Avx512Bf16)),
             "avx512" | "avx512f" | "avx-512" => Ok(Some(Isa::Avx512)),
             "avx2" => Ok(Some(Isa::Avx2)),
             "baseline" | "scalar" | "generic" => Ok(Some(Isa::Baseline)),
             other => Err(format!(
-                "GRPO_ISA=`{other}` is not an instruction set: use auto, avx512, avx2 or baseline"
+                "GRPO_ISA=`{other}` is not an instruction set: use auto, avx512bf16, avx512, avx2 or baseline"
             )),
         }
     }
@@ -64,7 +69,10 @@ impl Isa {
             #[cfg(target_arch = "x86_64")]
             {
                 if std::arch::is_x86_feature_detected!("avx512f") {
-                    return Isa::Avx512;
+                    return match std::arch::is_x86_feature_detected!("avx512bf16") {
+                        true => Isa::Avx512Bf16,
+                        false => Isa::Avx512,
+                    };
                 }
                 if std::arch::is_x86_feature_detected!("avx2")
                     && std::arch::is_x86_feature_detected!("fma")
@@ -92,7 +100,7 @@ impl Isa {
             let want = std::env::var("GRPO_ISA")
                 .ok()
                 .and_then(|v| Isa::parse(&v).ok().flatten());
-            want.unwrap_or(Isa::Avx512).usable()
+            want.unwrap_or(Isa::Avx512Bf16).usable()
         })
     }
 }
@@ -187,24 +195,47 @@ pub enum Compute {
     /// grpo's own CPU code where it applies: fused ops, packed and fused decoding, gradient sinks,
     /// one-row packing, in-place AdamW (f32 on the CPU with the fused kernel set).
     CpuFused,
+    /// [`Compute::CpuFused`] with the projections' GEMMs in bf16 with f32 sums: CPU mixed
+    /// precision, what a bf16 model resolves to on a CPU with AVX-512 and the fused kernels.
+    /// Its weights are kept in f32 ([`Compute::storage_dtype`]), as are gradients and optimizer
+    /// state; only the products' inputs are rounded to bf16.
+    CpuMixed,
     /// candle ops only: a GPU, bf16, or `kernels = "portable"` on the CPU.
     Portable,
 }
 
 impl Compute {
     /// The compute for a model or optimizer whose parameters are `dtype` on `device`, under the
-    /// kernel set in force ([`kernels`]).
+    /// kernel set in force ([`kernels`]): the fused CPU code for f32, its mixed-precision form
+    /// for bf16 where the CPU has AVX-512 ([`Compute::CpuMixed`]), candle ops otherwise.
     pub fn resolve(device: &candle_core::Device, dtype: candle_core::DType) -> Compute {
-        match device.is_cpu() && dtype == candle_core::DType::F32 && kernels() == Kernels::Fused {
-            true => Compute::CpuFused,
-            false => Compute::Portable,
+        use candle_core::DType;
+        match (device.is_cpu() && kernels() == Kernels::Fused, dtype) {
+            (true, DType::F32) => Compute::CpuFused,
+            (true, DType::BF16) if Isa::active() >= Isa::Avx512 => Compute::CpuMixed,
+            _ => Compute::Portable,
+        }
+    }
+
+    /// The dtype a model of `dtype` keeps its weights in under this compute: f32 for
+    /// [`Compute::CpuMixed`], else `dtype` itself.
+    pub fn storage_dtype(self, dtype: candle_core::DType) -> candle_core::DType {
+        match self {
+            Compute::CpuMixed => candle_core::DType::F32,
+            _ => dtype,
         }
     }
 
     /// Whether grpo's fused CPU code runs at all.
     #[inline]
     pub fn is_fused(self) -> bool {
-        self == Compute::CpuFused
+        matches!(self, Compute::CpuFused | Compute::CpuMixed)
+    }
+
+    /// Whether the projections multiply in bf16 with f32 sums ([`Compute::CpuMixed`]).
+    #[inline]
+    pub fn bf16_matmuls(self) -> bool {
+        self == Compute::CpuMixed
     }
 
     /// Whether a fused CPU kernel runs on `x`: [`Compute::CpuFused`] and `x` f32 on the CPU (a
@@ -229,6 +260,7 @@ impl Compute {
     pub fn name(self) -> &'static str {
         match self {
             Compute::CpuFused => "fused CPU kernels",
+            Compute::CpuMixed => "fused CPU kernels, bf16 matmuls",
             Compute::Portable => "portable (candle ops)",
         }
     }
@@ -301,7 +333,9 @@ macro_rules! isa_dispatch {
                 }
                 match isa.usable() {
                     // SAFETY: `usable` lowers `isa` to what the CPU was detected to run.
-                    $crate::kernels::Isa::Avx512 => return unsafe { avx512($($arg),*) },
+                    $crate::kernels::Isa::Avx512 | $crate::kernels::Isa::Avx512Bf16 => {
+                        return unsafe { avx512($($arg),*) }
+                    }
                     // SAFETY: as above.
                     $crate::kernels::Isa::Avx2 => return unsafe { avx2($($arg),*) },
                     $crate::kernels::Isa::Baseline => {}
@@ -354,7 +388,7 @@ mod tests {
         assert_eq!(Isa::parse("baseline"), Ok(Some(Isa::Baseline)));
         let e = Isa::parse("sse9").unwrap_err();
         assert!(
-            e.contains("GRPO_ISA") && e.contains("avx512, avx2 or baseline"),
+            e.contains("GRPO_ISA") && e.contains("avx512bf16, avx512, avx2 or baseline"),
             "{e}"
         );
         assert_eq!(Kernels::parse("portable"), Ok(Kernels::Portable));

@@ -35,6 +35,8 @@ pub struct GradAcc {
 #[derive(Debug, Default)]
 pub struct GradSink {
     accs: HashMap<TensorId, Arc<GradAcc>>,
+    /// Whether the projections multiply in bf16 ([`crate::kernels::Compute::CpuMixed`]).
+    bf16: bool,
 }
 
 impl GradSink {
@@ -55,7 +57,14 @@ impl GradSink {
                 (v.id(), Arc::new(acc))
             })
             .collect();
-        Self { accs }
+        Self { accs, bf16: false }
+    }
+
+    /// `self`, its projections multiplying in bf16 with f32 sums (`on`: a model under
+    /// [`crate::kernels::Compute::CpuMixed`]) or in f32 (the default).
+    pub fn with_bf16_matmuls(mut self, on: bool) -> Self {
+        self.bf16 = on;
+        self
     }
 
     pub(crate) fn get(&self, param: &Tensor) -> Option<Arc<GradAcc>> {
@@ -93,6 +102,8 @@ pub struct SinkProj {
     parts: Vec<Part>,
     in_dim: usize,
     out_dim: usize,
+    /// Multiply in bf16 with f32 sums ([`super::gemm_bf16`]) instead of f32.
+    bf16: bool,
 }
 
 impl SinkProj {
@@ -126,13 +137,15 @@ impl SinkProj {
             parts: out,
             in_dim,
             out_dim,
+            bf16: sink.bf16,
         }))
     }
 
     /// A projection by frozen weights `[out_i, in]` (views are fine): the backward computes the
     /// input's gradient only. candle's matmul backward would also compute the weight's gradient
     /// (as many FLOPs as the input's) and drop it. `None` unless every weight is f32 on the CPU.
-    pub fn frozen(weights: &[&Tensor]) -> Result<Option<Self>> {
+    /// Multiplies in bf16 when `compute` says so ([`crate::kernels::Compute::bf16_matmuls`]).
+    pub fn frozen(weights: &[&Tensor], compute: crate::kernels::Compute) -> Result<Option<Self>> {
         let mut in_dim = None;
         for w in weights {
             let (_, i) = w.dims2()?;
@@ -158,6 +171,7 @@ impl SinkProj {
             parts,
             in_dim,
             out_dim,
+            bf16: compute.bf16_matmuls(),
         }))
     }
 
@@ -172,6 +186,73 @@ impl SinkProj {
             *last = self.out_dim;
         }
         y.reshape(shape)
+    }
+}
+
+impl SinkProj {
+    /// `dst (+)= lhs rhs` ([m, k] times [k, n]; element strides as the `gemm` crate takes
+    /// them: column stride, then row stride): added when `accumulate`, else overwritten. In f32
+    /// with the `gemm` crate, or in bf16 with f32 sums ([`super::gemm_bf16`]).
+    ///
+    /// # Safety
+    /// The three views must be valid for their `[m, n]`, `[m, k]` and `[k, n]` elements, and
+    /// `dst` must not overlap the others.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn gemm(
+        &self,
+        m: usize,
+        n: usize,
+        k: usize,
+        dst: *mut f32,
+        dst_cs: isize,
+        dst_rs: isize,
+        accumulate: bool,
+        lhs: *const f32,
+        lhs_cs: isize,
+        lhs_rs: isize,
+        rhs: *const f32,
+        rhs_cs: isize,
+        rhs_rs: isize,
+    ) {
+        if self.bf16 {
+            let a = super::gemm_bf16::Strided {
+                ptr: lhs,
+                rs: lhs_rs,
+                cs: lhs_cs,
+            };
+            let b = super::gemm_bf16::Strided {
+                ptr: rhs,
+                rs: rhs_rs,
+                cs: rhs_cs,
+            };
+            // SAFETY: (caller) as `gemm_bf16::gemm` requires.
+            unsafe { super::gemm_bf16::gemm(m, n, k, dst, dst_rs, dst_cs, accumulate, a, b) };
+            return;
+        }
+        // SAFETY: (caller) as the `gemm` crate requires.
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                dst,
+                dst_cs,
+                dst_rs,
+                accumulate,
+                lhs,
+                lhs_cs,
+                lhs_rs,
+                rhs,
+                rhs_cs,
+                rhs_rs,
+                if accumulate { 1.0 } else { 0.0 },
+                1.0,
+                false,
+                false,
+                false,
+                gemm_threads(),
+            )
+        };
     }
 }
 
@@ -215,7 +296,7 @@ impl CustomOp1 for SinkProj {
             // the weight view [o, k] with strides (s0, s1) from its start offset lies inside its
             // storage (candle's layout invariant).
             unsafe {
-                gemm::gemm(
+                self.gemm(
                     n,
                     o,
                     k,
@@ -229,12 +310,6 @@ impl CustomOp1 for SinkProj {
                     w.as_ptr().add(wl.start_offset()),
                     s0, // rhs[kk, j] = W[j, kk]: moving along j (a column of rhs) steps a row of W
                     s1,
-                    0.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm_threads(),
                 );
             }
             col += o;
@@ -280,7 +355,7 @@ impl CustomOp1 for SinkProj {
             // dX += dY[:, part] W_i   (m = n, n = k, k = o)
             // SAFETY: as in the forward; gx is [n, k], dY is [n, out_dim] contiguous.
             unsafe {
-                gemm::gemm(
+                self.gemm(
                     n,
                     k,
                     o,
@@ -294,12 +369,6 @@ impl CustomOp1 for SinkProj {
                     w.as_ptr().add(off),
                     s1,
                     s0,
-                    1.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm_threads(),
                 );
             }
             // dW_i += dY[:, part]^T X, written where W_i's elements live in the parameter.
@@ -320,7 +389,7 @@ impl CustomOp1 for SinkProj {
             // SAFETY: every index off + r*s0 + c*s1 (r < o, c < k) is within acc (checked above);
             // dY[:, part] is read as its transpose [o, n] and X as [n, k].
             unsafe {
-                gemm::gemm(
+                self.gemm(
                     o,
                     k,
                     n,
@@ -334,12 +403,6 @@ impl CustomOp1 for SinkProj {
                     xv.as_ptr(),
                     1,
                     k as isize,
-                    1.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm_threads(),
                 );
             }
             col += o;

@@ -197,7 +197,11 @@ impl Linear {
                     && self.compute.fuses(wt)
                     && self.compute.packs_for_decoding() =>
             {
-                self.base = Base::Packed(std::sync::Arc::new(PackedWeight::from_in_out(wt)?));
+                let packed = match self.compute.bf16_matmuls() {
+                    true => PackedWeight::from_in_out_bf16(wt)?,
+                    false => PackedWeight::from_in_out(wt)?,
+                };
+                self.base = Base::Packed(std::sync::Arc::new(packed));
                 Ok(true)
             }
             Base::Quant(q) if self.sink.is_none() && self.compute.packs_for_decoding() => {
@@ -244,11 +248,17 @@ impl Linear {
             (Some(op), _) => op.forward(x)?, // [.., out]
             (None, Base::Quant(q)) => q.forward(x, self.compute)?,
             (None, Base::Packed(p)) => p.forward(x)?,
+            (None, Base::Dense(wt))
+                if self.compute.bf16_matmuls() && !x.track_op() && self.compute.fuses(wt) =>
+            {
+                // CPU mixed precision, a frozen model (the reference): bf16 products.
+                super::gemm_bf16::matmul(x, wt)?
+            }
             (None, Base::Dense(wt)) => {
                 // A frozen weight under a graph (LoRA training, earlier layers' adapters):
                 // the input's gradient only.
                 let frozen = match self.param.is_none() && x.track_op() && self.compute.fuses(x) {
-                    true => SinkProj::frozen(&[&wt.t()?])?,
+                    true => SinkProj::frozen(&[&wt.t()?], self.compute)?,
                     false => None,
                 };
                 match frozen {

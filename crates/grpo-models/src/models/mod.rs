@@ -18,6 +18,7 @@ pub mod encoder;
 pub mod fused;
 pub mod fused_attention;
 pub mod fused_gpu;
+pub mod gemm_bf16;
 pub mod gpt2;
 pub mod grad_sink;
 pub mod layers;
@@ -91,6 +92,9 @@ impl CausalLm {
         let dtype = vb.dtype();
         let device = vb.device().clone();
         let compute = Compute::resolve(&device, dtype);
+        // CPU mixed precision keeps f32 weights and activations (bf16 only inside products).
+        let dtype = compute.storage_dtype(dtype);
+        let vb = vb.set_dtype(dtype);
         let built = match cfg.arch {
             Arch::Llama
             | Arch::Qwen2
@@ -282,9 +286,11 @@ impl CausalLm {
         }
         let w = self.lm_head();
         if n > 0 && self.head.is_none() && !w.track_op() {
-            self.head_packed = Some(std::sync::Arc::new(
-                packed::PackedWeight::from_out_in(w).map_err(err)?,
-            ));
+            let head = match self.compute.bf16_matmuls() {
+                true => packed::PackedWeight::from_out_in_bf16(w),
+                false => packed::PackedWeight::from_out_in(w),
+            };
+            self.head_packed = Some(std::sync::Arc::new(head.map_err(err)?));
             n += 1;
         }
         if let (Inner::Llama(m), Some(head)) = (&self.inner, &self.head_packed) {
@@ -468,9 +474,12 @@ impl CausalLm {
         }
         // A frozen head under a graph (LoRA): the input's gradient only, no [vocab, hidden] one.
         if !w.track_op() && h.track_op() && self.compute.fuses(h) {
-            if let Some(p) = grad_sink::SinkProj::frozen(&[w])? {
+            if let Some(p) = grad_sink::SinkProj::frozen(&[w], self.compute)? {
                 return Ok(p.forward(h)?);
             }
+        }
+        if self.compute.bf16_matmuls() && !h.track_op() && self.compute.fuses(h) {
+            return Ok(gemm_bf16::matmul(h, &w.t()?)?);
         }
         Ok(h.matmul(&w.t()?)?)
     }
@@ -497,6 +506,10 @@ impl CausalLm {
         };
         let n: usize = lead.iter().product();
         let logits = match (&self.head_packed, hidden.track_op()) {
+            // CPU mixed precision: the head multiplies in bf16 wherever it runs.
+            _ if self.compute.bf16_matmuls() => {
+                self.head_logits_uncapped(&hidden.reshape((n, h))?)?
+            }
             (Some(p), false) => p.forward(&hidden.reshape((n, h))?)?,
             _ => hidden.reshape((n, h))?.matmul(&self.lm_head().t()?)?,
         }; // [N, V]

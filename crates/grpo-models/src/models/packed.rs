@@ -17,6 +17,7 @@
 
 use candle_core::{bail, CpuStorage, DType, Device, Result, Storage, Tensor};
 
+use super::gemm_bf16::{Bf16Panels, Strided};
 use super::packed_quant::QuantPanels;
 use super::quant::QuantProj;
 use crate::kernels::Isa;
@@ -49,6 +50,8 @@ pub struct PackedWeight {
 enum Store {
     F32(Vec<f32>),
     Quant(QuantPanels),
+    /// bf16 pair words, for CPU mixed precision's products ([`super::gemm_bf16`]).
+    Bf16(Bf16Panels),
 }
 
 thread_local! {
@@ -114,11 +117,56 @@ impl PackedWeight {
         }))
     }
 
+    /// Packs `w` [out, in] (HF layout) as bf16 for CPU mixed precision: products of bf16
+    /// inputs with f32 sums ([`super::gemm_bf16`]), the input rounded to bf16 at each call.
+    pub fn from_out_in_bf16(w: &Tensor) -> Result<Self> {
+        let (n, k) = Self::check(w)?;
+        with_f32(w, |src| {
+            let view = Strided {
+                ptr: src.as_ptr(),
+                rs: 1,
+                cs: k as isize,
+            };
+            // SAFETY: `view` reads element (kk, c) = src[c * k + kk] of the [n, k] slice.
+            let panels = unsafe { Bf16Panels::pack(view, k, n) };
+            Ok(Self {
+                data: Store::Bf16(panels),
+                k,
+                n,
+            })
+        })
+    }
+
+    /// [`Self::from_out_in_bf16`] from `wt` [in, out] (the layout [`super::layers::Linear`] keeps).
+    pub fn from_in_out_bf16(wt: &Tensor) -> Result<Self> {
+        let (k, n) = Self::check(wt)?;
+        with_f32(wt, |src| {
+            let view = Strided {
+                ptr: src.as_ptr(),
+                rs: n as isize,
+                cs: 1,
+            };
+            // SAFETY: `view` reads element (kk, c) = src[kk * n + c] of the [k, n] slice.
+            let panels = unsafe { Bf16Panels::pack(view, k, n) };
+            Ok(Self {
+                data: Store::Bf16(panels),
+                k,
+                n,
+            })
+        })
+    }
+
+    /// Whether the product is in bf16 ([`Self::from_out_in_bf16`]).
+    pub fn is_bf16(&self) -> bool {
+        matches!(self.data, Store::Bf16(_))
+    }
+
     /// Bytes the packed weight occupies.
     pub fn size_in_bytes(&self) -> usize {
         match &self.data {
             Store::F32(d) => 4 * d.len(),
             Store::Quant(q) => q.size_in_bytes(),
+            Store::Bf16(b) => b.size_in_bytes(),
         }
     }
 
@@ -131,6 +179,19 @@ impl PackedWeight {
             Store::Quant(q) => {
                 buf.resize(len, 0.0);
                 q.panel_into(isa, p, buf);
+                &buf[..len]
+            }
+            Store::Bf16(b) => {
+                buf.resize(len, 0.0);
+                for (kk, row) in buf.chunks_exact_mut(PANEL).enumerate() {
+                    for (c, v) in row.iter_mut().enumerate() {
+                        *v = if p * PANEL + c < self.n {
+                            b.get(kk, p * PANEL + c)
+                        } else {
+                            0.0
+                        };
+                    }
+                }
                 &buf[..len]
             }
         }
@@ -213,7 +274,7 @@ impl PackedWeight {
     /// baseline is [`matmul_portable`]).
     pub fn matmul_on(&self, isa: Isa, x: &[f32], rows: usize) -> Vec<f32> {
         let isa = isa.usable();
-        if isa == Isa::Baseline {
+        if isa == Isa::Baseline && !self.is_bf16() {
             return matmul_portable(self, x, rows);
         }
         let (n, panels) = (self.n, self.panels());
@@ -251,6 +312,11 @@ impl PackedWeight {
         panels: std::ops::Range<usize>,
         y: *mut f32,
     ) {
+        if let Store::Bf16(bp) = &self.data {
+            // SAFETY: (caller) as this function's.
+            unsafe { self.panels_bf16(bp, isa, x, rows, panels, y) };
+            return;
+        }
         // Without x86-64 no SIMD level is ever usable (`Isa::detected` is the baseline).
         #[cfg(not(target_arch = "x86_64"))]
         {
@@ -267,14 +333,14 @@ impl PackedWeight {
                     let cols = (n - p * PANEL).min(PANEL);
                     let mut buf = match &self.data {
                         Store::F32(_) => Vec::new(),
-                        Store::Quant(_) => PANEL_BUF.with(|b| b.take()),
+                        Store::Quant(_) | Store::Bf16(_) => PANEL_BUF.with(|b| b.take()),
                     };
                     let w = self.panel(isa, p, &mut buf);
                     // The next f32 panel, a share per tile, fetched while this one computes (a
                     // quantized one is small and read in order: left to the hardware).
                     let next = match &self.data {
                         Store::F32(d) => d.get((p + 1) * k * PANEL..(p + 2) * k * PANEL),
-                        Store::Quant(_) => None,
+                        Store::Quant(_) | Store::Bf16(_) => None,
                     };
                     let share = (k * PANEL).div_ceil(tiles);
                     let (mut r, mut tile) = (r0, 0);
@@ -291,7 +357,9 @@ impl PackedWeight {
                         // panel of `k` rows; the tile writes rows r..r+mr, columns p*PANEL..+cols.
                         unsafe {
                             match isa {
-                                Isa::Avx512 => avx512::tile(xs, w, k, mr, yt, n, cols, ahead),
+                                Isa::Avx512 | Isa::Avx512Bf16 => {
+                                    avx512::tile(xs, w, k, mr, yt, n, cols, ahead)
+                                }
                                 _ => avx2::tile(xs, w, k, mr, yt, n, cols, ahead),
                             }
                         }
@@ -301,6 +369,58 @@ impl PackedWeight {
                     if let Store::Quant(_) = &self.data {
                         PANEL_BUF.with(|b| b.replace(buf));
                     }
+                }
+            }
+        }
+    }
+
+    /// [`Self::panels_simd`] for bf16 panels, at any `isa` ([`super::gemm_bf16::tile_on`]):
+    /// each block of input rows rounded to bf16 pair words on this thread, then tiles of up to
+    /// 12 rows times one panel.
+    ///
+    /// # Safety
+    /// As [`Self::panels_simd`], at any level.
+    unsafe fn panels_bf16(
+        &self,
+        bp: &Bf16Panels,
+        isa: Isa,
+        x: &[f32],
+        rows: std::ops::Range<usize>,
+        panels: std::ops::Range<usize>,
+        y: *mut f32,
+    ) {
+        use super::gemm_bf16::{pack_rows_here, tile_on, TILE_ROWS as BF16_TILE};
+        let (k, n, kh) = (self.k, self.n, bp.kh());
+        let mut xw = Vec::new();
+        let mut acc = [0f32; BF16_TILE * PANEL];
+        for blk in rows.clone().step_by(BLOCK_ROWS) {
+            let (r0, r1) = (blk, (blk + BLOCK_ROWS).min(rows.end));
+            pack_rows_here(&x[r0 * k..r1 * k], r1 - r0, k, &mut xw);
+            let tiles = (r1 - r0).div_ceil(BF16_TILE);
+            for p in panels.clone() {
+                let cols = (n - p * PANEL).min(PANEL);
+                let w = bp.panel(p);
+                let (mut r, mut tile) = (r0, 0);
+                while r < r1 {
+                    let mr = (r1 - r0) / tiles + usize::from(tile < (r1 - r0) % tiles);
+                    tile_on(
+                        isa,
+                        &xw[(r - r0) * kh..(r - r0 + mr) * kh],
+                        w,
+                        kh,
+                        mr,
+                        &mut acc,
+                    );
+                    for i in 0..mr {
+                        // SAFETY: (caller) row r + i, columns p * PANEL + cols of `y` are this
+                        // call's to write.
+                        let yr = unsafe { y.add((r + i) * n + p * PANEL) };
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(acc[i * PANEL..].as_ptr(), yr, cols)
+                        };
+                    }
+                    r += mr;
+                    tile += 1;
                 }
             }
         }

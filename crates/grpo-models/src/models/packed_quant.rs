@@ -108,7 +108,7 @@ impl QuantPanels {
     pub fn panel_into(&self, isa: Isa, p: usize, out: &mut [f32]) {
         assert!(out.len() >= self.k * PANEL && p < self.n.div_ceil(PANEL));
         #[cfg(target_arch = "x86_64")]
-        if isa.usable() == Isa::Avx512 {
+        if isa.usable() >= Isa::Avx512 {
             // SAFETY: the CPU runs AVX-512F (`usable`); `out` holds a panel (asserted above).
             unsafe { avx512::panel(self, p, out) };
             return;

@@ -188,11 +188,12 @@ impl Policy for CausalLmPolicy {
         // (embedding, norms, biases, LoRA adapters) through candle's autograd, or, for blocks
         // recomputed by gradient checkpointing, into the checkpoint store.
         // (The sink is fused CPU f32 code: a bf16 model keeps candle's autograd.)
-        let sink = match self.dtype {
-            DType::F32 => GradSink::new(&self.vars),
-            _ => GradSink::default(),
+        let compute = grpo_models::kernels::Compute::resolve(&self.device, self.dtype);
+        let sink = match compute.is_fused() {
+            true => GradSink::new(&self.vars).with_bf16_matmuls(compute.bf16_matmuls()),
+            false => GradSink::default(),
         };
-        if self.lora.is_none() && self.dtype == DType::F32 {
+        if self.lora.is_none() && compute.is_fused() {
             model.attach_grad_sink(&sink)?;
         }
         let ckpt = match gradient_checkpointing {

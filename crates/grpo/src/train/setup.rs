@@ -673,12 +673,21 @@ pub fn update_options(cfg: &TrainConfig, pad: u32) -> UpdateOptions {
 
 impl LoadPolicy for CausalLmPolicy {
     fn check(cfg: &TrainConfig, device: &Device, main: bool) -> Result<()> {
+        let isa = grpo_models::kernels::Isa::active();
+        let compute = grpo_models::kernels::Compute::resolve(device, cfg.run.dtype.compute());
         if cfg.run.dtype != DTypeOpt::F32 && device.is_cpu() && main {
-            tracing::warn!(
-                "dtype = bf16 on the CPU: candle multiplies bf16 matrices with a plain loop \
-                 there (its GEMM has no bf16 kernels), many times slower than f32; bf16 is \
-                 meant for GPUs (set dtype = \"f32\" on the CPU)"
-            );
+            if !compute.bf16_matmuls() {
+                tracing::warn!(
+                    "dtype = bf16 on the CPU without grpo's bf16 matmuls (kernels = portable, or \
+                     no AVX-512: instruction set {isa}): candle multiplies bf16 matrices by \
+                     widening them to f32, slower than dtype = \"f32\""
+                );
+            } else if isa < grpo_models::kernels::Isa::Avx512Bf16 {
+                tracing::warn!(
+                    "dtype = bf16 on a CPU without AVX512_BF16 (instruction set {isa}): the bf16 \
+                     matmuls are emulated with f32 FMAs, slower than dtype = \"f32\""
+                );
+            }
         }
         Ok(())
     }

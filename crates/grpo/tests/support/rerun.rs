@@ -12,6 +12,11 @@ pub fn is_rerun() -> bool {
 /// `env` asks for an instruction set above what the CPU runs); panics with the output unless
 /// the rerun passes and runs at least `min_tests` tests.
 pub fn rerun_with(env: &[(&str, &str)], min_tests: usize) {
+    rerun_only(env, &[], min_tests)
+}
+
+/// [`rerun_with`] for the tests whose names contain one of `filters` (all when empty).
+pub fn rerun_only(env: &[(&str, &str)], filters: &[&str], min_tests: usize) {
     if is_rerun() {
         return;
     }
@@ -24,7 +29,9 @@ pub fn rerun_with(env: &[(&str, &str)], min_tests: usize) {
     }
     let exe = std::env::current_exe().unwrap();
     let mut cmd = std::process::Command::new(&exe);
-    cmd.env("GRPO_TEST_RERUN", "1").arg("--test-threads=2");
+    cmd.env("GRPO_TEST_RERUN", "1")
+        .arg("--test-threads=2")
+        .args(filters);
     for (k, v) in env {
         cmd.env(k, v);
     }

@@ -1,0 +1,905 @@
+//! The bf16 GEMM of CPU mixed precision (`dtype = "bf16"` on the CPU): `C (+)= A B` with `A`
+//! and `B` f32 in memory, rounded to bf16 (round to nearest even) as they are packed, and the
+//! products summed in f32 accumulators. Weights, gradients and optimizer state stay f32; only
+//! the multiplications' inputs lose precision, as under torch's CPU autocast.
+//!
+//! The kernel is AVX512_BF16's `vdpbf16ps`: one instruction multiplies 16 pairs of bf16 values
+//! into 16 f32 accumulators, twice the f32 FMA rate. So that a pair is one 32-bit lane, both
+//! operands are packed in pairs along `k`: `B` as panels of [`PANEL`] columns, each `[k / 2,
+//! PANEL]` words holding `(B[2j, c], B[2j+1, c])`, and each row of `A` as `k / 2` words (an odd
+//! `k` gets a zero). A tile of up to 12 rows times one panel keeps its 24 accumulators in
+//! registers, as the f32 decoding GEMM ([`super::packed`]) does.
+//!
+//! Variants, by [`Isa`] (`GRPO_ISA` forces one): `avx512bf16` runs `vdpbf16ps`; `avx512` and
+//! below emulate it with f32 FMAs in its order (the odd element of a pair first, then the even
+//! one: each product of two bf16 values is exact in f32, so an FMA rounds it with the sum as the
+//! instruction does). They agree bit for bit with the hardware except where a value is a
+//! denormal, which the instruction treats as zero and the emulation does not (tests use normal
+//! values). Without AVX-512 the emulation is plain Rust: a reference, not a fast path.
+
+use rayon::prelude::*;
+
+use super::packed::{share, PANEL};
+use crate::kernels::Isa;
+
+/// Rows per register tile.
+pub(crate) const TILE_ROWS: usize = 12;
+/// Rows per parallel task.
+const BLOCK_ROWS: usize = 192;
+
+/// `x` rounded to bf16 (round to nearest, ties to even; a NaN stays a quiet NaN), as the high
+/// half of its bits.
+#[inline(always)]
+pub fn to_bf16(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        ((b >> 16) | 0x40) as u16
+    } else {
+        ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+    }
+}
+
+/// A bf16 value as f32 (exact).
+#[inline(always)]
+pub fn from_bf16(h: u16) -> f32 {
+    f32::from_bits((h as u32) << 16)
+}
+
+/// `src` rounded to bf16 into `dst` (same length): [`to_bf16`] of each, 16 at a time with
+/// AVX-512 (the same integer rounding, so the same bits).
+pub fn to_bf16_slice(src: &[f32], dst: &mut [u16]) {
+    assert_eq!(src.len(), dst.len());
+    #[cfg(target_arch = "x86_64")]
+    if Isa::active() >= Isa::Avx512 {
+        // SAFETY: the CPU runs AVX-512F (`active` is lowered to what it runs).
+        unsafe { x86::to_bf16_slice(src, dst) };
+        return;
+    }
+    for (d, &v) in dst.iter_mut().zip(src) {
+        *d = to_bf16(v);
+    }
+}
+
+/// Two values as one pair word: `lo` (the even `k`) in the low half.
+#[inline(always)]
+fn pair(lo: f32, hi: f32) -> u32 {
+    to_bf16(lo) as u32 | ((to_bf16(hi) as u32) << 16)
+}
+
+/// The pair word at `(r, c)` and the next element along `k` (down a column when `down`, else
+/// along the row), the second 0 past `k`.
+///
+/// # Safety
+/// Both elements (the first only, at the end of `k`) must lie in the matrix.
+#[inline(always)]
+unsafe fn pair_at(m: Strided, r: usize, c: usize, k: usize, down: bool) -> u32 {
+    let (next, at_k) = if down {
+        ((r + 1, c), r + 1)
+    } else {
+        ((r, c + 1), c + 1)
+    };
+    // SAFETY: (caller)
+    unsafe {
+        pair(
+            m.at(r, c),
+            if at_k < k { m.at(next.0, next.1) } else { 0.0 },
+        )
+    }
+}
+
+/// A strided f32 matrix: element `(r, c)` at `ptr + r * rs + c * cs`.
+#[derive(Clone, Copy)]
+pub struct Strided {
+    pub ptr: *const f32,
+    pub rs: isize,
+    pub cs: isize,
+}
+// SAFETY: read-only views handed to the tasks of one call, which outlives them.
+unsafe impl Send for Strided {}
+unsafe impl Sync for Strided {}
+
+impl Strided {
+    /// # Safety
+    /// `(r, c)` must lie in the matrix the view was made from.
+    #[inline(always)]
+    unsafe fn at(self, r: usize, c: usize) -> f32 {
+        *self.ptr.offset(r as isize * self.rs + c as isize * self.cs)
+    }
+}
+
+/// `B` [k, n] packed in pair words, panels of [`PANEL`] columns (see the module docs).
+#[derive(Debug)]
+pub struct Bf16Panels {
+    words: Vec<u32>,
+    /// k / 2, rounded up
+    kh: usize,
+    n: usize,
+}
+
+impl Bf16Panels {
+    /// Packs `b` ([k, n]) on rayon's threads.
+    ///
+    /// # Safety
+    /// `b` must be valid for every `(r < k, c < n)`.
+    pub unsafe fn pack(b: Strided, k: usize, n: usize) -> Self {
+        let kh = k.div_ceil(2);
+        let mut words = vec![0u32; n.div_ceil(PANEL) * kh * PANEL];
+        words
+            .par_chunks_mut(kh * PANEL)
+            .enumerate()
+            .for_each(|(p, panel)| {
+                // SAFETY: (caller) as this function's.
+                unsafe { pack_panel(b, k, n, p, panel) }
+            });
+        Bf16Panels { words, kh, n }
+    }
+
+    pub(crate) fn panels(&self) -> usize {
+        self.n.div_ceil(PANEL)
+    }
+
+    pub(crate) fn panel(&self, p: usize) -> &[u32] {
+        &self.words[p * self.kh * PANEL..(p + 1) * self.kh * PANEL]
+    }
+
+    /// Pair words per panel row: `k / 2` rounded up.
+    pub(crate) fn kh(&self) -> usize {
+        self.kh
+    }
+
+    /// Bytes the panels occupy.
+    pub fn size_in_bytes(&self) -> usize {
+        4 * self.words.len()
+    }
+
+    /// Element `(kk, c)` of the packed (bf16-rounded) matrix, as f32.
+    pub(crate) fn get(&self, kk: usize, c: usize) -> f32 {
+        let w = self.words[((c / PANEL) * self.kh + kk / 2) * PANEL + c % PANEL];
+        from_bf16(if kk.is_multiple_of(2) {
+            w as u16
+        } else {
+            (w >> 16) as u16
+        })
+    }
+}
+
+/// A contiguous run of `k` values as `k / 2` (rounded up) pair words: on little-endian x86 the
+/// words' halves are the values' bf16 in order, so this is one conversion.
+fn to_pair_words(src: &[f32], words: &mut [u32]) {
+    let k = src.len();
+    debug_assert_eq!(words.len(), k.div_ceil(2));
+    let whole = k / 2;
+    #[cfg(target_endian = "little")]
+    {
+        // SAFETY: `words[..whole]` is 2 * whole u16 of plain memory, suitably aligned.
+        let halves =
+            unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u16, 2 * whole) };
+        to_bf16_slice(&src[..2 * whole], halves);
+    }
+    #[cfg(not(target_endian = "little"))]
+    for (w, p) in words.iter_mut().zip(src.chunks_exact(2)) {
+        *w = pair(p[0], p[1]);
+    }
+    if k % 2 == 1 {
+        words[whole] = pair(src[k - 1], 0.0);
+    }
+}
+
+/// [`pack_rows`] of a row-major `[m, k]` slice on the calling thread (the decoding step's
+/// threads must not wait on rayon's), into `out` (resized).
+pub(crate) fn pack_rows_here(x: &[f32], m: usize, k: usize, out: &mut Vec<u32>) {
+    let kh = k.div_ceil(2);
+    out.clear();
+    out.resize(m * kh, 0);
+    if kh == 0 {
+        return;
+    }
+    for (row, words) in x[..m * k].chunks_exact(k).zip(out.chunks_exact_mut(kh)) {
+        to_pair_words(row, words);
+    }
+}
+
+/// The rows of `a` ([m, k]) as pair words, [m, k / 2 rounded up], on rayon's threads.
+///
+/// # Safety
+/// `a` must be valid for every `(r < m, c < k)`.
+pub unsafe fn pack_rows(a: Strided, m: usize, k: usize) -> Vec<u32> {
+    // Groups of 16 rows, columns outer: a transposed view (dY^T in a weight's gradient) is
+    // read 16 contiguous values at a time, a row-major one along 16 row streams.
+    const GROUP: usize = 16;
+    let kh = k.div_ceil(2);
+    let mut words = vec![0u32; m * kh];
+    if kh == 0 {
+        return words;
+    }
+    words
+        .par_chunks_mut(GROUP * kh)
+        .enumerate()
+        .for_each(|(g, rows)| {
+            // SAFETY: (caller) as this function's.
+            unsafe { pack_group(a, k, g * GROUP, rows) }
+        });
+    words
+}
+
+/// Panel `p` of [`Bf16Panels::pack`] into `panel`.
+///
+/// # Safety
+/// As [`Bf16Panels::pack`].
+#[inline(never)]
+unsafe fn pack_panel(b: Strided, k: usize, n: usize, p: usize, panel: &mut [u32]) {
+    let cols = PANEL.min(n - p * PANEL);
+    let c0 = p * PANEL;
+    #[cfg(target_arch = "x86_64")]
+    if b.cs == 1 && Isa::active() >= Isa::Avx512 {
+        // SAFETY: the CPU runs AVX-512F; (caller) rows 0..k of columns c0..c0 + cols are in `b`.
+        unsafe { x86::panel_rows(b.ptr.add(c0), b.rs, k, cols, panel) };
+        return;
+    }
+    if b.cs == 1 {
+        // Row-major: rows 2j and 2j + 1 of the panel's columns, converted, then interleaved.
+        let (mut lo, mut hi) = ([0u16; PANEL], [0u16; PANEL]);
+        for (j, out) in panel.chunks_exact_mut(PANEL).enumerate() {
+            // SAFETY: (caller) rows 2j (and 2j + 1 when < k), columns c0..c0 + cols are in `b`.
+            let row = |r: usize| unsafe {
+                std::slice::from_raw_parts(b.ptr.offset(r as isize * b.rs + c0 as isize), cols)
+            };
+            to_bf16_slice(row(2 * j), &mut lo[..cols]);
+            match 2 * j + 1 < k {
+                true => to_bf16_slice(row(2 * j + 1), &mut hi[..cols]),
+                false => hi.fill(0),
+            }
+            for ((o, &l), &h) in out.iter_mut().zip(&lo[..cols]).zip(&hi[..cols]) {
+                *o = l as u32 | ((h as u32) << 16);
+            }
+        }
+        return;
+    }
+    if b.rs == 1 {
+        // A transposed view (column c of `b` contiguous): each column as pair words, then
+        // down the panel's column.
+        let mut words = vec![0u32; k.div_ceil(2)];
+        for c in 0..cols {
+            // SAFETY: (caller) column c0 + c, rows 0..k are in `b`, contiguous.
+            let col =
+                unsafe { std::slice::from_raw_parts(b.ptr.offset((c0 + c) as isize * b.cs), k) };
+            to_pair_words(col, &mut words);
+            for (j, w) in words.iter().enumerate() {
+                panel[j * PANEL + c] = *w;
+            }
+        }
+        return;
+    }
+    for (j, out) in panel.chunks_exact_mut(PANEL).enumerate() {
+        for (c, o) in out[..cols].iter_mut().enumerate() {
+            // SAFETY: (caller) rows 2j, 2j + 1 < k and the column < n are in `b`.
+            *o = unsafe { pair_at(b, 2 * j, c0 + c, k, true) };
+        }
+    }
+}
+
+/// Rows `r0..` of [`pack_rows`] (as many as `rows` holds) into `rows`.
+///
+/// # Safety
+/// As [`pack_rows`].
+#[inline(never)]
+unsafe fn pack_group(a: Strided, k: usize, r0: usize, rows: &mut [u32]) {
+    let kh = k.div_ceil(2);
+    let rs = rows.len() / kh;
+    if a.cs == 1 {
+        for (i, out) in rows.chunks_exact_mut(kh).enumerate() {
+            // SAFETY: (caller) row r0 + i, columns 0..k are in `a`, contiguous.
+            let row =
+                unsafe { std::slice::from_raw_parts(a.ptr.offset((r0 + i) as isize * a.rs), k) };
+            to_pair_words(row, out);
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if a.rs == 1 && rs <= 16 && Isa::active() >= Isa::Avx512 {
+        // SAFETY: the CPU runs AVX-512F; (caller) rows r0..r0 + rs of columns 0..k are in `a`.
+        unsafe { x86::group_cols(a.ptr.add(r0), a.cs, k, rs, rows) };
+        return;
+    }
+    if a.rs == 1 && rs <= 16 {
+        // A transposed view (dY^T): column c of the group is `rs` contiguous values.
+        let (mut lo, mut hi) = ([0u16; 16], [0u16; 16]);
+        for j in 0..kh {
+            // SAFETY: (caller) rows r0..r0 + rs, column c (< k) are in `a`, contiguous.
+            let col = |c: usize| unsafe {
+                std::slice::from_raw_parts(a.ptr.offset(r0 as isize + c as isize * a.cs), rs)
+            };
+            to_bf16_slice(col(2 * j), &mut lo[..rs]);
+            match 2 * j + 1 < k {
+                true => to_bf16_slice(col(2 * j + 1), &mut hi[..rs]),
+                false => hi.fill(0),
+            }
+            for i in 0..rs {
+                rows[i * kh + j] = lo[i] as u32 | ((hi[i] as u32) << 16);
+            }
+        }
+        return;
+    }
+    for j in 0..kh {
+        for i in 0..rs {
+            // SAFETY: (caller) row r0 + i < m, columns 2j, 2j + 1 < k.
+            rows[i * kh + j] = unsafe { pair_at(a, r0 + i, 2 * j, k, false) };
+        }
+    }
+}
+
+/// The output pointer, shared by tasks that write disjoint elements.
+#[derive(Clone, Copy)]
+struct Out(*mut f32);
+// SAFETY: tasks write disjoint elements (row blocks x panel shares).
+unsafe impl Send for Out {}
+unsafe impl Sync for Out {}
+impl Out {
+    /// The pointer (a method, so that closures capture the whole `Out`, which is `Sync`).
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// `dst (+)= A B` for `A` [m, k] and `B` [k, n] f32, multiplied in bf16 with f32 sums, at the
+/// active [`Isa`]; `dst` element `(r, c)` at `dst + r * dst_rs + c * dst_cs`, added to when
+/// `accumulate` (then `dst + (A B)`, the sum made first), overwritten otherwise.
+///
+/// # Safety
+/// `a`, `b` must be valid for their `[m, k]` and `[k, n]` elements and `dst` for writes (and
+/// reads when `accumulate`) of its `[m, n]` elements, which must not overlap `a` or `b`.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: isize,
+    dst_cs: isize,
+    accumulate: bool,
+    a: Strided,
+    b: Strided,
+) {
+    gemm_on(
+        Isa::active(),
+        m,
+        n,
+        k,
+        dst,
+        dst_rs,
+        dst_cs,
+        accumulate,
+        a,
+        b,
+    )
+}
+
+/// [`gemm`] with the `isa` variant (lowered to what this CPU runs).
+///
+/// # Safety
+/// As [`gemm`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm_on(
+    isa: Isa,
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: isize,
+    dst_cs: isize,
+    accumulate: bool,
+    a: Strided,
+    b: Strided,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    let isa = isa.usable();
+    let bp = Bf16Panels::pack(b, k, n);
+    let aw = pack_rows(a, m, k);
+    let kh = bp.kh;
+    let panels = bp.panels();
+    let tasks = rayon::current_num_threads().clamp(1, panels);
+    let blocks = m.div_ceil(BLOCK_ROWS);
+    let out = Out(dst);
+    (0..tasks * blocks).into_par_iter().for_each(|tb| {
+        let (t, blk) = (tb % tasks, tb / tasks);
+        let (r0, r1) = (blk * BLOCK_ROWS, ((blk + 1) * BLOCK_ROWS).min(m));
+        let tiles = (r1 - r0).div_ceil(TILE_ROWS);
+        let mut acc = [0f32; TILE_ROWS * PANEL];
+        for p in share(panels, t, tasks) {
+            let w = bp.panel(p);
+            let cols = (n - p * PANEL).min(PANEL);
+            let (mut r, mut tile) = (r0, 0);
+            while r < r1 {
+                let mr = (r1 - r0) / tiles + usize::from(tile < (r1 - r0) % tiles);
+                let x = &aw[r * kh..(r + mr) * kh];
+                tile_on(isa, x, w, kh, mr, &mut acc);
+                for i in 0..mr {
+                    let src = &acc[i * PANEL..i * PANEL + cols];
+                    // SAFETY: (caller) row r + i < m, columns p * PANEL.. + cols < n of `dst`;
+                    // this task alone writes its row block's columns of its panels.
+                    let d = unsafe {
+                        out.get()
+                            .offset((r + i) as isize * dst_rs + (p * PANEL) as isize * dst_cs)
+                    };
+                    unsafe { store(src, d, dst_cs, accumulate) };
+                }
+                r += mr;
+                tile += 1;
+            }
+        }
+    });
+}
+
+/// `src` into `dst` (element `c` at `dst + c * cs`), added to it when `accumulate`.
+///
+/// # Safety
+/// `dst` must be valid for reads and writes of those elements.
+#[inline(always)]
+unsafe fn store(src: &[f32], dst: *mut f32, cs: isize, accumulate: bool) {
+    if cs == 1 {
+        // SAFETY: (caller) `src.len()` contiguous elements.
+        let d = unsafe { std::slice::from_raw_parts_mut(dst, src.len()) };
+        match accumulate {
+            true => d.iter_mut().zip(src).for_each(|(d, v)| *d += v),
+            false => d.copy_from_slice(src),
+        }
+        return;
+    }
+    for (c, v) in src.iter().enumerate() {
+        // SAFETY: (caller)
+        unsafe {
+            let e = dst.offset(c as isize * cs);
+            *e = if accumulate { *e + v } else { *v };
+        }
+    }
+}
+
+/// `x W` for a detached `x` [.., k] and `w` [k, n] (any strides: a transposed weight view is
+/// fine), both f32 on the CPU, multiplied in bf16 with f32 sums: CPU mixed precision's product
+/// for frozen models (the reference, scoring). No backward is recorded.
+pub fn matmul(
+    x: &candle_core::Tensor,
+    w: &candle_core::Tensor,
+) -> candle_core::Result<candle_core::Tensor> {
+    use candle_core::{bail, CpuStorage, DType, Storage, Tensor};
+    let dims = x.dims().to_vec();
+    let Some((&k, lead)) = dims.split_last() else {
+        bail!("bf16 matmul: scalar input");
+    };
+    let (kw, n) = w.dims2()?;
+    if kw != k || x.dtype() != DType::F32 || w.dtype() != DType::F32 {
+        bail!("bf16 matmul: [.., {k}] f32 times [{kw}, {n}] f32 expected");
+    }
+    let m: usize = lead.iter().product();
+    let x = x.contiguous()?;
+    let (xs, xl) = x.storage_and_layout();
+    let (ws, wl) = w.storage_and_layout();
+    let (Storage::Cpu(CpuStorage::F32(xv)), Storage::Cpu(CpuStorage::F32(wv))) = (&*xs, &*ws)
+    else {
+        bail!("bf16 matmul: CPU f32 tensors expected");
+    };
+    let (rs, cs) = (wl.stride()[0] as isize, wl.stride()[1] as isize);
+    let last = wl.start_offset() as isize + (kw as isize - 1) * rs + (n as isize - 1) * cs;
+    if rs < 0 || cs < 0 || (k > 0 && n > 0 && last as usize >= wv.len()) {
+        bail!("bf16 matmul: weight view outside its storage");
+    }
+    let mut y = vec![0f32; m * n];
+    let a = Strided {
+        ptr: xv[xl.start_offset()..].as_ptr(),
+        rs: k as isize,
+        cs: 1,
+    };
+    let b = Strided {
+        ptr: wv[wl.start_offset()..].as_ptr(),
+        rs,
+        cs,
+    };
+    // SAFETY: `x` is [m, k] contiguous from its offset; every (r < k, c < n) of the weight view
+    // lies in its storage (checked above); `y` is [m, n] and owned here.
+    unsafe { gemm(m, n, k, y.as_mut_ptr(), n as isize, 1, false, a, b) };
+    let mut shape = lead.to_vec();
+    shape.push(n);
+    Tensor::from_vec(y, shape, &candle_core::Device::Cpu)
+}
+
+/// `mr` rows of pair words `x` ([mr, kh]) times one panel `w` ([kh, PANEL]) into `acc` ([mr,
+/// PANEL] row-major), by `isa`.
+pub(crate) fn tile_on(isa: Isa, x: &[u32], w: &[u32], kh: usize, mr: usize, acc: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if isa == Isa::Avx512Bf16 {
+            // SAFETY: the CPU runs AVX512_BF16 (`isa` is usable); shapes as documented.
+            unsafe { x86::tile_dp(x, w, kh, mr, acc) };
+            return;
+        }
+        if isa >= Isa::Avx512 {
+            // SAFETY: the CPU runs AVX-512F.
+            unsafe { x86::tile_fma(x, w, kh, mr, acc) };
+            return;
+        }
+    }
+    let _ = isa;
+    tile_portable(x, w, kh, mr, acc);
+}
+
+/// The tile in plain Rust: per pair, the odd element's product then the even one's, each an
+/// FMA into the f32 sum (the instruction's order and rounding).
+fn tile_portable(x: &[u32], w: &[u32], kh: usize, mr: usize, acc: &mut [f32]) {
+    let lo = |v: u32| f32::from_bits(v << 16);
+    let hi = |v: u32| f32::from_bits(v & 0xffff_0000);
+    for i in 0..mr {
+        let a = &mut acc[i * PANEL..(i + 1) * PANEL];
+        a.fill(0.0);
+        for j in 0..kh {
+            let xv = x[i * kh + j];
+            for (s, &wv) in a.iter_mut().zip(&w[j * PANEL..(j + 1) * PANEL]) {
+                *s = hi(xv).mul_add(hi(wv), *s);
+                *s = lo(xv).mul_add(lo(wv), *s);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{PANEL, TILE_ROWS};
+    use std::arch::x86_64::*;
+
+    /// 16 f32 (as bits) rounded to bf16, each in the low half of its lane ([`super::to_bf16`]).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn round16(b: __m512i) -> __m512i {
+        let high = _mm512_srli_epi32::<16>(b);
+        let lsb = _mm512_and_si512(high, _mm512_set1_epi32(1));
+        let bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb);
+        let r = _mm512_srli_epi32::<16>(_mm512_add_epi32(b, bias));
+        let abs = _mm512_and_si512(b, _mm512_set1_epi32(0x7fff_ffff));
+        let nan = _mm512_cmpgt_epi32_mask(abs, _mm512_set1_epi32(0x7f80_0000));
+        _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x40)))
+    }
+
+    /// The first `n` (<= 16) lanes set.
+    #[inline(always)]
+    fn first(n: usize) -> __mmask16 {
+        if n >= 16 {
+            0xffff
+        } else {
+            ((1u32 << n) - 1) as __mmask16
+        }
+    }
+
+    /// The pair words of a panel of a row-major `B` (column stride 1): row pair `j` is rows
+    /// `2j`, `2j + 1` (the second 0 past `k`), columns `0..cols` (<= 32) from `b`, into
+    /// `panel[j * 32..]`.
+    ///
+    /// # Safety
+    /// AVX-512F must be available; `b` must be valid for rows `0..k` (stride `rs`) of `cols`
+    /// values; `panel` holds `k / 2` (rounded up) rows of 32 words.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn panel_rows(b: *const f32, rs: isize, k: usize, cols: usize, panel: &mut [u32]) {
+        let (m0, m1) = (first(cols), first(cols.saturating_sub(16)));
+        let zero = _mm512_setzero_si512();
+        for j in 0..k.div_ceil(2) {
+            let r0 = b.offset(2 * j as isize * rs) as *const i32;
+            let load = |r: *const i32| {
+                (
+                    round16(_mm512_maskz_loadu_epi32(m0, r)),
+                    round16(_mm512_maskz_loadu_epi32(m1, r.add(16))),
+                )
+            };
+            let (l0, l1) = load(r0);
+            let (h0, h1) = match 2 * j + 1 < k {
+                true => load(r0.offset(rs)),
+                false => (zero, zero),
+            };
+            let out = panel.as_mut_ptr().add(j * super::PANEL) as *mut i32;
+            _mm512_storeu_si512(
+                out as *mut _,
+                _mm512_or_si512(l0, _mm512_slli_epi32::<16>(h0)),
+            );
+            _mm512_storeu_si512(
+                out.add(16) as *mut _,
+                _mm512_or_si512(l1, _mm512_slli_epi32::<16>(h1)),
+            );
+        }
+    }
+
+    /// The pair words of `rows` (<= 16) rows of a transposed `A` (row stride 1, column stride
+    /// `cs`) from `a`: word `j` of row `i` into `out[i * kh + j]`.
+    ///
+    /// # Safety
+    /// AVX-512F must be available; `a` must be valid for columns `0..k` of `rows` values; `out`
+    /// holds `rows` rows of `kh = k / 2` (rounded up) words.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn group_cols(a: *const f32, cs: isize, k: usize, rows: usize, out: &mut [u32]) {
+        let kh = k.div_ceil(2);
+        let m = first(rows);
+        let index = _mm512_mullo_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+            _mm512_set1_epi32(kh as i32),
+        );
+        for j in 0..kh {
+            let c0 = a.offset(2 * j as isize * cs) as *const i32;
+            let lo = round16(_mm512_maskz_loadu_epi32(m, c0));
+            let hi = match 2 * j + 1 < k {
+                true => round16(_mm512_maskz_loadu_epi32(m, c0.offset(cs))),
+                false => _mm512_setzero_si512(),
+            };
+            let w = _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi));
+            _mm512_mask_i32scatter_epi32::<4>(out.as_mut_ptr().add(j) as *mut _, m, index, w);
+        }
+    }
+
+    /// [`super::to_bf16_slice`], 16 values at a time: `(bits + 0x7fff + lsb) >> 16`, a NaN
+    /// quieted as `(bits >> 16) | 0x40`.
+    ///
+    /// # Safety
+    /// AVX-512F must be available; `dst.len() == src.len()`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn to_bf16_slice(src: &[f32], dst: &mut [u16]) {
+        let n = src.len();
+        let (round, one) = (_mm512_set1_epi32(0x7fff), _mm512_set1_epi32(1));
+        let (abs, inf, quiet) = (
+            _mm512_set1_epi32(0x7fff_ffff),
+            _mm512_set1_epi32(0x7f80_0000),
+            _mm512_set1_epi32(0x40),
+        );
+        let mut i = 0;
+        while i + 16 <= n {
+            let b = _mm512_loadu_si512(src.as_ptr().add(i) as *const _);
+            let high = _mm512_srli_epi32::<16>(b);
+            let lsb = _mm512_and_si512(high, one);
+            let r = _mm512_srli_epi32::<16>(_mm512_add_epi32(b, _mm512_add_epi32(round, lsb)));
+            let nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(b, abs), inf);
+            let r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(high, quiet));
+            _mm256_storeu_si256(
+                dst.as_mut_ptr().add(i) as *mut __m256i,
+                _mm512_cvtepi32_epi16(r),
+            );
+            i += 16;
+        }
+        for j in i..n {
+            dst[j] = super::to_bf16(src[j]);
+        }
+    }
+
+    macro_rules! by_rows {
+        ($f:ident, $x:expr, $w:expr, $kh:expr, $mr:expr, $acc:expr) => {
+            match $mr {
+                12 => $f::<12>($x, $w, $kh, $acc),
+                11 => $f::<11>($x, $w, $kh, $acc),
+                10 => $f::<10>($x, $w, $kh, $acc),
+                9 => $f::<9>($x, $w, $kh, $acc),
+                8 => $f::<8>($x, $w, $kh, $acc),
+                7 => $f::<7>($x, $w, $kh, $acc),
+                6 => $f::<6>($x, $w, $kh, $acc),
+                5 => $f::<5>($x, $w, $kh, $acc),
+                4 => $f::<4>($x, $w, $kh, $acc),
+                3 => $f::<3>($x, $w, $kh, $acc),
+                2 => $f::<2>($x, $w, $kh, $acc),
+                _ => $f::<1>($x, $w, $kh, $acc),
+            }
+        };
+    }
+
+    /// # Safety
+    /// AVX512_BF16 must be available; `x` holds `mr` rows of `kh` words, `w` `kh` rows of
+    /// [`PANEL`], `acc` `mr` rows of [`PANEL`].
+    pub unsafe fn tile_dp(x: &[u32], w: &[u32], kh: usize, mr: usize, acc: &mut [f32]) {
+        debug_assert!(mr <= TILE_ROWS);
+        by_rows!(dp_n, x, w, kh, mr, acc)
+    }
+
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    unsafe fn dp_n<const MR: usize>(x: &[u32], w: &[u32], kh: usize, acc: &mut [f32]) {
+        debug_assert!(x.len() >= MR * kh && w.len() >= kh * PANEL && acc.len() >= MR * PANEL);
+        let (xp, wp) = (x.as_ptr(), w.as_ptr());
+        let mut lo = [_mm512_setzero_ps(); MR];
+        let mut hi = [_mm512_setzero_ps(); MR];
+        for j in 0..kh {
+            let w0: __m512bh =
+                std::mem::transmute(_mm512_loadu_si512(wp.add(j * PANEL) as *const _));
+            let w1: __m512bh =
+                std::mem::transmute(_mm512_loadu_si512(wp.add(j * PANEL + 16) as *const _));
+            for i in 0..MR {
+                let xv: __m512bh =
+                    std::mem::transmute(_mm512_set1_epi32(*xp.add(i * kh + j) as i32));
+                lo[i] = _mm512_dpbf16_ps(lo[i], xv, w0);
+                hi[i] = _mm512_dpbf16_ps(hi[i], xv, w1);
+            }
+        }
+        for i in 0..MR {
+            _mm512_storeu_ps(acc.as_mut_ptr().add(i * PANEL), lo[i]);
+            _mm512_storeu_ps(acc.as_mut_ptr().add(i * PANEL + 16), hi[i]);
+        }
+    }
+
+    /// # Safety
+    /// AVX-512F must be available; shapes as [`tile_dp`].
+    pub unsafe fn tile_fma(x: &[u32], w: &[u32], kh: usize, mr: usize, acc: &mut [f32]) {
+        debug_assert!(mr <= TILE_ROWS);
+        by_rows!(fma_n, x, w, kh, mr, acc)
+    }
+
+    /// `vdpbf16ps` emulated: per pair the odd (high) halves' product, then the even (low)
+    /// halves', each an FMA.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn fma_n<const MR: usize>(x: &[u32], w: &[u32], kh: usize, acc: &mut [f32]) {
+        debug_assert!(x.len() >= MR * kh && w.len() >= kh * PANEL && acc.len() >= MR * PANEL);
+        let (xp, wp) = (x.as_ptr(), w.as_ptr());
+        let mask = _mm512_set1_epi32(0xffff_0000u32 as i32);
+        let mut lo = [_mm512_setzero_ps(); MR];
+        let mut hi = [_mm512_setzero_ps(); MR];
+        for j in 0..kh {
+            let w0 = _mm512_loadu_si512(wp.add(j * PANEL) as *const _);
+            let w1 = _mm512_loadu_si512(wp.add(j * PANEL + 16) as *const _);
+            let (w0o, w0e) = (
+                _mm512_castsi512_ps(_mm512_and_si512(w0, mask)),
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(w0)),
+            );
+            let (w1o, w1e) = (
+                _mm512_castsi512_ps(_mm512_and_si512(w1, mask)),
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(w1)),
+            );
+            for i in 0..MR {
+                let v = *xp.add(i * kh + j);
+                let (xo, xe) = (
+                    _mm512_set1_ps(f32::from_bits(v & 0xffff_0000)),
+                    _mm512_set1_ps(f32::from_bits(v << 16)),
+                );
+                lo[i] = _mm512_fmadd_ps(xe, w0e, _mm512_fmadd_ps(xo, w0o, lo[i]));
+                hi[i] = _mm512_fmadd_ps(xe, w1e, _mm512_fmadd_ps(xo, w1o, hi[i]));
+            }
+        }
+        for i in 0..MR {
+            _mm512_storeu_ps(acc.as_mut_ptr().add(i * PANEL), lo[i]);
+            _mm512_storeu_ps(acc.as_mut_ptr().add(i * PANEL + 16), hi[i]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+            })
+            .collect()
+    }
+
+    #[test]
+    fn rounding_is_nearest_even_like_half() {
+        for x in values(10_000, 1)
+            .into_iter()
+            .chain([0.0, -0.0, 1e30, -3.0e-39, f32::INFINITY])
+        {
+            assert_eq!(to_bf16(x), half::bf16::from_f32(x).to_bits(), "{x}");
+        }
+        assert!(from_bf16(to_bf16(f32::NAN)).is_nan());
+        // The vector conversion (16 at a time, and a tail) gives the same bits.
+        let v: Vec<f32> = values(1000, 5)
+            .into_iter()
+            .chain([
+                f32::NAN,
+                -f32::NAN,
+                f32::INFINITY,
+                3.0e-39,
+                -0.0,
+                65504.0,
+                1.0e38,
+            ])
+            .collect();
+        let mut d = vec![0u16; v.len()];
+        to_bf16_slice(&v, &mut d);
+        assert!(d.iter().zip(&v).all(|(h, x)| *h == to_bf16(*x)));
+    }
+
+    /// `rows x cols` values laid out with strides `(rs, cs)` in a buffer (gaps hold NaN, which
+    /// must never be read), and the view of them.
+    fn laid_out(v: &[f32], rows: usize, cols: usize, layout: usize) -> (Vec<f32>, isize, isize) {
+        let (rs, cs) = match layout {
+            0 => (cols, 1),         // row-major
+            1 => (1, rows),         // column-major (a transposed view)
+            _ => (2 * cols + 1, 2), // neither stride 1
+        };
+        let mut buf = vec![f32::NAN; (rows - 1) * rs + (cols - 1) * cs + 1];
+        for r in 0..rows {
+            for c in 0..cols {
+                buf[r * rs + c * cs] = v[r * cols + c];
+            }
+        }
+        (buf, rs as isize, cs as isize)
+    }
+
+    /// Every variant equals the plain twin bit for bit, and the product is the f64 product of the
+    /// bf16-rounded inputs within f32 summation error; every layout of both inputs (row-major,
+    /// transposed, neither), accumulation into a contiguous or strided output, odd `k`, a
+    /// ragged last panel and a second row block.
+    #[test]
+    fn every_variant_equals_the_twin_and_the_rounded_product() {
+        for &(m, n, k) in &[(1, 5, 7), (13, 40, 64), (200, 33, 129), (12, 64, 2)] {
+            let a = values(m * k, 2); // [m, k]
+            let b = values(k * n, 3); // [k, n]
+            let c0 = values(m * n, 4);
+            for (la, lb) in [(0, 1), (1, 0), (0, 0), (1, 1), (2, 2)] {
+                let (abuf, ars, acs) = laid_out(&a, m, k, la);
+                let (bbuf, brs, bcs) = laid_out(&b, k, n, lb);
+                let av = Strided {
+                    ptr: abuf.as_ptr(),
+                    rs: ars,
+                    cs: acs,
+                };
+                let bv = Strided {
+                    ptr: bbuf.as_ptr(),
+                    rs: brs,
+                    cs: bcs,
+                };
+                for (acc, dst_t) in [(false, false), (true, true), (true, false)] {
+                    // dst row-major, or stored transposed ([n, m]) to exercise its strides.
+                    let (drs, dcs) = if dst_t { (1, m) } else { (n, 1) };
+                    let run = |isa: Isa| {
+                        let mut d = vec![0f32; m * n];
+                        for r in 0..m {
+                            for c in 0..n {
+                                d[r * drs + c * dcs] = c0[r * n + c];
+                            }
+                        }
+                        unsafe {
+                            gemm_on(
+                                isa,
+                                m,
+                                n,
+                                k,
+                                d.as_mut_ptr(),
+                                drs as isize,
+                                dcs as isize,
+                                acc,
+                                av,
+                                bv,
+                            )
+                        };
+                        (0..m * n)
+                            .map(|i| d[(i / n) * drs + (i % n) * dcs])
+                            .collect::<Vec<f32>>()
+                    };
+                    let want = run(Isa::Baseline);
+                    let at = format!("[{m},{n},{k}] layouts {la}/{lb} acc {acc} dst_t {dst_t}");
+                    for r in 0..m {
+                        for c in 0..n {
+                            let exact: f64 = (0..k)
+                                .map(|i| {
+                                    from_bf16(to_bf16(a[r * k + i])) as f64
+                                        * from_bf16(to_bf16(b[i * n + c])) as f64
+                                })
+                                .sum::<f64>()
+                                + if acc { c0[r * n + c] as f64 } else { 0.0 };
+                            let got = want[r * n + c] as f64;
+                            assert!((got - exact).abs() < 1e-5 * (k as f64), "{at} ({r},{c})");
+                        }
+                    }
+                    for isa in Isa::ALL {
+                        if isa.usable() != isa {
+                            continue;
+                        }
+                        let got = run(isa);
+                        assert!(
+                            got.iter()
+                                .zip(&want)
+                                .all(|(x, y)| x.to_bits() == y.to_bits()),
+                            "{isa:?} {at}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
