@@ -2,8 +2,9 @@
 """The shared TRL GRPO step peer (../shared/bench/peers/trl_grpo_bench.py) on a GPU.
 
 That script pins TRL to the CPU (use_cpu=True, f32). This wrapper loads it unchanged and only
-changes the GRPOConfig it builds: use_cpu=False (accelerate then takes the GPU when there is one)
-and, with --bf16, TRL's bf16 mixed precision. Every other argument goes to the peer as is.
+changes the GRPOConfig it builds: use_cpu=False where there is a GPU (accelerate then takes it)
+and, with --bf16, TRL's bf16 mixed precision (on a machine without a GPU: the CPU with torch's
+bf16 autocast, `bench/grpo_step.sh` with BF16=1). Every other argument goes to the peer as is.
   bench/trl_step_device.py [--bf16] --steps 5 --prompts 8 ...
 """
 import importlib.util
@@ -22,14 +23,17 @@ sys.argv = [a for a in sys.argv if a != "--bf16"]
 config = peer.GRPOConfig
 
 
+import torch  # noqa: E402  (the peer imported it already)
+
+
 def on_device(**kw):
-    kw["use_cpu"] = False
+    # On a machine without a GPU: the CPU, with torch's CPU autocast for --bf16.
+    kw["use_cpu"] = not torch.cuda.is_available()
     kw["bf16"] = bf16
     return config(**kw)
 
 
 peer.GRPOConfig = on_device
-import torch  # noqa: E402  (the peer imported it already)
 
 print(f'{{"event": "device", "cuda": {str(torch.cuda.is_available()).lower()}, "bf16": {str(bf16).lower()}}}',
       flush=True)

@@ -24,6 +24,12 @@ use crate::kernels::Isa;
 
 /// Rows per register tile.
 pub(crate) const TILE_ROWS: usize = 12;
+thread_local! {
+    /// [`gemm_on`]'s packed operands (`B`'s panels, `A`'s rows), kept for the next call.
+    static PACKED: std::cell::RefCell<(Vec<u32>, Vec<u32>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
 /// Rows per parallel task.
 const BLOCK_ROWS: usize = 192;
 
@@ -122,8 +128,18 @@ impl Bf16Panels {
     /// # Safety
     /// `b` must be valid for every `(r < k, c < n)`.
     pub unsafe fn pack(b: Strided, k: usize, n: usize) -> Self {
+        // SAFETY: (caller)
+        unsafe { Self::pack_into(b, k, n, Vec::new()) }
+    }
+
+    /// [`Self::pack`] into `words`' storage (grown as needed; every word is written).
+    ///
+    /// # Safety
+    /// As [`Self::pack`].
+    pub unsafe fn pack_into(b: Strided, k: usize, n: usize, mut words: Vec<u32>) -> Self {
         let kh = k.div_ceil(2);
-        let mut words = vec![0u32; n.div_ceil(PANEL) * kh * PANEL];
+        words.resize(n.div_ceil(PANEL) * kh * PANEL, 0);
+        words.truncate(n.div_ceil(PANEL) * kh * PANEL);
         words
             .par_chunks_mut(kh * PANEL)
             .enumerate()
@@ -136,6 +152,11 @@ impl Bf16Panels {
 
     pub(crate) fn panels(&self) -> usize {
         self.n.div_ceil(PANEL)
+    }
+
+    /// The words' storage, for reuse ([`Self::pack_into`]).
+    pub(crate) fn into_words(self) -> Vec<u32> {
+        self.words
     }
 
     pub(crate) fn panel(&self, p: usize) -> &[u32] {
@@ -204,11 +225,21 @@ pub(crate) fn pack_rows_here(x: &[f32], m: usize, k: usize, out: &mut Vec<u32>) 
 /// # Safety
 /// `a` must be valid for every `(r < m, c < k)`.
 pub unsafe fn pack_rows(a: Strided, m: usize, k: usize) -> Vec<u32> {
+    // SAFETY: (caller)
+    unsafe { pack_rows_into(a, m, k, Vec::new()) }
+}
+
+/// [`pack_rows`] into `words`' storage (grown as needed; every word is written).
+///
+/// # Safety
+/// As [`pack_rows`].
+pub unsafe fn pack_rows_into(a: Strided, m: usize, k: usize, mut words: Vec<u32>) -> Vec<u32> {
     // Groups of 16 rows, columns outer: a transposed view (dY^T in a weight's gradient) is
     // read 16 contiguous values at a time, a row-major one along 16 row streams.
     const GROUP: usize = 16;
     let kh = k.div_ceil(2);
-    let mut words = vec![0u32; m * kh];
+    words.resize(m * kh, 0);
+    words.truncate(m * kh);
     if kh == 0 {
         return words;
     }
@@ -230,6 +261,12 @@ pub unsafe fn pack_rows(a: Strided, m: usize, k: usize) -> Vec<u32> {
 unsafe fn pack_panel(b: Strided, k: usize, n: usize, p: usize, panel: &mut [u32]) {
     let cols = PANEL.min(n - p * PANEL);
     let c0 = p * PANEL;
+    if cols < PANEL {
+        // Columns past `n`: zeros (a reused buffer holds old words there).
+        for row in panel.chunks_exact_mut(PANEL) {
+            row[cols..].fill(0);
+        }
+    }
     #[cfg(target_arch = "x86_64")]
     if b.cs == 1 && Isa::active() >= Isa::Avx512 {
         // SAFETY: the CPU runs AVX-512F; (caller) rows 0..k of columns c0..c0 + cols are in `b`.
@@ -395,8 +432,11 @@ pub unsafe fn gemm_on(
         return;
     }
     let isa = isa.usable();
-    let bp = Bf16Panels::pack(b, k, n);
-    let aw = pack_rows(a, m, k);
+    // The packed operands reuse this thread's buffers from call to call: fresh ones of tens of
+    // megabytes (the LM head's) cost more in page faults than the packing itself.
+    let (bw, aw) = PACKED.with(|c| c.take());
+    let bp = Bf16Panels::pack_into(b, k, n, bw);
+    let aw = pack_rows_into(a, m, k, aw);
     let kh = bp.kh;
     let panels = bp.panels();
     let tasks = rayon::current_num_threads().clamp(1, panels);
@@ -430,6 +470,7 @@ pub unsafe fn gemm_on(
             }
         }
     });
+    PACKED.with(|c| c.replace((bp.into_words(), aw)));
 }
 
 /// `src` into `dst` (element `c` at `dst + c * cs`), added to it when `accumulate`.

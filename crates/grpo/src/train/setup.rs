@@ -711,12 +711,20 @@ impl LoadPolicy for CausalLmPolicy {
             model: match (needs_ref, &policy.lora) {
                 (false, _) => None,
                 (true, Some((frozen, _))) => Some(frozen.clone()),
-                (true, None) => Some(CausalLm::from_tensors(
-                    &base.config,
-                    base.tensors.clone(),
-                    cfg.run.dtype.compute(),
-                    device,
-                )?),
+                (true, None) => {
+                    let mut m = CausalLm::from_tensors(
+                        &base.config,
+                        base.tensors.clone(),
+                        cfg.run.dtype.compute(),
+                        device,
+                    )?;
+                    // CPU mixed precision: the reference's products read bf16 panels packed once
+                    // (half its f32 copy's memory; the same numbers as packing at every call).
+                    if m.compute().bf16_matmuls() {
+                        m.pack_for_decoding()?;
+                    }
+                    Some(m)
+                }
             },
             tensors: (needs_ref && cfg.loss.sync_ref_model).then(|| base.tensors.clone()),
         };
