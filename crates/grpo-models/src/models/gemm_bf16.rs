@@ -19,7 +19,7 @@
 
 use rayon::prelude::*;
 
-use super::packed::{share, PANEL};
+use super::panels::{share, PANEL};
 use crate::kernels::Isa;
 
 /// Rows per register tile.

@@ -27,6 +27,7 @@ pub mod lora;
 pub mod masked_lm;
 pub mod packed;
 pub mod packed_quant;
+mod panels;
 pub mod quant;
 pub mod recompute;
 mod seq_cls;

@@ -23,8 +23,8 @@ use super::quant::QuantProj;
 use crate::kernels::Isa;
 use rayon::prelude::*;
 
-/// Output columns per panel: two AVX-512 registers.
-pub const PANEL: usize = 32;
+pub(crate) use super::panels::share;
+pub use super::panels::PANEL;
 /// Input rows per register tile.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const TILE_ROWS: usize = 12;
@@ -121,32 +121,25 @@ impl PackedWeight {
     /// inputs with f32 sums ([`super::gemm_bf16`]), the input rounded to bf16 at each call.
     pub fn from_out_in_bf16(w: &Tensor) -> Result<Self> {
         let (n, k) = Self::check(w)?;
-        with_f32(w, |src| {
-            let view = Strided {
-                ptr: src.as_ptr(),
-                rs: 1,
-                cs: k as isize,
-            };
-            // SAFETY: `view` reads element (kk, c) = src[c * k + kk] of the [n, k] slice.
-            let panels = unsafe { Bf16Panels::pack(view, k, n) };
-            Ok(Self {
-                data: Store::Bf16(panels),
-                k,
-                n,
-            })
-        })
+        Self::bf16_of(w, k, n, (1, k as isize))
     }
 
     /// [`Self::from_out_in_bf16`] from `wt` [in, out] (the layout [`super::layers::Linear`] keeps).
     pub fn from_in_out_bf16(wt: &Tensor) -> Result<Self> {
         let (k, n) = Self::check(wt)?;
-        with_f32(wt, |src| {
+        Self::bf16_of(wt, k, n, (n as isize, 1))
+    }
+
+    /// bf16 panels of the `[k, n]` matrix whose element `(kk, c)` is at `kk * rs + c * cs` in
+    /// `t`'s contiguous data (`t` holds `k * n` values).
+    fn bf16_of(t: &Tensor, k: usize, n: usize, (rs, cs): (isize, isize)) -> Result<Self> {
+        with_f32(t, |src| {
             let view = Strided {
                 ptr: src.as_ptr(),
-                rs: n as isize,
-                cs: 1,
+                rs,
+                cs,
             };
-            // SAFETY: `view` reads element (kk, c) = src[kk * n + c] of the [k, n] slice.
+            // SAFETY: both callers' strides address the k * n elements of `src`.
             let panels = unsafe { Bf16Panels::pack(view, k, n) };
             Ok(Self {
                 data: Store::Bf16(panels),
@@ -430,11 +423,6 @@ impl PackedWeight {
     pub(crate) fn panel_count(&self) -> usize {
         self.panels()
     }
-}
-
-/// Part `t` of `n` items split into `parts` contiguous, near-equal runs.
-pub(crate) fn share(n: usize, t: usize, parts: usize) -> std::ops::Range<usize> {
-    n * t / parts..n * (t + 1) / parts
 }
 
 /// The output pointer, shared by tasks that write disjoint tiles.

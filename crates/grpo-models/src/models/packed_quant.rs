@@ -19,7 +19,7 @@
 
 use candle_core::Result;
 
-use super::packed::PANEL;
+use super::panels::PANEL;
 use super::quant::{QuantProj, QuantType};
 use crate::kernels::Isa;
 
@@ -200,20 +200,7 @@ mod avx512 {
 mod tests {
     use super::*;
     use crate::models::packed::PackedWeight;
-    use candle_core::{Device, Tensor};
-
-    fn randn(shape: (usize, usize), seed: u64) -> Tensor {
-        let mut s = seed;
-        let v: Vec<f32> = (0..shape.0 * shape.1)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 33) as f32 / (1u64 << 31) as f32) - 0.5
-            })
-            .collect();
-        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-    }
+    use crate::models::quant::tests::randn;
 
     const KINDS: [QuantType; 4] = [
         QuantType::Q4_0,
@@ -294,21 +281,15 @@ mod tests {
                     );
                 }
             }
-            let back: Vec<f32> = packed
-                .to_in_out()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
-            let want: Vec<f32> = dense
-                .to_in_out()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
-            assert_eq!(back, want, "{kind:?}");
+            let host = |p: &PackedWeight| -> Vec<f32> {
+                p.to_in_out()
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap()
+            };
+            assert_eq!(host(&packed), host(&dense), "{kind:?}");
         }
     }
 }

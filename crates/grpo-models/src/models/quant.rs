@@ -708,10 +708,10 @@ impl CustomOp1 for QuantProj {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn randn(shape: (usize, usize), seed: u64) -> Tensor {
+    pub(crate) fn randn(shape: (usize, usize), seed: u64) -> Tensor {
         let n = shape.0 * shape.1;
         let mut s = seed;
         let v: Vec<f32> = (0..n)
