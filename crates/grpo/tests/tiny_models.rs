@@ -146,7 +146,7 @@ fn quantized_model_packs_for_decoding_and_decodes_fused() {
             _ => continue,
         };
         // Seeded values in [-0.3, 0.3): the same adapters every run.
-        let mut seed = (adapters.len() as u64 + 1) * 0x9e37_79b9_7f4a_7c15;
+        let mut seed = (adapters.len() as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
         let mut values = |n: usize| -> Vec<f32> {
             (0..n)
                 .map(|_| {
