@@ -805,7 +805,7 @@ fn dynamic_sampling_replaces_groups_without_signal() {
     tiny_model(&model);
     let run = |name: &str, extra: &str| {
         let out = tmp.path().join(name);
-        let extra = format!("dynamic_sampling = true\ndynamic_sampling_max_passes = 2\n{extra}");
+        let extra = format!("dynamic_sampling = true\n{extra}");
         let cfg = config_with(&model, &out, &extra, &["--max_steps=2", "--eval_steps=0"]);
         let o = train(&cfg, &RunControl::default()).unwrap();
         assert_eq!(o.steps, 2);
@@ -815,7 +815,8 @@ fn dynamic_sampling_replaces_groups_without_signal() {
 
     // The random model never answers right: every group of the built-in rewards is all zeros,
     // so each round samples 1 + 2 passes of 2 prompts, keeps nothing and makes no update.
-    for m in run("flat", "") {
+    let two_passes = "dynamic_sampling_max_passes = 2\n";
+    for m in run("flat", two_passes) {
         assert_eq!(get(&m, "dynamic_sampling/groups_sampled"), 6.0, "{m}");
         assert_eq!(get(&m, "dynamic_sampling/groups_dropped"), 6.0, "{m}");
         assert_eq!(get(&m, "dynamic_sampling/groups_kept"), 0.0, "{m}");
@@ -824,7 +825,7 @@ fn dynamic_sampling_replaces_groups_without_signal() {
     // Whether the random text starts with a letter varies within most groups: the round is
     // filled with groups that carry a signal, and it updates.
     let varied = "[[rewards]]\nkind = \"format\"\npattern = '^[A-Za-z]'\n";
-    for m in run("varied", varied) {
+    for m in run("varied", &format!("{two_passes}{varied}")) {
         let sampled = get(&m, "dynamic_sampling/groups_sampled");
         assert_eq!(get(&m, "dynamic_sampling/groups_kept"), 2.0, "{m}");
         assert!(sampled >= 2.0 && sampled - get(&m, "dynamic_sampling/groups_dropped") >= 2.0);
@@ -836,6 +837,30 @@ fn dynamic_sampling_replaces_groups_without_signal() {
     let spread = check_groups_log(&dir);
     assert_eq!(spread, jsonl(&dir.join("groups.jsonl")).len());
     assert!(spread > 0);
+
+    // One oversampled pass and no extra ones: ceil(2 x 2.5) = 5 prompts in the first pass.
+    let once = "dynamic_sampling_max_passes = 0\ndynamic_sampling_oversample = 2.5\n";
+    for m in run("flat_once", once) {
+        assert_eq!(get(&m, "dynamic_sampling/groups_sampled"), 5.0, "{m}");
+        assert_eq!(get(&m, "dynamic_sampling/groups_kept"), 0.0, "{m}");
+    }
+    // With a signal, at most P = 2 of the 5 are kept, the first in order, and the round trains.
+    for m in run("varied_once", &format!("{once}{varied}")) {
+        assert_eq!(get(&m, "dynamic_sampling/groups_sampled"), 5.0, "{m}");
+        let kept = get(&m, "dynamic_sampling/groups_kept");
+        let with_signal = 5.0 - get(&m, "dynamic_sampling/groups_dropped");
+        assert_eq!(kept, with_signal.min(2.0), "{m}");
+        if kept > 0.0 {
+            assert!(get(&m, "loss").is_finite(), "{m}");
+        }
+    }
+    let bad = "dynamic_sampling = true\ndynamic_sampling_oversample = 0.5\n";
+    let err = TrainConfig::from_str(bad, Format::Toml, "bad.toml", &[]).unwrap_err();
+    let err = format!("{err:#}");
+    assert!(
+        err.contains("dynamic_sampling_oversample") && err.contains(">= 1"),
+        "{err}"
+    );
 }
 
 /// `metric_for_best_model`: the best checkpoint is recorded in the trainer state, survives

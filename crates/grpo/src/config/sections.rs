@@ -323,6 +323,7 @@ sections! {
         load_best_model_at_end: bool = "" unset "false", "end the run with the best checkpoint as its model (needs metric_for_best_model and save_steps a multiple of eval_steps; unset: false)";
         dynamic_sampling: bool = "" unset "false", "DAPO's dynamic sampling: drop groups whose rewards all equal and sample more prompts until the batch is full (unset: false)";
         dynamic_sampling_max_passes: usize = "" unset "4", "dynamic sampling: extra sampling passes per round at most (unset: 4)";
+        dynamic_sampling_oversample: f64 = "" unset "1.0" check values::at_least_one_f, "dynamic sampling: the first pass of a round samples this many times the round's prompts in one batched pass and keeps the first with a signal, so that fewer extra passes are needed (unset: 1.0)";
     }
 }
 

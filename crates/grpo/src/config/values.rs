@@ -571,6 +571,13 @@ pub(super) fn positive(x: &f64) -> Res<()> {
     })
 }
 
+/// At least 1 and finite (a multiple of a count that must not shrink it).
+pub(super) fn at_least_one_f(x: &f64) -> Res<()> {
+    rule(*x >= 1.0 && x.is_finite(), || {
+        format!("must be >= 1, got {x}")
+    })
+}
+
 /// At least 0 and finite.
 pub(super) fn non_negative(x: &f64) -> Res<()> {
     rule(*x >= 0.0 && x.is_finite(), || {

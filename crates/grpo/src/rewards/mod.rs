@@ -91,10 +91,13 @@ pub enum RewardFn {
     /// with `only_if_correct`, only when that integer is also the right answer. With `graded`,
     /// a completion that is more than its last number is paid `value` times the share of its
     /// characters that number is ([`rules::answer_share`]), so that shorter answers earn more.
+    /// With `equation`, an equation that ends in the integer and holds nothing else ("34 + 30 =
+    /// 64") counts as the integer alone ([`rules::is_integer_or_equation`]).
     IntegerOnly {
         value: f32,
         only_if_correct: bool,
         graded: bool,
+        equation: bool,
     },
     Format(Format),
     /// See [`rules::equation_holds`].
@@ -168,12 +171,18 @@ impl Reward {
                 value,
                 only_if_correct,
                 graded,
+                equation,
             } => {
                 let correct = AnswerMatch::new(Extract::LastNumber);
                 each(&|it| {
-                    let share = match graded {
-                        true => rules::answer_share(it.completion),
-                        false => f32::from(u8::from(rules::is_integer_only(it.completion))),
+                    let whole = match equation {
+                        true => rules::is_integer_or_equation(it.completion),
+                        false => rules::is_integer_only(it.completion),
+                    };
+                    let share = match (whole, graded) {
+                        (true, _) => 1.0,
+                        (false, true) => rules::answer_share(it.completion),
+                        (false, false) => 0.0,
                     };
                     let ok = !only_if_correct || correct.score(it.completion, it.answer) == 1.0;
                     if ok {
@@ -317,7 +326,10 @@ pub struct RewardContext {
 /// Kinds and the keys each takes (besides `kind`, `name`, `weight`).
 const KINDS: &[(&str, &[&str])] = &[
     ("answer_match", AnswerMatch::KEYS),
-    ("integer_only", &["value", "only_if_correct", "graded"]),
+    (
+        "integer_only",
+        &["value", "only_if_correct", "graded", "equation"],
+    ),
     ("format", Format::KEYS),
     ("equation", &[]),
     ("sides_match", &[]),
@@ -358,6 +370,7 @@ pub enum RewardKind {
         value: f32,
         only_if_correct: bool,
         graded: bool,
+        equation: bool,
     },
     Format(Format),
     Equation,
@@ -452,6 +465,7 @@ impl RewardSpec {
                 value: t.f32("value", 0.1)?,
                 only_if_correct: t.bool("only_if_correct", false)?,
                 graded: t.bool("graded", false)?,
+                equation: t.bool("equation", false)?,
             },
             "format" => RewardKind::Format(Format::from_table(&t)?),
             "equation" => RewardKind::Equation,
@@ -526,10 +540,12 @@ impl RewardSpec {
                 value,
                 only_if_correct,
                 graded,
+                equation,
             } => RewardFn::IntegerOnly {
                 value,
                 only_if_correct,
                 graded,
+                equation,
             },
             RewardKind::Format(f) => RewardFn::Format(f.clone()),
             RewardKind::Equation => RewardFn::Equation,
@@ -608,8 +624,10 @@ pub fn score_refs(rewards: &[&Reward], items: &[ScoreItem]) -> Result<(Vec<Vec<f
 }
 
 /// The built-in task's rewards: correctness of the last number, and a small bonus for answering
-/// with the right number alone. (An unconditional format bonus was hacked within 10 steps: the
-/// policy learned to print a bare, wrong integer for a sure 0.1 and stopped computing.)
+/// with the right number and no words: alone, or at the end of the sum written out ("34 + 30 =
+/// 64"; a bare-number-only bonus never acted, as SmolLM2-135M never answers a bare right number).
+/// (An unconditional format bonus was hacked within 10 steps: the policy learned to print a
+/// bare, wrong integer for a sure 0.1 and stopped computing.)
 pub fn builtin_task_rewards() -> Vec<Reward> {
     vec![
         Reward {
@@ -623,6 +641,7 @@ pub fn builtin_task_rewards() -> Vec<Reward> {
                 value: 0.1,
                 only_if_correct: true,
                 graded: false,
+                equation: true,
             },
             weight: 1.0,
         },
@@ -643,6 +662,7 @@ pub fn peer_addition_rewards() -> Vec<Reward> {
                 value: 0.1,
                 only_if_correct: false,
                 graded: false,
+                equation: false,
             },
             weight: 1.0,
         },
@@ -720,8 +740,12 @@ mod tests {
         let e = ex(Some("122"));
         assert_eq!(one(f, "122", &e), 0.1);
         assert_eq!(one(f, "121", &e), 0.0);
-        assert_eq!(one(f, "59 + 63 = 122", &e), 0.0);
+        // The sum written out, with no words, counts as the number (issue 35); words do not.
+        assert_eq!(one(f, "59 + 63 = 122", &e), 0.1);
+        assert_eq!(one(f, "59 + 63 = 121", &e), 0.0);
+        assert_eq!(one(f, "59 + 63 = 122 apples", &e), 0.0);
         assert_eq!(one(&peer_addition_rewards()[1], "121", &e), 0.1);
+        assert_eq!(one(&peer_addition_rewards()[1], "59 + 63 = 122", &e), 0.0);
     }
 
     #[test]

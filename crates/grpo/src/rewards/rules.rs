@@ -334,6 +334,20 @@ pub fn is_integer_only(text: &str) -> bool {
     !t.is_empty() && t.chars().all(|c| c.is_ascii_digit())
 }
 
+/// [`is_integer_only`], or one equation whose right side is the integer and whose left side
+/// holds only numbers and arithmetic ("34 + 30 = 64", "= 64", "(3 * 4) - 2 = 10."), with
+/// nothing else around it, on one line: the answer, shown worked or not, and no words.
+pub fn is_integer_or_equation(text: &str) -> bool {
+    if is_integer_only(text) {
+        return true;
+    }
+    let Some((lhs, rhs)) = text.rsplit_once('=') else {
+        return false;
+    };
+    let arithmetic = |c: char| c.is_ascii_digit() || c.is_whitespace() || "+-*/x×÷().,".contains(c);
+    is_integer_only(rhs) && lhs.chars().all(arithmetic) && !text.trim().contains('\n')
+}
+
 /// How much of a completion its last number is: 1 for a bare integer ([`is_integer_only`]),
 /// else the number's characters over the trimmed completion's ("34 + 30 = 64": 2 of 12), 0
 /// without a number. `integer_only` with `graded = true` pays this share of its value, so that
@@ -804,6 +818,28 @@ mod tests {
             tags: tags.iter().map(|s| s.to_string()).collect(),
             partial,
             value: 1.0,
+        }
+    }
+
+    /// The integer alone, or an equation that ends in it with nothing else.
+    #[test]
+    fn integer_or_equation_of_completions() {
+        for (text, want) in [
+            ("64", true),
+            (" 64.\n", true),
+            ("34 + 30 = 64", true),
+            ("34+30=64.", true),
+            ("= 64", true),
+            ("(3 * 4) - 2 = 10", true),
+            ("34 + 30 = 64 birds", false),
+            ("Sam has 34 + 30 = 64", false),
+            ("34 + 30 =\n64", false),
+            ("34 + 30 = 64\n\nSo 64", false),
+            ("a = 64", false),
+            ("34 + 30 = ", false),
+            ("", false),
+        ] {
+            assert_eq!(is_integer_or_equation(text), want, "{text:?}");
         }
     }
 

@@ -260,14 +260,27 @@ fn signal(episodes: &[Episode], weights: &[f32], g: usize) -> Result<Vec<bool>> 
     Ok(groups_with_signal(&combine_rewards(&per_func, weights)?, g))
 }
 
-/// Samples, takes log-probs and scores the round's `P` groups; with dynamic sampling, drops the
-/// groups without signal and samples more until `P` carry one or `max_extra_passes` extra
-/// passes ran.
+/// Samples, takes log-probs and scores the round's `P` groups; with dynamic sampling, samples
+/// `ceil(P x oversample)` groups in the first pass, drops the groups without signal and samples
+/// more until `P` carry one or `max_extra_passes` extra passes ran.
 pub fn sample_round<P: Policy>(r: &mut Run<P>, world: &dyn World) -> Result<Sampled> {
     let (p, g, max_extra) = (r.opts.p, r.opts.g, r.opts.max_extra_passes);
-    let seeds: Vec<u64> = (0..p)
+    let mut seeds: Vec<u64> = (0..p)
         .map(|i| mix_seed(r.cfg.run.seed, r.state.round * p as u64 + i as u64))
         .collect();
+    // Dynamic sampling's oversampled first pass: the prompts beyond P draw a stream of their
+    // own, numbered by round (the first P keep theirs, so oversample = 1 is the plain pass).
+    let first = match r.opts.dynamic_sampling {
+        true => ((p as f64 * r.opts.oversample).ceil() as usize).max(p),
+        false => p,
+    };
+    let extra_first = (first - p) as u64;
+    seeds.extend((0..extra_first).map(|j| {
+        mix_seed(
+            r.cfg.run.seed ^ 0x4f56_4552,
+            r.state.round * extra_first + j,
+        )
+    }));
     let mut round = sample_pass(r, &seeds, world)?;
     if !r.opts.dynamic_sampling {
         return Ok(round);
@@ -293,7 +306,9 @@ pub fn sample_round<P: Policy>(r: &mut Run<P>, world: &dyn World) -> Result<Samp
         more.retain_groups(g, &keep, room);
         round.extend(more, g);
     }
-    if round.episodes.len() < p * g {
+    // A short round is news only when extra passes were allowed to fill it (the metrics log
+    // every round's groups_kept).
+    if round.episodes.len() < p * g && max_extra > 0 {
         tracing::warn!(
             "dynamic sampling: {} of {p} groups carry a signal after {max_extra} extra passes; updating on those",
             round.episodes.len() / g

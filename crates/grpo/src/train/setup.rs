@@ -176,6 +176,8 @@ pub struct RoundOptions {
     /// sampling passes per round.
     pub dynamic_sampling: bool,
     pub max_extra_passes: usize,
+    /// Dynamic sampling: the first pass samples `ceil(P x oversample)` prompts.
+    pub oversample: f64,
     /// `metric_for_best_model`: the best checkpoint is recorded and kept.
     pub best: Option<BestModel>,
 }
@@ -556,6 +558,7 @@ impl RoundOptions {
                 || cfg.steps_per_generation > cfg.update.gradient_accumulation_steps,
             dynamic_sampling: cfg.logging.dynamic_sampling,
             max_extra_passes: cfg.logging.dynamic_sampling_max_passes,
+            oversample: cfg.logging.dynamic_sampling_oversample,
             best: cfg
                 .logging
                 .metric_for_best_model
@@ -636,9 +639,16 @@ fn check_world(cfg: &TrainConfig, world: &dyn World) -> Result<()> {
         (cfg.loss.top_entropy_quantile < 1.0, "top_entropy_quantile"),
     ];
     if let Some((_, key)) = refused.iter().find(|(on, _)| *on) {
+        // The embedded default run turns dynamic sampling on: say how to launch it anyway.
+        let off = match *key {
+            "dynamic_sampling" => {
+                ", or pass --dynamic_sampling=false (the default run turns it on)"
+            }
+            _ => "",
+        };
         return Err(Error::config(
             *key,
-            format!("is not supported across {n} ranks yet: run it in one process"),
+            format!("is not supported across {n} ranks yet: run it in one process{off}"),
         ));
     }
     Ok(())
