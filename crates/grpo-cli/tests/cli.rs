@@ -888,6 +888,9 @@ fn train_at_avx2_is_bit_identical_and_the_portable_kernels_train() {
                 "--task.train_size=16",
                 "--task.eval_size=4",
             ])
+            // The default's dynamic sampling would keep no group of a random model: every
+            // round is trained on, as before it.
+            .args(["--dynamic_sampling=false", "--temperature=1.0"])
             .arg(format!("--model={}", model.display()))
             .arg(format!("--output_dir={}", out.display()))
             .args(extra)

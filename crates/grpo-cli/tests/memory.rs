@@ -53,6 +53,9 @@ fn a_whole_micro_batch_on_the_portable_path_stays_within_its_memory_bound() {
             "--threads=2",
         ])
         .args(["--save_steps=0", "--eval_steps=0", "--report_to=none"])
+        // One pass of exactly this micro-batch (the default's dynamic sampling would sample
+        // 1.5x the prompts, and keep no group of a random model).
+        .args(["--dynamic_sampling=false", "--temperature=1.0"])
         .args(["--task.train_size=8", "--task.eval_size=2"])
         .arg(format!("--model={}", model.display()))
         .arg(format!("--output_dir={}", out.display()))
