@@ -127,6 +127,40 @@ def rmsnorm(exe, dtype, n, h, seed):
             sys.exit(1)
 
 
+def rope(exe, dtype, b, t, h, d, extra, seed):
+    g_ = torch.Generator().manual_seed(seed)
+    tdt = torch.float32 if dtype == "f32" else torch.bfloat16
+    xs = h * d + extra  # the rows of the joined projection: q's columns, then others
+    x = torch.randn(b, t, xs, generator=g_).to(tdt)
+    ang = torch.rand(b, t, d // 2, generator=g_) * 6
+    cos, sin = ang.cos().to(tdt), ang.sin().to(tdt)
+    gy = torch.randn(b, h, t, d, generator=g_).to(tdt)
+    bf = dtype == "bf16"
+    raw = lambda t_: (t_.view(torch.int16).numpy() if bf else t_.numpy())
+    with tempfile.TemporaryDirectory() as dd:
+        for name, t_ in [("x", x), ("cos", cos), ("sin", sin), ("g", gy)]:
+            raw(t_.contiguous()).tofile(os.path.join(dd, name + ".bin"))
+        subprocess.run([exe, "rope", dd, dtype, *map(str, [b, t, h, d, xs])], check=True)
+        def back(name, shape):
+            a = torch.from_numpy(np.fromfile(os.path.join(dd, name + ".bin"),
+                                             dtype=np.int16 if bf else np.float32).copy())
+            return (a.view(torch.bfloat16).float() if bf else a).reshape(shape)
+        y, dx = back("y", (b, h, t, d)), back("dx", (b, t, h * d))
+    xf = x[:, :, : h * d].float().requires_grad_()
+    xh = xf.reshape(b, t, h, d).transpose(1, 2)  # [B, H, T, D]
+    c, s = cos.float()[:, None], sin.float()[:, None]
+    x1, x2 = xh[..., : d // 2], xh[..., d // 2:]
+    want = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+    want.backward(gy.float())
+    tol = 1e-5 if dtype == "f32" else 1e-2
+    for name, a, e in [("y", y, want.detach()), ("dx", dx, xf.grad)]:
+        err = ((a - e).abs().max() / e.abs().max().clamp(min=1)).item()
+        status = "ok" if err < tol else "FAIL"
+        print(f"{dtype} rope B{b} T{t} H{h} D{d} {name}: {err:.2e} {status}")
+        if err >= tol:
+            sys.exit(1)
+
+
 if __name__ == "__main__":
     exe = build()
     for dtype in ["f32", "bf16"]:
@@ -135,6 +169,8 @@ if __name__ == "__main__":
         case(exe, dtype, 1, 2, 1, 5, 5, 128, 2)    # head_dim 128
         swiglu(exe, dtype, 7, 300, 3)
         rmsnorm(exe, dtype, 5, 300, 6)
+        rope(exe, dtype, 2, 5, 3, 64, 128, 7)      # a view of the joined projection
+        case(exe, dtype, 2, 3, 1, 70, 75, 64, 8)   # several key and query tiles, a partial one
     case(exe, "f32", 2, 4, 2, 9, 9, 16, 4)         # the tiny fixtures' head sizes
     case(exe, "bf16", 2, 4, 2, 9, 11, 32, 5)
     print("all kernels agree with torch")

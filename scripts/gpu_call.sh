@@ -1,10 +1,11 @@
 #!/bin/bash
 # One GPU call for issue 31's work, after ../shared/gpu/build_cuda.sh and ../shared/gpu/pack.sh
-# here: `grpo bench ops` on the 1.7B shape with grpo's GPU kernels at their default, `full` and
+# here: `grpo bench ops` on the 1.7B shape with grpo's GPU kernels at their default, `forward` and
 # `off`, then the kit (`.gpu/run.sh`: GPU tests, grpo vs TRL at the kit's shapes, GRPO_PROFILE=1)
 # with the kernel set whose layer forward + backward was fastest. On the GPU machine, from the
 # project root (with .gpu/ carried along):
 #   OUT=$OUT bash scripts/gpu_call.sh        (~7 minutes; BUDGET=seconds for the whole call, 530)
+#   KIT=0 OUT=$OUT bash scripts/gpu_call.sh  (~2 minutes: the pieces and the GPU tests, no kit)
 # Results in $OUT: ops-summary.txt (per-piece ms per kernel set), summary.txt and logs.tgz (the kit).
 set -u
 T0=$SECONDS; ROOT=$PWD; G=$ROOT/.gpu; FIN=${OUT:-$ROOT/gpu-out}; mkdir -p $FIN
@@ -14,7 +15,7 @@ NV=$(find $SITE/nvidia -name "lib*.so*" -printf "%h\n" 2>/dev/null | sort -u | t
 export LD_LIBRARY_PATH=$NV/usr/local/nvidia/lib64:/usr/local/nvidia/lib:${LD_LIBRARY_PATH:-}
 python3 -c "import lzma,sys,shutil; shutil.copyfileobj(lzma.open(sys.argv[1]), open('/tmp/grpo-ops','wb'))" $G/bin/grpo.xz
 chmod +x /tmp/grpo-ops
-for k in default full off; do
+for k in default forward off; do
   log "ops 1.7b, kernels: $k"
   GRPO_GPU_KERNELS=$k timeout 60 /tmp/grpo-ops bench ops --device cuda --shape 1.7b --rows 46 --seq 304 \
     --reps 3 --keep-pool > $FIN/ops-17-$k.jsonl 2> $FIN/ops-17-$k.err
@@ -24,7 +25,7 @@ BEST=$(python3 - $FIN <<'PY' 2>>$FIN/ops-summary.txt
 import json, os, sys
 best = None
 with open(os.path.join(sys.argv[1], "ops-summary.txt"), "a") as out:
-    for k in ["default", "full", "off"]:
+    for k in ["default", "forward", "off"]:
         for line in open(os.path.join(sys.argv[1], f"ops-17-{k}.jsonl")):
             try:
                 r = json.loads(line)
@@ -36,6 +37,15 @@ with open(os.path.join(sys.argv[1], "ops-summary.txt"), "a") as out:
 print(best[0] if best else "default")
 PY
 )
+if [ "${KIT:-1}" = 0 ]; then  # a short call: the pieces and the GPU tests only
+  python3 -c "import lzma,sys,shutil; shutil.copyfileobj(lzma.open(sys.argv[1]), open('/tmp/grpo-tests','wb'))" $G/bin/cuda-tests.xz
+  chmod +x /tmp/grpo-tests; src=$(cat $G/src_root)
+  if [ "$src" != "$ROOT" ]; then
+    mkdir -p "$(dirname "$src")"; [ -e "$src" ] && [ ! -L "$src" ] && mv "$src" "$src.orig"; ln -sfn "$ROOT" "$src"
+  fi
+  log "GPU tests"; timeout 150 /tmp/grpo-tests --test-threads=1 > $FIN/cuda-tests.txt 2>&1
+  grep -E "^test |test result" $FIN/cuda-tests.txt >> $FIN/ops-summary.txt; log "done"; exit 0
+fi
 log "kit with GRPO_GPU_KERNELS=$BEST"
 export GRPO_GPU_KERNELS=$BEST GRPO_PROFILE=1
 BUDGET=$((${BUDGET:-530} - (SECONDS - T0))) OUT=$FIN bash .gpu/run.sh

@@ -7,7 +7,9 @@
 //   gpu_kernels_emu swiglu DIR DTYPE N I
 // reads DIR/{gu,dy}.bin, writes DIR/{y,dgu}.bin;
 //   gpu_kernels_emu rmsnorm DIR DTYPE N H EPS
-// reads DIR/{x,w,g}.bin, writes DIR/{y,dx,gn}.bin.
+// reads DIR/{x,w,g}.bin, writes DIR/{y,dx,gn}.bin;
+//   gpu_kernels_emu rope DIR DTYPE B T H D XS
+// reads DIR/{x,cos,sin,g}.bin (x [B, T, XS], its first H*D columns rotated), writes DIR/{y,dx}.bin.
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -20,6 +22,7 @@
 #define __device__
 #define __forceinline__ inline
 #define __global__
+#define __launch_bounds__(x)
 #define __shared__
 struct Dim3 { int x, y, z; };
 static Dim3 blockIdx, blockDim;
@@ -65,11 +68,10 @@ template <typename T, int D> void run(const std::string& dir, int B, int H, int 
     auto mask = rd<float>(dir + "/mask.bin", (size_t)B * S * Tk);
     std::vector<T> o(nq), dq(nq), dk(nk), dv(nk);
     std::vector<float> lse((size_t)B * H * S), delta((size_t)B * H * S);
-    const int QT = 32;
-    launch((S + QT - 1) / QT, B * H, QT, [&] { attn_fwd<T, D>(q.data(), k.data(), v.data(), mask.data(), o.data(), lse.data(), H, Hkv, S, Tk, sc); });
-    launch((S + QT - 1) / QT, B * H, QT, [&] { attn_bwd_dq<T, D>(q.data(), k.data(), v.data(), mask.data(), o.data(), dout.data(), lse.data(), delta.data(), dq.data(), H, Hkv, S, Tk, sc); });
-    launch((Tk + QT - 1) / QT, B * Hkv, QT, [&] { attn_bwd_kv<T, D, true>(q.data(), k.data(), v.data(), mask.data(), dout.data(), lse.data(), delta.data(), dk.data(), H, Hkv, S, Tk, sc); });
-    launch((Tk + QT - 1) / QT, B * Hkv, QT, [&] { attn_bwd_kv<T, D, false>(q.data(), k.data(), v.data(), mask.data(), dout.data(), lse.data(), delta.data(), dv.data(), H, Hkv, S, Tk, sc); });
+    const int AT_ = 64, TH = 256;
+    launch((S + AT_ - 1) / AT_, B * H, TH, [&] { attn_fwd<T, D>(q.data(), k.data(), v.data(), mask.data(), o.data(), lse.data(), H, Hkv, S, Tk, sc); });
+    launch((S + AT_ - 1) / AT_, B * H, TH, [&] { attn_bwd_dq<T, D>(q.data(), k.data(), v.data(), mask.data(), o.data(), dout.data(), lse.data(), delta.data(), dq.data(), H, Hkv, S, Tk, sc); });
+    launch((Tk + AT_ - 1) / AT_, B * Hkv, TH, [&] { attn_bwd_dkv<T, D>(q.data(), k.data(), v.data(), mask.data(), dout.data(), lse.data(), delta.data(), dk.data(), dv.data(), H, Hkv, S, Tk, sc); });
     wr(dir + "/o.bin", o); wr(dir + "/lse.bin", lse); wr(dir + "/dq.bin", dq); wr(dir + "/dk.bin", dk); wr(dir + "/dv.bin", dv);
 }
 template <typename T> void run_swiglu(const std::string& dir, long n, int inter) {
@@ -89,7 +91,23 @@ template <typename T> void run_rms(const std::string& dir, long n, int h, float 
     launch((int)n, 1, NORM_THREADS, [&] { rms_norm_bwd<T>(x.data(), w.data(), g.data(), dx.data(), gn.data(), h, eps); });
     wr(dir + "/y.bin", y); wr(dir + "/dx.bin", dx); wr(dir + "/gn.bin", gn);
 }
+template <typename T> void run_rope(const std::string& dir, int b, int t, int h, int d, long xs) {
+    auto x = rd<T>(dir + "/x.bin", (size_t)b * t * xs), cs = rd<T>(dir + "/cos.bin", (size_t)b * t * d / 2);
+    auto sn = rd<T>(dir + "/sin.bin", (size_t)b * t * d / 2), g = rd<T>(dir + "/g.bin", (size_t)b * h * t * d);
+    std::vector<T> y((size_t)b * h * t * d), dx((size_t)b * t * h * d);
+    const long n = (long)b * h * t * (d / 2);
+    const int blocks = (int)((n + 255) / 256);
+    launch(blocks, 1, 256, [&] { rope<T>(x.data(), cs.data(), sn.data(), y.data(), n, t, h, d, xs, false); });
+    launch(blocks, 1, 256, [&] { rope<T>(g.data(), cs.data(), sn.data(), dx.data(), n, t, h, d, (long)h * d, true); });
+    wr(dir + "/y.bin", y); wr(dir + "/dx.bin", dx);
+}
 int main(int argc, char** argv) {
+    if (argc == 9 && std::string(argv[1]) == "rope") {
+        std::string dir = argv[2], dt = argv[3];
+        int b = atoi(argv[4]), t = atoi(argv[5]), h = atoi(argv[6]), d = atoi(argv[7]); long xs = atol(argv[8]);
+        if (dt == "f32") run_rope<float>(dir, b, t, h, d, xs); else run_rope<bf16_t>(dir, b, t, h, d, xs);
+        return 0;
+    }
     if (argc == 7 && std::string(argv[1]) == "rmsnorm") {
         std::string dir = argv[2], dt = argv[3];
         long n = atol(argv[4]); int h = atoi(argv[5]); float eps = atof(argv[6]);

@@ -119,8 +119,8 @@ struct Grads(RefCell<HashMap<(Vec<usize>, DType), Tensor>>);
 
 impl Grads {
     /// Backpropagates a random contiguous gradient of `y`'s shape into `y`'s graph (gradients
-    /// dropped), as the layer above would: not the broadcast gradient of a sum, whose strided
-    /// casts would be timed instead of the piece.
+    /// dropped), as the layer above would: not the gradient of a sum of `y`, whose reduction and
+    /// broadcast would be timed with the piece.
     fn backward(&self, y: &Tensor) -> candle_core::Result<()> {
         let key = (y.dims().to_vec(), y.dtype());
         let g = match self.0.borrow().get(&key) {
@@ -128,9 +128,11 @@ impl Grads {
             None => Tensor::randn(0f32, 1.0, y.shape(), y.device())?.to_dtype(y.dtype())?,
         };
         self.0.borrow_mut().insert(key, g.clone());
-        let fed =
-            grpo_models::models::recompute::attach(&y.detach(), &[y], Arc::new(GivenGrad(g)))?;
-        fed.sum_all()?.backward().map(|_| ())
+        // A one-number node whose backward hands `g` to `y`: no reduction over `y` is timed
+        // (candle's sum of a whole tensor runs on one block, ~0.1 ns an element on an H200).
+        let one = Tensor::zeros(1, DType::F32, y.device())?;
+        let fed = grpo_models::models::recompute::attach(&one, &[y], Arc::new(GivenGrad(g)))?;
+        fed.backward().map(|_| ())
     }
 }
 
@@ -297,7 +299,7 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
     let sb = time(&dev, reps, || Ok(backward(&swiglu(gu.as_tensor())?)?))?;
     report("swiglu", sf, sb, 0.0);
     // One Llama layer from these pieces (Train mode: what the update's recompute runs).
-    let layer = |x: &Tensor, mode: Mode| -> Result<Tensor> {
+    let layer = |x: &Tensor, mode: Mode, attend: bool| -> Result<Tensor> {
         let nw = norm_w.as_tensor().to_dtype(dt)?;
         let norm = |h: &Tensor| -> Result<Tensor> {
             Ok(match mode {
@@ -313,20 +315,28 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
         let q = layers::rope_heads(&q, &cos, &sin, s.heads, mode, compute)?;
         let k = layers::rope_heads(&k, &cos, &sin, s.kv_heads, mode, compute)?;
         let v = v.reshape((b, t, s.kv_heads, hd))?.transpose(1, 2)?;
-        let y = layers::attention(&q, &k, &v, &mask, mode, compute)?; // [B, T, H*D]
+        let y = match attend {
+            true => layers::attention(&q, &k, &v, &mask, mode, compute)?, // [B, T, H*D]
+            // Everything but attention: the queries stand in for its output.
+            false => q.transpose(1, 2)?.reshape((b, t, s.heads * hd))?,
+        };
         let x = (x + project(&flat(&y)?, &w_o)?.reshape((b, t, s.hidden))?)?;
         let h = norm(&x)?;
         let g = project(&flat(&h)?, &w_gu)?;
         let m = project(&swiglu(&g)?, &w_down)?.reshape((b, t, s.hidden))?;
         Ok((x + m)?)
     };
-    let lf = time(&dev, reps, || layer(&xt, Mode::Infer).map(|_| ()))?;
-    let lb = time(&dev, reps, || {
-        Ok(backward(&layer(x.as_tensor(), Mode::Train)?)?)
-    })?;
-    let layer_flops =
-        2.0 * n as f64 * (s.hidden * (qkv_out + s.heads * hd + 3 * s.inter)) as f64 + att_flops;
-    report("layer", lf, lb, layer_flops);
+    let proj_flops = 2.0 * n as f64 * (s.hidden * (qkv_out + s.heads * hd + 3 * s.inter)) as f64;
+    for (name, attend, flops) in [
+        ("layer", true, proj_flops + att_flops),
+        ("layer_without_attention", false, proj_flops),
+    ] {
+        let lf = time(&dev, reps, || layer(&xt, Mode::Infer, attend).map(|_| ()))?;
+        let lb = time(&dev, reps, || {
+            Ok(backward(&layer(x.as_tensor(), Mode::Train, attend)?)?)
+        })?;
+        report(name, lf, lb, flops);
+    }
     // The LM head's log-probs over the whole vocabulary, recomputed in the backward.
     let head = Var::from_tensor(&(Tensor::randn(0f32, 1.0, (s.vocab, s.hidden), &dev)? * 0.02)?)?;
     let targets = Tensor::from_vec(

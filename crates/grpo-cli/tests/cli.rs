@@ -1286,6 +1286,7 @@ fn bench_ops_reports_every_piece_of_a_layer() {
         "attention",
         "swiglu",
         "layer",
+        "layer_without_attention",
         "lm_head_logprobs",
     ] {
         assert!(ops.iter().any(|o| o == want), "no {want} in {ops:?}");

@@ -524,8 +524,9 @@ fn gpu_135m_micro_batch_in_one_pass_fits_in_16_gb() {
     );
 }
 
-/// grpo's GPU kernels (attention forward and backward, SwiGLU) against the same computation in
-/// candle ops on the same GPU: grouped heads, left padding, head sizes 64 and 128, f32 and bf16.
+/// grpo's GPU kernels (attention forward and backward, RMSNorm, RoPE, SwiGLU) against the same
+/// computation in candle ops on the same GPU: grouped heads, left padding, head sizes 64 and 128,
+/// several query and key tiles, f32 and bf16.
 #[test]
 fn gpu_kernels_equal_candle_ops_with_their_gradients() {
     use candle_core::Tensor;
@@ -572,12 +573,12 @@ fn gpu_kernels_equal_candle_ops_with_their_gradients() {
             let mask = Tensor::from_vec(m, (b, 1, s, tk), &dev).unwrap();
             let live = Tensor::from_vec(live, (b, h, s, d), &dev).unwrap();
             let gout = (gout * &live).unwrap();
-            // 0: the default (forward kernel, candle-op backward), 1: the backward kernels too,
-            // 2: candle ops only.
+            // 0: the default (the forward and backward kernels), 1: the forward kernel with
+            // the chunked candle-op backward (`GRPO_GPU_KERNELS=forward`), 2: candle ops only.
             let run = |path: usize| {
                 let out = match path {
                     0 => chunked_attention::attention(&q, &k, &v, &mask, scale, true).unwrap(),
-                    1 => fused_gpu::attention_full_kernels(&q, &k, &v, &mask, scale)
+                    1 => fused_gpu::attention_chunked_backward(&q, &k, &v, &mask, scale)
                         .unwrap()
                         .expect("grpo's GPU kernels are off or did not compile"),
                     _ => chunked_attention::attention_ops(&q, &k, &v, &mask, scale, true).unwrap(),
@@ -642,6 +643,53 @@ fn gpu_kernels_equal_candle_ops_with_their_gradients() {
         let errs = [rel(&ky, &cy), rel(&kx, &cx), rel(&kw, &cw)];
         println!("{dt:?} rms-norm: output, dx, dw {errs:?}");
         assert!(errs.iter().all(|e| *e < tol), "{dt:?} rms-norm: {errs:?}");
+        // RoPE: the kernel on a view of a joined projection against the candle ops.
+        let (rb, rt, rh, rd) = (3, 70, 4, 64);
+        let joined = Var::from_tensor(
+            &Tensor::randn(0f32, 1.0, (rb, rt, 2 * rh * rd), &dev)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap(),
+        )
+        .unwrap();
+        let view = joined.narrow(2, rh * rd, rh * rd).unwrap();
+        let ang = Tensor::rand(0f32, 6.0, (rb, rt, rd / 2), &dev).unwrap();
+        let (cos, sin) = (
+            ang.cos().unwrap().to_dtype(dt).unwrap(),
+            ang.sin().unwrap().to_dtype(dt).unwrap(),
+        );
+        let gr = Tensor::randn(0f32, 1.0, (rb, rh, rt, rd), &dev).unwrap();
+        let rope_grads = |y: Tensor| {
+            let g = (y.to_dtype(DType::F32).unwrap() * &gr)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            (y, g.get(&joined).unwrap().clone())
+        };
+        let (ky, kx) = rope_grads(
+            fused_gpu::rope_heads(&view, &cos, &sin, rh)
+                .unwrap()
+                .expect("grpo's GPU kernels are off or did not compile"),
+        );
+        let heads = view
+            .reshape((rb, rt, rh, rd))
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap();
+        let (cy, cx) = rope_grads(
+            grpo_models::models::layers::apply_rope(
+                &heads,
+                &cos,
+                &sin,
+                grpo_models::models::layers::Mode::Train,
+            )
+            .unwrap(),
+        );
+        let errs = [rel(&ky, &cy), rel(&kx, &cx)];
+        println!("{dt:?} rope: output, dx {errs:?}");
+        assert!(errs.iter().all(|e| *e < tol), "{dt:?} rope: {errs:?}");
         // SwiGLU: the kernel against silu(gate) * up in candle ops.
         let gu = Var::from_tensor(
             &Tensor::randn(0f32, 2.0, (7, 33, 2 * 96), &dev)

@@ -206,8 +206,42 @@ pub fn twin_rms_norm(x: &[f32], w: &[f32], g: &[f32], eps: f32) -> (Vec<f32>, Ve
     (y, dx, dw)
 }
 
+/// The RoPE kernels' twin: `x` [B, T, H*D], tables `cos`/`sin` [B, T, D/2] and the output's
+/// gradient `dy` [B, H, T, D] -> (y [B, H, T, D], dx [B, T, H*D]).
+pub fn twin_rope(
+    x: &[f32],
+    cos: &[f32],
+    sin: &[f32],
+    dy: &[f32],
+    (b, t, h, d): (usize, usize, usize, usize),
+) -> (Vec<f32>, Vec<f32>) {
+    let half = d / 2;
+    let (mut y, mut dx) = (vec![0f32; x.len()], vec![0f32; x.len()]);
+    for bi in 0..b {
+        for hi in 0..h {
+            for ti in 0..t {
+                let bt = bi * t + ti;
+                let rows = bt * h * d + hi * d;
+                let heads = ((bi * h + hi) * t + ti) * d;
+                for c in 0..half {
+                    let (co, si) = (cos[bt * half + c], sin[bt * half + c]);
+                    let (x1, x2) = (x[rows + c], x[rows + half + c]);
+                    y[heads + c] = x1 * co - x2 * si;
+                    y[heads + half + c] = x2 * co + x1 * si;
+                    let (g1, g2) = (dy[heads + c], dy[heads + half + c]);
+                    dx[rows + c] = g1 * co + g2 * si;
+                    dx[rows + half + c] = g2 * co - g1 * si;
+                }
+            }
+        }
+    }
+    (y, dx)
+}
+
 #[cfg(feature = "cuda")]
-pub use gpu::{applies, attention, attention_full_kernels, rms_norm, rms_norm_applies, swiglu};
+pub use gpu::{
+    applies, attention, attention_chunked_backward, rms_norm, rms_norm_applies, rope_heads, swiglu,
+};
 
 #[cfg(feature = "cuda")]
 mod gpu {
@@ -234,14 +268,14 @@ mod gpu {
         }
     }
 
-    /// Which of grpo's kernels run. By default attention's forward and SwiGLU both ways, with
-    /// attention's backward as candle ops (measured faster than the backward kernels on an
-    /// H200: bench/README.md); `GRPO_GPU_KERNELS=full` adds attention's backward kernels and
-    /// the RMSNorm kernels (not yet measured), `off` (or kernels that do not compile) runs
+    /// Which of grpo's kernels run. By default (`GRPO_GPU_KERNELS` unset, `default` or `full`)
+    /// all of them: attention forward and backward, SwiGLU, RMSNorm and RoPE;
+    /// `forward` runs attention's backward as [`super::super::chunked_attention`]'s candle ops
+    /// from the forward kernel's log-sum-exps; `off` (or kernels that do not compile) runs
     /// candle ops only.
     #[derive(Debug, Clone, Copy, PartialEq)]
     enum Use {
-        Full,
+        All,
         Forward,
         Off,
     }
@@ -251,13 +285,13 @@ mod gpu {
         *USE.get_or_init(|| {
             let want = match std::env::var("GRPO_GPU_KERNELS").as_deref() {
                 Ok("off") => Use::Off,
-                Ok("full") => Use::Full,
-                Ok("default") | Ok("") | Err(_) => Use::Forward,
+                Ok("forward") => Use::Forward,
+                Ok("default") | Ok("full") | Ok("") | Err(_) => Use::All,
                 Ok(other) => {
                     tracing::warn!(
-                        "GRPO_GPU_KERNELS={other} is not default, full or off: using the default"
+                        "GRPO_GPU_KERNELS={other} is not default, forward or off: using the default"
                     );
-                    Use::Forward
+                    Use::All
                 }
             };
             if want == Use::Off {
@@ -300,21 +334,48 @@ mod gpu {
         format!("attn_{kernel}_{}_{d}", suffix(dt))
     }
 
-    /// Threads per block: 64 queries or keys for D = 64, 32 for D = 128 (shared memory).
-    fn threads(d: usize) -> u32 {
-        if d > 64 {
-            32
-        } else {
-            64
-        }
+    /// Queries or keys per attention block (`AT` in kernels.cu), and its threads (`ATH`).
+    const AT: usize = 64;
+    const ATH: u32 = 256;
+
+    /// Shared memory of an attention kernel for head size `d`: `rows` tiles of [AT][d + 1],
+    /// `squares` of [AT][AT + 1] and `red` reduction rows of [AT][16], all f32.
+    fn attn_smem(d: usize, rows: usize, squares: usize, red: usize) -> u32 {
+        ((rows * AT * (d + 1) + squares * AT * (AT + 1) + red * AT * 16) * 4) as u32
     }
 
-    fn config(items: usize, groups: usize, d: usize, rows_per_thread: usize) -> LaunchConfig {
-        let t = threads(d);
+    /// The forward's, dQ's and dK/dV's shared memory (the layouts in kernels.cu).
+    fn smem_fwd(d: usize) -> u32 {
+        attn_smem(d, 3, 1, 1)
+    }
+
+    fn smem_dq(d: usize) -> u32 {
+        attn_smem(d, 4, 1, 1)
+    }
+
+    fn smem_dkv(d: usize) -> u32 {
+        attn_smem(d, 4, 2, 0)
+    }
+
+    /// The most shared memory a block may opt into on this process's GPU (0 if unknown).
+    fn smem_limit(dev: &CudaDevice) -> u32 {
+        static LIMIT: OnceLock<u32> = OnceLock::new();
+        *LIMIT.get_or_init(|| {
+            use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+            let a = CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
+            dev.cuda_stream()
+                .context()
+                .attribute(a)
+                .map_or(0, |v| v.max(0) as u32)
+        })
+    }
+
+    /// A grid of `items.div_ceil(AT)` x `groups` blocks of [`ATH`] threads.
+    fn attn_config(items: usize, groups: usize, smem: u32) -> LaunchConfig {
         LaunchConfig {
-            grid_dim: (items.div_ceil(t as usize) as u32, groups as u32, 1),
-            block_dim: (t, 1, 1),
-            shared_mem_bytes: t * (rows_per_thread * d + 1) as u32 * 4,
+            grid_dim: (items.div_ceil(AT) as u32, groups as u32, 1),
+            block_dim: (ATH, 1, 1),
+            shared_mem_bytes: smem,
         }
     }
 
@@ -338,6 +399,12 @@ mod gpu {
             Ok(p) => dev.get_or_load_custom_func(name, "grpo_kernels", p)?,
             Err(e) => candle_core::bail!("grpo's GPU kernels: {e}"),
         };
+        if cfg.shared_mem_bytes > 48 << 10 {
+            // Above 48 KiB a kernel must opt in to its dynamic shared memory.
+            use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
+            let a = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+            f.set_attribute(a, cfg.shared_mem_bytes as i32).w()?;
+        }
         let mut b = f.builder();
         // Each argument's storage guard and view live until the launch.
         let guards: Vec<_> = args.iter().map(|t| t.storage_and_layout()).collect();
@@ -455,10 +522,11 @@ mod gpu {
         }
     }
 
-    /// Whether a training RMSNorm of `x` by `w` runs grpo's kernels: only under
-    /// `GRPO_GPU_KERNELS=full` (they have not been measured on a GPU yet).
+    /// Whether a training RMSNorm of `x` by `w` runs grpo's kernels (unless
+    /// `GRPO_GPU_KERNELS=off`): on an H200 they took a 1.7B layer's forward + backward from
+    /// 39 to 29 ms without attention (bench/README.md).
     pub fn rms_norm_applies(x: &Tensor, w: &Tensor) -> bool {
-        applies(x) && used() == Use::Full && w.dtype() == x.dtype() && w.rank() == 1
+        applies(x) && w.dtype() == x.dtype() && w.rank() == 1
     }
 
     /// A block of 256 threads per row (`NORM_THREADS` in kernels.cu) and its reduction buffer.
@@ -531,6 +599,100 @@ mod gpu {
         }
     }
 
+    /// Rotate-half RoPE of `x` [B, T, H*D] (a view of the joined projection: rows a stride
+    /// apart, last dim contiguous) by tables `cos`/`sin` [B, T, D/2] -> [B, H, T, D] contiguous,
+    /// one kernel each way (recorded in the graph when `x` is), or `None` where the kernel does
+    /// not apply (the caller runs candle ops).
+    pub fn rope_heads(
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        heads: usize,
+    ) -> Result<Option<Tensor>> {
+        let Ok((b, t, hd)) = x.dims3() else {
+            return Ok(None);
+        };
+        let d = hd / heads.max(1);
+        let st = x.stride();
+        let applies = applies(x)
+            && heads > 0
+            && d % 2 == 0
+            && d * heads == hd
+            && cos.dtype() == x.dtype()
+            && sin.dtype() == x.dtype()
+            && cos.dims() == [b, t, d / 2]
+            && sin.dims() == [b, t, d / 2]
+            && st[2] == 1
+            && (b == 1 || t == 1 || st[0] == t * st[1]);
+        if !applies {
+            return Ok(None);
+        }
+        let (cos, sin) = (cos.contiguous()?, sin.contiguous()?);
+        let y = Tensor::zeros((b, heads, t, d), x.dtype(), x.device())?;
+        let n = y.elem_count() / 2;
+        let xs = if t == 1 { st[0] } else { st[1] }; // elements from one (b, t) row to the next
+        let scalars = [
+            Scalar::I64(n as i64),
+            Scalar::I32(t as i32),
+            Scalar::I32(heads as i32),
+            Scalar::I32(d as i32),
+            Scalar::I64(xs as i64),
+        ];
+        let kernel = format!("rope_fwd_{}", suffix(x.dtype()));
+        // The view is passed from its first element with its row stride (`launch` reads the
+        // storage from the layout's start offset).
+        launch(
+            &cuda(x)?,
+            &kernel,
+            elementwise(n),
+            &[&x.detach(), &cos, &sin, &y],
+            &scalars,
+        )?;
+        Ok(Some(attach(&y, &[x], Arc::new(RopeBackward { cos, sin }))?))
+    }
+
+    struct RopeBackward {
+        cos: Tensor,
+        sin: Tensor,
+    }
+
+    impl Backward for RopeBackward {
+        fn name(&self) -> &'static str {
+            "gpu-rope"
+        }
+
+        fn backward(
+            &self,
+            inputs: &[Tensor],
+            _wanted: &[bool],
+            out: &Tensor,
+            grad: &Tensor,
+        ) -> Result<Vec<Option<Tensor>>> {
+            let [x] = inputs else {
+                candle_core::bail!("gpu rope: one input expected");
+            };
+            let (b, h, t, d) = out.dims4()?;
+            let g = grad.to_dtype(x.dtype())?.contiguous()?;
+            let dx = Tensor::zeros((b, t, h * d), x.dtype(), x.device())?;
+            let n = out.elem_count() / 2;
+            let scalars = [
+                Scalar::I64(n as i64),
+                Scalar::I32(t as i32),
+                Scalar::I32(h as i32),
+                Scalar::I32(d as i32),
+            ];
+            let kernel = format!("rope_bwd_{}", suffix(x.dtype()));
+            launch(
+                &cuda(x)?,
+                &kernel,
+                elementwise(n),
+                &[&g, &self.cos, &self.sin, &dx],
+                &scalars,
+            )?;
+            Ok(vec![Some(dx)])
+        }
+    }
+
     /// `q` [B, H, S, D], `k`/`v` [B, Hkv, Tk, D], `mask` additive [B, 1, S, Tk] f32, causal ->
     /// [B, H, S, D], or `None` where the kernels do not apply (the caller runs candle ops).
     /// With `record`, the result is a node of the graph whose backward is the two backward
@@ -543,19 +705,19 @@ mod gpu {
         scale: f64,
         record: bool,
     ) -> Result<Option<Tensor>> {
-        attention_with(q, k, v, mask, scale, record, used() == Use::Full)
+        attention_with(q, k, v, mask, scale, record, used() == Use::All)
     }
 
-    /// [`attention`] recorded with the backward kernels whatever `GRPO_GPU_KERNELS` says (unless
-    /// `off`): for checking them.
-    pub fn attention_full_kernels(
+    /// [`attention`] recorded with the chunked candle-op backward whatever `GRPO_GPU_KERNELS`
+    /// says (unless `off`): what `forward` runs, for checking it.
+    pub fn attention_chunked_backward(
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
         mask: &Tensor,
         scale: f64,
     ) -> Result<Option<Tensor>> {
-        attention_with(q, k, v, mask, scale, true, true)
+        attention_with(q, k, v, mask, scale, true, false)
     }
 
     fn attention_with(
@@ -580,6 +742,12 @@ mod gpu {
         if !applies {
             return Ok(None);
         }
+        let dev = cuda(q)?;
+        let limit = smem_limit(&dev);
+        let backward_kernels = backward_kernels && smem_dq(d).max(smem_dkv(d)) <= limit;
+        if smem_fwd(d) > limit {
+            return Ok(None);
+        }
         let n = Dims {
             b,
             h,
@@ -588,7 +756,6 @@ mod gpu {
             tk,
             d,
         };
-        let dev = cuda(q)?;
         let mask = mask
             .broadcast_as((b, 1, s, tk))?
             .to_dtype(DType::F32)?
@@ -603,7 +770,7 @@ mod gpu {
         launch(
             &dev,
             &name("fwd", dt, d),
-            config(s, b * h, d, 1),
+            attn_config(s, b * h, smem_fwd(d)),
             &[&qd, &kd, &vd, &mask, &o, &lse],
             &dims_args(n, scale as f32),
         )?;
@@ -661,19 +828,17 @@ mod gpu {
             launch(
                 &dev,
                 &name("bwd_dq", dt, n.d),
-                config(n.s, n.b * n.h, n.d, 2),
+                attn_config(n.s, n.b * n.h, smem_dq(n.d)),
                 &[&q, &k, &v, &self.mask, &o, &g, &self.lse, &delta, &dq],
                 &scalars,
             )?;
-            for (kernel, out) in [("bwd_dk", &dk), ("bwd_dv", &dv)] {
-                launch(
-                    &dev,
-                    &name(kernel, dt, n.d),
-                    config(n.tk, n.b * n.hkv, n.d, 2),
-                    &[&q, &k, &v, &self.mask, &g, &self.lse, &delta, out],
-                    &scalars,
-                )?;
-            }
+            launch(
+                &dev,
+                &name("bwd_dkv", dt, n.d),
+                attn_config(n.tk, n.b * n.hkv, smem_dkv(n.d)),
+                &[&q, &k, &v, &self.mask, &g, &self.lse, &delta, &dk, &dv],
+                &scalars,
+            )?;
             Ok(vec![Some(dq), Some(dk), Some(dv)])
         }
     }
@@ -800,6 +965,37 @@ mod tests {
         let (y, dgu) = twin_swiglu(&host(&gu), &host(&dy), inter);
         assert!(err(&y, &host(&want)) < 1e-5);
         assert!(err(&dgu, &host(grads.get(&gu).unwrap())) < 1e-5);
+    }
+
+    /// The RoPE kernels' twin equals the portable path's candle-op RoPE (reshape, transpose,
+    /// rotate-half) and its gradient.
+    #[test]
+    fn the_rope_twin_equals_candle_ops_with_the_gradient() {
+        let dev = Device::Cpu;
+        let (b, t, h, d) = (2, 5, 3, 8);
+        let x = Var::randn(0f32, 1.0, (b, t, h * d), &dev).unwrap();
+        let ang = Tensor::rand(0f32, 6.0, (b, t, d / 2), &dev).unwrap();
+        let (cos, sin) = (ang.cos().unwrap(), ang.sin().unwrap());
+        let dy = Tensor::randn(0f32, 1.0, (b, h, t, d), &dev).unwrap();
+        let heads = x.reshape((b, t, h, d)).unwrap().transpose(1, 2).unwrap();
+        let want =
+            super::super::layers::apply_rope(&heads, &cos, &sin, super::super::layers::Mode::Train)
+                .unwrap();
+        let grads = (&want * &dy)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let (y, dx) = twin_rope(
+            &host(&x),
+            &host(&cos),
+            &host(&sin),
+            &host(&dy),
+            (b, t, h, d),
+        );
+        assert!(err(&y, &host(&want)) < 1e-5);
+        assert!(err(&dx, &host(grads.get(&x).unwrap())) < 1e-5);
     }
 
     /// The RMSNorm kernels' twin equals the recorded candle-op RMSNorm and its gradients.

@@ -911,7 +911,8 @@ pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor, mode: Mode) -> Result<
 }
 
 /// RoPE on `x` [B, T, H*D] (a narrow of the fused q/k/v projection), returning [B, H, T, D]
-/// contiguous: the fused kernel for f32 on the CPU, else a reshape, transpose and [`apply_rope`].
+/// contiguous: the fused kernel for f32 on the CPU, grpo's kernel on a GPU, else a reshape,
+/// transpose and [`apply_rope`].
 pub fn rope_heads(
     x: &Tensor,
     cos: &Tensor,
@@ -922,6 +923,10 @@ pub fn rope_heads(
 ) -> Result<Tensor> {
     if compute.fuses(x) {
         return super::fused::rope_heads(x, cos, sin, heads);
+    }
+    #[cfg(feature = "cuda")]
+    if let Some(y) = super::fused_gpu::rope_heads(x, cos, sin, heads)? {
+        return Ok(y);
     }
     let (b, t, hd) = x.dims3()?;
     let x = x.reshape((b, t, heads, hd / heads))?.transpose(1, 2)?; // [B, H, T, D]

@@ -2,11 +2,14 @@
 // tensors. The Rust twin of each kernel is in `fused_gpu.rs`, where they are launched.
 //
 // Attention: FlashAttention's plan (scores never stored, one log-sum-exp per query kept for the
-// backward) written plainly, one thread per query (forward, dQ) or per key (dK, dV).
+// backward), in 64 x 64 tiles through shared memory: forward and dQ per block of queries, dK and
+// dV per block of keys.
 // q [B, H, S, D], k/v [B, Hkv, Tk, D], o/dO [B, H, S, D], mask [B, S, Tk] f32 additive,
 // lse/delta [B, H, S] f32. Query i reads key slots 0 ..= Tk - S + i (causal), the mask adds on top.
 //
 // SwiGLU: gu [N, 2I] (gate, then up, per row) -> silu(gate) * up [N, I], and its backward.
+// RMSNorm: a block per row, forward and backward. RoPE: rotate-half over a strided [B, T, H*D]
+// view into [B, H, T, D], and its backward.
 
 typedef unsigned short bf16_t;
 
@@ -28,156 +31,379 @@ __device__ __forceinline__ void st(bf16_t* p, long i, float x) {
     p[i] = (bf16_t)(u >> 16);
 }
 
-// Forward: o and lse. Block: QT queries of one (b, h); q rows in shared memory (stride D + 1).
+// Attention works on 64 x 64 tiles of scores: a block of 256 threads (16 x 16, tx fastest) holds
+// 64 queries (forward, dQ) or 64 keys (dK/dV) and walks the other side's tiles through shared
+// memory; each thread owns a 4 x 4 patch of a tile (rows ty*4 .. ty*4+3, columns tx + 16 j) and
+// the matching rows x D/16 columns of the accumulated output. Shared rows are stored with a
+// stride of D + 1 floats, so that 16 threads reading 16 rows at one column hit 16 banks.
+#define AT 64
+#define ATH 256
+#define NEG_INF __int_as_float(0xff800000)
+
+// Rows row0 .. row0 + AT of a [.., D] tensor into dst [AT][D + 1] f32 times `mul` (rows from
+// `valid` on are zeros).
+template <typename T, int D>
+__device__ void load_rows(const T* src, long row0, int valid, float* dst, float mul) {
+    for (int e = threadIdx.x; e < AT * D; e += ATH) {
+        const int r = e / D, d = e % D;
+        dst[r * (D + 1) + d] = r < valid ? ld(src, (row0 + r) * D + d) * mul : 0.f;
+    }
+}
+
+// Whether query i (of S) may read key slot j (of Tk): causal, inside both.
+__device__ __forceinline__ bool visible(int i, int j, int S, int Tk) {
+    return i < S && j < Tk && j <= Tk - S + i;
+}
+
+// Sum over the 16 threads of a row group (same ty) of one value per owned row, through red
+// [AT][16]: every thread of the group gets the 4 sums (or maxima).
+__device__ void rows_reduce(float v[4], float* red, bool max) {
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    __syncthreads();
+#pragma unroll
+    for (int a = 0; a < 4; ++a) red[(ty * 4 + a) * 16 + tx] = v[a];
+    __syncthreads();
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+        float r = red[(ty * 4 + a) * 16];
+        for (int t = 1; t < 16; ++t) {
+            const float x = red[(ty * 4 + a) * 16 + t];
+            r = max ? fmaxf(r, x) : r + x;
+        }
+        v[a] = r;
+    }
+}
+
+// Forward: o and lse (FlashAttention's online softmax). Grid: (ceil(S / AT), B * H).
 template <typename T, int D>
 __device__ void attn_fwd(const T* q, const T* k, const T* v, const float* mask, T* o, float* lse,
                          int H, int Hkv, int S, int Tk, float scale) {
     extern __shared__ float sm[];
+    constexpr int P = D + 1, DJ = D / 16;
+    float* qs = sm;                    // [AT][P] queries times scale
+    float* ks = qs + AT * P;           // [AT][P]
+    float* vs = ks + AT * P;           // [AT][P]
+    float* ps = vs + AT * P;           // [AT][AT + 1] probabilities
+    float* red = ps + AT * (AT + 1);   // [AT][16]
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     const int bh = blockIdx.y, b = bh / H, h = bh % H, hk = h / (H / Hkv);
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    float* qs = sm + threadIdx.x * (D + 1);
-    const long qo = ((long)bh * S + i) * D;
-    if (i < S) {
+    const int i0 = blockIdx.x * AT;
+    const long qo = (long)bh * S, ko = ((long)b * Hkv + hk) * Tk;
+    load_rows<T, D>(q, qo + i0, imin(AT, S - i0), qs, scale);
+    float m[4], l[4], acc[4][DJ];
 #pragma unroll
-        for (int d = 0; d < D; ++d) qs[d] = ld(q, qo + d) * scale;
+    for (int a = 0; a < 4; ++a) {
+        m[a] = NEG_INF;
+        l[a] = 0.f;
+#pragma unroll
+        for (int c = 0; c < DJ; ++c) acc[a][c] = 0.f;
     }
-    if (i >= S) return;
-    const long ko = ((long)b * Hkv + hk) * Tk * D;
-    const float* mrow = mask + ((long)b * S + i) * Tk;
-    const int end = imin(Tk, Tk - S + i + 1);
-    float m = __int_as_float(0xff800000), l = 0.f, acc[D];
+    const int kend = imin(Tk, Tk - S + i0 + AT);
+    for (int j0 = 0; j0 < kend; j0 += AT) {
+        __syncthreads();
+        load_rows<T, D>(k, ko + j0, imin(AT, Tk - j0), ks, 1.f);
+        load_rows<T, D>(v, ko + j0, imin(AT, Tk - j0), vs, 1.f);
+        __syncthreads();
+        float s[4][4], mx[4];
 #pragma unroll
-    for (int d = 0; d < D; ++d) acc[d] = 0.f;
-    for (int j = 0; j < end; ++j) {
-        const long kj = ko + (long)j * D;
-        float z = 0.f;
+        for (int a = 0; a < 4; ++a)
 #pragma unroll
-        for (int d = 0; d < D; ++d) z += qs[d] * ld(k, kj + d);
-        z += mrow[j];
-        const float mn = fmaxf(m, z);
-        const float c = __expf(m - mn), p = __expf(z - mn);
-        l = l * c + p;
+            for (int c = 0; c < 4; ++c) s[a][c] = 0.f;
+        for (int d = 0; d < D; ++d) {
+            float qa[4], kb[4];
 #pragma unroll
-        for (int d = 0; d < D; ++d) acc[d] = acc[d] * c + p * ld(v, kj + d);
-        m = mn;
+            for (int a = 0; a < 4; ++a) qa[a] = qs[(ty * 4 + a) * P + d];
+#pragma unroll
+            for (int c = 0; c < 4; ++c) kb[c] = ks[(tx + 16 * c) * P + d];
+#pragma unroll
+            for (int a = 0; a < 4; ++a)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) s[a][c] += qa[a] * kb[c];
+        }
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+            const int i = i0 + ty * 4 + a;
+            mx[a] = m[a];
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int j = j0 + tx + 16 * c;
+                s[a][c] = visible(i, j, S, Tk) ? s[a][c] + mask[((long)b * S + i) * Tk + j] : NEG_INF;
+                mx[a] = fmaxf(mx[a], s[a][c]);
+            }
+        }
+        rows_reduce(mx, red, true);
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+            const float c0 = mx[a] == NEG_INF ? 1.f : __expf(m[a] - mx[a]);
+            l[a] *= c0;
+#pragma unroll
+            for (int c = 0; c < DJ; ++c) acc[a][c] *= c0;
+            m[a] = mx[a];
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const float p = s[a][c] == NEG_INF ? 0.f : __expf(s[a][c] - mx[a]);
+                l[a] += p;
+                ps[(ty * 4 + a) * (AT + 1) + tx + 16 * c] = p;
+            }
+        }
+        __syncthreads();
+        for (int j = 0; j < AT; ++j) {
+            float vb[DJ];
+#pragma unroll
+            for (int c = 0; c < DJ; ++c) vb[c] = vs[j * P + tx + 16 * c];
+#pragma unroll
+            for (int a = 0; a < 4; ++a) {
+                const float p = ps[(ty * 4 + a) * (AT + 1) + j];
+#pragma unroll
+                for (int c = 0; c < DJ; ++c) acc[a][c] += p * vb[c];
+            }
+        }
     }
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    rows_reduce(l, red, false);
 #pragma unroll
-    for (int d = 0; d < D; ++d) st(o, qo + d, acc[d] * inv);
-    lse[(long)bh * S + i] = m + logf(l);
+    for (int a = 0; a < 4; ++a) {
+        const int i = i0 + ty * 4 + a;
+        if (i >= S) continue;
+        const float inv = l[a] > 0.f ? 1.f / l[a] : 0.f;
+#pragma unroll
+        for (int c = 0; c < DJ; ++c) st(o, (qo + i) * D + tx + 16 * c, acc[a][c] * inv);
+        if (tx == 0) lse[qo + i] = m[a] + logf(l[a]);
+    }
 }
 
-// Backward, per query: delta = rowsum(dO * O), dQ = scale * sum_j P (dO.v_j - delta) k_j.
+// Backward for queries: delta = rowsum(dO * O) (kept for the dK/dV kernel), and
+// dQ = scale * sum_j P (dO.v_j - delta) k_j. Grid: (ceil(S / AT), B * H).
 template <typename T, int D>
 __device__ void attn_bwd_dq(const T* q, const T* k, const T* v, const float* mask, const T* o,
                             const T* dout, const float* lse, float* delta, T* dq, int H, int Hkv,
                             int S, int Tk, float scale) {
     extern __shared__ float sm[];
+    constexpr int P = D + 1, DJ = D / 16;
+    float* qs = sm;                    // [AT][P] queries times scale
+    float* gs = qs + AT * P;           // [AT][P] dO
+    float* ks = gs + AT * P;           // [AT][P]
+    float* vs = ks + AT * P;           // [AT][P]
+    float* ds = vs + AT * P;           // [AT][AT + 1] dS
+    float* red = ds + AT * (AT + 1);   // [AT][16]
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     const int bh = blockIdx.y, b = bh / H, h = bh % H, hk = h / (H / Hkv);
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    float* qs = sm + threadIdx.x * (2 * D + 1);
-    float* gs = qs + D;
-    const long qo = ((long)bh * S + i) * D;
-    if (i >= S) return;
-    float dl = 0.f;
+    const int i0 = blockIdx.x * AT;
+    const long qo = (long)bh * S, ko = ((long)b * Hkv + hk) * Tk;
+    const int rows = imin(AT, S - i0);
+    load_rows<T, D>(q, qo + i0, rows, qs, scale);
+    load_rows<T, D>(dout, qo + i0, rows, gs, 1.f);
+    __syncthreads();
+    float dl[4], li[4], acc[4][DJ];
 #pragma unroll
-    for (int d = 0; d < D; ++d) {
-        qs[d] = ld(q, qo + d) * scale;
-        gs[d] = ld(dout, qo + d);
-        dl += gs[d] * ld(o, qo + d);
-    }
-    delta[(long)bh * S + i] = dl;
-    const float li = lse[(long)bh * S + i];
-    const long ko = ((long)b * Hkv + hk) * Tk * D;
-    const float* mrow = mask + ((long)b * S + i) * Tk;
-    const int end = imin(Tk, Tk - S + i + 1);
-    float acc[D];
+    for (int a = 0; a < 4; ++a) {
+        const int i = i0 + ty * 4 + a;
+        dl[a] = 0.f;
+        if (i < S) {
 #pragma unroll
-    for (int d = 0; d < D; ++d) acc[d] = 0.f;
-    for (int j = 0; j < end; ++j) {
-        const long kj = ko + (long)j * D;
-        float z = 0.f, dp = 0.f;
-#pragma unroll
-        for (int d = 0; d < D; ++d) {
-            z += qs[d] * ld(k, kj + d);
-            dp += gs[d] * ld(v, kj + d);
+            for (int c = 0; c < DJ; ++c)
+                dl[a] += gs[(ty * 4 + a) * P + tx + 16 * c] * ld(o, (qo + i) * D + tx + 16 * c);
         }
-        const float p = __expf(z + mrow[j] - li);
-        const float ds = p * (dp - dl);
+        li[a] = i < S ? lse[qo + i] : 0.f;
 #pragma unroll
-        for (int d = 0; d < D; ++d) acc[d] += ds * ld(k, kj + d);
+        for (int c = 0; c < DJ; ++c) acc[a][c] = 0.f;
+    }
+    rows_reduce(dl, red, false);
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+        const int i = i0 + ty * 4 + a;
+        if (tx == 0 && i < S) delta[qo + i] = dl[a];
+    }
+    const int kend = imin(Tk, Tk - S + i0 + AT);
+    for (int j0 = 0; j0 < kend; j0 += AT) {
+        __syncthreads();
+        load_rows<T, D>(k, ko + j0, imin(AT, Tk - j0), ks, 1.f);
+        load_rows<T, D>(v, ko + j0, imin(AT, Tk - j0), vs, 1.f);
+        __syncthreads();
+        float s[4][4], dp[4][4];
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) s[a][c] = dp[a][c] = 0.f;
+        for (int d = 0; d < D; ++d) {
+            float qa[4], ga[4], kb[4], vb[4];
+#pragma unroll
+            for (int a = 0; a < 4; ++a) {
+                qa[a] = qs[(ty * 4 + a) * P + d];
+                ga[a] = gs[(ty * 4 + a) * P + d];
+            }
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                kb[c] = ks[(tx + 16 * c) * P + d];
+                vb[c] = vs[(tx + 16 * c) * P + d];
+            }
+#pragma unroll
+            for (int a = 0; a < 4; ++a)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    s[a][c] += qa[a] * kb[c];
+                    dp[a][c] += ga[a] * vb[c];
+                }
+        }
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+            const int i = i0 + ty * 4 + a;
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int j = j0 + tx + 16 * c;
+                const float p = visible(i, j, S, Tk)
+                    ? __expf(s[a][c] + mask[((long)b * S + i) * Tk + j] - li[a]) : 0.f;
+                ds[(ty * 4 + a) * (AT + 1) + tx + 16 * c] = p * (dp[a][c] - dl[a]);
+            }
+        }
+        __syncthreads();
+        for (int j = 0; j < AT; ++j) {
+            float kb[DJ];
+#pragma unroll
+            for (int c = 0; c < DJ; ++c) kb[c] = ks[j * P + tx + 16 * c];
+#pragma unroll
+            for (int a = 0; a < 4; ++a) {
+                const float x = ds[(ty * 4 + a) * (AT + 1) + j];
+#pragma unroll
+                for (int c = 0; c < DJ; ++c) acc[a][c] += x * kb[c];
+            }
+        }
     }
 #pragma unroll
-    for (int d = 0; d < D; ++d) st(dq, qo + d, acc[d] * scale);
+    for (int a = 0; a < 4; ++a) {
+        const int i = i0 + ty * 4 + a;
+        if (i >= S) continue;
+#pragma unroll
+        for (int c = 0; c < DJ; ++c) st(dq, (qo + i) * D + tx + 16 * c, acc[a][c] * scale);
+    }
 }
 
-// Backward, per key of one (b, kv head): over the g query heads that read it and the queries
-// that reach it, dV_j = sum P dO_i (DK false) or dK_j = scale * sum P (dO_i.v_j - delta_i) q_i
-// (DK true): two launches, so that a thread accumulates D numbers, not 2D.
-template <typename T, int D, bool DK>
-__device__ void attn_bwd_kv(const T* q, const T* k, const T* v, const float* mask, const T* dout,
-                            const float* lse, const float* delta, T* dkv, int H, int Hkv, int S,
-                            int Tk, float scale) {
+// Backward for keys: over the g query heads that read a key and the queries that reach it,
+// dV_j = sum P dO_i and dK_j = scale * sum P (dO_i.v_j - delta_i) q_i. A block holds 64 keys of
+// one (b, kv head); its thread rows are keys, its columns queries. Grid: (ceil(Tk / AT), B * Hkv).
+template <typename T, int D>
+__device__ void attn_bwd_dkv(const T* q, const T* k, const T* v, const float* mask, const T* dout,
+                             const float* lse, const float* delta, T* dk, T* dv, int H, int Hkv,
+                             int S, int Tk, float scale) {
     extern __shared__ float sm[];
+    constexpr int P = D + 1, DJ = D / 16;
+    float* ks = sm;                    // [AT][P] keys times scale
+    float* vs = ks + AT * P;           // [AT][P]
+    float* qs = vs + AT * P;           // [AT][P]
+    float* gs = qs + AT * P;           // [AT][P] dO
+    float* ps = gs + AT * P;           // [AT][AT + 1] P^T (the mask first), keys x queries
+    float* ds = ps + AT * (AT + 1);    // [AT][AT + 1] dS^T
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     const int bk = blockIdx.y, b = bk / Hkv, hk = bk % Hkv, g = H / Hkv;
-    const int j = blockIdx.x * blockDim.x + threadIdx.x;
-    float* ks = sm + threadIdx.x * (2 * D + 1);
-    float* vs = ks + D;
-    const long kj = ((long)bk * Tk + j) * D;
-    if (j >= Tk) return;
+    const int j0 = blockIdx.x * AT;
+    const long ko = (long)bk * Tk;
+    load_rows<T, D>(k, ko + j0, imin(AT, Tk - j0), ks, scale);
+    load_rows<T, D>(v, ko + j0, imin(AT, Tk - j0), vs, 1.f);
+    float ak[4][DJ], av[4][DJ];
 #pragma unroll
-    for (int d = 0; d < D; ++d) {
-        ks[d] = ld(k, kj + d) * scale;
-        vs[d] = DK ? ld(v, kj + d) : 0.f;
-    }
-    float acc[D];
+    for (int a = 0; a < 4; ++a)
 #pragma unroll
-    for (int d = 0; d < D; ++d) acc[d] = 0.f;
-    const int start = imax(0, j - (Tk - S));
+        for (int c = 0; c < DJ; ++c) ak[a][c] = av[a][c] = 0.f;
+    const int istart = imax(0, j0 - (Tk - S));
     for (int hh = hk * g; hh < (hk + 1) * g; ++hh) {
-        const long ho = ((long)b * H + hh) * S;
-        for (int i = start; i < S; ++i) {
-            const long qi = (ho + i) * D;
-            float z = 0.f, dp = 0.f;
-#pragma unroll
-            for (int d = 0; d < D; ++d) {
-                z += ks[d] * ld(q, qi + d);
-                if (DK) dp += vs[d] * ld(dout, qi + d);
+        const long qo = ((long)b * H + hh) * S;
+        for (int i0 = istart; i0 < S; i0 += AT) {
+            __syncthreads();
+            const int rows = imin(AT, S - i0);
+            load_rows<T, D>(q, qo + i0, rows, qs, 1.f);
+            load_rows<T, D>(dout, qo + i0, rows, gs, 1.f);
+            // The mask's tile, transposed (read along keys: coalesced).
+            for (int e = threadIdx.x; e < AT * AT; e += ATH) {
+                const int r = e / AT, c = e % AT;  // query r, key c
+                ps[c * (AT + 1) + r] = (i0 + r < S && j0 + c < Tk)
+                    ? mask[((long)b * S + i0 + r) * Tk + j0 + c] : 0.f;
             }
-            const float p = __expf(z + mask[((long)b * S + i) * Tk + j] - lse[ho + i]);
-            if (DK) {
-                const float ds = p * (dp - delta[ho + i]);
+            __syncthreads();
+            float s[4][4], dp[4][4];
 #pragma unroll
-                for (int d = 0; d < D; ++d) acc[d] += ds * ld(q, qi + d);
-            } else {
+            for (int a = 0; a < 4; ++a)
 #pragma unroll
-                for (int d = 0; d < D; ++d) acc[d] += p * ld(dout, qi + d);
+                for (int c = 0; c < 4; ++c) s[a][c] = dp[a][c] = 0.f;
+            for (int d = 0; d < D; ++d) {
+                float ka[4], va[4], qb[4], gb[4];
+#pragma unroll
+                for (int a = 0; a < 4; ++a) {
+                    ka[a] = ks[(ty * 4 + a) * P + d];
+                    va[a] = vs[(ty * 4 + a) * P + d];
+                }
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    qb[c] = qs[(tx + 16 * c) * P + d];
+                    gb[c] = gs[(tx + 16 * c) * P + d];
+                }
+#pragma unroll
+                for (int a = 0; a < 4; ++a)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) {
+                        s[a][c] += ka[a] * qb[c];
+                        dp[a][c] += va[a] * gb[c];
+                    }
+            }
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int i = i0 + tx + 16 * c;
+                const float li = i < S ? lse[qo + i] : 0.f, dl = i < S ? delta[qo + i] : 0.f;
+#pragma unroll
+                for (int a = 0; a < 4; ++a) {
+                    const int j = j0 + ty * 4 + a;
+                    const int at = (ty * 4 + a) * (AT + 1) + tx + 16 * c;
+                    const float p = visible(i, j, S, Tk) ? __expf(s[a][c] + ps[at] - li) : 0.f;
+                    ps[at] = p;  // each thread reads and rewrites only its own entries
+                    ds[at] = p * (dp[a][c] - dl);
+                }
+            }
+            __syncthreads();
+            for (int r = 0; r < AT; ++r) {
+                float qb[DJ], gb[DJ];
+#pragma unroll
+                for (int c = 0; c < DJ; ++c) {
+                    qb[c] = qs[r * P + tx + 16 * c];
+                    gb[c] = gs[r * P + tx + 16 * c];
+                }
+#pragma unroll
+                for (int a = 0; a < 4; ++a) {
+                    const float p = ps[(ty * 4 + a) * (AT + 1) + r];
+                    const float x = ds[(ty * 4 + a) * (AT + 1) + r];
+#pragma unroll
+                    for (int c = 0; c < DJ; ++c) {
+                        av[a][c] += p * gb[c];
+                        ak[a][c] += x * qb[c];
+                    }
+                }
             }
         }
     }
 #pragma unroll
-    for (int d = 0; d < D; ++d) st(dkv, kj + d, DK ? acc[d] * scale : acc[d]);
+    for (int a = 0; a < 4; ++a) {
+        const int j = j0 + ty * 4 + a;
+        if (j >= Tk) continue;
+#pragma unroll
+        for (int c = 0; c < DJ; ++c) {
+            st(dk, (ko + j) * D + tx + 16 * c, ak[a][c] * scale);
+            st(dv, (ko + j) * D + tx + 16 * c, av[a][c]);
+        }
+    }
 }
 
 #define INSTANCES(T, NAME, D)                                                                      \
-extern "C" __global__ void attn_fwd_##NAME##_##D(const T* q, const T* k, const T* v,               \
-        const float* mask, T* o, float* lse, int H, int Hkv, int S, int Tk, float scale) {         \
+extern "C" __global__ void __launch_bounds__(ATH) attn_fwd_##NAME##_##D(const T* q, const T* k,   \
+        const T* v, const float* mask, T* o, float* lse, int H, int Hkv, int S, int Tk,            \
+        float scale) {                                                                             \
     attn_fwd<T, D>(q, k, v, mask, o, lse, H, Hkv, S, Tk, scale);                                   \
 }                                                                                                  \
-extern "C" __global__ void attn_bwd_dq_##NAME##_##D(const T* q, const T* k, const T* v,            \
-        const float* mask, const T* o, const T* dout, const float* lse, float* delta, T* dq,       \
-        int H, int Hkv, int S, int Tk, float scale) {                                              \
+extern "C" __global__ void __launch_bounds__(ATH) attn_bwd_dq_##NAME##_##D(const T* q,            \
+        const T* k, const T* v, const float* mask, const T* o, const T* dout, const float* lse,    \
+        float* delta, T* dq, int H, int Hkv, int S, int Tk, float scale) {                         \
     attn_bwd_dq<T, D>(q, k, v, mask, o, dout, lse, delta, dq, H, Hkv, S, Tk, scale);               \
 }                                                                                                  \
-extern "C" __global__ void attn_bwd_dk_##NAME##_##D(const T* q, const T* k, const T* v,            \
-        const float* mask, const T* dout, const float* lse, const float* delta, T* dk,             \
-        int H, int Hkv, int S, int Tk, float scale) {                                              \
-    attn_bwd_kv<T, D, true>(q, k, v, mask, dout, lse, delta, dk, H, Hkv, S, Tk, scale);            \
-}                                                                                                  \
-extern "C" __global__ void attn_bwd_dv_##NAME##_##D(const T* q, const T* k, const T* v,            \
-        const float* mask, const T* dout, const float* lse, const float* delta, T* dv,             \
-        int H, int Hkv, int S, int Tk, float scale) {                                              \
-    attn_bwd_kv<T, D, false>(q, k, v, mask, dout, lse, delta, dv, H, Hkv, S, Tk, scale);           \
+extern "C" __global__ void __launch_bounds__(ATH) attn_bwd_dkv_##NAME##_##D(const T* q,           \
+        const T* k, const T* v, const float* mask, const T* dout, const float* lse,                \
+        const float* delta, T* dk, T* dv, int H, int Hkv, int S, int Tk, float scale) {            \
+    attn_bwd_dkv<T, D>(q, k, v, mask, dout, lse, delta, dk, dv, H, Hkv, S, Tk, scale);             \
 }
 
 INSTANCES(float, f32, 16)
@@ -301,3 +527,44 @@ extern "C" __global__ void rms_norm_bwd_##NAME(const T* x, const T* w, const T* 
 
 RMS_NORM(float, f32)
 RMS_NORM(bf16_t, bf16)
+
+// RoPE, rotate-half (HF's): x [B, T, H*D] with rows `xs` elements apart (a view of the joined
+// q/k/v projection), cos/sin [B, T, D/2] -> y [B, H, T, D]: y1 = x1 cos - x2 sin,
+// y2 = x2 cos + x1 sin. Backward: dy [B, H, T, D] -> dx [B, T, H*D] (contiguous):
+// dx1 = dy1 cos + dy2 sin, dx2 = dy2 cos - dy1 sin. One thread per (b, h, t, pair), n of them.
+template <typename T>
+__device__ void rope(const T* x, const T* cos, const T* sin, T* y, long n, int t, int h, int d,
+                     long xs, bool back) {
+    const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= n) return;
+    const int half = d / 2, c = (int)(idx % half);
+    long r = idx / half;
+    const int ti = (int)(r % t);
+    r /= t;
+    const int hi = (int)(r % h);
+    const long bi = r / h, bt = bi * t + ti;
+    const float co = ld(cos, bt * half + c), si = ld(sin, bt * half + c);
+    const long heads = ((bi * h + hi) * t + ti) * d, rows = bt * xs + (long)hi * d;
+    if (!back) {
+        const float x1 = ld(x, rows + c), x2 = ld(x, rows + half + c);
+        st(y, heads + c, x1 * co - x2 * si);
+        st(y, heads + half + c, x2 * co + x1 * si);
+    } else {
+        const float g1 = ld(x, heads + c), g2 = ld(x, heads + half + c);
+        st(y, rows + c, g1 * co + g2 * si);
+        st(y, rows + half + c, g2 * co - g1 * si);
+    }
+}
+
+#define ROPE(T, NAME)                                                                              \
+extern "C" __global__ void rope_fwd_##NAME(const T* x, const T* cos, const T* sin, T* y, long n,  \
+                                           int t, int h, int d, long xs) {                         \
+    rope<T>(x, cos, sin, y, n, t, h, d, xs, false);                                                \
+}                                                                                                  \
+extern "C" __global__ void rope_bwd_##NAME(const T* dy, const T* cos, const T* sin, T* dx, long n, \
+                                           int t, int h, int d) {                                  \
+    rope<T>(dy, cos, sin, dx, n, t, h, d, (long)h * d, true);                                      \
+}
+
+ROPE(float, f32)
+ROPE(bf16_t, bf16)
