@@ -161,6 +161,67 @@ def rope(exe, dtype, b, t, h, d, extra, seed):
             sys.exit(1)
 
 
+def head(exe, dtype, c, v, temp, seed):
+    g_ = torch.Generator().manual_seed(seed)
+    tdt = torch.float32 if dtype == "f32" else torch.bfloat16
+    z = (torch.randn(c, v, generator=g_) * 4).to(tdt)
+    y = torch.randint(0, v, (c,), generator=g_, dtype=torch.int64)
+    g = torch.randn(c, 2, generator=g_)
+    bf = dtype == "bf16"
+    with tempfile.TemporaryDirectory() as d:
+        (z.view(torch.int16).numpy() if bf else z.numpy()).tofile(os.path.join(d, "z.bin"))
+        y.to(torch.int32).numpy().astype(np.uint32).tofile(os.path.join(d, "y.bin"))
+        g.numpy().tofile(os.path.join(d, "g.bin"))
+        subprocess.run([exe, "head", d, dtype, str(c), str(v), repr(1.0 / temp)], check=True)
+        out = torch.from_numpy(np.fromfile(os.path.join(d, "out.bin"), dtype=np.float32).copy()).reshape(c, 2)
+        lse = torch.from_numpy(np.fromfile(os.path.join(d, "lse.bin"), dtype=np.float32).copy())
+        a = torch.from_numpy(np.fromfile(os.path.join(d, "dz.bin"), dtype=np.int16 if bf else np.float32).copy())
+        dz = (a.view(torch.bfloat16).float() if bf else a).reshape(c, v)
+    zf = z.float().requires_grad_()
+    t = zf / temp
+    logp = torch.log_softmax(t, -1)
+    lp = logp.gather(1, y[:, None])[:, 0]
+    ent = -(logp.exp() * logp).sum(-1)
+    (lp * g[:, 0] + ent * g[:, 1]).sum().backward()
+    tol = 1e-5 if dtype == "f32" else 1e-2
+    for name, got, want in [("lp", out[:, 0], lp.detach()), ("entropy", out[:, 1], ent.detach()),
+                            ("lse", lse, torch.logsumexp(t, -1).detach()), ("dz", dz, zf.grad)]:
+        err = ((got - want).abs().max() / want.abs().max().clamp(min=1)).item()
+        status = "ok" if err < tol else "FAIL"
+        print(f"{dtype} head C{c} V{v} T{temp} {name}: {err:.2e} {status}")
+        if err >= tol:
+            sys.exit(1)
+
+
+def decode(exe, dtype, B, H, Hkv, Tk, maxT, D, seed):
+    g_ = torch.Generator().manual_seed(seed)
+    tdt = torch.float32 if dtype == "f32" else torch.bfloat16
+    q = torch.randn(B, H, D, generator=g_).to(tdt)
+    k = torch.randn(B, Hkv, maxT, D, generator=g_).to(tdt)
+    v = torch.randn(B, Hkv, maxT, D, generator=g_).to(tdt)
+    mask = torch.zeros(B, Tk)
+    mask[0, :3] = MASK  # row 0 left-padded by three slots
+    scale = D ** -0.5
+    bf = dtype == "bf16"
+    raw = lambda t: (t.view(torch.int16).numpy() if bf else t.numpy())
+    with tempfile.TemporaryDirectory() as d:
+        for name, t in [("q", q), ("k", k), ("v", v)]:
+            raw(t.contiguous()).tofile(os.path.join(d, name + ".bin"))
+        mask.numpy().tofile(os.path.join(d, "mask.bin"))
+        subprocess.run([exe, "decode", d, dtype, *map(str, [B, H, Hkv, Tk, maxT, D]), repr(scale)], check=True)
+        a = torch.from_numpy(np.fromfile(os.path.join(d, "o.bin"), dtype=np.int16 if bf else np.float32).copy())
+        o = (a.view(torch.bfloat16).float() if bf else a).reshape(B, H, D)
+    rep = lambda t: t.float()[:, :, :Tk].repeat_interleave(H // Hkv, dim=1)  # [B, H, Tk, D]
+    z = torch.einsum("bhd,bhjd->bhj", q.float(), rep(k)) * scale + mask[:, None]
+    want = torch.einsum("bhj,bhjd->bhd", torch.softmax(z, -1), rep(v))
+    err = ((o - want).abs().max() / want.abs().max().clamp(min=1)).item()
+    tol = 1e-5 if dtype == "f32" else 1e-2
+    status = "ok" if err < tol else "FAIL"
+    print(f"{dtype} decode B{B} H{H}/{Hkv} Tk{Tk}/{maxT} D{D} o: {err:.2e} {status}")
+    if err >= tol:
+        sys.exit(1)
+
+
 if __name__ == "__main__":
     exe = build()
     for dtype in ["f32", "bf16"]:
@@ -170,7 +231,11 @@ if __name__ == "__main__":
         swiglu(exe, dtype, 7, 300, 3)
         rmsnorm(exe, dtype, 5, 300, 6)
         rope(exe, dtype, 2, 5, 3, 64, 128, 7)      # a view of the joined projection
+        head(exe, dtype, 3, 1000, 0.7, 9)          # the LM head's log-softmax, tempered
+        decode(exe, dtype, 2, 6, 2, 300, 320, 64, 10)  # one query over a cache view, grouped
         case(exe, dtype, 2, 3, 1, 70, 75, 64, 8)   # several key and query tiles, a partial one
     case(exe, "f32", 2, 4, 2, 9, 9, 16, 4)         # the tiny fixtures' head sizes
     case(exe, "bf16", 2, 4, 2, 9, 11, 32, 5)
+    decode(exe, "bf16", 1, 2, 1, 7, 9, 128, 11)
+    decode(exe, "f32", 2, 4, 2, 5, 5, 16, 12)
     print("all kernels agree with torch")

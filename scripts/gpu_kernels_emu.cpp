@@ -9,7 +9,12 @@
 //   gpu_kernels_emu rmsnorm DIR DTYPE N H EPS
 // reads DIR/{x,w,g}.bin, writes DIR/{y,dx,gn}.bin;
 //   gpu_kernels_emu rope DIR DTYPE B T H D XS
-// reads DIR/{x,cos,sin,g}.bin (x [B, T, XS], its first H*D columns rotated), writes DIR/{y,dx}.bin.
+// reads DIR/{x,cos,sin,g}.bin (x [B, T, XS], its first H*D columns rotated), writes DIR/{y,dx}.bin;
+//   gpu_kernels_emu head DIR DTYPE C V INV_T
+// reads DIR/{z,y,g}.bin (logits [C, V], targets u32, gradients [C, 2] f32), writes
+// DIR/{out,lse,dz}.bin (the entropy's gradient included);
+//   gpu_kernels_emu decode DIR DTYPE B H HKV TK MAXT D SCALE
+// reads DIR/{q,k,v,mask}.bin (caches [B, HKV, MAXT, D], the first TK slots read), writes DIR/o.bin.
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -101,7 +106,42 @@ template <typename T> void run_rope(const std::string& dir, int b, int t, int h,
     launch(blocks, 1, 256, [&] { rope<T>(g.data(), cs.data(), sn.data(), dx.data(), n, t, h, d, (long)h * d, true); });
     wr(dir + "/y.bin", y); wr(dir + "/dx.bin", dx);
 }
+template <typename T> void run_head(const std::string& dir, long c, int v, float inv_t) {
+    auto z = rd<T>(dir + "/z.bin", c * v), g = rd<float>(dir + "/g.bin", c * 2);
+    auto y = rd<unsigned int>(dir + "/y.bin", c);
+    std::vector<float> out(c * 2), lse(c);
+    std::vector<T> dz(c * v);
+    launch((int)c, 1, NORM_THREADS, [&] { head_fwd<T>(z.data(), y.data(), out.data(), lse.data(), v, inv_t); });
+    launch((int)c, 1, NORM_THREADS, [&] { head_bwd<T>(z.data(), y.data(), lse.data(), g.data(), out.data(), dz.data(), v, inv_t, 1); });
+    wr(dir + "/out.bin", out); wr(dir + "/lse.bin", lse); wr(dir + "/dz.bin", dz);
+}
+template <typename T, int D> void run_decode(const std::string& dir, int B, int H, int Hkv, int Tk, int maxT, float sc) {
+    // k/v: caches [B, Hkv, maxT, D] of which the first Tk slots are read (a view, as the sampler's).
+    auto q = rd<T>(dir + "/q.bin", (size_t)B * H * D), k = rd<T>(dir + "/k.bin", (size_t)B * Hkv * maxT * D);
+    auto v = rd<T>(dir + "/v.bin", (size_t)B * Hkv * maxT * D), mask = rd<float>(dir + "/mask.bin", (size_t)B * Tk);
+    std::vector<T> o((size_t)B * H * D);
+    const long sh = (long)maxT * D, sb = (long)Hkv * sh;
+    launch(B * H, 1, NORM_THREADS, [&] { attn_decode<T, D>(q.data(), k.data(), v.data(), mask.data(), o.data(), H, Hkv, Tk, sb, sh, sc); });
+    wr(dir + "/o.bin", o);
+}
 int main(int argc, char** argv) {
+    if (argc == 11 && std::string(argv[1]) == "decode") {
+        std::string dir = argv[2], dt = argv[3];
+        int B = atoi(argv[4]), H = atoi(argv[5]), Hkv = atoi(argv[6]), Tk = atoi(argv[7]), maxT = atoi(argv[8]), D = atoi(argv[9]);
+        float sc = atof(argv[10]);
+        if (dt == "f32" && D == 64) run_decode<float, 64>(dir, B, H, Hkv, Tk, maxT, sc);
+        else if (dt == "bf16" && D == 64) run_decode<bf16_t, 64>(dir, B, H, Hkv, Tk, maxT, sc);
+        else if (dt == "bf16" && D == 128) run_decode<bf16_t, 128>(dir, B, H, Hkv, Tk, maxT, sc);
+        else if (dt == "f32" && D == 16) run_decode<float, 16>(dir, B, H, Hkv, Tk, maxT, sc);
+        else { fprintf(stderr, "unsupported decode %s D=%d\n", dt.c_str(), D); return 2; }
+        return 0;
+    }
+    if (argc == 7 && std::string(argv[1]) == "head") {
+        std::string dir = argv[2], dt = argv[3];
+        long c = atol(argv[4]); int v = atoi(argv[5]); float inv_t = atof(argv[6]);
+        if (dt == "f32") run_head<float>(dir, c, v, inv_t); else run_head<bf16_t>(dir, c, v, inv_t);
+        return 0;
+    }
     if (argc == 9 && std::string(argv[1]) == "rope") {
         std::string dir = argv[2], dt = argv[3];
         int b = atoi(argv[4]), t = atoi(argv[5]), h = atoi(argv[6]), d = atoi(argv[7]); long xs = atol(argv[8]);

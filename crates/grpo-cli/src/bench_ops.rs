@@ -148,6 +148,7 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
     if a.keep_pool {
         grpo_models::kernels::keep_device_pool(&dev)?;
     }
+    grpo_models::kernels::untracked_device(&dev);
     let dt = match a.dtype.as_str() {
         "bf16" => DType::BF16,
         "f32" => DType::F32,
@@ -282,6 +283,26 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
     })?;
     let att_flops = 4.0 * (b * s.heads * t * t * hd) as f64 / 2.0;
     report("attention", af, ab, att_flops);
+    // A decoding step's attention: one query per row over views of a KV cache of seq + 64 slots
+    // (grpo's decoding kernel on a GPU, else candle ops).
+    let slots = t + 64;
+    let cache = |h: usize| -> Result<Tensor> {
+        Ok(Tensor::randn(0f32, 1.0, (b, h, slots, hd), &dev)?
+            .to_dtype(dt)?
+            .narrow(2, 0, t)?)
+    };
+    let (kc, vc) = (cache(s.kv_heads)?, cache(s.kv_heads)?);
+    let q_one = Tensor::randn(0f32, 1.0, (b, s.heads, 1, hd), &dev)?.to_dtype(dt)?;
+    let one_mask = AttnMask::Dense(Tensor::zeros((b, 1, 1, t), DType::F32, &dev)?);
+    let df = time(&dev, reps, || {
+        Ok(layers::attention(&q_one, &kc, &vc, &one_mask, Mode::Infer, compute).map(|_| ())?)
+    })?;
+    report(
+        "decode_attention",
+        df,
+        df,
+        4.0 * (b * s.heads * t * hd) as f64,
+    );
     // SwiGLU on the joined gate/up output.
     let gu = Var::from_tensor(&Tensor::randn(0f32, 1.0, (n, 2 * s.inter), &dev)?.to_dtype(dt)?)?;
     let swiglu = |g: &Tensor| -> candle_core::Result<Tensor> {
@@ -349,7 +370,9 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
     let chunk = grpo_models::models::chunked_attention::CHUNK_BYTES / (4 * s.vocab);
     let hf = time(&dev, reps, || {
         let h = flat(&xt)?;
-        grpo::logprobs::token_logprobs(&h, &head.as_tensor().to_dtype(dt)?, &targets, 1.0, chunk)?;
+        // A frozen head (as the reference's): no graph, so the forward-only kernel applies.
+        let w = head.as_tensor().detach().to_dtype(dt)?;
+        grpo::logprobs::token_logprobs(&h, &w, &targets, 1.0, chunk)?;
         Ok(())
     })?;
     let hb = time(&dev, reps, || {

@@ -1284,6 +1284,7 @@ fn bench_ops_reports_every_piece_of_a_layer() {
         "rms_norm",
         "rope_q",
         "attention",
+        "decode_attention",
         "swiglu",
         "layer",
         "layer_without_attention",

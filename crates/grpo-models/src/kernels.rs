@@ -348,6 +348,23 @@ macro_rules! isa_dispatch {
 }
 pub(crate) use isa_dispatch;
 
+/// Stops cudarc from creating two CUDA events for every tensor `device` allocates from now on.
+/// cudarc records and waits on them only in its multi-stream mode, which candle's device (one
+/// per-thread stream, which NCCL's all-reduce also uses) never enters: there they were created
+/// and destroyed with every allocation of a GPU step and never used. A no-op on the CPU, in a
+/// build without CUDA, and where the context already runs several streams.
+pub fn untracked_device(device: &candle_core::Device) {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        if !d.cuda_stream().context().is_in_multi_stream_mode() {
+            // SAFETY: every kernel, copy and NCCL call of this device goes through its one
+            // stream, so no allocation needs an event to order uses across streams.
+            unsafe { d.disable_event_tracking() };
+        }
+    }
+    let _ = device;
+}
+
 /// Makes CUDA's default memory pool of `device` keep what is freed (release threshold = max)
 /// instead of returning it to the driver at every synchronization: later allocations of the
 /// same sizes are then served from the pool, as PyTorch's caching allocator serves them. A no-op

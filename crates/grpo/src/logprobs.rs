@@ -132,6 +132,17 @@ pub fn token_logprobs_entropy_with(
             }
             continue;
         }
+        #[cfg(feature = "cuda")]
+        if !logits.track_op() && grpo_models::models::fused_gpu::head_applies(&logits) {
+            // One kernel per chunk on a GPU (no graph here: a reference or old-policy pass).
+            let (both, _) =
+                grpo_models::models::fused_gpu::head_logprobs(&logits, &y, (1.0 / t) as f32)?;
+            lps.push(both.narrow(1, 0, 1)?.squeeze(1)?);
+            if entropy != Entropy::Skip {
+                ents.push(both.narrow(1, 1, 1)?.squeeze(1)?);
+            }
+            continue;
+        }
         let z = (logits.to_dtype(reduce_dtype(logits.dtype()))? / t)?; // [c, V] f32
         let max = z.max_keepdim(D::Minus1)?.detach(); // [c, 1]
         let shifted = z.broadcast_sub(&max)?;
@@ -218,10 +229,19 @@ struct HeadLogprobs {
 }
 
 impl HeadLogprobs {
-    /// `logits / T` of rows `[start, start+len)`: [c, V] f32.
-    fn tempered(&self, h: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
-        let logits = h.matmul(&w.t()?)?; // [c, V]
+    /// `logits / T`: [c, V] f32.
+    fn tempered(&self, logits: &Tensor) -> candle_core::Result<Tensor> {
         logits.to_dtype(reduce_dtype(logits.dtype()))? / self.temperature
+    }
+
+    /// Whether grpo's GPU kernels take the log-softmax of these logits.
+    fn on_gpu(logits: &Tensor) -> bool {
+        #[cfg(feature = "cuda")]
+        if grpo_models::models::fused_gpu::head_applies(logits) {
+            return true;
+        }
+        let _ = logits;
+        false
     }
 
     /// `[N, 2]` (log-prob, entropy or 0) and `[N, 1]` log-sum-exps, without a graph.
@@ -231,7 +251,19 @@ impl HeadLogprobs {
         let mut start = 0;
         while start < n {
             let len = self.chunk.min(n - start);
-            let z = self.tempered(&hidden.narrow(0, start, len)?, w)?; // [c, V] f32
+            let logits = hidden.narrow(0, start, len)?.matmul(&w.t()?)?; // [c, V]
+            #[cfg(feature = "cuda")]
+            if Self::on_gpu(&logits) {
+                let y = self.targets.narrow(0, start, len)?;
+                let inv_t = (1.0 / self.temperature) as f32;
+                let (both, lse) =
+                    grpo_models::models::fused_gpu::head_logprobs(&logits, &y, inv_t)?;
+                rows.push(both);
+                lses.push(lse);
+                start += len;
+                continue;
+            }
+            let z = self.tempered(&logits)?; // [c, V] f32
             let y = self.targets.narrow(0, start, len)?.unsqueeze(1)?; // [c, 1]
             let max = z.max_keepdim(D::Minus1)?; // [c, 1]
             let shifted = z.broadcast_sub(&max)?;
@@ -275,35 +307,17 @@ impl grpo_models::models::recompute::Backward for HeadLogprobs {
         let n = hidden.dim(0)?;
         let f = reduce_dtype(hidden.dtype());
         let grad = grad.to_dtype(f)?; // [N, 2]
-        let with_entropy = self.entropy == Entropy::WithGrad;
         let mut dw: Option<Tensor> = None;
         let mut dhs = Vec::new();
         let mut start = 0;
         while start < n {
             let len = self.chunk.min(n - start);
             let h = hidden.narrow(0, start, len)?; // [c, H]
-            let z = self.tempered(&h, w)?; // [c, V] f32
-            let p = z.broadcast_sub(&lse.narrow(0, start, len)?)?.exp()?; // [c, V]
-            let g = grad.narrow(0, start, len)?;
-            let g_lp = g.narrow(1, 0, 1)?.contiguous()?; // [c, 1]
-            let y = self
-                .targets
-                .narrow(0, start, len)?
-                .unsqueeze(1)?
-                .contiguous()?; // [c, 1]
-            let mut dz = p.broadcast_mul(&g_lp.neg()?)?.scatter_add(&y, &g_lp, 1)?; // [c, V]
-            if with_entropy {
-                let g_ent = g.narrow(1, 1, 1)?; // [c, 1]
-                let ent = out
-                    .narrow(0, start, len)?
-                    .narrow(1, 1, 1)?
-                    .to_dtype(z.dtype())?;
-                // sum p z = lse - H
-                let mean_z = (lse.narrow(0, start, len)? - ent)?; // [c, 1]
-                let d_ent = (p * z.broadcast_sub(&mean_z)?)?.broadcast_mul(&g_ent.neg()?)?;
-                dz = (dz + d_ent)?;
-            }
-            let dlogits = (dz / self.temperature)?.to_dtype(h.dtype())?; // [c, V]
+            let logits = h.matmul(&w.t()?)?; // [c, V]
+            let dlogits = match Self::on_gpu(&logits) {
+                true => self.gpu_dlogits(&logits, start, len, lse, out, &grad)?,
+                false => self.dlogits(&logits, start, len, lse, out, &grad)?,
+            }; // [c, V] in h's dtype
             dhs.push(dlogits.matmul(w)?); // [c, H]
             if wanted[1] {
                 let part = dlogits.t()?.matmul(&h)?.to_dtype(f)?; // [V, H]
@@ -316,6 +330,73 @@ impl grpo_models::models::recompute::Backward for HeadLogprobs {
         }
         let dw = dw.map(|d| d.to_dtype(w.dtype())).transpose()?;
         Ok(vec![Some(Tensor::cat(&dhs, 0)?), dw])
+    }
+}
+
+impl HeadLogprobs {
+    /// The gradient of rows `[start, start + len)`'s logits [c, V] (in their dtype) from the
+    /// outputs' gradient `grad` [N, 2] f32, in candle ops.
+    fn dlogits(
+        &self,
+        logits: &Tensor,
+        start: usize,
+        len: usize,
+        lse: &Tensor,
+        out: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        let with_entropy = self.entropy == Entropy::WithGrad;
+        let z = self.tempered(logits)?; // [c, V] f32
+        let p = z.broadcast_sub(&lse.narrow(0, start, len)?)?.exp()?; // [c, V]
+        let g = grad.narrow(0, start, len)?;
+        let g_lp = g.narrow(1, 0, 1)?.contiguous()?; // [c, 1]
+        let y = self
+            .targets
+            .narrow(0, start, len)?
+            .unsqueeze(1)?
+            .contiguous()?; // [c, 1]
+        let mut dz = p.broadcast_mul(&g_lp.neg()?)?.scatter_add(&y, &g_lp, 1)?; // [c, V]
+        if with_entropy {
+            let g_ent = g.narrow(1, 1, 1)?; // [c, 1]
+            let ent = out
+                .narrow(0, start, len)?
+                .narrow(1, 1, 1)?
+                .to_dtype(z.dtype())?;
+            // sum p z = lse - H
+            let mean_z = (lse.narrow(0, start, len)? - ent)?; // [c, 1]
+            let d_ent = (p * z.broadcast_sub(&mean_z)?)?.broadcast_mul(&g_ent.neg()?)?;
+            dz = (dz + d_ent)?;
+        }
+        (dz / self.temperature)?.to_dtype(logits.dtype()) // [c, V]
+    }
+
+    /// [`Self::dlogits`] as one GPU kernel.
+    fn gpu_dlogits(
+        &self,
+        logits: &Tensor,
+        start: usize,
+        len: usize,
+        lse: &Tensor,
+        out: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        {
+            grpo_models::models::fused_gpu::head_logprobs_backward(
+                logits,
+                &self.targets.narrow(0, start, len)?,
+                &lse.narrow(0, start, len)?,
+                &grad.narrow(0, start, len)?,
+                &out.narrow(0, start, len)?,
+                (1.0 / self.temperature) as f32,
+                self.entropy == Entropy::WithGrad,
+            )
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (start, len, lse, out, grad);
+            candle_core::bail!("head log-probs: no GPU kernels in this build ({logits:?})")
+        }
     }
 }
 

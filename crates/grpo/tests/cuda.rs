@@ -643,6 +643,45 @@ fn gpu_kernels_equal_candle_ops_with_their_gradients() {
         let errs = [rel(&ky, &cy), rel(&kx, &cx), rel(&kw, &cw)];
         println!("{dt:?} rms-norm: output, dx, dw {errs:?}");
         assert!(errs.iter().all(|e| *e < tol), "{dt:?} rms-norm: {errs:?}");
+        // Decoding attention: one query per row over views of a KV cache (left padding in row
+        // 0), the kernel against the portable path's candle ops on the CPU.
+        let (db, dh, dkv, dtk, dmax, dd) = (3, 8, 2, 150, 160, 64);
+        let cache = || {
+            Tensor::randn(0f32, 1.0, (db, dkv, dmax, dd), &dev)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap()
+        };
+        let (kc, vc) = (cache(), cache());
+        let (kv_k, kv_v) = (kc.narrow(2, 0, dtk).unwrap(), vc.narrow(2, 0, dtk).unwrap());
+        let dq = Tensor::randn(0f32, 1.0, (db, dh, 1, dd), &dev)
+            .unwrap()
+            .to_dtype(dt)
+            .unwrap();
+        let mut dm = vec![0f32; db * dtk];
+        dm[..3].iter_mut().for_each(|x| *x = -1e30);
+        let dmask = Tensor::from_vec(dm, (db, 1, 1, dtk), &dev).unwrap();
+        let got = fused_gpu::decode_attention(&dq, &kv_k, &kv_v, &dmask, 1.0 / (dd as f64).sqrt())
+            .unwrap()
+            .expect("grpo's GPU kernels are off or did not compile");
+        let cpu = |t: &Tensor| {
+            t.to_device(&Device::Cpu)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+        };
+        let want = grpo_models::models::layers::attention(
+            &cpu(&dq),
+            &cpu(&kv_k),
+            &cpu(&kv_v),
+            &grpo_models::models::layers::AttnMask::Dense(cpu(&dmask)),
+            grpo_models::models::layers::Mode::Infer,
+            grpo_models::kernels::Compute::Portable,
+        )
+        .unwrap();
+        let e = rel(&cpu(&got), &want);
+        println!("{dt:?} decode attention: {e:.2e}");
+        assert!(e < tol, "{dt:?} decode attention: {e}");
         // RoPE: the kernel on a view of a joined projection against the candle ops.
         let (rb, rt, rh, rd) = (3, 70, 4, 64);
         let joined = Var::from_tensor(

@@ -1,22 +1,22 @@
 //! grpo's own GPU kernels (`cuda/kernels.cu`, compiled at run time by NVRTC, so the build needs
 //! no CUDA compiler for them): causal attention that never stores a score matrix, forward and
-//! backward, SwiGLU (`silu(gate) * up`) forward and backward in one pass each, and RMSNorm
-//! forward and backward (a block per row; under `GRPO_GPU_KERNELS=full` only, not yet measured).
+//! backward, in 64 x 64 tiles of scores through shared memory; single-query attention for a
+//! decoding step over the KV cache's views (not wired in: slower than candle ops); RMSNorm,
+//! RoPE and SwiGLU, each forward and backward;
+//! the LM head's log-softmax + gather + entropy and its backward.
 //!
-//! The plan is FlashAttention's: the forward keeps the output and one log-sum-exp per query; the
-//! backward recomputes each probability from it. Each kernel gives a thread one query (forward,
-//! dQ) or one key (dK, dV), with f32 arithmetic over bf16 or f32 tensors; head sizes 16, 32, 64
-//! and 128.
-//! By default attention's backward runs as [`super::chunked_attention`]'s candle ops from the
-//! kernel's log-sum-exps (faster on an H200 than the backward kernels, which
-//! `GRPO_GPU_KERNELS=full` turns on). Where the kernels do not apply (another head size or
-//! dtype, or `GRPO_GPU_KERNELS=off`), attention and SwiGLU run as candle ops.
+//! The attention plan is FlashAttention's: the forward keeps the output and one log-sum-exp per
+//! query; the backward recomputes each probability from it (dQ per block of queries, dK and dV
+//! per block of keys). f32 arithmetic over bf16 or f32 tensors; head sizes 16, 32, 64 and 128.
+//! `GRPO_GPU_KERNELS=forward` runs attention's backward as [`super::chunked_attention`]'s candle
+//! ops instead; `off` (or kernels that do not apply: another head size or dtype) runs candle ops.
 //!
 //! The kernels' twins in plain Rust ([`twin_forward`], [`twin_backward`], [`twin_swiglu`],
-//! [`twin_rms_norm`]) follow the same loops and are tested against the candle-op path on the CPU
-//! in CI; `scripts/check_gpu_kernels.py` runs the CUDA source itself on the CPU (a block's
-//! threads as OS threads) against torch; the GPU tests (`crates/grpo/tests/cuda.rs`) compare the
-//! kernels with candle ops on the GPU, and a GPU's training with the CPU's portable path.
+//! [`twin_rms_norm`], [`twin_rope`]) compute the same math and are tested against the candle-op
+//! path on the CPU in CI; `scripts/check_gpu_kernels.py` runs the CUDA source itself on the CPU
+//! (a block's threads as OS threads) against torch; the GPU tests (`crates/grpo/tests/cuda.rs`)
+//! compare the kernels with candle ops on the GPU, and a GPU's training with the CPU's portable
+//! path.
 
 /// The kernels' CUDA source.
 pub const KERNELS_CU: &str = include_str!("cuda/kernels.cu");
@@ -240,7 +240,8 @@ pub fn twin_rope(
 
 #[cfg(feature = "cuda")]
 pub use gpu::{
-    applies, attention, attention_chunked_backward, rms_norm, rms_norm_applies, rope_heads, swiglu,
+    applies, attention, attention_chunked_backward, decode_attention, head_applies, head_logprobs,
+    head_logprobs_backward, rms_norm, rms_norm_applies, rope_heads, swiglu,
 };
 
 #[cfg(feature = "cuda")]
@@ -410,6 +411,7 @@ mod gpu {
         let guards: Vec<_> = args.iter().map(|t| t.storage_and_layout()).collect();
         let mut views_f32 = Vec::new();
         let mut views_bf16 = Vec::new();
+        let mut views_u32 = Vec::new();
         let mut order = Vec::new();
         for (g, t) in guards.iter().zip(args) {
             let Storage::Cuda(c) = &*g.0 else {
@@ -419,19 +421,24 @@ mod gpu {
             match t.dtype() {
                 DType::F32 => {
                     views_f32.push(c.as_cuda_slice::<f32>()?.slice(off..));
-                    order.push((true, views_f32.len() - 1));
+                    order.push((DType::F32, views_f32.len() - 1));
                 }
                 DType::BF16 => {
                     views_bf16.push(c.as_cuda_slice::<half::bf16>()?.slice(off..));
-                    order.push((false, views_bf16.len() - 1));
+                    order.push((DType::BF16, views_bf16.len() - 1));
+                }
+                DType::U32 => {
+                    views_u32.push(c.as_cuda_slice::<u32>()?.slice(off..));
+                    order.push((DType::U32, views_u32.len() - 1));
                 }
                 other => candle_core::bail!("{name}: unsupported dtype {other:?}"),
             }
         }
-        for (f32s, i) in &order {
-            match f32s {
-                true => b.arg(&views_f32[*i]),
-                false => b.arg(&views_bf16[*i]),
+        for (dt, i) in &order {
+            match dt {
+                DType::F32 => b.arg(&views_f32[*i]),
+                DType::BF16 => b.arg(&views_bf16[*i]),
+                _ => b.arg(&views_u32[*i]),
             };
         }
         for x in scalars {
@@ -597,6 +604,136 @@ mod gpu {
             let dw = ones.matmul(&gn)?.reshape(h)?.to_dtype(w.dtype())?; // [H]
             Ok(vec![Some(dx), Some(dw)])
         }
+    }
+
+    /// Single-query attention for a decoding step: `q` [B, H, 1, D], `k`/`v` [B, Hkv, Tk, D]
+    /// views of the KV cache (rows of D contiguous elements, the same strides for both), `mask`
+    /// additive [B, 1, 1, Tk] -> [B, 1, H*D], one kernel; `None` where it does not apply.
+    /// Not on the sampler's path: on an H200 it took 0.16 ms a layer where candle's batched
+    /// matmuls take 0.10 (1.7B shape, 46 rows x 304 slots, bf16; bench/README.md). Kept, tested
+    /// on the GPU and in the emulator, for a faster rewrite (a block per kv head and row).
+    pub fn decode_attention(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &Tensor,
+        scale: f64,
+    ) -> Result<Option<Tensor>> {
+        let (b, h, s, d) = q.dims4()?;
+        let (hkv, tk) = (k.dim(1)?, k.dim(2)?);
+        let dt = q.dtype();
+        let (ks, vs) = (k.stride(), v.stride());
+        let smem = ((d + 256 + tk) * 4) as u32;
+        let applies = applies(q)
+            && s == 1
+            && k.dtype() == dt
+            && v.dtype() == dt
+            && HEAD_DIMS.contains(&d)
+            && hkv > 0
+            && h % hkv == 0
+            && k.dims() == v.dims()
+            && ks == vs
+            && ks[3] == 1
+            && (tk == 1 || ks[2] == d)
+            && smem <= 48 << 10;
+        if !applies {
+            return Ok(None);
+        }
+        let q = q.contiguous()?;
+        let mask = mask
+            .broadcast_as((b, 1, 1, tk))?
+            .to_dtype(DType::F32)?
+            .contiguous()?;
+        let o = Tensor::zeros((b, 1, h * d), dt, q.device())?;
+        let cfg = LaunchConfig {
+            grid_dim: ((b * h) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        let i = |x: usize| Scalar::I32(x as i32);
+        let scalars = [
+            i(h),
+            i(hkv),
+            i(tk),
+            Scalar::I64(ks[0] as i64),
+            Scalar::I64(ks[1] as i64),
+            Scalar::F32(scale as f32),
+        ];
+        launch(
+            &cuda(&q)?,
+            &name("decode", dt, d),
+            cfg,
+            &[&q, k, v, &mask, &o],
+            &scalars,
+        )?;
+        Ok(Some(o))
+    }
+
+    /// Whether the LM head's log-softmax kernels take `logits` [c, V] (on a GPU, f32 or bf16,
+    /// turned on).
+    pub fn head_applies(logits: &Tensor) -> bool {
+        applies(logits) && logits.rank() == 2
+    }
+
+    /// Row of `targets` [c] u32 in `logits` [c, V] -> ([c, 2] f32: log-prob and entropy of
+    /// `softmax(logits * inv_t)`, [c, 1] f32 log-sum-exps), one kernel (no graph).
+    pub fn head_logprobs(
+        logits: &Tensor,
+        targets: &Tensor,
+        inv_t: f32,
+    ) -> Result<(Tensor, Tensor)> {
+        let (c, v) = logits.dims2()?;
+        let (z, y) = (
+            logits.contiguous()?,
+            targets.to_dtype(DType::U32)?.contiguous()?,
+        );
+        let out = Tensor::zeros((c, 2), DType::F32, z.device())?;
+        let lse = Tensor::zeros((c, 1), DType::F32, z.device())?;
+        let kernel = format!("head_fwd_{}", suffix(z.dtype()));
+        let scalars = [Scalar::I32(v as i32), Scalar::F32(inv_t)];
+        launch(
+            &cuda(&z)?,
+            &kernel,
+            norm_config(c),
+            &[&z, &y, &out, &lse],
+            &scalars,
+        )?;
+        Ok((out, lse))
+    }
+
+    /// The gradient of `logits` [c, V] (in their dtype) from the rows' gradients `g` [c, 2] of
+    /// [`head_logprobs`]'s `out` (the entropy's only `with_entropy`), given its `out` and `lse`.
+    pub fn head_logprobs_backward(
+        logits: &Tensor,
+        targets: &Tensor,
+        lse: &Tensor,
+        g: &Tensor,
+        out: &Tensor,
+        inv_t: f32,
+        with_entropy: bool,
+    ) -> Result<Tensor> {
+        let (c, v) = logits.dims2()?;
+        let (z, y) = (
+            logits.contiguous()?,
+            targets.to_dtype(DType::U32)?.contiguous()?,
+        );
+        let f = |t: &Tensor| t.to_dtype(DType::F32)?.contiguous();
+        let (lse, g, out) = (f(lse)?, f(g)?, f(out)?);
+        let dz = Tensor::zeros((c, v), z.dtype(), z.device())?;
+        let kernel = format!("head_bwd_{}", suffix(z.dtype()));
+        let scalars = [
+            Scalar::I32(v as i32),
+            Scalar::F32(inv_t),
+            Scalar::I32(with_entropy as i32),
+        ];
+        launch(
+            &cuda(&z)?,
+            &kernel,
+            norm_config(c),
+            &[&z, &y, &lse, &g, &out, &dz],
+            &scalars,
+        )?;
+        Ok(dz)
     }
 
     /// Rotate-half RoPE of `x` [B, T, H*D] (a view of the joined projection: rows a stride

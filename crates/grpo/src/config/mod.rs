@@ -97,6 +97,7 @@ impl DeviceSpec {
                 if std::env::var("GRPO_CUDA_POOL").as_deref() != Ok("release") {
                     grpo_models::kernels::keep_device_pool(&dev)?;
                 }
+                grpo_models::kernels::untracked_device(&dev);
                 Ok(dev)
             }
         }

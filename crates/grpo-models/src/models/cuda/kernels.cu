@@ -568,3 +568,140 @@ extern "C" __global__ void rope_bwd_##NAME(const T* dy, const T* cos, const T* s
 
 ROPE(float, f32)
 ROPE(bf16_t, bf16)
+
+// The LM head's log-softmax, a block of NORM_THREADS per row of logits [c, V] (the head's
+// product): z = logits * inv_t in f32, lse = log sum exp z, lp = z[y] - lse and the entropy
+// lse - sum softmax(z) z. out [c, 2] (lp, entropy), lse [c]. Backward, from the row's gradients
+// g [c, 2] (of lp and of the entropy, used where `with_entropy`): dz = (g_lp (onehot(y) - p)
+// - g_ent p (z - sum p z)) * inv_t, in the logits' dtype.
+__device__ float block_max(float v, float* red) {
+    red[threadIdx.x] = v;
+    __syncthreads();
+    for (int s = NORM_THREADS / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) red[threadIdx.x] = fmaxf(red[threadIdx.x], red[threadIdx.x + s]);
+        __syncthreads();
+    }
+    const float total = red[0];
+    __syncthreads();
+    return total;
+}
+
+template <typename T>
+__device__ void head_fwd(const T* logits, const unsigned int* y, float* out, float* lse, int v,
+                         float inv_t) {
+    extern __shared__ float sm[];  // NORM_THREADS floats
+    const long row = blockIdx.x;
+    const T* z = logits + row * v;
+    float m = NEG_INF;
+    for (int i = threadIdx.x; i < v; i += NORM_THREADS) m = fmaxf(m, ld(z, i) * inv_t);
+    const float mx = block_max(m, sm);
+    float s = 0.f, sz = 0.f;
+    for (int i = threadIdx.x; i < v; i += NORM_THREADS) {
+        const float x = ld(z, i) * inv_t - mx, e = expf(x);
+        s += e;
+        sz += e * x;
+    }
+    const float total = block_sum(s, sm), weighted = block_sum(sz, sm);
+    if (threadIdx.x == 0) {
+        const float l = logf(total);  // lse - mx
+        lse[row] = mx + l;
+        out[row * 2] = ld(z, (long)y[row]) * inv_t - mx - l;
+        out[row * 2 + 1] = l - weighted / total;
+    }
+}
+
+template <typename T>
+__device__ void head_bwd(const T* logits, const unsigned int* y, const float* lse, const float* g,
+                         const float* out, T* dz, int v, float inv_t, int with_entropy) {
+    const long row = blockIdx.x;
+    const T* z = logits + row * v;
+    const float l = lse[row], glp = g[row * 2];
+    const float gent = with_entropy ? g[row * 2 + 1] : 0.f;
+    const float mean = l - out[row * 2 + 1];  // sum p z
+    const int yt = (int)y[row];
+    for (int i = threadIdx.x; i < v; i += NORM_THREADS) {
+        const float x = ld(z, i) * inv_t, p = expf(x - l);
+        float d = -p * glp;
+        if (i == yt) d += glp;
+        if (with_entropy) d -= gent * p * (x - mean);
+        st(dz, row * (long)v + i, d * inv_t);
+    }
+}
+
+#define HEAD(T, NAME)                                                                              \
+extern "C" __global__ void head_fwd_##NAME(const T* logits, const unsigned int* y, float* out,    \
+                                           float* lse, int v, float inv_t) {                       \
+    head_fwd<T>(logits, y, out, lse, v, inv_t);                                                    \
+}                                                                                                  \
+extern "C" __global__ void head_bwd_##NAME(const T* logits, const unsigned int* y,                \
+        const float* lse, const float* g, const float* out, T* dz, int v, float inv_t,             \
+        int with_entropy) {                                                                        \
+    head_bwd<T>(logits, y, lse, g, out, dz, v, inv_t, with_entropy);                               \
+}
+
+HEAD(float, f32)
+HEAD(bf16_t, bf16)
+
+// Decoding attention, one query per row: a block of NORM_THREADS per (b, query head). q [B, H, D]
+// contiguous; the key and value of slot j of (b, kv head hk) at b*sb + hk*sh + j*D (views of the
+// KV cache); mask [B, Tk] f32 additive; o [B, H, D]. The Tk scores live in shared memory; the
+// weighted sum of values splits the slots among NORM_THREADS / D groups of D threads.
+template <typename T, int D>
+__device__ void attn_decode(const T* q, const T* k, const T* v, const float* mask, T* o, int H,
+                            int Hkv, int Tk, long sb, long sh, float scale) {
+    extern __shared__ float sm[];
+    float* qs = sm;                   // [D]
+    float* red = qs + D;              // [NORM_THREADS]
+    float* sc = red + NORM_THREADS;   // [Tk]
+    const int bh = blockIdx.x, b = bh / H, h = bh % H, hk = h / (H / Hkv);
+    for (int d = threadIdx.x; d < D; d += NORM_THREADS) qs[d] = ld(q, (long)bh * D + d) * scale;
+    __syncthreads();
+    const long base = (long)b * sb + (long)hk * sh;
+    float m = NEG_INF;
+    for (int j = threadIdx.x; j < Tk; j += NORM_THREADS) {
+        float z = 0.f;
+#pragma unroll
+        for (int d = 0; d < D; ++d) z += qs[d] * ld(k, base + (long)j * D + d);
+        z += mask[(long)b * Tk + j];
+        sc[j] = z;
+        m = fmaxf(m, z);
+    }
+    const float mx = block_max(m, red);
+    float s = 0.f;
+    for (int j = threadIdx.x; j < Tk; j += NORM_THREADS) {
+        const float e = expf(sc[j] - mx);
+        sc[j] = e;  // each thread rewrites only its own slots
+        s += e;
+    }
+    const float total = block_sum(s, red);  // its barriers make every sc[j] visible
+    constexpr int G = NORM_THREADS / D;
+    const int gi = threadIdx.x / D, d = threadIdx.x % D;
+    float acc = 0.f;
+    if (gi < G) {
+        // Eight independent loads in flight per thread: the loop is bound by memory latency.
+#pragma unroll 8
+        for (int j = gi; j < Tk; j += G) acc += sc[j] * ld(v, base + (long)j * D + d);
+    }
+    red[threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.x < D) {
+        float r = 0.f;
+        for (int g = 0; g < G; ++g) r += red[g * D + threadIdx.x];
+        st(o, (long)bh * D + threadIdx.x, total > 0.f ? r / total : 0.f);
+    }
+}
+
+#define DECODE(T, NAME, D)                                                                         \
+extern "C" __global__ void attn_decode_##NAME##_##D(const T* q, const T* k, const T* v,           \
+        const float* mask, T* o, int H, int Hkv, int Tk, long sb, long sh, float scale) {          \
+    attn_decode<T, D>(q, k, v, mask, o, H, Hkv, Tk, sb, sh, scale);                                \
+}
+
+DECODE(float, f32, 16)
+DECODE(bf16_t, bf16, 16)
+DECODE(float, f32, 32)
+DECODE(bf16_t, bf16, 32)
+DECODE(float, f32, 64)
+DECODE(bf16_t, bf16, 64)
+DECODE(float, f32, 128)
+DECODE(bf16_t, bf16, 128)
