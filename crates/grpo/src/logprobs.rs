@@ -234,16 +234,6 @@ impl HeadLogprobs {
         logits.to_dtype(reduce_dtype(logits.dtype()))? / self.temperature
     }
 
-    /// Whether grpo's GPU kernels take the log-softmax of these logits.
-    fn on_gpu(logits: &Tensor) -> bool {
-        #[cfg(feature = "cuda")]
-        if grpo_models::models::fused_gpu::head_applies(logits) {
-            return true;
-        }
-        let _ = logits;
-        false
-    }
-
     /// `[N, 2]` (log-prob, entropy or 0) and `[N, 1]` log-sum-exps, without a graph.
     fn forward(&self, hidden: &Tensor, w: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
         let n = hidden.dim(0)?;
@@ -253,7 +243,7 @@ impl HeadLogprobs {
             let len = self.chunk.min(n - start);
             let logits = hidden.narrow(0, start, len)?.matmul(&w.t()?)?; // [c, V]
             #[cfg(feature = "cuda")]
-            if Self::on_gpu(&logits) {
+            if grpo_models::models::fused_gpu::head_applies(&logits) {
                 let y = self.targets.narrow(0, start, len)?;
                 let inv_t = (1.0 / self.temperature) as f32;
                 let (both, lse) =
@@ -314,10 +304,7 @@ impl grpo_models::models::recompute::Backward for HeadLogprobs {
             let len = self.chunk.min(n - start);
             let h = hidden.narrow(0, start, len)?; // [c, H]
             let logits = h.matmul(&w.t()?)?; // [c, V]
-            let dlogits = match Self::on_gpu(&logits) {
-                true => self.gpu_dlogits(&logits, start, len, lse, out, &grad)?,
-                false => self.dlogits(&logits, start, len, lse, out, &grad)?,
-            }; // [c, V] in h's dtype
+            let dlogits = self.dlogits(&logits, start, len, lse, out, &grad)?; // [c, V]
             dhs.push(dlogits.matmul(w)?); // [c, H]
             if wanted[1] {
                 let part = dlogits.t()?.matmul(&h)?.to_dtype(f)?; // [V, H]
@@ -335,7 +322,7 @@ impl grpo_models::models::recompute::Backward for HeadLogprobs {
 
 impl HeadLogprobs {
     /// The gradient of rows `[start, start + len)`'s logits [c, V] (in their dtype) from the
-    /// outputs' gradient `grad` [N, 2] f32, in candle ops.
+    /// outputs' gradient `grad` [N, 2] f32: one kernel on a GPU, else candle ops.
     fn dlogits(
         &self,
         logits: &Tensor,
@@ -345,6 +332,18 @@ impl HeadLogprobs {
         out: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if grpo_models::models::fused_gpu::head_applies(logits) {
+            return grpo_models::models::fused_gpu::head_logprobs_backward(
+                logits,
+                &self.targets.narrow(0, start, len)?,
+                &lse.narrow(0, start, len)?,
+                &grad.narrow(0, start, len)?,
+                &out.narrow(0, start, len)?,
+                (1.0 / self.temperature) as f32,
+                self.entropy == Entropy::WithGrad,
+            );
+        }
         let with_entropy = self.entropy == Entropy::WithGrad;
         let z = self.tempered(logits)?; // [c, V] f32
         let p = z.broadcast_sub(&lse.narrow(0, start, len)?)?.exp()?; // [c, V]
@@ -368,35 +367,6 @@ impl HeadLogprobs {
             dz = (dz + d_ent)?;
         }
         (dz / self.temperature)?.to_dtype(logits.dtype()) // [c, V]
-    }
-
-    /// [`Self::dlogits`] as one GPU kernel.
-    fn gpu_dlogits(
-        &self,
-        logits: &Tensor,
-        start: usize,
-        len: usize,
-        lse: &Tensor,
-        out: &Tensor,
-        grad: &Tensor,
-    ) -> candle_core::Result<Tensor> {
-        #[cfg(feature = "cuda")]
-        {
-            grpo_models::models::fused_gpu::head_logprobs_backward(
-                logits,
-                &self.targets.narrow(0, start, len)?,
-                &lse.narrow(0, start, len)?,
-                &grad.narrow(0, start, len)?,
-                &out.narrow(0, start, len)?,
-                (1.0 / self.temperature) as f32,
-                self.entropy == Entropy::WithGrad,
-            )
-        }
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = (start, len, lse, out, grad);
-            candle_core::bail!("head log-probs: no GPU kernels in this build ({logits:?})")
-        }
     }
 }
 

@@ -296,15 +296,17 @@ mod gpu {
                 }
             };
             if want == Use::Off {
-                tracing::info!("GRPO_GPU_KERNELS=off: attention and SwiGLU run as candle ops");
+                tracing::info!(
+                    "GRPO_GPU_KERNELS=off: every GPU kernel of grpo's runs as candle ops"
+                );
                 return Use::Off;
             }
             match ptx() {
                 Ok(_) => want,
                 Err(e) => {
                     tracing::warn!(
-                        "grpo's GPU kernels did not compile ({e}); attention and SwiGLU run \
-                         as candle ops"
+                        "grpo's GPU kernels did not compile ({e}); candle ops run in their \
+                         place"
                     );
                     Use::Off
                 }
@@ -768,13 +770,8 @@ mod gpu {
         let y = Tensor::zeros((b, heads, t, d), x.dtype(), x.device())?;
         let n = y.elem_count() / 2;
         let xs = if t == 1 { st[0] } else { st[1] }; // elements from one (b, t) row to the next
-        let scalars = [
-            Scalar::I64(n as i64),
-            Scalar::I32(t as i32),
-            Scalar::I32(heads as i32),
-            Scalar::I32(d as i32),
-            Scalar::I64(xs as i64),
-        ];
+        let [a, b_, c, e] = rope_scalars(n, t, heads, d);
+        let scalars = [a, b_, c, e, Scalar::I64(xs as i64)];
         let kernel = format!("rope_fwd_{}", suffix(x.dtype()));
         // The view is passed from its first element with its row stride (`launch` reads the
         // storage from the layout's start offset).
@@ -786,6 +783,12 @@ mod gpu {
             &scalars,
         )?;
         Ok(Some(attach(&y, &[x], Arc::new(RopeBackward { cos, sin }))?))
+    }
+
+    /// The RoPE kernels' shared scalars: pairs, positions, heads, head size.
+    fn rope_scalars(n: usize, t: usize, h: usize, d: usize) -> [Scalar; 4] {
+        let i = |x: usize| Scalar::I32(x as i32);
+        [Scalar::I64(n as i64), i(t), i(h), i(d)]
     }
 
     struct RopeBackward {
@@ -812,12 +815,7 @@ mod gpu {
             let g = grad.to_dtype(x.dtype())?.contiguous()?;
             let dx = Tensor::zeros((b, t, h * d), x.dtype(), x.device())?;
             let n = out.elem_count() / 2;
-            let scalars = [
-                Scalar::I64(n as i64),
-                Scalar::I32(t as i32),
-                Scalar::I32(h as i32),
-                Scalar::I32(d as i32),
-            ];
+            let scalars = rope_scalars(n, t, h, d);
             let kernel = format!("rope_bwd_{}", suffix(x.dtype()));
             launch(
                 &cuda(x)?,

@@ -74,6 +74,53 @@ __device__ void rows_reduce(float v[4], float* red, bool max) {
     }
 }
 
+// A thread's 4 x 4 patch of the products of two shared tiles over D: s[a][c] += sum_d
+// r[ty*4 + a][d] * c[tx + 16 c][d] (rows of `r` along the patch's rows, of `c` along its columns).
+template <int D>
+__device__ __forceinline__ void patch_dot(const float* r, const float* c, float s[4][4]) {
+    constexpr int P = D + 1;
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    for (int d = 0; d < D; ++d) {
+        float ra[4], cb[4];
+#pragma unroll
+        for (int a = 0; a < 4; ++a) ra[a] = r[(ty * 4 + a) * P + d];
+#pragma unroll
+        for (int b = 0; b < 4; ++b) cb[b] = c[(tx + 16 * b) * P + d];
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int b = 0; b < 4; ++b) s[a][b] += ra[a] * cb[b];
+    }
+}
+
+// Two patches at once, sharing the loop: s from (r1, c1), t from (r2, c2).
+template <int D>
+__device__ __forceinline__ void patch_dot2(const float* r1, const float* c1, const float* r2,
+                                           const float* c2, float s[4][4], float t[4][4]) {
+    constexpr int P = D + 1;
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    for (int d = 0; d < D; ++d) {
+        float ra[4], cb[4], rc[4], cd[4];
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+            ra[a] = r1[(ty * 4 + a) * P + d];
+            rc[a] = r2[(ty * 4 + a) * P + d];
+        }
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            cb[b] = c1[(tx + 16 * b) * P + d];
+            cd[b] = c2[(tx + 16 * b) * P + d];
+        }
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                s[a][b] += ra[a] * cb[b];
+                t[a][b] += rc[a] * cd[b];
+            }
+    }
+}
+
 // Forward: o and lse (FlashAttention's online softmax). Grid: (ceil(S / AT), B * H).
 template <typename T, int D>
 __device__ void attn_fwd(const T* q, const T* k, const T* v, const float* mask, T* o, float* lse,
@@ -109,17 +156,7 @@ __device__ void attn_fwd(const T* q, const T* k, const T* v, const float* mask, 
         for (int a = 0; a < 4; ++a)
 #pragma unroll
             for (int c = 0; c < 4; ++c) s[a][c] = 0.f;
-        for (int d = 0; d < D; ++d) {
-            float qa[4], kb[4];
-#pragma unroll
-            for (int a = 0; a < 4; ++a) qa[a] = qs[(ty * 4 + a) * P + d];
-#pragma unroll
-            for (int c = 0; c < 4; ++c) kb[c] = ks[(tx + 16 * c) * P + d];
-#pragma unroll
-            for (int a = 0; a < 4; ++a)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) s[a][c] += qa[a] * kb[c];
-        }
+        patch_dot<D>(qs, ks, s);
 #pragma unroll
         for (int a = 0; a < 4; ++a) {
             const int i = i0 + ty * 4 + a;
@@ -224,26 +261,7 @@ __device__ void attn_bwd_dq(const T* q, const T* k, const T* v, const float* mas
         for (int a = 0; a < 4; ++a)
 #pragma unroll
             for (int c = 0; c < 4; ++c) s[a][c] = dp[a][c] = 0.f;
-        for (int d = 0; d < D; ++d) {
-            float qa[4], ga[4], kb[4], vb[4];
-#pragma unroll
-            for (int a = 0; a < 4; ++a) {
-                qa[a] = qs[(ty * 4 + a) * P + d];
-                ga[a] = gs[(ty * 4 + a) * P + d];
-            }
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                kb[c] = ks[(tx + 16 * c) * P + d];
-                vb[c] = vs[(tx + 16 * c) * P + d];
-            }
-#pragma unroll
-            for (int a = 0; a < 4; ++a)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    s[a][c] += qa[a] * kb[c];
-                    dp[a][c] += ga[a] * vb[c];
-                }
-        }
+        patch_dot2<D>(qs, ks, gs, vs, s, dp);
 #pragma unroll
         for (int a = 0; a < 4; ++a) {
             const int i = i0 + ty * 4 + a;
@@ -323,26 +341,7 @@ __device__ void attn_bwd_dkv(const T* q, const T* k, const T* v, const float* ma
             for (int a = 0; a < 4; ++a)
 #pragma unroll
                 for (int c = 0; c < 4; ++c) s[a][c] = dp[a][c] = 0.f;
-            for (int d = 0; d < D; ++d) {
-                float ka[4], va[4], qb[4], gb[4];
-#pragma unroll
-                for (int a = 0; a < 4; ++a) {
-                    ka[a] = ks[(ty * 4 + a) * P + d];
-                    va[a] = vs[(ty * 4 + a) * P + d];
-                }
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    qb[c] = qs[(tx + 16 * c) * P + d];
-                    gb[c] = gs[(tx + 16 * c) * P + d];
-                }
-#pragma unroll
-                for (int a = 0; a < 4; ++a)
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) {
-                        s[a][c] += ka[a] * qb[c];
-                        dp[a][c] += va[a] * gb[c];
-                    }
-            }
+            patch_dot2<D>(ks, qs, vs, gs, s, dp);
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 const int i = i0 + tx + 16 * c;
