@@ -1406,3 +1406,34 @@ fn bf16_tests_pass_on_the_portable_path() {
         2,
     );
 }
+
+/// `temperature_warmup_steps`: the rounds sample at temperatures moving linearly from
+/// `temperature_warmup_start` to `temperature` (logged as `sampling/temperature`), and a warm-up
+/// that starts at `temperature` trains exactly as no warm-up does.
+#[test]
+fn temperature_warmup_moves_the_sampling_temperature() {
+    let warm = two_steps(
+        "temperature = 1.0\ntemperature_warmup_steps = 2\ntemperature_warmup_start = 0.5",
+    );
+    let temps: Vec<f64> = warm
+        .iter()
+        .map(|l| l["sampling/temperature"].as_f64().unwrap())
+        .collect();
+    assert_eq!(temps, vec![0.5, 0.75]);
+    let plain = two_steps("temperature = 1.0");
+    let flat = two_steps(
+        "temperature = 1.0\ntemperature_warmup_steps = 2\ntemperature_warmup_start = 1.0",
+    );
+    assert!(plain
+        .iter()
+        .all(|l| l.get("sampling/temperature").is_none()));
+    for (a, b) in plain.iter().zip(&flat) {
+        let mut b = b.clone();
+        b.as_object_mut().unwrap().remove("sampling/temperature");
+        assert_eq!(a, &b);
+    }
+    assert_ne!(
+        warm[0]["entropy"], plain[0]["entropy"],
+        "a colder round samples and scores under another distribution"
+    );
+}

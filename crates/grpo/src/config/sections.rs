@@ -225,6 +225,8 @@ sections! {
         num_generations: usize = "8" check values::group_size, "completions per prompt (G, the group size)";
         max_completion_length: usize = "256" check values::at_least_one, "maximum new tokens per completion";
         temperature: f64 = "1.0" check values::positive, "sampling temperature (log-probs are taken at the same temperature)";
+        temperature_warmup_steps: usize = "0", "optimizer steps over which the sampling temperature moves linearly from temperature_warmup_start to temperature (0: temperature throughout)";
+        temperature_warmup_start: f64 = "1.0" check values::positive, "with temperature_warmup_steps: the sampling temperature of the first round";
         top_p: f64 = "1.0" check values::probability, "nucleus sampling (1: off)";
         top_k: usize = "0", "top-k sampling (0: off)";
         min_p: Option<f64> = "", "min-p sampling (unset: off)";
@@ -370,6 +372,18 @@ impl Data {
 }
 
 impl Generation {
+    /// The sampling temperature of the round that starts after `step` optimizer steps:
+    /// `temperature_warmup_start` at step 0, moving linearly to `temperature` at
+    /// `temperature_warmup_steps`, then `temperature`.
+    pub fn temperature_at(&self, step: u64) -> f64 {
+        let n = self.temperature_warmup_steps as u64;
+        if step >= n {
+            return self.temperature;
+        }
+        let f = step as f64 / n as f64;
+        self.temperature_warmup_start + (self.temperature - self.temperature_warmup_start) * f
+    }
+
     /// The sampler's parameters (at `temperature`).
     pub fn sampling(&self, eos_token_ids: Vec<u32>) -> SamplingParams {
         SamplingParams {

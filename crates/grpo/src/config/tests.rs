@@ -863,3 +863,33 @@ fn secrets_are_redacted_in_what_is_written() {
         assert_eq!(secret_like(key), secret, "{key}");
     }
 }
+
+/// The sampling temperature warms up linearly from `temperature_warmup_start` to `temperature`
+/// over `temperature_warmup_steps`, and stays at `temperature` without a warm-up.
+#[test]
+fn temperature_warms_up_linearly_then_holds() {
+    let c = load("temperature = 1.2", Format::Toml, &[]).unwrap();
+    assert_eq!(c.generation.temperature_at(0), 1.2);
+    assert_eq!(c.generation.temperature_at(50), 1.2);
+    let c = load(
+        "temperature = 1.2\ntemperature_warmup_steps = 20",
+        Format::Toml,
+        &["--temperature_warmup_start=1.0"],
+    )
+    .unwrap();
+    let twin = |step: u64| 1.0 + 0.2 * (step.min(20) as f64 / 20.0);
+    for step in [0, 1, 10, 19, 20, 21, 100] {
+        let t = c.generation.temperature_at(step);
+        assert!((t - twin(step)).abs() < 1e-12, "step {step}: {t}");
+    }
+    assert_eq!(c.generation.temperature_at(20), 1.2);
+}
+
+/// A warm-up's start must be a positive temperature, named in the error.
+#[test]
+fn temperature_warmup_start_must_be_positive() {
+    let e = load("temperature_warmup_start = 0.0", Format::Toml, &[])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("temperature_warmup_start"), "{e}");
+}

@@ -266,6 +266,7 @@ mod tests {
             }),
             kl_reward_seq_kl: None,
             kl_reward_coef: None,
+            temperature: None,
             times: RoundTimes::default(),
             tokens_per_second: 0.0,
             epoch: 0.0,

@@ -42,6 +42,8 @@ pub mod names {
     pub const ENTROPY_COEF: &str = "entropy_coef";
     pub const KL_REWARD_SEQ_KL: &str = "kl_reward/seq_kl";
     pub const KL_REWARD_COEF: &str = "kl_reward/coef";
+    /// The round's sampling temperature, logged while `temperature_warmup_steps` moves it.
+    pub const TEMPERATURE: &str = "sampling/temperature";
     pub const TIME_GENERATE: &str = "time/generate";
     pub const TIME_SCORE: &str = "time/score";
     pub const TIME_REFERENCE: &str = "time/reference";
@@ -150,6 +152,8 @@ pub struct StepMetrics {
     /// KL in the reward: the round's mean sequence KL, and the adaptive coefficient.
     pub kl_reward_seq_kl: Option<f64>,
     pub kl_reward_coef: Option<f64>,
+    /// The round's sampling temperature, with a temperature warm-up.
+    pub temperature: Option<f64>,
     pub times: RoundTimes,
     pub tokens_per_second: f64,
     pub epoch: f64,
@@ -287,6 +291,8 @@ impl StepMetrics {
             ),
             kl_reward_seq_kl: scored.kl_reward_seq_kl,
             kl_reward_coef: r.state.adaptive_kl.as_ref().map(|a| a.coef),
+            temperature: (cfg.generation.temperature_warmup_steps > 0)
+                .then_some(r.opts.sampling.temperature),
             times: round.times,
             tokens_per_second: round.generated_tokens as f64 / round.times.step.max(1e-9),
             epoch: r.state.order.epoch() as f64,
@@ -350,6 +356,9 @@ impl StepMetrics {
         }
         if let Some(c) = self.kl_reward_coef {
             push(KL_REWARD_COEF, c);
+        }
+        if let Some(t) = self.temperature {
+            push(TEMPERATURE, t);
         }
         push(TIME_GENERATE, self.times.generate);
         push(TIME_SCORE, self.times.score);
@@ -446,6 +455,7 @@ mod tests {
             ),
             kl_reward_seq_kl: None,
             kl_reward_coef: None,
+            temperature: None,
             times: RoundTimes {
                 step: 2.0,
                 ..Default::default()

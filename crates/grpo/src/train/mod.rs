@@ -120,6 +120,8 @@ fn run<P: LoadPolicy>(
     let mut interrupted = false;
     while r.state.step < total_steps {
         let t_round = Instant::now();
+        r.opts
+            .set_temperature(cfg.generation.temperature_at(r.state.step));
         // 1-3. Rollout with the current policy (rewards that allow it score each group on a
         //      second thread as soon as it has finished), old and reference log-probs, scores;
         //      with dynamic sampling, more prompts until P groups carry a signal.

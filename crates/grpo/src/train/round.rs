@@ -366,7 +366,7 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> R
     let chunk = r.opts.update.forward_chunk_tokens;
     let old_logps = match r.opts.needs_old || kl_in_reward {
         true => {
-            Some(sampler.sequence_logprobs(&pairs, r.pad, cfg.generation.temperature, chunk)?)
+            Some(sampler.sequence_logprobs(&pairs, r.pad, r.opts.sampling.temperature, chunk)?)
         }
         false => None,
     };
@@ -374,7 +374,7 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> R
     let t_old = t0.elapsed().as_secs_f64();
     let ref_logps = r
         .reference
-        .logprobs(&pairs, r.pad, cfg.generation.temperature, chunk)?;
+        .logprobs(&pairs, r.pad, r.opts.sampling.temperature, chunk)?;
     let t_reference = t0.elapsed().as_secs_f64();
     super::profile::log_probs(t_old, t_reference - t_old, &pairs, chunk);
     super::trace_memory("old/reference log-probs");

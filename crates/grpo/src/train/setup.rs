@@ -495,6 +495,12 @@ fn writers(cfg: &TrainConfig, resumed: bool, main: bool) -> Result<(MetricsWrite
 }
 
 impl RoundOptions {
+    /// The sampling temperature of the next round, which its log-probs and update use too.
+    pub fn set_temperature(&mut self, t: f64) {
+        self.sampling.temperature = t;
+        self.update.temperature = t;
+    }
+
     /// The options each round uses, from the config and what the run loaded.
     fn resolve<P: Policy>(
         cfg: &TrainConfig,
