@@ -83,6 +83,7 @@ fn main() -> ExitCode {
     // 65.6 s, for 60 MB more peak RSS (4.80 against 4.74 GB). Later steps reuse the memory either way.
     // SAFETY: as above.
     unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_LARGE_OS_PAGES, 1) };
+    candle_pool_spin();
     quiet_error_backtraces();
     if let Err(e) = grpo_models::faults::init_from_env() {
         eprintln!("error: {e}");
@@ -153,6 +154,22 @@ fn quiet_error_backtraces() {
     // Called at the start of main, before any other thread exists.
     std::env::set_var("RUST_LIB_BACKTRACE", if wanted { "1" } else { "0" });
 }
+
+/// How long candle's own CPU worker threads spin for the next operation before they sleep,
+/// unless `CANDLE_BARRIER_POOL_SPIN_LIMIT` is set. candle runs its large elementwise ops (the
+/// backward's adds and products) on a pool of its own beside rayon's, whose workers by default
+/// spin 25,000 times after every op; grpo's GEMMs and kernels run on rayon's threads between
+/// those ops, so on a 2-core machine the spinning worker took a core's share from them (a tenth
+/// of a thread's time in a CPU GRPO step). Called at the start of main, before any other thread.
+fn candle_pool_spin() {
+    const VAR: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
+    if std::env::var_os(VAR).is_none() {
+        std::env::set_var(VAR, CANDLE_SPIN_LIMIT);
+    }
+}
+
+/// See [`candle_pool_spin`].
+const CANDLE_SPIN_LIMIT: &str = "1000";
 
 /// This process's rank under an MPI launcher of several processes (None: one process).
 pub(crate) fn launcher_rank() -> Option<usize> {

@@ -1,7 +1,8 @@
 //! Rough timing of the training forward+backward on SmolLM2 (not a benchmark of record).
 //!   fwdbwd [ROWS [PROMPT_LEN [COMPLETION_LEN [GROUP]]]]; env: ITERS=n, SINK=1 (weight gradients
 //!   through the gradient sink), ENTROPY=1 (detached entropies), INPOOL=1 (run on a rayon worker,
-//!   as `grpo train` does), PER_ROW=1 (no shared prompts), SETOPT=1 (mimalloc never purges).
+//!   as `grpo train` does), PER_ROW=1 (no shared prompts), SETOPT=1 (mimalloc never purges),
+//!   DTYPE=bf16 (CPU mixed precision: bf16 products, f32 weights).
 use std::time::Instant;
 
 #[global_allocator]
@@ -76,7 +77,11 @@ fn run() -> anyhow::Result<()> {
             .iter()
             .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
             .collect();
-        let mut model = CausalLm::from_tensors(&m.config, tensors, DType::F32, &Device::Cpu)?;
+        let dtype = match std::env::var("DTYPE").as_deref() {
+            Ok("bf16") => DType::BF16,
+            _ => DType::F32,
+        };
+        let mut model = CausalLm::from_tensors(&m.config, tensors, dtype, &Device::Cpu)?;
         // SINK=1: projection weight gradients through the trainer's gradient sink.
         let list: Vec<Var> = vars.iter().map(|(_, v)| v.clone()).collect();
         let sink = grpo_models::models::grad_sink::GradSink::new(&list);
