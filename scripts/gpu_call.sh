@@ -31,12 +31,29 @@ with open(os.path.join(sys.argv[1], "ops-summary.txt"), "a") as out:
                 r = json.loads(line)
             except ValueError:
                 continue
-            print(k, r["op"], "fwd_ms", r["fwd_ms"], "fwd_bwd_ms", r["fwd_bwd_ms"], file=out)
+            print(k, r["op"], "fwd_ms", r["fwd_ms"], "fwd_bwd_ms", r["fwd_bwd_ms"], "host_ms", r.get("host_ms", "-"), file=out)
             if r["op"] == "layer" and (best is None or r["fwd_bwd_ms"] < best[1]):
                 best = (k, r["fwd_bwd_ms"])
 print(best[0] if best else "default")
 PY
 )
+# The decoding kernel against candle's batched matmuls (`decode_attention` under default vs off).
+DECODE=$(python3 - $FIN <<'PY' 2>>$FIN/ops-summary.txt
+import json, os, sys
+t = {}
+for k in ["default", "off"]:
+    for line in open(os.path.join(sys.argv[1], f"ops-17-{k}.jsonl")):
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if r["op"] == "decode_attention":
+            t[k] = r["fwd_ms"]
+print("ops" if "default" in t and "off" in t and t["default"] > t["off"] else "kernel")
+PY
+)
+[ "$DECODE" = ops ] && export GRPO_GPU_DECODE=ops
+log "decoding attention: $DECODE"
 if [ "${KIT:-1}" = 0 ]; then  # a short call: the pieces and the GPU tests only
   python3 -c "import lzma,sys,shutil; shutil.copyfileobj(lzma.open(sys.argv[1]), open('/tmp/grpo-tests','wb'))" $G/bin/cuda-tests.xz
   chmod +x /tmp/grpo-tests; src=$(cat $G/src_root)
@@ -46,6 +63,6 @@ if [ "${KIT:-1}" = 0 ]; then  # a short call: the pieces and the GPU tests only
   log "GPU tests"; timeout 150 /tmp/grpo-tests --test-threads=1 > $FIN/cuda-tests.txt 2>&1
   grep -E "^test |test result" $FIN/cuda-tests.txt >> $FIN/ops-summary.txt; log "done"; exit 0
 fi
-log "kit with GRPO_GPU_KERNELS=$BEST"
+log "kit with GRPO_GPU_KERNELS=$BEST GRPO_GPU_DECODE=${GRPO_GPU_DECODE:-kernel}"
 export GRPO_GPU_KERNELS=$BEST GRPO_PROFILE=1
 BUDGET=$((${BUDGET:-530} - (SECONDS - T0))) OUT=$FIN bash .gpu/run.sh

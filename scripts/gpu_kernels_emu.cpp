@@ -14,7 +14,13 @@
 // reads DIR/{z,y,g}.bin (logits [C, V], targets u32, gradients [C, 2] f32), writes
 // DIR/{out,lse,dz}.bin (the entropy's gradient included);
 //   gpu_kernels_emu decode DIR DTYPE B H HKV TK MAXT D SCALE
-// reads DIR/{q,k,v,mask}.bin (caches [B, HKV, MAXT, D], the first TK slots read), writes DIR/o.bin.
+// reads DIR/{q,k,v,mask}.bin (caches [B, HKV, MAXT, D], the first TK slots read), writes DIR/o.bin;
+//   gpu_kernels_emu rope_append DIR DTYPE B H HKV D XS SLOTS SLOT
+// reads DIR/{x,cos,sin,kc,vc}.bin, writes DIR/{q,kc_out,vc_out}.bin;
+//   gpu_kernels_emu add_rms DIR DTYPE N H EPS
+// reads DIR/{x,a,w}.bin, writes DIR/{s,y}.bin;
+//   gpu_kernels_emu adamw DIR N STEPS LR B1 B2 EPS WD GS
+// reads DIR/{p,g}.bin (g [STEPS, N]), writes DIR/{p_out,m,v}.bin.
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -30,7 +36,8 @@
 #define __launch_bounds__(x)
 #define __shared__
 struct Dim3 { int x, y, z; };
-static Dim3 blockIdx, blockDim;
+struct uint4 { unsigned x, y, z, w; };
+static Dim3 blockIdx, blockDim, gridDim;
 thread_local Dim3 threadIdx;
 float sm[1 << 20];
 static std::barrier<>* block_barrier;
@@ -55,6 +62,7 @@ template <typename T> void wr(const std::string& p, const std::vector<T>& v) {
 }
 template <typename F> void launch(int gx, int gy, int bx, F f) {
     blockDim = {bx, 1, 1};
+    gridDim = {gx, gy, 1};
     for (int y = 0; y < gy; ++y)
         for (int x = 0; x < gx; ++x) {
             blockIdx = {x, y, 0};
@@ -106,6 +114,26 @@ template <typename T> void run_rope(const std::string& dir, int b, int t, int h,
     launch(blocks, 1, 256, [&] { rope<T>(g.data(), cs.data(), sn.data(), dx.data(), n, t, h, d, (long)h * d, true); });
     wr(dir + "/y.bin", y); wr(dir + "/dx.bin", dx);
 }
+// A decoding step: x [B, 1, XS] (q, k, v heads first), cos/sin [B, 1, D/2], caches kc/vc
+// [B, HKV, SLOTS, D] read from DIR and written back with slot SLOT filled; q [B, H, 1, D].
+template <typename T> void run_rope_append(const std::string& dir, int b, int h, int hkv, int d, long xs, int slots, int slot) {
+    auto x = rd<T>(dir + "/x.bin", (size_t)b * xs), cs = rd<T>(dir + "/cos.bin", (size_t)b * d / 2);
+    auto sn = rd<T>(dir + "/sin.bin", (size_t)b * d / 2);
+    auto kc = rd<T>(dir + "/kc.bin", (size_t)b * hkv * slots * d), vc = rd<T>(dir + "/vc.bin", (size_t)b * hkv * slots * d);
+    std::vector<T> q((size_t)b * h * d);
+    const long n = (long)b * (h + 2 * hkv) * (d / 2);
+    launch((int)((n + 255) / 256), 1, 256, [&] {
+        rope_append<T>(x.data(), cs.data(), sn.data(), q.data(), kc.data(), vc.data(), n, h, hkv, d, xs, (long)slots * d, slot);
+    });
+    wr(dir + "/q.bin", q); wr(dir + "/kc_out.bin", kc); wr(dir + "/vc_out.bin", vc);
+}
+// The residual add and RMSNorm: x, a [N, H], w [H] -> s, y.
+template <typename T> void run_add_rms(const std::string& dir, long n, int h, float eps) {
+    auto x = rd<T>(dir + "/x.bin", n * h), a = rd<T>(dir + "/a.bin", n * h), w = rd<T>(dir + "/w.bin", h);
+    std::vector<T> sum(n * h), y(n * h);
+    launch((int)n, 1, NORM_THREADS, [&] { add_rms_norm<T>(x.data(), a.data(), w.data(), sum.data(), y.data(), h, eps); });
+    wr(dir + "/s.bin", sum); wr(dir + "/y.bin", y);
+}
 template <typename T> void run_head(const std::string& dir, long c, int v, float inv_t) {
     auto z = rd<T>(dir + "/z.bin", c * v), g = rd<float>(dir + "/g.bin", c * 2);
     auto y = rd<unsigned int>(dir + "/y.bin", c);
@@ -121,25 +149,59 @@ template <typename T, int D> void run_decode(const std::string& dir, int B, int 
     auto v = rd<T>(dir + "/v.bin", (size_t)B * Hkv * maxT * D), mask = rd<float>(dir + "/mask.bin", (size_t)B * Tk);
     std::vector<T> o((size_t)B * H * D);
     const long sh = (long)maxT * D, sb = (long)Hkv * sh;
-    launch(B * H, 1, NORM_THREADS, [&] { attn_decode<T, D>(q.data(), k.data(), v.data(), mask.data(), o.data(), H, Hkv, Tk, sb, sh, sc); });
+    launch(B * Hkv, 1, NORM_THREADS, [&] { attn_decode<T, D>(q.data(), k.data(), v.data(), mask.data(), o.data(), H, Hkv, Tk, sb, sh, sc); });
     wr(dir + "/o.bin", o);
 }
+// AdamW: STEPS steps of the kernel over p [N] with gradients g [STEPS, N] (torch's bias
+// corrections for steps 1..STEPS), moments from zero; writes p, m, v.
+void run_adamw(const std::string& dir, long n, int steps, float lr, float b1, float b2, float eps,
+               float wd, float gs) {
+    auto p = rd<float>(dir + "/p.bin", n), g = rd<float>(dir + "/g.bin", n * steps);
+    std::vector<float> m(n), v(n);
+    for (int t = 1; t <= steps; ++t) {
+        const float bc1 = 1.f - powf(b1, t), bc2 = sqrtf(1.f - powf(b2, t));
+        const float* gt = g.data() + (t - 1) * n;
+        launch((int)((n + 255) / 256), 1, 256, [&] {
+            adamw_f32(p.data(), gt, m.data(), v.data(), n, gs, 1.f - lr * wd, b1, b2, eps, bc2, lr / bc1);
+        });
+    }
+    wr(dir + "/p_out.bin", p); wr(dir + "/m.bin", m); wr(dir + "/v.bin", v);
+}
 int main(int argc, char** argv) {
+    if (argc == 11 && std::string(argv[1]) == "adamw") {
+        run_adamw(argv[2], atol(argv[3]), atoi(argv[4]), atof(argv[5]), atof(argv[6]), atof(argv[7]),
+                  atof(argv[8]), atof(argv[9]), atof(argv[10]));
+        return 0;
+    }
     if (argc == 11 && std::string(argv[1]) == "decode") {
         std::string dir = argv[2], dt = argv[3];
         int B = atoi(argv[4]), H = atoi(argv[5]), Hkv = atoi(argv[6]), Tk = atoi(argv[7]), maxT = atoi(argv[8]), D = atoi(argv[9]);
         float sc = atof(argv[10]);
-        if (dt == "f32" && D == 64) run_decode<float, 64>(dir, B, H, Hkv, Tk, maxT, sc);
-        else if (dt == "bf16" && D == 64) run_decode<bf16_t, 64>(dir, B, H, Hkv, Tk, maxT, sc);
-        else if (dt == "bf16" && D == 128) run_decode<bf16_t, 128>(dir, B, H, Hkv, Tk, maxT, sc);
-        else if (dt == "f32" && D == 16) run_decode<float, 16>(dir, B, H, Hkv, Tk, maxT, sc);
-        else { fprintf(stderr, "unsupported decode %s D=%d\n", dt.c_str(), D); return 2; }
+        bool ok = false;
+#define DEC(T, NAME, DD) if (dt == NAME && D == DD) { run_decode<T, DD>(dir, B, H, Hkv, Tk, maxT, sc); ok = true; }
+        DEC(float, "f32", 16) DEC(float, "f32", 32) DEC(float, "f32", 64) DEC(float, "f32", 128)
+        DEC(bf16_t, "bf16", 16) DEC(bf16_t, "bf16", 32) DEC(bf16_t, "bf16", 64) DEC(bf16_t, "bf16", 128)
+        if (!ok) { fprintf(stderr, "unsupported decode %s D=%d\n", dt.c_str(), D); return 2; }
         return 0;
     }
     if (argc == 7 && std::string(argv[1]) == "head") {
         std::string dir = argv[2], dt = argv[3];
         long c = atol(argv[4]); int v = atoi(argv[5]); float inv_t = atof(argv[6]);
         if (dt == "f32") run_head<float>(dir, c, v, inv_t); else run_head<bf16_t>(dir, c, v, inv_t);
+        return 0;
+    }
+    if (argc == 11 && std::string(argv[1]) == "rope_append") {
+        std::string dir = argv[2], dt = argv[3];
+        int b = atoi(argv[4]), h = atoi(argv[5]), hkv = atoi(argv[6]), d = atoi(argv[7]);
+        long xs = atol(argv[8]); int slots = atoi(argv[9]), slot = atoi(argv[10]);
+        if (dt == "f32") run_rope_append<float>(dir, b, h, hkv, d, xs, slots, slot);
+        else run_rope_append<bf16_t>(dir, b, h, hkv, d, xs, slots, slot);
+        return 0;
+    }
+    if (argc == 7 && std::string(argv[1]) == "add_rms") {
+        std::string dir = argv[2], dt = argv[3];
+        long n = atol(argv[4]); int h = atoi(argv[5]); float eps = atof(argv[6]);
+        if (dt == "f32") run_add_rms<float>(dir, n, h, eps); else run_add_rms<bf16_t>(dir, n, h, eps);
         return 0;
     }
     if (argc == 9 && std::string(argv[1]) == "rope") {

@@ -36,6 +36,10 @@ pub struct OpsArgs {
     pub seq: usize,
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
+    /// Rows of the decoding step's layer (`decode_layer`: one token per row over a KV cache of
+    /// `seq` slots; the kit's 16 x 8 batch decodes 128 rows).
+    #[arg(long, default_value_t = 128)]
+    pub decode_rows: usize,
     /// Keep freed GPU memory in CUDA's pool (release threshold = max) instead of handing it back
     /// at every synchronization.
     #[arg(long)]
@@ -358,6 +362,7 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
         })?;
         report(name, lf, lb, flops);
     }
+    decode_layer(&a, &s, &dev, dt, compute)?;
     // The LM head's log-probs over the whole vocabulary, recomputed in the backward.
     let head = Var::from_tensor(&(Tensor::randn(0f32, 1.0, (s.vocab, s.hidden), &dev)? * 0.02)?)?;
     let targets = Tensor::from_vec(
@@ -394,5 +399,93 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
         "fwd_tflops": ((2.0 * (n * s.hidden * s.vocab) as f64 / hf / 1e12) * 10.0).round() / 10.0,
     });
     println!("{line}");
+    Ok(())
+}
+
+/// A decoding step's pass through the model's layers, as the sampler runs it (frozen weights in
+/// the compute dtype, one token per row, the KV cache written and read in place): device-
+/// synchronized ms for all `s.layers` layers (`fwd_ms`), the host's ms to issue them
+/// (`host_ms`: near `fwd_ms` when the step waits on the host, not on the GPU), and the four
+/// projections' GEMMs alone.
+fn decode_layer(a: &OpsArgs, s: &Shape, dev: &Device, dt: DType, compute: Compute) -> Result<()> {
+    let (rows, t) = (a.decode_rows, a.seq.max(2));
+    let hd = s.hidden / s.heads;
+    let qkv_out = (s.heads + 2 * s.kv_heads) * hd;
+    // Weights as the sampler holds them: [in, out], contiguous, in the compute dtype.
+    let wt = |i: usize, o: usize| -> Result<Tensor> {
+        Ok((Tensor::randn(0f32, 1.0, (i, o), dev)? * (1.0 / (i as f64).sqrt()))?.to_dtype(dt)?)
+    };
+    let (w_qkv, w_o) = (wt(s.hidden, qkv_out)?, wt(s.heads * hd, s.hidden)?);
+    let (w_gu, w_down) = (wt(s.hidden, 2 * s.inter)?, wt(s.inter, s.hidden)?);
+    let nw = Tensor::ones(s.hidden, dt, dev)?;
+    let cache = || -> Result<Tensor> {
+        Ok(Tensor::randn(0f32, 1.0, (rows, s.kv_heads, t + 64, hd), dev)?.to_dtype(dt)?)
+    };
+    let (kc, vc) = (cache()?, cache()?);
+    let x1 = Tensor::randn(0f32, 1.0, (rows, 1, s.hidden), dev)?.to_dtype(dt)?;
+    let ang = Tensor::randn(0f32, 1.0, (rows, 1, hd / 2), dev)?;
+    let (cos, sin) = (ang.cos()?.to_dtype(dt)?, ang.sin()?.to_dtype(dt)?);
+    let mask = AttnMask::Dense(Tensor::zeros((rows, 1, 1, t), DType::F32, dev)?);
+    let norm = layers::RmsNorm::new(nw, 1e-5, compute);
+    let mm = |x: &Tensor, w: &Tensor| -> candle_core::Result<Tensor> {
+        let (i, o) = w.dims2()?;
+        x.reshape((rows, i))?.matmul(w)?.reshape((rows, 1, o))
+    };
+    let swiglu = |g: &Tensor| -> candle_core::Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if grpo_models::models::fused_gpu::applies(g) {
+            return grpo_models::models::fused_gpu::swiglu(g);
+        }
+        g.narrow(2, 0, s.inter)?.silu()? * g.narrow(2, s.inter, s.inter)?
+    };
+    let layer = |x: &Tensor| -> Result<Tensor> {
+        let h = norm.forward(x, Mode::Infer)?;
+        let qkv = mm(&h, &w_qkv)?; // [R, 1, (H + 2 Hkv) D]
+        let q = qkv.narrow(2, 0, s.heads * hd)?;
+        let k = qkv.narrow(2, s.heads * hd, s.kv_heads * hd)?;
+        let v = qkv.narrow(2, (s.heads + s.kv_heads) * hd, s.kv_heads * hd)?;
+        let q = layers::rope_heads(&q, &cos, &sin, s.heads, Mode::Infer, compute)?;
+        let k = layers::rope_heads(&k, &cos, &sin, s.kv_heads, Mode::Infer, compute)?;
+        let v = v.reshape((rows, 1, s.kv_heads, hd))?.transpose(1, 2)?;
+        kc.slice_set(&k.contiguous()?, 2, t - 1)?;
+        vc.slice_set(&v.contiguous()?, 2, t - 1)?;
+        let (kk, vv) = (kc.narrow(2, 0, t)?, vc.narrow(2, 0, t)?);
+        let y = layers::attention(&q, &kk, &vv, &mask, Mode::Infer, compute)?; // [R, 1, H*D]
+        let x = (x + mm(&y, &w_o)?)?;
+        let h = norm.forward(&x, Mode::Infer)?;
+        let m = mm(&swiglu(&mm(&h, &w_gu)?)?, &w_down)?;
+        Ok((x + m)?)
+    };
+    let step = |gemms_only: bool| -> Result<(f64, f64)> {
+        let mut host = Vec::new();
+        let synced = time(dev, a.reps, || {
+            let t0 = Instant::now();
+            let mut x = x1.clone();
+            for _ in 0..s.layers {
+                x = match gemms_only {
+                    true => {
+                        let h = mm(&x, &w_qkv)?;
+                        let y = mm(&h.narrow(2, 0, s.heads * hd)?, &w_o)?;
+                        mm(&mm(&y, &w_gu)?.narrow(2, 0, s.inter)?, &w_down)?
+                    }
+                    false => layer(&x)?,
+                };
+            }
+            host.push(t0.elapsed().as_secs_f64());
+            Ok(())
+        })?;
+        host.sort_by(f64::total_cmp);
+        Ok((synced, host[host.len() / 2]))
+    };
+    for (name, gemms_only) in [("decode_step_layers", false), ("decode_step_gemms", true)] {
+        let (synced, host) = step(gemms_only)?;
+        let line = serde_json::json!({
+            "bench": "ops", "device": a.device, "dtype": a.dtype, "shape": a.shape,
+            "rows": rows, "seq": t, "keep_pool": a.keep_pool, "op": name, "layers": s.layers,
+            "fwd_ms": (synced * 1e5).round() / 100.0, "fwd_bwd_ms": (synced * 1e5).round() / 100.0,
+            "host_ms": (host * 1e5).round() / 100.0,
+        });
+        println!("{line}");
+    }
     Ok(())
 }

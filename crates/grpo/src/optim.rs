@@ -139,6 +139,24 @@ impl StepScalars {
     }
 }
 
+#[cfg(feature = "cuda")]
+impl StepScalars {
+    /// The step as one GPU kernel, in place on `p`, `m` and `v` (the formula of
+    /// [`FusedStep::apply`]); false where grpo's kernels do not take these tensors.
+    fn on_gpu(&self, p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor) -> Result<bool> {
+        let s = grpo_models::models::fused_gpu::AdamWScalars {
+            grad_scale: self.grad_scale,
+            decay: 1.0 - self.lr * self.weight_decay,
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            bias_correction2_sqrt: self.bias_correction2_sqrt,
+            step_size: self.lr / self.bias_correction1,
+        };
+        Ok(grpo_models::models::fused_gpu::adamw_step(p, g, m, v, &s)?)
+    }
+}
+
 /// The update of one parameter, run in place on its storage.
 struct FusedStep<'a> {
     exp_avg: RefCell<&'a mut [f32]>,
@@ -305,6 +323,10 @@ impl AdamW {
                     exp_avg,
                     exp_avg_sq,
                 } => {
+                    #[cfg(feature = "cuda")]
+                    if step.on_gpu(slot.var.as_tensor(), &grad, exp_avg, exp_avg_sq)? {
+                        continue;
+                    }
                     let (p, m, v) =
                         step.tensors(slot.var.as_tensor(), &grad, exp_avg, exp_avg_sq)?;
                     slot.var.set(&p)?;
@@ -428,14 +450,17 @@ pub fn accumulate(acc: Tensor, g: &Tensor) -> Result<Tensor> {
 /// Global L2 norm of `grads` (as torch's `clip_grad_norm_` computes it) and the factor to scale
 /// them by so the norm is at most `max_norm` (1 when already below, or when `max_norm` <= 0).
 pub fn clip_factor(grads: &[Tensor], max_norm: f64) -> Result<(f64, f32)> {
-    let mut sq = 0f64;
-    for g in grads {
-        sq += g
-            .to_dtype(candle_core::DType::F32)?
-            .sqr()?
-            .sum_all()?
-            .to_scalar::<f32>()? as f64;
-    }
+    // Each gradient's sum of squares stays on its device; one read brings them all back (a GPU
+    // waited for the host once per parameter before).
+    let sums = grads
+        .iter()
+        .map(|g| g.to_dtype(candle_core::DType::F32)?.sqr()?.sum_all())
+        .collect::<candle_core::Result<Vec<_>>>()?; // [] f32 each
+    let sums: Vec<f32> = match sums.is_empty() {
+        true => Vec::new(),
+        false => Tensor::stack(&sums, 0)?.to_vec1()?,
+    };
+    let sq = sums.iter().fold(0f64, |acc, &s| acc + s as f64);
     let norm = sq.sqrt();
     if max_norm <= 0.0 {
         return Ok((norm, 1.0));

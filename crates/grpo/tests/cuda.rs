@@ -644,44 +644,48 @@ fn gpu_kernels_equal_candle_ops_with_their_gradients() {
         println!("{dt:?} rms-norm: output, dx, dw {errs:?}");
         assert!(errs.iter().all(|e| *e < tol), "{dt:?} rms-norm: {errs:?}");
         // Decoding attention: one query per row over views of a KV cache (left padding in row
-        // 0), the kernel against the portable path's candle ops on the CPU.
-        let (db, dh, dkv, dtk, dmax, dd) = (3, 8, 2, 150, 160, 64);
-        let cache = || {
-            Tensor::randn(0f32, 1.0, (db, dkv, dmax, dd), &dev)
+        // 0), the kernel against the portable path's candle ops on the CPU; four query heads per
+        // kv head, then one (SmolLM2-1.7B's).
+        for (dh, dkv) in [(8, 2), (4, 4)] {
+            let (db, dtk, dmax, dd) = (3, 150, 160, 64);
+            let cache = || {
+                Tensor::randn(0f32, 1.0, (db, dkv, dmax, dd), &dev)
+                    .unwrap()
+                    .to_dtype(dt)
+                    .unwrap()
+            };
+            let (kc, vc) = (cache(), cache());
+            let (kv_k, kv_v) = (kc.narrow(2, 0, dtk).unwrap(), vc.narrow(2, 0, dtk).unwrap());
+            let dq = Tensor::randn(0f32, 1.0, (db, dh, 1, dd), &dev)
                 .unwrap()
                 .to_dtype(dt)
-                .unwrap()
-        };
-        let (kc, vc) = (cache(), cache());
-        let (kv_k, kv_v) = (kc.narrow(2, 0, dtk).unwrap(), vc.narrow(2, 0, dtk).unwrap());
-        let dq = Tensor::randn(0f32, 1.0, (db, dh, 1, dd), &dev)
-            .unwrap()
-            .to_dtype(dt)
+                .unwrap();
+            let mut dm = vec![0f32; db * dtk];
+            dm[..3].iter_mut().for_each(|x| *x = -1e30);
+            let dmask = Tensor::from_vec(dm, (db, 1, 1, dtk), &dev).unwrap();
+            let got =
+                fused_gpu::decode_attention(&dq, &kv_k, &kv_v, &dmask, 1.0 / (dd as f64).sqrt())
+                    .unwrap()
+                    .expect("grpo's GPU kernels are off or did not compile");
+            let cpu = |t: &Tensor| {
+                t.to_device(&Device::Cpu)
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap()
+            };
+            let want = grpo_models::models::layers::attention(
+                &cpu(&dq),
+                &cpu(&kv_k),
+                &cpu(&kv_v),
+                &grpo_models::models::layers::AttnMask::Dense(cpu(&dmask)),
+                grpo_models::models::layers::Mode::Infer,
+                grpo_models::kernels::Compute::Portable,
+            )
             .unwrap();
-        let mut dm = vec![0f32; db * dtk];
-        dm[..3].iter_mut().for_each(|x| *x = -1e30);
-        let dmask = Tensor::from_vec(dm, (db, 1, 1, dtk), &dev).unwrap();
-        let got = fused_gpu::decode_attention(&dq, &kv_k, &kv_v, &dmask, 1.0 / (dd as f64).sqrt())
-            .unwrap()
-            .expect("grpo's GPU kernels are off or did not compile");
-        let cpu = |t: &Tensor| {
-            t.to_device(&Device::Cpu)
-                .unwrap()
-                .to_dtype(DType::F32)
-                .unwrap()
-        };
-        let want = grpo_models::models::layers::attention(
-            &cpu(&dq),
-            &cpu(&kv_k),
-            &cpu(&kv_v),
-            &grpo_models::models::layers::AttnMask::Dense(cpu(&dmask)),
-            grpo_models::models::layers::Mode::Infer,
-            grpo_models::kernels::Compute::Portable,
-        )
-        .unwrap();
-        let e = rel(&cpu(&got), &want);
-        println!("{dt:?} decode attention: {e:.2e}");
-        assert!(e < tol, "{dt:?} decode attention: {e}");
+            let e = rel(&cpu(&got), &want);
+            println!("{dt:?} decode attention, {dh}/{dkv} heads: {e:.2e}");
+            assert!(e < tol, "{dt:?} decode attention, {dh}/{dkv} heads: {e}");
+        }
         // RoPE: the kernel on a view of a joined projection against the candle ops.
         let (rb, rt, rh, rd) = (3, 70, 4, 64);
         let joined = Var::from_tensor(
@@ -729,6 +733,71 @@ fn gpu_kernels_equal_candle_ops_with_their_gradients() {
         let errs = [rel(&ky, &cy), rel(&kx, &cx)];
         println!("{dt:?} rope: output, dx {errs:?}");
         assert!(errs.iter().all(|e| *e < tol), "{dt:?} rope: {errs:?}");
+        // A decoding step's q/k/v kernel against the RoPE kernel and the cache's writes, and its
+        // add + RMSNorm against candle's add and the RMSNorm kernel.
+        let (sb, sh, skv, sd, slots, slot) = (3, 6, 2, 64, 12, 5);
+        let row = Tensor::randn(0f32, 1.0, (sb, 1, (sh + 2 * skv) * sd), &dev)
+            .unwrap()
+            .to_dtype(dt)
+            .unwrap();
+        let sang = Tensor::rand(0f32, 6.0, (sb, 1, sd / 2), &dev).unwrap();
+        let (scos, ssin) = (
+            sang.cos().unwrap().to_dtype(dt).unwrap(),
+            sang.sin().unwrap().to_dtype(dt).unwrap(),
+        );
+        let zeros = || Tensor::zeros((sb, skv, slots, sd), dt, &dev).unwrap();
+        let (kc, vc) = (zeros(), zeros());
+        let q = fused_gpu::rope_append(&row, &scos, &ssin, sh, skv, &kc, &vc, slot)
+            .unwrap()
+            .expect("grpo's GPU kernels are off or did not compile");
+        let part = |from: usize, heads: usize| row.narrow(2, from * sd, heads * sd).unwrap();
+        let rot = |x: &Tensor, heads: usize| {
+            fused_gpu::rope_heads(x, &scos, &ssin, heads)
+                .unwrap()
+                .unwrap()
+        };
+        let want_v = part(sh + skv, skv)
+            .reshape((sb, 1, skv, sd))
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap();
+        let at_slot = |c: &Tensor| c.narrow(2, slot, 1).unwrap();
+        let errs = [
+            rel(&q, &rot(&part(0, sh), sh)),
+            rel(&at_slot(&kc), &rot(&part(sh, skv), skv)),
+            rel(&at_slot(&vc), &want_v),
+            diff::max_abs(&kc.narrow(2, 0, slot).unwrap()),
+        ];
+        println!("{dt:?} decoding q/k/v: q, k, v, other slots {errs:?}");
+        assert!(
+            errs.iter().all(|e| *e < tol),
+            "{dt:?} decoding q/k/v: {errs:?}"
+        );
+        let (xa, aa) = (
+            Tensor::randn(0f32, 1.0, (5, 1, 300), &dev)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap(),
+            Tensor::randn(0f32, 1.0, (5, 1, 300), &dev)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap(),
+        );
+        let nw = Tensor::rand(0.5f32, 1.5, 300, &dev)
+            .unwrap()
+            .to_dtype(dt)
+            .unwrap();
+        let (sum, normed) = fused_gpu::add_rms_norm(&xa, &aa, &nw, 1e-5)
+            .unwrap()
+            .expect("grpo's GPU kernels are off or did not compile");
+        let want_sum = (&xa + &aa).unwrap();
+        let want_normed = fused_gpu::rms_norm(&want_sum, &nw, 1e-5).unwrap();
+        let errs = [rel(&sum, &want_sum), rel(&normed, &want_normed)];
+        println!("{dt:?} add + rms-norm: sum, normed {errs:?}");
+        assert!(
+            errs.iter().all(|e| *e < 1e-6),
+            "{dt:?} add + rms-norm: {errs:?}"
+        );
         // SwiGLU: the kernel against silu(gate) * up in candle ops.
         let gu = Var::from_tensor(
             &Tensor::randn(0f32, 2.0, (7, 33, 2 * 96), &dev)
@@ -758,5 +827,70 @@ fn gpu_kernels_equal_candle_ops_with_their_gradients() {
         let (ey, eg) = (rel(&ky, &cy), rel(&kg, &cg));
         println!("{dt:?} swiglu: output {ey:.2e}, gradient {eg:.2e}");
         assert!(ey < tol && eg < tol, "{dt:?} swiglu: {ey} {eg}");
+    }
+}
+
+#[test]
+fn gpu_adamw_kernel_and_clipping_equal_the_cpu_step() {
+    // The GPU's one-kernel AdamW (with the clipping factor) against the CPU's fused step, over
+    // three steps of a matrix and a vector.
+    use candle_core::Tensor;
+    use grpo::optim::{clip_factor, AdamW, AdamWConfig};
+    let dev = gpu();
+    let cfg = AdamWConfig {
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.01,
+    };
+    let shapes: [&[usize]; 2] = [&[300, 70], &[5]];
+    let init: Vec<Tensor> = shapes
+        .iter()
+        .map(|s| Tensor::randn(0f32, 1.0, *s, &Device::Cpu).unwrap())
+        .collect();
+    let make = |d: &Device| -> (Vec<Var>, AdamW) {
+        let vars: Vec<Var> = init
+            .iter()
+            .map(|t| Var::from_tensor(&t.to_device(d).unwrap()).unwrap())
+            .collect();
+        let named = vars
+            .iter()
+            .enumerate()
+            .map(|(i, v)| (format!("p{i}"), v.clone()))
+            .collect();
+        (vars, AdamW::new(named, cfg).unwrap())
+    };
+    let (gpu_vars, mut gpu_opt) = make(&dev);
+    let (cpu_vars, mut cpu_opt) = make(&Device::Cpu);
+    for step in 0..3 {
+        let grads: Vec<Tensor> = shapes
+            .iter()
+            .map(|s| (Tensor::randn(0f32, 1.0, *s, &Device::Cpu).unwrap() * 0.5).unwrap())
+            .collect();
+        let on_gpu: Vec<Tensor> = grads.iter().map(|g| g.to_device(&dev).unwrap()).collect();
+        let (cn, cf) = clip_factor(&grads, 1.0).unwrap();
+        let (gn, gf) = clip_factor(&on_gpu, 1.0).unwrap();
+        assert!(
+            (cn - gn).abs() < 1e-4 * cn,
+            "step {step}: norm {gn} vs {cn}"
+        );
+        cpu_opt.step(&grads, 1e-3, cf).unwrap();
+        gpu_opt.step(&on_gpu, 1e-3, gf).unwrap();
+    }
+    for (i, (g, c)) in gpu_vars.iter().zip(&cpu_vars).enumerate() {
+        let e = diff::max_diff(
+            &g.as_tensor().to_device(&Device::Cpu).unwrap(),
+            c.as_tensor(),
+        );
+        println!("adamw parameter {i}: max |gpu - cpu| {e:.2e}");
+        assert!(e < 1e-5, "adamw parameter {i}: {e}");
+    }
+    let (gs, cs) = (
+        gpu_opt.state_tensors().unwrap(),
+        cpu_opt.state_tensors().unwrap(),
+    );
+    for ((name, g), (_, c)) in gs.iter().zip(&cs) {
+        let e = diff::max_diff(g, c);
+        assert!(e < 1e-5, "adamw {name}: {e}");
     }
 }

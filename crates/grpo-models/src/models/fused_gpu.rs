@@ -1,7 +1,7 @@
 //! grpo's own GPU kernels (`cuda/kernels.cu`, compiled at run time by NVRTC, so the build needs
 //! no CUDA compiler for them): causal attention that never stores a score matrix, forward and
 //! backward, in 64 x 64 tiles of scores through shared memory; single-query attention for a
-//! decoding step over the KV cache's views (not wired in: slower than candle ops); RMSNorm,
+//! decoding step over the KV cache's views, a block per (row, kv head); RMSNorm,
 //! RoPE and SwiGLU, each forward and backward;
 //! the LM head's log-softmax + gather + entropy and its backward.
 //!
@@ -238,10 +238,24 @@ pub fn twin_rope(
     (y, dx)
 }
 
+/// One AdamW step's scalars for [`adamw_step`] (torch's names; `decay` = 1 - lr * weight_decay,
+/// `step_size` = lr / bias_correction1).
+#[derive(Debug, Clone, Copy)]
+pub struct AdamWScalars {
+    pub grad_scale: f32,
+    pub decay: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub bias_correction2_sqrt: f32,
+    pub step_size: f32,
+}
+
 #[cfg(feature = "cuda")]
 pub use gpu::{
-    applies, attention, attention_chunked_backward, decode_attention, head_applies, head_logprobs,
-    head_logprobs_backward, rms_norm, rms_norm_applies, rope_heads, swiglu,
+    adamw_step, add_rms_norm, applies, attention, attention_chunked_backward, decode_attention,
+    head_applies, head_logprobs, head_logprobs_backward, rms_norm, rms_norm_applies, rope_append,
+    rope_heads, swiglu,
 };
 
 #[cfg(feature = "cuda")]
@@ -382,6 +396,13 @@ mod gpu {
         }
     }
 
+    /// A fresh tensor for a kernel's output, uninitialized: every kernel here writes each element
+    /// of its outputs (kernels.cu; the grids cover them), so no fill is launched before it.
+    fn output<S: Into<candle_core::Shape>>(shape: S, dt: DType, dev: &Device) -> Result<Tensor> {
+        // SAFETY: only kernel outputs that the launch right after writes in full.
+        unsafe { Tensor::empty(shape, dt, dev) }
+    }
+
     /// A kernel's scalar argument.
     enum Scalar {
         I32(i32),
@@ -489,7 +510,7 @@ mod gpu {
         let mut out_dims = lead.to_vec();
         out_dims.push(two_i / 2);
         let x = gu.detach().contiguous()?;
-        let y = Tensor::zeros(out_dims, x.dtype(), x.device())?;
+        let y = output(out_dims, x.dtype(), x.device())?;
         let n = y.elem_count();
         let kernel = format!("swiglu_fwd_{}", suffix(x.dtype()));
         let scalars = [Scalar::I64(n as i64), Scalar::I32((two_i / 2) as i32)];
@@ -516,7 +537,7 @@ mod gpu {
             };
             let gu = gu.contiguous()?;
             let g = grad.to_dtype(gu.dtype())?.contiguous()?;
-            let dgu = Tensor::zeros(gu.shape(), gu.dtype(), gu.device())?;
+            let dgu = output(gu.shape(), gu.dtype(), gu.device())?;
             let (n, inter) = (out.elem_count(), out.dim(candle_core::D::Minus1)?);
             let kernel = format!("swiglu_bwd_{}", suffix(gu.dtype()));
             let scalars = [Scalar::I64(n as i64), Scalar::I32(inter as i32)];
@@ -554,7 +575,7 @@ mod gpu {
         let h = x.dim(candle_core::D::Minus1)?;
         let rows = x.elem_count() / h.max(1);
         let (xd, wd) = (x.detach().contiguous()?, w.detach().contiguous()?);
-        let y = Tensor::zeros(x.shape(), x.dtype(), x.device())?;
+        let y = output(x.shape(), x.dtype(), x.device())?;
         let kernel = format!("rms_norm_fwd_{}", suffix(x.dtype()));
         let scalars = [Scalar::I32(h as i32), Scalar::F32(eps as f32)];
         launch(
@@ -590,8 +611,8 @@ mod gpu {
             let rows = x.elem_count() / h.max(1);
             let (x, w) = (x.contiguous()?, w.contiguous()?);
             let g = grad.to_dtype(x.dtype())?.contiguous()?;
-            let dx = Tensor::zeros(x.shape(), x.dtype(), x.device())?;
-            let gn = Tensor::zeros((rows, h), DType::F32, x.device())?; // [N, H] f32
+            let dx = output(x.shape(), x.dtype(), x.device())?;
+            let gn = output((rows, h), DType::F32, x.device())?; // [N, H] f32
             let kernel = format!("rms_norm_bwd_{}", suffix(x.dtype()));
             let scalars = [Scalar::I32(h as i32), Scalar::F32(self.eps as f32)];
             launch(
@@ -610,10 +631,10 @@ mod gpu {
 
     /// Single-query attention for a decoding step: `q` [B, H, 1, D], `k`/`v` [B, Hkv, Tk, D]
     /// views of the KV cache (rows of D contiguous elements, the same strides for both), `mask`
-    /// additive [B, 1, 1, Tk] -> [B, 1, H*D], one kernel; `None` where it does not apply.
-    /// Not on the sampler's path: on an H200 it took 0.16 ms a layer where candle's batched
-    /// matmuls take 0.10 (1.7B shape, 46 rows x 304 slots, bf16; bench/README.md). Kept, tested
-    /// on the GPU and in the emulator, for a faster rewrite (a block per kv head and row).
+    /// additive [B, 1, 1, Tk] f32 -> [B, 1, H*D], one kernel: a block per (row, kv head) that
+    /// reads each key and value row once for the kv head's query heads, in 16-byte loads.
+    /// `None` where it does not apply (more than 8 query heads per kv head, rows not 16-byte
+    /// aligned, scores beyond the shared memory, or `GRPO_GPU_DECODE=ops`).
     pub fn decode_attention(
         q: &Tensor,
         k: &Tensor,
@@ -625,19 +646,30 @@ mod gpu {
         let (hkv, tk) = (k.dim(1)?, k.dim(2)?);
         let dt = q.dtype();
         let (ks, vs) = (k.stride(), v.stride());
-        let smem = ((d + 256 + tk) * 4) as u32;
+        let vec = 16 / dt.size_in_bytes(); // elements per 16-byte load
+        let aligned = |t: &Tensor| {
+            t.layout().start_offset() % vec == 0 && t.stride()[..2].iter().all(|x| x % vec == 0)
+        };
+        let g = h / hkv.max(1);
+        let rows = 256 / (d / vec).max(1); // slot groups of the value pass
+        let smem = ((g * d + g * tk + 256 + rows * d) * 4) as u32;
         let applies = applies(q)
+            && decode_kernel_on()
             && s == 1
             && k.dtype() == dt
             && v.dtype() == dt
             && HEAD_DIMS.contains(&d)
             && hkv > 0
             && h % hkv == 0
+            && g <= 8
             && k.dims() == v.dims()
             && ks == vs
             && ks[3] == 1
             && (tk == 1 || ks[2] == d)
-            && smem <= 48 << 10;
+            && aligned(k)
+            && aligned(v)
+            && mask.elem_count() == b * tk
+            && smem <= (48 << 10).max(smem_limit(&cuda(q)?));
         if !applies {
             return Ok(None);
         }
@@ -646,9 +678,9 @@ mod gpu {
             .broadcast_as((b, 1, 1, tk))?
             .to_dtype(DType::F32)?
             .contiguous()?;
-        let o = Tensor::zeros((b, 1, h * d), dt, q.device())?;
+        let o = output((b, 1, h * d), dt, q.device())?;
         let cfg = LaunchConfig {
-            grid_dim: ((b * h) as u32, 1, 1),
+            grid_dim: ((b * hkv) as u32, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: smem,
         };
@@ -671,6 +703,150 @@ mod gpu {
         Ok(Some(o))
     }
 
+    /// A decoding step's q, k and v in one kernel: `joined` [B, 1, (H + 2 Hkv) D] (the joined
+    /// projection's output, unit last stride), `cos`/`sin` [B, 1, D/2] -> q [B, H, 1, D]
+    /// rotated; k rotated and v written into slot `slot` of the caches `kc`/`vc`
+    /// [B, Hkv, slots, D] (contiguous) in place. Replaces two RoPE launches, a copy of v and
+    /// the caches' two writes. `None` (nothing written) where it does not apply.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_append(
+        joined: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        heads: usize,
+        kv_heads: usize,
+        kc: &Tensor,
+        vc: &Tensor,
+        slot: usize,
+    ) -> Result<Option<Tensor>> {
+        let (Ok((b, t, w)), Ok((kb, hkv, slots, d))) = (joined.dims3(), kc.dims4()) else {
+            return Ok(None);
+        };
+        let dt = joined.dtype();
+        let same = |x: &Tensor| x.dtype() == dt && x.device().same_device(joined.device());
+        let applies = applies(joined)
+            && t == 1
+            && d % 2 == 0
+            && hkv == kv_heads
+            && w == (heads + 2 * hkv) * d
+            && kb == b
+            && slot < slots
+            && kc.dims() == vc.dims()
+            && kc.is_contiguous()
+            && vc.is_contiguous()
+            && [kc, vc, cos, sin].iter().all(|x| same(x))
+            && cos.dims() == [b, 1, d / 2]
+            && sin.dims() == [b, 1, d / 2]
+            && joined.stride()[2] == 1;
+        if !applies {
+            return Ok(None);
+        }
+        let (cos, sin) = (cos.contiguous()?, sin.contiguous()?);
+        let q = output((b, heads, 1, d), dt, joined.device())?;
+        let n = b * (heads + 2 * hkv) * d / 2;
+        let i = |x: usize| Scalar::I32(x as i32);
+        let scalars = [
+            Scalar::I64(n as i64),
+            i(heads),
+            i(hkv),
+            i(d),
+            Scalar::I64(joined.stride()[0] as i64),
+            Scalar::I64((slots * d) as i64),
+            i(slot),
+        ];
+        launch(
+            &cuda(joined)?,
+            &format!("rope_append_{}", suffix(dt)),
+            elementwise(n),
+            &[&joined.detach(), &cos, &sin, &q, kc, vc],
+            &scalars,
+        )?;
+        Ok(Some(q))
+    }
+
+    /// A decoding step's residual add and the RMSNorm after it, one kernel: `x`, `a` [.., H],
+    /// weight `w` [H] -> (x + a, RMSNorm(x + a) w as [`rms_norm`] computes it). Not recorded for
+    /// a backward; `None` where it does not apply.
+    pub fn add_rms_norm(
+        x: &Tensor,
+        a: &Tensor,
+        w: &Tensor,
+        eps: f64,
+    ) -> Result<Option<(Tensor, Tensor)>> {
+        let h = x.dim(candle_core::D::Minus1)?;
+        if !(rms_norm_applies(x, w) && a.dtype() == x.dtype() && a.dims() == x.dims())
+            || w.dim(0)? != h
+        {
+            return Ok(None);
+        }
+        let rows = x.elem_count() / h.max(1);
+        let (xd, ad, wd) = (x.contiguous()?, a.contiguous()?, w.contiguous()?);
+        let (sum, y) = (
+            output(x.shape(), x.dtype(), x.device())?,
+            output(x.shape(), x.dtype(), x.device())?,
+        );
+        let scalars = [Scalar::I32(h as i32), Scalar::F32(eps as f32)];
+        launch(
+            &cuda(x)?,
+            &format!("add_rms_norm_{}", suffix(x.dtype())),
+            norm_config(rows),
+            &[&xd, &ad, &wd, &sum, &y],
+            &scalars,
+        )?;
+        Ok(Some((sum, y)))
+    }
+
+    /// Whether decoding steps run [`decode_attention`]'s kernel: unless `GRPO_GPU_DECODE=ops`
+    /// (candle's batched matmuls instead; `scripts/gpu_call.sh` picks the faster on the card).
+    fn decode_kernel_on() -> bool {
+        static ON: OnceLock<bool> = OnceLock::new();
+        *ON.get_or_init(|| std::env::var("GRPO_GPU_DECODE").as_deref() != Ok("ops"))
+    }
+
+    /// AdamW in place, one kernel per parameter with its scalars as arguments (candle ops took
+    /// ~20 launches and 7 scalar uploads a parameter): `p` (the parameter's storage), `m`, `v`
+    /// updated; `g` read; all f32, contiguous, on the GPU. Returns false (nothing done) where it
+    /// does not apply, so the caller runs its candle ops.
+    pub fn adamw_step(
+        p: &Tensor,
+        g: &Tensor,
+        m: &Tensor,
+        v: &Tensor,
+        s: &super::AdamWScalars,
+    ) -> Result<bool> {
+        let n = p.elem_count();
+        let fits = |t: &Tensor| {
+            t.device().is_cuda()
+                && t.dtype() == DType::F32
+                && t.is_contiguous()
+                && t.elem_count() == n
+        };
+        if !(enabled() && fits(p) && fits(g) && fits(m) && fits(v)) {
+            return Ok(false);
+        }
+        let f = Scalar::F32;
+        let scalars = [
+            Scalar::I64(n as i64),
+            f(s.grad_scale),
+            f(s.decay),
+            f(s.beta1),
+            f(s.beta2),
+            f(s.eps),
+            f(s.bias_correction2_sqrt),
+            f(s.step_size),
+        ];
+        // The kernel writes p, m and v in place: the same storage the parameter's `Var::set`
+        // would have written into.
+        launch(
+            &cuda(p)?,
+            "adamw_f32",
+            elementwise(n),
+            &[p, g, m, v],
+            &scalars,
+        )?;
+        Ok(true)
+    }
+
     /// Whether the LM head's log-softmax kernels take `logits` [c, V] (on a GPU, f32 or bf16,
     /// turned on).
     pub fn head_applies(logits: &Tensor) -> bool {
@@ -689,8 +865,8 @@ mod gpu {
             logits.contiguous()?,
             targets.to_dtype(DType::U32)?.contiguous()?,
         );
-        let out = Tensor::zeros((c, 2), DType::F32, z.device())?;
-        let lse = Tensor::zeros((c, 1), DType::F32, z.device())?;
+        let out = output((c, 2), DType::F32, z.device())?;
+        let lse = output((c, 1), DType::F32, z.device())?;
         let kernel = format!("head_fwd_{}", suffix(z.dtype()));
         let scalars = [Scalar::I32(v as i32), Scalar::F32(inv_t)];
         launch(
@@ -721,7 +897,7 @@ mod gpu {
         );
         let f = |t: &Tensor| t.to_dtype(DType::F32)?.contiguous();
         let (lse, g, out) = (f(lse)?, f(g)?, f(out)?);
-        let dz = Tensor::zeros((c, v), z.dtype(), z.device())?;
+        let dz = output((c, v), z.dtype(), z.device())?;
         let kernel = format!("head_bwd_{}", suffix(z.dtype()));
         let scalars = [
             Scalar::I32(v as i32),
@@ -767,7 +943,7 @@ mod gpu {
             return Ok(None);
         }
         let (cos, sin) = (cos.contiguous()?, sin.contiguous()?);
-        let y = Tensor::zeros((b, heads, t, d), x.dtype(), x.device())?;
+        let y = output((b, heads, t, d), x.dtype(), x.device())?;
         let n = y.elem_count() / 2;
         let xs = if t == 1 { st[0] } else { st[1] }; // elements from one (b, t) row to the next
         let [a, b_, c, e] = rope_scalars(n, t, heads, d);
@@ -813,7 +989,7 @@ mod gpu {
             };
             let (b, h, t, d) = out.dims4()?;
             let g = grad.to_dtype(x.dtype())?.contiguous()?;
-            let dx = Tensor::zeros((b, t, h * d), x.dtype(), x.device())?;
+            let dx = output((b, t, h * d), x.dtype(), x.device())?;
             let n = out.elem_count() / 2;
             let scalars = rope_scalars(n, t, h, d);
             let kernel = format!("rope_bwd_{}", suffix(x.dtype()));
@@ -900,8 +1076,8 @@ mod gpu {
             k.detach().contiguous()?,
             v.detach().contiguous()?,
         );
-        let o = Tensor::zeros((b, h, s, d), dt, q.device())?;
-        let lse = Tensor::zeros((b, h, s), DType::F32, q.device())?;
+        let o = output((b, h, s, d), dt, q.device())?;
+        let lse = output((b, h, s), DType::F32, q.device())?;
         launch(
             &dev,
             &name("fwd", dt, d),
@@ -955,10 +1131,10 @@ mod gpu {
             let dev = cuda(q)?;
             let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
             let (o, g) = (out.contiguous()?, grad.to_dtype(dt)?.contiguous()?);
-            let delta = Tensor::zeros((n.b, n.h, n.s), DType::F32, q.device())?;
-            let dq = Tensor::zeros(q.shape(), dt, q.device())?;
-            let dk = Tensor::zeros(k.shape(), dt, q.device())?;
-            let dv = Tensor::zeros(v.shape(), dt, q.device())?;
+            let delta = output((n.b, n.h, n.s), DType::F32, q.device())?;
+            let dq = output(q.shape(), dt, q.device())?;
+            let dk = output(k.shape(), dt, q.device())?;
+            let dv = output(v.shape(), dt, q.device())?;
             let scalars = dims_args(n, self.scale);
             launch(
                 &dev,

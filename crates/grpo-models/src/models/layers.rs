@@ -643,6 +643,20 @@ impl RmsNorm {
     pub fn load_plus_one(size: usize, eps: f64, vb: VarBuilder, compute: Compute) -> Result<Self> {
         Ok(Self::new((vb.get(size, "weight")? + 1.0)?, eps, compute))
     }
+    /// The residual sum `x + a` and this norm of it: one kernel on a GPU in inference (a
+    /// decoding step's add and post-attention norm), else the add then [`Self::forward`].
+    pub fn forward_added(&self, x: &Tensor, a: &Tensor, mode: Mode) -> Result<(Tensor, Tensor)> {
+        #[cfg(feature = "cuda")]
+        if mode == Mode::Infer {
+            let fused = super::fused_gpu::add_rms_norm(x, a, &self.weight, self.eps)?;
+            if let Some(pair) = fused {
+                return Ok(pair);
+            }
+        }
+        let sum = (x + a)?;
+        let y = self.forward(&sum, mode)?;
+        Ok((sum, y))
+    }
     pub fn forward(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
         match mode {
             Mode::Infer => {
@@ -1115,6 +1129,13 @@ pub fn attention(
     let hkv = k.dim(1)?;
     let g = h / hkv;
     let scale = 1.0 / (d as f64).sqrt();
+    #[cfg(feature = "cuda")]
+    if s == 1 && mode == Mode::Infer {
+        // A GPU's decoding step: one kernel over the KV cache's views.
+        if let Some(out) = super::fused_gpu::decode_attention(q, k, v, &dense, scale)? {
+            return Ok(out); // [B, 1, H*D]
+        }
+    }
     if s > 1 && compute.fuses(q) && compute.fuses(k) && compute.fuses(v) {
         let spans = match spans {
             Some(sp) if sp.dims() == (b, s, tk) => sp,

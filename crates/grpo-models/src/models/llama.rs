@@ -152,6 +152,20 @@ impl Attention {
     ) -> Result<Tensor> {
         let (b, s, _) = x.dims3()?;
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        #[cfg(feature = "cuda")]
+        if let (Some((c, layer)), 1, None, None) = (cache, s, &self.q_norm, &self.k_norm) {
+            // A GPU's decoding step: q rotated, k and v into the cache, one kernel.
+            if self.rotary_dim == hd {
+                let joined = self.qkv_proj.forward_joined(x)?; // [B, 1, (H + 2 Hkv) D]
+                let (kc, vc) = c.layer_tensors();
+                let (kc, vc) = (&kc[layer], &vc[layer]);
+                let q = super::fused_gpu::rope_append(&joined, cos, sin, nh, nkv, kc, vc, c.len())?;
+                if let Some(q) = q {
+                    let (k, v) = (kc.narrow(2, 0, c.len() + 1)?, vc.narrow(2, 0, c.len() + 1)?);
+                    return self.attend(&q, &k, &v, mask, mode); // [B, 1, H]
+                }
+            }
+        }
         let outs = [nh * hd, nkv * hd, nkv * hd];
         let qkv = split_parts(self.qkv_proj.forward(x)?, &outs)?; // [B, S, H*D], [B, S, Hkv*D] x 2
         let normed = |t: &Tensor, n: &Option<RmsNorm>, heads: usize| -> Result<Tensor> {
@@ -172,16 +186,33 @@ impl Attention {
             Some((c, layer)) => c.append(layer, &k, &v)?, // [B, Hkv, Tk, D]
             None => (k, v),
         };
+        self.attend(&q, &k, &v, mask, mode)
+    }
+
+    /// Attention of `q` [B, H, S, D] over `k`/`v` [B, Hkv, Tk, D], then the output projection
+    /// -> [B, S, hidden].
+    fn attend(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &AttnMask,
+        mode: Mode,
+    ) -> Result<Tensor> {
         let y = match self.softcap {
-            Some(cap) => softcapped_attention(&q, &k, &v, mask, self.scale, cap, mode)?,
+            Some(cap) => softcapped_attention(q, k, v, mask, self.scale, cap, mode)?,
             None => {
                 // `attention` scales by head_dim^-1/2: fold any other scale into q.
-                let fold = self.scale * (hd as f64).sqrt();
+                let fold = self.scale * (self.head_dim as f64).sqrt();
+                let scaled;
                 let q = match (fold - 1.0).abs() > 1e-12 {
-                    true => (q * fold)?,
+                    true => {
+                        scaled = (q * fold)?;
+                        &scaled
+                    }
                     false => q,
                 };
-                attention(&q, &k, &v, mask, mode, self.compute)?
+                attention(q, k, v, mask, mode, self.compute)?
             }
         }; // [B, S, H*D]
         self.o_proj.forward(&y)
@@ -305,8 +336,7 @@ impl DecoderLayer {
                 x + post.forward(&m, mode)?
             }
             _ => {
-                let x = (x + a)?;
-                let h = self.post_attention_layernorm.forward(&x, mode)?;
+                let (x, h) = self.post_attention_layernorm.forward_added(x, &a, mode)?;
                 x + self.mlp.forward(&h)?
             }
         }

@@ -641,52 +641,120 @@ extern "C" __global__ void head_bwd_##NAME(const T* logits, const unsigned int* 
 HEAD(float, f32)
 HEAD(bf16_t, bf16)
 
-// Decoding attention, one query per row: a block of NORM_THREADS per (b, query head). q [B, H, D]
-// contiguous; the key and value of slot j of (b, kv head hk) at b*sb + hk*sh + j*D (views of the
-// KV cache); mask [B, Tk] f32 additive; o [B, H, D]. The Tk scores live in shared memory; the
-// weighted sum of values splits the slots among NORM_THREADS / D groups of D threads.
+// 16 bytes (aligned) at p as 16 / sizeof(T) f32 values: one vector load per call.
+__device__ __forceinline__ void ld16(const float* p, float* x) {
+    const uint4 u = *(const uint4*)p;
+    x[0] = __uint_as_float(u.x); x[1] = __uint_as_float(u.y);
+    x[2] = __uint_as_float(u.z); x[3] = __uint_as_float(u.w);
+}
+__device__ __forceinline__ void ld16(const bf16_t* p, float* x) {
+    const uint4 u = *(const uint4*)p;
+    const unsigned int w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        x[2 * i] = __uint_as_float(w[i] << 16);
+        x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+
+// Decoding attention, one query per row: a block of NORM_THREADS per (b, kv head) serves the
+// g = H / Hkv query heads that read it (at most DEC_MAXG), so each key and value row is read once,
+// in 16-byte loads. q [B, H, D] contiguous; the key and value of slot j of (b, kv head hk) at
+// b*sb + hk*sh + j*D (views of the KV cache, rows 16-byte aligned); mask [B, Tk] f32 additive;
+// o [B, H, D]. Scores: a thread per key slot, all g heads at once, kept in shared memory [g][Tk];
+// softmax per head; values: a thread per (slot group r, 16-byte column c), R slot groups, then a
+// sum over the groups through shared memory [R][D].
+#define DEC_MAXG 8
 template <typename T, int D>
 __device__ void attn_decode(const T* q, const T* k, const T* v, const float* mask, T* o, int H,
                             int Hkv, int Tk, long sb, long sh, float scale) {
+    constexpr int N = 16 / sizeof(T);  // elements per 16-byte load
+    constexpr int C = D / N;           // loads per row
+    constexpr int R = NORM_THREADS / C;
     extern __shared__ float sm[];
-    float* qs = sm;                   // [D]
-    float* red = qs + D;              // [NORM_THREADS]
-    float* sc = red + NORM_THREADS;   // [Tk]
-    const int bh = blockIdx.x, b = bh / H, h = bh % H, hk = h / (H / Hkv);
-    for (int d = threadIdx.x; d < D; d += NORM_THREADS) qs[d] = ld(q, (long)bh * D + d) * scale;
+    const int g = H / Hkv;
+    const int b = blockIdx.x / Hkv, hk = blockIdx.x % Hkv;
+    float* qs = sm;                   // [g][D]
+    float* sc = qs + g * D;           // [g][Tk]
+    float* red = sc + g * Tk;         // [NORM_THREADS]
+    float* part = red + NORM_THREADS; // [R][D]
+    const long q0 = ((long)b * H + (long)hk * g) * D;  // this block's g query rows
+    for (int i = threadIdx.x; i < g * D; i += NORM_THREADS) qs[i] = ld(q, q0 + i) * scale;
     __syncthreads();
     const long base = (long)b * sb + (long)hk * sh;
-    float m = NEG_INF;
     for (int j = threadIdx.x; j < Tk; j += NORM_THREADS) {
-        float z = 0.f;
+        float z[DEC_MAXG];
 #pragma unroll
-        for (int d = 0; d < D; ++d) z += qs[d] * ld(k, base + (long)j * D + d);
-        z += mask[(long)b * Tk + j];
-        sc[j] = z;
-        m = fmaxf(m, z);
+        for (int i = 0; i < DEC_MAXG; ++i) z[i] = 0.f;
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+            float x[N];
+            ld16(k + base + (long)j * D + c * N, x);
+#pragma unroll
+            for (int i = 0; i < DEC_MAXG; ++i) {
+                if (i < g) {
+#pragma unroll
+                    for (int e = 0; e < N; ++e) z[i] += qs[i * D + c * N + e] * x[e];
+                }
+            }
+        }
+        const float mj = mask[(long)b * Tk + j];
+#pragma unroll
+        for (int i = 0; i < DEC_MAXG; ++i) {
+            if (i < g) sc[i * Tk + j] = z[i] + mj;
+        }
     }
-    const float mx = block_max(m, red);
-    float s = 0.f;
-    for (int j = threadIdx.x; j < Tk; j += NORM_THREADS) {
-        const float e = expf(sc[j] - mx);
-        sc[j] = e;  // each thread rewrites only its own slots
-        s += e;
-    }
-    const float total = block_sum(s, red);  // its barriers make every sc[j] visible
-    constexpr int G = NORM_THREADS / D;
-    const int gi = threadIdx.x / D, d = threadIdx.x % D;
-    float acc = 0.f;
-    if (gi < G) {
-        // Eight independent loads in flight per thread: the loop is bound by memory latency.
-#pragma unroll 8
-        for (int j = gi; j < Tk; j += G) acc += sc[j] * ld(v, base + (long)j * D + d);
-    }
-    red[threadIdx.x] = acc;
     __syncthreads();
-    if (threadIdx.x < D) {
-        float r = 0.f;
-        for (int g = 0; g < G; ++g) r += red[g * D + threadIdx.x];
-        st(o, (long)bh * D + threadIdx.x, total > 0.f ? r / total : 0.f);
+    // Softmax per head: sc becomes exp(z - max); the sums stay in part's first g floats' place
+    // (kept in registers: every thread gets each head's total from block_sum).
+    float total[DEC_MAXG];
+#pragma unroll
+    for (int i = 0; i < DEC_MAXG; ++i) {
+        total[i] = 0.f;
+        if (i < g) {
+            float m = NEG_INF;
+            for (int j = threadIdx.x; j < Tk; j += NORM_THREADS) m = fmaxf(m, sc[i * Tk + j]);
+            const float mx = block_max(m, red);
+            float s = 0.f;
+            for (int j = threadIdx.x; j < Tk; j += NORM_THREADS) {
+                const float e = expf(sc[i * Tk + j] - mx);
+                sc[i * Tk + j] = e;  // each thread rewrites only its own slots
+                s += e;
+            }
+            total[i] = block_sum(s, red);  // its barriers make every sc[i][j] visible
+        }
+    }
+    const int r = threadIdx.x / C, c = threadIdx.x % C;
+    float acc[DEC_MAXG][N];
+#pragma unroll
+    for (int i = 0; i < DEC_MAXG; ++i)
+#pragma unroll
+        for (int e = 0; e < N; ++e) acc[i][e] = 0.f;
+    for (int j = r; j < Tk; j += R) {
+        float x[N];
+        ld16(v + base + (long)j * D + c * N, x);
+#pragma unroll
+        for (int i = 0; i < DEC_MAXG; ++i) {
+            if (i < g) {
+                const float p = sc[i * Tk + j];
+#pragma unroll
+                for (int e = 0; e < N; ++e) acc[i][e] += p * x[e];
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < DEC_MAXG; ++i) {
+        if (i < g) {
+#pragma unroll
+            for (int e = 0; e < N; ++e) part[r * D + c * N + e] = acc[i][e];
+            __syncthreads();
+            for (int d = threadIdx.x; d < D; d += NORM_THREADS) {
+                float s = 0.f;
+                for (int rr = 0; rr < R; ++rr) s += part[rr * D + d];
+                st(o, q0 + (long)i * D + d, total[i] > 0.f ? s / total[i] : 0.f);
+            }
+            __syncthreads();
+        }
     }
 }
 
@@ -704,3 +772,82 @@ DECODE(float, f32, 64)
 DECODE(bf16_t, bf16, 64)
 DECODE(float, f32, 128)
 DECODE(bf16_t, bf16, 128)
+
+// AdamW in place over f32 p, g, m, v of n elements, the formula of optim.rs's FusedStep::apply
+// (torch's single-tensor path): g' = g gs; p *= decay; m += (g' - m)(1 - b1);
+// v = v b2 + (1 - b2) g' g'; p -= step_size m / (sqrt(v) / bc2 + eps).
+extern "C" __global__ void adamw_f32(float* p, const float* g, float* m, float* v, long n, float gs,
+                                     float decay, float b1, float b2, float eps, float bc2,
+                                     float step_size) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n;
+         i += (long)gridDim.x * blockDim.x) {
+        const float gi = g[i] * gs;
+        const float mi = m[i] + (gi - m[i]) * (1.f - b1);
+        const float vi = v[i] * b2 + (1.f - b2) * gi * gi;
+        const float denom = sqrtf(vi) / bc2 + eps;
+        p[i] = p[i] * decay - step_size * mi / denom;
+        m[i] = mi;
+        v[i] = vi;
+    }
+}
+
+// A decoding step's q/k/v from the joined projection x [B, 1, (H + 2 Hkv) D] (rows xs elements
+// apart), cos/sin [B, 1, D/2]: q rotated into q [B, H, 1, D]; k rotated and v copied into slot
+// `slot` of the caches kc/vc [B, Hkv, slots, D] (contiguous, cs = slots * D elements per kv
+// head), in place. RoPE as `rope` computes it. One thread per (b, head of H + 2 Hkv, pair).
+template <typename T>
+__device__ void rope_append(const T* x, const T* cos, const T* sin, T* q, T* kc, T* vc, long n,
+                            int h, int hkv, int d, long xs, long cs, int slot) {
+    const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= n) return;
+    const int half = d / 2, c = (int)(idx % half), heads = h + 2 * hkv;
+    const long r = idx / half;
+    const int j = (int)(r % heads);
+    const long b = r / heads;
+    const long src = b * xs + (long)j * d;
+    const float x1 = ld(x, src + c), x2 = ld(x, src + half + c);
+    if (j >= h + hkv) {  // v: copied
+        const long dst = (b * hkv + (j - h - hkv)) * cs + (long)slot * d;
+        st(vc, dst + c, x1);
+        st(vc, dst + half + c, x2);
+        return;
+    }
+    const float co = ld(cos, b * half + c), si = ld(sin, b * half + c);
+    T* out = j < h ? q : kc;
+    const long dst = j < h ? (b * h + j) * (long)d : (b * hkv + (j - h)) * cs + (long)slot * d;
+    st(out, dst + c, x1 * co - x2 * si);
+    st(out, dst + half + c, x2 * co + x1 * si);
+}
+
+// The residual add and the next RMSNorm of a decoding step, per row of x, a [N, H]:
+// s = x + a (rounded to T, as candle's add), y = RMSNorm(s) w as rms_norm_fwd computes it.
+template <typename T>
+__device__ void add_rms_norm(const T* x, const T* a, const T* w, T* s, T* y, int h, float eps) {
+    extern __shared__ float sm[];  // NORM_THREADS floats
+    const long row = blockIdx.x;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < h; i += NORM_THREADS) {
+        st(s, row * h + i, ld(x, row * h + i) + ld(a, row * h + i));
+        const float v = ld(s, row * h + i);
+        ss += v * v;
+    }
+    const float r = 1.f / sqrtf(block_sum(ss, sm) / h + eps);
+    T nb[1];
+    for (int i = threadIdx.x; i < h; i += NORM_THREADS) {
+        st(nb, 0, ld(s, row * h + i) * r);
+        st(y, row * h + i, ld(nb, 0) * ld(w, i));
+    }
+}
+
+#define DECODE_STEP(T, NAME)                                                                       \
+extern "C" __global__ void rope_append_##NAME(const T* x, const T* cos, const T* sin, T* q, T* kc, \
+        T* vc, long n, int h, int hkv, int d, long xs, long cs, int slot) {                        \
+    rope_append<T>(x, cos, sin, q, kc, vc, n, h, hkv, d, xs, cs, slot);                            \
+}                                                                                                  \
+extern "C" __global__ void add_rms_norm_##NAME(const T* x, const T* a, const T* w, T* s, T* y,    \
+                                               int h, float eps) {                                 \
+    add_rms_norm<T>(x, a, w, s, y, h, eps);                                                        \
+}
+
+DECODE_STEP(float, f32)
+DECODE_STEP(bf16_t, bf16)
