@@ -288,6 +288,20 @@ def add_rms(exe, dtype, n, h, seed):
             sys.exit(1)
 
 
+def sumsq(exe, n, blocks, seed):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    with tempfile.TemporaryDirectory() as d:
+        x.numpy().tofile(os.path.join(d, "x.bin"))
+        subprocess.run([exe, "sumsq", d, str(n), str(blocks)], check=True)
+        parts = np.fromfile(os.path.join(d, "out.bin"), dtype=np.float32)
+    got, want = float(parts.astype(np.float64).sum()), float((x.double() ** 2).sum())
+    err = abs(got - want) / want
+    status = "ok" if err < 1e-6 else "FAIL"
+    print(f"sumsq N{n} over {blocks} blocks: {err:.2e} {status}")
+    if err >= 1e-6:
+        sys.exit(1)
+
+
 def adamw(exe, n, steps, gs, seed):
     g_ = torch.Generator().manual_seed(seed)
     p0 = torch.randn(n, generator=g_)
@@ -340,4 +354,6 @@ if __name__ == "__main__":
         rope_append(exe, dtype, 2, 4, 4, 32, 96, 5, 0, 19)   # a wider row (xs), the first slot
         add_rms(exe, dtype, 5, 300, 20)
     adamw(exe, 1000, 3, 0.7, 17)
+    sumsq(exe, 70001, 16, 21)   # more elements than the grid's threads
+    sumsq(exe, 100, 16, 22)     # fewer: most blocks write 0
     print("all kernels agree with torch")

@@ -6,6 +6,7 @@
 # project root (with .gpu/ carried along):
 #   OUT=$OUT bash scripts/gpu_call.sh        (~7 minutes; BUDGET=seconds for the whole call, 530)
 #   KIT=0 OUT=$OUT bash scripts/gpu_call.sh  (~2 minutes: the pieces and the GPU tests, no kit)
+#   OPS=0 KIT=0 OUT=$OUT bash scripts/gpu_call.sh  (the GPU tests alone)
 # Results in $OUT: ops-summary.txt (per-piece ms per kernel set), summary.txt and logs.tgz (the kit).
 set -u
 T0=$SECONDS; ROOT=$PWD; G=$ROOT/.gpu; FIN=${OUT:-$ROOT/gpu-out}; mkdir -p $FIN
@@ -15,7 +16,8 @@ NV=$(find $SITE/nvidia -name "lib*.so*" -printf "%h\n" 2>/dev/null | sort -u | t
 export LD_LIBRARY_PATH=$NV/usr/local/nvidia/lib64:/usr/local/nvidia/lib:${LD_LIBRARY_PATH:-}
 python3 -c "import lzma,sys,shutil; shutil.copyfileobj(lzma.open(sys.argv[1]), open('/tmp/grpo-ops','wb'))" $G/bin/grpo.xz
 chmod +x /tmp/grpo-ops
-for k in default forward off; do
+KINDS="default forward off"; [ "${OPS:-1}" = 0 ] && KINDS=""  # OPS=0: no pieces
+for k in $KINDS; do
   log "ops 1.7b, kernels: $k"
   GRPO_GPU_KERNELS=$k timeout 60 /tmp/grpo-ops bench ops --device cuda --shape 1.7b --rows 46 --seq 304 \
     --reps 3 --keep-pool > $FIN/ops-17-$k.jsonl 2> $FIN/ops-17-$k.err
@@ -26,7 +28,8 @@ import json, os, sys
 best = None
 with open(os.path.join(sys.argv[1], "ops-summary.txt"), "a") as out:
     for k in ["default", "forward", "off"]:
-        for line in open(os.path.join(sys.argv[1], f"ops-17-{k}.jsonl")):
+        path = os.path.join(sys.argv[1], f"ops-17-{k}.jsonl")
+        for line in open(path) if os.path.exists(path) else []:
             try:
                 r = json.loads(line)
             except ValueError:
@@ -42,7 +45,8 @@ DECODE=$(python3 - $FIN <<'PY' 2>>$FIN/ops-summary.txt
 import json, os, sys
 t = {}
 for k in ["default", "off"]:
-    for line in open(os.path.join(sys.argv[1], f"ops-17-{k}.jsonl")):
+    path = os.path.join(sys.argv[1], f"ops-17-{k}.jsonl")
+    for line in open(path) if os.path.exists(path) else []:
         try:
             r = json.loads(line)
         except ValueError:

@@ -19,6 +19,8 @@
 // reads DIR/{x,cos,sin,kc,vc}.bin, writes DIR/{q,kc_out,vc_out}.bin;
 //   gpu_kernels_emu add_rms DIR DTYPE N H EPS
 // reads DIR/{x,a,w}.bin, writes DIR/{s,y}.bin;
+//   gpu_kernels_emu sumsq DIR N BLOCKS
+// reads DIR/x.bin, writes DIR/out.bin (the blocks' partial sums of squares);
 //   gpu_kernels_emu adamw DIR N STEPS LR B1 B2 EPS WD GS
 // reads DIR/{p,g}.bin (g [STEPS, N]), writes DIR/{p_out,m,v}.bin.
 #include <cmath>
@@ -167,7 +169,18 @@ void run_adamw(const std::string& dir, long n, int steps, float lr, float b1, fl
     }
     wr(dir + "/p_out.bin", p); wr(dir + "/m.bin", m); wr(dir + "/v.bin", v);
 }
+// Sums of squares over a fixed grid of BLOCKS blocks: x [N] f32 -> partials [BLOCKS].
+void run_sumsq(const std::string& dir, long n, int blocks) {
+    auto x = rd<float>(dir + "/x.bin", n);
+    std::vector<float> out(blocks);
+    launch(blocks, 1, NORM_THREADS, [&] { sumsq_f32(x.data(), out.data(), n); });
+    wr(dir + "/out.bin", out);
+}
 int main(int argc, char** argv) {
+    if (argc == 5 && std::string(argv[1]) == "sumsq") {
+        run_sumsq(argv[2], atol(argv[3]), atoi(argv[4]));
+        return 0;
+    }
     if (argc == 11 && std::string(argv[1]) == "adamw") {
         run_adamw(argv[2], atol(argv[3]), atoi(argv[4]), atof(argv[5]), atof(argv[6]), atof(argv[7]),
                   atof(argv[8]), atof(argv[9]), atof(argv[10]));

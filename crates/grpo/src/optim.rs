@@ -81,10 +81,11 @@ impl Moments {
                     exp_avg_sq: vec![0.0; n],
                 }
             } else {
-                let z = Tensor::zeros(var.shape(), candle_core::DType::F32, var.device())?;
+                // Two buffers: the GPU's AdamW kernel updates both in place.
+                let z = || Tensor::zeros(var.shape(), candle_core::DType::F32, var.device());
                 Moments::Device {
-                    exp_avg: z.clone(),
-                    exp_avg_sq: z,
+                    exp_avg: z()?,
+                    exp_avg_sq: z()?,
                 }
             },
         )
@@ -450,6 +451,10 @@ pub fn accumulate(acc: Tensor, g: &Tensor) -> Result<Tensor> {
 /// Global L2 norm of `grads` (as torch's `clip_grad_norm_` computes it) and the factor to scale
 /// them by so the norm is at most `max_norm` (1 when already below, or when `max_norm` <= 0).
 pub fn clip_factor(grads: &[Tensor], max_norm: f64) -> Result<(f64, f32)> {
+    #[cfg(feature = "cuda")]
+    if let Some(sums) = grpo_models::models::fused_gpu::sum_squares(grads)? {
+        return Ok(clip_of(sums.iter().sum::<f64>().sqrt(), max_norm));
+    }
     // Each gradient's sum of squares stays on its device; one read brings them all back (a GPU
     // waited for the host once per parameter before).
     let sums = grads
@@ -461,12 +466,16 @@ pub fn clip_factor(grads: &[Tensor], max_norm: f64) -> Result<(f64, f32)> {
         false => Tensor::stack(&sums, 0)?.to_vec1()?,
     };
     let sq = sums.iter().fold(0f64, |acc, &s| acc + s as f64);
-    let norm = sq.sqrt();
+    Ok(clip_of(sq.sqrt(), max_norm))
+}
+
+/// The norm and torch's clipping factor for it.
+fn clip_of(norm: f64, max_norm: f64) -> (f64, f32) {
     if max_norm <= 0.0 {
-        return Ok((norm, 1.0));
+        return (norm, 1.0);
     }
     let coef = (max_norm / (norm + 1e-6)).min(1.0);
-    Ok((norm, coef as f32))
+    (norm, coef as f32)
 }
 
 /// HF's learning-rate schedules: the multiplier of the base rate at optimizer step `step`

@@ -641,14 +641,13 @@ extern "C" __global__ void head_bwd_##NAME(const T* logits, const unsigned int* 
 HEAD(float, f32)
 HEAD(bf16_t, bf16)
 
-// 16 bytes (aligned) at p as 16 / sizeof(T) f32 values: one vector load per call.
-__device__ __forceinline__ void ld16(const float* p, float* x) {
-    const uint4 u = *(const uint4*)p;
+// 16 bytes (aligned) at p as 16 / sizeof(T) f32 values: one vector load per call (`unpack16`
+// converts words already loaded).
+__device__ __forceinline__ void unpack16(const float*, const uint4 u, float* x) {
     x[0] = __uint_as_float(u.x); x[1] = __uint_as_float(u.y);
     x[2] = __uint_as_float(u.z); x[3] = __uint_as_float(u.w);
 }
-__device__ __forceinline__ void ld16(const bf16_t* p, float* x) {
-    const uint4 u = *(const uint4*)p;
+__device__ __forceinline__ void unpack16(const bf16_t*, const uint4 u, float* x) {
     const unsigned int w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -656,15 +655,19 @@ __device__ __forceinline__ void ld16(const bf16_t* p, float* x) {
         x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
     }
 }
+template <typename T>
+__device__ __forceinline__ void ld16(const T* p, float* x) {
+    unpack16(p, *(const uint4*)p, x);
+}
 
 // Decoding attention, one query per row: a block of NORM_THREADS per (b, kv head) serves the
-// g = H / Hkv query heads that read it (at most DEC_MAXG), so each key and value row is read once,
-// in 16-byte loads. q [B, H, D] contiguous; the key and value of slot j of (b, kv head hk) at
+// g = H / Hkv query heads that read it, so each key and value row comes from memory once, in
+// 16-byte loads. q [B, H, D] contiguous; the key and value of slot j of (b, kv head hk) at
 // b*sb + hk*sh + j*D (views of the KV cache, rows 16-byte aligned); mask [B, Tk] f32 additive;
-// o [B, H, D]. Scores: a thread per key slot, all g heads at once, kept in shared memory [g][Tk];
-// softmax per head; values: a thread per (slot group r, 16-byte column c), R slot groups, then a
-// sum over the groups through shared memory [R][D].
-#define DEC_MAXG 8
+// o [B, H, D]. Scores: a thread per key slot holds its key row in registers and scores it for
+// each head, into shared memory [g][Tk]; softmax per head; values, head by head: a thread per
+// (slot group r, 16-byte column c), R slot groups (a kv head's values stay in L1 between its
+// heads), summed over the groups through shared memory [R][D]. Registers do not grow with g.
 template <typename T, int D>
 __device__ void attn_decode(const T* q, const T* k, const T* v, const float* mask, T* o, int H,
                             int Hkv, int Tk, long sb, long sh, float scale) {
@@ -678,83 +681,66 @@ __device__ void attn_decode(const T* q, const T* k, const T* v, const float* mas
     float* sc = qs + g * D;           // [g][Tk]
     float* red = sc + g * Tk;         // [NORM_THREADS]
     float* part = red + NORM_THREADS; // [R][D]
+    float* tot = part + R * D;        // [g]
     const long q0 = ((long)b * H + (long)hk * g) * D;  // this block's g query rows
     for (int i = threadIdx.x; i < g * D; i += NORM_THREADS) qs[i] = ld(q, q0 + i) * scale;
     __syncthreads();
     const long base = (long)b * sb + (long)hk * sh;
     for (int j = threadIdx.x; j < Tk; j += NORM_THREADS) {
-        float z[DEC_MAXG];
+        uint4 kr[C];
 #pragma unroll
-        for (int i = 0; i < DEC_MAXG; ++i) z[i] = 0.f;
-#pragma unroll
-        for (int c = 0; c < C; ++c) {
-            float x[N];
-            ld16(k + base + (long)j * D + c * N, x);
-#pragma unroll
-            for (int i = 0; i < DEC_MAXG; ++i) {
-                if (i < g) {
-#pragma unroll
-                    for (int e = 0; e < N; ++e) z[i] += qs[i * D + c * N + e] * x[e];
-                }
-            }
-        }
+        for (int c = 0; c < C; ++c) kr[c] = *(const uint4*)(k + base + (long)j * D + c * N);
         const float mj = mask[(long)b * Tk + j];
+        for (int i = 0; i < g; ++i) {
+            float z = 0.f;
 #pragma unroll
-        for (int i = 0; i < DEC_MAXG; ++i) {
-            if (i < g) sc[i * Tk + j] = z[i] + mj;
+            for (int c = 0; c < C; ++c) {
+                float x[N];
+                unpack16(k, kr[c], x);
+#pragma unroll
+                for (int e = 0; e < N; ++e) z += qs[i * D + c * N + e] * x[e];
+            }
+            sc[i * Tk + j] = z + mj;
         }
     }
     __syncthreads();
-    // Softmax per head: sc becomes exp(z - max); the sums stay in part's first g floats' place
-    // (kept in registers: every thread gets each head's total from block_sum).
-    float total[DEC_MAXG];
-#pragma unroll
-    for (int i = 0; i < DEC_MAXG; ++i) {
-        total[i] = 0.f;
-        if (i < g) {
-            float m = NEG_INF;
-            for (int j = threadIdx.x; j < Tk; j += NORM_THREADS) m = fmaxf(m, sc[i * Tk + j]);
-            const float mx = block_max(m, red);
-            float s = 0.f;
-            for (int j = threadIdx.x; j < Tk; j += NORM_THREADS) {
-                const float e = expf(sc[i * Tk + j] - mx);
-                sc[i * Tk + j] = e;  // each thread rewrites only its own slots
-                s += e;
-            }
-            total[i] = block_sum(s, red);  // its barriers make every sc[i][j] visible
+    // Softmax per head: sc becomes exp(z - max), tot[i] its sum.
+    for (int i = 0; i < g; ++i) {
+        float m = NEG_INF;
+        for (int j = threadIdx.x; j < Tk; j += NORM_THREADS) m = fmaxf(m, sc[i * Tk + j]);
+        const float mx = block_max(m, red);
+        float s = 0.f;
+        for (int j = threadIdx.x; j < Tk; j += NORM_THREADS) {
+            const float e = expf(sc[i * Tk + j] - mx);
+            sc[i * Tk + j] = e;  // each thread rewrites only its own slots
+            s += e;
         }
+        const float t = block_sum(s, red);  // its barriers make every sc[i][j] visible
+        if (threadIdx.x == 0) tot[i] = t;
     }
+    __syncthreads();
     const int r = threadIdx.x / C, c = threadIdx.x % C;
-    float acc[DEC_MAXG][N];
+    for (int i = 0; i < g; ++i) {
+        float acc[N];
 #pragma unroll
-    for (int i = 0; i < DEC_MAXG; ++i)
+        for (int e = 0; e < N; ++e) acc[e] = 0.f;
+#pragma unroll 4
+        for (int j = r; j < Tk; j += R) {
+            float x[N];
+            ld16(v + base + (long)j * D + c * N, x);
+            const float p = sc[i * Tk + j];
 #pragma unroll
-        for (int e = 0; e < N; ++e) acc[i][e] = 0.f;
-    for (int j = r; j < Tk; j += R) {
-        float x[N];
-        ld16(v + base + (long)j * D + c * N, x);
-#pragma unroll
-        for (int i = 0; i < DEC_MAXG; ++i) {
-            if (i < g) {
-                const float p = sc[i * Tk + j];
-#pragma unroll
-                for (int e = 0; e < N; ++e) acc[i][e] += p * x[e];
-            }
+            for (int e = 0; e < N; ++e) acc[e] += p * x[e];
         }
-    }
 #pragma unroll
-    for (int i = 0; i < DEC_MAXG; ++i) {
-        if (i < g) {
-#pragma unroll
-            for (int e = 0; e < N; ++e) part[r * D + c * N + e] = acc[i][e];
-            __syncthreads();
-            for (int d = threadIdx.x; d < D; d += NORM_THREADS) {
-                float s = 0.f;
-                for (int rr = 0; rr < R; ++rr) s += part[rr * D + d];
-                st(o, q0 + (long)i * D + d, total[i] > 0.f ? s / total[i] : 0.f);
-            }
-            __syncthreads();
+        for (int e = 0; e < N; ++e) part[r * D + c * N + e] = acc[e];
+        __syncthreads();
+        for (int d = threadIdx.x; d < D; d += NORM_THREADS) {
+            float s = 0.f;
+            for (int rr = 0; rr < R; ++rr) s += part[rr * D + d];
+            st(o, q0 + (long)i * D + d, tot[i] > 0.f ? s / tot[i] : 0.f);
         }
+        __syncthreads();
     }
 }
 
@@ -851,3 +837,18 @@ extern "C" __global__ void add_rms_norm_##NAME(const T* x, const T* a, const T* 
 
 DECODE_STEP(float, f32)
 DECODE_STEP(bf16_t, bf16)
+
+// Sums of squares of x [n] f32 (a gradient, for the clipping norm): block i of a fixed grid of
+// NORM_THREADS-thread blocks writes its partial sum to out[i] (every block writes, so `out` needs
+// no fill). The caller adds the partials in a fixed order: the norm does not depend on timing.
+extern "C" __global__ void sumsq_f32(const float* x, float* out, long n) {
+    extern __shared__ float sm[];  // NORM_THREADS floats
+    float s = 0.f;
+    for (long i = (long)blockIdx.x * NORM_THREADS + threadIdx.x; i < n;
+         i += (long)gridDim.x * NORM_THREADS) {
+        const float v = x[i];
+        s += v * v;
+    }
+    const float t = block_sum(s, sm);
+    if (threadIdx.x == 0) out[blockIdx.x] = t;
+}
