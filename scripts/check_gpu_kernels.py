@@ -222,6 +222,16 @@ def decode(exe, dtype, B, H, Hkv, Tk, maxT, D, seed):
         sys.exit(1)
 
 
+def compare(label, pairs, tol):
+    """Each (name, got, want): the largest error relative to max(|want|, 1); exits on a failure."""
+    for name, got, want in pairs:
+        err = ((got - want).abs().max() / want.abs().max().clamp(min=1)).item()
+        status = "ok" if err < tol else "FAIL"
+        print(f"{label} {name}: {err:.2e} {status}")
+        if err >= tol:
+            sys.exit(1)
+
+
 def rope_append(exe, dtype, b, h, hkv, d, extra, slots, slot, seed):
     g_ = torch.Generator().manual_seed(seed)
     tdt = torch.float32 if dtype == "f32" else torch.bfloat16
@@ -250,13 +260,9 @@ def rope_append(exe, dtype, b, h, hkv, d, extra, slots, slot, seed):
     want_k, want_v = kc.float().clone(), vc.float().clone()
     want_k[:, :, slot] = rot(x[:, :, h * d:(h + hkv) * d], hkv)[:, :, 0]
     want_v[:, :, slot] = x[:, :, (h + hkv) * d:(h + 2 * hkv) * d].float().reshape(b, hkv, d)
-    tol = 1e-5 if dtype == "f32" else 1e-2
-    for name, a, e in [("q", q, rot(x[:, :, : h * d], h)), ("kc", kc2, want_k), ("vc", vc2, want_v)]:
-        err = ((a - e).abs().max() / e.abs().max().clamp(min=1)).item()
-        status = "ok" if err < tol else "FAIL"
-        print(f"{dtype} rope_append B{b} H{h}/{hkv} D{d} slot {slot}/{slots} {name}: {err:.2e} {status}")
-        if err >= tol:
-            sys.exit(1)
+    compare(f"{dtype} rope_append B{b} H{h}/{hkv} D{d} slot {slot}/{slots}",
+            [("q", q, rot(x[:, :, : h * d], h)), ("kc", kc2, want_k), ("vc", vc2, want_v)],
+            1e-5 if dtype == "f32" else 1e-2)
 
 
 def add_rms(exe, dtype, n, h, seed):
@@ -279,13 +285,8 @@ def add_rms(exe, dtype, n, h, seed):
     sf = s_.float()
     normed = (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(tdt)  # HF's LlamaRMSNorm
     want_y = (w * normed).float()
-    tol = 1e-5 if dtype == "f32" else 1e-2
-    for name, got, e in [("sum", got_s, sf), ("y", got_y, want_y)]:
-        err = ((got - e).abs().max() / e.abs().max().clamp(min=1)).item()
-        status = "ok" if err < tol else "FAIL"
-        print(f"{dtype} add_rms N{n} H{h} {name}: {err:.2e} {status}")
-        if err >= tol:
-            sys.exit(1)
+    compare(f"{dtype} add_rms N{n} H{h}", [("sum", got_s, sf), ("y", got_y, want_y)],
+            1e-5 if dtype == "f32" else 1e-2)
 
 
 def sumsq(exe, n, blocks, seed):

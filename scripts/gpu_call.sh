@@ -23,9 +23,11 @@ for k in $KINDS; do
     --reps 3 --keep-pool > $FIN/ops-17-$k.jsonl 2> $FIN/ops-17-$k.err
   tail -2 $FIN/ops-17-$k.err >> $FIN/ops-summary.txt
 done
-BEST=$(python3 - $FIN <<'PY' 2>>$FIN/ops-summary.txt
+# The kernel set whose layer forward + backward was fastest, and the decoding attention: the
+# kernel unless candle's batched matmuls were faster (`decode_attention` under default vs off).
+read BEST DECODE < <(python3 - $FIN <<'PY' 2>>$FIN/ops-summary.txt
 import json, os, sys
-best = None
+best, dec = None, {}
 with open(os.path.join(sys.argv[1], "ops-summary.txt"), "a") as out:
     for k in ["default", "forward", "off"]:
         path = os.path.join(sys.argv[1], f"ops-17-{k}.jsonl")
@@ -37,23 +39,10 @@ with open(os.path.join(sys.argv[1], "ops-summary.txt"), "a") as out:
             print(k, r["op"], "fwd_ms", r["fwd_ms"], "fwd_bwd_ms", r["fwd_bwd_ms"], "host_ms", r.get("host_ms", "-"), file=out)
             if r["op"] == "layer" and (best is None or r["fwd_bwd_ms"] < best[1]):
                 best = (k, r["fwd_bwd_ms"])
-print(best[0] if best else "default")
-PY
-)
-# The decoding kernel against candle's batched matmuls (`decode_attention` under default vs off).
-DECODE=$(python3 - $FIN <<'PY' 2>>$FIN/ops-summary.txt
-import json, os, sys
-t = {}
-for k in ["default", "off"]:
-    path = os.path.join(sys.argv[1], f"ops-17-{k}.jsonl")
-    for line in open(path) if os.path.exists(path) else []:
-        try:
-            r = json.loads(line)
-        except ValueError:
-            continue
-        if r["op"] == "decode_attention":
-            t[k] = r["fwd_ms"]
-print("ops" if "default" in t and "off" in t and t["default"] > t["off"] else "kernel")
+            if r["op"] == "decode_attention":
+                dec[k] = r["fwd_ms"]
+slower = "default" in dec and "off" in dec and dec["default"] > dec["off"]
+print(best[0] if best else "default", "ops" if slower else "kernel")
 PY
 )
 [ "$DECODE" = ops ] && export GRPO_GPU_DECODE=ops
