@@ -648,7 +648,8 @@ mod gpu {
         let (ks, vs) = (k.stride(), v.stride());
         let vec = 16 / dt.size_in_bytes(); // elements per 16-byte load
         let aligned = |t: &Tensor| {
-            t.layout().start_offset() % vec == 0 && t.stride()[..2].iter().all(|x| x % vec == 0)
+            t.layout().start_offset().is_multiple_of(vec)
+                && t.stride()[..2].iter().all(|x| x.is_multiple_of(vec))
         };
         let g = h / hkv.max(1);
         let rows = 256 / (d / vec).max(1); // slot groups of the value pass
@@ -725,7 +726,7 @@ mod gpu {
         let same = |x: &Tensor| x.dtype() == dt && x.device().same_device(joined.device());
         let applies = applies(joined)
             && t == 1
-            && d % 2 == 0
+            && d.is_multiple_of(2)
             && hkv == kv_heads
             && w == (heads + 2 * hkv) * d
             && kb == b
@@ -971,7 +972,7 @@ mod gpu {
         let st = x.stride();
         let applies = applies(x)
             && heads > 0
-            && d % 2 == 0
+            && d.is_multiple_of(2)
             && d * heads == hd
             && cos.dtype() == x.dtype()
             && sin.dtype() == x.dtype()
