@@ -162,7 +162,7 @@ impl Attention {
                 let q = super::fused_gpu::rope_append(&joined, cos, sin, nh, nkv, kc, vc, c.len())?;
                 if let Some(q) = q {
                     let (k, v) = (kc.narrow(2, 0, c.len() + 1)?, vc.narrow(2, 0, c.len() + 1)?);
-                    return self.attend(&q, &k, &v, mask, mode); // [B, 1, H]
+                    return self.attend(&q, &k, &v, mask, mode); // [B, 1, hidden]
                 }
             }
         }
