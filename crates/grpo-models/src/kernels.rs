@@ -6,9 +6,10 @@
 //!   turns them all off, so that every forward and backward is made of candle ops that have a
 //!   CUDA implementation: the path a GPU runs, here run on the CPU, which is how CI tests it.
 //! - [`Isa`] (`GRPO_ISA`): the instruction set the hand-written kernels are compiled for, chosen
-//!   at run time from what the CPU has: AVX-512F, AVX2 with FMA, or the baseline target (SSE2 on
-//!   x86-64; NEON or none elsewhere). Forcing a lower one makes tests and benchmarks run every
-//!   variant on one machine; a request above what the CPU has falls back to the best it has.
+//!   at run time from what the CPU has: AMX's bf16 tiles, AVX512_BF16, AVX-512F, AVX2 with FMA,
+//!   or the baseline target (SSE2 on x86-64; NEON or none elsewhere). Forcing a lower one makes
+//!   tests and benchmarks run every variant on one machine; a request above what the CPU has
+//!   falls back to the best it has.
 //!
 //! Every variant of a kernel performs the same float operations in the same order (FMAs where
 //! the AVX-512 kernel has them, the same lane layout, the same reduction tree), so `avx512` and
@@ -31,11 +32,22 @@ pub enum Isa {
     /// AVX-512F with AVX512_BF16 (`vdpbf16ps`): the f32 kernels run as at [`Isa::Avx512`]; the
     /// bf16 GEMM of CPU mixed precision ([`crate::models::gemm_bf16`]) uses the instruction.
     Avx512Bf16,
+    /// [`Isa::Avx512Bf16`] with AMX's bf16 tiles (Intel Xeon since Sapphire Rapids, on Linux,
+    /// where the kernel grants the process the tile state): the bf16 GEMM of CPU mixed
+    /// precision multiplies 16 x 16 tiles with `tdpbf16ps` ([`crate::models::gemm_amx`]);
+    /// every other kernel runs as at [`Isa::Avx512Bf16`].
+    Amx,
 }
 
 impl Isa {
     /// Every level, lowest first.
-    pub const ALL: [Isa; 4] = [Isa::Baseline, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16];
+    pub const ALL: [Isa; 5] = [
+        Isa::Baseline,
+        Isa::Avx2,
+        Isa::Avx512,
+        Isa::Avx512Bf16,
+        Isa::Amx,
+    ];
 
     /// The name `GRPO_ISA` takes.
     pub fn name(self) -> &'static str {
@@ -44,19 +56,22 @@ impl Isa {
             Isa::Avx2 => "avx2",
             Isa::Avx512 => "avx512",
             Isa::Avx512Bf16 => "avx512bf16",
+            Isa::Amx => "amx",
         }
     }
 
-    /// Parses a `GRPO_ISA` value: `auto` (None), `avx512bf16`, `avx512`, `avx2` or `baseline`.
+    /// Parses a `GRPO_ISA` value: `auto` (None), `amx`, `avx512bf16`, `avx512`, `avx2` or
+    /// `baseline`.
     pub fn parse(s: &str) -> Result<Option<Isa>, String> {
         match s.trim().to_ascii_lowercase().as_str() {
             "" | "auto" => Ok(None),
+            "amx" | "amx_bf16" | "amx-bf16" => Ok(Some(Isa::Amx)),
             "avx512bf16" | "avx512_bf16" => Ok(Some(Isa::Avx512Bf16)),
             "avx512" | "avx512f" | "avx-512" => Ok(Some(Isa::Avx512)),
             "avx2" => Ok(Some(Isa::Avx2)),
             "baseline" | "scalar" | "generic" => Ok(Some(Isa::Baseline)),
             other => Err(format!(
-                "GRPO_ISA=`{other}` is not an instruction set: use auto, avx512bf16, avx512, avx2 or baseline"
+                "GRPO_ISA=`{other}` is not an instruction set: use auto, amx, avx512bf16, avx512, avx2 or baseline"
             )),
         }
     }
@@ -69,9 +84,12 @@ impl Isa {
             #[cfg(target_arch = "x86_64")]
             {
                 if std::arch::is_x86_feature_detected!("avx512f") {
-                    return match std::arch::is_x86_feature_detected!("avx512bf16") {
-                        true => Isa::Avx512Bf16,
-                        false => Isa::Avx512,
+                    if !std::arch::is_x86_feature_detected!("avx512bf16") {
+                        return Isa::Avx512;
+                    }
+                    return match amx_granted() {
+                        true => Isa::Amx,
+                        false => Isa::Avx512Bf16,
                     };
                 }
                 if std::arch::is_x86_feature_detected!("avx2")
@@ -100,9 +118,39 @@ impl Isa {
             let want = std::env::var("GRPO_ISA")
                 .ok()
                 .and_then(|v| Isa::parse(&v).ok().flatten());
-            want.unwrap_or(Isa::Avx512Bf16).usable()
+            want.unwrap_or(Isa::Amx).usable()
         })
     }
+}
+
+/// Whether this process may run AMX's bf16 tile instructions: the CPU reports AMX-TILE and
+/// AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22), and Linux grants the process the tile data
+/// state when asked (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`; without that grant
+/// the first tile instruction is a fault). Asked once, from [`Isa::detected`]; the grant holds
+/// for every thread of the process.
+#[cfg(target_arch = "x86_64")]
+fn amx_granted() -> bool {
+    // CPUID leaf 7 exists on every CPU with AVX-512 (the caller checked AVX512_BF16).
+    let edx = std::arch::x86_64::__cpuid_count(7, 0).edx;
+    if edx & (1 << 24) == 0 || edx & (1 << 22) == 0 {
+        return false;
+    }
+    #[cfg(target_os = "linux")]
+    {
+        const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+        const XFEATURE_XTILEDATA: libc::c_long = 18;
+        // SAFETY: a request about this process's own permissions, no memory passed.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_arch_prctl,
+                ARCH_REQ_XCOMP_PERM,
+                XFEATURE_XTILEDATA,
+            )
+        };
+        r == 0
+    }
+    #[cfg(not(target_os = "linux"))]
+    false
 }
 
 impl std::fmt::Display for Isa {
@@ -333,7 +381,9 @@ macro_rules! isa_dispatch {
                 }
                 match isa.usable() {
                     // SAFETY: `usable` lowers `isa` to what the CPU was detected to run.
-                    $crate::kernels::Isa::Avx512 | $crate::kernels::Isa::Avx512Bf16 => {
+                    $crate::kernels::Isa::Avx512
+                    | $crate::kernels::Isa::Avx512Bf16
+                    | $crate::kernels::Isa::Amx => {
                         return unsafe { avx512($($arg),*) }
                     }
                     // SAFETY: as above.

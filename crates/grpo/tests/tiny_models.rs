@@ -957,6 +957,22 @@ fn every_transformers_test_passes_with_the_avx2_kernels() {
     rerun::rerun_with(&[("GRPO_ISA", "avx2")], 3);
 }
 
+/// The mixed-precision tests again with the AVX512_BF16 GEMM, in a child process with
+/// ("GRPO_ISA", "avx512bf16"), where this CPU's own level is above it (AMX): so that both bf16
+/// GEMMs are tested on such a machine.
+#[test]
+fn mixed_precision_tests_pass_with_the_avx512_bf16_gemm_too() {
+    use grpo_models::kernels::Isa;
+    if Isa::detected() <= Isa::Avx512Bf16 {
+        eprintln!(
+            "this CPU's best level is {}: the main run covers it",
+            Isa::detected()
+        );
+        return;
+    }
+    rerun::rerun_only(&[("GRPO_ISA", "avx512bf16")], &["mixed_precision"], 2);
+}
+
 /// `dtype = bf16` (mixed precision): a bf16 model built from f32 master parameters (here CPU
 /// mixed precision where the CPU has AVX-512, the portable bf16 path in the rerun). Its
 /// log-probs stay near the f32 model's, the sampler's log-probs near the training forward's

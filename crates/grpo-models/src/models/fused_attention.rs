@@ -448,7 +448,9 @@ pub fn decode_head_on(
         }
         match isa.usable() {
             // SAFETY: `usable` lowers `isa` to what the CPU was detected to run.
-            Isa::Avx512 | Isa::Avx512Bf16 => return unsafe { avx512(q, segs, scale, o, d) },
+            Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => {
+                return unsafe { avx512(q, segs, scale, o, d) }
+            }
             // SAFETY: as above.
             Isa::Avx2 => return unsafe { avx2(q, segs, scale, o, d) },
             Isa::Baseline => {}
@@ -597,7 +599,7 @@ impl AttentionOp {
         #[cfg(target_arch = "x86_64")]
         match self.isa {
             // SAFETY: `self.isa` was lowered to what the CPU runs when the op was made.
-            Isa::Avx512 | Isa::Avx512Bf16 => return unsafe { self.forward_avx512(x) },
+            Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => return unsafe { self.forward_avx512(x) },
             // SAFETY: as above.
             Isa::Avx2 => return unsafe { self.forward_avx2(x) },
             Isa::Baseline => {}
@@ -630,7 +632,9 @@ impl AttentionOp {
         #[cfg(target_arch = "x86_64")]
         match self.isa {
             // SAFETY: `self.isa` was lowered to what the CPU runs when the op was made.
-            Isa::Avx512 | Isa::Avx512Bf16 => return unsafe { self.backward_avx512(x, p, dout) },
+            Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => {
+                return unsafe { self.backward_avx512(x, p, dout) }
+            }
             // SAFETY: as above.
             Isa::Avx2 => return unsafe { self.backward_avx2(x, p, dout) },
             Isa::Baseline => {}

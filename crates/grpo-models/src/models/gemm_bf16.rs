@@ -25,13 +25,14 @@ use crate::kernels::Isa;
 /// Rows per register tile.
 pub(crate) const TILE_ROWS: usize = 12;
 thread_local! {
-    /// [`gemm_on`]'s packed operands (`B`'s panels, `A`'s rows), kept for the next call.
-    static PACKED: std::cell::RefCell<(Vec<u32>, Vec<u32>)> =
+    /// [`gemm_on`]'s (and the AMX GEMM's) packed operands (`B`'s panels, `A`'s rows), kept for
+    /// the next call.
+    pub(crate) static PACKED: std::cell::RefCell<(Vec<u32>, Vec<u32>)> =
         const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// Rows per parallel task.
-const BLOCK_ROWS: usize = 192;
+pub(crate) const BLOCK_ROWS: usize = 192;
 
 /// `x` rounded to bf16 (round to nearest, ties to even; a NaN stays a quiet NaN), as the high
 /// half of its bits.
@@ -117,7 +118,8 @@ impl Strided {
 #[derive(Debug)]
 pub struct Bf16Panels {
     words: Vec<u32>,
-    /// k / 2, rounded up
+    /// Rows (pair words) per panel: k / 2 rounded up, or more for the AMX GEMM, whose extra
+    /// rows are zeros ([`Self::pack_padded`]).
     kh: usize,
     n: usize,
 }
@@ -136,18 +138,37 @@ impl Bf16Panels {
     ///
     /// # Safety
     /// As [`Self::pack`].
-    pub unsafe fn pack_into(b: Strided, k: usize, n: usize, mut words: Vec<u32>) -> Self {
+    pub unsafe fn pack_into(b: Strided, k: usize, n: usize, words: Vec<u32>) -> Self {
+        // SAFETY: (caller)
+        unsafe { Self::pack_padded(b, k, n, words, k.div_ceil(2)) }
+    }
+
+    /// [`Self::pack_into`] with `rows` (at least `k / 2` rounded up) pair-word rows per panel,
+    /// those past `k` zeros: the AMX GEMM's tiles take 16 rows at a time.
+    ///
+    /// # Safety
+    /// As [`Self::pack`].
+    pub(crate) unsafe fn pack_padded(
+        b: Strided,
+        k: usize,
+        n: usize,
+        mut words: Vec<u32>,
+        rows: usize,
+    ) -> Self {
         let kh = k.div_ceil(2);
-        words.resize(n.div_ceil(PANEL) * kh * PANEL, 0);
-        words.truncate(n.div_ceil(PANEL) * kh * PANEL);
+        debug_assert!(rows >= kh);
+        words.resize(n.div_ceil(PANEL) * rows * PANEL, 0);
+        words.truncate(n.div_ceil(PANEL) * rows * PANEL);
         words
-            .par_chunks_mut(kh * PANEL)
+            .par_chunks_mut(rows * PANEL)
             .enumerate()
             .for_each(|(p, panel)| {
+                let (real, pad) = panel.split_at_mut(kh * PANEL);
                 // SAFETY: (caller) as this function's.
-                unsafe { pack_panel(b, k, n, p, panel) }
+                unsafe { pack_panel(b, k, n, p, real) };
+                pad.fill(0);
             });
-        Bf16Panels { words, kh, n }
+        Bf16Panels { words, kh: rows, n }
     }
 
     pub(crate) fn panels(&self) -> usize {
@@ -163,7 +184,7 @@ impl Bf16Panels {
         &self.words[p * self.kh * PANEL..(p + 1) * self.kh * PANEL]
     }
 
-    /// Pair words per panel row: `k / 2` rounded up.
+    /// Pair-word rows per panel: `k / 2` rounded up (more when padded).
     pub(crate) fn kh(&self) -> usize {
         self.kh
     }
@@ -233,22 +254,49 @@ pub unsafe fn pack_rows(a: Strided, m: usize, k: usize) -> Vec<u32> {
 ///
 /// # Safety
 /// As [`pack_rows`].
-pub unsafe fn pack_rows_into(a: Strided, m: usize, k: usize, mut words: Vec<u32>) -> Vec<u32> {
+pub unsafe fn pack_rows_into(a: Strided, m: usize, k: usize, words: Vec<u32>) -> Vec<u32> {
+    // SAFETY: (caller)
+    unsafe { pack_rows_padded(a, m, k, words, k.div_ceil(2), m) }
+}
+
+/// [`pack_rows_into`] with rows of `stride` words (at least `k / 2` rounded up) and `rows`
+/// rows (at least `m`), the words past `k` and the rows past `m` zeros: the AMX GEMM's tiles
+/// take 16 rows of 16 words at a time.
+///
+/// # Safety
+/// As [`pack_rows`].
+pub(crate) unsafe fn pack_rows_padded(
+    a: Strided,
+    m: usize,
+    k: usize,
+    mut words: Vec<u32>,
+    stride: usize,
+    rows: usize,
+) -> Vec<u32> {
     // Groups of 16 rows, columns outer: a transposed view (dY^T in a weight's gradient) is
     // read 16 contiguous values at a time, a row-major one along 16 row streams.
     const GROUP: usize = 16;
     let kh = k.div_ceil(2);
-    words.resize(m * kh, 0);
-    words.truncate(m * kh);
-    if kh == 0 {
+    debug_assert!(stride >= kh && rows >= m);
+    words.resize(rows * stride, 0);
+    words.truncate(rows * stride);
+    if stride == 0 {
         return words;
     }
     words
-        .par_chunks_mut(GROUP * kh)
+        .par_chunks_mut(GROUP * stride)
         .enumerate()
-        .for_each(|(g, rows)| {
-            // SAFETY: (caller) as this function's.
-            unsafe { pack_group(a, k, g * GROUP, rows) }
+        .for_each(|(g, out)| {
+            let r0 = g * GROUP;
+            let count = m.saturating_sub(r0).min(out.len() / stride);
+            if count > 0 {
+                // SAFETY: (caller) as this function's; rows r0..r0 + count < m.
+                unsafe { pack_group(a, k, r0, count, stride, out) };
+            }
+            for row in out[..count * stride].chunks_exact_mut(stride) {
+                row[kh..].fill(0);
+            }
+            out[count * stride..].fill(0);
         });
     words
 }
@@ -315,16 +363,17 @@ unsafe fn pack_panel(b: Strided, k: usize, n: usize, p: usize, panel: &mut [u32]
     }
 }
 
-/// Rows `r0..` of [`pack_rows`] (as many as `rows` holds) into `rows`.
+/// Rows `r0..r0 + rs` (at most 16) of [`pack_rows`] into `rows`, row `i` at `rows[i *
+/// stride..]` (its first `k / 2` rounded-up words written).
 ///
 /// # Safety
-/// As [`pack_rows`].
+/// As [`pack_rows`]; rows `r0..r0 + rs` lie in `a`.
 #[inline(never)]
-unsafe fn pack_group(a: Strided, k: usize, r0: usize, rows: &mut [u32]) {
+unsafe fn pack_group(a: Strided, k: usize, r0: usize, rs: usize, stride: usize, rows: &mut [u32]) {
     let kh = k.div_ceil(2);
-    let rs = rows.len() / kh;
     if a.cs == 1 {
-        for (i, out) in rows.chunks_exact_mut(kh).enumerate() {
+        for (i, out) in rows.chunks_mut(stride).take(rs).enumerate() {
+            let out = &mut out[..kh];
             // SAFETY: (caller) row r0 + i, columns 0..k are in `a`, contiguous.
             let row =
                 unsafe { std::slice::from_raw_parts(a.ptr.offset((r0 + i) as isize * a.rs), k) };
@@ -335,7 +384,7 @@ unsafe fn pack_group(a: Strided, k: usize, r0: usize, rows: &mut [u32]) {
     #[cfg(target_arch = "x86_64")]
     if a.rs == 1 && rs <= 16 && Isa::active() >= Isa::Avx512 {
         // SAFETY: the CPU runs AVX-512F; (caller) rows r0..r0 + rs of columns 0..k are in `a`.
-        unsafe { x86::group_cols(a.ptr.add(r0), a.cs, k, rs, rows) };
+        unsafe { x86::group_cols(a.ptr.add(r0), a.cs, k, rs, stride, rows) };
         return;
     }
     if a.rs == 1 && rs <= 16 {
@@ -352,7 +401,7 @@ unsafe fn pack_group(a: Strided, k: usize, r0: usize, rows: &mut [u32]) {
                 false => hi.fill(0),
             }
             for i in 0..rs {
-                rows[i * kh + j] = lo[i] as u32 | ((hi[i] as u32) << 16);
+                rows[i * stride + j] = lo[i] as u32 | ((hi[i] as u32) << 16);
             }
         }
         return;
@@ -360,20 +409,20 @@ unsafe fn pack_group(a: Strided, k: usize, r0: usize, rows: &mut [u32]) {
     for j in 0..kh {
         for i in 0..rs {
             // SAFETY: (caller) row r0 + i < m, columns 2j, 2j + 1 < k.
-            rows[i * kh + j] = unsafe { pair_at(a, r0 + i, 2 * j, k, false) };
+            rows[i * stride + j] = unsafe { pair_at(a, r0 + i, 2 * j, k, false) };
         }
     }
 }
 
 /// The output pointer, shared by tasks that write disjoint elements.
 #[derive(Clone, Copy)]
-struct Out(*mut f32);
+pub(crate) struct Out(pub(crate) *mut f32);
 // SAFETY: tasks write disjoint elements (row blocks x panel shares).
 unsafe impl Send for Out {}
 unsafe impl Sync for Out {}
 impl Out {
     /// The pointer (a method, so that closures capture the whole `Out`, which is `Sync`).
-    fn get(self) -> *mut f32 {
+    pub(crate) fn get(self) -> *mut f32 {
         self.0
     }
 }
@@ -432,6 +481,12 @@ pub unsafe fn gemm_on(
         return;
     }
     let isa = isa.usable();
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Amx {
+        // SAFETY: (caller) as this function's; the CPU runs AMX (`isa` is usable).
+        unsafe { super::gemm_amx::gemm(m, n, k, dst, dst_rs, dst_cs, accumulate, a, b) };
+        return;
+    }
     // The packed operands reuse this thread's buffers from call to call: fresh ones of tens of
     // megabytes (the LM head's) cost more in page faults than the packing itself.
     let (bw, aw) = PACKED.with(|c| c.take());
@@ -478,7 +533,7 @@ pub unsafe fn gemm_on(
 /// # Safety
 /// `dst` must be valid for reads and writes of those elements.
 #[inline(always)]
-unsafe fn store(src: &[f32], dst: *mut f32, cs: isize, accumulate: bool) {
+pub(crate) unsafe fn store(src: &[f32], dst: *mut f32, cs: isize, accumulate: bool) {
     if cs == 1 {
         // SAFETY: (caller) `src.len()` contiguous elements.
         let d = unsafe { std::slice::from_raw_parts_mut(dst, src.len()) };
@@ -550,7 +605,7 @@ pub fn matmul(
 pub(crate) fn tile_on(isa: Isa, x: &[u32], w: &[u32], kh: usize, mr: usize, acc: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
-        if isa == Isa::Avx512Bf16 {
+        if isa >= Isa::Avx512Bf16 {
             // SAFETY: the CPU runs AVX512_BF16 (`isa` is usable); shapes as documented.
             unsafe { x86::tile_dp(x, w, kh, mr, acc) };
             return;
@@ -648,18 +703,25 @@ mod x86 {
     }
 
     /// The pair words of `rows` (<= 16) rows of a transposed `A` (row stride 1, column stride
-    /// `cs`) from `a`: word `j` of row `i` into `out[i * kh + j]`.
+    /// `cs`) from `a`: word `j` of row `i` into `out[i * stride + j]`.
     ///
     /// # Safety
     /// AVX-512F must be available; `a` must be valid for columns `0..k` of `rows` values; `out`
-    /// holds `rows` rows of `kh = k / 2` (rounded up) words.
+    /// holds `rows` rows of `stride` words, `stride` at least `k / 2` (rounded up).
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn group_cols(a: *const f32, cs: isize, k: usize, rows: usize, out: &mut [u32]) {
+    pub unsafe fn group_cols(
+        a: *const f32,
+        cs: isize,
+        k: usize,
+        rows: usize,
+        stride: usize,
+        out: &mut [u32],
+    ) {
         let kh = k.div_ceil(2);
         let m = first(rows);
         let index = _mm512_mullo_epi32(
             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-            _mm512_set1_epi32(kh as i32),
+            _mm512_set1_epi32(stride as i32),
         );
         for j in 0..kh {
             let c0 = a.offset(2 * j as isize * cs) as *const i32;
@@ -914,24 +976,35 @@ mod tests {
                     };
                     let want = run(Isa::Baseline);
                     let at = format!("[{m},{n},{k}] layouts {la}/{lb} acc {acc} dst_t {dst_t}");
-                    for r in 0..m {
-                        for c in 0..n {
-                            let exact: f64 = (0..k)
-                                .map(|i| {
-                                    from_bf16(to_bf16(a[r * k + i])) as f64
-                                        * from_bf16(to_bf16(b[i * n + c])) as f64
-                                })
-                                .sum::<f64>()
-                                + if acc { c0[r * n + c] as f64 } else { 0.0 };
-                            let got = want[r * n + c] as f64;
-                            assert!((got - exact).abs() < 1e-5 * (k as f64), "{at} ({r},{c})");
+                    let near_exact = |got: &[f32], isa: Isa| {
+                        for r in 0..m {
+                            for c in 0..n {
+                                let exact: f64 = (0..k)
+                                    .map(|i| {
+                                        from_bf16(to_bf16(a[r * k + i])) as f64
+                                            * from_bf16(to_bf16(b[i * n + c])) as f64
+                                    })
+                                    .sum::<f64>()
+                                    + if acc { c0[r * n + c] as f64 } else { 0.0 };
+                                let got = got[r * n + c] as f64;
+                                assert!(
+                                    (got - exact).abs() < 1e-5 * (k as f64),
+                                    "{isa:?} {at} ({r},{c}): {got} against {exact}"
+                                );
+                            }
                         }
-                    }
+                    };
+                    near_exact(&want, Isa::Baseline);
                     for isa in Isa::ALL {
                         if isa.usable() != isa {
                             continue;
                         }
                         let got = run(isa);
+                        if isa == Isa::Amx {
+                            // AMX's rounding of a pair's products is its own (module docs).
+                            near_exact(&got, isa);
+                            continue;
+                        }
                         assert!(
                             got.iter()
                                 .zip(&want)

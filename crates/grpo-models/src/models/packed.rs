@@ -350,7 +350,7 @@ impl PackedWeight {
                         // panel of `k` rows; the tile writes rows r..r+mr, columns p*PANEL..+cols.
                         unsafe {
                             match isa {
-                                Isa::Avx512 | Isa::Avx512Bf16 => {
+                                Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => {
                                     avx512::tile(xs, w, k, mr, yt, n, cols, ahead)
                                 }
                                 _ => avx2::tile(xs, w, k, mr, yt, n, cols, ahead),
@@ -384,6 +384,12 @@ impl PackedWeight {
     ) {
         use super::gemm_bf16::{pack_rows_here, tile_on, TILE_ROWS as BF16_TILE};
         let (k, n, kh) = (self.k, self.n, bp.kh());
+        #[cfg(target_arch = "x86_64")]
+        if isa == Isa::Amx && super::gemm_amx::takes(bp) {
+            // SAFETY: (caller) as this function's; the CPU runs AMX (`isa` is usable).
+            unsafe { super::gemm_amx::panels(bp, k, n, x, rows, panels, y) };
+            return;
+        }
         let mut xw = Vec::new();
         let mut acc = [0f32; BF16_TILE * PANEL];
         for blk in rows.clone().step_by(BLOCK_ROWS) {

@@ -1,0 +1,278 @@
+//! The bf16 GEMM of CPU mixed precision on AMX tiles ([`Isa::Amx`]: Intel Xeon since Sapphire
+//! Rapids): `C (+)= A B` with `A` and `B` f32 in memory, rounded to bf16 as they are packed, the
+//! products summed in f32, as [`super::gemm_bf16::gemm`] does with `vdpbf16ps`.
+//!
+//! One `tdpbf16ps` multiplies a tile of 16 rows x 32 bf16 values of `A` by a tile of 16 pair
+//! rows x 16 columns of `B` into 16 x 16 f32 sums: 8192 multiply-adds, where `vdpbf16ps` does 32.
+//! The operands are packed as for the AVX512_BF16 kernel (pair words along `k`; `B` in panels of
+//! [`PANEL`] = 32 columns, a panel's row `j` holding the pairs `(B[2j, c], B[2j + 1, c])`, which
+//! is the layout the instruction reads), with `k / 2` padded to a multiple of 16 and the rows of
+//! `A` to a multiple of 16, all with zeros. A block of 32 rows times one panel keeps its four
+//! C tiles in tile registers over all of `k` (two A tiles and two B tiles loaded per 32 values of
+//! `k`), then stores them and adds or writes them to the output.
+//!
+//! Rounding: each step adds a pair's two products to the running f32 sum, in `k` order, as the
+//! AVX512_BF16 kernel does; Intel does not document the rounding of the pair's two products as
+//! the same, so this variant is tested against the exact product of the rounded inputs within
+//! f32 summation error, not bit for bit against the others. Denormal inputs count as zero.
+
+use std::arch::asm;
+
+use rayon::prelude::*;
+
+use super::gemm_bf16::{pack_rows_padded, store, Bf16Panels, Out, Strided, BLOCK_ROWS, PACKED};
+use super::panels::{share, PANEL};
+#[cfg(doc)]
+use crate::kernels::Isa;
+
+/// Rows of a tile, and pair words (32 bf16 values) of an A tile's row.
+const TILE: usize = 16;
+
+/// The tile configuration (`ldtilecfg`'s 64-byte operand): palette 1, tiles 0-7 all 16 rows of
+/// 64 bytes. Tiles 0-3 hold C, 4-5 A, 6-7 B.
+#[repr(C, align(64))]
+struct Config([u8; 64]);
+
+impl Config {
+    fn new() -> Self {
+        let mut c = [0u8; 64];
+        c[0] = 1; // palette
+        for t in 0..8 {
+            c[16 + 2 * t] = 64; // bytes per row (u16, little-endian)
+            c[48 + t] = TILE as u8; // rows
+        }
+        Config(c)
+    }
+}
+
+/// The tile state of this thread, configured for the GEMM, released when dropped (so that the
+/// thread's saved state is small again between GEMMs).
+struct Tiles;
+
+impl Tiles {
+    /// # Safety
+    /// The CPU must run AMX and the process must hold the tile-data permission
+    /// ([`Isa::Amx`] is usable).
+    unsafe fn configure() -> Tiles {
+        let cfg = Config::new();
+        // SAFETY: (caller) AMX runs; `cfg` is a valid 64-byte configuration.
+        unsafe { asm!("ldtilecfg [{0}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly)) };
+        Tiles
+    }
+}
+
+impl Drop for Tiles {
+    fn drop(&mut self) {
+        // SAFETY: a `Tiles` exists only where AMX runs (`configure`).
+        unsafe { asm!("tilerelease", options(nostack, nomem, preserves_flags)) };
+    }
+}
+
+/// `c` [`TWO` ? 32 : 16 rows, 32] (row stride 32 f32) = `a` [rows, `kh`] pair words (row
+/// stride `kh`) times one panel `b` [`kh`, 32] pair words.
+///
+/// # Safety
+/// Tiles configured on this thread ([`Tiles::configure`]); `kh` a multiple of 16; `a` valid
+/// for 16 (32 when `TWO`) rows of `kh` words, `b` for `kh` rows of [`PANEL`] words, `c` for
+/// writes of 16 (32) rows of 32 f32.
+#[inline(never)]
+unsafe fn block<const TWO: bool>(a: *const u32, kh: usize, b: *const u32, c: *mut f32) {
+    let (sa, sb, sc) = (4 * kh, 4 * PANEL, 4 * PANEL);
+    // SAFETY: (caller) for every load and store below; the tile registers are this function's
+    // alone (the compiler emits no tile instructions of its own).
+    unsafe {
+        asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            options(nostack, nomem, preserves_flags)
+        );
+        let mut j = 0;
+        while j < kh {
+            let (ap, bp) = (a.add(j), b.add(j * PANEL));
+            asm!(
+                "tileloadd tmm6, [{b} + {sb}*1]",
+                "tileloadd tmm7, [{b16} + {sb}*1]",
+                "tileloadd tmm4, [{a} + {sa}*1]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                b = in(reg) bp,
+                b16 = in(reg) bp.add(TILE),
+                a = in(reg) ap,
+                sa = in(reg) sa,
+                sb = in(reg) sb,
+                options(nostack, readonly, preserves_flags)
+            );
+            if TWO {
+                asm!(
+                    "tileloadd tmm5, [{a} + {sa}*1]",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    a = in(reg) ap.add(TILE * kh),
+                    sa = in(reg) sa,
+                    options(nostack, readonly, preserves_flags)
+                );
+            }
+            j += TILE;
+        }
+        asm!(
+            "tilestored [{c} + {sc}*1], tmm0",
+            "tilestored [{c16} + {sc}*1], tmm1",
+            c = in(reg) c,
+            c16 = in(reg) c.add(TILE),
+            sc = in(reg) sc,
+            options(nostack, preserves_flags)
+        );
+        if TWO {
+            let c2 = c.add(TILE * PANEL);
+            asm!(
+                "tilestored [{c} + {sc}*1], tmm2",
+                "tilestored [{c16} + {sc}*1], tmm3",
+                c = in(reg) c2,
+                c16 = in(reg) c2.add(TILE),
+                sc = in(reg) sc,
+                options(nostack, preserves_flags)
+            );
+        }
+    }
+}
+
+/// [`super::gemm_bf16::gemm`] on AMX tiles: `dst (+)= A B` for `A` [m, k] and `B` [k, n] f32,
+/// multiplied in bf16 with f32 sums.
+///
+/// # Safety
+/// As [`super::gemm_bf16::gemm`], and the CPU must run AMX with the process's tile-data
+/// permission granted ([`Isa::Amx`] usable).
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gemm(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: isize,
+    dst_cs: isize,
+    accumulate: bool,
+    a: Strided,
+    b: Strided,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    let kh = k.div_ceil(2).div_ceil(TILE) * TILE;
+    let (bw, aw) = PACKED.with(|c| c.take());
+    // SAFETY: (caller) the views' elements are valid.
+    let (bp, aw) = unsafe {
+        (
+            Bf16Panels::pack_padded(b, k, n, bw, kh),
+            pack_rows_padded(a, m, k, aw, kh, m.div_ceil(TILE) * TILE),
+        )
+    };
+    let panels = bp.panels();
+    let tasks = rayon::current_num_threads().clamp(1, panels);
+    let blocks = m.div_ceil(BLOCK_ROWS);
+    let out = Out(dst);
+    (0..tasks * blocks).into_par_iter().for_each(|tb| {
+        let (t, blk) = (tb % tasks, tb / tasks);
+        let (r0, r1) = (blk * BLOCK_ROWS, ((blk + 1) * BLOCK_ROWS).min(m));
+        let mut acc = vec![0f32; 2 * TILE * PANEL];
+        // SAFETY: (caller) AMX runs with its permission.
+        let _tiles = unsafe { Tiles::configure() };
+        for p in share(panels, t, tasks) {
+            let w = bp.panel(p).as_ptr();
+            let cols = (n - p * PANEL).min(PANEL);
+            for r in (r0..r1).step_by(2 * TILE) {
+                let x = aw[r * kh..].as_ptr();
+                let rows = (r1 - r).min(2 * TILE);
+                // SAFETY: tiles configured; `kh` is a multiple of 16; `aw` holds rows up to m
+                // rounded up to 16 (so r + 16 rows, and r + 32 when more than 16 are left), `w`
+                // `kh` rows of a panel, `acc` 32 rows of 32.
+                unsafe {
+                    match rows > TILE {
+                        true => block::<true>(x, kh, w, acc.as_mut_ptr()),
+                        false => block::<false>(x, kh, w, acc.as_mut_ptr()),
+                    }
+                }
+                for i in 0..rows {
+                    let src = &acc[i * PANEL..i * PANEL + cols];
+                    // SAFETY: (caller) row r + i < m, columns p * PANEL.. + cols < n of `dst`;
+                    // this task alone writes its row block's columns of its panels.
+                    unsafe {
+                        let d = out
+                            .get()
+                            .offset((r + i) as isize * dst_rs + (p * PANEL) as isize * dst_cs);
+                        store(src, d, dst_cs, accumulate)
+                    };
+                }
+            }
+        }
+    });
+    PACKED.with(|c| c.replace((bp.into_words(), aw)));
+}
+
+thread_local! {
+    /// [`panels`]'s rows of pair words, kept for the next call.
+    static ROWS: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Whether [`panels`] takes `bp`: its rows per panel a multiple of 16 (`k` a multiple of 32,
+/// as every projection of the Llama shapes grpo trains is).
+pub(crate) fn takes(bp: &Bf16Panels) -> bool {
+    bp.kh().is_multiple_of(TILE)
+}
+
+/// The packed product ([`super::packed::PackedWeight`]'s bf16 panels) on AMX tiles, with no
+/// threads of its own: columns `panels` (in panels of [`PANEL`]) of rows `rows` of `x` ([.., k]
+/// row-major) times `bp` ([k, n]) into `y` ([.., n] row-major). The rows are rounded to bf16
+/// pair words on this thread, padded to 16 with zeros.
+///
+/// # Safety
+/// [`Isa::Amx`] usable; `takes(bp)`; `x` holds `rows.end` rows of `k`; `y` is valid for writes
+/// of `rows.end` rows of `n`, and no other thread touches the rows x columns block written here.
+pub(crate) unsafe fn panels(
+    bp: &Bf16Panels,
+    k: usize,
+    n: usize,
+    x: &[f32],
+    rows: std::ops::Range<usize>,
+    panels: std::ops::Range<usize>,
+    y: *mut f32,
+) {
+    let kh = bp.kh();
+    debug_assert!(takes(bp) && kh == k.div_ceil(2));
+    let m = rows.len();
+    let mut xw = ROWS.with(|c| c.take());
+    super::gemm_bf16::pack_rows_here(&x[rows.start * k..rows.end * k], m, k, &mut xw);
+    xw.resize(m.div_ceil(TILE) * TILE * kh, 0);
+    let mut acc = [0f32; 2 * TILE * PANEL];
+    // SAFETY: (caller) AMX runs with its permission.
+    let tiles = unsafe { Tiles::configure() };
+    for p in panels {
+        let w = bp.panel(p).as_ptr();
+        let cols = (n - p * PANEL).min(PANEL);
+        for r in (0..m).step_by(2 * TILE) {
+            let xr = xw[r * kh..].as_ptr();
+            let count = (m - r).min(2 * TILE);
+            // SAFETY: tiles configured; `kh` a multiple of 16 (`takes`); `xw` holds m rows
+            // rounded up to 16 of `kh` words, `w` `kh` rows of a panel, `acc` 32 rows of 32.
+            unsafe {
+                match count > TILE {
+                    true => block::<true>(xr, kh, w, acc.as_mut_ptr()),
+                    false => block::<false>(xr, kh, w, acc.as_mut_ptr()),
+                }
+            }
+            for i in 0..count {
+                // SAFETY: (caller) row rows.start + r + i, columns p * PANEL.. + cols of `y`.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        acc[i * PANEL..].as_ptr(),
+                        y.add((rows.start + r + i) * n + p * PANEL),
+                        cols,
+                    )
+                };
+            }
+        }
+    }
+    drop(tiles);
+    ROWS.with(|c| c.replace(xw));
+}
