@@ -703,6 +703,19 @@ impl LoadPolicy for CausalLmPolicy {
                     "dtype = bf16 on a CPU without AVX512_BF16 (instruction set {isa}): the bf16 \
                      matmuls are emulated with f32 FMAs, slower than dtype = \"f32\""
                 );
+            } else if let Ok((bf16, f32)) = grpo_models::models::gemm_bf16::rates() {
+                // Some CPUs issue `vdpbf16ps` at half the f32 FMA's rate: measured, not assumed.
+                match bf16 < f32 {
+                    true => tracing::warn!(
+                        "dtype = bf16: this CPU's bf16 products run at {bf16:.0} GFLOP/s, its f32 \
+                         ones at {f32:.0} (instruction set {isa}), so dtype = \"f32\" is likely \
+                         faster here (`grpo bench gemm` measures both at more shapes)"
+                    ),
+                    false => tracing::info!(
+                        "CPU mixed precision: bf16 products at {bf16:.0} GFLOP/s, f32 at {f32:.0} \
+                         (instruction set {isa})"
+                    ),
+                }
             }
         }
         Ok(())
