@@ -138,6 +138,46 @@ unsafe fn block<const TWO: bool>(a: *const u32, kh: usize, b: *const u32, c: *mu
     }
 }
 
+/// Rows `rows` of `aw` (packed rows of `kh` pair words, their count rounded up to 16 with zero
+/// rows) times the panels `panels` of `bp` ([.., n]), panel by panel, in blocks of 32 rows:
+/// `emit(row, panel, sums)` receives each row's sums for one panel (its columns below `n`).
+///
+/// # Safety
+/// Tiles configured on this thread ([`Tiles::configure`]); `kh` a multiple of 16 and `bp`'s rows
+/// per panel; `aw` holds `rows.end` rounded up to 16 rows.
+unsafe fn multiply(
+    aw: &[u32],
+    kh: usize,
+    bp: &Bf16Panels,
+    n: usize,
+    rows: std::ops::Range<usize>,
+    panels: std::ops::Range<usize>,
+    mut emit: impl FnMut(usize, usize, &[f32]),
+) {
+    debug_assert!(kh.is_multiple_of(TILE) && bp.kh() == kh);
+    debug_assert!(aw.len() >= rows.end.div_ceil(TILE) * TILE * kh);
+    let mut acc = [0f32; 2 * TILE * PANEL];
+    for p in panels {
+        let w = bp.panel(p).as_ptr();
+        let cols = (n - p * PANEL).min(PANEL);
+        for r in rows.clone().step_by(2 * TILE) {
+            let x = aw[r * kh..].as_ptr();
+            let count = (rows.end - r).min(2 * TILE);
+            // SAFETY: (caller) tiles configured, `kh` a multiple of 16; `aw` holds r + 16 rows
+            // (r + 32 when more than 16 are left), `w` `kh` rows of a panel, `acc` 32 rows of 32.
+            unsafe {
+                match count > TILE {
+                    true => block::<true>(x, kh, w, acc.as_mut_ptr()),
+                    false => block::<false>(x, kh, w, acc.as_mut_ptr()),
+                }
+            }
+            for i in 0..count {
+                emit(r + i, p, &acc[i * PANEL..i * PANEL + cols]);
+            }
+        }
+    }
+}
+
 /// Rows of `A` per pass over the panels of `B` ([n] columns). Measured on an Intel Xeon with
 /// AMX (2 cores, 2 MiB of L2 each): 64 rows make the LM head's product (n = 49152, k = 576)
 /// 1.5x faster than 128, whose rows of `A` fall out of L1 while the many panels of `B` stream
@@ -189,37 +229,28 @@ pub(crate) unsafe fn gemm(
     (0..tasks * blocks).into_par_iter().for_each(|tb| {
         let (t, blk) = (tb % tasks, tb / tasks);
         let (r0, r1) = (blk * block_rows, ((blk + 1) * block_rows).min(m));
-        let mut acc = vec![0f32; 2 * TILE * PANEL];
         // SAFETY: (caller) AMX runs with its permission.
         let _tiles = unsafe { Tiles::configure() };
-        for p in share(panels, t, tasks) {
-            let w = bp.panel(p).as_ptr();
-            let cols = (n - p * PANEL).min(PANEL);
-            for r in (r0..r1).step_by(2 * TILE) {
-                let x = aw[r * kh..].as_ptr();
-                let rows = (r1 - r).min(2 * TILE);
-                // SAFETY: tiles configured; `kh` is a multiple of 16; `aw` holds rows up to m
-                // rounded up to 16 (so r + 16 rows, and r + 32 when more than 16 are left), `w`
-                // `kh` rows of a panel, `acc` 32 rows of 32.
-                unsafe {
-                    match rows > TILE {
-                        true => block::<true>(x, kh, w, acc.as_mut_ptr()),
-                        false => block::<false>(x, kh, w, acc.as_mut_ptr()),
-                    }
-                }
-                for i in 0..rows {
-                    let src = &acc[i * PANEL..i * PANEL + cols];
-                    // SAFETY: (caller) row r + i < m, columns p * PANEL.. + cols < n of `dst`;
+        // SAFETY: tiles configured; `kh` is a multiple of 16; `aw` holds the rows up to m
+        // rounded up to 16.
+        unsafe {
+            multiply(
+                &aw,
+                kh,
+                &bp,
+                n,
+                r0..r1,
+                share(panels, t, tasks),
+                |r, p, sums| {
+                    // SAFETY: (caller) row r < m, columns p * PANEL.. + sums.len() <= n of `dst`;
                     // this task alone writes its row block's columns of its panels.
-                    unsafe {
-                        let d = out
-                            .get()
-                            .offset((r + i) as isize * dst_rs + (p * PANEL) as isize * dst_cs);
-                        store(src, d, dst_cs, accumulate)
-                    };
-                }
-            }
-        }
+                    let d = out
+                        .get()
+                        .offset(r as isize * dst_rs + (p * PANEL) as isize * dst_cs);
+                    store(sums, d, dst_cs, accumulate)
+                },
+            )
+        };
     });
     PACKED.with(|c| c.replace((bp.into_words(), aw)));
 }
@@ -258,37 +289,19 @@ pub(crate) unsafe fn panels(
     let mut xw = ROWS.with(|c| c.take());
     super::gemm_bf16::pack_rows_here(&x[rows.start * k..rows.end * k], m, k, &mut xw);
     xw.resize(m.div_ceil(TILE) * TILE * kh, 0);
-    let mut acc = [0f32; 2 * TILE * PANEL];
     // SAFETY: (caller) AMX runs with its permission.
     let tiles = unsafe { Tiles::configure() };
     for r0 in (0..m).step_by(block_rows(n)) {
         let r1 = (r0 + block_rows(n)).min(m);
-        for p in panels.clone() {
-            let w = bp.panel(p).as_ptr();
-            let cols = (n - p * PANEL).min(PANEL);
-            for r in (r0..r1).step_by(2 * TILE) {
-                let xr = xw[r * kh..].as_ptr();
-                let count = (r1 - r).min(2 * TILE);
-                // SAFETY: tiles configured; `kh` a multiple of 16 (`takes`); `xw` holds m rows
-                // rounded up to 16 of `kh` words, `w` `kh` rows of a panel, `acc` 32 rows of 32.
-                unsafe {
-                    match count > TILE {
-                        true => block::<true>(xr, kh, w, acc.as_mut_ptr()),
-                        false => block::<false>(xr, kh, w, acc.as_mut_ptr()),
-                    }
-                }
-                for i in 0..count {
-                    // SAFETY: (caller) row rows.start + r + i, columns p * PANEL.. + cols of `y`.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            acc[i * PANEL..].as_ptr(),
-                            y.add((rows.start + r + i) * n + p * PANEL),
-                            cols,
-                        )
-                    };
-                }
-            }
-        }
+        // SAFETY: tiles configured; `kh` a multiple of 16 (`takes`); `xw` holds m rows rounded
+        // up to 16.
+        unsafe {
+            multiply(&xw, kh, bp, n, r0..r1, panels.clone(), |r, p, sums| {
+                // SAFETY: (caller) row rows.start + r, columns p * PANEL.. + sums.len() of `y`.
+                let d = y.add((rows.start + r) * n + p * PANEL);
+                std::ptr::copy_nonoverlapping(sums.as_ptr(), d, sums.len())
+            })
+        };
     }
     drop(tiles);
     ROWS.with(|c| c.replace(xw));
@@ -296,20 +309,8 @@ pub(crate) unsafe fn panels(
 
 #[cfg(test)]
 mod tests {
-    use super::super::gemm_bf16::{from_bf16, to_bf16};
+    use super::super::gemm_bf16::{from_bf16, test_values as values, to_bf16};
     use crate::kernels::Isa;
-
-    fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 33) as f32 / (1u64 << 31) as f32) - 0.5
-            })
-            .collect()
-    }
 
     /// `x` [m, k] times `w` [n, k] transposed, from the bf16-rounded values, in f64.
     fn exact(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f64> {

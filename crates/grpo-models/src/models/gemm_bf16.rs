@@ -911,21 +911,24 @@ mod x86 {
     }
 }
 
+/// `n` values in [-0.5, 0.5) from a fixed linear congruential sequence, for the GEMMs' tests.
+#[cfg(test)]
+pub(crate) fn test_values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
+    use super::test_values as values;
     use super::*;
-
-    fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 33) as f32 / (1u64 << 31) as f32) - 0.5
-            })
-            .collect()
-    }
 
     /// The start-up rate check measures two positive, finite rates.
     #[test]
