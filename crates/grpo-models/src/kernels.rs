@@ -34,7 +34,7 @@ pub enum Isa {
     Avx512Bf16,
     /// [`Isa::Avx512Bf16`] with AMX's bf16 tiles (Intel Xeon since Sapphire Rapids, on Linux,
     /// where the kernel grants the process the tile state): the bf16 GEMM of CPU mixed
-    /// precision multiplies 16 x 16 tiles with `tdpbf16ps` ([`crate::models::gemm_amx`]);
+    /// precision multiplies 16 x 16 tiles with `tdpbf16ps` ([`crate::models::gemm_bf16::amx`]);
     /// every other kernel runs as at [`Isa::Avx512Bf16`].
     Amx,
 }

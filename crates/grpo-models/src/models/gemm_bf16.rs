@@ -22,6 +22,9 @@ use rayon::prelude::*;
 use super::panels::{share, PANEL};
 use crate::kernels::Isa;
 
+#[cfg(target_arch = "x86_64")]
+pub mod amx;
+
 /// Rows per register tile.
 pub(crate) const TILE_ROWS: usize = 12;
 thread_local! {
@@ -484,7 +487,7 @@ pub unsafe fn gemm_on(
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Amx {
         // SAFETY: (caller) as this function's; the CPU runs AMX (`isa` is usable).
-        unsafe { super::gemm_amx::gemm(m, n, k, dst, dst_rs, dst_cs, accumulate, a, b) };
+        unsafe { amx::gemm(m, n, k, dst, dst_rs, dst_cs, accumulate, a, b) };
         return;
     }
     // The packed operands reuse this thread's buffers from call to call: fresh ones of tens of

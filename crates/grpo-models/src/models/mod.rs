@@ -18,8 +18,6 @@ pub mod encoder;
 pub mod fused;
 pub mod fused_attention;
 pub mod fused_gpu;
-#[cfg(target_arch = "x86_64")]
-pub mod gemm_amx;
 pub mod gemm_bf16;
 pub mod gpt2;
 pub mod grad_sink;

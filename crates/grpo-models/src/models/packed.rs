@@ -385,9 +385,9 @@ impl PackedWeight {
         use super::gemm_bf16::{pack_rows_here, tile_on, TILE_ROWS as BF16_TILE};
         let (k, n, kh) = (self.k, self.n, bp.kh());
         #[cfg(target_arch = "x86_64")]
-        if isa == Isa::Amx && super::gemm_amx::takes(bp) {
+        if isa == Isa::Amx && super::gemm_bf16::amx::takes(bp) {
             // SAFETY: (caller) as this function's; the CPU runs AMX (`isa` is usable).
-            unsafe { super::gemm_amx::panels(bp, k, n, x, rows, panels, y) };
+            unsafe { super::gemm_bf16::amx::panels(bp, k, n, x, rows, panels, y) };
             return;
         }
         let mut xw = Vec::new();

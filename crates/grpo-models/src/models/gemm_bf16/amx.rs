@@ -1,6 +1,6 @@
 //! The bf16 GEMM of CPU mixed precision on AMX tiles ([`Isa::Amx`]: Intel Xeon since Sapphire
 //! Rapids): `C (+)= A B` with `A` and `B` f32 in memory, rounded to bf16 as they are packed, the
-//! products summed in f32, as [`super::gemm_bf16::gemm`] does with `vdpbf16ps`.
+//! products summed in f32, as [`super::gemm`] does with `vdpbf16ps`.
 //!
 //! One `tdpbf16ps` multiplies a tile of 16 rows x 32 bf16 values of `A` by a tile of 16 pair
 //! rows x 16 columns of `B` into 16 x 16 f32 sums: 8192 multiply-adds, where `vdpbf16ps` does 32.
@@ -20,10 +20,10 @@ use std::arch::asm;
 
 use rayon::prelude::*;
 
-use super::gemm_bf16::{pack_rows_padded, store, Bf16Panels, Out, Strided, PACKED};
-use super::panels::{share, PANEL};
+use super::{pack_rows_padded, store, Bf16Panels, Out, Strided, PACKED};
 #[cfg(doc)]
 use crate::kernels::Isa;
+use crate::models::panels::{share, PANEL};
 
 /// Rows of a tile, and pair words (32 bf16 values) of an A tile's row.
 const TILE: usize = 16;
@@ -191,11 +191,11 @@ fn block_rows(n: usize) -> usize {
     }
 }
 
-/// [`super::gemm_bf16::gemm`] on AMX tiles: `dst (+)= A B` for `A` [m, k] and `B` [k, n] f32,
+/// [`super::gemm`] on AMX tiles: `dst (+)= A B` for `A` [m, k] and `B` [k, n] f32,
 /// multiplied in bf16 with f32 sums.
 ///
 /// # Safety
-/// As [`super::gemm_bf16::gemm`], and the CPU must run AMX with the process's tile-data
+/// As [`super::gemm`], and the CPU must run AMX with the process's tile-data
 /// permission granted ([`Isa::Amx`] usable).
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn gemm(
@@ -287,7 +287,7 @@ pub(crate) unsafe fn panels(
     debug_assert!(takes(bp) && kh == k.div_ceil(2));
     let m = rows.len();
     let mut xw = ROWS.with(|c| c.take());
-    super::gemm_bf16::pack_rows_here(&x[rows.start * k..rows.end * k], m, k, &mut xw);
+    super::pack_rows_here(&x[rows.start * k..rows.end * k], m, k, &mut xw);
     xw.resize(m.div_ceil(TILE) * TILE * kh, 0);
     // SAFETY: (caller) AMX runs with its permission.
     let tiles = unsafe { Tiles::configure() };
@@ -309,7 +309,7 @@ pub(crate) unsafe fn panels(
 
 #[cfg(test)]
 mod tests {
-    use super::super::gemm_bf16::{from_bf16, test_values as values, to_bf16};
+    use super::super::{from_bf16, test_values as values, to_bf16};
     use crate::kernels::Isa;
 
     /// `x` [m, k] times `w` [n, k] transposed, from the bf16-rounded values, in f64.
