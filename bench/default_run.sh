@@ -6,6 +6,7 @@
 #   bench/default_run.sh [SEED [--key=value ...]]   # seed 42 by default; overrides make a variant
 #   NAME=variant bench/default_run.sh 42 --temperature=1.0
 # Results: bench/results/default-<NAME or seed>.metrics.jsonl and .summary.json, and a line on stdout.
+# KEEP=dir keeps the run's output directory (checkpoints, completions) there instead of deleting it.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 seed=${1:-42}
@@ -13,7 +14,8 @@ shift || true
 name=${NAME:-s$seed}
 if [ -z "${GRPO_BIN:-}" ]; then (cd "$root" && cargo build --release -p grpo-cli); fi
 grpo=${GRPO_BIN:-$root/target/release/grpo}
-out=$(mktemp -d)
+out=${KEEP:-$(mktemp -d)}
+mkdir -p "$out"
 start=$(date +%s.%N)
 "$grpo" train --seed="$seed" --output_dir="$out" "$@" > "$out.log" 2>&1
 wall=$(echo "$(date +%s.%N) - $start" | bc)
@@ -45,4 +47,4 @@ print(f"best {s['best']:.2f} (step {best_step}), last {s['last']:.2f}, step 20 {
       f"format {s['format_last']:.3f} of 0.1, min entropy {s['min_entropy']:.3f} (step {s['min_entropy_step']}), "
       f"warnings {s['warnings'] or 'none'}, wall {wall / 60:.1f} min")
 PY
-rm -rf "$out"
+if [ -z "${KEEP:-}" ]; then rm -rf "$out"; fi

@@ -240,7 +240,7 @@ sections! {
     Update update {
         per_device_train_batch_size: usize = "8" check values::at_least_one, "completions per micro-batch";
         gradient_accumulation_steps: usize = "1" check values::at_least_one, "micro-batches per optimizer step";
-        forward_chunk_tokens: Option<usize> = "" check values::at_least_one_when_set, "tokens per forward/backward pass: a micro-batch is split into chunks of whole groups (the math is unchanged; lower it to save memory, raise it for fewer, larger passes); unset: 1024 on the fused CPU path (passes sized to the CPU's caches), elsewhere (a GPU, bf16, kernels = portable) as many tokens as a pass's activations fit in half the device's free memory at start, and in at most twice the model's f32 training state (16 bytes a parameter)";
+        forward_chunk_tokens: Option<usize> = "" check values::at_least_one_when_set, "tokens per forward/backward pass: a micro-batch is split into chunks of whole groups (the math is unchanged; lower it to save memory, raise it for fewer, larger passes); unset: 1024 on the fused CPU path (passes sized to the CPU's caches), 512 with dtype = bf16 on the CPU (half the activation memory, same speed), elsewhere (a GPU, kernels = portable) as many tokens as a pass's activations fit in half the device's free memory at start, and in at most twice the model's f32 training state (16 bytes a parameter)";
         num_iterations: usize = "1" check values::at_least_one, "updates per generation batch (mu in the paper); > 1 uses clipped ratios";
         learning_rate: f64 = "1e-6" check values::positive, "AdamW learning rate";
         adam_beta1: f64 = "0.9" check values::adam_beta, "AdamW beta1";

@@ -209,26 +209,21 @@ impl Policy for CausalLmPolicy {
         })
     }
 
-    /// On the fused CPU path the default; elsewhere sized to a share of the device's free memory
-    /// now ([`crate::logprobs::activation_budget`], [`crate::logprobs::tokens_for_memory`]).
+    /// [`crate::logprobs::default_chunk_tokens`] for this model, its compute and the device's
+    /// free memory now.
     fn forward_chunk_tokens(&self, gradient_checkpointing: bool) -> usize {
-        let compute = grpo_models::kernels::Compute::resolve(&self.device, self.dtype);
-        match (
-            compute.is_fused(),
+        crate::logprobs::default_chunk_tokens(
+            grpo_models::kernels::Compute::resolve(&self.device, self.dtype),
             grpo_models::kernels::free_memory(&self.device),
-        ) {
-            (false, Some(free)) => crate::logprobs::tokens_for_memory(
-                (
-                    self.cfg.hidden_size,
-                    self.cfg.intermediate_size,
-                    self.cfg.num_layers,
-                ),
-                self.dtype.size_in_bytes(),
-                gradient_checkpointing,
-                crate::logprobs::activation_budget(free, self.cfg.approx_params()),
+            (
+                self.cfg.hidden_size,
+                self.cfg.intermediate_size,
+                self.cfg.num_layers,
             ),
-            _ => crate::logprobs::DEFAULT_FORWARD_CHUNK_TOKENS,
-        }
+            self.dtype.size_in_bytes(),
+            gradient_checkpointing,
+            self.cfg.approx_params(),
+        )
     }
 
     fn frozen_from(&self, tensors: HashMap<String, Tensor>) -> Result<CausalLm> {
