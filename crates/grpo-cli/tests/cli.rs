@@ -891,6 +891,9 @@ fn train_at_avx2_is_bit_identical_and_the_portable_kernels_train() {
             // The default's dynamic sampling would keep no group of a random model: every
             // round is trained on, as before it.
             .args(["--dynamic_sampling=false", "--temperature=1.0"])
+            // The default's dtype = "auto" would pick bf16 where the CPU has bf16 products, and
+            // f32 under GRPO_ISA=avx2: the comparison is of the f32 arithmetic.
+            .arg("--dtype=f32")
             .arg(format!("--model={}", model.display()))
             .arg(format!("--output_dir={}", out.display()))
             .args(extra)

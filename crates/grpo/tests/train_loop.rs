@@ -1408,8 +1408,9 @@ fn bf16_tests_pass_on_the_portable_path() {
 }
 
 /// `temperature_warmup_steps`: the rounds sample at temperatures moving linearly from
-/// `temperature_warmup_start` to `temperature` (logged as `sampling/temperature`), and a warm-up
-/// that starts at `temperature` trains exactly as no warm-up does.
+/// `temperature_warmup_start` to `temperature` (logged as `sampling/temperature`), after
+/// `temperature_warmup_hold_steps` at the start, and a warm-up that starts at `temperature` trains
+/// exactly as no warm-up does.
 #[test]
 fn temperature_warmup_moves_the_sampling_temperature() {
     let warm = two_steps(
@@ -1420,6 +1421,16 @@ fn temperature_warmup_moves_the_sampling_temperature() {
         .map(|l| l["sampling/temperature"].as_f64().unwrap())
         .collect();
     assert_eq!(temps, vec![0.5, 0.75]);
+    // A hold of one step keeps the first two rounds at the start.
+    let held = two_steps(
+        "temperature = 1.0\ntemperature_warmup_steps = 2\ntemperature_warmup_start = 0.5\n\
+         temperature_warmup_hold_steps = 1",
+    );
+    let temps: Vec<f64> = held
+        .iter()
+        .map(|l| l["sampling/temperature"].as_f64().unwrap())
+        .collect();
+    assert_eq!(temps, vec![0.5, 0.5]);
     let plain = two_steps("temperature = 1.0");
     let flat = two_steps(
         "temperature = 1.0\ntemperature_warmup_steps = 2\ntemperature_warmup_start = 1.0",
@@ -1436,4 +1447,23 @@ fn temperature_warmup_moves_the_sampling_temperature() {
         warm[0]["entropy"], plain[0]["entropy"],
         "a colder round samples and scores under another distribution"
     );
+}
+
+/// `dtype = "auto"` trains exactly as the dtype it resolves to: f32 on a CPU without bf16
+/// products in grpo's kernels, f32 or bf16 (by the CPU's measured rates) where it has them.
+#[test]
+fn auto_dtype_trains_as_the_dtype_it_picks() {
+    let auto = two_steps("dtype = \"auto\"");
+    let f32 = two_steps("dtype = \"f32\"");
+    let isa = grpo_models::kernels::Isa::active();
+    if isa < grpo_models::kernels::Isa::Avx512Bf16 {
+        assert_eq!(
+            auto, f32,
+            "no bf16 products on this CPU ({isa}): auto is f32"
+        );
+        return;
+    }
+    let bf16 = two_steps("dtype = \"bf16\"");
+    assert_ne!(f32, bf16, "the two dtypes train differently");
+    assert!(auto == f32 || auto == bf16, "auto trains as f32 or as bf16");
 }

@@ -424,6 +424,12 @@ impl TrainConfig {
                 return bad("entropy_coef_delta", format!("must be >= 0, got {d}"));
             }
         }
+        if gen.temperature_warmup_hold_steps > 0 && gen.temperature_warmup_steps == 0 {
+            return bad(
+                "temperature_warmup_hold_steps",
+                "holds temperature_warmup_start before a warm-up, but there is none: set temperature_warmup_steps (e.g. 40) or remove the hold".into(),
+            );
+        }
         if loss.beta > 0.0 && loss.kl_coef > 0.0 {
             return bad(
                 "beta",

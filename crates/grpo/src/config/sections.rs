@@ -188,7 +188,7 @@ sections! {
         judge: Option<PathBuf> = "", "fill_in: the judge (a *ForSequenceClassification directory) whose probability of the label `real` (else its last label) rewards the fills when no [[rewards]] are given (unset: the built-in task's pretrained judge)";
         policy: PolicyType = "", "what is trained: causal_lm (completions token by token; unset) or fill_in (a masked-LM generator filling every masked position at once)";
         model: Option<String> = "", "HF directory, .gguf file or hub id (unset: SmolLM2-135M-Instruct, fetched once)";
-        dtype: DTypeOpt = "\"f32\"", "compute precision of sampling, the reference and the training forward: f32, or bf16 (mixed precision: bf16 weights and activations, f32 master parameters, AdamW moments, log-softmax and loss)";
+        dtype: DTypeOpt = "\"f32\"", "compute precision of sampling, the reference and the training forward: f32, bf16 (mixed precision: bf16 weights and activations, f32 master parameters, AdamW moments, log-softmax and loss), or auto (bf16 on a GPU and on a CPU whose bf16 products, AVX512_BF16 or AMX, measure at least 1.25x its f32 ones; f32 elsewhere; the log says which)";
         output_dir: PathBuf = "\"runs/grpo\"", "where metrics, samples and checkpoints go";
         seed: u64 = "42", "seeds prompt order and sampling; a run is reproducible from it";
         threads: Option<usize> = "", "CPU threads (unset: all cores)";
@@ -227,6 +227,7 @@ sections! {
         temperature: f64 = "1.0" check values::positive, "sampling temperature (log-probs are taken at the same temperature)";
         temperature_warmup_steps: usize = "0", "optimizer steps over which the sampling temperature moves linearly from temperature_warmup_start to temperature (0: temperature throughout)";
         temperature_warmup_start: f64 = "1.0" check values::positive, "with temperature_warmup_steps: the sampling temperature of the first round";
+        temperature_warmup_hold_steps: usize = "0", "with temperature_warmup_steps: optimizer steps sampled at temperature_warmup_start before the warm-up's linear move begins";
         top_p: f64 = "1.0" check values::probability, "nucleus sampling (1: off)";
         top_k: usize = "0", "top-k sampling (0: off)";
         min_p: Option<f64> = "", "min-p sampling (unset: off)";
@@ -373,14 +374,18 @@ impl Data {
 
 impl Generation {
     /// The sampling temperature of the round that starts after `step` optimizer steps:
-    /// `temperature_warmup_start` at step 0, moving linearly to `temperature` at
-    /// `temperature_warmup_steps`, then `temperature`.
+    /// `temperature_warmup_start` up to step `temperature_warmup_hold_steps`, moving linearly to
+    /// `temperature` over the next `temperature_warmup_steps`, then `temperature`.
     pub fn temperature_at(&self, step: u64) -> f64 {
         let n = self.temperature_warmup_steps as u64;
-        if step >= n {
+        if n == 0 {
             return self.temperature;
         }
-        let f = step as f64 / n as f64;
+        let into = step.saturating_sub(self.temperature_warmup_hold_steps as u64);
+        if into >= n {
+            return self.temperature;
+        }
+        let f = into as f64 / n as f64;
         self.temperature_warmup_start + (self.temperature - self.temperature_warmup_start) * f
     }
 

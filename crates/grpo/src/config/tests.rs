@@ -40,19 +40,17 @@ fn trl_yaml_loads_and_ignores_what_does_not_apply() {
     let c = load(y, Format::Yaml, &[]).unwrap();
     assert_eq!(c.loss.loss_type, LossType::DrGrpo);
     assert_eq!(c.loss.scale_rewards, ScaleRewards::None);
-    // TRL's bf16 = true trains in f32 on the CPU (listed as ignored), bf16 on a GPU.
-    assert_eq!(c.run.dtype, DTypeOpt::F32);
+    // TRL's bf16 = true is dtype = auto on the CPU (bf16 where its bf16 products are faster),
+    // bf16 on a GPU.
+    assert_eq!(c.run.dtype, DTypeOpt::Auto);
     assert_eq!(c.prompts_per_step(), 4);
-    assert_eq!(c.ignored_keys, vec!["bf16", "use_vllm"]);
+    assert_eq!(c.ignored_keys, vec!["use_vllm"]);
     let g = load(y, Format::Yaml, &["--device=cuda"]).unwrap();
     assert_eq!(g.run.dtype, DTypeOpt::Bf16);
     assert_eq!(g.ignored_keys, vec!["use_vllm"]);
     // The same for the model arguments' torch_dtype.
     let t = load("torch_dtype: bfloat16\n", Format::Yaml, &[]).unwrap();
-    assert_eq!(
-        (t.run.dtype, t.ignored_keys),
-        (DTypeOpt::F32, vec!["torch_dtype".to_string()])
-    );
+    assert_eq!((t.run.dtype, t.ignored_keys.len()), (DTypeOpt::Auto, 0));
     let t = load(
         "torch_dtype: bfloat16\n",
         Format::Yaml,
@@ -883,6 +881,58 @@ fn temperature_warms_up_linearly_then_holds() {
         assert!((t - twin(step)).abs() < 1e-12, "step {step}: {t}");
     }
     assert_eq!(c.generation.temperature_at(20), 1.2);
+    // A hold keeps the start for its steps, then the same linear move, shifted.
+    let c = load(
+        "temperature = 1.4\ntemperature_warmup_steps = 40\ntemperature_warmup_hold_steps = 20",
+        Format::Toml,
+        &[],
+    )
+    .unwrap();
+    let twin = |step: u64| 1.0 + 0.4 * (step.saturating_sub(20).min(40) as f64 / 40.0);
+    for step in [0, 1, 19, 20, 21, 40, 59, 60, 61, 100] {
+        let t = c.generation.temperature_at(step);
+        assert!((t - twin(step)).abs() < 1e-12, "step {step}: {t}");
+    }
+    assert_eq!(c.generation.temperature_at(20), 1.0);
+}
+
+/// `dtype = "auto"` resolves to bf16 on a GPU and on a CPU whose bf16 products are at least
+/// 1.25x its f32 ones, to f32 elsewhere and for policies without mixed precision; f32 and bf16
+/// stay as given.
+#[test]
+fn auto_dtype_resolves_by_the_hardware() {
+    let c = load("dtype = \"auto\"", Format::Toml, &[]).unwrap();
+    let auto = c.run.dtype;
+    assert_eq!(auto, DTypeOpt::Auto);
+    // (bf16, f32) GFLOP/s of the CPU's products.
+    let amx = Some((1144.0, 312.0));
+    let twice = Some((340.0, 170.0));
+    let slow = Some((140.0, 170.0));
+    let close = Some((200.0, 170.0));
+    assert_eq!(auto.resolve(true, true, None), DTypeOpt::Bf16);
+    assert_eq!(auto.resolve(true, false, amx), DTypeOpt::Bf16);
+    assert_eq!(auto.resolve(true, false, twice), DTypeOpt::Bf16);
+    assert_eq!(auto.resolve(true, false, slow), DTypeOpt::F32);
+    assert_eq!(auto.resolve(true, false, close), DTypeOpt::F32);
+    assert_eq!(auto.resolve(true, false, None), DTypeOpt::F32);
+    assert_eq!(auto.resolve(false, true, None), DTypeOpt::F32);
+    assert_eq!(auto.resolve(false, false, amx), DTypeOpt::F32);
+    for d in [DTypeOpt::F32, DTypeOpt::Bf16] {
+        assert_eq!(d.resolve(true, false, amx), d);
+        assert_eq!(d.resolve(false, true, None), d);
+    }
+}
+
+/// A hold needs a warm-up to hold off; without one the error names the key.
+#[test]
+fn temperature_warmup_hold_needs_a_warmup() {
+    let e = load("temperature_warmup_hold_steps = 20", Format::Toml, &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("temperature_warmup_hold_steps") && e.contains("temperature_warmup_steps"),
+        "{e}"
+    );
 }
 
 /// A warm-up's start must be a positive temperature, named in the error.

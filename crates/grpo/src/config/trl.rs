@@ -90,8 +90,8 @@ const ALIASES: &[(&str, &str)] = &[
 /// Keys that are read with their own rule (not a key of the table): what each does.
 const MAPPED: &[(&str, &str)] = &[
     ("use_peft", "true: LoRA at rank 16 unless lora_r says otherwise"),
-    ("torch_dtype", "sets dtype on a GPU; on the CPU a half-precision torch_dtype is ignored (warned) and training stays f32, as candle has no fast bf16 GEMM there: set dtype = \"bf16\" to force it"),
-    ("bf16", "true: dtype = bf16 on a GPU (mixed precision: bf16 weights and activations over f32 master parameters, f32 optimizer and loss); on the CPU training stays f32 (warned), as candle has no fast bf16 GEMM there: set dtype = \"bf16\" to force it"),
+    ("torch_dtype", "sets dtype on a GPU; on the CPU a half-precision torch_dtype sets dtype = \"auto\": bf16 products where the CPU has bf16 hardware (AVX512_BF16, AMX) that is faster than its f32, f32 elsewhere (the log says which)"),
+    ("bf16", "true: dtype = bf16 on a GPU (mixed precision: bf16 weights and activations over f32 master parameters, f32 optimizer and loss); on the CPU dtype = \"auto\": bf16 products where the CPU has bf16 hardware (AVX512_BF16, AMX) that is faster than its f32, f32 elsewhere (the log says which)"),
     ("load_in_4bit", "base_quantization = nf4 (QLoRA's 4-bit NormalFloat, bitsandbytes' blocks of 64)"),
     ("load_in_8bit", "base_quantization = q8_0"),
     ("use_dora", "true is refused: DoRA adapters are not supported"),
@@ -664,7 +664,7 @@ fn refuse_unsupported(k: &str, v: &Value) -> Result<()> {
 pub(super) struct Translation {
     /// TRL/HF keys given that are ignored here.
     pub ignored: Vec<String>,
-    /// TRL's `bf16 = true`: bf16 on a GPU, f32 on the CPU (warned), see MAPPED.
+    /// TRL's `bf16 = true`: bf16 on a GPU, `auto` on the CPU, see MAPPED.
     trl_bf16: bool,
     torch_dtype: Option<String>,
     dtype_given: bool,
@@ -887,20 +887,15 @@ impl Translation {
                 t.as_str(),
                 "bfloat16" | "bf16" | "float16" | "fp16" | "half"
             );
-            match on_gpu || !half {
-                true => {
-                    merged.insert("dtype".into(), Value::String(t));
-                }
-                false => self.ignored.push("torch_dtype".into()),
-            }
+            let dtype = match on_gpu || !half {
+                true => t,
+                false => "auto".into(),
+            };
+            merged.insert("dtype".into(), Value::String(dtype));
         }
         if self.trl_bf16 {
-            match on_gpu {
-                true => {
-                    merged.insert("dtype".into(), Value::String("bf16".into()));
-                }
-                false => self.ignored.push("bf16".into()),
-            }
+            let dtype = if on_gpu { "bf16" } else { "auto" };
+            merged.insert("dtype".into(), Value::String(dtype.into()));
         }
         self.ignored.sort();
         self.ignored.dedup();

@@ -306,21 +306,41 @@ impl FromValue for ScaleRewards {
 pub enum DTypeOpt {
     F32,
     Bf16,
+    /// bf16 where the device computes it faster than f32 (a GPU; a CPU with bf16 products,
+    /// AVX512_BF16 or AMX), else f32. Resolved once, when a run starts (`train::resolve_dtype`).
+    Auto,
 }
 
 impl DTypeOpt {
-    /// The models' compute dtype (parameters, AdamW's moments and the loss stay f32).
+    /// The models' compute dtype (parameters, AdamW's moments and the loss stay f32). `Auto` is
+    /// resolved before any model is built; unresolved it means f32.
     pub fn compute(self) -> candle_core::DType {
         match self {
-            DTypeOpt::F32 => candle_core::DType::F32,
+            DTypeOpt::F32 | DTypeOpt::Auto => candle_core::DType::F32,
             DTypeOpt::Bf16 => candle_core::DType::BF16,
+        }
+    }
+
+    /// What `auto` resolves to: bf16 on a GPU, and on a CPU whose bf16 products (grpo's fused
+    /// kernels, measured `rates` = (bf16, f32) GFLOP/s) run at least 1.25x its f32 ones; f32
+    /// elsewhere, and for policies that do not use bf16 (`mixed_precision = false`). Other values
+    /// are kept.
+    pub fn resolve(self, mixed_precision: bool, on_gpu: bool, rates: Option<(f64, f64)>) -> Self {
+        match self {
+            DTypeOpt::Auto if !mixed_precision => DTypeOpt::F32,
+            DTypeOpt::Auto if on_gpu => DTypeOpt::Bf16,
+            DTypeOpt::Auto => match rates {
+                Some((bf16, f32)) if bf16 >= 1.25 * f32 => DTypeOpt::Bf16,
+                _ => DTypeOpt::F32,
+            },
+            d => d,
         }
     }
 }
 
 impl FromValue for DTypeOpt {
     fn kind() -> Cow<'static, str> {
-        "f32|bf16".into()
+        "f32|bf16|auto".into()
     }
     fn from_value(v: Option<&Value>) -> Res<Self> {
         choice(
@@ -330,6 +350,7 @@ impl FromValue for DTypeOpt {
                 ("float32", DTypeOpt::F32),
                 ("bf16", DTypeOpt::Bf16),
                 ("bfloat16", DTypeOpt::Bf16),
+                ("auto", DTypeOpt::Auto),
             ],
         )
     }

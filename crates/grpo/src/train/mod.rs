@@ -88,9 +88,14 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
             tracing::warn!("threads: {e}");
         }
     }
-    let out = grpo_models::threads::on_pool(|| match cfg.run.policy {
-        PolicyType::CausalLm => run::<CausalLmPolicy>(cfg, ctl, w),
-        PolicyType::FillIn => run::<FillInPolicy>(cfg, ctl, w),
+    let out = grpo_models::threads::on_pool(|| {
+        // `dtype = "auto"` becomes f32 or bf16 here, on the pool the run computes on.
+        let resolved = setup::resolve_dtype(cfg);
+        let cfg = resolved.as_ref().unwrap_or(cfg);
+        match cfg.run.policy {
+            PolicyType::CausalLm => run::<CausalLmPolicy>(cfg, ctl, w),
+            PolicyType::FillIn => run::<FillInPolicy>(cfg, ctl, w),
+        }
     });
     if let (Err(e), true) = (&out, w.size() > 1) {
         // One rank failing ends the job, naming itself, instead of leaving the others waiting.

@@ -225,6 +225,49 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
     }
 }
 
+/// `cfg` with `dtype = "auto"` resolved ([`DTypeOpt::resolve`]): bf16 on a GPU and on a CPU
+/// whose bf16 products (grpo's fused kernels, AVX512_BF16 or AMX) measure at least 1.25x its f32
+/// ones, f32 elsewhere. `None` when `dtype` is not `auto`. Runs once, before the run is set up.
+pub(super) fn resolve_dtype(cfg: &TrainConfig) -> Option<TrainConfig> {
+    use grpo_models::kernels::{Compute, Isa};
+    if cfg.run.dtype != DTypeOpt::Auto {
+        return None;
+    }
+    if let Some(k) = cfg.run.kernels {
+        grpo_models::kernels::set_kernels(k);
+    }
+    let mixed = cfg.run.policy == crate::config::PolicyType::CausalLm;
+    let on_gpu = cfg.run.device.resolve().is_cuda();
+    let cpu_mixed = Compute::resolve(&Device::Cpu, candle_core::DType::BF16).bf16_matmuls();
+    let rates = (mixed && !on_gpu && cpu_mixed && Isa::active() >= Isa::Avx512Bf16)
+        .then(grpo_models::models::gemm_bf16::rates)
+        .and_then(|r| r.ok());
+    let dtype = cfg.run.dtype.resolve(mixed, on_gpu, rates);
+    let why = match (mixed, on_gpu, rates) {
+        (false, _, _) => "this policy computes in f32".to_string(),
+        (true, true, _) => "a GPU".to_string(),
+        (true, false, Some((b, f))) => format!(
+            "this CPU's bf16 products run at {b:.0} GFLOP/s, its f32 ones at {f:.0} \
+             (instruction set {})",
+            Isa::active()
+        ),
+        (true, false, None) => format!(
+            "this CPU has no bf16 products in grpo's kernels (instruction set {}, kernels {})",
+            Isa::active(),
+            grpo_models::kernels::kernels().name()
+        ),
+    };
+    let name = if dtype == DTypeOpt::Bf16 {
+        "bf16"
+    } else {
+        "f32"
+    };
+    tracing::info!("dtype = auto: {name} ({why})");
+    let mut c = cfg.clone();
+    c.run.dtype = dtype;
+    Some(c)
+}
+
 /// The process's side of a run: TRL keys not honoured (warned about), the CPU kernels, and the
 /// device this rank trains on (one process per GPU: rank r of a node takes GPU N + r).
 fn process_device(cfg: &TrainConfig, world: &dyn World) -> Result<Device> {
@@ -861,4 +904,49 @@ fn policy_parameters(
         base_model_name: hub::portable_model_name(cfg.run.model.as_deref(), source),
         generation_config: checkpoint::source_generation_config(source.path()),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use grpo_models::kernels::{kernels, Isa, Kernels};
+
+    fn cfg(overrides: &[&str]) -> TrainConfig {
+        let o: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+        TrainConfig::load(None, &o).unwrap()
+    }
+
+    /// `dtype = "auto"` on this CPU: f32 without bf16 products in the fused kernels, and where it
+    /// has them, what their measured rate says (asserted only where the rates are far apart, as
+    /// the resolution measures them again); a fill-in policy and a given dtype are left alone.
+    #[test]
+    fn auto_dtype_resolves_on_this_cpu() {
+        assert!(resolve_dtype(&cfg(&["--dtype=f32"])).is_none());
+        assert!(resolve_dtype(&cfg(&["--dtype=bf16"])).is_none());
+        let fill_in = cfg(&["--policy=fill_in", "--dtype=auto"]);
+        assert_eq!(resolve_dtype(&fill_in).unwrap().run.dtype, DTypeOpt::F32);
+        let auto = cfg(&["--dtype=auto", "--device=cpu"]);
+        let got = resolve_dtype(&auto).unwrap();
+        let mut want = auto.clone();
+        want.run.dtype = got.run.dtype;
+        assert_eq!(got, want, "only dtype changes");
+        if Isa::active() < Isa::Avx512Bf16 || kernels() != Kernels::Fused {
+            assert_eq!(got.run.dtype, DTypeOpt::F32);
+            return;
+        }
+        let (bf16, f32) = grpo_models::models::gemm_bf16::rates().unwrap();
+        if bf16 > 2.0 * f32 {
+            assert_eq!(
+                got.run.dtype,
+                DTypeOpt::Bf16,
+                "{bf16:.0} vs {f32:.0} GFLOP/s"
+            );
+        } else if bf16 < f32 {
+            assert_eq!(
+                got.run.dtype,
+                DTypeOpt::F32,
+                "{bf16:.0} vs {f32:.0} GFLOP/s"
+            );
+        }
+    }
 }
