@@ -285,7 +285,7 @@ fn golden_cases() -> Vec<(&'static str, &'static str, Format, Vec<String>)> {
                 "--temperature=\"0.7\"",
                 "--report_to=jsonl,tensorboard",
                 "--reward_weights=[1.0, 0.5]",
-                "--generation_batch_size=128",
+                "--generation_batch_size=256",
                 "--gradient_accumulation_steps=2",
                 "--use_vllm=true",
                 "--system_prompt=Be brief.",
