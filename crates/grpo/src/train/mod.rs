@@ -90,7 +90,7 @@ pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
     }
     let out = grpo_models::threads::on_pool(|| {
         // `dtype = "auto"` becomes f32 or bf16 here, on the pool the run computes on.
-        let resolved = setup::resolve_dtype(cfg);
+        let resolved = setup::resolve_dtype(cfg, w)?;
         let cfg = resolved.as_ref().unwrap_or(cfg);
         match cfg.run.policy {
             PolicyType::CausalLm => run::<CausalLmPolicy>(cfg, ctl, w),

@@ -227,11 +227,12 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
 
 /// `cfg` with `dtype = "auto"` resolved ([`DTypeOpt::resolve`]): bf16 on a GPU and on a CPU
 /// whose bf16 products (grpo's fused kernels, AVX512_BF16 or AMX) measure at least 1.25x its f32
-/// ones, f32 elsewhere. `None` when `dtype` is not `auto`. Runs once, before the run is set up.
-pub(super) fn resolve_dtype(cfg: &TrainConfig) -> Option<TrainConfig> {
+/// ones, f32 elsewhere. `None` when `dtype` is not `auto`. Runs once, before the run is set up;
+/// in a world of several processes every rank takes bf16 only if all of them measured it so.
+pub(super) fn resolve_dtype(cfg: &TrainConfig, world: &dyn World) -> Result<Option<TrainConfig>> {
     use grpo_models::kernels::{Compute, Isa};
     if cfg.run.dtype != DTypeOpt::Auto {
-        return None;
+        return Ok(None);
     }
     if let Some(k) = cfg.run.kernels {
         grpo_models::kernels::set_kernels(k);
@@ -242,7 +243,13 @@ pub(super) fn resolve_dtype(cfg: &TrainConfig) -> Option<TrainConfig> {
     let rates = (mixed && !on_gpu && cpu_mixed && Isa::active() >= Isa::Avx512Bf16)
         .then(grpo_models::models::gemm_bf16::rates)
         .and_then(|r| r.ok());
-    let dtype = cfg.run.dtype.resolve(mixed, on_gpu, rates);
+    let mut dtype = cfg.run.dtype.resolve(mixed, on_gpu, rates);
+    let mut votes = [f64::from(u8::from(dtype == DTypeOpt::Bf16))];
+    world.sum_f64(&mut votes)?;
+    let split = votes[0] > 0.0 && votes[0] < world.size() as f64;
+    if split {
+        dtype = DTypeOpt::F32;
+    }
     let why = match (mixed, on_gpu, rates) {
         (false, _, _) => "this policy computes in f32".to_string(),
         (true, true, _) => "a GPU".to_string(),
@@ -262,10 +269,16 @@ pub(super) fn resolve_dtype(cfg: &TrainConfig) -> Option<TrainConfig> {
     } else {
         "f32"
     };
-    tracing::info!("dtype = auto: {name} ({why})");
+    if world.is_main() {
+        let agreed = match split {
+            true => "; f32 on every rank, as not all of them measured bf16 faster",
+            false => "",
+        };
+        tracing::info!("dtype = auto: {name} ({why}{agreed})");
+    }
     let mut c = cfg.clone();
     c.run.dtype = dtype;
-    Some(c)
+    Ok(Some(c))
 }
 
 /// The process's side of a run: TRL keys not honoured (warned about), the CPU kernels, and the
@@ -921,12 +934,14 @@ mod tests {
     /// the resolution measures them again); a fill-in policy and a given dtype are left alone.
     #[test]
     fn auto_dtype_resolves_on_this_cpu() {
-        assert!(resolve_dtype(&cfg(&["--dtype=f32"])).is_none());
-        assert!(resolve_dtype(&cfg(&["--dtype=bf16"])).is_none());
+        let one = super::super::SingleProcess;
+        let resolve = |c: &TrainConfig| resolve_dtype(c, &one).unwrap();
+        assert!(resolve(&cfg(&["--dtype=f32"])).is_none());
+        assert!(resolve(&cfg(&["--dtype=bf16"])).is_none());
         let fill_in = cfg(&["--policy=fill_in", "--dtype=auto"]);
-        assert_eq!(resolve_dtype(&fill_in).unwrap().run.dtype, DTypeOpt::F32);
+        assert_eq!(resolve(&fill_in).unwrap().run.dtype, DTypeOpt::F32);
         let auto = cfg(&["--dtype=auto", "--device=cpu"]);
-        let got = resolve_dtype(&auto).unwrap();
+        let got = resolve(&auto).unwrap();
         let mut want = auto.clone();
         want.run.dtype = got.run.dtype;
         assert_eq!(got, want, "only dtype changes");
