@@ -942,12 +942,10 @@ fn a_trl_grpo_yaml_trains() {
         Some(ds.join("test.jsonl").as_path())
     );
     assert!(cfg.logging.report_to.is_empty() && !cfg.resume_from_checkpoint);
-    for k in [
-        "attn_implementation",
-        "bf16",
-        "trust_remote_code",
-        "use_vllm",
-    ] {
+    // TRL's bf16 = true (and torch_dtype: bfloat16) is dtype = auto on the CPU, not ignored.
+    assert_eq!(cfg.run.dtype, grpo::config::DTypeOpt::Auto);
+    assert!(!cfg.ignored_keys.iter().any(|i| i == "bf16"));
+    for k in ["attn_implementation", "trust_remote_code", "use_vllm"] {
         assert!(
             cfg.ignored_keys.iter().any(|i| i == k),
             "{k}: {:?}",
