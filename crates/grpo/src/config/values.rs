@@ -307,7 +307,7 @@ pub enum DTypeOpt {
     F32,
     Bf16,
     /// bf16 where the device computes it faster than f32 (a GPU; a CPU with bf16 products,
-    /// AVX512_BF16 or AMX), else f32. Resolved once, when a run starts (`train::resolve_dtype`).
+    /// AVX512_BF16 or AMX), else f32. Resolved once, when a run starts (`train::setup::resolve_dtype`).
     Auto,
 }
 
