@@ -14,6 +14,7 @@ use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use clap::Args;
 use grpo_models::kernels::Compute;
+use grpo_models::models::grad_sink::{GradSink, SinkProj};
 use grpo_models::models::layers::{self, AttnMask, Mode};
 
 #[derive(Args, Debug)]
@@ -96,6 +97,14 @@ fn time(dev: &Device, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<
 /// A trainable f32 weight [out, in] and its product with `x` in `x`'s dtype (mixed precision).
 fn project(x: &Tensor, w: &Var) -> candle_core::Result<Tensor> {
     x.matmul(&w.as_tensor().to_dtype(x.dtype())?.t()?)
+}
+
+/// `w` cast to `dt` as a projection through a GPU gradient sink, or `None` where the sink does
+/// not apply (the CPU, `GRPO_GPU_KERNELS=off`).
+fn sink_proj(w: &Var, dt: DType) -> candle_core::Result<Option<SinkProj>> {
+    let cast = w.as_tensor().to_dtype(dt)?;
+    let sink = GradSink::on_gpu(&[(w, &cast)]);
+    SinkProj::new(&sink, &[(&cast, &cast)])
 }
 
 /// A fixed gradient for a recorded result, whatever reaches it: what a layer above would send.
@@ -222,7 +231,20 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
         })?;
         let fb = time(&dev, reps, || Ok(backward(&project(xin.as_tensor(), wv)?)?))?;
         report(name, f, fb, 2.0 * (n * inp * out) as f64);
+        // The same projection through the GPU gradient sink, where it applies (what the update
+        // runs on a GPU): the weight's gradient added into an f32 accumulator by cuBLAS.
+        if let Some(p) = sink_proj(wv, dt)? {
+            let f = time(&dev, reps, || {
+                Ok(p.forward(&xin.as_tensor().detach()).map(|_| ())?)
+            })?;
+            let fb = time(&dev, reps, || Ok(backward(&p.forward(xin.as_tensor())?)?))?;
+            report(&format!("{name}_sink"), f, fb, 2.0 * (n * inp * out) as f64);
+        }
     }
+    let sinks = [&w_qkv, &w_o, &w_gu, &w_down]
+        .into_iter()
+        .map(|w| sink_proj(w, dt))
+        .collect::<candle_core::Result<Option<Vec<SinkProj>>>>()?;
     let cast = time(&dev, reps, || {
         for wv in [&w_qkv, &w_o, &w_gu, &w_down] {
             wv.as_tensor().to_dtype(dt)?;
@@ -324,7 +346,14 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
     let sb = time(&dev, reps, || Ok(backward(&swiglu(gu.as_tensor())?)?))?;
     report("swiglu", sf, sb, 0.0);
     // One Llama layer from these pieces (Train mode: what the update's recompute runs).
-    let layer = |x: &Tensor, mode: Mode, attend: bool| -> Result<Tensor> {
+    // A projection by weight `i` (qkv, o, gate/up, down), through its sink when `sunk`.
+    let pj = |x: &Tensor, i: usize, sunk: bool| -> Result<Tensor> {
+        match (&sinks, sunk) {
+            (Some(s), true) => Ok(s[i].forward(x)?),
+            _ => Ok(project(x, [&w_qkv, &w_o, &w_gu, &w_down][i])?),
+        }
+    };
+    let layer = |x: &Tensor, mode: Mode, attend: bool, sunk: bool| -> Result<Tensor> {
         let nw = norm_w.as_tensor().to_dtype(dt)?;
         let norm = |h: &Tensor| -> Result<Tensor> {
             Ok(match mode {
@@ -333,7 +362,7 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
             })
         };
         let h = norm(x)?;
-        let qkv = project(&flat(&h)?, &w_qkv)?.reshape((b, t, qkv_out))?;
+        let qkv = pj(&flat(&h)?, 0, sunk)?.reshape((b, t, qkv_out))?;
         let q = qkv.narrow(2, 0, s.heads * hd)?;
         let k = qkv.narrow(2, s.heads * hd, s.kv_heads * hd)?;
         let v = qkv.narrow(2, (s.heads + s.kv_heads) * hd, s.kv_heads * hd)?;
@@ -345,20 +374,26 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
             // Everything but attention: the queries stand in for its output.
             false => q.transpose(1, 2)?.reshape((b, t, s.heads * hd))?,
         };
-        let x = (x + project(&flat(&y)?, &w_o)?.reshape((b, t, s.hidden))?)?;
+        let x = (x + pj(&flat(&y)?, 1, sunk)?.reshape((b, t, s.hidden))?)?;
         let h = norm(&x)?;
-        let g = project(&flat(&h)?, &w_gu)?;
-        let m = project(&swiglu(&g)?, &w_down)?.reshape((b, t, s.hidden))?;
+        let g = pj(&flat(&h)?, 2, sunk)?;
+        let m = pj(&swiglu(&g)?, 3, sunk)?.reshape((b, t, s.hidden))?;
         Ok((x + m)?)
     };
     let proj_flops = 2.0 * n as f64 * (s.hidden * (qkv_out + s.heads * hd + 3 * s.inter)) as f64;
-    for (name, attend, flops) in [
-        ("layer", true, proj_flops + att_flops),
-        ("layer_without_attention", false, proj_flops),
+    for (name, attend, sunk, flops) in [
+        ("layer", true, false, proj_flops + att_flops),
+        ("layer_without_attention", false, false, proj_flops),
+        ("layer_sink", true, true, proj_flops + att_flops),
     ] {
-        let lf = time(&dev, reps, || layer(&xt, Mode::Infer, attend).map(|_| ()))?;
+        if sunk && sinks.is_none() {
+            continue;
+        }
+        let lf = time(&dev, reps, || {
+            layer(&xt, Mode::Infer, attend, sunk).map(|_| ())
+        })?;
         let lb = time(&dev, reps, || {
-            Ok(backward(&layer(x.as_tensor(), Mode::Train, attend)?)?)
+            Ok(backward(&layer(x.as_tensor(), Mode::Train, attend, sunk)?)?)
         })?;
         report(name, lf, lb, flops);
     }

@@ -437,6 +437,93 @@ fn gpu_gradients_equal_the_portable_cpu_paths_for_every_parameter() {
     }
 }
 
+/// The projections' weight gradients through the GPU gradient sink (cuBLAS GEMMs adding into f32
+/// accumulators) equal candle's autograd's, for every parameter of every fixture, in f32 (to
+/// rounding) and in bf16 (to bf16's rounding of the autograd path's weight gradients).
+#[test]
+fn gpu_gradient_sink_equals_candle_autograd() {
+    use grpo::logprobs::{completion_logprobs, Entropy, Packing};
+    use grpo_models::models::grad_sink::GradSink;
+    let dev = gpu();
+    let grads = |name: &str, dt: DType, sunk: bool| {
+        let (dir, _) = fixture(name);
+        let m = load_model(&ModelSource::HfDir(dir), DType::F32, &dev).unwrap();
+        let vars: Vec<(String, Var)> = m
+            .tensors
+            .iter()
+            .map(|(k, t)| (k.clone(), Var::from_tensor(t).unwrap()))
+            .collect();
+        let cast: Vec<candle_core::Tensor> = vars
+            .iter()
+            .map(|(_, v)| v.as_tensor().to_dtype(dt).unwrap())
+            .collect();
+        let pairs: Vec<(&Var, &candle_core::Tensor)> =
+            vars.iter().map(|(_, v)| v).zip(cast.iter()).collect();
+        let sink = GradSink::on_gpu(&pairs);
+        let tensors = vars
+            .iter()
+            .zip(&cast)
+            .map(|((k, _), t)| (k.clone(), t.clone()))
+            .collect();
+        let mut model = CausalLm::from_tensors(&m.config, tensors, dt, &dev).unwrap();
+        if sunk {
+            let n = model.attach_grad_sink(&sink).unwrap();
+            // GPT-2's Conv1D weights are [in, out]: its projections keep candle's autograd.
+            assert!(
+                n > 0 || name == "gpt2",
+                "{name}: no projection took the GPU sink"
+            );
+        }
+        let prompts: Vec<&[u32]> = vec![&[5, 17, 33], &[5, 17, 33], &[9, 4]];
+        let comps: Vec<&[u32]> = vec![&[2, 90, 41, 7], &[8, 8], &[11, 12, 13]];
+        let (lp, _) = completion_logprobs(
+            &model,
+            &prompts,
+            &comps,
+            0,
+            0.9,
+            Mode::Train,
+            Entropy::Skip,
+            Packing::SharedPrompt,
+        )
+        .unwrap();
+        let g = lp.sum_all().unwrap().backward().unwrap();
+        vars.iter()
+            .map(|(k, v)| {
+                let graph = g.get(v.as_tensor()).cloned();
+                let step = sink.take(v).unwrap();
+                let t = match (graph, step) {
+                    (Some(a), Some(b)) => (a + b).unwrap(),
+                    (a, b) => a
+                        .or(b)
+                        .unwrap_or_else(|| panic!("{name}: no gradient for {k}")),
+                };
+                let t = t.to_device(&Device::Cpu).unwrap().flatten_all().unwrap();
+                (k.clone(), t.to_vec1::<f32>().unwrap())
+            })
+            .collect::<std::collections::HashMap<_, _>>()
+    };
+    for name in ARCHS {
+        for (dt, tol) in [(DType::F32, 1e-5f32), (DType::BF16, 2e-2)] {
+            let (plain, sunk) = (grads(name, dt, false), grads(name, dt, true));
+            for (k, want) in &plain {
+                let got = &sunk[k];
+                let norm = want.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-6);
+                let err = got
+                    .iter()
+                    .zip(want)
+                    .map(|(a, b)| (a - b) * (a - b))
+                    .sum::<f32>()
+                    .sqrt();
+                assert!(
+                    err <= tol * norm,
+                    "{name} {dt:?}: {k}: the sink's gradient is {err} from autograd's (norm {norm})"
+                );
+            }
+        }
+    }
+}
+
 /// Peak GPU memory of `nvidia-smi`'s first GPU while `f` runs, in bytes (sampled every 100 ms;
 /// `None` where nvidia-smi does not answer).
 fn peak_gpu_memory(f: impl FnOnce()) -> Option<u64> {

@@ -251,6 +251,19 @@ pub struct AdamWScalars {
     pub step_size: f32,
 }
 
+/// Whether projections over `t` (a parameter, or its cast, as the model holds it) take their
+/// weight gradients through a GPU [`super::grad_sink::GradSink`]: `t` on a GPU, f32 or bf16,
+/// grpo's GPU kernels on (`GRPO_GPU_KERNELS=off` keeps candle's autograd).
+pub fn sink_applies(t: &candle_core::Tensor) -> bool {
+    #[cfg(feature = "cuda")]
+    return gpu::applies(t);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = t;
+        false
+    }
+}
+
 #[cfg(feature = "cuda")]
 pub use gpu::{
     adamw_step, add_rms_norm, applies, attention, attention_chunked_backward, decode_attention,

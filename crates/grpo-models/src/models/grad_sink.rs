@@ -15,26 +15,54 @@
 //! The op records a backward only when its input tracks gradients (in training the embedding is
 //! trainable, so every projection's input does); a parameter whose accumulator is never written
 //! is reported by the trainer's every-parameter-gets-a-gradient check, not dropped silently.
+//!
+//! On a GPU ([`GradSink::on_gpu`]) the same op runs on cuBLAS: the forward and the input's
+//! gradient multiply in the model's dtype (bf16 or f32) with f32 sums, and each weight's gradient
+//! is one GEMM that adds `dY^T X` straight into the parameter's f32 accumulator (`beta = 1`), so
+//! neither the bf16 gradient, its transpose, candle's zero-plus-add, the cast back to f32 nor the
+//! per-chunk sum is ever made. The CPU op above is its twin (the same math, tested in CI); the
+//! GPU tests compare the two paths' gradients.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use candle_core::{
-    CpuStorage, CustomOp1, DType, Layout, Result, Shape, Storage, Tensor, TensorId, Var,
+    CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Storage, Tensor, TensorId, Var,
 };
 
 /// The gradient accumulator of one parameter, laid out like the parameter (contiguous).
 #[derive(Debug)]
 pub struct GradAcc {
     shape: Shape,
-    /// `None` until a backward writes to it.
+    /// CPU: `None` until a backward writes to it.
     data: Mutex<Option<Vec<f32>>>,
+    /// GPU: an f32 tensor on the parameter's device, zeroed at the first write (`None` before).
+    on_device: Mutex<Option<Tensor>>,
+    device: Device,
 }
 
-/// Accumulators for a set of trainable parameters, by tensor id.
+impl GradAcc {
+    fn new(shape: &Shape, device: &Device) -> Self {
+        Self {
+            shape: shape.clone(),
+            data: Mutex::new(None),
+            on_device: Mutex::new(None),
+            device: device.clone(),
+        }
+    }
+}
+
+fn poisoned<T>(_: T) -> candle_core::Error {
+    candle_core::Error::Msg("gradient accumulator poisoned".into())
+}
+
+/// Accumulators for a set of trainable parameters, by the id of the tensor the model holds for
+/// each (the parameter itself, or on a GPU its cast to the compute dtype).
 #[derive(Debug, Default)]
 pub struct GradSink {
     accs: HashMap<TensorId, Arc<GradAcc>>,
+    /// Parameter id -> accumulator key, where the model holds a cast of the parameter.
+    keys: HashMap<TensorId, TensorId>,
     /// Whether the projections multiply in bf16 ([`crate::kernels::Compute::CpuMixed`]).
     bf16: bool,
 }
@@ -49,15 +77,33 @@ impl GradSink {
                 crate::kernels::Compute::resolve(v.device(), v.dtype()).is_fused()
                     && v.is_contiguous()
             })
-            .map(|v| {
-                let acc = GradAcc {
-                    shape: v.shape().clone(),
-                    data: Mutex::new(None),
-                };
-                (v.id(), Arc::new(acc))
-            })
+            .map(|v| (v.id(), Arc::new(GradAcc::new(v.shape(), v.device()))))
             .collect();
-        Self { accs, bf16: false }
+        Self {
+            accs,
+            keys: HashMap::new(),
+            bf16: false,
+        }
+    }
+
+    /// GPU accumulators: for each `(parameter, tensor)` pair, where `tensor` is what the model is
+    /// built from (the parameter, or its cast to the compute dtype), an f32 accumulator when
+    /// `tensor` is a 2-D contiguous f32 or bf16 CUDA tensor and grpo's GPU kernels are on
+    /// ([`super::fused_gpu::sink_applies`]). Projections over these tensors then multiply on
+    /// cuBLAS and add their weight gradients into the accumulators ([`SinkProj`]).
+    pub fn on_gpu(pairs: &[(&Var, &Tensor)]) -> Self {
+        let mut sink = Self::default();
+        for (v, t) in pairs {
+            if t.rank() != 2 || !t.is_contiguous() || !super::fused_gpu::sink_applies(t) {
+                continue;
+            }
+            let acc = Arc::new(GradAcc::new(v.shape(), v.device()));
+            sink.accs.insert(t.id(), acc);
+            if t.id() != v.id() {
+                sink.keys.insert(v.id(), t.id());
+            }
+        }
+        sink
     }
 
     /// `self`, its projections multiplying in bf16 with f32 sums (`on`: a model under
@@ -74,15 +120,15 @@ impl GradSink {
     /// The gradient accumulated for `var` since the last `take`, or `None` if no backward wrote
     /// one. Leaves the accumulator empty.
     pub fn take(&self, var: &Var) -> Result<Option<Tensor>> {
-        let Some(acc) = self.accs.get(&var.id()) else {
+        let key = self.keys.get(&var.id()).copied().unwrap_or(var.id());
+        let Some(acc) = self.accs.get(&key) else {
             return Ok(None);
         };
-        let data = acc
-            .data
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("gradient accumulator poisoned".into()))?
-            .take();
-        data.map(|d| Tensor::from_vec(d, acc.shape.clone(), var.device()))
+        if let Some(t) = acc.on_device.lock().map_err(poisoned)?.take() {
+            return Ok(Some(t));
+        }
+        let data = acc.data.lock().map_err(poisoned)?.take();
+        data.map(|d| Tensor::from_vec(d, acc.shape.clone(), &acc.device))
             .transpose()
     }
 }
@@ -109,23 +155,39 @@ pub struct SinkProj {
 impl SinkProj {
     /// `parts`: (`param`, `weight`) pairs where `weight` [out_i, in] is `param` itself or a view
     /// of it (GPT-2's `[in, out]` Conv1D weights, transposed). `None` unless every `param` has an
-    /// accumulator in `sink` and every weight is f32 on the CPU.
+    /// accumulator in `sink` and every weight is f32 on the CPU, or, on a GPU, every weight is
+    /// contiguous (`[out_i, in]` rows) and of one dtype, f32 or bf16.
     pub fn new(sink: &GradSink, parts: &[(&Tensor, &Tensor)]) -> Result<Option<Self>> {
         let mut out = Vec::with_capacity(parts.len());
         let mut in_dim = None;
+        let first = parts
+            .first()
+            .map(|(_, w)| (w.device().is_cuda(), w.dtype()));
         for (param, weight) in parts {
             let Some(acc) = sink.get(param) else {
                 return Ok(None);
             };
             let (_, i) = weight.dims2()?;
-            if weight.dtype() != DType::F32 || !weight.device().is_cpu() {
+            let usable = match first {
+                Some((true, dt)) => {
+                    weight.device().is_cuda()
+                        && weight.is_contiguous()
+                        && weight.dtype() == dt
+                        && matches!(dt, DType::F32 | DType::BF16)
+                }
+                _ => weight.dtype() == DType::F32 && weight.device().is_cpu(),
+            };
+            if !usable {
                 return Ok(None);
             }
             if *in_dim.get_or_insert(i) != i || weight.elem_count() != acc.shape.elem_count() {
                 return Ok(None);
             }
             out.push(Part {
-                weight: (*weight).clone(),
+                weight: match weight.device().is_cuda() {
+                    true => weight.detach(),
+                    false => (*weight).clone(),
+                },
                 acc: Some(acc),
             });
         }
@@ -325,7 +387,22 @@ impl CustomOp1 for SinkProj {
         Ok((CpuStorage::F32(y), Shape::from((n, self.out_dim))))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        gpu::forward(self, s, l)
+    }
+
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        if arg.device().is_cuda() {
+            #[cfg(feature = "cuda")]
+            return gpu::backward(self, arg, grad_res);
+            #[cfg(not(feature = "cuda"))]
+            candle_core::bail!("sink projection: a GPU tensor in a build without CUDA");
+        }
         let (n, k) = arg.dims2()?;
         let gy = grad_res.contiguous()?; // [N, out]
         let x = arg.contiguous()?; // [N, in]
@@ -494,5 +571,299 @@ impl CustomOp1 for LookupOp {
         }
         // The gradient is in the accumulator; candle's store gets none for the weight.
         Ok(None)
+    }
+}
+
+/// [`SinkProj`] on cuBLAS (see the module's docs).
+#[cfg(feature = "cuda")]
+mod gpu {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::cublas::sys;
+    use candle_core::cuda_backend::cudarc::driver::{CudaStream, DevicePtr, SyncOnDrop};
+    use candle_core::cuda_backend::{CudaDevice, WrapErr};
+    use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
+
+    use super::{poisoned, SinkProj};
+
+    /// A row-major matrix operand of [`gemm`]: its first element's device address, element type
+    /// and row stride (elements), and whether the product uses its transpose.
+    #[derive(Clone, Copy)]
+    struct Mat {
+        ptr: u64,
+        dt: DType,
+        ld: usize,
+        t: bool,
+    }
+
+    /// The device address of element `offset` of `s` (f32 or bf16), with the guard that must
+    /// outlive the work launched on it.
+    fn addr<'a>(
+        s: &'a CudaStorage,
+        offset: usize,
+        stream: &'a CudaStream,
+    ) -> Result<(u64, DType, SyncOnDrop<'a>)> {
+        Ok(match s.dtype() {
+            DType::F32 => {
+                let (p, g) = s.as_cuda_slice::<f32>()?.device_ptr(stream);
+                (p + 4 * offset as u64, DType::F32, g)
+            }
+            DType::BF16 => {
+                let (p, g) = s.as_cuda_slice::<half::bf16>()?.device_ptr(stream);
+                (p + 2 * offset as u64, DType::BF16, g)
+            }
+            other => candle_core::bail!("sink projection: unsupported dtype {other:?} on the GPU"),
+        })
+    }
+
+    fn cuda_type(dt: DType) -> sys::cudaDataType {
+        match dt {
+            DType::BF16 => sys::cudaDataType::CUDA_R_16BF,
+            _ => sys::cudaDataType::CUDA_R_32F,
+        }
+    }
+
+    /// Row-major `c [m, n] = op(a) [m, k] op(b) [k, n]`, plus `c` itself when `accumulate`, with
+    /// f32 sums (`op` transposes where the operand says so). cuBLAS is column-major, where a
+    /// row-major `[r, c]` matrix is its `[c, r]` transpose: so it computes `c^T = op(b)^T op(a)^T`.
+    ///
+    /// # Safety
+    /// Each operand's address must be valid for its rows (`m`/`k` or `k`/`n` as it is used) at its
+    /// row stride, on `dev`'s stream; `c` must not overlap `a` or `b`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn gemm(
+        dev: &CudaDevice,
+        m: usize,
+        n: usize,
+        k: usize,
+        a: Mat,
+        b: Mat,
+        c: Mat,
+        accumulate: bool,
+    ) -> Result<()> {
+        let op = |t: bool| match t {
+            true => sys::cublasOperation_t::CUBLAS_OP_T,
+            false => sys::cublasOperation_t::CUBLAS_OP_N,
+        };
+        let i = |x: usize| -> Result<i32> {
+            i32::try_from(x).map_err(|_| candle_core::Error::Msg(format!("gemm: {x} > i32")))
+        };
+        let (alpha, beta) = (1f32, if accumulate { 1f32 } else { 0f32 });
+        let blas = dev.cublas_handle();
+        // SAFETY: (caller) the operands; alpha and beta are f32 as CUBLAS_COMPUTE_32F requires.
+        unsafe {
+            candle_core::cuda_backend::cudarc::cublas::result::gemm_ex(
+                *blas.handle(),
+                op(b.t),
+                op(a.t),
+                i(n)?,
+                i(m)?,
+                i(k)?,
+                (&alpha) as *const f32 as *const _,
+                b.ptr as *const _,
+                cuda_type(b.dt),
+                i(b.ld)?,
+                a.ptr as *const _,
+                cuda_type(a.dt),
+                i(a.ld)?,
+                (&beta) as *const f32 as *const _,
+                c.ptr as *mut _,
+                cuda_type(c.dt),
+                i(c.ld)?,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
+            )
+        }
+        .w()
+    }
+
+    /// `x` [N, in] -> `y` [N, out]: one GEMM per part into its columns of `y`.
+    pub(super) fn forward(
+        p: &SinkProj,
+        s: &CudaStorage,
+        l: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (n, k) = l.shape().dims2()?;
+        if !l.is_contiguous() || k != p.in_dim {
+            candle_core::bail!(
+                "sink projection: input must be contiguous [N, {}]",
+                p.in_dim
+            );
+        }
+        let dev = s.device().clone();
+        let stream = dev.cuda_stream();
+        let len = n * p.out_dim;
+        // SAFETY: every element is written by the parts' GEMMs (columns 0..out_dim, checked).
+        let y = match s.dtype() {
+            DType::BF16 => {
+                CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<half::bf16>(len)? }, dev.clone())
+            }
+            _ => CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<f32>(len)? }, dev.clone()),
+        };
+        let (xp, xdt, _gx) = addr(s, l.start_offset(), &stream)?;
+        let mut col = 0;
+        for part in &p.parts {
+            let (o, _) = part.weight.dims2()?;
+            let (ws, wl) = part.weight.storage_and_layout();
+            let Storage::Cuda(ws) = &*ws else {
+                candle_core::bail!("sink projection: a weight is not on the GPU");
+            };
+            let (wp, wdt, _gw) = addr(ws, wl.start_offset(), &stream)?;
+            let (yp, ydt, _gy) = addr(&y, col, &stream)?;
+            if wdt != xdt {
+                candle_core::bail!("sink projection: input {xdt:?}, weight {wdt:?}");
+            }
+            // y[:, col..col+o] = x W_i^T   (W_i [o, k] contiguous)
+            // SAFETY: x is [n, k] contiguous, W_i [o, k] contiguous, y [n, out_dim] fresh.
+            unsafe {
+                gemm(
+                    &dev,
+                    n,
+                    o,
+                    k,
+                    Mat {
+                        ptr: xp,
+                        dt: xdt,
+                        ld: k,
+                        t: false,
+                    },
+                    Mat {
+                        ptr: wp,
+                        dt: wdt,
+                        ld: k,
+                        t: true,
+                    },
+                    Mat {
+                        ptr: yp,
+                        dt: ydt,
+                        ld: p.out_dim,
+                        t: false,
+                    },
+                    false,
+                )?
+            };
+            col += o;
+        }
+        if col != p.out_dim {
+            candle_core::bail!(
+                "sink projection: parts cover {col} of {} outputs",
+                p.out_dim
+            );
+        }
+        Ok((y, Shape::from((n, p.out_dim))))
+    }
+
+    /// `dX = dY [W_1; W_2; ...]` (returned) and `dW_i += dY[:, part i]^T X` into each part's
+    /// f32 accumulator.
+    pub(super) fn backward(p: &SinkProj, arg: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let (n, k) = arg.dims2()?;
+        let x = arg.contiguous()?; // [N, in]
+        let gy = grad.to_dtype(x.dtype())?.contiguous()?; // [N, out]
+        if p.parts.is_empty() {
+            candle_core::bail!("sink projection: no parts");
+        }
+        let dev = match x.device() {
+            candle_core::Device::Cuda(d) => d.clone(),
+            _ => candle_core::bail!("sink projection: the input is not on the GPU"),
+        };
+        let stream = dev.cuda_stream();
+        // SAFETY: the first part's GEMM (not accumulating) writes all of it.
+        let gx = unsafe { Tensor::empty((n, k), x.dtype(), x.device())? };
+        {
+            let (xs, xl) = x.storage_and_layout();
+            let (gs, gl) = gy.storage_and_layout();
+            let (gxs, gxl) = gx.storage_and_layout();
+            let (Storage::Cuda(xs), Storage::Cuda(gs), Storage::Cuda(gxs)) = (&*xs, &*gs, &*gxs)
+            else {
+                candle_core::bail!("sink projection: a tensor is not on the GPU");
+            };
+            let (xp, xdt, _g1) = addr(xs, xl.start_offset(), &stream)?;
+            let (gxp, gxdt, _g2) = addr(gxs, gxl.start_offset(), &stream)?;
+            let x_mat = Mat {
+                ptr: xp,
+                dt: xdt,
+                ld: k,
+                t: false,
+            };
+            let mut col = 0;
+            for (i, part) in p.parts.iter().enumerate() {
+                let (o, _) = part.weight.dims2()?;
+                let (ws, wl) = part.weight.storage_and_layout();
+                let Storage::Cuda(ws) = &*ws else {
+                    candle_core::bail!("sink projection: a weight is not on the GPU");
+                };
+                let (wp, wdt, _gw) = addr(ws, wl.start_offset(), &stream)?;
+                let (dyp, dydt, _gd) = addr(gs, gl.start_offset() + col, &stream)?;
+                // dX (+)= dY[:, part] W_i
+                // SAFETY: dY [n, out_dim] contiguous (its columns col..col+o), W_i [o, k], dX [n, k].
+                unsafe {
+                    gemm(
+                        &dev,
+                        n,
+                        k,
+                        o,
+                        Mat {
+                            ptr: dyp,
+                            dt: dydt,
+                            ld: p.out_dim,
+                            t: false,
+                        },
+                        Mat {
+                            ptr: wp,
+                            dt: wdt,
+                            ld: k,
+                            t: false,
+                        },
+                        Mat {
+                            ptr: gxp,
+                            dt: gxdt,
+                            ld: k,
+                            t: false,
+                        },
+                        i > 0,
+                    )?
+                };
+                if let Some(acc) = &part.acc {
+                    let mut slot = acc.on_device.lock().map_err(poisoned)?;
+                    if slot.is_none() {
+                        *slot = Some(Tensor::zeros(acc.shape.clone(), DType::F32, &acc.device)?);
+                    }
+                    let Some(a) = slot.as_ref() else {
+                        candle_core::bail!("sink projection: accumulator missing");
+                    };
+                    let (as_, al) = a.storage_and_layout();
+                    let Storage::Cuda(as_) = &*as_ else {
+                        candle_core::bail!("sink projection: an accumulator is not on the GPU");
+                    };
+                    let (ap, adt, _ga) = addr(as_, al.start_offset(), &stream)?;
+                    // dW_i += dY[:, part]^T X   ([o, n] times [n, k], into W_i's f32 accumulator)
+                    // SAFETY: the accumulator is [o, k] f32 contiguous, held under its lock; dY's
+                    // columns are read as the transpose of an [n, o] matrix of row stride out_dim.
+                    unsafe {
+                        gemm(
+                            &dev,
+                            o,
+                            k,
+                            n,
+                            Mat {
+                                ptr: dyp,
+                                dt: dydt,
+                                ld: p.out_dim,
+                                t: true,
+                            },
+                            x_mat,
+                            Mat {
+                                ptr: ap,
+                                dt: adt,
+                                ld: k,
+                                t: false,
+                            },
+                            true,
+                        )?
+                    };
+                }
+                col += o;
+            }
+        } // the storage guards end here, before `gx` is handed back
+        Ok(Some(gx))
     }
 }

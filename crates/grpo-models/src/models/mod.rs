@@ -133,8 +133,12 @@ impl CausalLm {
         let err =
             |e: candle_core::Error| Error::Model(format!("cannot attach the gradient sink: {e}"));
         let n = n.map_err(err)?;
+        // On a GPU the head stays a plain matmul: the recomputed log-prob kernels take it.
         let w = self.lm_head().clone();
-        self.head = grad_sink::SinkProj::new(sink, &[(&w, &w)]).map_err(err)?;
+        self.head = match w.device().is_cpu() {
+            true => grad_sink::SinkProj::new(sink, &[(&w, &w)]).map_err(err)?,
+            false => None,
+        };
         Ok(n + usize::from(self.head.is_some()))
     }
 

@@ -183,17 +183,40 @@ impl Policy for CausalLmPolicy {
         gradient_checkpointing: bool,
     ) -> Result<CausalLmForward> {
         let clock = Arc::new(AtomicU64::new(0));
-        let mut model = self.build(true, Some((dropout_seed, clock.clone())))?;
-        // Projection weights' gradients go straight into accumulators (CPU, f32); the rest
-        // (embedding, norms, biases, LoRA adapters) through candle's autograd, or, for blocks
-        // recomputed by gradient checkpointing, into the checkpoint store.
-        // (The sink is fused CPU f32 code: a bf16 model keeps candle's autograd.)
+        // Projection weights' gradients go straight into f32 accumulators (the fused CPU code,
+        // or cuBLAS on a GPU); the rest (embedding, norms, biases, LoRA adapters) through
+        // candle's autograd, or, for blocks recomputed by gradient checkpointing, into the
+        // checkpoint store. The portable CPU path keeps candle's autograd throughout.
         let compute = grpo_models::kernels::Compute::resolve(&self.device, self.dtype);
-        let sink = match compute.is_fused() {
-            true => GradSink::new(&self.vars).with_bf16_matmuls(compute.bf16_matmuls()),
-            false => GradSink::default(),
+        let (mut model, sink) = match (&self.lora, self.device.is_cuda()) {
+            (None, true) => {
+                // Each parameter cast to the compute dtype once, here, so that the sink knows
+                // the tensors the model's projections hold.
+                let tensors = self
+                    .tensors(true)
+                    .into_iter()
+                    .map(|(n, t)| Ok((n, t.to_dtype(self.dtype)?)))
+                    .collect::<Result<Vec<(String, Tensor)>>>()?;
+                let pairs: Vec<(&Var, &Tensor)> = self
+                    .vars
+                    .iter()
+                    .zip(tensors.iter().map(|(_, t)| t))
+                    .collect();
+                let sink = GradSink::on_gpu(&pairs);
+                let tensors: HashMap<String, Tensor> = tensors.into_iter().collect();
+                let model = CausalLm::from_tensors(&self.cfg, tensors, self.dtype, &self.device)?;
+                (model, sink)
+            }
+            _ => {
+                let model = self.build(true, Some((dropout_seed, clock.clone())))?;
+                let sink = match compute.is_fused() {
+                    true => GradSink::new(&self.vars).with_bf16_matmuls(compute.bf16_matmuls()),
+                    false => GradSink::default(),
+                };
+                (model, sink)
+            }
         };
-        if self.lora.is_none() && compute.is_fused() {
+        if self.lora.is_none() && (compute.is_fused() || self.device.is_cuda()) {
             model.attach_grad_sink(&sink)?;
         }
         let ckpt = match gradient_checkpointing {
