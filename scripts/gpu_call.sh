@@ -7,6 +7,7 @@
 #   OUT=$OUT bash scripts/gpu_call.sh        (~7 minutes; BUDGET=seconds for the whole call, 530)
 #   KIT=0 OUT=$OUT bash scripts/gpu_call.sh  (~2 minutes: the pieces and the GPU tests, no kit)
 #   OPS=0 KIT=0 OUT=$OUT bash scripts/gpu_call.sh  (the GPU tests alone)
+#   KINDS=default TESTS=0 KIT=0 OUT=$OUT bash scripts/gpu_call.sh  (the pieces, default kernels)
 # Results in $OUT: ops-summary.txt (per-piece ms per kernel set), summary.txt and logs.tgz (the kit).
 set -u
 T0=$SECONDS; ROOT=$PWD; G=$ROOT/.gpu; FIN=${OUT:-$ROOT/gpu-out}; mkdir -p $FIN
@@ -16,7 +17,7 @@ NV=$(find $SITE/nvidia -name "lib*.so*" -printf "%h\n" 2>/dev/null | sort -u | t
 export LD_LIBRARY_PATH=$NV/usr/local/nvidia/lib64:/usr/local/nvidia/lib:${LD_LIBRARY_PATH:-}
 python3 -c "import lzma,sys,shutil; shutil.copyfileobj(lzma.open(sys.argv[1]), open('/tmp/grpo-ops','wb'))" $G/bin/grpo.xz
 chmod +x /tmp/grpo-ops
-KINDS="default forward off"; [ "${OPS:-1}" = 0 ] && KINDS=""  # OPS=0: no pieces
+KINDS=${KINDS:-default forward off}; [ "${OPS:-1}" = 0 ] && KINDS=""  # OPS=0: no pieces
 for k in $KINDS; do
   log "ops 1.7b, kernels: $k"
   GRPO_GPU_KERNELS=$k timeout 60 /tmp/grpo-ops bench ops --device cuda --shape 1.7b --rows 46 --seq 304 \
@@ -53,9 +54,29 @@ if [ "${KIT:-1}" = 0 ]; then  # a short call: the pieces and the GPU tests only
   if [ "$src" != "$ROOT" ]; then
     mkdir -p "$(dirname "$src")"; [ -e "$src" ] && [ ! -L "$src" ] && mv "$src" "$src.orig"; ln -sfn "$ROOT" "$src"
   fi
+  [ "${TESTS:-1}" = 0 ] && { log "done (no tests)"; exit 0; }
   log "GPU tests"; timeout 150 /tmp/grpo-tests --test-threads=1 > $FIN/cuda-tests.txt 2>&1
   grep -E "^test |test result" $FIN/cuda-tests.txt >> $FIN/ops-summary.txt; log "done"; exit 0
 fi
 log "kit with GRPO_GPU_KERNELS=$BEST GRPO_GPU_DECODE=${GRPO_GPU_DECODE:-kernel}"
 export GRPO_GPU_KERNELS=$BEST GRPO_PROFILE=1
 BUDGET=$((${BUDGET:-530} - (SECONDS - T0))) OUT=$FIN bash .gpu/run.sh
+# EXTRA=1: after the kit, the small f32 shape again with gradient checkpointing (what TRL's peer
+# runs with), for its peak memory and step time; skipped when the budget is spent.
+if [ "${EXTRA:-0}" = 1 ] && [ $((${BUDGET:-530} + T0 - SECONDS)) -gt 45 ] && [ -d /tmp/m-135m ]; then
+  log "extra: grpo s135-f32 with --gradient_checkpointing=true"
+  rm -f $FIN/mem-ckpt.txt
+  (while true; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits >> $FIN/mem-ckpt.txt; sleep 0.5; done) & PP=$!
+  timeout 60 $G/bin/grpo train --config $G/kit/grpo_gpu.toml --model=/tmp/m-135m --train_file=/tmp/data.jsonl \
+    --output_dir=/tmp/o-ckpt --max_steps=5 --device=cuda --dtype=f32 --gradient_checkpointing=true \
+    > $FIN/grpo-s135-f32-ckpt.log 2>&1
+  echo "   rc=$?" >> $FIN/ops-summary.txt; kill $PP 2>/dev/null; wait $PP 2>/dev/null
+  echo "   peak GPU memory: $(sort -n $FIN/mem-ckpt.txt | tail -1) MiB" >> $FIN/ops-summary.txt
+  python3 - /tmp/o-ckpt/metrics.jsonl >> $FIN/ops-summary.txt 2>&1 <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]; r = rows[1:] or rows
+m = lambda k: round(statistics.median(x.get(k, 0) for x in r), 3)
+print("   grpo (checkpointing) from step 2, median s: step", m("time/step"), "gen", m("time/generate"), "ref", m("time/reference"), "update", m("time/update"))
+PY
+  log "extra done"
+fi

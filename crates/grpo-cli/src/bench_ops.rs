@@ -241,6 +241,61 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
             report(&format!("{name}_sink"), f, fb, 2.0 * (n * inp * out) as f64);
         }
     }
+    // The gate/up projection's three GEMMs alone, by cuBLAS layout (row-major names: `tn` is
+    // x W^T, the forward's; `nn` is dY W, the input's gradient; `nt` is dY^T X, the weight's),
+    // and the backward's two as `tn` over transposed copies: whether a layout is what is slow.
+    if dev.is_cuda() {
+        let (o, k) = (2 * s.inter, s.hidden);
+        let r = |a: usize, b: usize| Tensor::randn(0f32, 1.0, (a, b), &dev)?.to_dtype(dt);
+        let (xa, wa, dy) = (r(n, k)?, r(o, k)?, r(n, o)?);
+        let (wt, dyt, xt) = (
+            wa.t()?.contiguous()?,
+            dy.t()?.contiguous()?,
+            xa.t()?.contiguous()?,
+        );
+        let flops = 2.0 * (n * o * k) as f64;
+        let cases: [(&str, &Tensor, Tensor); 5] = [
+            ("gemm_tn", &xa, wa.t()?),
+            ("gemm_nn", &dy, wa.clone()),
+            ("gemm_nt", &dyt, xa.clone()),
+            ("gemm_nn_as_tn", &dy, wt.t()?),
+            ("gemm_nt_as_tn", &dyt, xt.t()?),
+        ];
+        for (name, lhs, rhs) in cases {
+            let lhs = match name {
+                "gemm_nt" => dy.t()?,
+                _ => lhs.clone(),
+            };
+            let f = time(&dev, reps, || Ok(lhs.matmul(&rhs).map(|_| ())?))?;
+            report(name, f, f, flops);
+        }
+        // The weight gradient into an f32 accumulator both ways, and what candle's autograd
+        // does around a gradient of these sizes (zero-fill + add, a cast, a transposed copy).
+        #[cfg(feature = "cuda")]
+        if dt == DType::BF16 {
+            use grpo_models::models::grad_sink::{add_weight_gradient, DwVia};
+            let acc = Tensor::zeros((o, k), DType::F32, &dev)?;
+            for (name, via) in [
+                ("dw_f32_gemm", DwVia::F32Gemm),
+                ("dw_bf16_add", DwVia::Bf16Add),
+            ] {
+                let f = time(&dev, reps, || {
+                    Ok(add_weight_gradient(&acc, &dy, 0, o, &xa, via)?)
+                })?;
+                report(name, f, f, flops);
+            }
+        }
+        let elementwise: [(&str, &dyn Fn() -> candle_core::Result<Tensor>); 4] = [
+            ("zeros_like_dy", &|| dy.zeros_like()),
+            ("add_dy_dy", &|| &dy + &dy),
+            ("w_to_f32", &|| wa.to_dtype(DType::F32)),
+            ("w_transposed_copy", &|| wa.t()?.contiguous()),
+        ];
+        for (name, f) in elementwise {
+            let t = time(&dev, reps, || Ok(f().map(|_| ())?))?;
+            report(name, t, t, 0.0);
+        }
+    }
     let sinks = [&w_qkv, &w_o, &w_gu, &w_down]
         .into_iter()
         .map(|w| sink_proj(w, dt))
@@ -346,6 +401,14 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
     let sb = time(&dev, reps, || Ok(backward(&swiglu(gu.as_tensor())?)?))?;
     report("swiglu", sf, sb, 0.0);
     // One Llama layer from these pieces (Train mode: what the update's recompute runs).
+    // The q, k and v projections through sinks of their own (rows of the joined weight).
+    let split_qkv = match &sinks {
+        Some(_) => [s.heads, s.kv_heads, s.kv_heads]
+            .into_iter()
+            .map(|heads| Ok(sink_proj(&w(heads * hd, s.hidden)?, dt)?))
+            .collect::<Result<Option<Vec<SinkProj>>>>()?,
+        None => None,
+    };
     // A projection by weight `i` (qkv, o, gate/up, down), through its sink when `sunk`.
     let pj = |x: &Tensor, i: usize, sunk: bool| -> Result<Tensor> {
         match (&sinks, sunk) {
@@ -362,10 +425,25 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
             })
         };
         let h = norm(x)?;
-        let qkv = pj(&flat(&h)?, 0, sunk)?.reshape((b, t, qkv_out))?;
-        let q = qkv.narrow(2, 0, s.heads * hd)?;
-        let k = qkv.narrow(2, s.heads * hd, s.kv_heads * hd)?;
-        let v = qkv.narrow(2, (s.heads + s.kv_heads) * hd, s.kv_heads * hd)?;
+        let (q, k, v) = match (&split_qkv, sunk) {
+            // As training on a GPU runs it: q, k and v each their own projection.
+            (Some(p), true) => {
+                let f = |i: usize| -> Result<Tensor> {
+                    let y = p[i].forward(&flat(&h)?)?;
+                    let w = y.dim(1)?;
+                    Ok(y.reshape((b, t, w))?)
+                };
+                (f(0)?, f(1)?, f(2)?)
+            }
+            _ => {
+                let qkv = pj(&flat(&h)?, 0, sunk)?.reshape((b, t, qkv_out))?;
+                (
+                    qkv.narrow(2, 0, s.heads * hd)?,
+                    qkv.narrow(2, s.heads * hd, s.kv_heads * hd)?,
+                    qkv.narrow(2, (s.heads + s.kv_heads) * hd, s.kv_heads * hd)?,
+                )
+            }
+        };
         let q = layers::rope_heads(&q, &cos, &sin, s.heads, mode, compute)?;
         let k = layers::rope_heads(&k, &cos, &sin, s.kv_heads, mode, compute)?;
         let v = v.reshape((b, t, s.kv_heads, hd))?.transpose(1, 2)?;
@@ -376,6 +454,12 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
         };
         let x = (x + pj(&flat(&y)?, 1, sunk)?.reshape((b, t, s.hidden))?)?;
         let h = norm(&x)?;
+        #[cfg(feature = "cuda")]
+        if let (Some(sk), true) = (&sinks, sunk) {
+            // As training on a GPU runs it: the MLP block as one recorded op.
+            let m = grpo_models::models::grad_sink::sink_mlp(&flat(&h)?, &sk[2], &sk[3])?;
+            return Ok((x + m.reshape((b, t, s.hidden))?)?);
+        }
         let g = pj(&flat(&h)?, 2, sunk)?;
         let m = pj(&swiglu(&g)?, 3, sunk)?.reshape((b, t, s.hidden))?;
         Ok((x + m)?)

@@ -191,12 +191,36 @@ pub fn token_logprobs_entropy_recomputed(
     chunk_rows: usize,
     entropy: Entropy,
 ) -> Result<(Tensor, Option<Tensor>)> {
+    head_logprobs_recomputed(
+        hidden,
+        lm_head,
+        targets,
+        temperature,
+        chunk_rows,
+        entropy,
+        None,
+    )
+}
+
+/// [`token_logprobs_entropy_recomputed`], the head weight's gradient added into `head_grad`
+/// (a GPU sink's accumulator: one GEMM per chunk with f32 sums) instead of returned to candle's
+/// graph, when given.
+fn head_logprobs_recomputed(
+    hidden: &Tensor,
+    lm_head: &Tensor,
+    targets: &Tensor,
+    temperature: f64,
+    chunk_rows: usize,
+    entropy: Entropy,
+    head_grad: Option<grpo_models::models::grad_sink::WeightGrad>,
+) -> Result<(Tensor, Option<Tensor>)> {
     let op = HeadLogprobs {
         targets: targets.detach(),
         temperature: if temperature > 0.0 { temperature } else { 1.0 },
         chunk: chunk_rows.max(1),
         entropy,
         lse: Default::default(),
+        head_grad,
     };
     let (both, lse) = op.forward(&hidden.detach(), &lm_head.detach())?; // [N, 2], [N, 1]
     let op = HeadLogprobs {
@@ -226,6 +250,8 @@ struct HeadLogprobs {
     entropy: Entropy,
     /// [N, 1] f32: each row's log-sum-exp of `logits / T`.
     lse: std::sync::OnceLock<Tensor>,
+    /// Where the head weight's gradient goes instead of the graph (a GPU sink), when set.
+    head_grad: Option<grpo_models::models::grad_sink::WeightGrad>,
 }
 
 impl HeadLogprobs {
@@ -306,7 +332,9 @@ impl grpo_models::models::recompute::Backward for HeadLogprobs {
             let logits = h.matmul(&w.t()?)?; // [c, V]
             let dlogits = self.dlogits(&logits, start, len, lse, out, &grad)?; // [c, V]
             dhs.push(dlogits.matmul(w)?); // [c, H]
-            if wanted[1] {
+            if let (true, Some(acc)) = (wanted[1], &self.head_grad) {
+                acc.add_product(&dlogits, &h)?; // dW [V, H] += dz^T h, f32 sums
+            } else if wanted[1] {
                 let part = dlogits.t()?.matmul(&h)?.to_dtype(f)?; // [V, H]
                 dw = Some(match dw {
                     Some(acc) => (acc + part)?,
@@ -626,13 +654,14 @@ pub fn completion_logprobs(
     let big_rows = grpo_models::models::chunked_attention::CHUNK_BYTES / (4 * vocab.max(1));
     let (lp, ent) = match model.plain_head() {
         // Off the fused CPU path a training forward keeps no [M, V] logits.
-        Some(w) if mode == Mode::Train && !one_row => token_logprobs_entropy_recomputed(
+        Some(w) if mode == Mode::Train && !one_row => head_logprobs_recomputed(
             &picked,
             w,
             &targets,
             temperature,
             big_rows.max(1),
             entropy,
+            model.head_grad().cloned(),
         )?,
         _ => token_logprobs_entropy_with(
             &picked,

@@ -266,9 +266,9 @@ pub fn sink_applies(t: &candle_core::Tensor) -> bool {
 
 #[cfg(feature = "cuda")]
 pub use gpu::{
-    adamw_step, add_rms_norm, applies, attention, attention_chunked_backward, decode_attention,
-    head_applies, head_logprobs, head_logprobs_backward, rms_norm, rms_norm_applies, rope_append,
-    rope_heads, sum_squares, swiglu,
+    adamw_step, add_into_f32, add_rms_norm, applies, attention, attention_chunked_backward,
+    decode_attention, head_applies, head_logprobs, head_logprobs_backward, rms_norm,
+    rms_norm_applies, rope_append, rope_heads, sum_squares, swiglu, swiglu_backward,
 };
 
 #[cfg(feature = "cuda")]
@@ -548,21 +548,34 @@ mod gpu {
             let [gu] = inputs else {
                 candle_core::bail!("gpu swiglu: one input expected");
             };
-            let gu = gu.contiguous()?;
-            let g = grad.to_dtype(gu.dtype())?.contiguous()?;
-            let dgu = output(gu.shape(), gu.dtype(), gu.device())?;
-            let (n, inter) = (out.elem_count(), out.dim(candle_core::D::Minus1)?);
-            let kernel = format!("swiglu_bwd_{}", suffix(gu.dtype()));
-            let scalars = [Scalar::I64(n as i64), Scalar::I32(inter as i32)];
-            launch(
-                &cuda(&gu)?,
-                &kernel,
-                elementwise(n),
-                &[&gu, &g, &dgu],
-                &scalars,
-            )?;
-            Ok(vec![Some(dgu)])
+            let _ = out;
+            Ok(vec![Some(swiglu_backward(gu, grad)?)])
         }
+    }
+
+    /// SwiGLU's backward: `gu` [.., 2I] and the output's gradient `grad` [.., I] -> `dgu`
+    /// [.., 2I] in `gu`'s dtype, one kernel.
+    pub fn swiglu_backward(gu: &Tensor, grad: &Tensor) -> Result<Tensor> {
+        let gu = gu.contiguous()?;
+        let g = grad.to_dtype(gu.dtype())?.contiguous()?;
+        let dgu = output(gu.shape(), gu.dtype(), gu.device())?;
+        let (n, inter) = (g.elem_count(), g.dim(candle_core::D::Minus1)?);
+        if 2 * n != gu.elem_count() {
+            candle_core::bail!(
+                "swiglu backward: {n} gradients for {} inputs",
+                gu.elem_count()
+            );
+        }
+        let kernel = format!("swiglu_bwd_{}", suffix(gu.dtype()));
+        let scalars = [Scalar::I64(n as i64), Scalar::I32(inter as i32)];
+        launch(
+            &cuda(&gu)?,
+            &kernel,
+            elementwise(n),
+            &[&gu, &g, &dgu],
+            &scalars,
+        )?;
+        Ok(dgu)
     }
 
     /// Whether a training RMSNorm of `x` by `w` runs grpo's kernels (unless
@@ -856,6 +869,31 @@ mod gpu {
             elementwise(n),
             &[p, g, m, v],
             &scalars,
+        )?;
+        Ok(true)
+    }
+
+    /// `acc += x` in place: `acc` f32 and `x` bf16, contiguous, of one element count (one
+    /// kernel). Returns whether it ran (`false`: the tensors do not fit, or the kernels are off).
+    pub fn add_into_f32(acc: &Tensor, x: &Tensor) -> Result<bool> {
+        let n = acc.elem_count();
+        let ok = enabled()
+            && acc.device().is_cuda()
+            && acc.dtype() == DType::F32
+            && x.dtype() == DType::BF16
+            && acc.is_contiguous()
+            && x.is_contiguous()
+            && x.elem_count() == n;
+        if !ok {
+            return Ok(false);
+        }
+        // The kernel writes `acc` in place (the caller owns it exclusively).
+        launch(
+            &cuda(acc)?,
+            "acc_add_bf16",
+            elementwise(n),
+            &[acc, x],
+            &[Scalar::I64(n as i64)],
         )?;
         Ok(true)
     }

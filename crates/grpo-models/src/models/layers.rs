@@ -125,6 +125,15 @@ impl Linear {
         };
         Ok(self.sink.is_some())
     }
+    /// The GPU gradient sink of this projection when it is the whole projection (no bias, no
+    /// adapter): for blocks that run their projections' GEMMs themselves ([`super::grad_sink`]).
+    pub fn gpu_sink(&self) -> Option<&SinkProj> {
+        match (&self.sink, &self.bias, &self.lora) {
+            (Some(s), None, None) if s.on_gpu() => Some(s),
+            _ => None,
+        }
+    }
+
     /// Adds `lora`'s output to this projection's (or removes the adapter with `None`).
     pub fn set_lora(&mut self, lora: Option<LoraAdapter>) -> Result<()> {
         if let Some(l) = &lora {
@@ -315,6 +324,8 @@ pub struct FusedLinear {
     /// The joined projection, prebuilt for detached weights.
     joined: Option<Linear>,
     sink: Option<SinkProj>,
+    /// On a GPU with a sink: one projection per part ([`SinkProj::split`]).
+    split: Vec<SinkProj>,
     outs: Vec<usize>,
     /// A LoRA adapter per part (or none).
     loras: Vec<Option<LoraAdapter>>,
@@ -341,6 +352,7 @@ impl FusedLinear {
             parts,
             joined,
             sink: None,
+            split: vec![],
             outs,
             loras,
             compute: Compute::Portable,
@@ -476,7 +488,22 @@ impl FusedLinear {
     pub fn attach_grad_sink(&mut self, sink: &GradSink) -> Result<bool> {
         let pairs: Vec<(&Tensor, &Tensor)> = self.parts.iter().map(|(w, _)| (w, w)).collect();
         self.sink = SinkProj::new(sink, &pairs)?;
+        self.split = match &self.sink {
+            Some(s) if s.on_gpu() && self.parts.len() > 1 => s.split(),
+            _ => vec![],
+        };
         Ok(self.sink.is_some())
+    }
+
+    /// The GPU gradient sink over all the parts when it is the whole projection (no biases, no
+    /// adapters): for blocks that run their projections' GEMMs themselves.
+    pub fn gpu_sink(&self) -> Option<&SinkProj> {
+        let plain =
+            self.parts.iter().all(|(_, b)| b.is_none()) && self.loras.iter().all(|l| l.is_none());
+        match &self.sink {
+            Some(s) if plain && s.on_gpu() => Some(s),
+            _ => None,
+        }
     }
 
     /// The joined projection's packed parts ([`Linear::packed_parts`]) when it is packed and
@@ -529,8 +556,12 @@ impl FusedLinear {
         }
     }
 
-    /// `x` [.., in] -> one tensor [.., out_i] per part (views of one output without adapters).
+    /// `x` [.., in] -> one tensor [.., out_i] per part (views of one output without adapters;
+    /// on a GPU with a sink, a tensor of its own per part).
     pub fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        if !self.split.is_empty() && self.gpu_sink().is_some() {
+            return self.split.iter().map(|p| p.forward(x)).collect();
+        }
         let y = self.forward_base(x)?;
         let last = y.rank() - 1;
         let mut start = 0;

@@ -258,6 +258,16 @@ impl Mlp {
             return self.down_proj.forward(&super::fused::silu_mul(&gu)?);
         }
         #[cfg(feature = "cuda")]
+        if let (Activation::Silu, Some(gu), Some(down), true) = (
+            self.activation,
+            self.gate_up_proj.gpu_sink(),
+            self.down_proj.gpu_sink(),
+            x.track_op(),
+        ) {
+            // Training on a GPU: the whole block as one recorded op.
+            return super::grad_sink::sink_mlp(x, gu, down);
+        }
+        #[cfg(feature = "cuda")]
         if self.activation == Activation::Silu && super::fused_gpu::applies(x) {
             let gu = self.gate_up_proj.forward_joined(x)?; // [B, S, 2I]
             return self.down_proj.forward(&super::fused_gpu::swiglu(&gu)?);

@@ -67,6 +67,8 @@ pub struct CausalLm {
     head: Option<grad_sink::SinkProj>,
     /// Per-block activation checkpointing of training forwards, when set.
     ckpt: Option<std::sync::Arc<checkpointing::CheckpointGrads>>,
+    /// The LM head weight's accumulator in a GPU gradient sink ([`Self::head_grad`]).
+    head_grad: Option<grad_sink::WeightGrad>,
     /// The LM head in the decoding GEMM's panels ([`Self::pack_for_decoding`]).
     head_packed: Option<std::sync::Arc<packed::PackedWeight>>,
     /// The fused CPU decoding step's weights ([`Self::pack_for_decoding`]); dropped whenever the
@@ -116,6 +118,7 @@ impl CausalLm {
             compute,
             head: None,
             ckpt: None,
+            head_grad: None,
             head_packed: None,
             decoder: None,
         })
@@ -133,12 +136,14 @@ impl CausalLm {
         let err =
             |e: candle_core::Error| Error::Model(format!("cannot attach the gradient sink: {e}"));
         let n = n.map_err(err)?;
-        // On a GPU the head stays a plain matmul: the recomputed log-prob kernels take it.
+        // On a GPU the head stays a plain matmul (the recomputed log-prob kernels take it);
+        // its weight gradient goes to the sink through [`Self::head_grad`].
         let w = self.lm_head().clone();
         self.head = match w.device().is_cpu() {
             true => grad_sink::SinkProj::new(sink, &[(&w, &w)]).map_err(err)?,
             false => None,
         };
+        self.head_grad = sink.weight_grad(&w);
         Ok(n + usize::from(self.head.is_some()))
     }
 
@@ -499,6 +504,12 @@ impl CausalLm {
     pub fn plain_head(&self) -> Option<&Tensor> {
         let plain = self.head.is_none() && self.cfg.extras.final_softcap.is_none();
         plain.then(|| self.lm_head())
+    }
+
+    /// Where a training forward's LM head weight gradient goes instead of candle's graph: the
+    /// weight's accumulator in a GPU gradient sink attached to this model (`None` elsewhere).
+    pub fn head_grad(&self) -> Option<&grad_sink::WeightGrad> {
+        self.head_grad.as_ref()
     }
 
     /// LM head: hidden [..., H] -> logits [..., V] (f32; f64 stays f64).

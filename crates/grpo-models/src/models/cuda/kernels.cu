@@ -759,6 +759,13 @@ DECODE(bf16_t, bf16, 64)
 DECODE(float, f32, 128)
 DECODE(bf16_t, bf16, 128)
 
+// acc[i] += x[i] over n elements: a bf16 weight gradient added into its f32 accumulator (the
+// gradient sink's alternative to a GEMM with f32 output), one thread per element.
+extern "C" __global__ void acc_add_bf16(float* acc, const bf16_t* x, long n) {
+    const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) acc[i] += ld(x, i);
+}
+
 // AdamW in place over f32 p, g, m, v of n elements, the formula of optim.rs's FusedStep::apply
 // (torch's single-tensor path): g' = g gs; p *= decay; m += (g' - m)(1 - b1);
 // v = v b2 + (1 - b2) g' g'; p -= step_size m / (sqrt(v) / bc2 + eps).
