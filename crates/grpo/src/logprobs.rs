@@ -223,12 +223,18 @@ fn head_logprobs_recomputed(
         head_grad,
     };
     let (both, lse) = op.forward(&hidden.detach(), &lm_head.detach())?; // [N, 2], [N, 1]
+                                                                        // With `head_grad` the head's gradient bypasses the graph: the op does not take the head
+                                                                        // as a graph input (candle expects a gradient for every tracked input it reaches).
+    let head = match op.head_grad {
+        Some(_) => lm_head.detach(),
+        None => lm_head.clone(),
+    };
     let op = HeadLogprobs {
         lse: std::sync::OnceLock::from(lse),
         ..op
     };
     let both =
-        grpo_models::models::recompute::attach(&both, &[hidden, lm_head], std::sync::Arc::new(op))?;
+        grpo_models::models::recompute::attach(&both, &[hidden, &head], std::sync::Arc::new(op))?;
     let lp = both.narrow(1, 0, 1)?.squeeze(1)?; // [N]
     let ent = both.narrow(1, 1, 1)?.squeeze(1)?; // [N]
     Ok((
@@ -332,7 +338,7 @@ impl grpo_models::models::recompute::Backward for HeadLogprobs {
             let logits = h.matmul(&w.t()?)?; // [c, V]
             let dlogits = self.dlogits(&logits, start, len, lse, out, &grad)?; // [c, V]
             dhs.push(dlogits.matmul(w)?); // [c, H]
-            if let (true, Some(acc)) = (wanted[1], &self.head_grad) {
+            if let Some(acc) = &self.head_grad {
                 acc.add_product(&dlogits, &h)?; // dW [V, H] += dz^T h, f32 sums
             } else if wanted[1] {
                 let part = dlogits.t()?.matmul(&h)?.to_dtype(f)?; // [V, H]
@@ -884,6 +890,33 @@ mod tests {
                 );
             }
         }
+        // The head's gradient into an accumulator instead of the graph (a GPU sink's route,
+        // here on the CPU), the head a non-leaf (a cast of a parameter, as a bf16 model holds
+        // it) that nothing else reads: the backward runs, and the accumulator holds the graph
+        // path's gradient.
+        let wv = Var::randn(0f32, 1.0, (v, h), &dev).unwrap();
+        let cast = (wv.as_tensor() * 1.0).unwrap();
+        let sink = grpo_models::models::grad_sink::GradSink::on_device(&[(&wv, &cast)]);
+        let acc = sink
+            .weight_grad(&cast)
+            .expect("an accumulator for the head");
+        let (lp0, _) =
+            token_logprobs_entropy(&hidden, &cast, &targets, 0.8, 3, Entropy::Skip).unwrap();
+        let g0 = (lp0 * &c1).unwrap().sum_all().unwrap().backward().unwrap();
+        let (lp1, _) =
+            head_logprobs_recomputed(&hidden, &cast, &targets, 0.8, 3, Entropy::Skip, Some(acc))
+                .unwrap();
+        let g1 = (lp1 * &c1).unwrap().sum_all().unwrap().backward().unwrap();
+        assert!(
+            g1.get(wv.as_tensor()).is_none(),
+            "the head's gradient left the graph"
+        );
+        let taken = sink
+            .take(&wv)
+            .unwrap()
+            .expect("the accumulated head gradient");
+        assert!(diff(g0.get(wv.as_tensor()).unwrap(), &taken) < 1e-5);
+        assert!(diff(g0.get(&hidden).unwrap(), g1.get(&hidden).unwrap()) < 1e-5);
         let frozen = w.as_tensor().detach();
         let (lp, ent) = token_logprobs_entropy_recomputed(
             &hidden,

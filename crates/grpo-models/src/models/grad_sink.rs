@@ -86,6 +86,21 @@ impl GradSink {
         }
     }
 
+    /// Accumulators for each `(parameter, tensor)` pair where `tensor` is what a model is built
+    /// from (the parameter or a cast of it), on the parameter's device, for [`Self::weight_grad`]
+    /// (on a GPU, use [`Self::on_gpu`], whose accumulators projections also take).
+    pub fn on_device(pairs: &[(&Var, &Tensor)]) -> Self {
+        let mut sink = Self::default();
+        for (v, t) in pairs {
+            sink.accs
+                .insert(t.id(), Arc::new(GradAcc::new(v.shape(), v.device())));
+            if t.id() != v.id() {
+                sink.keys.insert(v.id(), t.id());
+            }
+        }
+        sink
+    }
+
     /// GPU accumulators: for each `(parameter, tensor)` pair, where `tensor` is what the model is
     /// built from (the parameter, or its cast to the compute dtype), an f32 accumulator when
     /// `tensor` is a 2-D contiguous f32 or bf16 CUDA tensor and grpo's GPU kernels are on
@@ -583,16 +598,27 @@ pub use gpu::{add_weight_gradient, DwVia};
 pub struct WeightGrad(Arc<GradAcc>);
 
 impl GradSink {
-    /// The accumulator of the parameter whose model tensor is `t`, when this is a GPU sink
-    /// that holds it.
+    /// The accumulator of the parameter whose model tensor is `t`, when this sink holds it.
     pub fn weight_grad(&self, t: &Tensor) -> Option<WeightGrad> {
-        self.get(t).filter(|a| a.device.is_cuda()).map(WeightGrad)
+        self.get(t).map(WeightGrad)
     }
 }
 
 impl WeightGrad {
-    /// `dW [o, k] += dy^T x` for `dy` [N, o] and `x` [N, k] (one dtype, bf16 or f32).
+    /// `dW [o, k] += dy^T x` for `dy` [N, o] and `x` [N, k] (one dtype, bf16 or f32): on a GPU
+    /// one cuBLAS GEMM into the f32 accumulator; on the CPU (tests) a candle product added in.
     pub fn add_product(&self, dy: &Tensor, x: &Tensor) -> Result<()> {
+        if self.0.device.is_cpu() {
+            let part = dy.t()?.matmul(x)?.to_dtype(DType::F32)?.flatten_all()?; // [o * k]
+            let part = part.to_vec1::<f32>()?;
+            let mut guard = self.0.data.lock().map_err(poisoned)?;
+            let acc = guard.get_or_insert_with(|| vec![0f32; self.0.shape.elem_count()]);
+            if acc.len() != part.len() {
+                candle_core::bail!("weight gradient: {} values for {}", part.len(), acc.len());
+            }
+            acc.iter_mut().zip(&part).for_each(|(a, p)| *a += p);
+            return Ok(());
+        }
         #[cfg(feature = "cuda")]
         {
             let (dy, x) = (dy.contiguous()?, x.contiguous()?);
@@ -611,10 +637,7 @@ impl WeightGrad {
             add_weight_gradient(a, &dy, 0, o, &x, DwVia::F32Gemm)
         }
         #[cfg(not(feature = "cuda"))]
-        {
-            let _ = (&self.0, dy, x);
-            candle_core::bail!("weight gradient: a GPU accumulator in a build without CUDA")
-        }
+        candle_core::bail!("weight gradient: a GPU accumulator in a build without CUDA")
     }
 }
 

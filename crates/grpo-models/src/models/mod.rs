@@ -143,7 +143,10 @@ impl CausalLm {
             true => grad_sink::SinkProj::new(sink, &[(&w, &w)]).map_err(err)?,
             false => None,
         };
-        self.head_grad = sink.weight_grad(&w);
+        self.head_grad = match w.device().is_cuda() {
+            true => sink.weight_grad(&w),
+            false => None,
+        };
         Ok(n + usize::from(self.head.is_some()))
     }
 
