@@ -19,7 +19,7 @@ pub const DEFAULT_DIFFERENCES: &[(&str, &str, &str, &str)] = &[
     ("num_train_epochs", "1", "3", "a GRPO run is usually sized by max_steps; one pass keeps a run left unsized short"),
     ("max_completion_length", "256", "512", "each token costs a decoding step on the CPU; set it to what the task needs"),
     ("max_prompt_length", "512", "none (TRL 1.16 keeps whole prompts)", "bounds a round's memory; -1 keeps whole prompts as TRL does"),
-    ("gradient_checkpointing", "false", "true", "on the CPU, recomputing each block costs a forward and saves little; turn it on for large models on a GPU"),
+    ("gradient_checkpointing", "false", "true", "on the CPU, recomputing each block costs a forward and saves little; on a GPU turn it on where memory binds: on an H200 it took a 135M model's 8 x 4 x 64 f32 step from 7.3 to 4.1 GB peak at the same 0.44 s, while at 1.7B it would add a forward (~0.4 s) to a 3.4 s step"),
     ("logging_steps", "1", "10", "every step's metrics are cheap, and the report's plots and the health checks read them"),
     ("log_completions", "true", "false", "completions.jsonl is how you see what the model writes"),
     ("report_to", "[\"tensorboard\"]", "none", "local event files, no service needed"),
