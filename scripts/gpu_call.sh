@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU call for issue 31's work, after ../shared/gpu/build_cuda.sh and ../shared/gpu/pack.sh
-# here: `grpo bench ops` on the 1.7B shape with grpo's GPU kernels at their default, `forward` and
-# `off`, then the kit (`.gpu/run.sh`: GPU tests, grpo vs TRL at the kit's shapes, GRPO_PROFILE=1)
+# here: `grpo bench ops` on the 1.7B shape with grpo's GPU kernels at their default (and `forward`
+# and `off` with KINDS), then the kit (`.gpu/run.sh`: GPU tests, grpo vs TRL at the kit's shapes, GRPO_PROFILE=1)
 # with the kernel set whose layer forward + backward was fastest. On the GPU machine, from the
 # project root (with .gpu/ carried along):
 #   OUT=$OUT bash scripts/gpu_call.sh        (~7 minutes; BUDGET=seconds for the whole call, 530)
@@ -17,7 +17,9 @@ NV=$(find $SITE/nvidia -name "lib*.so*" -printf "%h\n" 2>/dev/null | sort -u | t
 export LD_LIBRARY_PATH=$NV/usr/local/nvidia/lib64:/usr/local/nvidia/lib:${LD_LIBRARY_PATH:-}
 python3 -c "import lzma,sys,shutil; shutil.copyfileobj(lzma.open(sys.argv[1]), open('/tmp/grpo-ops','wb'))" $G/bin/grpo.xz
 chmod +x /tmp/grpo-ops
-KINDS=${KINDS:-default forward off}; [ "${OPS:-1}" = 0 ] && KINDS=""  # OPS=0: no pieces
+# Kernel sets timed (KINDS="default forward off" to compare all three: in every H200 call so far
+# `default` was the fastest, so it alone is timed unless asked).
+KINDS=${KINDS:-default}; [ "${OPS:-1}" = 0 ] && KINDS=""  # OPS=0: no pieces
 for k in $KINDS; do
   log "ops 1.7b, kernels: $k"
   GRPO_GPU_KERNELS=$k timeout 60 /tmp/grpo-ops bench ops --device cuda --shape 1.7b --rows 46 --seq 304 \
