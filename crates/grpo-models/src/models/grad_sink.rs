@@ -107,18 +107,14 @@ impl GradSink {
     /// ([`super::fused_gpu::sink_applies`]). Projections over these tensors then multiply on
     /// cuBLAS and add their weight gradients into the accumulators ([`SinkProj`]).
     pub fn on_gpu(pairs: &[(&Var, &Tensor)]) -> Self {
-        let mut sink = Self::default();
-        for (v, t) in pairs {
-            if t.rank() != 2 || !t.is_contiguous() || !super::fused_gpu::sink_applies(t) {
-                continue;
-            }
-            let acc = Arc::new(GradAcc::new(v.shape(), v.device()));
-            sink.accs.insert(t.id(), acc);
-            if t.id() != v.id() {
-                sink.keys.insert(v.id(), t.id());
-            }
-        }
-        sink
+        let usable: Vec<(&Var, &Tensor)> = pairs
+            .iter()
+            .filter(|(_, t)| {
+                t.rank() == 2 && t.is_contiguous() && super::fused_gpu::sink_applies(t)
+            })
+            .copied()
+            .collect();
+        Self::on_device(&usable)
     }
 
     /// `self`, its projections multiplying in bf16 with f32 sums (`on`: a model under
@@ -622,19 +618,7 @@ impl WeightGrad {
         #[cfg(feature = "cuda")]
         {
             let (dy, x) = (dy.contiguous()?, x.contiguous()?);
-            let o = dy.dim(1)?;
-            let mut slot = self.0.on_device.lock().map_err(poisoned)?;
-            if slot.is_none() {
-                *slot = Some(Tensor::zeros(
-                    self.0.shape.clone(),
-                    DType::F32,
-                    &self.0.device,
-                )?);
-            }
-            let Some(a) = slot.as_ref() else {
-                candle_core::bail!("weight gradient: accumulator missing");
-            };
-            add_weight_gradient(a, &dy, 0, o, &x, DwVia::F32Gemm)
+            gpu::add_into(&self.0, &dy, 0, dy.dim(1)?, &x)
         }
         #[cfg(not(feature = "cuda"))]
         candle_core::bail!("weight gradient: a GPU accumulator in a build without CUDA")
@@ -684,7 +668,7 @@ mod gpu {
     use candle_core::cuda_backend::{CudaDevice, WrapErr};
     use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
 
-    use super::{poisoned, SinkProj};
+    use super::{poisoned, GradAcc, SinkProj};
 
     /// A row-major matrix operand of [`gemm`]: its first element's device address, element type
     /// and row stride (elements), and whether the product uses its transpose.
@@ -787,10 +771,6 @@ mod gpu {
         F32Gemm,
         /// A GEMM into a bf16 scratch, then one kernel adding it into the accumulator.
         Bf16Add,
-    }
-
-    fn dw_via() -> DwVia {
-        DwVia::F32Gemm
     }
 
     /// `acc [o, k] += dy[:, col..col + o]^T x` on the GPU: `acc` f32 contiguous (held exclusively
@@ -967,18 +947,30 @@ mod gpu {
         for part in &p.parts {
             let (o, _) = part.weight.dims2()?;
             if let Some(acc) = &part.acc {
-                let mut slot = acc.on_device.lock().map_err(poisoned)?;
-                if slot.is_none() {
-                    *slot = Some(Tensor::zeros(acc.shape.clone(), DType::F32, &acc.device)?);
-                }
-                let Some(a) = slot.as_ref() else {
-                    candle_core::bail!("sink projection: accumulator missing");
-                };
-                add_weight_gradient(a, gy, col, o, x, dw_via())?;
+                add_into(acc, gy, col, o, x)?;
             }
             col += o;
         }
         Ok(())
+    }
+
+    /// `acc += dy[:, col..col + o]^T x` into a GPU accumulator, made (zeroed) at its first write,
+    /// as one GEMM with f32 output ([`DwVia::F32Gemm`]).
+    pub(super) fn add_into(
+        acc: &GradAcc,
+        dy: &Tensor,
+        col: usize,
+        o: usize,
+        x: &Tensor,
+    ) -> Result<()> {
+        let mut slot = acc.on_device.lock().map_err(poisoned)?;
+        let a = match slot.take() {
+            Some(a) => a,
+            None => Tensor::zeros(acc.shape.clone(), DType::F32, &acc.device)?,
+        };
+        let added = add_weight_gradient(&a, dy, col, o, x, DwVia::F32Gemm);
+        *slot = Some(a);
+        added
     }
 
     /// `dX = sum_i dY[:, part i] W_i` [N, in] from `gy` [N, out] (contiguous).
