@@ -316,8 +316,8 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
         )
     })?;
     let nb = time(&dev, reps, || {
-        let y =
-            layers::rms_norm_recomputed(x.as_tensor(), &norm_w.as_tensor().to_dtype(dt)?, 1e-5)?;
+        let y = layers::RmsNorm::new(norm_w.as_tensor().to_dtype(dt)?, 1e-5, compute)
+            .forward(x.as_tensor(), Mode::Train)?;
         Ok(backward(&y)?)
     })?;
     report("rms_norm", nf, nb, 0.0);
@@ -388,7 +388,7 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
     let gu = Var::from_tensor(&Tensor::randn(0f32, 1.0, (n, 2 * s.inter), &dev)?.to_dtype(dt)?)?;
     let swiglu = |g: &Tensor| -> candle_core::Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if grpo_models::models::fused_gpu::applies(g) {
+        if compute.on_gpu() && grpo_models::models::fused_gpu::takes(g) {
             return grpo_models::models::fused_gpu::swiglu(g);
         }
         let gate = g.narrow(1, 0, s.inter)?;
@@ -419,10 +419,7 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
     let layer = |x: &Tensor, mode: Mode, attend: bool, sunk: bool| -> Result<Tensor> {
         let nw = norm_w.as_tensor().to_dtype(dt)?;
         let norm = |h: &Tensor| -> Result<Tensor> {
-            Ok(match mode {
-                Mode::Infer => layers::RmsNorm::new(nw.clone(), 1e-5, compute).forward(h, mode)?,
-                Mode::Train => layers::rms_norm_recomputed(h, &nw, 1e-5)?,
-            })
+            Ok(layers::RmsNorm::new(nw.clone(), 1e-5, compute).forward(h, mode)?)
         };
         let h = norm(x)?;
         let (q, k, v) = match (&split_qkv, sunk) {
@@ -552,7 +549,7 @@ fn decode_layer(a: &OpsArgs, s: &Shape, dev: &Device, dt: DType, compute: Comput
     };
     let swiglu = |g: &Tensor| -> candle_core::Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if grpo_models::models::fused_gpu::applies(g) {
+        if compute.on_gpu() && grpo_models::models::fused_gpu::takes(g) {
             return grpo_models::models::fused_gpu::swiglu(g);
         }
         g.narrow(2, 0, s.inter)?.silu()? * g.narrow(2, s.inter, s.inter)?

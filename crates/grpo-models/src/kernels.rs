@@ -1,4 +1,5 @@
-//! Which CPU kernels run: two process-wide choices, each read once.
+//! Which kernels run: two process-wide CPU choices, each read once, and the device seam that
+//! resolves them (with the GPU's) into one value per model or optimizer ([`Compute`]).
 //!
 //! - [`Kernels`] (`kernels` in a run's config, `GRPO_KERNELS` in the environment): `fused` runs
 //!   grpo's hand-written CPU custom ops where they apply (fused attention, RMSNorm, SiLU, RoPE,
@@ -232,12 +233,13 @@ pub fn set_kernels(k: Kernels) {
 }
 
 /// How a model's (or an optimizer's) arithmetic runs: the device seam. Resolved once, when the
-/// model or optimizer is set up ([`Compute::resolve`]: the only reader of the kernel set
-/// besides start-up logging), and handed to the layers, the sampler, the log-prob code and the
-/// update, which branch on it instead of asking the device.
+/// model or optimizer is set up ([`Compute::resolve`]: the only reader of the kernel set and of
+/// whether grpo's GPU kernels are on, besides start-up logging), and handed to the layers, the
+/// sampler, the log-prob code and the update, which branch on it instead of asking the device.
 ///
-/// A GPU kernel of grpo's own goes in as an arm next to [`Compute::CpuFused`]; the portable arm
-/// is the candle-op path every device runs (and CI runs on the CPU).
+/// A kernel of grpo's own goes behind its arm: CPU code behind [`Compute::CpuFused`] (and
+/// [`Compute::CpuMixed`]), GPU code behind [`Compute::Gpu`]. The portable arm is the candle-op
+/// path every device runs (and CI runs on the CPU).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Compute {
     /// grpo's own CPU code where it applies: fused ops, packed and fused decoding, gradient sinks,
@@ -248,16 +250,30 @@ pub enum Compute {
     /// Its weights are kept in f32 ([`Compute::storage_dtype`]), as are gradients and optimizer
     /// state; only the products' inputs are rounded to bf16.
     CpuMixed,
-    /// candle ops only: a GPU, bf16, or `kernels = "portable"` on the CPU.
+    /// grpo's GPU kernels where they apply ([`crate::models::fused_gpu`]: attention, RMSNorm,
+    /// RoPE, SwiGLU, the decoding step's attention, the LM head's log-softmax, AdamW, the
+    /// gradient norm) and the weight gradients' sink ([`crate::models::grad_sink::GradSink::on_gpu`]),
+    /// candle ops elsewhere: f32 or bf16 on a CUDA device, unless `GRPO_GPU_KERNELS=off` or the
+    /// kernels do not compile. The `kernels` key does not change it (it is the CPU's choice).
+    Gpu,
+    /// candle ops only: `kernels = "portable"` on the CPU, a dtype no kernel of grpo's takes,
+    /// or a GPU with `GRPO_GPU_KERNELS=off`.
     Portable,
 }
 
 impl Compute {
     /// The compute for a model or optimizer whose parameters are `dtype` on `device`, under the
-    /// kernel set in force ([`kernels`]): the fused CPU code for f32, its mixed-precision form
-    /// for bf16 where the CPU has AVX-512 ([`Compute::CpuMixed`]), candle ops otherwise.
+    /// kernel set in force ([`kernels`]): on the CPU the fused code for f32, its mixed-precision
+    /// form for bf16 where the CPU has AVX-512 ([`Compute::CpuMixed`]); on a GPU its kernels
+    /// for f32 and bf16 while they are on ([`Compute::Gpu`]); candle ops otherwise.
     pub fn resolve(device: &candle_core::Device, dtype: candle_core::DType) -> Compute {
         use candle_core::DType;
+        if device.is_cuda() {
+            return match dtype {
+                DType::F32 | DType::BF16 if crate::models::fused_gpu::enabled() => Compute::Gpu,
+                _ => Compute::Portable,
+            };
+        }
         match (device.is_cpu() && kernels() == Kernels::Fused, dtype) {
             (true, DType::F32) => Compute::CpuFused,
             (true, DType::BF16) if Isa::active() >= Isa::Avx512 => Compute::CpuMixed,
@@ -299,6 +315,13 @@ impl Compute {
         self.is_fused() && device.is_cpu() && dtype == candle_core::DType::F32
     }
 
+    /// Whether grpo's GPU kernels run ([`Compute::Gpu`]); each still checks the shapes and
+    /// dtypes it is handed, and declines (candle ops run) where they do not fit.
+    #[inline]
+    pub fn on_gpu(self) -> bool {
+        self == Compute::Gpu
+    }
+
     /// Whether decoding models pack their projections for the decoding GEMM: fused, and the CPU
     /// runs an AVX2 or AVX-512 variant of it.
     pub fn packs_for_decoding(self) -> bool {
@@ -309,6 +332,7 @@ impl Compute {
         match self {
             Compute::CpuFused => "fused CPU kernels",
             Compute::CpuMixed => "fused CPU kernels, bf16 matmuls",
+            Compute::Gpu => "grpo's GPU kernels",
             Compute::Portable => "portable (candle ops)",
         }
     }

@@ -133,7 +133,10 @@ pub fn token_logprobs_entropy_with(
             continue;
         }
         #[cfg(feature = "cuda")]
-        if !logits.track_op() && grpo_models::models::fused_gpu::head_applies(&logits) {
+        if compute.on_gpu()
+            && !logits.track_op()
+            && grpo_models::models::fused_gpu::head_takes(&logits)
+        {
             // One kernel per chunk on a GPU (no graph here: a reference or old-policy pass).
             let (both, _) =
                 grpo_models::models::fused_gpu::head_logprobs(&logits, &y, (1.0 / t) as f32)?;
@@ -199,12 +202,14 @@ pub fn token_logprobs_entropy_recomputed(
         chunk_rows,
         entropy,
         None,
+        Compute::resolve(hidden.device(), hidden.dtype()),
     )
 }
 
 /// [`token_logprobs_entropy_recomputed`], the head weight's gradient added into `head_grad`
 /// (a GPU sink's accumulator: one GEMM per chunk with f32 sums) instead of returned to candle's
-/// graph, when given.
+/// graph, when given. Under [`Compute::Gpu`] the log-softmax runs as grpo's kernels.
+#[allow(clippy::too_many_arguments)]
 fn head_logprobs_recomputed(
     hidden: &Tensor,
     lm_head: &Tensor,
@@ -213,6 +218,7 @@ fn head_logprobs_recomputed(
     chunk_rows: usize,
     entropy: Entropy,
     head_grad: Option<grpo_models::models::grad_sink::WeightGrad>,
+    compute: Compute,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let op = HeadLogprobs {
         targets: targets.detach(),
@@ -221,6 +227,7 @@ fn head_logprobs_recomputed(
         entropy,
         lse: Default::default(),
         head_grad,
+        compute,
     };
     let (both, lse) = op.forward(&hidden.detach(), &lm_head.detach())?; // [N, 2], [N, 1]
                                                                         // With `head_grad` the head's gradient bypasses the graph: the op does not take the head
@@ -258,6 +265,9 @@ struct HeadLogprobs {
     lse: std::sync::OnceLock<Tensor>,
     /// Where the head weight's gradient goes instead of the graph (a GPU sink), when set.
     head_grad: Option<grpo_models::models::grad_sink::WeightGrad>,
+    /// The model's compute: grpo's head kernels under [`Compute::Gpu`].
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    compute: Compute,
 }
 
 impl HeadLogprobs {
@@ -275,7 +285,7 @@ impl HeadLogprobs {
             let len = self.chunk.min(n - start);
             let logits = hidden.narrow(0, start, len)?.matmul(&w.t()?)?; // [c, V]
             #[cfg(feature = "cuda")]
-            if grpo_models::models::fused_gpu::head_applies(&logits) {
+            if self.compute.on_gpu() && grpo_models::models::fused_gpu::head_takes(&logits) {
                 let y = self.targets.narrow(0, start, len)?;
                 let inv_t = (1.0 / self.temperature) as f32;
                 let (both, lse) =
@@ -367,7 +377,7 @@ impl HeadLogprobs {
         grad: &Tensor,
     ) -> candle_core::Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if grpo_models::models::fused_gpu::head_applies(logits) {
+        if self.compute.on_gpu() && grpo_models::models::fused_gpu::head_takes(logits) {
             return grpo_models::models::fused_gpu::head_logprobs_backward(
                 logits,
                 &self.targets.narrow(0, start, len)?,
@@ -468,13 +478,13 @@ pub fn default_chunk_tokens(
     use grpo_models::kernels::Compute;
     match (compute, free) {
         (Compute::CpuMixed, _) => MIXED_FORWARD_CHUNK_TOKENS,
-        (Compute::Portable, Some(free)) => tokens_for_memory(
+        (Compute::Gpu | Compute::Portable, Some(free)) => tokens_for_memory(
             shape,
             act_bytes,
             gradient_checkpointing,
             activation_budget(free, params),
         ),
-        (Compute::CpuFused | Compute::Portable, _) => DEFAULT_FORWARD_CHUNK_TOKENS,
+        (Compute::CpuFused | Compute::Gpu | Compute::Portable, _) => DEFAULT_FORWARD_CHUNK_TOKENS,
     }
 }
 
@@ -668,6 +678,7 @@ pub fn completion_logprobs(
             big_rows.max(1),
             entropy,
             model.head_grad().cloned(),
+            model.compute(),
         )?,
         _ => token_logprobs_entropy_with(
             &picked,
@@ -807,11 +818,13 @@ mod tests {
         );
         const { assert!(MIXED_FORWARD_CHUNK_TOKENS < DEFAULT_FORWARD_CHUNK_TOKENS) };
         let budget = activation_budget(64 * gb, params);
-        assert_eq!(
-            chunk(Compute::Portable, Some(64 * gb)),
-            tokens_for_memory(cfg, 4, false, budget)
-        );
-        assert_eq!(chunk(Compute::Portable, None), DEFAULT_FORWARD_CHUNK_TOKENS);
+        for c in [Compute::Gpu, Compute::Portable] {
+            assert_eq!(
+                chunk(c, Some(64 * gb)),
+                tokens_for_memory(cfg, 4, false, budget)
+            );
+            assert_eq!(chunk(c, None), DEFAULT_FORWARD_CHUNK_TOKENS);
+        }
     }
 
     #[test]
@@ -903,9 +916,17 @@ mod tests {
         let (lp0, _) =
             token_logprobs_entropy(&hidden, &cast, &targets, 0.8, 3, Entropy::Skip).unwrap();
         let g0 = (lp0 * &c1).unwrap().sum_all().unwrap().backward().unwrap();
-        let (lp1, _) =
-            head_logprobs_recomputed(&hidden, &cast, &targets, 0.8, 3, Entropy::Skip, Some(acc))
-                .unwrap();
+        let (lp1, _) = head_logprobs_recomputed(
+            &hidden,
+            &cast,
+            &targets,
+            0.8,
+            3,
+            Entropy::Skip,
+            Some(acc),
+            Compute::Portable,
+        )
+        .unwrap();
         let g1 = (lp1 * &c1).unwrap().sum_all().unwrap().backward().unwrap();
         assert!(
             g1.get(wv.as_tensor()).is_none(),

@@ -12,6 +12,7 @@
 use std::cell::RefCell;
 
 use candle_core::{CpuStorage, Layout, Tensor, Var};
+use grpo_models::kernels::Compute;
 use rayon::prelude::*;
 
 use crate::named::named_enum;
@@ -57,6 +58,9 @@ pub struct AdamWConfig {
 struct Slot {
     name: String,
     var: Var,
+    /// How its step runs: in place on the CPU ([`Compute::is_fused`]), as one kernel on a GPU
+    /// ([`Compute::Gpu`]), else as candle ops.
+    compute: Compute,
     moments: Moments,
 }
 
@@ -72,23 +76,21 @@ enum Moments {
 }
 
 impl Moments {
-    fn zeros(var: &Var) -> Result<Moments> {
-        Ok(
-            if grpo_models::kernels::Compute::resolve(var.device(), var.dtype()).is_fused() {
-                let n = var.elem_count();
-                Moments::Host {
-                    exp_avg: vec![0.0; n],
-                    exp_avg_sq: vec![0.0; n],
-                }
-            } else {
-                // Two buffers: the GPU's AdamW kernel updates both in place.
-                let z = || Tensor::zeros(var.shape(), candle_core::DType::F32, var.device());
-                Moments::Device {
-                    exp_avg: z()?,
-                    exp_avg_sq: z()?,
-                }
-            },
-        )
+    fn zeros(var: &Var, compute: Compute) -> Result<Moments> {
+        Ok(if compute.is_fused() {
+            let n = var.elem_count();
+            Moments::Host {
+                exp_avg: vec![0.0; n],
+                exp_avg_sq: vec![0.0; n],
+            }
+        } else {
+            // Two buffers: the GPU's AdamW kernel updates both in place.
+            let z = || Tensor::zeros(var.shape(), candle_core::DType::F32, var.device());
+            Moments::Device {
+                exp_avg: z()?,
+                exp_avg_sq: z()?,
+            }
+        })
     }
 }
 
@@ -248,14 +250,25 @@ impl AdamW {
                     ),
                 ));
             }
-            let moments = Moments::zeros(&var)?;
-            slots.push(Slot { name, var, moments });
+            let compute = Compute::resolve(var.device(), var.dtype());
+            let moments = Moments::zeros(&var, compute)?;
+            slots.push(Slot {
+                name,
+                var,
+                compute,
+                moments,
+            });
         }
         Ok(Self {
             cfg,
             slots,
             step: 0,
         })
+    }
+
+    /// How its parameters' arithmetic runs (the first's: a run keeps them on one device).
+    pub fn compute(&self) -> Compute {
+        self.slots.first().map_or(Compute::Portable, |s| s.compute)
     }
 
     pub fn steps_taken(&self) -> u64 {
@@ -325,7 +338,9 @@ impl AdamW {
                     exp_avg_sq,
                 } => {
                     #[cfg(feature = "cuda")]
-                    if step.on_gpu(slot.var.as_tensor(), &grad, exp_avg, exp_avg_sq)? {
+                    if slot.compute.on_gpu()
+                        && step.on_gpu(slot.var.as_tensor(), &grad, exp_avg, exp_avg_sq)?
+                    {
                         continue;
                     }
                     let (p, m, v) =
@@ -450,11 +465,17 @@ pub fn accumulate(acc: Tensor, g: &Tensor) -> Result<Tensor> {
 
 /// Global L2 norm of `grads` (as torch's `clip_grad_norm_` computes it) and the factor to scale
 /// them by so the norm is at most `max_norm` (1 when already below, or when `max_norm` <= 0).
-pub fn clip_factor(grads: &[Tensor], max_norm: f64) -> Result<(f64, f32)> {
+/// Under [`Compute::Gpu`] (the optimizer's, [`AdamW::compute`]) the sums of squares are grpo's
+/// kernel.
+pub fn clip_factor(grads: &[Tensor], max_norm: f64, compute: Compute) -> Result<(f64, f32)> {
     #[cfg(feature = "cuda")]
-    if let Some(sums) = grpo_models::models::fused_gpu::sum_squares(grads)? {
-        return Ok(clip_of(sums.iter().sum::<f64>().sqrt(), max_norm));
+    if compute.on_gpu() {
+        if let Some(sums) = grpo_models::models::fused_gpu::sum_squares(grads)? {
+            return Ok(clip_of(sums.iter().sum::<f64>().sqrt(), max_norm));
+        }
     }
+    #[cfg(not(feature = "cuda"))]
+    let _ = compute;
     // Each gradient's sum of squares stays on its device; one read brings them all back (a GPU
     // waited for the host once per parameter before).
     let sums = grads
@@ -583,10 +604,10 @@ mod tests {
     #[test]
     fn clipping_and_schedules() {
         let g = [Tensor::new(&[3f32, 4.0], &Device::Cpu).unwrap()];
-        let (norm, f) = clip_factor(&g, 1.0).unwrap();
+        let (norm, f) = clip_factor(&g, 1.0, Compute::Portable).unwrap();
         assert!((norm - 5.0).abs() < 1e-9);
         assert!((f - 0.2).abs() < 1e-6);
-        assert_eq!(clip_factor(&g, 10.0).unwrap().1, 1.0);
+        assert_eq!(clip_factor(&g, 10.0, Compute::Portable).unwrap().1, 1.0);
         assert_eq!(lr_lambda(LrSchedule::Linear, 0, 2, 10), 0.0);
         assert_eq!(lr_lambda(LrSchedule::Linear, 1, 2, 10), 0.5);
         assert_eq!(lr_lambda(LrSchedule::Linear, 2, 2, 10), 1.0);

@@ -621,6 +621,7 @@ fn gpu_135m_micro_batch_in_one_pass_fits_in_16_gb() {
 #[test]
 fn gpu_kernels_equal_candle_ops_with_their_gradients() {
     use candle_core::Tensor;
+    use grpo_models::kernels::Compute;
     use grpo_models::models::{chunked_attention, fused_gpu};
     let dev = gpu();
     let rel = |a: &Tensor, e: &Tensor| -> f32 { diff::max_diff(a, e) / diff::max_abs(e).max(1.0) };
@@ -668,7 +669,14 @@ fn gpu_kernels_equal_candle_ops_with_their_gradients() {
             // the chunked candle-op backward (`GRPO_GPU_KERNELS=forward`), 2: candle ops only.
             let run = |path: usize| {
                 let out = match path {
-                    0 => chunked_attention::attention(&q, &k, &v, &mask, scale, true).unwrap(),
+                    0 => {
+                        let gpu = Compute::resolve(q.device(), q.dtype());
+                        assert!(
+                            gpu.on_gpu(),
+                            "grpo's GPU kernels are off or did not compile"
+                        );
+                        chunked_attention::attention(&q, &k, &v, &mask, scale, true, gpu).unwrap()
+                    }
                     1 => fused_gpu::attention_chunked_backward(&q, &k, &v, &mask, scale)
                         .unwrap()
                         .expect("grpo's GPU kernels are off or did not compile"),
@@ -770,7 +778,7 @@ fn gpu_kernels_equal_candle_ops_with_their_gradients() {
                 &cpu(&kv_v),
                 &grpo_models::models::layers::AttnMask::Dense(cpu(&dmask)),
                 grpo_models::models::layers::Mode::Infer,
-                grpo_models::kernels::Compute::Portable,
+                Compute::Portable,
             )
             .unwrap();
             let e = rel(&cpu(&got), &want);
@@ -898,7 +906,7 @@ fn gpu_kernels_equal_candle_ops_with_their_gradients() {
         )
         .unwrap();
         assert!(
-            fused_gpu::applies(&gu),
+            Compute::resolve(gu.device(), gu.dtype()).on_gpu() && fused_gpu::takes(&gu),
             "grpo's GPU kernels are off or did not compile"
         );
         let dy = Tensor::randn(0f32, 1.0, (7, 33, 96), &dev).unwrap();
@@ -953,14 +961,18 @@ fn gpu_adamw_kernel_and_clipping_equal_the_cpu_step() {
     };
     let (gpu_vars, mut gpu_opt) = make(&dev);
     let (cpu_vars, mut cpu_opt) = make(&Device::Cpu);
+    assert!(
+        gpu_opt.compute().on_gpu(),
+        "grpo's GPU kernels are off or did not compile"
+    );
     for step in 0..3 {
         let grads: Vec<Tensor> = shapes
             .iter()
             .map(|s| (Tensor::randn(0f32, 1.0, *s, &Device::Cpu).unwrap() * 0.5).unwrap())
             .collect();
         let on_gpu: Vec<Tensor> = grads.iter().map(|g| g.to_device(&dev).unwrap()).collect();
-        let (cn, cf) = clip_factor(&grads, 1.0).unwrap();
-        let (gn, gf) = clip_factor(&on_gpu, 1.0).unwrap();
+        let (cn, cf) = clip_factor(&grads, 1.0, cpu_opt.compute()).unwrap();
+        let (gn, gf) = clip_factor(&on_gpu, 1.0, gpu_opt.compute()).unwrap();
         assert!(
             (cn - gn).abs() < 1e-4 * cn,
             "step {step}: norm {gn} vs {cn}"

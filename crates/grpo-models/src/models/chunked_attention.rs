@@ -28,6 +28,7 @@ use candle_core::{DType, Result, Tensor, D};
 
 use super::recompute::{attach, Backward};
 use super::tensor_ops::{matmul_operand, reduce_dtype};
+use crate::kernels::Compute;
 
 /// Bytes of f32 scores per chunk (`B * H * c * Tk * 4`): each pass holds a few tensors of it.
 pub const CHUNK_BYTES: usize = 256 << 20;
@@ -40,7 +41,8 @@ pub fn chunk_queries(b: usize, h: usize, s: usize, tk: usize) -> usize {
 /// `q` [B, H, S, D], `k`/`v` [B, Hkv, Tk, D], `mask` additive [B, 1, S, Tk] (broadcast over
 /// heads) and causal: query `i` may read key slots up to `Tk - S + i` only (later ones are not
 /// scored at all) -> [B, H, S, D] in `v`'s dtype. With `record`, the result takes part in the
-/// graph (its backward recomputes; see the module docs).
+/// graph (its backward recomputes; see the module docs). Under [`Compute::Gpu`] grpo's attention
+/// kernels run where they take the shapes.
 pub fn attention(
     q: &Tensor,
     k: &Tensor,
@@ -48,11 +50,16 @@ pub fn attention(
     mask: &Tensor,
     scale: f64,
     record: bool,
+    compute: Compute,
 ) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if let Some(out) = super::fused_gpu::attention(q, k, v, mask, scale, record)? {
-        return Ok(out);
+    if compute.on_gpu() {
+        if let Some(out) = super::fused_gpu::attention(q, k, v, mask, scale, record)? {
+            return Ok(out);
+        }
     }
+    #[cfg(not(feature = "cuda"))]
+    let _ = compute;
     attention_ops(q, k, v, mask, scale, record)
 }
 
@@ -350,7 +357,16 @@ mod tests {
         let mask = causal_mask(b, s, s, &dev);
         let want = plain(&q, &k, &v, &mask, 0.35);
         let bf = |x: &Var| x.as_tensor().to_dtype(DType::BF16).unwrap();
-        let got = attention(&bf(&q), &bf(&k), &bf(&v), &mask, 0.35, true).unwrap();
+        let got = attention(
+            &bf(&q),
+            &bf(&k),
+            &bf(&v),
+            &mask,
+            0.35,
+            true,
+            Compute::Portable,
+        )
+        .unwrap();
         assert_eq!(got.dtype(), DType::BF16);
         assert!(max_diff(&got.to_dtype(DType::F32).unwrap(), &want) < 3e-2);
         let g = got

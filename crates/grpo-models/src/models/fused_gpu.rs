@@ -251,24 +251,31 @@ pub struct AdamWScalars {
     pub step_size: f32,
 }
 
-/// Whether projections over `t` (a parameter, or its cast, as the model holds it) take their
-/// weight gradients through a GPU [`super::grad_sink::GradSink`]: `t` on a GPU, f32 or bf16,
-/// grpo's GPU kernels on (`GRPO_GPU_KERNELS=off` keeps candle's autograd).
-pub fn sink_applies(t: &candle_core::Tensor) -> bool {
+/// Whether grpo's GPU kernels are on: `GRPO_GPU_KERNELS` is not `off` and the kernels compile
+/// (read once, by [`crate::kernels::Compute::resolve`]; false in a build without CUDA).
+pub fn enabled() -> bool {
     #[cfg(feature = "cuda")]
-    return gpu::applies(t);
+    return gpu::enabled();
     #[cfg(not(feature = "cuda"))]
-    {
-        let _ = t;
-        false
-    }
+    false
+}
+
+/// Whether grpo's GPU kernels take `x`: on a GPU, f32 or bf16. Whether they run at all is the
+/// model's [`crate::kernels::Compute`] ([`crate::kernels::Compute::on_gpu`]); each kernel also
+/// checks its shapes.
+pub fn takes(x: &candle_core::Tensor) -> bool {
+    x.device().is_cuda()
+        && matches!(
+            x.dtype(),
+            candle_core::DType::F32 | candle_core::DType::BF16
+        )
 }
 
 #[cfg(feature = "cuda")]
 pub use gpu::{
-    adamw_step, add_into_f32, add_rms_norm, applies, attention, attention_chunked_backward,
-    decode_attention, head_applies, head_logprobs, head_logprobs_backward, rms_norm,
-    rms_norm_applies, rope_append, rope_heads, sum_squares, swiglu, swiglu_backward,
+    adamw_step, add_into_f32, add_rms_norm, attention, attention_chunked_backward,
+    decode_attention, head_logprobs, head_logprobs_backward, head_takes, rms_norm, rms_norm_takes,
+    rope_append, rope_heads, sum_squares, swiglu, swiglu_backward,
 };
 
 #[cfg(feature = "cuda")]
@@ -280,7 +287,7 @@ mod gpu {
     use candle_core::{DType, Device, Result, Storage, Tensor};
 
     use super::super::recompute::{attach, Backward};
-    use super::{Dims, HEAD_DIMS, KERNELS_CU};
+    use super::{takes, Dims, HEAD_DIMS, KERNELS_CU};
 
     /// The kernels' PTX, compiled once per process (an error is kept and reported once).
     fn ptx() -> std::result::Result<&'static str, &'static str> {
@@ -341,7 +348,7 @@ mod gpu {
         })
     }
 
-    fn enabled() -> bool {
+    pub(super) fn enabled() -> bool {
         used() != Use::Off
     }
 
@@ -497,11 +504,6 @@ mod gpu {
         [i(n.h), i(n.hkv), i(n.s), i(n.tk), Scalar::F32(scale)]
     }
 
-    /// Whether grpo's elementwise GPU kernels take `x` (on a GPU, f32 or bf16, turned on).
-    pub fn applies(x: &Tensor) -> bool {
-        x.device().is_cuda() && matches!(x.dtype(), DType::F32 | DType::BF16) && enabled()
-    }
-
     fn elementwise(n: usize) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (n.div_ceil(256) as u32, 1, 1),
@@ -511,7 +513,7 @@ mod gpu {
     }
 
     /// `gu` [.., 2I] (gate, then up) -> silu(gate) * up [.., I] in one kernel, recorded in the
-    /// graph with a one-kernel backward (where [`applies`] holds; the caller checks).
+    /// graph with a one-kernel backward (where [`takes`] holds; the caller checks).
     pub fn swiglu(gu: &Tensor) -> Result<Tensor> {
         let dims = gu.dims().to_vec();
         let Some((&two_i, lead)) = dims.split_last() else {
@@ -578,11 +580,11 @@ mod gpu {
         Ok(dgu)
     }
 
-    /// Whether a training RMSNorm of `x` by `w` runs grpo's kernels (unless
-    /// `GRPO_GPU_KERNELS=off`): on an H200 they took a 1.7B layer's forward + backward from
-    /// 39 to 29 ms without attention (bench/README.md).
-    pub fn rms_norm_applies(x: &Tensor, w: &Tensor) -> bool {
-        applies(x) && w.dtype() == x.dtype() && w.rank() == 1
+    /// Whether the RMSNorm kernels take `x` and `w` (under [`crate::kernels::Compute::Gpu`]): on
+    /// an H200 they took a 1.7B layer's forward + backward from 39 to 29 ms without attention
+    /// (bench/README.md).
+    pub fn rms_norm_takes(x: &Tensor, w: &Tensor) -> bool {
+        takes(x) && w.dtype() == x.dtype() && w.rank() == 1
     }
 
     /// A block of 256 threads per row (`NORM_THREADS` in kernels.cu) and its reduction buffer.
@@ -596,7 +598,7 @@ mod gpu {
 
     /// RMSNorm of `x` [.., H] by `w` [H] as HF computes it (f32 statistics, the normalized row
     /// rounded to `x`'s dtype, then times `w`), one kernel each way; the backward keeps only `x`
-    /// and `w` (where [`rms_norm_applies`] holds; the caller checks).
+    /// and `w` (where [`rms_norm_takes`] holds; the caller checks).
     pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
         let h = x.dim(candle_core::D::Minus1)?;
         let rows = x.elem_count() / h.max(1);
@@ -680,7 +682,7 @@ mod gpu {
         let g = h / hkv.max(1);
         let rows = 256 / (d / vec).max(1); // slot groups of the value pass
         let smem = ((g * d + g * tk + 256 + rows * d + g) * 4) as u32;
-        let applies = applies(q)
+        let applies = takes(q)
             && decode_kernel_on()
             && s == 1
             && k.dtype() == dt
@@ -750,7 +752,7 @@ mod gpu {
         };
         let dt = joined.dtype();
         let same = |x: &Tensor| x.dtype() == dt && x.device().same_device(joined.device());
-        let applies = applies(joined)
+        let applies = takes(joined)
             && t == 1
             && d.is_multiple_of(2)
             && hkv == kv_heads
@@ -800,7 +802,7 @@ mod gpu {
         eps: f64,
     ) -> Result<Option<(Tensor, Tensor)>> {
         let h = x.dim(candle_core::D::Minus1)?;
-        if !(rms_norm_applies(x, w) && a.dtype() == x.dtype() && a.dims() == x.dims())
+        if !(rms_norm_takes(x, w) && a.dtype() == x.dtype() && a.dims() == x.dims())
             || w.dim(0)? != h
         {
             return Ok(None);
@@ -847,7 +849,7 @@ mod gpu {
                 && t.is_contiguous()
                 && t.elem_count() == n
         };
-        if !(enabled() && fits(p) && fits(g) && fits(m) && fits(v)) {
+        if !(fits(p) && fits(g) && fits(m) && fits(v)) {
             return Ok(false);
         }
         let f = Scalar::F32;
@@ -874,11 +876,10 @@ mod gpu {
     }
 
     /// `acc += x` in place: `acc` f32 and `x` bf16, contiguous, of one element count (one
-    /// kernel). Returns whether it ran (`false`: the tensors do not fit, or the kernels are off).
+    /// kernel). Returns whether it ran (`false`: the tensors do not fit).
     pub fn add_into_f32(acc: &Tensor, x: &Tensor) -> Result<bool> {
         let n = acc.elem_count();
-        let ok = enabled()
-            && acc.device().is_cuda()
+        let ok = acc.device().is_cuda()
             && acc.dtype() == DType::F32
             && x.dtype() == DType::BF16
             && acc.is_contiguous()
@@ -909,7 +910,7 @@ mod gpu {
         let Some(first) = ts.first() else {
             return Ok(Some(Vec::new()));
         };
-        if !(applies(first) && ts.iter().all(|t| t.device().same_device(first.device()))) {
+        if !(takes(first) && ts.iter().all(|t| t.device().same_device(first.device()))) {
             return Ok(None);
         }
         let dev = first.device();
@@ -939,10 +940,9 @@ mod gpu {
         ))
     }
 
-    /// Whether the LM head's log-softmax kernels take `logits` [c, V] (on a GPU, f32 or bf16,
-    /// turned on).
-    pub fn head_applies(logits: &Tensor) -> bool {
-        applies(logits) && logits.rank() == 2
+    /// Whether the LM head's log-softmax kernels take `logits` [c, V] (on a GPU, f32 or bf16).
+    pub fn head_takes(logits: &Tensor) -> bool {
+        takes(logits) && logits.rank() == 2
     }
 
     /// Row of `targets` [c] u32 in `logits` [c, V] -> ([c, 2] f32: log-prob and entropy of
@@ -1021,7 +1021,7 @@ mod gpu {
         };
         let d = hd / heads.max(1);
         let st = x.stride();
-        let applies = applies(x)
+        let applies = takes(x)
             && heads > 0
             && d.is_multiple_of(2)
             && d * heads == hd
@@ -1135,7 +1135,7 @@ mod gpu {
         let (b, h, s, d) = q.dims4()?;
         let (hkv, tk) = (k.dim(1)?, k.dim(2)?);
         let dt = q.dtype();
-        let applies = applies(q)
+        let applies = takes(q)
             && k.dtype() == dt
             && v.dtype() == dt
             && HEAD_DIMS.contains(&d)
@@ -1296,8 +1296,16 @@ mod tests {
             }
             let mask = Tensor::from_vec(m.clone(), (b, 1, s, tk), &dev).unwrap();
             let scale = 0.3f64;
-            let want =
-                super::super::chunked_attention::attention(&q, &k, &v, &mask, scale, true).unwrap();
+            let want = super::super::chunked_attention::attention(
+                &q,
+                &k,
+                &v,
+                &mask,
+                scale,
+                true,
+                crate::kernels::Compute::Portable,
+            )
+            .unwrap();
             let grads = (&want * &gout)
                 .unwrap()
                 .sum_all()

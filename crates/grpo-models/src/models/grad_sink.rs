@@ -101,17 +101,16 @@ impl GradSink {
         sink
     }
 
-    /// GPU accumulators: for each `(parameter, tensor)` pair, where `tensor` is what the model is
-    /// built from (the parameter, or its cast to the compute dtype), an f32 accumulator when
-    /// `tensor` is a 2-D contiguous f32 or bf16 CUDA tensor and grpo's GPU kernels are on
-    /// ([`super::fused_gpu::sink_applies`]). Projections over these tensors then multiply on
-    /// cuBLAS and add their weight gradients into the accumulators ([`SinkProj`]).
+    /// GPU accumulators, for a model under [`crate::kernels::Compute::Gpu`]: for each
+    /// `(parameter, tensor)` pair, where `tensor` is what the model is built from (the
+    /// parameter, or its cast to the compute dtype), an f32 accumulator when `tensor` is a 2-D
+    /// contiguous f32 or bf16 CUDA tensor ([`super::fused_gpu::takes`]). Projections over these
+    /// tensors then multiply on cuBLAS and add their weight gradients into the accumulators
+    /// ([`SinkProj`]).
     pub fn on_gpu(pairs: &[(&Var, &Tensor)]) -> Self {
         let usable: Vec<(&Var, &Tensor)> = pairs
             .iter()
-            .filter(|(_, t)| {
-                t.rank() == 2 && t.is_contiguous() && super::fused_gpu::sink_applies(t)
-            })
+            .filter(|(_, t)| t.rank() == 2 && t.is_contiguous() && super::fused_gpu::takes(t))
             .copied()
             .collect();
         Self::on_device(&usable)

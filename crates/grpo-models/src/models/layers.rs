@@ -678,7 +678,7 @@ impl RmsNorm {
     /// decoding step's add and post-attention norm), else the add then [`Self::forward`].
     pub fn forward_added(&self, x: &Tensor, a: &Tensor, mode: Mode) -> Result<(Tensor, Tensor)> {
         #[cfg(feature = "cuda")]
-        if mode == Mode::Infer {
+        if mode == Mode::Infer && self.compute.on_gpu() {
             let fused = super::fused_gpu::add_rms_norm(x, a, &self.weight, self.eps)?;
             if let Some(pair) = fused {
                 return Ok(pair);
@@ -695,6 +695,12 @@ impl RmsNorm {
             }
             Mode::Train if self.compute.fuses(x) => {
                 super::fused::rms_norm(x, &self.weight, self.eps)
+            }
+            #[cfg(feature = "cuda")]
+            Mode::Train
+                if self.compute.on_gpu() && super::fused_gpu::rms_norm_takes(x, &self.weight) =>
+            {
+                super::fused_gpu::rms_norm(x, &self.weight, self.eps)
             }
             Mode::Train => rms_norm_recomputed(x, &self.weight, self.eps),
         }
@@ -719,10 +725,6 @@ pub fn rms_norm_diff(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
 /// `n = x r`, `r = 1 / sqrt(mean(x^2) + eps)` and `y = n w`: `dw = sum(g n)`,
 /// `dx = r (g w - n mean(g w n))`, in f32 (f64 stays f64).
 pub fn rms_norm_recomputed(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    if super::fused_gpu::rms_norm_applies(x, w) {
-        return super::fused_gpu::rms_norm(x, w, eps);
-    }
     let y = rms_norm_diff(&x.detach(), &w.detach(), eps)?;
     super::recompute::attach(&y, &[x, w], Arc::new(RmsNormBackward { eps }))
 }
@@ -970,8 +972,10 @@ pub fn rope_heads(
         return super::fused::rope_heads(x, cos, sin, heads);
     }
     #[cfg(feature = "cuda")]
-    if let Some(y) = super::fused_gpu::rope_heads(x, cos, sin, heads)? {
-        return Ok(y);
+    if compute.on_gpu() {
+        if let Some(y) = super::fused_gpu::rope_heads(x, cos, sin, heads)? {
+            return Ok(y);
+        }
     }
     let (b, t, hd) = x.dims3()?;
     let x = x.reshape((b, t, heads, hd / heads))?.transpose(1, 2)?; // [B, H, T, D]
@@ -1161,7 +1165,7 @@ pub fn attention(
     let g = h / hkv;
     let scale = 1.0 / (d as f64).sqrt();
     #[cfg(feature = "cuda")]
-    if s == 1 && mode == Mode::Infer {
+    if s == 1 && mode == Mode::Infer && compute.on_gpu() {
         // A GPU's decoding step: one kernel over the KV cache's views.
         if let Some(out) = super::fused_gpu::decode_attention(q, k, v, &dense, scale)? {
             return Ok(out); // [B, 1, H*D]
@@ -1176,7 +1180,8 @@ pub fn attention(
     }
     if s > 1 && !compute.fuses(q) {
         // The portable path (a GPU's): query chunks, no [B, H, S, Tk] kept for the backward.
-        let out = super::chunked_attention::attention(q, k, v, &dense, scale, mode == Mode::Train)?;
+        let record = mode == Mode::Train;
+        let out = super::chunked_attention::attention(q, k, v, &dense, scale, record, compute)?;
         return out
             .transpose(1, 2)? // [B, S, H, D]
             .reshape((b, s, h * d));

@@ -155,7 +155,7 @@ impl Attention {
         #[cfg(feature = "cuda")]
         if let (Some((c, layer)), 1, None, None) = (cache, s, &self.q_norm, &self.k_norm) {
             // A GPU's decoding step: q rotated, k and v into the cache, one kernel.
-            if self.rotary_dim == hd {
+            if self.rotary_dim == hd && self.compute.on_gpu() {
                 let joined = self.qkv_proj.forward_joined(x)?; // [B, 1, (H + 2 Hkv) D]
                 let (kc, vc) = c.layer_tensors();
                 let (kc, vc) = (&kc[layer], &vc[layer]);
@@ -258,19 +258,19 @@ impl Mlp {
             return self.down_proj.forward(&super::fused::silu_mul(&gu)?);
         }
         #[cfg(feature = "cuda")]
-        if let (Activation::Silu, Some(gu), Some(down), true) = (
-            self.activation,
-            self.gate_up_proj.gpu_sink(),
-            self.down_proj.gpu_sink(),
-            x.track_op(),
-        ) {
-            // Training on a GPU: the whole block as one recorded op.
-            return super::grad_sink::sink_mlp(x, gu, down);
-        }
-        #[cfg(feature = "cuda")]
-        if self.activation == Activation::Silu && super::fused_gpu::applies(x) {
-            let gu = self.gate_up_proj.forward_joined(x)?; // [B, S, 2I]
-            return self.down_proj.forward(&super::fused_gpu::swiglu(&gu)?);
+        if self.activation == Activation::Silu && self.compute.on_gpu() {
+            if let (Some(gu), Some(down), true) = (
+                self.gate_up_proj.gpu_sink(),
+                self.down_proj.gpu_sink(),
+                x.track_op(),
+            ) {
+                // Training on a GPU: the whole block as one recorded op.
+                return super::grad_sink::sink_mlp(x, gu, down);
+            }
+            if super::fused_gpu::takes(x) {
+                let gu = self.gate_up_proj.forward_joined(x)?; // [B, S, 2I]
+                return self.down_proj.forward(&super::fused_gpu::swiglu(&gu)?);
+            }
         }
         let i = self.intermediate;
         let gu = split_parts(self.gate_up_proj.forward(x)?, &[i, i])?;

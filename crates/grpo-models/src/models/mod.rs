@@ -139,13 +139,12 @@ impl CausalLm {
         // On a GPU the head stays a plain matmul (the recomputed log-prob kernels take it);
         // its weight gradient goes to the sink through [`Self::head_grad`].
         let w = self.lm_head().clone();
-        self.head = match w.device().is_cpu() {
-            true => grad_sink::SinkProj::new(sink, &[(&w, &w)]).map_err(err)?,
-            false => None,
-        };
-        self.head_grad = match w.device().is_cuda() {
-            true => sink.weight_grad(&w),
-            false => None,
+        (self.head, self.head_grad) = match self.compute {
+            Compute::Gpu => (None, sink.weight_grad(&w)),
+            _ => (
+                grad_sink::SinkProj::new(sink, &[(&w, &w)]).map_err(err)?,
+                None,
+            ),
         };
         Ok(n + usize::from(self.head.is_some()))
     }

@@ -363,7 +363,7 @@ impl Params {
                 None => Ok(v.as_tensor().zeros_like()?),
             })
             .collect::<Result<_>>()?;
-        let (norm, scale) = clip_factor(&g, 1.0)?;
+        let (norm, scale) = clip_factor(&g, 1.0, self.opt.compute())?;
         self.opt.step(&g, lr, scale)?;
         Ok(norm)
     }

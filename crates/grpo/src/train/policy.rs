@@ -188,8 +188,8 @@ impl Policy for CausalLmPolicy {
         // candle's autograd, or, for blocks recomputed by gradient checkpointing, into the
         // checkpoint store. The portable CPU path keeps candle's autograd throughout.
         let compute = grpo_models::kernels::Compute::resolve(&self.device, self.dtype);
-        let (mut model, sink) = match (&self.lora, self.device.is_cuda()) {
-            (None, true) => {
+        let (mut model, sink) = match (&self.lora, compute) {
+            (None, grpo_models::kernels::Compute::Gpu) => {
                 // Each parameter cast to the compute dtype once, here, so that the sink knows
                 // the tensors the model's projections hold.
                 let tensors = self
@@ -216,7 +216,7 @@ impl Policy for CausalLmPolicy {
                 (model, sink)
             }
         };
-        if self.lora.is_none() && (compute.is_fused() || self.device.is_cuda()) {
+        if self.lora.is_none() && (compute.is_fused() || compute.on_gpu()) {
             model.attach_grad_sink(&sink)?;
         }
         let ckpt = match gradient_checkpointing {

@@ -276,7 +276,7 @@ pub fn update_policy<P: Policy>(
     }
     grpo_models::faults::kill_point("update.before_step");
     lap(&mut laps, "all-reduce");
-    let (norm, scale) = clip_factor(&grads, opts.max_grad_norm)?;
+    let (norm, scale) = clip_factor(&grads, opts.max_grad_norm, opt.compute())?;
     lap(&mut laps, "clip");
     st.lr = lr;
     st.grad_norm = norm;
