@@ -651,8 +651,8 @@ impl SinkProj {
 /// sinks (no biases, no adapters), as one recorded op: the forward is two cuBLAS GEMMs and the
 /// SwiGLU kernel, the backward (`dY` -> `dX`) two GEMMs per projection and SwiGLU's backward
 /// kernel, the weights' gradients into the sink. The block's intermediate gradients never go
-/// through candle's gradient store. Keeps the gate/up output and the activation for the
-/// backward (as candle's graph of the same block does).
+/// through candle's gradient store. Keeps the gate/up output for the backward, which
+/// recomputes the activation from it (candle's graph of the same block keeps both).
 #[cfg(feature = "cuda")]
 pub fn sink_mlp(x: &Tensor, gate_up: &SinkProj, down: &SinkProj) -> Result<Tensor> {
     gpu::mlp(x, gate_up, down)
@@ -1054,7 +1054,6 @@ mod gpu {
             gate_up: gate_up.clone(),
             down: down.clone(),
             gu,
-            a,
         };
         let y = crate::models::recompute::attach(&y, &[&x2], std::sync::Arc::new(bwd))?;
         let mut out = dims;
@@ -1064,15 +1063,17 @@ mod gpu {
         y.reshape(out)
     }
 
-    /// The MLP block's backward: dA = dY W_down, dW_down += dY^T A, dGU = swiglu'(GU) dA,
-    /// dX = dGU W_gate_up, dW_gate_up += dGU^T X: no gradient of the block's inside goes through
-    /// candle's store (each would be a zero-filled tensor plus an add).
+    /// The MLP block's backward: dA = dY W_down, A = swiglu(GU) again, dW_down += dY^T A,
+    /// dGU = swiglu'(GU) dA, dX = dGU W_gate_up, dW_gate_up += dGU^T X: no gradient of the
+    /// block's inside goes through candle's store (each would be a zero-filled tensor plus an
+    /// add). A is recomputed by the forward's kernel from the same GU (the same values, bit for
+    /// bit) rather than kept: one elementwise kernel instead of I floats a token per layer
+    /// between the forward and the backward (a third of what the block kept).
     struct MlpBackward {
         gate_up: SinkProj,
         down: SinkProj,
-        /// [N, 2I] and [N, I], kept from the forward.
+        /// [N, 2I], kept from the forward.
         gu: Tensor,
-        a: Tensor,
     }
 
     impl crate::models::recompute::Backward for MlpBackward {
@@ -1093,7 +1094,9 @@ mod gpu {
             let x = x.contiguous()?; // [N, H]
             let dy = grad.to_dtype(x.dtype())?.contiguous()?; // [N, H]
             let da = input_grad(&self.down, &dy)?; // [N, I]
-            add_weight_gradients(&self.down, &dy, &self.a)?;
+            let a = crate::models::fused_gpu::swiglu(&self.gu)?; // [N, I], as in the forward
+            add_weight_gradients(&self.down, &dy, &a)?;
+            drop(a);
             let dgu = crate::models::fused_gpu::swiglu_backward(&self.gu, &da)?; // [N, 2I]
             let dx = input_grad(&self.gate_up, &dgu)?; // [N, H]
             add_weight_gradients(&self.gate_up, &dgu, &x)?;
