@@ -100,8 +100,11 @@ fn project(x: &Tensor, w: &Var) -> candle_core::Result<Tensor> {
 }
 
 /// `w` cast to `dt` as a projection through a GPU gradient sink, or `None` where the sink does
-/// not apply (the CPU, `GRPO_GPU_KERNELS=off`).
-fn sink_proj(w: &Var, dt: DType) -> candle_core::Result<Option<SinkProj>> {
+/// not apply (off [`Compute::Gpu`]: the CPU, `GRPO_GPU_KERNELS=off`).
+fn sink_proj(w: &Var, dt: DType, compute: Compute) -> candle_core::Result<Option<SinkProj>> {
+    if !compute.on_gpu() {
+        return Ok(None);
+    }
     let cast = w.as_tensor().to_dtype(dt)?;
     let sink = GradSink::on_gpu(&[(w, &cast)]);
     SinkProj::new(&sink, &[(&cast, &cast)])
@@ -233,7 +236,7 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
         report(name, f, fb, 2.0 * (n * inp * out) as f64);
         // The same projection through the GPU gradient sink, where it applies (what the update
         // runs on a GPU): the weight's gradient added into an f32 accumulator by cuBLAS.
-        if let Some(p) = sink_proj(wv, dt)? {
+        if let Some(p) = sink_proj(wv, dt, compute)? {
             let f = time(&dev, reps, || {
                 Ok(p.forward(&xin.as_tensor().detach()).map(|_| ())?)
             })?;
@@ -298,7 +301,7 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
     }
     let sinks = [&w_qkv, &w_o, &w_gu, &w_down]
         .into_iter()
-        .map(|w| sink_proj(w, dt))
+        .map(|w| sink_proj(w, dt, compute))
         .collect::<candle_core::Result<Option<Vec<SinkProj>>>>()?;
     let cast = time(&dev, reps, || {
         for wv in [&w_qkv, &w_o, &w_gu, &w_down] {
@@ -405,7 +408,7 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
     let split_qkv = match &sinks {
         Some(_) => [s.heads, s.kv_heads, s.kv_heads]
             .into_iter()
-            .map(|heads| Ok(sink_proj(&w(heads * hd, s.hidden)?, dt)?))
+            .map(|heads| Ok(sink_proj(&w(heads * hd, s.hidden)?, dt, compute)?))
             .collect::<Result<Option<Vec<SinkProj>>>>()?,
         None => None,
     };
