@@ -489,6 +489,32 @@ mod tests {
             .contains("auto, fused or portable"));
     }
 
+    /// The CPU's arms follow the kernel set and the dtype; the GPU's arm is never the CPU's,
+    /// and off it grpo's GPU kernels are off ([`Compute::on_gpu`]) whatever the dtype.
+    #[test]
+    fn compute_resolves_the_cpu_arms_and_never_the_gpu_one_on_a_cpu() {
+        use candle_core::{DType, Device};
+        for dt in [DType::F32, DType::BF16, DType::F16, DType::F64] {
+            let c = Compute::resolve(&Device::Cpu, dt);
+            assert!(!c.on_gpu(), "{dt:?}: {c:?}");
+            let want = match (kernels(), dt) {
+                (Kernels::Fused, DType::F32) => Compute::CpuFused,
+                (Kernels::Fused, DType::BF16) if Isa::active() >= Isa::Avx512 => Compute::CpuMixed,
+                _ => Compute::Portable,
+            };
+            assert_eq!(c, want, "{dt:?}");
+            assert_eq!(c.is_fused(), c != Compute::Portable);
+        }
+        assert!(Compute::Gpu.on_gpu() && !Compute::Gpu.is_fused());
+        assert!(!Compute::Gpu.fuses_on(&Device::Cpu, DType::F32));
+        assert_eq!(Compute::Gpu.storage_dtype(DType::BF16), DType::BF16);
+        #[cfg(not(feature = "cuda"))]
+        assert!(
+            !crate::models::fused_gpu::enabled(),
+            "no GPU kernels without CUDA"
+        );
+    }
+
     #[test]
     fn a_level_is_lowered_to_what_the_cpu_runs() {
         for isa in Isa::ALL {
