@@ -466,6 +466,12 @@ fn gpu_gradient_sink_equals_candle_autograd() {
             .map(|((k, _), t)| (k.clone(), t.clone()))
             .collect();
         let mut model = CausalLm::from_tensors(&m.config, tensors, dt, &dev).unwrap();
+        // The device seam: a model on the GPU resolves to grpo's GPU kernels.
+        assert_eq!(
+            model.compute(),
+            grpo_models::kernels::Compute::Gpu,
+            "{name} {dt:?}: grpo's GPU kernels are off or did not compile"
+        );
         if sunk {
             let n = model.attach_grad_sink(&sink).unwrap();
             // GPT-2's Conv1D weights are [in, out]: its projections keep candle's autograd.
