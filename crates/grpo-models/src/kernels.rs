@@ -1,5 +1,5 @@
-//! Which kernels run: two process-wide CPU choices, each read once, and the device seam that
-//! resolves them (with the GPU's) into one value per model or optimizer ([`Compute`]).
+//! Which kernels run: process-wide choices, each read once, and the device seam that resolves
+//! them into one value per model or optimizer ([`Compute`]).
 //!
 //! - [`Kernels`] (`kernels` in a run's config, `GRPO_KERNELS` in the environment): `fused` runs
 //!   grpo's hand-written CPU custom ops where they apply (fused attention, RMSNorm, SiLU, RoPE,
@@ -11,6 +11,8 @@
 //!   or the baseline target (SSE2 on x86-64; NEON or none elsewhere). Forcing a lower one makes
 //!   tests and benchmarks run every variant on one machine; a request above what the CPU has
 //!   falls back to the best it has.
+//! - [`GpuKernels`] (`GRPO_GPU_KERNELS`): whether grpo's GPU kernels run on a GPU (`off` runs
+//!   candle ops only; `forward` runs attention's backward as candle ops).
 //!
 //! Every variant of a kernel performs the same float operations in the same order (FMAs where
 //! the AVX-512 kernel has them, the same lane layout, the same reduction tree), so `avx512` and
@@ -232,6 +234,79 @@ pub fn set_kernels(k: Kernels) {
     );
 }
 
+/// The CUDA source of grpo's GPU kernels (`models/cuda/kernels.cu`, run by
+/// [`crate::models::fused_gpu`]; compiled at run time by NVRTC, `gpu_ptx`).
+pub const GPU_KERNELS_CU: &str = include_str!("models/cuda/kernels.cu");
+
+/// Which of grpo's GPU kernels run (`GRPO_GPU_KERNELS`, read once; the third process-wide
+/// choice, resolved with the others by [`Compute::resolve`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpuKernels {
+    /// All of them (`GRPO_GPU_KERNELS` unset, `default` or `full`): attention forward and
+    /// backward, RMSNorm, RoPE, SwiGLU, the decoding step's, the LM head's, AdamW's.
+    All,
+    /// `forward`: attention's backward as the chunked candle ops
+    /// ([`crate::models::chunked_attention`]) from the forward kernel's log-sum-exps.
+    Forward,
+    /// `off`, a build without CUDA, or kernels that do not compile: candle ops only.
+    Off,
+}
+
+/// The GPU kernel set in force (see [`GpuKernels`]). The first call on a CUDA build compiles
+/// the kernels (a failure is logged once, and turns them off).
+pub fn gpu_kernels() -> GpuKernels {
+    #[cfg(feature = "cuda")]
+    {
+        static USE: OnceLock<GpuKernels> = OnceLock::new();
+        *USE.get_or_init(|| {
+            let want = match std::env::var("GRPO_GPU_KERNELS").as_deref() {
+                Ok("off") => GpuKernels::Off,
+                Ok("forward") => GpuKernels::Forward,
+                Ok("default") | Ok("full") | Ok("") | Err(_) => GpuKernels::All,
+                Ok(other) => {
+                    tracing::warn!(
+                        "GRPO_GPU_KERNELS={other} is not default, forward or off: using the default"
+                    );
+                    GpuKernels::All
+                }
+            };
+            if want == GpuKernels::Off {
+                tracing::info!(
+                    "GRPO_GPU_KERNELS=off: every GPU kernel of grpo's runs as candle ops"
+                );
+                return GpuKernels::Off;
+            }
+            match gpu_ptx() {
+                Ok(_) => want,
+                Err(e) => {
+                    tracing::warn!(
+                        "grpo's GPU kernels did not compile ({e}); candle ops run in their place"
+                    );
+                    GpuKernels::Off
+                }
+            }
+        })
+    }
+    #[cfg(not(feature = "cuda"))]
+    GpuKernels::Off
+}
+
+/// The GPU kernels' PTX, compiled from [`GPU_KERNELS_CU`] once per process (an error is kept
+/// and reported once).
+#[cfg(feature = "cuda")]
+pub fn gpu_ptx() -> Result<&'static str, &'static str> {
+    static PTX: OnceLock<Result<String, String>> = OnceLock::new();
+    let r = PTX.get_or_init(|| {
+        candle_core::cuda_backend::cudarc::nvrtc::compile_ptx(GPU_KERNELS_CU)
+            .map(|p| p.to_src())
+            .map_err(|e| format!("{e:?}"))
+    });
+    match r {
+        Ok(s) => Ok(s.as_str()),
+        Err(e) => Err(e.as_str()),
+    }
+}
+
 /// How a model's (or an optimizer's) arithmetic runs: the device seam. Resolved once, when the
 /// model or optimizer is set up ([`Compute::resolve`]: the only reader of the kernel set and of
 /// whether grpo's GPU kernels are on, besides start-up logging), and handed to the layers, the
@@ -270,7 +345,7 @@ impl Compute {
         use candle_core::DType;
         if device.is_cuda() {
             return match dtype {
-                DType::F32 | DType::BF16 if crate::models::fused_gpu::enabled() => Compute::Gpu,
+                DType::F32 | DType::BF16 if gpu_kernels() != GpuKernels::Off => Compute::Gpu,
                 _ => Compute::Portable,
             };
         }
@@ -510,7 +585,7 @@ mod tests {
         assert_eq!(Compute::Gpu.storage_dtype(DType::BF16), DType::BF16);
         #[cfg(not(feature = "cuda"))]
         assert!(
-            !crate::models::fused_gpu::enabled(),
+            gpu_kernels() == GpuKernels::Off,
             "no GPU kernels without CUDA"
         );
     }

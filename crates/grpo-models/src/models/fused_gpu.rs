@@ -18,9 +18,6 @@
 //! compare the kernels with candle ops on the GPU, and a GPU's training with the CPU's portable
 //! path.
 
-/// The kernels' CUDA source.
-pub const KERNELS_CU: &str = include_str!("cuda/kernels.cu");
-
 /// Head sizes the kernels are instantiated for (16 and 32: the tiny test fixtures', so that the
 /// GPU tests against transformers run through the kernels).
 pub const HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
@@ -251,15 +248,6 @@ pub struct AdamWScalars {
     pub step_size: f32,
 }
 
-/// Whether grpo's GPU kernels are on: `GRPO_GPU_KERNELS` is not `off` and the kernels compile
-/// (read once, by [`crate::kernels::Compute::resolve`]; false in a build without CUDA).
-pub fn enabled() -> bool {
-    #[cfg(feature = "cuda")]
-    return gpu::enabled();
-    #[cfg(not(feature = "cuda"))]
-    false
-}
-
 /// Whether grpo's GPU kernels take `x`: on a GPU, f32 or bf16. Whether they run at all is the
 /// model's [`crate::kernels::Compute`] ([`crate::kernels::Compute::on_gpu`]); each kernel also
 /// checks its shapes.
@@ -287,70 +275,8 @@ mod gpu {
     use candle_core::{DType, Device, Result, Storage, Tensor};
 
     use super::super::recompute::{attach, Backward};
-    use super::{takes, Dims, HEAD_DIMS, KERNELS_CU};
-
-    /// The kernels' PTX, compiled once per process (an error is kept and reported once).
-    fn ptx() -> std::result::Result<&'static str, &'static str> {
-        static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
-        let r = PTX.get_or_init(|| {
-            candle_core::cuda_backend::cudarc::nvrtc::compile_ptx(KERNELS_CU)
-                .map(|p| p.to_src())
-                .map_err(|e| format!("{e:?}"))
-        });
-        match r {
-            Ok(s) => Ok(s.as_str()),
-            Err(e) => Err(e.as_str()),
-        }
-    }
-
-    /// Which of grpo's kernels run. By default (`GRPO_GPU_KERNELS` unset, `default` or `full`)
-    /// all of them: attention forward and backward, SwiGLU, RMSNorm and RoPE;
-    /// `forward` runs attention's backward as [`super::super::chunked_attention`]'s candle ops
-    /// from the forward kernel's log-sum-exps; `off` (or kernels that do not compile) runs
-    /// candle ops only.
-    #[derive(Debug, Clone, Copy, PartialEq)]
-    enum Use {
-        All,
-        Forward,
-        Off,
-    }
-
-    fn used() -> Use {
-        static USE: OnceLock<Use> = OnceLock::new();
-        *USE.get_or_init(|| {
-            let want = match std::env::var("GRPO_GPU_KERNELS").as_deref() {
-                Ok("off") => Use::Off,
-                Ok("forward") => Use::Forward,
-                Ok("default") | Ok("full") | Ok("") | Err(_) => Use::All,
-                Ok(other) => {
-                    tracing::warn!(
-                        "GRPO_GPU_KERNELS={other} is not default, forward or off: using the default"
-                    );
-                    Use::All
-                }
-            };
-            if want == Use::Off {
-                tracing::info!(
-                    "GRPO_GPU_KERNELS=off: every GPU kernel of grpo's runs as candle ops"
-                );
-                return Use::Off;
-            }
-            match ptx() {
-                Ok(_) => want,
-                Err(e) => {
-                    tracing::warn!(
-                        "grpo's GPU kernels did not compile ({e}); candle ops run in their \
-                         place"
-                    );
-                    Use::Off
-                }
-            }
-        })
-    }
-
-    pub(super) fn enabled() -> bool {
-        used() != Use::Off
-    }
+    use super::{takes, Dims, HEAD_DIMS};
+    use crate::kernels::{gpu_kernels, gpu_ptx as ptx, GpuKernels};
 
     fn cuda(t: &Tensor) -> Result<CudaDevice> {
         match t.device() {
@@ -1108,7 +1034,15 @@ mod gpu {
         scale: f64,
         record: bool,
     ) -> Result<Option<Tensor>> {
-        attention_with(q, k, v, mask, scale, record, used() == Use::All)
+        attention_with(
+            q,
+            k,
+            v,
+            mask,
+            scale,
+            record,
+            gpu_kernels() == GpuKernels::All,
+        )
     }
 
     /// [`attention`] recorded with the chunked candle-op backward whatever `GRPO_GPU_KERNELS`
