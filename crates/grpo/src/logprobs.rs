@@ -18,6 +18,13 @@ use grpo_models::models::{CausalLm, Mode, SeqBatch};
 /// Rows of hidden states per LM-head chunk.
 pub const DEFAULT_CHUNK_ROWS: usize = 256;
 
+/// Bytes of f32 logits per chunk of a training pass's LM head under [`Compute::Gpu`]. Its
+/// backward holds one chunk's logits and their gradient at once, at the step's peak (every
+/// layer's kept activations are still alive then): 64 MiB chunks (341 rows of SmolLM2's
+/// vocabulary) hold 128 MiB there, where chunks of the attention's 256 MiB held 0.5 GB, for a
+/// few more GEMM launches of at least 341 rows each.
+pub const GPU_TRAIN_HEAD_CHUNK_BYTES: usize = 64 << 20;
+
 /// `hidden` [N, H], `lm_head` [V, H], `targets` [N] u32 -> log-probs [N] f32.
 /// `temperature` <= 0 is treated as 1 (greedy sampling reports log-probs at T = 1).
 pub fn token_logprobs(
@@ -668,6 +675,10 @@ pub fn completion_logprobs(
         None => model.config().vocab_size,
     };
     let big_rows = grpo_models::models::chunked_attention::CHUNK_BYTES / (4 * vocab.max(1));
+    let train_rows = match model.compute() {
+        Compute::Gpu => GPU_TRAIN_HEAD_CHUNK_BYTES / (4 * vocab.max(1)),
+        _ => big_rows,
+    };
     let (lp, ent) = match model.plain_head() {
         // Off the fused CPU path a training forward keeps no [M, V] logits.
         Some(w) if mode == Mode::Train && !one_row => head_logprobs_recomputed(
@@ -675,7 +686,7 @@ pub fn completion_logprobs(
             w,
             &targets,
             temperature,
-            big_rows.max(1),
+            train_rows.max(1),
             entropy,
             model.head_grad().cloned(),
             model.compute(),
