@@ -237,8 +237,9 @@ fn head_logprobs_recomputed(
         compute,
     };
     let (both, lse) = op.forward(&hidden.detach(), &lm_head.detach())?; // [N, 2], [N, 1]
-                                                                        // With `head_grad` the head's gradient bypasses the graph: the op does not take the head
-                                                                        // as a graph input (candle expects a gradient for every tracked input it reaches).
+
+    // With `head_grad` the head's gradient bypasses the graph: the op does not take the head as
+    // a graph input (candle expects a gradient for every tracked input it reaches).
     let head = match op.head_grad {
         Some(_) => lm_head.detach(),
         None => lm_head.clone(),

@@ -10,8 +10,10 @@
 //! - [`rope_heads`]: rotate-half RoPE from `[B, T, H*D]` straight into `[B, H, T, D]`;
 //! - [`logprob_entropy`]: per-row `log softmax(z / t)[target]` and the entropy of `softmax(z / t)`.
 //!
-//! They apply to f32 tensors on the CPU ([`applies`]); other devices and dtypes, and every
-//! tensor under `kernels = "portable"`, take the compositions. Each has a test against its composition, values and gradients.
+//! They apply to f32 tensors on the CPU under the fused CPU compute
+//! ([`crate::kernels::Compute::fuses`]); other devices and dtypes, and every tensor under
+//! `kernels = "portable"`, take the compositions. Each has a test against its composition,
+//! values and gradients.
 
 use candle_core::{
     bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Storage, Tensor,
