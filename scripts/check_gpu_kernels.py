@@ -18,7 +18,7 @@ def build():
     return exe
 
 
-def case(exe, dtype, B, H, Hkv, S, Tk, D, seed):
+def case(exe, dtype, B, H, Hkv, S, Tk, D, seed, tc=False):
     g = torch.Generator().manual_seed(seed)
     tdt = torch.float32 if dtype == "f32" else torch.bfloat16
     q = torch.randn(B, H, S, D, generator=g).to(tdt)
@@ -37,7 +37,8 @@ def case(exe, dtype, B, H, Hkv, S, Tk, D, seed):
         raw = lambda t: (t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy())
         for name, t in [("q", q), ("k", k), ("v", v), ("dout", dout), ("mask", mask)]:
             raw(t.contiguous()).tofile(os.path.join(d, name + ".bin"))
-        subprocess.run([exe, d, dtype, *map(str, [B, H, Hkv, S, Tk, D]), repr(scale)], check=True)
+        subprocess.run([exe, d, dtype, *map(str, [B, H, Hkv, S, Tk, D]), repr(scale)]
+                       + (["tc"] if tc else []), check=True)
         def back(name, shape, bf):
             a = np.fromfile(os.path.join(d, name + ".bin"), dtype=np.int16 if bf else np.float32)
             t = torch.from_numpy(a.copy())
@@ -60,7 +61,8 @@ def case(exe, dtype, B, H, Hkv, S, Tk, D, seed):
         err = ((got[name] - w).abs().max() / w.abs().max().clamp(min=1)).item()
         worst = max(worst, err)
         status = "ok" if err < tol else "FAIL"
-        print(f"{dtype} B{B} H{H}/{Hkv} S{S} Tk{Tk} D{D} {name}: {err:.2e} {status}")
+        print(f"{dtype}{' tensor cores' if tc else ''} B{B} H{H}/{Hkv} S{S} Tk{Tk} D{D} {name}: "
+              f"{err:.2e} {status}")
         if err >= tol:
             sys.exit(1)
     return worst
@@ -354,6 +356,14 @@ if __name__ == "__main__":
         rope_append(exe, dtype, 3, 6, 2, 64, 0, 10, 7, 18)   # grouped heads, a middle slot
         rope_append(exe, dtype, 2, 4, 4, 32, 96, 5, 0, 19)   # a wider row (xs), the first slot
         add_rms(exe, dtype, 5, 300, 20)
+    # attention_tc.cu: the tensor-core kernels (bf16), their mma.sync and shuffles emulated.
+    case(exe, "bf16", 2, 6, 2, 7, 9, 64, 0, tc=True)
+    case(exe, "bf16", 2, 4, 4, 40, 40, 64, 1, tc=True)
+    case(exe, "bf16", 1, 2, 1, 5, 5, 128, 2, tc=True)
+    case(exe, "bf16", 2, 3, 1, 70, 75, 64, 8, tc=True)
+    case(exe, "bf16", 1, 2, 2, 130, 140, 64, 23, tc=True)  # three query tiles, a key prefix
+    case(exe, "bf16", 2, 4, 2, 9, 11, 32, 5, tc=True)
+    case(exe, "bf16", 2, 4, 2, 9, 9, 16, 4, tc=True)
     adamw(exe, 1000, 3, 0.7, 17)
     sumsq(exe, 70001, 16, 21)   # more elements than the grid's threads
     sumsq(exe, 100, 16, 22)     # fewer: most blocks write 0

@@ -2,8 +2,9 @@
 // scripts/check_gpu_kernels.py: a block's threads are OS threads sharing the block's shared memory,
 // __syncthreads is a barrier (a thread that returns drops out of it, as on a GPU), blocks run one
 // after another.
-//   gpu_kernels_emu DIR DTYPE B H HKV S TK D SCALE
-// reads DIR/{q,k,v,mask,dout}.bin, writes DIR/{o,lse,dq,dk,dv}.bin (DTYPE f32 or bf16 as u16);
+//   gpu_kernels_emu DIR DTYPE B H HKV S TK D SCALE [tc]
+// reads DIR/{q,k,v,mask,dout}.bin, writes DIR/{o,lse,dq,dk,dv}.bin (DTYPE f32 or bf16 as u16;
+// `tc`: attention_tc.cu's tensor-core kernels, bf16 only, their mma and lane shuffles emulated);
 //   gpu_kernels_emu swiglu DIR DTYPE N I
 // reads DIR/{gu,dy}.bin, writes DIR/{y,dgu}.bin;
 //   gpu_kernels_emu rmsnorm DIR DTYPE N H EPS
@@ -27,6 +28,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 #include <barrier>
 #include <memory>
 #include <string>
@@ -48,7 +50,46 @@ static inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); re
 static inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
 static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 #define __expf expf
+// A warp's collective operations (attention_tc.cu): each lane posts its operands to the warp's
+// slot, waits for the other 31, computes its own results from all of them, and waits again
+// before the slot is reused. Warp w of a block is threads 32 w .. 32 w + 31.
+static std::barrier<>* warp_barrier[32];
+static unsigned warp_a[32][32][4], warp_b[32][32][2];
+static float warp_v[32][32];
+static inline void warp_sync() { warp_barrier[threadIdx.x / 32]->arrive_and_wait(); }
+static float emu_bf16(unsigned r, int hi) { return __uint_as_float(((r >> (hi * 16)) & 0xffffu) << 16); }
+// mma.m16n8k16 (bf16 in, f32 sums): D = A B + C over the fragments' documented lane layout.
+static void emu_mma_bf16(float c[4], const unsigned a[4], const unsigned b[2]) {
+    const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    for (int x = 0; x < 4; ++x) warp_a[w][lane][x] = a[x];
+    for (int x = 0; x < 2; ++x) warp_b[w][lane][x] = b[x];
+    warp_sync();
+    float d[4];
+    for (int x = 0; x < 4; ++x) {
+        const int row = g + (x >> 1) * 8, col = 2 * t + (x & 1);
+        float acc = c[x];
+        for (int kx = 0; kx < 16; ++kx) {
+            // A[row][kx]: lane 4 (row % 8) + (kx % 8) / 2, register (kx >= 8) * 2 + (row >= 8).
+            const float av = emu_bf16(warp_a[w][4 * (row % 8) + (kx % 8) / 2][(kx >= 8) * 2 + (row >= 8)], kx & 1);
+            // B[kx][col]: lane 4 col + (kx % 8) / 2, register kx >= 8.
+            const float bv = emu_bf16(warp_b[w][4 * col + (kx % 8) / 2][kx >= 8], kx & 1);
+            acc += av * bv;
+        }
+        d[x] = acc;
+    }
+    warp_sync();
+    for (int x = 0; x < 4; ++x) c[x] = d[x];
+}
+static float emu_lane_xor(float v, int m) {
+    const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
+    warp_v[w][lane] = v;
+    warp_sync();
+    const float r = warp_v[w][lane ^ m];
+    warp_sync();
+    return r;
+}
 #include "../crates/grpo-models/src/models/cuda/kernels.cu"
+#include "../crates/grpo-models/src/models/cuda/attention_tc.cu"
 
 template <typename T> std::vector<T> rd(const std::string& p, size_t n) {
     std::vector<T> v(n);
@@ -70,13 +111,23 @@ template <typename F> void launch(int gx, int gy, int bx, F f) {
             blockIdx = {x, y, 0};
             std::barrier<> bar(bx);
             block_barrier = &bar;
+            std::vector<std::unique_ptr<std::barrier<>>> warps;
+            for (int w = 0; w < (bx + 31) / 32; ++w) {
+                warps.push_back(std::make_unique<std::barrier<>>(std::min(32, bx - 32 * w)));
+                warp_barrier[w] = warps.back().get();
+            }
             std::vector<std::thread> threads;
             for (int t = 0; t < bx; ++t)
-                threads.emplace_back([&, t] { threadIdx = {t, 0, 0}; f(); bar.arrive_and_drop(); });
+                threads.emplace_back([&, t] {
+                    threadIdx = {t, 0, 0};
+                    f();
+                    bar.arrive_and_drop();
+                    warp_barrier[t / 32]->arrive_and_drop();
+                });
             for (auto& th : threads) th.join();
         }
 }
-template <typename T, int D> void run(const std::string& dir, int B, int H, int Hkv, int S, int Tk, float sc) {
+template <typename T, int D> void run(const std::string& dir, int B, int H, int Hkv, int S, int Tk, float sc, bool tc) {
     size_t nq = (size_t)B * H * S * D, nk = (size_t)B * Hkv * Tk * D;
     auto q = rd<T>(dir + "/q.bin", nq), k = rd<T>(dir + "/k.bin", nk), v = rd<T>(dir + "/v.bin", nk);
     auto dout = rd<T>(dir + "/dout.bin", nq);
@@ -84,6 +135,13 @@ template <typename T, int D> void run(const std::string& dir, int B, int H, int 
     std::vector<T> o(nq), dq(nq), dk(nk), dv(nk);
     std::vector<float> lse((size_t)B * H * S), delta((size_t)B * H * S);
     const int AT_ = 64, TH = 256;
+    if constexpr (sizeof(T) == 2) if (tc) {  // attention_tc.cu's kernels: 4 warps a block
+        launch((S + AT_ - 1) / AT_, B * H, TC_TH, [&] { attn_fwd_tc<D>(q.data(), k.data(), v.data(), mask.data(), o.data(), lse.data(), H, Hkv, S, Tk, sc); });
+        launch((S + AT_ - 1) / AT_, B * H, TC_TH, [&] { attn_bwd_dq_tc<D>(q.data(), k.data(), v.data(), mask.data(), o.data(), dout.data(), lse.data(), delta.data(), dq.data(), H, Hkv, S, Tk, sc); });
+        launch((Tk + AT_ - 1) / AT_, B * Hkv, TC_TH, [&] { attn_bwd_dkv_tc<D>(q.data(), k.data(), v.data(), mask.data(), dout.data(), lse.data(), delta.data(), dk.data(), dv.data(), H, Hkv, S, Tk, sc); });
+        wr(dir + "/o.bin", o); wr(dir + "/lse.bin", lse); wr(dir + "/dq.bin", dq); wr(dir + "/dk.bin", dk); wr(dir + "/dv.bin", dv);
+        return;
+    }
     launch((S + AT_ - 1) / AT_, B * H, TH, [&] { attn_fwd<T, D>(q.data(), k.data(), v.data(), mask.data(), o.data(), lse.data(), H, Hkv, S, Tk, sc); });
     launch((S + AT_ - 1) / AT_, B * H, TH, [&] { attn_bwd_dq<T, D>(q.data(), k.data(), v.data(), mask.data(), o.data(), dout.data(), lse.data(), delta.data(), dq.data(), H, Hkv, S, Tk, sc); });
     launch((Tk + AT_ - 1) / AT_, B * Hkv, TH, [&] { attn_bwd_dkv<T, D>(q.data(), k.data(), v.data(), mask.data(), dout.data(), lse.data(), delta.data(), dk.data(), dv.data(), H, Hkv, S, Tk, sc); });
@@ -235,16 +293,21 @@ int main(int argc, char** argv) {
         if (dt == "f32") run_swiglu<float>(dir, n, inter); else run_swiglu<bf16_t>(dir, n, inter);
         return 0;
     }
-    if (argc != 10) { fprintf(stderr, "usage: DIR DTYPE B H HKV S TK D SCALE\n"); return 2; }
+    if (argc != 10 && !(argc == 11 && std::string(argv[10]) == "tc")) {
+        fprintf(stderr, "usage: DIR DTYPE B H HKV S TK D SCALE [tc]\n");
+        return 2;
+    }
     std::string dir = argv[1], dt = argv[2];
     int B = atoi(argv[3]), H = atoi(argv[4]), Hkv = atoi(argv[5]), S = atoi(argv[6]), Tk = atoi(argv[7]), D = atoi(argv[8]);
     float sc = atof(argv[9]);
-    if (dt == "f32" && D == 16) run<float, 16>(dir, B, H, Hkv, S, Tk, sc);
-    else if (dt == "bf16" && D == 32) run<bf16_t, 32>(dir, B, H, Hkv, S, Tk, sc);
-    else if (dt == "f32" && D == 64) run<float, 64>(dir, B, H, Hkv, S, Tk, sc);
-    else if (dt == "bf16" && D == 64) run<bf16_t, 64>(dir, B, H, Hkv, S, Tk, sc);
-    else if (dt == "f32" && D == 128) run<float, 128>(dir, B, H, Hkv, S, Tk, sc);
-    else if (dt == "bf16" && D == 128) run<bf16_t, 128>(dir, B, H, Hkv, S, Tk, sc);
+    const bool tc = argc == 11;
+    if (dt == "f32" && D == 16) run<float, 16>(dir, B, H, Hkv, S, Tk, sc, tc);
+    else if (dt == "bf16" && D == 16) run<bf16_t, 16>(dir, B, H, Hkv, S, Tk, sc, tc);
+    else if (dt == "bf16" && D == 32) run<bf16_t, 32>(dir, B, H, Hkv, S, Tk, sc, tc);
+    else if (dt == "f32" && D == 64) run<float, 64>(dir, B, H, Hkv, S, Tk, sc, tc);
+    else if (dt == "bf16" && D == 64) run<bf16_t, 64>(dir, B, H, Hkv, S, Tk, sc, tc);
+    else if (dt == "f32" && D == 128) run<float, 128>(dir, B, H, Hkv, S, Tk, sc, tc);
+    else if (dt == "bf16" && D == 128) run<bf16_t, 128>(dir, B, H, Hkv, S, Tk, sc, tc);
     else { fprintf(stderr, "unsupported %s D=%d\n", dt.c_str(), D); return 2; }
     return 0;
 }

@@ -238,6 +238,11 @@ pub fn set_kernels(k: Kernels) {
 /// [`crate::models::fused_gpu`]; compiled at run time by NVRTC, `gpu_ptx`).
 pub const GPU_KERNELS_CU: &str = include_str!("models/cuda/kernels.cu");
 
+/// The CUDA source of attention's tensor-core kernels (`models/cuda/attention_tc.cu`: bf16
+/// products as `mma.sync`, sm_80 and later), compiled after [`GPU_KERNELS_CU`], whose helpers
+/// it uses, into a module of its own (`gpu_tc_ptx`).
+pub const GPU_ATTENTION_TC_CU: &str = include_str!("models/cuda/attention_tc.cu");
+
 /// Which of grpo's GPU kernels run (`GRPO_GPU_KERNELS`, read once; the third process-wide
 /// choice, resolved with the others by [`Compute::resolve`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -298,6 +303,30 @@ pub fn gpu_ptx() -> Result<&'static str, &'static str> {
     static PTX: OnceLock<Result<String, String>> = OnceLock::new();
     let r = PTX.get_or_init(|| {
         candle_core::cuda_backend::cudarc::nvrtc::compile_ptx(GPU_KERNELS_CU)
+            .map(|p| p.to_src())
+            .map_err(|e| format!("{e:?}"))
+    });
+    match r {
+        Ok(s) => Ok(s.as_str()),
+        Err(e) => Err(e.as_str()),
+    }
+}
+
+/// The tensor-core attention kernels' PTX: [`GPU_KERNELS_CU`] and [`GPU_ATTENTION_TC_CU`]
+/// compiled for compute_80 (the first architecture with bf16 `mma.sync`; a newer card's driver
+/// compiles it for its own), once per process. A separate module, so that a card older than
+/// sm_80 still loads [`gpu_ptx`]'s.
+#[cfg(feature = "cuda")]
+pub fn gpu_tc_ptx() -> Result<&'static str, &'static str> {
+    use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+    static PTX: OnceLock<Result<String, String>> = OnceLock::new();
+    let r = PTX.get_or_init(|| {
+        let src = format!("{GPU_KERNELS_CU}\n{GPU_ATTENTION_TC_CU}");
+        let opts = CompileOptions {
+            arch: Some("compute_80"),
+            ..Default::default()
+        };
+        compile_ptx_with_opts(src, opts)
             .map(|p| p.to_src())
             .map_err(|e| format!("{e:?}"))
     });

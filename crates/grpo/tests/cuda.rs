@@ -621,9 +621,9 @@ fn gpu_135m_micro_batch_in_one_pass_fits_in_16_gb() {
     );
 }
 
-/// grpo's GPU kernels (attention forward and backward, RMSNorm, RoPE, SwiGLU) against the same
-/// computation in candle ops on the same GPU: grouped heads, left padding, head sizes 64 and 128,
-/// several query and key tiles, f32 and bf16.
+/// grpo's GPU kernels (attention forward and backward, on CUDA cores and, in bf16, on tensor
+/// cores; RMSNorm, RoPE, SwiGLU) against the same computation in candle ops on the same GPU:
+/// grouped heads, left padding, head sizes 64 and 128, several query and key tiles, f32 and bf16.
 #[test]
 fn gpu_kernels_equal_candle_ops_with_their_gradients() {
     use candle_core::Tensor;
@@ -672,7 +672,8 @@ fn gpu_kernels_equal_candle_ops_with_their_gradients() {
             let live = Tensor::from_vec(live, (b, h, s, d), &dev).unwrap();
             let gout = (gout * &live).unwrap();
             // 0: the default (the forward and backward kernels), 1: the forward kernel with
-            // the chunked candle-op backward (`GRPO_GPU_KERNELS=forward`), 2: candle ops only.
+            // the chunked candle-op backward (`GRPO_GPU_KERNELS=forward`), 2: candle ops only,
+            // 3 (bf16): attention_tc.cu's tensor-core kernels (`GRPO_GPU_ATTENTION=tensor`).
             let run = |path: usize| {
                 let out = match path {
                     0 => {
@@ -686,6 +687,9 @@ fn gpu_kernels_equal_candle_ops_with_their_gradients() {
                     1 => fused_gpu::attention_chunked_backward(&q, &k, &v, &mask, scale)
                         .unwrap()
                         .expect("grpo's GPU kernels are off or did not compile"),
+                    3 => fused_gpu::attention_tensor_cores(&q, &k, &v, &mask, scale)
+                        .unwrap()
+                        .expect("the tensor-core kernels need sm_80 or later, and to compile"),
                     _ => chunked_attention::attention_ops(&q, &k, &v, &mask, scale, true).unwrap(),
                 };
                 let g = (out.to_dtype(DType::F32).unwrap() * &gout)
@@ -701,7 +705,11 @@ fn gpu_kernels_equal_candle_ops_with_their_gradients() {
                 (out, grads)
             };
             let (co, cg) = run(2);
-            for path in [0, 1] {
+            let paths: &[usize] = match dt {
+                DType::BF16 => &[0, 1, 3],
+                _ => &[0, 1],
+            };
+            for &path in paths {
                 let (ko, kg) = run(path);
                 let what = format!("{dt:?} b{b} h{h}/{hkv} s{s} d{d} path {path}");
                 // Outputs compared where a query sees a real key (a padding query's output is

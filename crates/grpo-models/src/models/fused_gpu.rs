@@ -10,6 +10,8 @@
 //! per block of keys). f32 arithmetic over bf16 or f32 tensors; head sizes 16, 32, 64 and 128.
 //! `GRPO_GPU_KERNELS=forward` runs attention's backward as [`super::chunked_attention`]'s candle
 //! ops instead; `off` (or kernels that do not apply: another head size or dtype) runs candle ops.
+//! `GRPO_GPU_ATTENTION=tensor` runs bf16 attention through `cuda/attention_tc.cu` instead: the
+//! same three kernels with their products as `mma.sync` on tensor cores (sm_80 and later).
 //!
 //! The kernels' twins in plain Rust ([`twin_forward`], [`twin_backward`], [`twin_swiglu`],
 //! [`twin_rms_norm`], [`twin_rope`]) compute the same math and are tested against the candle-op
@@ -262,8 +264,8 @@ pub fn takes(x: &candle_core::Tensor) -> bool {
 #[cfg(feature = "cuda")]
 pub use gpu::{
     adamw_step, add_into_f32, add_rms_norm, attention, attention_chunked_backward,
-    decode_attention, head_logprobs, head_logprobs_backward, head_takes, rms_norm, rms_norm_takes,
-    rope_append, rope_heads, sum_squares, swiglu, swiglu_backward,
+    attention_tensor_cores, decode_attention, head_logprobs, head_logprobs_backward, head_takes,
+    rms_norm, rms_norm_takes, rope_append, rope_heads, sum_squares, swiglu, swiglu_backward,
 };
 
 #[cfg(feature = "cuda")]
@@ -276,7 +278,7 @@ mod gpu {
 
     use super::super::recompute::{attach, Backward};
     use super::{takes, Dims, HEAD_DIMS};
-    use crate::kernels::{gpu_kernels, gpu_ptx as ptx, GpuKernels};
+    use crate::kernels::{gpu_kernels, gpu_ptx as ptx, gpu_tc_ptx, GpuKernels};
 
     fn cuda(t: &Tensor) -> Result<CudaDevice> {
         match t.device() {
@@ -333,13 +335,129 @@ mod gpu {
         })
     }
 
-    /// A grid of `items.div_ceil(AT)` x `groups` blocks of [`ATH`] threads.
-    fn attn_config(items: usize, groups: usize, smem: u32) -> LaunchConfig {
-        LaunchConfig {
-            grid_dim: (items.div_ceil(AT) as u32, groups as u32, 1),
-            block_dim: (ATH, 1, 1),
-            shared_mem_bytes: smem,
+    /// Which kernels run attention: kernels.cu's (f32 arithmetic on CUDA cores, over f32 or
+    /// bf16 tensors), or attention_tc.cu's (bf16 only: the products on tensor cores, f32 sums).
+    /// Both take the same arguments and make the same results (the log-sum-exps too), in tiles
+    /// of [`AT`] queries or keys.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum AttnKernels {
+        Cores,
+        Tensor,
+    }
+
+    impl AttnKernels {
+        fn name(self, kernel: &str, dt: DType, d: usize) -> String {
+            match self {
+                AttnKernels::Cores => name(kernel, dt, d),
+                AttnKernels::Tensor => format!("attn_{kernel}_tc_bf16_{d}"),
+            }
         }
+
+        fn module(self) -> Module {
+            match self {
+                AttnKernels::Cores => Module::Main,
+                AttnKernels::Tensor => Module::TensorCores,
+            }
+        }
+
+        /// A grid of `items.div_ceil(AT)` x `groups` blocks: [`ATH`] threads for the CUDA-core
+        /// kernels, 4 warps of 16 rows for the tensor-core ones.
+        fn config(self, items: usize, groups: usize, smem: u32) -> LaunchConfig {
+            let threads = match self {
+                AttnKernels::Cores => ATH,
+                AttnKernels::Tensor => 128,
+            };
+            LaunchConfig {
+                grid_dim: (items.div_ceil(AT) as u32, groups as u32, 1),
+                block_dim: (threads, 1, 1),
+                shared_mem_bytes: smem,
+            }
+        }
+
+        /// Shared memory of the forward, dQ and dK/dV kernels for head size `d`. The
+        /// tensor-core kernels' (attention_tc.cu): bf16 tiles of [AT][d + 8] (row-major) and
+        /// [d][AT + 8] (transposed): the forward's keys and values (transposed); dQ's keys,
+        /// values and keys transposed; dK/dV's queries and dO, both ways, and two [AT] f32.
+        fn smem(self, d: usize) -> [u32; 3] {
+            match self {
+                AttnKernels::Cores => [smem_fwd(d), smem_dq(d), smem_dkv(d)],
+                AttnKernels::Tensor => {
+                    let (rows, cols) = (AT * (d + 8) * 2, d * (AT + 8) * 2);
+                    [
+                        rows + cols,
+                        2 * rows + cols,
+                        2 * rows + 2 * cols + 2 * AT * 4,
+                    ]
+                    .map(|b| b as u32)
+                }
+            }
+        }
+
+        /// Launches kernel `kernel` (`fwd`, `bwd_dq`, `bwd_dkv`) of this set, for the dtype of
+        /// `args[0]` (q).
+        fn launch(
+            self,
+            dev: &CudaDevice,
+            kernel: &str,
+            n: Dims,
+            cfg: LaunchConfig,
+            args: &[&Tensor],
+            scale: f32,
+        ) -> Result<()> {
+            let Some(q) = args.first() else {
+                candle_core::bail!("attention {kernel}: no arguments");
+            };
+            let name = self.name(kernel, q.dtype(), n.d);
+            launch_from(dev, self.module(), &name, cfg, args, &dims_args(n, scale))
+        }
+    }
+
+    /// Whether `GRPO_GPU_ATTENTION=tensor` asks for attention_tc.cu's kernels (read once).
+    /// They are opt-in until a GPU has timed them against the CUDA-core kernels; `cores` (or
+    /// unset) runs kernels.cu's.
+    fn tensor_cores_wanted() -> bool {
+        static ON: OnceLock<bool> = OnceLock::new();
+        *ON.get_or_init(|| match std::env::var("GRPO_GPU_ATTENTION").as_deref() {
+            Ok("tensor") => true,
+            Ok("cores") | Ok("") | Err(_) => false,
+            Ok(other) => {
+                tracing::warn!(
+                    "GRPO_GPU_ATTENTION={other} is not tensor or cores: using the CUDA-core kernels"
+                );
+                false
+            }
+        })
+    }
+
+    /// Whether this process's card runs attention_tc.cu: compute capability 8.0 or later (bf16
+    /// `mma.sync`), and the module compiled (a failure is logged once). Asked once.
+    fn tensor_cores_usable(dev: &CudaDevice) -> bool {
+        static OK: OnceLock<bool> = OnceLock::new();
+        *OK.get_or_init(|| {
+            use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+            let a = CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR;
+            let major = dev.cuda_stream().context().attribute(a).unwrap_or(0);
+            if major < 8 {
+                tracing::info!(
+                    "attention: this card (compute capability {major}.x) has no bf16 tensor cores; \
+                     the CUDA-core kernels run"
+                );
+                return false;
+            }
+            match gpu_tc_ptx() {
+                Ok(_) => {
+                    tracing::info!("attention: bf16 products on tensor cores (attention_tc.cu)");
+                    true
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        "attention's tensor-core kernels did not compile ({e}); the CUDA-core \
+                         kernels run"
+                    );
+                    false
+                }
+            }
+        })
     }
 
     /// A fresh tensor for a kernel's output, uninitialized: every kernel here writes each element
@@ -356,8 +474,8 @@ mod gpu {
         F32(f32),
     }
 
-    /// Runs kernel `name` over contiguous tensors `args` (inputs, then freshly made outputs whose
-    /// storage the kernel writes in place), then `scalars`.
+    /// Runs kernel `name` of kernels.cu over contiguous tensors `args` (inputs, then freshly
+    /// made outputs whose storage the kernel writes in place), then `scalars`.
     fn launch(
         dev: &CudaDevice,
         name: &str,
@@ -365,9 +483,33 @@ mod gpu {
         args: &[&Tensor],
         scalars: &[Scalar],
     ) -> Result<()> {
-        let f = match ptx() {
-            Ok(p) => dev.get_or_load_custom_func(name, "grpo_kernels", p)?,
-            Err(e) => candle_core::bail!("grpo's GPU kernels: {e}"),
+        launch_from(dev, Module::Main, name, cfg, args, scalars)
+    }
+
+    /// The two modules of grpo's kernels: kernels.cu's, and attention_tc.cu's tensor-core
+    /// attention (compiled for compute_80).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Module {
+        Main,
+        TensorCores,
+    }
+
+    /// [`launch`] of a kernel of `module`.
+    fn launch_from(
+        dev: &CudaDevice,
+        module: Module,
+        name: &str,
+        cfg: LaunchConfig,
+        args: &[&Tensor],
+        scalars: &[Scalar],
+    ) -> Result<()> {
+        let (ptx, module) = match module {
+            Module::Main => (ptx(), "grpo_kernels"),
+            Module::TensorCores => (gpu_tc_ptx(), "grpo_kernels_tc"),
+        };
+        let f = match ptx {
+            Ok(p) => dev.get_or_load_custom_func(name, module, p)?,
+            Err(e) => candle_core::bail!("grpo's GPU kernels ({module}): {e}"),
         };
         if cfg.shared_mem_bytes > 48 << 10 {
             // Above 48 KiB a kernel must opt in to its dynamic shared memory.
@@ -1042,7 +1184,24 @@ mod gpu {
             scale,
             record,
             gpu_kernels() == GpuKernels::All,
+            tensor_cores_wanted(),
         )
+    }
+
+    /// [`attention`] recorded with attention_tc.cu's kernels, forward and backward, whatever
+    /// `GRPO_GPU_ATTENTION` says: `None` unless the tensors are bf16 on a card that runs them.
+    /// For checking them.
+    pub fn attention_tensor_cores(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &Tensor,
+        scale: f64,
+    ) -> Result<Option<Tensor>> {
+        if q.dtype() != DType::BF16 || !tensor_cores_usable(&cuda(q)?) {
+            return Ok(None);
+        }
+        attention_with(q, k, v, mask, scale, true, true, true)
     }
 
     /// [`attention`] recorded with the chunked candle-op backward whatever `GRPO_GPU_KERNELS`
@@ -1054,9 +1213,13 @@ mod gpu {
         mask: &Tensor,
         scale: f64,
     ) -> Result<Option<Tensor>> {
-        attention_with(q, k, v, mask, scale, true, false)
+        attention_with(q, k, v, mask, scale, true, false, false)
     }
 
+    /// The attention kernels' forward (and, with `record`, their backward: the kernels' with
+    /// `backward_kernels`, else the chunked candle ops). `tensor_cores`: attention_tc.cu's
+    /// kernels where the tensors are bf16 and the card runs them.
+    #[allow(clippy::too_many_arguments)]
     fn attention_with(
         q: &Tensor,
         k: &Tensor,
@@ -1065,6 +1228,7 @@ mod gpu {
         scale: f64,
         record: bool,
         backward_kernels: bool,
+        tensor_cores: bool,
     ) -> Result<Option<Tensor>> {
         let (b, h, s, d) = q.dims4()?;
         let (hkv, tk) = (k.dim(1)?, k.dim(2)?);
@@ -1080,9 +1244,14 @@ mod gpu {
             return Ok(None);
         }
         let dev = cuda(q)?;
+        let kernels = match tensor_cores && dt == DType::BF16 && tensor_cores_usable(&dev) {
+            true => AttnKernels::Tensor,
+            false => AttnKernels::Cores,
+        };
+        let [smem_fwd, smem_dq, smem_dkv] = kernels.smem(d);
         let limit = smem_limit(&dev);
-        let backward_kernels = backward_kernels && smem_dq(d).max(smem_dkv(d)) <= limit;
-        if smem_fwd(d) > limit {
+        let backward_kernels = backward_kernels && smem_dq.max(smem_dkv) <= limit;
+        if smem_fwd > limit {
             return Ok(None);
         }
         let n = Dims {
@@ -1104,12 +1273,13 @@ mod gpu {
         );
         let o = output((b, h, s, d), dt, q.device())?;
         let lse = output((b, h, s), DType::F32, q.device())?;
-        launch(
+        kernels.launch(
             &dev,
-            &name("fwd", dt, d),
-            attn_config(s, b * h, smem_fwd(d)),
+            "fwd",
+            n,
+            kernels.config(s, b * h, smem_fwd),
             &[&qd, &kd, &vd, &mask, &o, &lse],
-            &dims_args(n, scale as f32),
+            scale as f32,
         )?;
         if !record {
             return Ok(Some(o));
@@ -1124,6 +1294,7 @@ mod gpu {
             scale: scale as f32,
             lse,
             n,
+            kernels,
         };
         Ok(Some(attach(&o, &[q, k, v], Arc::new(op))?))
     }
@@ -1135,6 +1306,8 @@ mod gpu {
         /// [B, H, S] f32.
         lse: Tensor,
         n: Dims,
+        /// The forward's kernel set, whose backward kernels run.
+        kernels: AttnKernels,
     }
 
     impl Backward for GpuAttention {
@@ -1161,20 +1334,23 @@ mod gpu {
             let dq = output(q.shape(), dt, q.device())?;
             let dk = output(k.shape(), dt, q.device())?;
             let dv = output(v.shape(), dt, q.device())?;
-            let scalars = dims_args(n, self.scale);
-            launch(
+            let kernels = self.kernels;
+            let [_, smem_dq, smem_dkv] = kernels.smem(n.d);
+            kernels.launch(
                 &dev,
-                &name("bwd_dq", dt, n.d),
-                attn_config(n.s, n.b * n.h, smem_dq(n.d)),
+                "bwd_dq",
+                n,
+                kernels.config(n.s, n.b * n.h, smem_dq),
                 &[&q, &k, &v, &self.mask, &o, &g, &self.lse, &delta, &dq],
-                &scalars,
+                self.scale,
             )?;
-            launch(
+            kernels.launch(
                 &dev,
-                &name("bwd_dkv", dt, n.d),
-                attn_config(n.tk, n.b * n.hkv, smem_dkv(n.d)),
+                "bwd_dkv",
+                n,
+                kernels.config(n.tk, n.b * n.hkv, smem_dkv),
                 &[&q, &k, &v, &self.mask, &g, &self.lse, &delta, &dk, &dv],
-                &scalars,
+                self.scale,
             )?;
             Ok(vec![Some(dq), Some(dk), Some(dv)])
         }

@@ -21,15 +21,14 @@ __device__ __forceinline__ float ld(const bf16_t* p, long i) {
     return __uint_as_float(((unsigned int)p[i]) << 16);
 }
 __device__ __forceinline__ void st(float* p, long i, float x) { p[i] = x; }
-__device__ __forceinline__ void st(bf16_t* p, long i, float x) {
+__device__ __forceinline__ bf16_t to_bf16(float x) {
     unsigned int u = __float_as_uint(x);
-    if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu)) {
-        p[i] = (bf16_t)((u >> 16) | 0x40u);  // NaN stays NaN
-        return;
-    }
+    if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu))
+        return (bf16_t)((u >> 16) | 0x40u);  // NaN stays NaN
     u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
-    p[i] = (bf16_t)(u >> 16);
+    return (bf16_t)(u >> 16);
 }
+__device__ __forceinline__ void st(bf16_t* p, long i, float x) { p[i] = to_bf16(x); }
 
 // Attention works on 64 x 64 tiles of scores: a block of 256 threads (16 x 16, tx fastest) holds
 // 64 queries (forward, dQ) or 64 keys (dK/dV) and walks the other side's tiles through shared
