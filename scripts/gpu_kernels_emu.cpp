@@ -4,7 +4,8 @@
 // after another.
 //   gpu_kernels_emu DIR DTYPE B H HKV S TK D SCALE [tc]
 // reads DIR/{q,k,v,mask,dout}.bin, writes DIR/{o,lse,dq,dk,dv}.bin (DTYPE f32 or bf16 as u16;
-// `tc`: attention_tc.cu's tensor-core kernels, bf16 only, their mma and lane shuffles emulated);
+// `tc`: attention_tc.cu's tensor-core kernels, bf16 only, their mma, ldmatrix and lane shuffles
+// emulated);
 //   gpu_kernels_emu swiglu DIR DTYPE N I
 // reads DIR/{gu,dy}.bin, writes DIR/{y,dgu}.bin;
 //   gpu_kernels_emu rmsnorm DIR DTYPE N H EPS
@@ -79,6 +80,17 @@ static void emu_mma_bf16(float c[4], const unsigned a[4], const unsigned b[2]) {
     }
     warp_sync();
     for (int x = 0; x < 4; ++x) c[x] = d[x];
+}
+// ldmatrix .x2 .trans (b16): lanes 0 .. 15 give the addresses of the rows of two 8 x 8 matrices
+// (8 contiguous elements each); lane 4 g + t receives elements (2t, g) and (2t + 1, g) of each.
+static const unsigned short* warp_rows[32][32];
+static void emu_ldmatrix_x2_trans(const unsigned short* p, int, unsigned b[2]) {
+    const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    warp_rows[w][lane] = p;
+    warp_sync();
+    for (int i = 0; i < 2; ++i)
+        b[i] = (unsigned)warp_rows[w][8 * i + 2 * t][g] | ((unsigned)warp_rows[w][8 * i + 2 * t + 1][g] << 16);
+    warp_sync();
 }
 static float emu_lane_xor(float v, int m) {
     const int w = threadIdx.x / 32, lane = threadIdx.x % 32;

@@ -375,20 +375,14 @@ mod gpu {
         }
 
         /// Shared memory of the forward, dQ and dK/dV kernels for head size `d`. The
-        /// tensor-core kernels' (attention_tc.cu): bf16 tiles of [AT][d + 8] (row-major) and
-        /// [d][AT + 8] (transposed): the forward's keys and values (transposed); dQ's keys,
-        /// values and keys transposed; dK/dV's queries and dO, both ways, and two [AT] f32.
+        /// tensor-core kernels' (attention_tc.cu): two bf16 tiles of [AT][d + 8] (the forward's
+        /// and dQ's keys and values, dK/dV's queries and dO), and dK/dV's two [AT] f32.
         fn smem(self, d: usize) -> [u32; 3] {
             match self {
                 AttnKernels::Cores => [smem_fwd(d), smem_dq(d), smem_dkv(d)],
                 AttnKernels::Tensor => {
-                    let (rows, cols) = (AT * (d + 8) * 2, d * (AT + 8) * 2);
-                    [
-                        rows + cols,
-                        2 * rows + cols,
-                        2 * rows + 2 * cols + 2 * AT * 4,
-                    ]
-                    .map(|b| b as u32)
+                    let tiles = 2 * AT * (d + 8) * 2;
+                    [tiles, tiles, tiles + 2 * AT * 4].map(|b| b as u32)
                 }
             }
         }

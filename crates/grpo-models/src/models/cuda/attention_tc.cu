@@ -5,7 +5,8 @@
 // loads kernels.cu's module.
 //
 // A block of 4 warps holds 64 queries (forward, dQ) or 64 keys (dK/dV), 16 rows per warp, and
-// walks the other side in tiles of 64 through shared memory, bf16. A warp keeps its own rows'
+// walks the other side in tiles of 64 through shared memory, bf16, row-major (a product that
+// needs a tile transposed reads its fragments with ldmatrix .trans). A warp keeps its own rows'
 // operands as A fragments in registers, and its scores, probabilities and outputs as C
 // fragments: a row's softmax statistics are reduced over the 4 lanes that hold it. Scores and
 // probabilities are f32; the probabilities (and dS) are rounded to bf16 to enter the next
@@ -81,6 +82,24 @@ __device__ __forceinline__ void frag_b(const bf16_t* s, int stride, int n0, int 
     b[1] = *(const unsigned*)(p + 8);
 }
 
+// The same fragment of a matrix B stored with its rows as rows of `s` (B[k][n] =
+// s[k * stride + n]; rows 16-byte aligned): ldmatrix's transposing load, lanes 0 .. 15 giving
+// the addresses of rows k0 .. k0 + 16 (PTX ISA, ldmatrix .x2 .trans: lane 4 g + t receives
+// elements (2t, g) and (2t + 1, g) of each 8 x 8 matrix, which is B's fragment).
+__device__ __forceinline__ void frag_bt(const bf16_t* s, int stride, int n0, int k0,
+                                        unsigned b[2]) {
+    const bf16_t* p = s + (k0 + threadIdx.x % 16) * stride + n0;
+#ifdef __CUDA_ARCH__
+    unsigned a;
+    asm volatile("{ .reg .u64 g; cvta.to.shared.u64 g, %1; cvt.u32.u64 %0, g; }"
+                 : "=r"(a) : "l"(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];"
+                 : "=r"(b[0]), "=r"(b[1]) : "r"(a));
+#else
+    emu_ldmatrix_x2_trans(p, stride, b);
+#endif
+}
+
 // A (16 x 16) fragments from a warp's C fragments of 16 rows x 16 columns (c0: columns 0..8,
 // c1: columns 8..16), rounded to bf16: how probabilities enter the next product.
 __device__ __forceinline__ void frag_from_c(const float c0[4], const float c1[4], unsigned a[4]) {
@@ -91,31 +110,22 @@ __device__ __forceinline__ void frag_from_c(const float c0[4], const float c1[4]
 }
 
 // Rows row0 .. row0 + TC_T of src [.., D] into dst [TC_T][D + TC_P] (rows from `valid` on are
-// zeros), and, with `dt`, transposed into dt [D][TC_T + TC_P] as well. 16-byte reads when the
-// rows are 16-byte aligned, else 2-byte ones.
+// zeros): 16-byte reads when the rows are 16-byte aligned, else 2-byte ones.
 template <int D>
-__device__ void tile_in(const bf16_t* src, long row0, int valid, bf16_t* dst, bf16_t* dt) {
+__device__ void tile_in(const bf16_t* src, long row0, int valid, bf16_t* dst) {
     constexpr int N = 8;  // bf16 per 16 bytes
     if (((unsigned long long)(src + row0 * D) & 15) == 0) {
         for (int e = threadIdx.x; e < TC_T * D / N; e += TC_TH) {
             const int r = e / (D / N), c = (e % (D / N)) * N;
             uint4 u = {0u, 0u, 0u, 0u};
             if (r < valid) u = *(const uint4*)(src + (row0 + r) * D + c);
-            if (dst) *(uint4*)(dst + r * (D + TC_P) + c) = u;
-            if (dt) {
-                const unsigned w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-                for (int x = 0; x < N; ++x)
-                    dt[(c + x) * (TC_T + TC_P) + r] = (bf16_t)(w[x / 2] >> ((x & 1) * 16));
-            }
+            *(uint4*)(dst + r * (D + TC_P) + c) = u;
         }
         return;
     }
     for (int e = threadIdx.x; e < TC_T * D; e += TC_TH) {
         const int r = e / D, c = e % D;
-        const bf16_t x = r < valid ? src[(row0 + r) * D + c] : (bf16_t)0;
-        if (dst) dst[r * (D + TC_P) + c] = x;
-        if (dt) dt[c * (TC_T + TC_P) + r] = x;
+        dst[r * (D + TC_P) + c] = r < valid ? src[(row0 + r) * D + c] : (bf16_t)0;
     }
 }
 
@@ -125,8 +135,8 @@ __device__ void attn_fwd_tc(const bf16_t* q, const bf16_t* k, const bf16_t* v, c
                             bf16_t* o, float* lse, int H, int Hkv, int S, int Tk, float scale) {
     extern __shared__ float sm[];
     constexpr int KD = D / 16, NT = TC_T / 8, ND = D / 8;
-    bf16_t* ks = (bf16_t*)sm;          // [TC_T][D + TC_P] keys
-    bf16_t* vt = ks + TC_T * (D + TC_P);  // [D][TC_T + TC_P] values, transposed
+    bf16_t* ks = (bf16_t*)sm;             // [TC_T][D + TC_P] keys
+    bf16_t* vs = ks + TC_T * (D + TC_P);  // [TC_T][D + TC_P] values
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int bh = blockIdx.y, b = bh / H, h = bh % H, hk = h / (H / Hkv);
     const int i0 = blockIdx.x * TC_T, r0 = i0 + (threadIdx.x / 32) * 16;  // the warp's rows
@@ -141,8 +151,8 @@ __device__ void attn_fwd_tc(const bf16_t* q, const bf16_t* k, const bf16_t* v, c
     const int kend = imin(Tk, Tk - S + i0 + TC_T);
     for (int j0 = 0; j0 < kend; j0 += TC_T) {
         __syncthreads();
-        tile_in<D>(k, ko + j0, imin(TC_T, Tk - j0), ks, nullptr);
-        tile_in<D>(v, ko + j0, imin(TC_T, Tk - j0), nullptr, vt);
+        tile_in<D>(k, ko + j0, imin(TC_T, Tk - j0), ks);
+        tile_in<D>(v, ko + j0, imin(TC_T, Tk - j0), vs);
         __syncthreads();
         float s[NT][4];
 #pragma unroll
@@ -193,7 +203,7 @@ __device__ void attn_fwd_tc(const bf16_t* q, const bf16_t* k, const bf16_t* v, c
 #pragma unroll
             for (int n = 0; n < ND; ++n) {
                 unsigned bb[2];
-                frag_b(vt, TC_T + TC_P, n * 8, kk * 16, bb);
+                frag_bt(vs, D + TC_P, n * 8, kk * 16, bb);
                 mma_bf16(acc[n], pa, bb);
             }
         }
@@ -224,7 +234,6 @@ __device__ void attn_bwd_dq_tc(const bf16_t* q, const bf16_t* k, const bf16_t* v
     constexpr int KD = D / 16, NT = TC_T / 8, ND = D / 8;
     bf16_t* ks = (bf16_t*)sm;             // [TC_T][D + TC_P] keys
     bf16_t* vs = ks + TC_T * (D + TC_P);  // [TC_T][D + TC_P] values
-    bf16_t* kt = vs + TC_T * (D + TC_P);  // [D][TC_T + TC_P] keys, transposed
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int bh = blockIdx.y, b = bh / H, h = bh % H, hk = h / (H / Hkv);
     const int i0 = blockIdx.x * TC_T, r0 = i0 + (threadIdx.x / 32) * 16;
@@ -250,8 +259,8 @@ __device__ void attn_bwd_dq_tc(const bf16_t* q, const bf16_t* k, const bf16_t* v
     const int kend = imin(Tk, Tk - S + i0 + TC_T);
     for (int j0 = 0; j0 < kend; j0 += TC_T) {
         __syncthreads();
-        tile_in<D>(k, ko + j0, imin(TC_T, Tk - j0), ks, kt);
-        tile_in<D>(v, ko + j0, imin(TC_T, Tk - j0), vs, nullptr);
+        tile_in<D>(k, ko + j0, imin(TC_T, Tk - j0), ks);
+        tile_in<D>(v, ko + j0, imin(TC_T, Tk - j0), vs);
         __syncthreads();
         float s[NT][4], dp[NT][4];
 #pragma unroll
@@ -284,7 +293,7 @@ __device__ void attn_bwd_dq_tc(const bf16_t* q, const bf16_t* k, const bf16_t* v
 #pragma unroll
             for (int n = 0; n < ND; ++n) {
                 unsigned bb[2];
-                frag_b(kt, TC_T + TC_P, n * 8, kk * 16, bb);
+                frag_bt(ks, D + TC_P, n * 8, kk * 16, bb);
                 mma_bf16(acc[n], da, bb);
             }
         }
@@ -314,9 +323,7 @@ __device__ void attn_bwd_dkv_tc(const bf16_t* q, const bf16_t* k, const bf16_t* 
     constexpr int KD = D / 16, NT = TC_T / 8, ND = D / 8;
     bf16_t* qs = (bf16_t*)sm;             // [TC_T][D + TC_P] queries
     bf16_t* gs = qs + TC_T * (D + TC_P);  // [TC_T][D + TC_P] dO
-    bf16_t* qt = gs + TC_T * (D + TC_P);  // [D][TC_T + TC_P] queries, transposed
-    bf16_t* gt = qt + D * (TC_T + TC_P);  // [D][TC_T + TC_P] dO, transposed
-    float* ls = (float*)(gt + D * (TC_T + TC_P));  // [TC_T] the queries' lse
+    float* ls = (float*)(gs + TC_T * (D + TC_P));  // [TC_T] the queries' lse
     float* dls = ls + TC_T;                        // [TC_T] their delta
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int bk = blockIdx.y, b = bk / Hkv, hk = bk % Hkv, gq = H / Hkv;
@@ -336,8 +343,8 @@ __device__ void attn_bwd_dkv_tc(const bf16_t* q, const bf16_t* k, const bf16_t* 
         for (int i0 = istart; i0 < S; i0 += TC_T) {
             __syncthreads();
             const int rows = imin(TC_T, S - i0);
-            tile_in<D>(q, qo + i0, rows, qs, qt);
-            tile_in<D>(dout, qo + i0, rows, gs, gt);
+            tile_in<D>(q, qo + i0, rows, qs);
+            tile_in<D>(dout, qo + i0, rows, gs);
             for (int e = threadIdx.x; e < TC_T; e += TC_TH) {
                 ls[e] = e < rows ? lse[qo + i0 + e] : 0.f;
                 dls[e] = e < rows ? delta[qo + i0 + e] : 0.f;
@@ -376,9 +383,9 @@ __device__ void attn_bwd_dkv_tc(const bf16_t* q, const bf16_t* k, const bf16_t* 
 #pragma unroll
                 for (int n = 0; n < ND; ++n) {
                     unsigned bb[2];
-                    frag_b(gt, TC_T + TC_P, n * 8, kk * 16, bb);
+                    frag_bt(gs, D + TC_P, n * 8, kk * 16, bb);
                     mma_bf16(av[n], pa, bb);
-                    frag_b(qt, TC_T + TC_P, n * 8, kk * 16, bb);
+                    frag_bt(qs, D + TC_P, n * 8, kk * 16, bb);
                     mma_bf16(ak[n], da, bb);
                 }
             }
