@@ -313,13 +313,10 @@ int main(int argc, char** argv) {
     int B = atoi(argv[3]), H = atoi(argv[4]), Hkv = atoi(argv[5]), S = atoi(argv[6]), Tk = atoi(argv[7]), D = atoi(argv[8]);
     float sc = atof(argv[9]);
     const bool tc = argc == 11;
-    if (dt == "f32" && D == 16) run<float, 16>(dir, B, H, Hkv, S, Tk, sc, tc);
-    else if (dt == "bf16" && D == 16) run<bf16_t, 16>(dir, B, H, Hkv, S, Tk, sc, tc);
-    else if (dt == "bf16" && D == 32) run<bf16_t, 32>(dir, B, H, Hkv, S, Tk, sc, tc);
-    else if (dt == "f32" && D == 64) run<float, 64>(dir, B, H, Hkv, S, Tk, sc, tc);
-    else if (dt == "bf16" && D == 64) run<bf16_t, 64>(dir, B, H, Hkv, S, Tk, sc, tc);
-    else if (dt == "f32" && D == 128) run<float, 128>(dir, B, H, Hkv, S, Tk, sc, tc);
-    else if (dt == "bf16" && D == 128) run<bf16_t, 128>(dir, B, H, Hkv, S, Tk, sc, tc);
-    else { fprintf(stderr, "unsupported %s D=%d\n", dt.c_str(), D); return 2; }
+    bool ok = false;
+#define ATT(T, NAME, DD) if (dt == NAME && D == DD) { run<T, DD>(dir, B, H, Hkv, S, Tk, sc, tc); ok = true; }
+    ATT(float, "f32", 16) ATT(float, "f32", 32) ATT(float, "f32", 64) ATT(float, "f32", 128)
+    ATT(bf16_t, "bf16", 16) ATT(bf16_t, "bf16", 32) ATT(bf16_t, "bf16", 64) ATT(bf16_t, "bf16", 128)
+    if (!ok) { fprintf(stderr, "unsupported %s D=%d\n", dt.c_str(), D); return 2; }
     return 0;
 }

@@ -1,0 +1,406 @@
+//! grpo's CUDA source, run on the CPU in CI: `scripts/gpu_kernels_emu.cpp` compiles
+//! `models/cuda/kernels.cu` and `attention_tc.cu` as C++ (a block's threads as OS threads,
+//! `__syncthreads` a barrier; a warp's `mma.sync`, `ldmatrix` and lane shuffles emulated from the
+//! PTX ISA's fragment layouts) and runs a kernel on inputs from files. Here its outputs are
+//! compared with the kernels' Rust twins (`models::fused_gpu::twin_*`, which CI compares with the
+//! candle-op path): attention forward and backward (CUDA cores in f32 and bf16, tensor cores in
+//! bf16), SwiGLU, RMSNorm and RoPE. CI has no GPU: this is what keeps an edit of the CUDA source
+//! honest between GPU runs (`crates/grpo/tests/cuda.rs` runs the same source on a GPU;
+//! `scripts/check_gpu_kernels.py` compares the emulator with torch, by hand).
+//!
+//! Needs a C++20 compiler: `g++`, or the one `CXX` names (CI's machines have g++: tokenizers'
+//! esaxx and llama.cpp build with it).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use grpo_models::models::fused_gpu::{
+    twin_backward, twin_forward, twin_rms_norm, twin_rope, twin_swiglu, Dims,
+};
+
+/// The emulator, compiled once per test binary.
+fn emulator() -> &'static Path {
+    static EXE: OnceLock<PathBuf> = OnceLock::new();
+    EXE.get_or_init(|| {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let src = root.join("scripts/gpu_kernels_emu.cpp");
+        // In Cargo's scratch directory for integration tests (under target/): built under this
+        // process's name, then renamed into place (another test process may be building it too).
+        let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+        let exe = tmp.join("gpu_kernels_emu");
+        let part = tmp.join(format!("gpu_kernels_emu.{}", std::process::id()));
+        let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
+        let out = Command::new(&cxx)
+            .args(["-O2", "-std=c++20", "-pthread", "-x", "c++", "-o"])
+            .arg(&part)
+            .arg(&src)
+            .output()
+            .unwrap_or_else(|e| panic!("{cxx} (a C++20 compiler, for {}): {e}", src.display()));
+        assert!(
+            out.status.success(),
+            "{cxx} could not compile {}:\n{}",
+            src.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::fs::rename(&part, &exe).expect("the emulator moved into place");
+        exe
+    })
+}
+
+/// Runs the emulator with `args` (after the data directory, or after the mode and the data
+/// directory when `mode` is given) on the named inputs; returns the directory holding its outputs.
+fn run(mode: Option<&str>, inputs: &[(&str, Vec<u8>)], args: &[String]) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("a temp dir");
+    for (name, bytes) in inputs {
+        std::fs::write(dir.path().join(format!("{name}.bin")), bytes).expect("an input file");
+    }
+    let mut cmd = Command::new(emulator());
+    if let Some(m) = mode {
+        cmd.arg(m);
+    }
+    let out = cmd
+        .arg(dir.path())
+        .args(args)
+        .output()
+        .expect("the emulator runs");
+    assert!(
+        out.status.success(),
+        "the emulator failed ({mode:?} {args:?}):\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    dir
+}
+
+/// Deterministic normal-ish numbers (a sum of uniforms from a 64-bit LCG).
+fn randn(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    let mut uniform = move || {
+        s = s
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (s >> 40) as f32 / (1u64 << 24) as f32
+    };
+    (0..n)
+        .map(|_| ((0..4).map(|_| uniform()).sum::<f32>() - 2.0) * 1.7 * scale)
+        .collect()
+}
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Dt {
+    F32,
+    Bf16,
+}
+
+impl Dt {
+    fn name(self) -> &'static str {
+        match self {
+            Dt::F32 => "f32",
+            Dt::Bf16 => "bf16",
+        }
+    }
+
+    /// The values as the kernels see them (bf16: rounded to nearest even).
+    fn round(self, x: &[f32]) -> Vec<f32> {
+        match self {
+            Dt::F32 => x.to_vec(),
+            Dt::Bf16 => x
+                .iter()
+                .map(|v| half::bf16::from_f32(*v).to_f32())
+                .collect(),
+        }
+    }
+
+    fn bytes(self, x: &[f32]) -> Vec<u8> {
+        match self {
+            Dt::F32 => f32_bytes(x),
+            Dt::Bf16 => x
+                .iter()
+                .flat_map(|v| half::bf16::from_f32(*v).to_bits().to_le_bytes())
+                .collect(),
+        }
+    }
+
+    fn read(self, dir: &Path, name: &str) -> Vec<f32> {
+        match self {
+            Dt::F32 => read_f32(dir, name),
+            Dt::Bf16 => std::fs::read(dir.join(format!("{name}.bin")))
+                .expect("an output file")
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+                .collect(),
+        }
+    }
+}
+
+fn f32_bytes(x: &[f32]) -> Vec<u8> {
+    x.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+fn read_f32(dir: &Path, name: &str) -> Vec<f32> {
+    std::fs::read(dir.join(format!("{name}.bin")))
+        .expect("an output file")
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// The largest |a - e| over the largest |e| (at least 1).
+fn rel(a: &[f32], e: &[f32]) -> f32 {
+    assert_eq!(a.len(), e.len());
+    let worst = a
+        .iter()
+        .zip(e)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    worst / e.iter().map(|x| x.abs()).fold(1f32, f32::max)
+}
+
+fn check(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    let e = rel(got, want);
+    println!("{what}: {e:.2e}");
+    assert!(e < tol, "{what}: {e} (tolerance {tol})");
+}
+
+/// One attention case: the three kernels (forward, dQ, dK/dV) of `kernels.cu` (or, `tc`, of
+/// `attention_tc.cu`) against the twins, causal with the last row left-padded by two slots.
+fn attention(dt: Dt, tc: bool, n: Dims, seed: u64) {
+    let Dims {
+        b,
+        h,
+        hkv,
+        s,
+        tk,
+        d,
+    } = n;
+    let scale = 1.0 / (d as f32).sqrt();
+    let q = dt.round(&randn(b * h * s * d, seed, 1.0));
+    let k = dt.round(&randn(b * hkv * tk * d, seed + 1, 1.0));
+    let v = dt.round(&randn(b * hkv * tk * d, seed + 2, 1.0));
+    let mut dout = dt.round(&randn(b * h * s * d, seed + 3, 1.0));
+    let mut mask = vec![0f32; b * s * tk];
+    for i in 0..s {
+        for j in 0..2.min(tk) {
+            mask[((b - 1) * s + i) * tk + j] = -1e30;
+        }
+    }
+    // A query that sees only padding is a padding position: its output gradient is 0 in
+    // training, and its output is not compared.
+    let live = |bi: usize, i: usize| (0..n_end(n, i)).any(|j| mask[(bi * s + i) * tk + j] == 0.0);
+    for bi in 0..b {
+        for hi in 0..h {
+            for i in 0..s {
+                if !live(bi, i) {
+                    let at = ((bi * h + hi) * s + i) * d;
+                    dout[at..at + d].iter_mut().for_each(|x| *x = 0.0);
+                }
+            }
+        }
+    }
+    let mut args: Vec<String> = vec![dt.name().into()];
+    args.extend([b, h, hkv, s, tk, d].iter().map(|x| x.to_string()));
+    args.push(format!("{scale:?}"));
+    if tc {
+        args.push("tc".into());
+    }
+    let dir = run(
+        None,
+        &[
+            ("q", dt.bytes(&q)),
+            ("k", dt.bytes(&k)),
+            ("v", dt.bytes(&v)),
+            ("dout", dt.bytes(&dout)),
+            ("mask", f32_bytes(&mask)),
+        ],
+        &args,
+    );
+    let (o, lse) = (dt.read(dir.path(), "o"), read_f32(dir.path(), "lse"));
+    let (dq, dk, dv) = (
+        dt.read(dir.path(), "dq"),
+        dt.read(dir.path(), "dk"),
+        dt.read(dir.path(), "dv"),
+    );
+    let (wo, wlse) = twin_forward(&q, &k, &v, &mask, n, scale);
+    let (wdq, wdk, wdv) = twin_backward(&q, &k, &v, &mask, &wo, &dout, &wlse, n, scale);
+    let keep = |x: &[f32]| -> Vec<f32> {
+        x.chunks(d)
+            .enumerate()
+            .flat_map(|(row, r)| {
+                let (bi, i) = (row / (h * s), row % s);
+                let on = if live(bi, i) { 1.0 } else { 0.0 };
+                r.iter().map(move |x| x * on).collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    // bf16: the inputs are exact in both; the kernels round their outputs (and the tensor-core
+    // ones their probabilities and dS) to bf16, ~5e-3 of the largest value at most here.
+    let tol = match dt {
+        Dt::F32 => 1e-4,
+        Dt::Bf16 => 1.5e-2,
+    };
+    let what = format!(
+        "{}{} b{b} h{h}/{hkv} s{s} tk{tk} d{d}",
+        dt.name(),
+        if tc { " tensor cores" } else { "" }
+    );
+    check(&format!("{what} o"), &keep(&o), &keep(&wo), tol);
+    let lse_live: Vec<(f32, f32)> = lse
+        .iter()
+        .zip(&wlse)
+        .enumerate()
+        .filter(|(row, _)| live(row / (h * s), row % s))
+        .map(|(_, (a, e))| (*a, *e))
+        .collect();
+    let (a, e): (Vec<f32>, Vec<f32>) = lse_live.into_iter().unzip();
+    check(&format!("{what} lse"), &a, &e, 1e-4);
+    check(&format!("{what} dq"), &dq, &wdq, tol);
+    check(&format!("{what} dk"), &dk, &wdk, tol);
+    check(&format!("{what} dv"), &dv, &wdv, tol);
+}
+
+/// Key slots query `i` reads (causal), as the kernels and twins count them.
+fn n_end(n: Dims, i: usize) -> usize {
+    (n.tk + i + 1).saturating_sub(n.s).min(n.tk)
+}
+
+fn dims(b: usize, h: usize, hkv: usize, s: usize, tk: usize, d: usize) -> Dims {
+    Dims {
+        b,
+        h,
+        hkv,
+        s,
+        tk,
+        d,
+    }
+}
+
+#[test]
+fn cuda_core_attention_kernels_equal_their_twins() {
+    for dt in [Dt::F32, Dt::Bf16] {
+        // grouped heads, a key prefix, left padding; several query and key tiles
+        attention(dt, false, dims(2, 6, 2, 7, 9, 64), 10);
+        attention(dt, false, dims(1, 3, 1, 70, 75, 32), 11);
+    }
+    attention(Dt::F32, false, dims(2, 4, 2, 9, 9, 16), 12);
+}
+
+#[test]
+fn tensor_core_attention_kernels_equal_their_twins() {
+    attention(Dt::Bf16, true, dims(2, 6, 2, 7, 9, 64), 20);
+    attention(Dt::Bf16, true, dims(1, 2, 2, 130, 140, 64), 21); // three query tiles
+    attention(Dt::Bf16, true, dims(1, 3, 1, 70, 75, 32), 22);
+    attention(Dt::Bf16, true, dims(2, 4, 2, 9, 11, 16), 23);
+    attention(Dt::Bf16, true, dims(1, 2, 1, 5, 5, 128), 24);
+}
+
+#[test]
+fn swiglu_rms_norm_and_rope_kernels_equal_their_twins() {
+    for (dt, tol) in [(Dt::F32, 1e-5f32), (Dt::Bf16, 2e-2)] {
+        // SwiGLU: gu [N, 2I] -> y [N, I], d gu.
+        let (rows, inter) = (7, 300);
+        let gu = dt.round(&randn(rows * 2 * inter, 30, 3.0));
+        let dy = dt.round(&randn(rows * inter, 31, 1.0));
+        let dir = run(
+            Some("swiglu"),
+            &[("gu", dt.bytes(&gu)), ("dy", dt.bytes(&dy))],
+            &[dt.name().into(), rows.to_string(), inter.to_string()],
+        );
+        let (wy, wdgu) = twin_swiglu(&gu, &dy, inter);
+        check(
+            &format!("{} swiglu y", dt.name()),
+            &dt.read(dir.path(), "y"),
+            &wy,
+            tol,
+        );
+        check(
+            &format!("{} swiglu dgu", dt.name()),
+            &dt.read(dir.path(), "dgu"),
+            &wdgu,
+            tol,
+        );
+
+        // RMSNorm: x [N, H], w [H], g [N, H] -> y, dx, and g * normalized x (summed: dw).
+        let (rows, hidden, eps) = (5, 300, 1e-5f32);
+        let x = dt.round(&randn(rows * hidden, 32, 2.0));
+        let w: Vec<f32> = dt.round(
+            &randn(hidden, 33, 0.1)
+                .iter()
+                .map(|v| 1.0 + v)
+                .collect::<Vec<_>>(),
+        );
+        let g = dt.round(&randn(rows * hidden, 34, 1.0));
+        let dir = run(
+            Some("rmsnorm"),
+            &[
+                ("x", dt.bytes(&x)),
+                ("w", dt.bytes(&w)),
+                ("g", dt.bytes(&g)),
+            ],
+            &[
+                dt.name().into(),
+                rows.to_string(),
+                hidden.to_string(),
+                format!("{eps:?}"),
+            ],
+        );
+        let (wy, wdx, wdw) = twin_rms_norm(&x, &w, &g, eps);
+        let gn = read_f32(dir.path(), "gn");
+        let dw: Vec<f32> = (0..hidden)
+            .map(|c| (0..rows).map(|r| gn[r * hidden + c]).sum())
+            .collect();
+        let name = dt.name();
+        check(
+            &format!("{name} rms-norm y"),
+            &dt.read(dir.path(), "y"),
+            &wy,
+            tol,
+        );
+        check(
+            &format!("{name} rms-norm dx"),
+            &dt.read(dir.path(), "dx"),
+            &wdx,
+            tol,
+        );
+        check(&format!("{name} rms-norm dw"), &dw, &wdw, tol);
+
+        // RoPE: x [B, T, H*D] -> y [B, H, T, D]; dy [B, H, T, D] -> dx [B, T, H*D].
+        let (b, t, h, d) = (2, 5, 3, 64);
+        let x = dt.round(&randn(b * t * h * d, 35, 1.0));
+        let ang = randn(b * t * d / 2, 36, 1.0);
+        let cos = dt.round(&ang.iter().map(|a| a.cos()).collect::<Vec<_>>());
+        let sin = dt.round(&ang.iter().map(|a| a.sin()).collect::<Vec<_>>());
+        let dy = dt.round(&randn(b * h * t * d, 37, 1.0));
+        let dir = run(
+            Some("rope"),
+            &[
+                ("x", dt.bytes(&x)),
+                ("cos", dt.bytes(&cos)),
+                ("sin", dt.bytes(&sin)),
+                ("g", dt.bytes(&dy)),
+            ],
+            &[
+                dt.name().into(),
+                b.to_string(),
+                t.to_string(),
+                h.to_string(),
+                d.to_string(),
+                (h * d).to_string(),
+            ],
+        );
+        let (wy, wdx) = twin_rope(&x, &cos, &sin, &dy, (b, t, h, d));
+        check(
+            &format!("{name} rope y"),
+            &dt.read(dir.path(), "y"),
+            &wy,
+            tol,
+        );
+        check(
+            &format!("{name} rope dx"),
+            &dt.read(dir.path(), "dx"),
+            &wdx,
+            tol,
+        );
+    }
+}
