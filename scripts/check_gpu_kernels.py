@@ -195,7 +195,7 @@ def head(exe, dtype, c, v, temp, seed):
             sys.exit(1)
 
 
-def decode(exe, dtype, B, H, Hkv, Tk, maxT, D, seed):
+def decode(exe, dtype, B, H, Hkv, Tk, maxT, D, seed, warp=False):
     g_ = torch.Generator().manual_seed(seed)
     tdt = torch.float32 if dtype == "f32" else torch.bfloat16
     q = torch.randn(B, H, D, generator=g_).to(tdt)
@@ -210,7 +210,8 @@ def decode(exe, dtype, B, H, Hkv, Tk, maxT, D, seed):
         for name, t in [("q", q), ("k", k), ("v", v)]:
             raw(t.contiguous()).tofile(os.path.join(d, name + ".bin"))
         mask.numpy().tofile(os.path.join(d, "mask.bin"))
-        subprocess.run([exe, "decode", d, dtype, *map(str, [B, H, Hkv, Tk, maxT, D]), repr(scale)], check=True)
+        subprocess.run([exe, "decode", d, dtype, *map(str, [B, H, Hkv, Tk, maxT, D]), repr(scale)]
+                       + (["warp"] if warp else []), check=True)
         a = torch.from_numpy(np.fromfile(os.path.join(d, "o.bin"), dtype=np.int16 if bf else np.float32).copy())
         o = (a.view(torch.bfloat16).float() if bf else a).reshape(B, H, D)
     rep = lambda t: t.float()[:, :, :Tk].repeat_interleave(H // Hkv, dim=1)  # [B, H, Tk, D]
@@ -219,7 +220,7 @@ def decode(exe, dtype, B, H, Hkv, Tk, maxT, D, seed):
     err = ((o - want).abs().max() / want.abs().max().clamp(min=1)).item()
     tol = 1e-5 if dtype == "f32" else 1e-2
     status = "ok" if err < tol else "FAIL"
-    print(f"{dtype} decode B{B} H{H}/{Hkv} Tk{Tk}/{maxT} D{D} o: {err:.2e} {status}")
+    print(f"{dtype} decode{' warp' if warp else ''} B{B} H{H}/{Hkv} Tk{Tk}/{maxT} D{D} o: {err:.2e} {status}")
     if err >= tol:
         sys.exit(1)
 
@@ -352,6 +353,16 @@ if __name__ == "__main__":
     decode(exe, "bf16", 1, 16, 2, 130, 140, 32, 14)  # eight query heads per kv head
     decode(exe, "f32", 1, 3, 1, 300, 301, 128, 15)
     decode(exe, "bf16", 2, 2, 1, 1, 8, 16, 16)     # a single slot
+    # attn_decode_warp: the same cases
+    for dtype in ["f32", "bf16"]:
+        decode(exe, dtype, 2, 6, 2, 300, 320, 64, 10, warp=True)
+    decode(exe, "bf16", 1, 2, 1, 7, 9, 128, 11, warp=True)
+    decode(exe, "f32", 2, 4, 2, 5, 5, 16, 12, warp=True)
+    decode(exe, "bf16", 3, 4, 4, 37, 40, 64, 13, warp=True)
+    decode(exe, "bf16", 1, 16, 2, 130, 140, 32, 14, warp=True)
+    decode(exe, "f32", 1, 3, 1, 300, 301, 128, 15, warp=True)
+    decode(exe, "bf16", 2, 2, 1, 1, 8, 16, 16, warp=True)
+    decode(exe, "bf16", 3, 3, 3, 2, 8, 16, 24, warp=True)  # fewer slots than a warp's groups
     for dtype in ["f32", "bf16"]:
         rope_append(exe, dtype, 3, 6, 2, 64, 0, 10, 7, 18)   # grouped heads, a middle slot
         rope_append(exe, dtype, 2, 4, 4, 32, 96, 5, 0, 19)   # a wider row (xs), the first slot

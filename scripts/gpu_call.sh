@@ -30,7 +30,8 @@ for k in $KINDS; do
   tail -2 $FIN/ops-17-$k.err >> $FIN/ops-summary.txt
 done
 # The kernel set whose layer forward + backward was fastest, and the decoding attention: the
-# kernel unless candle's batched matmuls were faster (`decode_attention` under default vs off).
+# fastest of the block kernel, the warp kernel (`decode_attention_block`, `_warp`) and candle's
+# batched matmuls (`decode_attention` under off), as GRPO_GPU_DECODE=kernel, warp or ops.
 read BEST DECODE < <(python3 - $FIN <<'PY' 2>>$FIN/ops-summary.txt
 import json, os, sys
 best, dec = None, {}
@@ -45,13 +46,16 @@ with open(os.path.join(sys.argv[1], "ops-summary.txt"), "a") as out:
             print(k, r["op"], "fwd_ms", r["fwd_ms"], "fwd_bwd_ms", r["fwd_bwd_ms"], "host_ms", r.get("host_ms", "-"), file=out)
             if r["op"] == "layer" and (best is None or r["fwd_bwd_ms"] < best[1]):
                 best = (k, r["fwd_bwd_ms"])
-            if r["op"] == "decode_attention":
-                dec[k] = r["fwd_ms"]
-slower = "default" in dec and "off" in dec and dec["default"] > dec["off"]
-print(best[0] if best else "default", "ops" if slower else "kernel")
+            if r["op"] == "decode_attention" and k == "off":
+                dec["ops"] = r["fwd_ms"]
+            if r["op"] == "decode_attention_block":
+                dec["kernel"] = min(dec.get("kernel", 1e9), r["fwd_ms"])
+            if r["op"] == "decode_attention_warp":
+                dec["warp"] = min(dec.get("warp", 1e9), r["fwd_ms"])
+print(best[0] if best else "default", min(dec, key=dec.get) if dec else "kernel")
 PY
 )
-[ "$DECODE" = ops ] && export GRPO_GPU_DECODE=ops
+export GRPO_GPU_DECODE=$DECODE
 log "decoding attention: $DECODE"
 if [ "${KIT:-1}" = 0 ]; then  # a short call: the pieces and the GPU tests only
   python3 -c "import lzma,sys,shutil; shutil.copyfileobj(lzma.open(sys.argv[1]), open('/tmp/grpo-tests','wb'))" $G/bin/cuda-tests.xz

@@ -377,7 +377,8 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
     };
     let (kc, vc) = (cache(s.kv_heads)?, cache(s.kv_heads)?);
     let q_one = Tensor::randn(0f32, 1.0, (b, s.heads, 1, hd), &dev)?.to_dtype(dt)?;
-    let one_mask = AttnMask::Dense(Tensor::zeros((b, 1, 1, t), DType::F32, &dev)?);
+    let one_dense = Tensor::zeros((b, 1, 1, t), DType::F32, &dev)?;
+    let one_mask = AttnMask::Dense(one_dense.clone());
     let df = time(&dev, reps, || {
         Ok(layers::attention(&q_one, &kc, &vc, &one_mask, Mode::Infer, compute).map(|_| ())?)
     })?;
@@ -387,6 +388,23 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
         df,
         4.0 * (b * s.heads * t * hd) as f64,
     );
+    // Both decoding kernels, whatever GRPO_GPU_DECODE chose (scripts/gpu_call.sh picks the
+    // fastest of these and the candle ops).
+    #[cfg(feature = "cuda")]
+    if compute.on_gpu() {
+        use grpo_models::models::fused_gpu::{decode_attention_with, DecodeKernel};
+        let scale = 1.0 / (hd as f64).sqrt();
+        for (name, kernel) in [
+            ("decode_attention_block", DecodeKernel::Block),
+            ("decode_attention_warp", DecodeKernel::Warp),
+        ] {
+            let f = time(&dev, reps, || {
+                decode_attention_with(&q_one, &kc, &vc, &one_dense, scale, kernel)?;
+                Ok(())
+            })?;
+            report(name, f, f, 4.0 * (b * s.heads * t * hd) as f64);
+        }
+    }
     // SwiGLU on the joined gate/up output.
     let gu = Var::from_tensor(&Tensor::randn(0f32, 1.0, (n, 2 * s.inter), &dev)?.to_dtype(dt)?)?;
     let swiglu = |g: &Tensor| -> candle_core::Result<Tensor> {

@@ -404,3 +404,72 @@ fn swiglu_rms_norm_and_rope_kernels_equal_their_twins() {
         );
     }
 }
+
+/// A decoding step's attention (`attn_decode`, or `attn_decode_warp`): one query per row over
+/// the first `tk` slots of caches with `max_t` slots, row 0 left-padded by three slots, against
+/// the forward twin with one query.
+fn decode(
+    dt: Dt,
+    warp: bool,
+    (b, h, hkv, tk, max_t, d): (usize, usize, usize, usize, usize, usize),
+) {
+    let scale = 1.0 / (d as f32).sqrt();
+    let q = dt.round(&randn(b * h * d, 40 + tk as u64, 1.0));
+    let kc = dt.round(&randn(b * hkv * max_t * d, 41, 1.0));
+    let vc = dt.round(&randn(b * hkv * max_t * d, 42, 1.0));
+    let mut mask = vec![0f32; b * tk];
+    mask[..3.min(tk)].iter_mut().for_each(|m| *m = -1e30);
+    let mut args: Vec<String> = vec![dt.name().into()];
+    args.extend([b, h, hkv, tk, max_t, d].iter().map(|x| x.to_string()));
+    args.push(format!("{scale:?}"));
+    if warp {
+        args.push("warp".into());
+    }
+    let dir = run(
+        Some("decode"),
+        &[
+            ("q", dt.bytes(&q)),
+            ("k", dt.bytes(&kc)),
+            ("v", dt.bytes(&vc)),
+            ("mask", f32_bytes(&mask)),
+        ],
+        &args,
+    );
+    // The twin reads the first tk slots of each cache row.
+    let first = |c: &[f32]| -> Vec<f32> {
+        c.chunks(max_t * d)
+            .flat_map(|r| r[..tk * d].to_vec())
+            .collect()
+    };
+    let (want, _) = twin_forward(
+        &q,
+        &first(&kc),
+        &first(&vc),
+        &mask,
+        dims(b, h, hkv, 1, tk, d),
+        scale,
+    );
+    let tol = match dt {
+        Dt::F32 => 1e-5,
+        Dt::Bf16 => 1e-2,
+    };
+    let what = format!(
+        "{} decode{} b{b} h{h}/{hkv} tk{tk}/{max_t} d{d} o",
+        dt.name(),
+        if warp { " warp" } else { "" }
+    );
+    check(&what, &dt.read(dir.path(), "o"), &want, tol);
+}
+
+#[test]
+fn decoding_attention_kernels_equal_the_forward_twin() {
+    for warp in [false, true] {
+        for dt in [Dt::F32, Dt::Bf16] {
+            decode(dt, warp, (2, 6, 2, 300, 320, 64)); // grouped heads, a cache view
+        }
+        decode(Dt::Bf16, warp, (3, 4, 4, 37, 40, 64)); // one query head per kv head
+        decode(Dt::Bf16, warp, (1, 16, 2, 130, 140, 32)); // eight per kv head
+        decode(Dt::F32, warp, (1, 3, 1, 9, 9, 128));
+        decode(Dt::Bf16, warp, (2, 4, 2, 5, 8, 16)); // fewer slots than a warp's groups
+    }
+}

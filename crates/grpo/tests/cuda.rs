@@ -757,9 +757,15 @@ fn gpu_kernels_equal_candle_ops_with_their_gradients() {
         println!("{dt:?} rms-norm: output, dx, dw {errs:?}");
         assert!(errs.iter().all(|e| *e < tol), "{dt:?} rms-norm: {errs:?}");
         // Decoding attention: one query per row over views of a KV cache (left padding in row
-        // 0), the kernel against the portable path's candle ops on the CPU; four query heads per
-        // kv head, then one (SmolLM2-1.7B's).
-        for (dh, dkv) in [(8, 2), (4, 4)] {
+        // 0), both kernels (a block per kv head, a warp per query head) against the portable
+        // path's candle ops on the CPU; four query heads per kv head, then one (SmolLM2-1.7B's).
+        use fused_gpu::DecodeKernel;
+        for (dh, dkv, kernel) in [
+            (8, 2, DecodeKernel::Block),
+            (4, 4, DecodeKernel::Block),
+            (8, 2, DecodeKernel::Warp),
+            (4, 4, DecodeKernel::Warp),
+        ] {
             let (db, dtk, dmax, dd) = (3, 150, 160, 64);
             let cache = || {
                 Tensor::randn(0f32, 1.0, (db, dkv, dmax, dd), &dev)
@@ -776,10 +782,10 @@ fn gpu_kernels_equal_candle_ops_with_their_gradients() {
             let mut dm = vec![0f32; db * dtk];
             dm[..3].iter_mut().for_each(|x| *x = -1e30);
             let dmask = Tensor::from_vec(dm, (db, 1, 1, dtk), &dev).unwrap();
-            let got =
-                fused_gpu::decode_attention(&dq, &kv_k, &kv_v, &dmask, 1.0 / (dd as f64).sqrt())
-                    .unwrap()
-                    .expect("grpo's GPU kernels are off or did not compile");
+            let scale = 1.0 / (dd as f64).sqrt();
+            let got = fused_gpu::decode_attention_with(&dq, &kv_k, &kv_v, &dmask, scale, kernel)
+                .unwrap()
+                .expect("grpo's GPU kernels are off or did not compile");
             let cpu = |t: &Tensor| {
                 t.to_device(&Device::Cpu)
                     .unwrap()
@@ -796,8 +802,11 @@ fn gpu_kernels_equal_candle_ops_with_their_gradients() {
             )
             .unwrap();
             let e = rel(&cpu(&got), &want);
-            println!("{dt:?} decode attention, {dh}/{dkv} heads: {e:.2e}");
-            assert!(e < tol, "{dt:?} decode attention, {dh}/{dkv} heads: {e}");
+            println!("{dt:?} decode attention ({kernel:?}), {dh}/{dkv} heads: {e:.2e}");
+            assert!(
+                e < tol,
+                "{dt:?} decode attention ({kernel:?}), {dh}/{dkv} heads: {e}"
+            );
         }
         // RoPE: the kernel on a view of a joined projection against the candle ops.
         let (rb, rt, rh, rd) = (3, 70, 4, 64);

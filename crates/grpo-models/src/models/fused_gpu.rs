@@ -264,8 +264,9 @@ pub fn takes(x: &candle_core::Tensor) -> bool {
 #[cfg(feature = "cuda")]
 pub use gpu::{
     adamw_step, add_into_f32, add_rms_norm, attention, attention_chunked_backward,
-    attention_tensor_cores, decode_attention, head_logprobs, head_logprobs_backward, head_takes,
-    rms_norm, rms_norm_takes, rope_append, rope_heads, sum_squares, swiglu, swiglu_backward,
+    attention_tensor_cores, decode_attention, decode_attention_with, head_logprobs,
+    head_logprobs_backward, head_takes, rms_norm, rms_norm_takes, rope_append, rope_heads,
+    sum_squares, swiglu, swiglu_backward, DecodeKernel,
 };
 
 #[cfg(feature = "cuda")]
@@ -719,18 +720,43 @@ mod gpu {
         }
     }
 
+    /// A decoding step's attention kernel (kernels.cu).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum DecodeKernel {
+        /// A block per (row, kv head) that reads each key and value row once for the kv head's
+        /// query heads, scores in shared memory, a two-pass softmax (`attn_decode`).
+        Block,
+        /// A warp per (row, query head), one pass with an online softmax, no shared memory and
+        /// no block barrier (`attn_decode_warp`).
+        Warp,
+        /// Candle's batched matmuls (the caller's).
+        Ops,
+    }
+
     /// Single-query attention for a decoding step: `q` [B, H, 1, D], `k`/`v` [B, Hkv, Tk, D]
     /// views of the KV cache (rows of D contiguous elements, the same strides for both), `mask`
-    /// additive [B, 1, 1, Tk] f32 -> [B, 1, H*D], one kernel: a block per (row, kv head) that
-    /// reads each key and value row once for the kv head's query heads, in 16-byte loads.
-    /// `None` where it does not apply (rows not 16-byte aligned, scores beyond the shared
-    /// memory, or `GRPO_GPU_DECODE=ops`).
+    /// additive [B, 1, 1, Tk] f32 -> [B, 1, H*D], one kernel reading the cache in 16-byte
+    /// loads (`GRPO_GPU_DECODE` chooses which, [`DecodeKernel`]). `None` where it does not
+    /// apply (rows not 16-byte aligned, scores beyond the shared memory, or
+    /// `GRPO_GPU_DECODE=ops`).
     pub fn decode_attention(
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
         mask: &Tensor,
         scale: f64,
+    ) -> Result<Option<Tensor>> {
+        decode_attention_with(q, k, v, mask, scale, decode_kernel())
+    }
+
+    /// [`decode_attention`] with the given kernel (for timing and checking both).
+    pub fn decode_attention_with(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &Tensor,
+        scale: f64,
+        kernel: DecodeKernel,
     ) -> Result<Option<Tensor>> {
         let (b, h, s, d) = q.dims4()?;
         let (hkv, tk) = (k.dim(1)?, k.dim(2)?);
@@ -743,9 +769,12 @@ mod gpu {
         };
         let g = h / hkv.max(1);
         let rows = 256 / (d / vec).max(1); // slot groups of the value pass
-        let smem = ((g * d + g * tk + 256 + rows * d + g) * 4) as u32;
+        let smem = match kernel {
+            DecodeKernel::Warp => 0,
+            _ => ((g * d + g * tk + 256 + rows * d + g) * 4) as u32,
+        };
         let applies = takes(q)
-            && decode_kernel_on()
+            && kernel != DecodeKernel::Ops
             && s == 1
             && k.dtype() == dt
             && v.dtype() == dt
@@ -769,23 +798,35 @@ mod gpu {
             .to_dtype(DType::F32)?
             .contiguous()?;
         let o = output((b, 1, h * d), dt, q.device())?;
-        let cfg = LaunchConfig {
-            grid_dim: ((b * hkv) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: smem,
-        };
         let i = |x: usize| Scalar::I32(x as i32);
-        let scalars = [
-            i(h),
-            i(hkv),
-            i(tk),
+        let (ks0, ks1, sc) = (
             Scalar::I64(ks[0] as i64),
             Scalar::I64(ks[1] as i64),
             Scalar::F32(scale as f32),
-        ];
+        );
+        let (kernel_name, cfg, scalars) = match kernel {
+            DecodeKernel::Warp => (
+                name("decode_warp", dt, d),
+                LaunchConfig {
+                    grid_dim: ((b * h).div_ceil(4) as u32, 1, 1),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: 0,
+                },
+                vec![i(h), i(hkv), i(b), i(tk), ks0, ks1, sc],
+            ),
+            _ => (
+                name("decode", dt, d),
+                LaunchConfig {
+                    grid_dim: ((b * hkv) as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: smem,
+                },
+                vec![i(h), i(hkv), i(tk), ks0, ks1, sc],
+            ),
+        };
         launch(
             &cuda(&q)?,
-            &name("decode", dt, d),
+            &kernel_name,
             cfg,
             &[&q, k, v, &mask, &o],
             &scalars,
@@ -886,11 +927,22 @@ mod gpu {
         Ok(Some((sum, y)))
     }
 
-    /// Whether decoding steps run [`decode_attention`]'s kernel: unless `GRPO_GPU_DECODE=ops`
-    /// (candle's batched matmuls instead; `scripts/gpu_call.sh` picks the faster on the card).
-    fn decode_kernel_on() -> bool {
-        static ON: OnceLock<bool> = OnceLock::new();
-        *ON.get_or_init(|| std::env::var("GRPO_GPU_DECODE").as_deref() != Ok("ops"))
+    /// What runs a decoding step's attention (`GRPO_GPU_DECODE`, read once): `kernel` (unset)
+    /// the block kernel, `warp` the warp kernel (not yet timed on a GPU), `ops` candle's
+    /// batched matmuls; `scripts/gpu_call.sh` picks the fastest on the card.
+    fn decode_kernel() -> DecodeKernel {
+        static K: OnceLock<DecodeKernel> = OnceLock::new();
+        *K.get_or_init(|| match std::env::var("GRPO_GPU_DECODE").as_deref() {
+            Ok("ops") => DecodeKernel::Ops,
+            Ok("warp") => DecodeKernel::Warp,
+            Ok("kernel") | Ok("") | Err(_) => DecodeKernel::Block,
+            Ok(other) => {
+                tracing::warn!(
+                    "GRPO_GPU_DECODE={other} is not kernel, warp or ops: using the block kernel"
+                );
+                DecodeKernel::Block
+            }
+        })
     }
 
     /// AdamW in place, one kernel per parameter with its scalars as arguments (candle ops took

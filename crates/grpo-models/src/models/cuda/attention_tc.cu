@@ -33,17 +33,6 @@ __device__ __forceinline__ void mma_bf16(float c[4], const unsigned a[4], const 
 #endif
 }
 
-// v of lane (this lane ^ m), within the warp.
-__device__ __forceinline__ float lane_xor(float v, int m) {
-#ifdef __CUDA_ARCH__
-    float r;
-    asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(r) : "f"(v), "r"(m));
-    return r;
-#else
-    return emu_lane_xor(v, m);
-#endif
-}
-
 // The sum (or maximum) of v over the 4 lanes of a quad (same g): the lanes holding one row.
 __device__ __forceinline__ float quad_sum(float v) {
     v += lane_xor(v, 1);

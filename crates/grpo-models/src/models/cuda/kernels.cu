@@ -743,10 +743,113 @@ __device__ void attn_decode(const T* q, const T* k, const T* v, const float* mas
     }
 }
 
+// v of lane (this lane ^ m), within the warp (every lane takes part).
+__device__ __forceinline__ float lane_xor(float v, int m) {
+#ifdef __CUDA_ARCH__
+    float r;
+    asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(r) : "f"(v), "r"(m));
+    return r;
+#else
+    return emu_lane_xor(v, m);
+#endif
+}
+
+// Decoding attention, one query per row, a warp per (row, query head): 4 warps a block, the
+// consecutive query heads of a kv head in consecutive warps (their reads of its rows meet in
+// L1). No shared memory, no block barrier, one pass over the cache: the warp's lanes form
+// G = 32 / L groups of L = D / N lanes (N elements: 16 bytes), group r takes slots r, r + G, ...,
+// lane c of a group 16 bytes of each key and value row (a warp reads G whole rows, contiguous,
+// per load); a score is the group's dot (shuffles), each group keeps an online softmax (max,
+// sum, N accumulators a lane) over U slots at a time, and the groups merge at the end.
+// Same arguments and result as attn_decode.
+template <typename T, int D>
+__device__ void attn_decode_warp(const T* q, const T* k, const T* v, const float* mask, T* o,
+                                 int H, int Hkv, int B, int Tk, long sb, long sh, float scale) {
+    constexpr int N = 16 / sizeof(T), L = D / N, G = 32 / L, U = 4;
+    const int lane = threadIdx.x % 32, r = lane / L, c = lane % L;
+    const int pair = blockIdx.x * 4 + threadIdx.x / 32;  // (row, query head)
+    if (pair >= B * H) return;  // a whole warp: no shuffle waits on it
+    const int b = pair / H, h = pair % H, hk = h / (H / Hkv);
+    float qr[N], acc[N];
+    ld16(q + (long)pair * D + c * N, qr);
+#pragma unroll
+    for (int e = 0; e < N; ++e) {
+        qr[e] *= scale;
+        acc[e] = 0.f;
+    }
+    const T* kb = k + (long)b * sb + (long)hk * sh + c * N;
+    const T* vb = v + (long)b * sb + (long)hk * sh + c * N;
+    const float* mrow = mask + (long)b * Tk;
+    float m = NEG_INF, l = 0.f;
+    for (int i0 = 0; i0 < Tk; i0 += U * G) {  // the same trips for every lane (shuffles)
+        const int j0 = i0 + r;
+        uint4 kr[U], vr[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int j = j0 + u * G;
+            kr[u] = vr[u] = uint4{0u, 0u, 0u, 0u};
+            if (j < Tk) {
+                kr[u] = *(const uint4*)(kb + (long)j * D);
+                vr[u] = *(const uint4*)(vb + (long)j * D);
+            }
+        }
+        float z[U], mx = m;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            float x[N], d = 0.f;
+            unpack16(k, kr[u], x);
+#pragma unroll
+            for (int e = 0; e < N; ++e) d += qr[e] * x[e];
+#pragma unroll
+            for (int s = L / 2; s > 0; s /= 2) d += lane_xor(d, s);
+            const int j = j0 + u * G;
+            z[u] = j < Tk ? d + mrow[j] : NEG_INF;
+            mx = fmaxf(mx, z[u]);
+        }
+        if (mx == NEG_INF) continue;  // the group's slots here are all beyond Tk
+        const float a = __expf(m - mx);  // 0 while m is -inf
+        l *= a;
+#pragma unroll
+        for (int e = 0; e < N; ++e) acc[e] *= a;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const float p = z[u] == NEG_INF ? 0.f : __expf(z[u] - mx);
+            float x[N];
+            unpack16(v, vr[u], x);
+            l += p;
+#pragma unroll
+            for (int e = 0; e < N; ++e) acc[e] += p * x[e];
+        }
+        m = mx;
+    }
+    // Merge the groups (lanes c of groups r and r ^ s/L, s = L, 2L, ..).
+#pragma unroll
+    for (int s = L; s < 32; s *= 2) {
+        const float mo = lane_xor(m, s), lo = lane_xor(l, s);
+        const float mn = fmaxf(m, mo);
+        const float a = mn == NEG_INF ? 0.f : __expf(m - mn);
+        const float bo = mn == NEG_INF ? 0.f : __expf(mo - mn);
+        l = l * a + lo * bo;
+#pragma unroll
+        for (int e = 0; e < N; ++e) acc[e] = acc[e] * a + lane_xor(acc[e], s) * bo;
+        m = mn;
+    }
+    if (r == 0) {
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+        for (int e = 0; e < N; ++e) st(o, (long)pair * D + c * N + e, acc[e] * inv);
+    }
+}
+
 #define DECODE(T, NAME, D)                                                                         \
 extern "C" __global__ void attn_decode_##NAME##_##D(const T* q, const T* k, const T* v,           \
         const float* mask, T* o, int H, int Hkv, int Tk, long sb, long sh, float scale) {          \
     attn_decode<T, D>(q, k, v, mask, o, H, Hkv, Tk, sb, sh, scale);                                \
+}                                                                                                  \
+extern "C" __global__ void __launch_bounds__(128) attn_decode_warp_##NAME##_##D(const T* q,       \
+        const T* k, const T* v, const float* mask, T* o, int H, int Hkv, int B, int Tk, long sb,   \
+        long sh, float scale) {                                                                    \
+    attn_decode_warp<T, D>(q, k, v, mask, o, H, Hkv, B, Tk, sb, sh, scale);                        \
 }
 
 DECODE(float, f32, 16)
