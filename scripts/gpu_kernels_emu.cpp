@@ -15,9 +15,10 @@
 //   gpu_kernels_emu head DIR DTYPE C V INV_T
 // reads DIR/{z,y,g}.bin (logits [C, V], targets u32, gradients [C, 2] f32), writes
 // DIR/{out,lse,dz}.bin (the entropy's gradient included);
-//   gpu_kernels_emu decode DIR DTYPE B H HKV TK MAXT D SCALE [warp]
+//   gpu_kernels_emu decode DIR DTYPE B H HKV TK MAXT D SCALE [warp] [shared=N]
 // reads DIR/{q,k,v,mask}.bin (caches [B, HKV, MAXT, D], the first TK slots read), writes DIR/o.bin
-// (`warp`: attn_decode_warp, else attn_decode);
+// (`warp`: attn_decode_warp, else attn_decode; `shared=N`: slots < N of row b from row leader[b],
+// DIR/leader.bin u32 [B]);
 //   gpu_kernels_emu rope_append DIR DTYPE B H HKV D XS SLOTS SLOT
 // reads DIR/{x,cos,sin,kc,vc}.bin, writes DIR/{q,kc_out,vc_out}.bin;
 //   gpu_kernels_emu add_rms DIR DTYPE N H EPS
@@ -216,16 +217,18 @@ template <typename T> void run_head(const std::string& dir, long c, int v, float
     launch((int)c, 1, NORM_THREADS, [&] { head_bwd<T>(z.data(), y.data(), lse.data(), g.data(), out.data(), dz.data(), v, inv_t, 1); });
     wr(dir + "/out.bin", out); wr(dir + "/lse.bin", lse); wr(dir + "/dz.bin", dz);
 }
-template <typename T, int D> void run_decode(const std::string& dir, int B, int H, int Hkv, int Tk, int maxT, float sc, bool warp) {
+template <typename T, int D> void run_decode(const std::string& dir, int B, int H, int Hkv, int Tk, int maxT, float sc, bool warp, int shared) {
     // k/v: caches [B, Hkv, maxT, D] of which the first Tk slots are read (a view, as the sampler's).
     auto q = rd<T>(dir + "/q.bin", (size_t)B * H * D), k = rd<T>(dir + "/k.bin", (size_t)B * Hkv * maxT * D);
     auto v = rd<T>(dir + "/v.bin", (size_t)B * Hkv * maxT * D), mask = rd<float>(dir + "/mask.bin", (size_t)B * Tk);
     std::vector<T> o((size_t)B * H * D);
+    // A shared prompt: slots < shared of row b read from row leader[b] (DIR/leader.bin, u32 [B]).
+    std::vector<unsigned int> leader = shared > 0 ? rd<unsigned int>(dir + "/leader.bin", B) : std::vector<unsigned int>{0};
     const long sh = (long)maxT * D, sb = (long)Hkv * sh;
     if (warp)  // a warp per (row, query head), 4 a block
-        launch((B * H + 3) / 4, 1, 128, [&] { attn_decode_warp<T, D>(q.data(), k.data(), v.data(), mask.data(), o.data(), H, Hkv, B, Tk, sb, sh, sc); });
+        launch((B * H + 3) / 4, 1, 128, [&] { attn_decode_warp<T, D>(q.data(), k.data(), v.data(), mask.data(), o.data(), H, Hkv, B, Tk, sb, sh, sc, leader.data(), shared); });
     else
-        launch(B * Hkv, 1, NORM_THREADS, [&] { attn_decode<T, D>(q.data(), k.data(), v.data(), mask.data(), o.data(), H, Hkv, Tk, sb, sh, sc); });
+        launch(B * Hkv, 1, NORM_THREADS, [&] { attn_decode<T, D>(q.data(), k.data(), v.data(), mask.data(), o.data(), H, Hkv, Tk, sb, sh, sc, leader.data(), shared); });
     wr(dir + "/o.bin", o);
 }
 // AdamW: STEPS steps of the kernel over p [N] with gradients g [STEPS, N] (torch's bias
@@ -260,13 +263,20 @@ int main(int argc, char** argv) {
                   atof(argv[8]), atof(argv[9]), atof(argv[10]));
         return 0;
     }
-    if ((argc == 11 || (argc == 12 && std::string(argv[11]) == "warp")) && std::string(argv[1]) == "decode") {
+    if (argc >= 11 && std::string(argv[1]) == "decode") {
         std::string dir = argv[2], dt = argv[3];
         int B = atoi(argv[4]), H = atoi(argv[5]), Hkv = atoi(argv[6]), Tk = atoi(argv[7]), maxT = atoi(argv[8]), D = atoi(argv[9]);
         float sc = atof(argv[10]);
         bool ok = false;
-        const bool warp = argc == 12;
-#define DEC(T, NAME, DD) if (dt == NAME && D == DD) { run_decode<T, DD>(dir, B, H, Hkv, Tk, maxT, sc, warp); ok = true; }
+        bool warp = false;
+        int shared = 0;
+        for (int a = 11; a < argc; ++a) {
+            const std::string s = argv[a];
+            if (s == "warp") warp = true;
+            else if (s.rfind("shared=", 0) == 0) shared = atoi(s.c_str() + 7);
+            else { fprintf(stderr, "decode: unknown option %s\n", s.c_str()); return 2; }
+        }
+#define DEC(T, NAME, DD) if (dt == NAME && D == DD) { run_decode<T, DD>(dir, B, H, Hkv, Tk, maxT, sc, warp, shared); ok = true; }
         DEC(float, "f32", 16) DEC(float, "f32", 32) DEC(float, "f32", 64) DEC(float, "f32", 128)
         DEC(bf16_t, "bf16", 16) DEC(bf16_t, "bf16", 32) DEC(bf16_t, "bf16", 64) DEC(bf16_t, "bf16", 128)
         if (!ok) { fprintf(stderr, "unsupported decode %s D=%d\n", dt.c_str(), D); return 2; }

@@ -394,12 +394,25 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
     if compute.on_gpu() {
         use grpo_models::models::fused_gpu::{decode_attention_with, DecodeKernel};
         let scale = 1.0 / (hd as f64).sqrt();
-        for (name, kernel) in [
-            ("decode_attention_block", DecodeKernel::Block),
-            ("decode_attention_warp", DecodeKernel::Warp),
+        // A shared prompt as the kit's: groups of 8 rows, a sixth of the slots (48 of 304).
+        let leader: Vec<u32> = (0..b as u32).map(|r| r / 8 * 8).collect();
+        let leader = Tensor::from_vec(leader, b, &dev)?;
+        for (name, kernel, shared) in [
+            ("decode_attention_block", DecodeKernel::Block, None),
+            ("decode_attention_warp", DecodeKernel::Warp, None),
+            (
+                "decode_attention_block_shared",
+                DecodeKernel::Block,
+                Some((&leader, t / 6)),
+            ),
+            (
+                "decode_attention_warp_shared",
+                DecodeKernel::Warp,
+                Some((&leader, t / 6)),
+            ),
         ] {
             let f = time(&dev, reps, || {
-                decode_attention_with(&q_one, &kc, &vc, &one_dense, scale, kernel)?;
+                decode_attention_with(&q_one, &kc, &vc, &one_dense, scale, kernel, shared)?;
                 Ok(())
             })?;
             report(name, f, f, 4.0 * (b * s.heads * t * hd) as f64);

@@ -406,40 +406,62 @@ fn swiglu_rms_norm_and_rope_kernels_equal_their_twins() {
 }
 
 /// A decoding step's attention (`attn_decode`, or `attn_decode_warp`): one query per row over
-/// the first `tk` slots of caches with `max_t` slots, row 0 left-padded by three slots, against
-/// the forward twin with one query.
+/// the first `tk` slots of caches with `max_t` slots, rows 0 and 1 left-padded by three slots,
+/// against the forward twin with one query. With `shared` (slots < `end` of row b read from row
+/// `leader[b]`), the followers' own prompt slots hold other values, which must not be read: the
+/// twin sees the leaders' there.
 fn decode(
     dt: Dt,
     warp: bool,
     (b, h, hkv, tk, max_t, d): (usize, usize, usize, usize, usize, usize),
+    shared: Option<(&[u32], usize)>,
 ) {
     let scale = 1.0 / (d as f32).sqrt();
     let q = dt.round(&randn(b * h * d, 40 + tk as u64, 1.0));
     let kc = dt.round(&randn(b * hkv * max_t * d, 41, 1.0));
     let vc = dt.round(&randn(b * hkv * max_t * d, 42, 1.0));
     let mut mask = vec![0f32; b * tk];
-    mask[..3.min(tk)].iter_mut().for_each(|m| *m = -1e30);
+    for row in 0..2.min(b) {
+        mask[row * tk..row * tk + 3.min(tk)]
+            .iter_mut()
+            .for_each(|m| *m = -1e30);
+    }
     let mut args: Vec<String> = vec![dt.name().into()];
     args.extend([b, h, hkv, tk, max_t, d].iter().map(|x| x.to_string()));
     args.push(format!("{scale:?}"));
     if warp {
         args.push("warp".into());
     }
-    let dir = run(
-        Some("decode"),
-        &[
-            ("q", dt.bytes(&q)),
-            ("k", dt.bytes(&kc)),
-            ("v", dt.bytes(&vc)),
-            ("mask", f32_bytes(&mask)),
-        ],
-        &args,
-    );
-    // The twin reads the first tk slots of each cache row.
+    let mut inputs = vec![
+        ("q", dt.bytes(&q)),
+        ("k", dt.bytes(&kc)),
+        ("v", dt.bytes(&vc)),
+        ("mask", f32_bytes(&mask)),
+    ];
+    if let Some((leader, end)) = shared {
+        args.push(format!("shared={end}"));
+        inputs.push((
+            "leader",
+            leader.iter().flat_map(|l| l.to_le_bytes()).collect(),
+        ));
+    }
+    let dir = run(Some("decode"), &inputs, &args);
+    // The twin reads the first tk slots of each cache row, a follower's first `end` from its
+    // leader.
     let first = |c: &[f32]| -> Vec<f32> {
-        c.chunks(max_t * d)
-            .flat_map(|r| r[..tk * d].to_vec())
-            .collect()
+        let rows: Vec<&[f32]> = c.chunks(max_t * d).collect(); // [B * Hkv] rows of slots
+        let mut out = Vec::with_capacity(b * hkv * tk * d);
+        for bk in 0..b * hkv {
+            let (bi, hk) = (bk / hkv, bk % hkv);
+            for j in 0..tk {
+                let src = match shared {
+                    Some((leader, end)) if j < end => leader[bi] as usize * hkv + hk,
+                    _ => bk,
+                };
+                out.extend_from_slice(&rows[src][j * d..(j + 1) * d]);
+            }
+        }
+        out
     };
     let (want, _) = twin_forward(
         &q,
@@ -454,9 +476,10 @@ fn decode(
         Dt::Bf16 => 1e-2,
     };
     let what = format!(
-        "{} decode{} b{b} h{h}/{hkv} tk{tk}/{max_t} d{d} o",
+        "{} decode{}{} b{b} h{h}/{hkv} tk{tk}/{max_t} d{d} o",
         dt.name(),
-        if warp { " warp" } else { "" }
+        if warp { " warp" } else { "" },
+        if shared.is_some() { " shared" } else { "" }
     );
     check(&what, &dt.read(dir.path(), "o"), &want, tol);
 }
@@ -465,11 +488,16 @@ fn decode(
 fn decoding_attention_kernels_equal_the_forward_twin() {
     for warp in [false, true] {
         for dt in [Dt::F32, Dt::Bf16] {
-            decode(dt, warp, (2, 6, 2, 300, 320, 64)); // grouped heads, a cache view
+            decode(dt, warp, (2, 6, 2, 300, 320, 64), None); // grouped heads, a cache view
         }
-        decode(Dt::Bf16, warp, (3, 4, 4, 37, 40, 64)); // one query head per kv head
-        decode(Dt::Bf16, warp, (1, 16, 2, 130, 140, 32)); // eight per kv head
-        decode(Dt::F32, warp, (1, 3, 1, 9, 9, 128));
-        decode(Dt::Bf16, warp, (2, 4, 2, 5, 8, 16)); // fewer slots than a warp's groups
+        decode(Dt::Bf16, warp, (3, 4, 4, 37, 40, 64), None); // one query head per kv head
+        decode(Dt::Bf16, warp, (1, 16, 2, 130, 140, 32), None); // eight per kv head
+        decode(Dt::F32, warp, (1, 3, 1, 9, 9, 128), None);
+        decode(Dt::Bf16, warp, (2, 4, 2, 5, 8, 16), None); // fewer slots than a warp's groups
+                                                           // A shared prompt: rows 0 and 1 one group (its first 20 slots from row 0), row 2 its own.
+        for dt in [Dt::F32, Dt::Bf16] {
+            decode(dt, warp, (3, 4, 4, 37, 40, 64), Some((&[0, 0, 2], 20)));
+            decode(dt, warp, (3, 6, 2, 90, 96, 32), Some((&[0, 0, 2], 40)));
+        }
     }
 }

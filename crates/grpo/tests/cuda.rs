@@ -757,14 +757,18 @@ fn gpu_kernels_equal_candle_ops_with_their_gradients() {
         println!("{dt:?} rms-norm: output, dx, dw {errs:?}");
         assert!(errs.iter().all(|e| *e < tol), "{dt:?} rms-norm: {errs:?}");
         // Decoding attention: one query per row over views of a KV cache (left padding in row
-        // 0), both kernels (a block per kv head, a warp per query head) against the portable
-        // path's candle ops on the CPU; four query heads per kv head, then one (SmolLM2-1.7B's).
+        // 0 and 1), both kernels (a block per kv head, a warp per query head) against the
+        // portable path's candle ops on the CPU; four query heads per kv head, then one
+        // (SmolLM2-1.7B's); and with a shared prompt (rows 0 and 1 one group: row 1 reads its
+        // first 20 slots from row 0, whose values the expected output takes there).
         use fused_gpu::DecodeKernel;
-        for (dh, dkv, kernel) in [
-            (8, 2, DecodeKernel::Block),
-            (4, 4, DecodeKernel::Block),
-            (8, 2, DecodeKernel::Warp),
-            (4, 4, DecodeKernel::Warp),
+        for (dh, dkv, kernel, share) in [
+            (8, 2, DecodeKernel::Block, false),
+            (4, 4, DecodeKernel::Block, false),
+            (8, 2, DecodeKernel::Warp, false),
+            (4, 4, DecodeKernel::Warp, false),
+            (8, 2, DecodeKernel::Block, true),
+            (4, 4, DecodeKernel::Warp, true),
         ] {
             let (db, dtk, dmax, dd) = (3, 150, 160, 64);
             let cache = || {
@@ -781,31 +785,60 @@ fn gpu_kernels_equal_candle_ops_with_their_gradients() {
                 .unwrap();
             let mut dm = vec![0f32; db * dtk];
             dm[..3].iter_mut().for_each(|x| *x = -1e30);
+            dm[dtk..dtk + 3].iter_mut().for_each(|x| *x = -1e30);
             let dmask = Tensor::from_vec(dm, (db, 1, 1, dtk), &dev).unwrap();
             let scale = 1.0 / (dd as f64).sqrt();
-            let got = fused_gpu::decode_attention_with(&dq, &kv_k, &kv_v, &dmask, scale, kernel)
-                .unwrap()
-                .expect("grpo's GPU kernels are off or did not compile");
+            let (end, leader) = (20, Tensor::new(&[0u32, 0, 2], &dev).unwrap());
+            let shared = share.then_some((&leader, end));
+            let got =
+                fused_gpu::decode_attention_with(&dq, &kv_k, &kv_v, &dmask, scale, kernel, shared)
+                    .unwrap()
+                    .expect("grpo's GPU kernels are off or did not compile");
             let cpu = |t: &Tensor| {
                 t.to_device(&Device::Cpu)
                     .unwrap()
                     .to_dtype(DType::F32)
                     .unwrap()
             };
+            // What the kernel should read: row 1's first `end` slots are row 0's when shared.
+            let seen = |c: &Tensor| {
+                let c = cpu(c);
+                if !share {
+                    return c;
+                }
+                let lead = c.narrow(0, 0, 1).unwrap().narrow(2, 0, end).unwrap();
+                let own = c
+                    .narrow(0, 1, 1)
+                    .unwrap()
+                    .narrow(2, end, dtk - end)
+                    .unwrap();
+                let row1 = Tensor::cat(&[&lead, &own], 2).unwrap();
+                Tensor::cat(
+                    &[
+                        &c.narrow(0, 0, 1).unwrap(),
+                        &row1,
+                        &c.narrow(0, 2, 1).unwrap(),
+                    ],
+                    0,
+                )
+                .unwrap()
+            };
             let want = grpo_models::models::layers::attention(
                 &cpu(&dq),
-                &cpu(&kv_k),
-                &cpu(&kv_v),
+                &seen(&kv_k),
+                &seen(&kv_v),
                 &grpo_models::models::layers::AttnMask::Dense(cpu(&dmask)),
                 grpo_models::models::layers::Mode::Infer,
                 Compute::Portable,
             )
             .unwrap();
             let e = rel(&cpu(&got), &want);
-            println!("{dt:?} decode attention ({kernel:?}), {dh}/{dkv} heads: {e:.2e}");
+            println!(
+                "{dt:?} decode attention ({kernel:?}, shared {share}), {dh}/{dkv} heads: {e:.2e}"
+            );
             assert!(
                 e < tol,
-                "{dt:?} decode attention ({kernel:?}), {dh}/{dkv} heads: {e}"
+                "{dt:?} decode attention ({kernel:?}, shared {share}), {dh}/{dkv} heads: {e}"
             );
         }
         // RoPE: the kernel on a view of a joined projection against the candle ops.

@@ -736,17 +736,20 @@ mod gpu {
     /// Single-query attention for a decoding step: `q` [B, H, 1, D], `k`/`v` [B, Hkv, Tk, D]
     /// views of the KV cache (rows of D contiguous elements, the same strides for both), `mask`
     /// additive [B, 1, 1, Tk] f32 -> [B, 1, H*D], one kernel reading the cache in 16-byte
-    /// loads (`GRPO_GPU_DECODE` chooses which, [`DecodeKernel`]). `None` where it does not
-    /// apply (rows not 16-byte aligned, scores beyond the shared memory, or
-    /// `GRPO_GPU_DECODE=ops`).
+    /// loads (`GRPO_GPU_DECODE` chooses which, [`DecodeKernel`]). With `shared` (each row's
+    /// leader [B] u32 on the device, and an end slot), slots before the end are read from the
+    /// row's leader: the rows of one prompt hold the same keys and values there, and read one
+    /// copy between them. `None` where it does not apply (rows not 16-byte aligned, scores
+    /// beyond the shared memory, or `GRPO_GPU_DECODE=ops`).
     pub fn decode_attention(
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
         mask: &Tensor,
         scale: f64,
+        shared: Option<(&Tensor, usize)>,
     ) -> Result<Option<Tensor>> {
-        decode_attention_with(q, k, v, mask, scale, decode_kernel())
+        decode_attention_with(q, k, v, mask, scale, decode_kernel(), shared)
     }
 
     /// [`decode_attention`] with the given kernel (for timing and checking both).
@@ -757,6 +760,7 @@ mod gpu {
         mask: &Tensor,
         scale: f64,
         kernel: DecodeKernel,
+        shared: Option<(&Tensor, usize)>,
     ) -> Result<Option<Tensor>> {
         let (b, h, s, d) = q.dims4()?;
         let (hkv, tk) = (k.dim(1)?, k.dim(2)?);
@@ -788,6 +792,12 @@ mod gpu {
             && aligned(k)
             && aligned(v)
             && mask.elem_count() == b * tk
+            && shared.is_none_or(|(l, end)| {
+                l.dtype() == DType::U32
+                    && l.elem_count() == b
+                    && end <= tk
+                    && l.device().same_device(q.device())
+            })
             && smem <= (48 << 10).max(smem_limit(&cuda(q)?));
         if !applies {
             return Ok(None);
@@ -798,6 +808,11 @@ mod gpu {
             .to_dtype(DType::F32)?
             .contiguous()?;
         let o = output((b, 1, h * d), dt, q.device())?;
+        // Without a shared prompt, a leader tensor is still an argument: no slot is below 0.
+        let (leader, end) = match shared {
+            Some((l, e)) => (l.contiguous()?, e),
+            None => (Tensor::zeros(1, DType::U32, q.device())?, 0),
+        };
         let i = |x: usize| Scalar::I32(x as i32);
         let (ks0, ks1, sc) = (
             Scalar::I64(ks[0] as i64),
@@ -812,7 +827,7 @@ mod gpu {
                     block_dim: (128, 1, 1),
                     shared_mem_bytes: 0,
                 },
-                vec![i(h), i(hkv), i(b), i(tk), ks0, ks1, sc],
+                vec![i(h), i(hkv), i(b), i(tk), ks0, ks1, sc, i(end)],
             ),
             _ => (
                 name("decode", dt, d),
@@ -821,14 +836,14 @@ mod gpu {
                     block_dim: (256, 1, 1),
                     shared_mem_bytes: smem,
                 },
-                vec![i(h), i(hkv), i(tk), ks0, ks1, sc],
+                vec![i(h), i(hkv), i(tk), ks0, ks1, sc, i(end)],
             ),
         };
         launch(
             &cuda(&q)?,
             &kernel_name,
             cfg,
-            &[&q, k, v, &mask, &o],
+            &[&q, k, v, &mask, &leader, &o],
             &scalars,
         )?;
         Ok(Some(o))

@@ -992,6 +992,10 @@ pub enum AttnMask {
     /// One query per row (decoding): row `b` attends key slots `pad[b]..Tk` (left padding).
     /// With a [`SharedPrefix`], rows of a group read their common prompt slots from one row.
     LeftPad(Vec<usize>, Option<SharedPrefix>),
+    /// A GPU's decoding step: [`AttnMask::LeftPad`] as a dense additive `[B, 1, 1, Tk]` f32 mask
+    /// (built once per step) with its [`SharedPrefix`] on the device: each row's leader `[B]`
+    /// u32, and the shared slots' end.
+    SharedDense(Tensor, Tensor, usize),
 }
 
 /// Rows of a decoding batch that hold the same keys and values in slots `pad[b]..end` (one
@@ -1053,7 +1057,7 @@ impl AttnMask {
                 let pad = pad.iter().map(|&p| p.max(from)).collect();
                 return Ok(AttnMask::LeftPad(pad, shared.clone()));
             }
-            AttnMask::Dense(m) | AttnMask::Spanned(m, _) => m,
+            AttnMask::Dense(m) | AttnMask::Spanned(m, _) | AttnMask::SharedDense(m, ..) => m,
         };
         let (b, _, s, tk) = dense.dims4()?;
         let dev = dense.device();
@@ -1085,7 +1089,9 @@ impl AttnMask {
     /// The additive mask `[B, 1, S, Tk]` for `s` queries over `tk` key slots.
     pub(crate) fn to_dense(&self, s: usize, tk: usize, device: &Device) -> Result<Tensor> {
         match self {
-            AttnMask::Dense(m) | AttnMask::Spanned(m, _) => Ok(m.clone()),
+            AttnMask::Dense(m) | AttnMask::Spanned(m, _) | AttnMask::SharedDense(m, ..) => {
+                Ok(m.clone())
+            }
             AttnMask::LeftPad(pad, _) => {
                 let valid: Vec<Vec<bool>> = pad
                     .iter()
@@ -1145,8 +1151,13 @@ pub fn attention(
 ) -> Result<Tensor> {
     let (b, h, s, d) = q.dims4()?;
     let tk = k.dim(2)?;
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    let shared_dev = match mask {
+        AttnMask::SharedDense(_, leader, end) => Some((leader, *end)),
+        _ => None,
+    };
     let (dense, spans) = match mask {
-        AttnMask::Dense(m) => (m.clone(), None),
+        AttnMask::Dense(m) | AttnMask::SharedDense(m, ..) => (m.clone(), None),
         AttnMask::Spanned(m, sp) => (m.clone(), Some(sp.clone())),
         AttnMask::LeftPad(pad, shared) => {
             if mode == Mode::Infer && s == 1 {
@@ -1167,7 +1178,7 @@ pub fn attention(
     #[cfg(feature = "cuda")]
     if s == 1 && mode == Mode::Infer && compute.on_gpu() {
         // A GPU's decoding step: one kernel over the KV cache's views.
-        if let Some(out) = super::fused_gpu::decode_attention(q, k, v, &dense, scale)? {
+        if let Some(out) = super::fused_gpu::decode_attention(q, k, v, &dense, scale, shared_dev)? {
             return Ok(out); // [B, 1, H*D]
         }
     }

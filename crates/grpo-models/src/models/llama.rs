@@ -591,14 +591,23 @@ impl Model {
         let s = ids.dim(1)?;
         // Off the fused CPU path every layer would turn left padding into a dense mask on the
         // host and upload it (a GPU's decoding step did that once per layer): do it once here.
-        let fused = self
-            .layers
-            .first()
-            .is_some_and(|l| l.self_attn.compute.is_fused());
+        // On a GPU the prompt's shared slots go along as each row's leader, on the device.
+        let compute = self.layers.first().map(|l| l.self_attn.compute);
+        let fused = compute.is_some_and(|c| c.is_fused());
         let dense_once;
         let mask = match (mask, cache.as_deref(), self.sliding_window) {
-            (AttnMask::LeftPad(..), Some(c), None) if !fused => {
-                dense_once = AttnMask::Dense(mask.to_dense(s, c.len() + s, ids.device())?);
+            (AttnMask::LeftPad(pad, shared), Some(c), None) if !fused => {
+                let tk = c.len() + s;
+                let dense = mask.to_dense(s, tk, ids.device())?;
+                dense_once = match shared {
+                    Some(sp) if compute.is_some_and(|c| c.on_gpu()) && sp.fits(pad, tk) => {
+                        let leader: Vec<u32> = sp.leader.iter().map(|&l| l as u32).collect();
+                        let n = leader.len();
+                        let leader = Tensor::from_vec(leader, n, ids.device())?;
+                        AttnMask::SharedDense(dense, leader, sp.end)
+                    }
+                    _ => AttnMask::Dense(dense),
+                };
                 &dense_once
             }
             _ => mask,

@@ -663,13 +663,23 @@ __device__ __forceinline__ void ld16(const T* p, float* x) {
 // g = H / Hkv query heads that read it, so each key and value row comes from memory once, in
 // 16-byte loads. q [B, H, D] contiguous; the key and value of slot j of (b, kv head hk) at
 // b*sb + hk*sh + j*D (views of the KV cache, rows 16-byte aligned); mask [B, Tk] f32 additive;
-// o [B, H, D]. Scores: a thread per key slot holds its key row in registers and scores it for
+// o [B, H, D]. A shared prompt: with `leader` ([B] u32, or null), slots j < `shared` of row b are
+// read from row leader[b] (the rows of one prompt hold the same keys and values there, so a
+// group's rows read one copy between them, from L2). Scores: a thread per key slot holds its key row in registers and scores it for
 // each head, into shared memory [g][Tk]; softmax per head; values, head by head: a thread per
 // (slot group r, 16-byte column c), R slot groups (a kv head's values stay in L1 between its
 // heads), summed over the groups through shared memory [R][D]. Registers do not grow with g.
+// Where slot j of row b, kv head hk, starts in a cache view (see attn_decode's shared prompt).
+__device__ __forceinline__ long slot_at(const unsigned int* leader, int shared, int b, int hk,
+                                        int j, long sb, long sh, int D) {
+    const long row = (leader && j < shared) ? (long)leader[b] : (long)b;
+    return row * sb + (long)hk * sh + (long)j * D;
+}
+
 template <typename T, int D>
 __device__ void attn_decode(const T* q, const T* k, const T* v, const float* mask, T* o, int H,
-                            int Hkv, int Tk, long sb, long sh, float scale) {
+                            int Hkv, int Tk, long sb, long sh, float scale,
+                            const unsigned int* leader, int shared) {
     constexpr int N = 16 / sizeof(T);  // elements per 16-byte load
     constexpr int C = D / N;           // loads per row
     constexpr int R = NORM_THREADS / C;
@@ -684,11 +694,11 @@ __device__ void attn_decode(const T* q, const T* k, const T* v, const float* mas
     const long q0 = ((long)b * H + (long)hk * g) * D;  // this block's g query rows
     for (int i = threadIdx.x; i < g * D; i += NORM_THREADS) qs[i] = ld(q, q0 + i) * scale;
     __syncthreads();
-    const long base = (long)b * sb + (long)hk * sh;
     for (int j = threadIdx.x; j < Tk; j += NORM_THREADS) {
         uint4 kr[C];
+        const long at = slot_at(leader, shared, b, hk, j, sb, sh, D);
 #pragma unroll
-        for (int c = 0; c < C; ++c) kr[c] = *(const uint4*)(k + base + (long)j * D + c * N);
+        for (int c = 0; c < C; ++c) kr[c] = *(const uint4*)(k + at + c * N);
         const float mj = mask[(long)b * Tk + j];
         for (int i = 0; i < g; ++i) {
             float z = 0.f;
@@ -726,7 +736,7 @@ __device__ void attn_decode(const T* q, const T* k, const T* v, const float* mas
 #pragma unroll 4
         for (int j = r; j < Tk; j += R) {
             float x[N];
-            ld16(v + base + (long)j * D + c * N, x);
+            ld16(v + slot_at(leader, shared, b, hk, j, sb, sh, D) + c * N, x);
             const float p = sc[i * Tk + j];
 #pragma unroll
             for (int e = 0; e < N; ++e) acc[e] += p * x[e];
@@ -761,10 +771,11 @@ __device__ __forceinline__ float lane_xor(float v, int m) {
 // lane c of a group 16 bytes of each key and value row (a warp reads G whole rows, contiguous,
 // per load); a score is the group's dot (shuffles), each group keeps an online softmax (max,
 // sum, N accumulators a lane) over U slots at a time, and the groups merge at the end.
-// Same arguments and result as attn_decode.
+// Same arguments (a shared prompt too) and result as attn_decode.
 template <typename T, int D>
 __device__ void attn_decode_warp(const T* q, const T* k, const T* v, const float* mask, T* o,
-                                 int H, int Hkv, int B, int Tk, long sb, long sh, float scale) {
+                                 int H, int Hkv, int B, int Tk, long sb, long sh, float scale,
+                                 const unsigned int* leader, int shared) {
     constexpr int N = 16 / sizeof(T), L = D / N, G = 32 / L, U = 4;
     const int lane = threadIdx.x % 32, r = lane / L, c = lane % L;
     const int pair = blockIdx.x * 4 + threadIdx.x / 32;  // (row, query head)
@@ -777,8 +788,6 @@ __device__ void attn_decode_warp(const T* q, const T* k, const T* v, const float
         qr[e] *= scale;
         acc[e] = 0.f;
     }
-    const T* kb = k + (long)b * sb + (long)hk * sh + c * N;
-    const T* vb = v + (long)b * sb + (long)hk * sh + c * N;
     const float* mrow = mask + (long)b * Tk;
     float m = NEG_INF, l = 0.f;
     for (int i0 = 0; i0 < Tk; i0 += U * G) {  // the same trips for every lane (shuffles)
@@ -789,8 +798,9 @@ __device__ void attn_decode_warp(const T* q, const T* k, const T* v, const float
             const int j = j0 + u * G;
             kr[u] = vr[u] = uint4{0u, 0u, 0u, 0u};
             if (j < Tk) {
-                kr[u] = *(const uint4*)(kb + (long)j * D);
-                vr[u] = *(const uint4*)(vb + (long)j * D);
+                const long at = slot_at(leader, shared, b, hk, j, sb, sh, D) + c * N;
+                kr[u] = *(const uint4*)(k + at);
+                vr[u] = *(const uint4*)(v + at);
             }
         }
         float z[U], mx = m;
@@ -843,13 +853,14 @@ __device__ void attn_decode_warp(const T* q, const T* k, const T* v, const float
 
 #define DECODE(T, NAME, D)                                                                         \
 extern "C" __global__ void attn_decode_##NAME##_##D(const T* q, const T* k, const T* v,           \
-        const float* mask, T* o, int H, int Hkv, int Tk, long sb, long sh, float scale) {          \
-    attn_decode<T, D>(q, k, v, mask, o, H, Hkv, Tk, sb, sh, scale);                                \
+        const float* mask, const unsigned int* leader, T* o, int H, int Hkv, int Tk, long sb,      \
+        long sh, float scale, int shared) {                                                        \
+    attn_decode<T, D>(q, k, v, mask, o, H, Hkv, Tk, sb, sh, scale, leader, shared);                \
 }                                                                                                  \
 extern "C" __global__ void __launch_bounds__(128) attn_decode_warp_##NAME##_##D(const T* q,       \
-        const T* k, const T* v, const float* mask, T* o, int H, int Hkv, int B, int Tk, long sb,   \
-        long sh, float scale) {                                                                    \
-    attn_decode_warp<T, D>(q, k, v, mask, o, H, Hkv, B, Tk, sb, sh, scale);                        \
+        const T* k, const T* v, const float* mask, const unsigned int* leader, T* o, int H,        \
+        int Hkv, int B, int Tk, long sb, long sh, float scale, int shared) {                       \
+    attn_decode_warp<T, D>(q, k, v, mask, o, H, Hkv, B, Tk, sb, sh, scale, leader, shared);        \
 }
 
 DECODE(float, f32, 16)
