@@ -4,9 +4,13 @@
 //! PTX ISA's fragment layouts) and runs a kernel on inputs from files. Here its outputs are
 //! compared with the kernels' Rust twins (`models::fused_gpu::twin_*`, which CI compares with the
 //! candle-op path): attention forward and backward (CUDA cores in f32 and bf16, tensor cores in
-//! bf16), SwiGLU, RMSNorm and RoPE. CI has no GPU: this is what keeps an edit of the CUDA source
-//! honest between GPU runs (`crates/grpo/tests/cuda.rs` runs the same source on a GPU;
-//! `scripts/check_gpu_kernels.py` compares the emulator with torch, by hand).
+//! bf16), a decoding step's attention (both kernels, a shared prompt), SwiGLU, RMSNorm and RoPE;
+//! and with the formulas, in f64 where they sum: the LM head's log-softmax, the residual add +
+//! RMSNorm, a decoding step's q/k/v + cache write, AdamW and the clipping norm's sums of
+//! squares: every kernel of the CUDA source but `acc_add_bf16` (one add per thread). CI has no
+//! GPU: this is what keeps an edit of the CUDA source honest between GPU runs
+//! (`crates/grpo/tests/cuda.rs` runs the same source on a GPU; `scripts/check_gpu_kernels.py`
+//! compares the emulator with torch, by hand).
 //!
 //! Needs a C++20 compiler: `g++`, or the one `CXX` names (CI's machines have g++: tokenizers'
 //! esaxx and llama.cpp build with it).
@@ -499,5 +503,251 @@ fn decoding_attention_kernels_equal_the_forward_twin() {
             decode(dt, warp, (3, 4, 4, 37, 40, 64), Some((&[0, 0, 2], 20)));
             decode(dt, warp, (3, 6, 2, 90, 96, 32), Some((&[0, 0, 2], 40)));
         }
+    }
+}
+
+/// The LM head's log-softmax kernels (`head_fwd`, `head_bwd`): logits [C, V] at temperature
+/// 1 / `inv_t`, targets, the outputs' gradient [C, 2] (log-prob, entropy) -> [C, 2], lse and
+/// d logits, against the formulas in f64.
+fn head(dt: Dt, (c, v, inv_t): (usize, usize, f32)) {
+    let z = dt.round(&randn(c * v, 50, 4.0));
+    let y: Vec<u32> = (0..c as u32).map(|i| (i * 7919 + 13) % v as u32).collect();
+    let g = randn(c * 2, 51, 1.0);
+    let dir = run(
+        Some("head"),
+        &[
+            ("z", dt.bytes(&z)),
+            ("y", y.iter().flat_map(|t| t.to_le_bytes()).collect()),
+            ("g", f32_bytes(&g)),
+        ],
+        &[
+            dt.name().into(),
+            c.to_string(),
+            v.to_string(),
+            format!("{inv_t:?}"),
+        ],
+    );
+    let (mut out, mut lse, mut dz) = (vec![0f32; 2 * c], vec![0f32; c], vec![0f32; c * v]);
+    for r in 0..c {
+        let t: Vec<f64> = z[r * v..(r + 1) * v]
+            .iter()
+            .map(|x| *x as f64 * inv_t as f64)
+            .collect();
+        let m = t.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let l = m + t.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
+        let p: Vec<f64> = t.iter().map(|x| (x - l).exp()).collect();
+        let ent = l - p.iter().zip(&t).map(|(p, x)| p * x).sum::<f64>();
+        let yr = y[r] as usize;
+        out[2 * r] = (t[yr] - l) as f32;
+        out[2 * r + 1] = ent as f32;
+        lse[r] = l as f32;
+        let (g0, g1) = (g[2 * r] as f64, g[2 * r + 1] as f64);
+        for i in 0..v {
+            let onehot = if i == yr { 1.0 } else { 0.0 };
+            // d lp / dt = onehot - p; d H / dt = -p (t - lse + H).
+            let d = g0 * (onehot - p[i]) - g1 * p[i] * (t[i] - l + ent);
+            dz[r * v + i] = (d * inv_t as f64) as f32;
+        }
+    }
+    let tol = match dt {
+        Dt::F32 => 1e-5,
+        Dt::Bf16 => 1e-2,
+    };
+    let name = dt.name();
+    check(
+        &format!("{name} head out"),
+        &read_f32(dir.path(), "out"),
+        &out,
+        tol,
+    );
+    check(
+        &format!("{name} head lse"),
+        &read_f32(dir.path(), "lse"),
+        &lse,
+        1e-5,
+    );
+    check(
+        &format!("{name} head dz"),
+        &dt.read(dir.path(), "dz"),
+        &dz,
+        tol,
+    );
+}
+
+#[test]
+fn head_add_rms_norm_and_rope_append_kernels_equal_their_references() {
+    for (dt, tol) in [(Dt::F32, 1e-5f32), (Dt::Bf16, 2e-2)] {
+        head(dt, (3, 1000, 1.0 / 0.7));
+        let name = dt.name();
+
+        // The residual add + RMSNorm: s = x + a (in the dtype), y = RMSNorm(s) * w.
+        let (rows, hidden, eps) = (5, 300, 1e-5f32);
+        let x = dt.round(&randn(rows * hidden, 60, 1.0));
+        let a = dt.round(&randn(rows * hidden, 61, 1.0));
+        let w = dt.round(
+            &randn(hidden, 62, 0.3)
+                .iter()
+                .map(|v| 1.0 + v)
+                .collect::<Vec<_>>(),
+        );
+        let dir = run(
+            Some("add_rms"),
+            &[
+                ("x", dt.bytes(&x)),
+                ("a", dt.bytes(&a)),
+                ("w", dt.bytes(&w)),
+            ],
+            &[
+                dt.name().into(),
+                rows.to_string(),
+                hidden.to_string(),
+                format!("{eps:?}"),
+            ],
+        );
+        let sum = dt.round(&x.iter().zip(&a).map(|(p, q)| p + q).collect::<Vec<_>>());
+        let (wy, _, _) = twin_rms_norm(&sum, &w, &vec![0.0; sum.len()], eps);
+        check(
+            &format!("{name} add_rms sum"),
+            &dt.read(dir.path(), "s"),
+            &sum,
+            tol,
+        );
+        check(
+            &format!("{name} add_rms y"),
+            &dt.read(dir.path(), "y"),
+            &wy,
+            tol,
+        );
+
+        // A decoding step's q/k/v: x [B, 1, XS] (q, k, v heads first) -> q rotated [B, H, 1, D];
+        // k rotated and v written into slot `slot` of caches [B, Hkv, SLOTS, D].
+        let (b, h, hkv, d, slots, slot) = (3, 6, 2, 64, 10, 7);
+        let xs = (h + 2 * hkv) * d + 32;
+        let x = dt.round(&randn(b * xs, 63, 1.0));
+        let ang = randn(b * d / 2, 64, 2.0);
+        let cos = dt.round(&ang.iter().map(|a| a.cos()).collect::<Vec<_>>());
+        let sin = dt.round(&ang.iter().map(|a| a.sin()).collect::<Vec<_>>());
+        let kc = dt.round(&randn(b * hkv * slots * d, 65, 1.0));
+        let vc = dt.round(&randn(b * hkv * slots * d, 66, 1.0));
+        let dir = run(
+            Some("rope_append"),
+            &[
+                ("x", dt.bytes(&x)),
+                ("cos", dt.bytes(&cos)),
+                ("sin", dt.bytes(&sin)),
+                ("kc", dt.bytes(&kc)),
+                ("vc", dt.bytes(&vc)),
+            ],
+            &[
+                dt.name().into(),
+                b.to_string(),
+                h.to_string(),
+                hkv.to_string(),
+                d.to_string(),
+                xs.to_string(),
+                slots.to_string(),
+                slot.to_string(),
+            ],
+        );
+        // Each part of x as [B, 1, heads*D], rotated by the RoPE twin into [B, heads, 1, D].
+        let part = |from: usize, heads: usize| -> Vec<f32> {
+            (0..b)
+                .flat_map(|bi| x[bi * xs + from..bi * xs + from + heads * d].to_vec())
+                .collect()
+        };
+        let rot = |p: &[f32], heads: usize| {
+            twin_rope(p, &cos, &sin, &vec![0.0; p.len()], (b, 1, heads, d)).0
+        };
+        let want_q = rot(&part(0, h), h);
+        let want_k = rot(&part(h * d, hkv), hkv);
+        let v_new = part((h + hkv) * d, hkv);
+        let (mut wkc, mut wvc) = (kc.clone(), vc.clone());
+        for bk in 0..b * hkv {
+            let at = (bk * slots + slot) * d;
+            wkc[at..at + d].copy_from_slice(&want_k[bk * d..(bk + 1) * d]);
+            wvc[at..at + d].copy_from_slice(&v_new[bk * d..(bk + 1) * d]);
+        }
+        check(
+            &format!("{name} rope_append q"),
+            &dt.read(dir.path(), "q"),
+            &want_q,
+            tol,
+        );
+        check(
+            &format!("{name} rope_append kc"),
+            &dt.read(dir.path(), "kc_out"),
+            &wkc,
+            tol,
+        );
+        check(
+            &format!("{name} rope_append vc"),
+            &dt.read(dir.path(), "vc_out"),
+            &wvc,
+            tol,
+        );
+    }
+}
+
+/// AdamW's kernel over three steps (torch's bias corrections, a clipping factor) against the
+/// update in f64, and the clipping norm's sums of squares over a fixed grid.
+#[test]
+fn adamw_and_sum_of_squares_kernels_equal_their_references() {
+    let (n, steps, gs) = (1000usize, 3usize, 0.7f32);
+    let (lr, b1, b2, eps, wd) = (1e-3f32, 0.9f32, 0.999f32, 1e-8f32, 0.01f32);
+    let p0 = randn(n, 70, 1.0);
+    let grads = randn(n * steps, 71, 1.0);
+    let dir = run(
+        Some("adamw"),
+        &[("p", f32_bytes(&p0)), ("g", f32_bytes(&grads))],
+        &[
+            n.to_string(),
+            steps.to_string(),
+            format!("{lr:?}"),
+            format!("{b1:?}"),
+            format!("{b2:?}"),
+            format!("{eps:?}"),
+            format!("{wd:?}"),
+            format!("{gs:?}"),
+        ],
+    );
+    let (mut p, mut m, mut v) = (
+        p0.iter().map(|x| *x as f64).collect::<Vec<_>>(),
+        vec![0f64; n],
+        vec![0f64; n],
+    );
+    let (lr, b1, b2, eps, wd) = (lr as f64, b1 as f64, b2 as f64, eps as f64, wd as f64);
+    for t in 1..=steps {
+        let (bc1, bc2) = (1.0 - b1.powi(t as i32), 1.0 - b2.powi(t as i32));
+        for i in 0..n {
+            let g = grads[(t - 1) * n + i] as f64 * gs as f64;
+            p[i] *= 1.0 - lr * wd;
+            m[i] = b1 * m[i] + (1.0 - b1) * g;
+            v[i] = b2 * v[i] + (1.0 - b2) * g * g;
+            p[i] -= lr / bc1 * m[i] / (v[i].sqrt() / bc2.sqrt() + eps);
+        }
+    }
+    let f = |x: &[f64]| x.iter().map(|y| *y as f32).collect::<Vec<_>>();
+    // 1 - beta2 is formed in f32 by grpo (~1.3e-5 of v's value off f64's).
+    check("adamw p", &read_f32(dir.path(), "p_out"), &f(&p), 1e-5);
+    check("adamw m", &read_f32(dir.path(), "m"), &f(&m), 1e-5);
+    let vmax = v.iter().cloned().fold(0f64, f64::max) as f32;
+    let vrel: Vec<f32> = f(&v).iter().map(|x| x / vmax).collect();
+    let got: Vec<f32> = read_f32(dir.path(), "v").iter().map(|x| x / vmax).collect();
+    check("adamw v (over its largest)", &got, &vrel, 3e-5);
+
+    for (n, blocks) in [(70001usize, 16usize), (100, 16)] {
+        let x = randn(n, 72, 1.0);
+        let dir = run(
+            Some("sumsq"),
+            &[("x", f32_bytes(&x))],
+            &[n.to_string(), blocks.to_string()],
+        );
+        let parts = read_f32(dir.path(), "out");
+        assert_eq!(parts.len(), blocks);
+        let got: f64 = parts.iter().map(|p| *p as f64).sum();
+        let want: f64 = x.iter().map(|v| (*v as f64).powi(2)).sum();
+        let e = (got - want).abs() / want;
+        println!("sumsq n{n} over {blocks} blocks: {e:.2e}");
+        assert!(e < 1e-6, "sumsq n{n}: {e}");
     }
 }
