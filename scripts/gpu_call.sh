@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU call for issue 31's work, after ../shared/gpu/build_cuda.sh and ../shared/gpu/pack.sh
 # here: `grpo bench ops` on the 1.7B shape with grpo's GPU kernels at their default and with
-# attention on tensor cores (`tensor`: GRPO_GPU_ATTENTION=tensor; `forward` and `off` with KINDS),
+# attention on CUDA cores (`cores`: GRPO_GPU_ATTENTION=cores; `forward` and `off` with KINDS),
 # then the kit (`.gpu/run.sh`: GPU tests, grpo vs TRL at the kit's shapes, GRPO_PROFILE=1) with
 # the kernel set whose layer forward + backward was fastest. On the GPU machine, from the
 # project root (with .gpu/ carried along):
@@ -18,13 +18,13 @@ NV=$(find $SITE/nvidia -name "lib*.so*" -printf "%h\n" 2>/dev/null | sort -u | t
 export LD_LIBRARY_PATH=$NV/usr/local/nvidia/lib64:/usr/local/nvidia/lib:${LD_LIBRARY_PATH:-}
 python3 -c "import lzma,sys,shutil; shutil.copyfileobj(lzma.open(sys.argv[1]), open('/tmp/grpo-ops','wb'))" $G/bin/grpo.xz
 chmod +x /tmp/grpo-ops
-# Kernel sets timed (KINDS="default tensor forward off" to compare all: in every H200 call so far
-# `default` was the fastest of default, forward and off; `tensor` is default with attention's
-# products on tensor cores, not yet timed on a GPU).
-KINDS=${KINDS:-default tensor}; [ "${OPS:-1}" = 0 ] && KINDS=""  # OPS=0: no pieces
+# Kernel sets timed (KINDS="default cores forward off" to compare all: in every H200 call so far
+# `default` was the fastest of default, forward and off; `cores` is default with attention on
+# CUDA cores, the default before attention_tc.cu, which has not been timed on a GPU yet).
+KINDS=${KINDS:-default cores}; [ "${OPS:-1}" = 0 ] && KINDS=""  # OPS=0: no pieces
 for k in $KINDS; do
   log "ops 1.7b, kernels: $k"
-  kset=$k; att=cores; [ "$k" = tensor ] && { kset=default; att=tensor; }
+  kset=$k; att=tensor; [ "$k" = cores ] && { kset=default; att=cores; }
   GRPO_GPU_KERNELS=$kset GRPO_GPU_ATTENTION=$att timeout 60 /tmp/grpo-ops bench ops --device cuda --shape 1.7b --rows 46 --seq 304 \
     --reps 3 --keep-pool > $FIN/ops-17-$k.jsonl 2> $FIN/ops-17-$k.err
   tail -2 $FIN/ops-17-$k.err >> $FIN/ops-summary.txt
@@ -36,7 +36,7 @@ read BEST DECODE < <(python3 - $FIN <<'PY' 2>>$FIN/ops-summary.txt
 import json, os, sys
 best, dec = None, {}
 with open(os.path.join(sys.argv[1], "ops-summary.txt"), "a") as out:
-    for k in ["default", "tensor", "forward", "off"]:
+    for k in ["default", "cores", "forward", "off"]:
         path = os.path.join(sys.argv[1], f"ops-17-{k}.jsonl")
         for line in open(path) if os.path.exists(path) else []:
             try:
@@ -67,8 +67,8 @@ if [ "${KIT:-1}" = 0 ]; then  # a short call: the pieces and the GPU tests only
   log "GPU tests"; timeout 150 /tmp/grpo-tests --test-threads=1 > $FIN/cuda-tests.txt 2>&1
   grep -E "^test |test result" $FIN/cuda-tests.txt >> $FIN/ops-summary.txt; log "done"; exit 0
 fi
-export GRPO_GPU_ATTENTION=cores
-[ "$BEST" = tensor ] && { BEST=default; export GRPO_GPU_ATTENTION=tensor; }
+export GRPO_GPU_ATTENTION=tensor
+[ "$BEST" = cores ] && { BEST=default; export GRPO_GPU_ATTENTION=cores; }
 log "kit with GRPO_GPU_KERNELS=$BEST GRPO_GPU_ATTENTION=$GRPO_GPU_ATTENTION GRPO_GPU_DECODE=${GRPO_GPU_DECODE:-kernel}"
 export GRPO_GPU_KERNELS=$BEST GRPO_PROFILE=1
 BUDGET=$((${BUDGET:-530} - (SECONDS - T0))) OUT=$FIN bash .gpu/run.sh

@@ -673,7 +673,8 @@ fn gpu_kernels_equal_candle_ops_with_their_gradients() {
             let gout = (gout * &live).unwrap();
             // 0: the default (the forward and backward kernels), 1: the forward kernel with
             // the chunked candle-op backward (`GRPO_GPU_KERNELS=forward`), 2: candle ops only,
-            // 3 (bf16): attention_tc.cu's tensor-core kernels (`GRPO_GPU_ATTENTION=tensor`).
+            // 3 (bf16): attention_tc.cu's tensor-core kernels (the bf16 default), 4 (bf16):
+            // kernels.cu's CUDA-core kernels (`GRPO_GPU_ATTENTION=cores`).
             let run = |path: usize| {
                 let out = match path {
                     0 => {
@@ -689,7 +690,10 @@ fn gpu_kernels_equal_candle_ops_with_their_gradients() {
                         .expect("grpo's GPU kernels are off or did not compile"),
                     3 => fused_gpu::attention_tensor_cores(&q, &k, &v, &mask, scale)
                         .unwrap()
-                        .expect("the tensor-core kernels need sm_80 or later, and to compile"),
+                        .expect("the tensor-core kernels need sm_80 or later, to compile and to pass their check"),
+                    4 => fused_gpu::attention_cuda_cores(&q, &k, &v, &mask, scale)
+                        .unwrap()
+                        .expect("grpo's GPU kernels are off or did not compile"),
                     _ => chunked_attention::attention_ops(&q, &k, &v, &mask, scale, true).unwrap(),
                 };
                 let g = (out.to_dtype(DType::F32).unwrap() * &gout)
@@ -706,7 +710,7 @@ fn gpu_kernels_equal_candle_ops_with_their_gradients() {
             };
             let (co, cg) = run(2);
             let paths: &[usize] = match dt {
-                DType::BF16 => &[0, 1, 3],
+                DType::BF16 => &[0, 1, 3, 4],
                 _ => &[0, 1],
             };
             for &path in paths {

@@ -10,8 +10,9 @@
 //! per block of keys). f32 arithmetic over bf16 or f32 tensors; head sizes 16, 32, 64 and 128.
 //! `GRPO_GPU_KERNELS=forward` runs attention's backward as [`super::chunked_attention`]'s candle
 //! ops instead; `off` (or kernels that do not apply: another head size or dtype) runs candle ops.
-//! `GRPO_GPU_ATTENTION=tensor` runs bf16 attention through `cuda/attention_tc.cu` instead: the
-//! same three kernels with their products as `mma.sync` on tensor cores (sm_80 and later).
+//! bf16 attention runs through `cuda/attention_tc.cu` where the card has bf16 tensor cores (sm_80
+//! and later): the same three kernels with their products as `mma.sync`, checked against the
+//! CUDA-core ones once at start; `GRPO_GPU_ATTENTION=cores` runs the CUDA-core kernels instead.
 //!
 //! The kernels' twins in plain Rust ([`twin_forward`], [`twin_backward`], [`twin_swiglu`],
 //! [`twin_rms_norm`], [`twin_rope`]) compute the same math and are tested against the candle-op
@@ -264,9 +265,9 @@ pub fn takes(x: &candle_core::Tensor) -> bool {
 #[cfg(feature = "cuda")]
 pub use gpu::{
     adamw_step, add_into_f32, add_rms_norm, attention, attention_chunked_backward,
-    attention_tensor_cores, decode_attention, decode_attention_with, head_logprobs,
-    head_logprobs_backward, head_takes, rms_norm, rms_norm_takes, rope_append, rope_heads,
-    sum_squares, swiglu, swiglu_backward, DecodeKernel,
+    attention_cuda_cores, attention_tensor_cores, decode_attention, decode_attention_with,
+    head_logprobs, head_logprobs_backward, head_takes, rms_norm, rms_norm_takes, rope_append,
+    rope_heads, sum_squares, swiglu, swiglu_backward, DecodeKernel,
 };
 
 #[cfg(feature = "cuda")]
@@ -407,25 +408,26 @@ mod gpu {
         }
     }
 
-    /// Whether `GRPO_GPU_ATTENTION=tensor` asks for attention_tc.cu's kernels (read once).
-    /// They are opt-in until a GPU has timed them against the CUDA-core kernels; `cores` (or
-    /// unset) runs kernels.cu's.
+    /// Whether bf16 attention runs attention_tc.cu's kernels where the card can
+    /// (`GRPO_GPU_ATTENTION`, read once: `tensor` or unset; `cores` runs kernels.cu's).
     fn tensor_cores_wanted() -> bool {
         static ON: OnceLock<bool> = OnceLock::new();
         *ON.get_or_init(|| match std::env::var("GRPO_GPU_ATTENTION").as_deref() {
-            Ok("tensor") => true,
-            Ok("cores") | Ok("") | Err(_) => false,
+            Ok("tensor") | Ok("") | Err(_) => true,
+            Ok("cores") => false,
             Ok(other) => {
                 tracing::warn!(
-                    "GRPO_GPU_ATTENTION={other} is not tensor or cores: using the CUDA-core kernels"
+                    "GRPO_GPU_ATTENTION={other} is not tensor or cores: using the tensor cores"
                 );
-                false
+                true
             }
         })
     }
 
     /// Whether this process's card runs attention_tc.cu: compute capability 8.0 or later (bf16
-    /// `mma.sync`), and the module compiled (a failure is logged once). Asked once.
+    /// `mma.sync`), the module compiled, and its kernels agree with the CUDA-core ones on a
+    /// small problem ([`tensor_core_check`]; a failure is logged once, and the CUDA-core
+    /// kernels run). Asked once.
     fn tensor_cores_usable(dev: &CudaDevice) -> bool {
         static OK: OnceLock<bool> = OnceLock::new();
         *OK.get_or_init(|| {
@@ -439,20 +441,82 @@ mod gpu {
                 );
                 return false;
             }
-            match gpu_tc_ptx() {
-                Ok(_) => {
-                    tracing::info!("attention: bf16 products on tensor cores (attention_tc.cu)");
+            if let Err(e) = gpu_tc_ptx() {
+                tracing::warn!(
+                    "attention's tensor-core kernels did not compile ({e}); the CUDA-core \
+                     kernels run"
+                );
+                return false;
+            }
+            match tensor_core_check(dev) {
+                Ok(e) if e < TENSOR_CORE_TOLERANCE => {
+                    tracing::info!(
+                        "attention: bf16 products on tensor cores (attention_tc.cu; against the \
+                         CUDA-core kernels at start: {e:.1e})"
+                    );
                     true
+                }
+                Ok(e) => {
+                    tracing::warn!(
+                        "attention's tensor-core kernels disagree with the CUDA-core ones \
+                         ({e:.2e} > {TENSOR_CORE_TOLERANCE}); the CUDA-core kernels run"
+                    );
+                    false
                 }
                 Err(e) => {
                     tracing::warn!(
-                        "attention's tensor-core kernels did not compile ({e}); the CUDA-core \
-                         kernels run"
+                        "attention's tensor-core kernels failed their check ({e}); the \
+                         CUDA-core kernels run"
                     );
                     false
                 }
             }
         })
+    }
+
+    /// The largest error [`tensor_core_check`] accepts, relative to each tensor's largest value
+    /// (bf16 outputs, and probabilities rounded to bf16: ~5e-3 in the emulator's runs).
+    const TENSOR_CORE_TOLERANCE: f32 = 3e-2;
+
+    /// attention_tc.cu's kernels against kernels.cu's on this card, once, before either serves
+    /// a model: causal attention over 100 queries (two tiles) with grouped heads, bf16, the
+    /// output and the three gradients; the largest error relative to each's largest value.
+    fn tensor_core_check(dev: &CudaDevice) -> Result<f32> {
+        let device = Device::Cuda(dev.clone());
+        let (b, h, hkv, s, d) = (2, 4, 2, 100, 64);
+        let randn = |shape: (usize, usize, usize, usize)| -> Result<Tensor> {
+            Tensor::randn(0f32, 1.0, shape, &device)?.to_dtype(DType::BF16)
+        };
+        let (q, k, v) = (
+            candle_core::Var::from_tensor(&randn((b, h, s, d))?)?,
+            candle_core::Var::from_tensor(&randn((b, hkv, s, d))?)?,
+            candle_core::Var::from_tensor(&randn((b, hkv, s, d))?)?,
+        );
+        let gout = Tensor::randn(0f32, 1.0, (b, h, s, d), &device)?;
+        let mask = Tensor::zeros((b, 1, s, s), DType::F32, &device)?;
+        let scale = 1.0 / (d as f64).sqrt();
+        let run = |kernels: AttnKernels| -> Result<Vec<Tensor>> {
+            let Some(o) = attention_on(&q, &k, &v, &mask, scale, true, true, kernels)? else {
+                candle_core::bail!("the {kernels:?} kernels do not apply to the check's shapes");
+            };
+            let grads = (o.to_dtype(DType::F32)? * &gout)?.sum_all()?.backward()?;
+            let mut out = vec![o.to_dtype(DType::F32)?];
+            for x in [&q, &k, &v] {
+                let Some(g) = grads.get(x) else {
+                    candle_core::bail!("the {kernels:?} kernels gave no gradient");
+                };
+                out.push(g.to_dtype(DType::F32)?);
+            }
+            Ok(out)
+        };
+        let (tc, cores) = (run(AttnKernels::Tensor)?, run(AttnKernels::Cores)?);
+        let mut worst = 0f32;
+        for (a, e) in tc.iter().zip(&cores) {
+            let diff = (a - e)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            let top = e.abs()?.max_all()?.to_scalar::<f32>()?.max(1.0);
+            worst = worst.max(diff / top);
+        }
+        Ok(worst)
     }
 
     /// A fresh tensor for a kernel's output, uninitialized: every kernel here writes each element
@@ -1250,8 +1314,8 @@ mod gpu {
     }
 
     /// [`attention`] recorded with attention_tc.cu's kernels, forward and backward, whatever
-    /// `GRPO_GPU_ATTENTION` says: `None` unless the tensors are bf16 on a card that runs them.
-    /// For checking them.
+    /// `GRPO_GPU_ATTENTION` says: `None` unless the tensors are bf16 on a card that runs them
+    /// (and they passed their check at start). For checking them.
     pub fn attention_tensor_cores(
         q: &Tensor,
         k: &Tensor,
@@ -1263,6 +1327,18 @@ mod gpu {
             return Ok(None);
         }
         attention_with(q, k, v, mask, scale, true, true, true)
+    }
+
+    /// [`attention`] recorded with kernels.cu's CUDA-core kernels, forward and backward,
+    /// whatever `GRPO_GPU_ATTENTION` says. For checking them.
+    pub fn attention_cuda_cores(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &Tensor,
+        scale: f64,
+    ) -> Result<Option<Tensor>> {
+        attention_with(q, k, v, mask, scale, true, true, false)
     }
 
     /// [`attention`] recorded with the chunked candle-op backward whatever `GRPO_GPU_KERNELS`
@@ -1291,6 +1367,29 @@ mod gpu {
         backward_kernels: bool,
         tensor_cores: bool,
     ) -> Result<Option<Tensor>> {
+        if !takes(q) {
+            return Ok(None);
+        }
+        let bf16 = q.dtype() == DType::BF16;
+        let kernels = match tensor_cores && bf16 && tensor_cores_usable(&cuda(q)?) {
+            true => AttnKernels::Tensor,
+            false => AttnKernels::Cores,
+        };
+        attention_on(q, k, v, mask, scale, record, backward_kernels, kernels)
+    }
+
+    /// [`attention_with`] with its kernel set chosen.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_on(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &Tensor,
+        scale: f64,
+        record: bool,
+        backward_kernels: bool,
+        kernels: AttnKernels,
+    ) -> Result<Option<Tensor>> {
         let (b, h, s, d) = q.dims4()?;
         let (hkv, tk) = (k.dim(1)?, k.dim(2)?);
         let dt = q.dtype();
@@ -1305,10 +1404,6 @@ mod gpu {
             return Ok(None);
         }
         let dev = cuda(q)?;
-        let kernels = match tensor_cores && dt == DType::BF16 && tensor_cores_usable(&dev) {
-            true => AttnKernels::Tensor,
-            false => AttnKernels::Cores,
-        };
         let [smem_fwd, smem_dq, smem_dkv] = kernels.smem(d);
         let limit = smem_limit(&dev);
         let backward_kernels = backward_kernels && smem_dq.max(smem_dkv) <= limit;
