@@ -98,6 +98,42 @@ __device__ __forceinline__ void frag_from_c(const float c0[4], const float c1[4]
     a[3] = pack_bf16(c1[2], c1[3]);
 }
 
+// s = A T^T: the warp's 16 rows (A fragments `a`, over D) against the TC_T rows of a shared
+// tile [TC_T][D + TC_P]; s[n] holds the C fragment of columns 8n .. 8n + 8.
+template <int D>
+__device__ __forceinline__ void tile_scores(const unsigned a[D / 16][4], const bf16_t* tile,
+                                            float s[TC_T / 8][4]) {
+#pragma unroll
+    for (int n = 0; n < TC_T / 8; ++n) {
+#pragma unroll
+        for (int x = 0; x < 4; ++x) s[n][x] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            unsigned bb[2];
+            frag_b(tile, D + TC_P, n * 8, kk * 16, bb);
+            mma_bf16(s[n], a[kk], bb);
+        }
+    }
+}
+
+// acc += C T: the warp's 16 x TC_T C fragments `c` (rounded to bf16) times a shared tile
+// [TC_T][D + TC_P]; acc[n] holds the C fragment of columns 8n .. 8n + 8 of D.
+template <int D>
+__device__ __forceinline__ void tile_accumulate(float acc[D / 8][4], const float c[TC_T / 8][4],
+                                                const bf16_t* tile) {
+#pragma unroll
+    for (int kk = 0; kk < TC_T / 16; ++kk) {
+        unsigned a[4];
+        frag_from_c(c[2 * kk], c[2 * kk + 1], a);
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            unsigned bb[2];
+            frag_bt(tile, D + TC_P, n * 8, kk * 16, bb);
+            mma_bf16(acc[n], a, bb);
+        }
+    }
+}
+
 // Rows row0 .. row0 + TC_T of src [.., D] into dst [TC_T][D + TC_P] (rows from `valid` on are
 // zeros): 16-byte reads when the rows are 16-byte aligned, else 2-byte ones.
 template <int D>
@@ -144,17 +180,7 @@ __device__ void attn_fwd_tc(const bf16_t* q, const bf16_t* k, const bf16_t* v, c
         tile_in<D>(v, ko + j0, imin(TC_T, Tk - j0), vs);
         __syncthreads();
         float s[NT][4];
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-#pragma unroll
-            for (int x = 0; x < 4; ++x) s[n][x] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < KD; ++kk) {
-                unsigned bb[2];
-                frag_b(ks, D + TC_P, n * 8, kk * 16, bb);
-                mma_bf16(s[n], qa[kk], bb);
-            }
-        }
+        tile_scores<D>(qa, ks, s);
         float mx[2] = {m[0], m[1]};
 #pragma unroll
         for (int n = 0; n < NT; ++n)
@@ -185,17 +211,7 @@ __device__ void attn_fwd_tc(const bf16_t* q, const bf16_t* k, const bf16_t* v, c
                 l[x >> 1] += p;
                 s[n][x] = p;
             }
-#pragma unroll
-        for (int kk = 0; kk < TC_T / 16; ++kk) {
-            unsigned pa[4];
-            frag_from_c(s[2 * kk], s[2 * kk + 1], pa);
-#pragma unroll
-            for (int n = 0; n < ND; ++n) {
-                unsigned bb[2];
-                frag_bt(vs, D + TC_P, n * 8, kk * 16, bb);
-                mma_bf16(acc[n], pa, bb);
-            }
-        }
+        tile_accumulate<D>(acc, s, vs);  // O += P V
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -252,19 +268,8 @@ __device__ void attn_bwd_dq_tc(const bf16_t* q, const bf16_t* k, const bf16_t* v
         tile_in<D>(v, ko + j0, imin(TC_T, Tk - j0), vs);
         __syncthreads();
         float s[NT][4], dp[NT][4];
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-#pragma unroll
-            for (int x = 0; x < 4; ++x) s[n][x] = dp[n][x] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < KD; ++kk) {
-                unsigned bb[2];
-                frag_b(ks, D + TC_P, n * 8, kk * 16, bb);
-                mma_bf16(s[n], qa[kk], bb);
-                frag_b(vs, D + TC_P, n * 8, kk * 16, bb);
-                mma_bf16(dp[n], ga[kk], bb);
-            }
-        }
+        tile_scores<D>(qa, ks, s);   // Q K^T
+        tile_scores<D>(ga, vs, dp);  // dO V^T
 #pragma unroll
         for (int n = 0; n < NT; ++n)
 #pragma unroll
@@ -275,17 +280,7 @@ __device__ void attn_bwd_dq_tc(const bf16_t* q, const bf16_t* k, const bf16_t* v
                     : 0.f;
                 s[n][x] = p * (dp[n][x] - dl[x >> 1]);  // dS
             }
-#pragma unroll
-        for (int kk = 0; kk < TC_T / 16; ++kk) {
-            unsigned da[4];
-            frag_from_c(s[2 * kk], s[2 * kk + 1], da);
-#pragma unroll
-            for (int n = 0; n < ND; ++n) {
-                unsigned bb[2];
-                frag_bt(ks, D + TC_P, n * 8, kk * 16, bb);
-                mma_bf16(acc[n], da, bb);
-            }
-        }
+        tile_accumulate<D>(acc, s, ks);  // dQ += dS K
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -340,19 +335,8 @@ __device__ void attn_bwd_dkv_tc(const bf16_t* q, const bf16_t* k, const bf16_t* 
             }
             __syncthreads();
             float s[NT][4], dp[NT][4];
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-#pragma unroll
-                for (int x = 0; x < 4; ++x) s[n][x] = dp[n][x] = 0.f;
-#pragma unroll
-                for (int kk = 0; kk < KD; ++kk) {
-                    unsigned bb[2];
-                    frag_b(qs, D + TC_P, n * 8, kk * 16, bb);
-                    mma_bf16(s[n], ka[kk], bb);
-                    frag_b(gs, D + TC_P, n * 8, kk * 16, bb);
-                    mma_bf16(dp[n], va[kk], bb);
-                }
-            }
+            tile_scores<D>(ka, qs, s);   // K Q^T
+            tile_scores<D>(va, gs, dp);  // V dO^T
 #pragma unroll
             for (int n = 0; n < NT; ++n)
 #pragma unroll
@@ -364,20 +348,8 @@ __device__ void attn_bwd_dkv_tc(const bf16_t* q, const bf16_t* k, const bf16_t* 
                     s[n][x] = p;                       // P^T
                     dp[n][x] = p * (dp[n][x] - dls[c]);  // dS^T
                 }
-#pragma unroll
-            for (int kk = 0; kk < TC_T / 16; ++kk) {
-                unsigned pa[4], da[4];
-                frag_from_c(s[2 * kk], s[2 * kk + 1], pa);
-                frag_from_c(dp[2 * kk], dp[2 * kk + 1], da);
-#pragma unroll
-                for (int n = 0; n < ND; ++n) {
-                    unsigned bb[2];
-                    frag_bt(gs, D + TC_P, n * 8, kk * 16, bb);
-                    mma_bf16(av[n], pa, bb);
-                    frag_bt(qs, D + TC_P, n * 8, kk * 16, bb);
-                    mma_bf16(ak[n], da, bb);
-                }
-            }
+            tile_accumulate<D>(av, s, gs);   // dV += P^T dO
+            tile_accumulate<D>(ak, dp, qs);  // dK += dS^T Q
         }
     }
 #pragma unroll
