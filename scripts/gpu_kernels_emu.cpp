@@ -2,10 +2,10 @@
 // scripts/check_gpu_kernels.py: a block's threads are OS threads sharing the block's shared memory,
 // __syncthreads is a barrier (a thread that returns drops out of it, as on a GPU), blocks run one
 // after another.
-//   gpu_kernels_emu DIR DTYPE B H HKV S TK D SCALE [tc]
+//   gpu_kernels_emu DIR DTYPE B H HKV S TK D SCALE [tc] [shift]
 // reads DIR/{q,k,v,mask,dout}.bin, writes DIR/{o,lse,dq,dk,dv}.bin (DTYPE f32 or bf16 as u16;
 // `tc`: attention_tc.cu's tensor-core kernels, bf16 only, their mma, ldmatrix and lane shuffles
-// emulated);
+// emulated; `shift`: the inputs one element off 16-byte alignment);
 //   gpu_kernels_emu swiglu DIR DTYPE N I
 // reads DIR/{gu,dy}.bin, writes DIR/{y,dgu}.bin;
 //   gpu_kernels_emu rmsnorm DIR DTYPE N H EPS
@@ -141,10 +141,18 @@ template <typename F> void launch(int gx, int gy, int bx, F f) {
             for (auto& th : threads) th.join();
         }
 }
-template <typename T, int D> void run(const std::string& dir, int B, int H, int Hkv, int S, int Tk, float sc, bool tc) {
+template <typename T, int D> void run(const std::string& dir, int B, int H, int Hkv, int S, int Tk, float sc, bool tc, bool shift) {
     size_t nq = (size_t)B * H * S * D, nk = (size_t)B * Hkv * Tk * D;
-    auto q = rd<T>(dir + "/q.bin", nq), k = rd<T>(dir + "/k.bin", nk), v = rd<T>(dir + "/v.bin", nk);
-    auto dout = rd<T>(dir + "/dout.bin", nq);
+    // `shift`: the inputs one element past an aligned address (the kernels' unaligned paths).
+    auto in = [&](const char* name, size_t n) {
+        auto x = rd<T>(dir + "/" + name + ".bin", n);
+        if (shift) x.insert(x.begin(), T{});
+        return x;
+    };
+    const size_t at = shift ? 1 : 0;
+    auto q_ = in("q", nq), k_ = in("k", nk), v_ = in("v", nk), dout_ = in("dout", nq);
+    struct View { T* p; T* data() { return p; } };
+    View q{q_.data() + at}, k{k_.data() + at}, v{v_.data() + at}, dout{dout_.data() + at};
     auto mask = rd<float>(dir + "/mask.bin", (size_t)B * S * Tk);
     std::vector<T> o(nq), dq(nq), dk(nk), dv(nk);
     std::vector<float> lse((size_t)B * H * S), delta((size_t)B * H * S);
@@ -320,16 +328,19 @@ int main(int argc, char** argv) {
         if (dt == "f32") run_swiglu<float>(dir, n, inter); else run_swiglu<bf16_t>(dir, n, inter);
         return 0;
     }
-    if (argc != 10 && !(argc == 11 && std::string(argv[10]) == "tc")) {
-        fprintf(stderr, "usage: DIR DTYPE B H HKV S TK D SCALE [tc]\n");
-        return 2;
+    bool tc = false, shift = false;
+    for (int a = 10; a < argc; ++a) {
+        const std::string s = argv[a];
+        if (s == "tc") tc = true;
+        else if (s == "shift") shift = true;
+        else { fprintf(stderr, "usage: DIR DTYPE B H HKV S TK D SCALE [tc] [shift]\n"); return 2; }
     }
+    if (argc < 10) { fprintf(stderr, "usage: DIR DTYPE B H HKV S TK D SCALE [tc] [shift]\n"); return 2; }
     std::string dir = argv[1], dt = argv[2];
     int B = atoi(argv[3]), H = atoi(argv[4]), Hkv = atoi(argv[5]), S = atoi(argv[6]), Tk = atoi(argv[7]), D = atoi(argv[8]);
     float sc = atof(argv[9]);
-    const bool tc = argc == 11;
     bool ok = false;
-#define ATT(T, NAME, DD) if (dt == NAME && D == DD) { run<T, DD>(dir, B, H, Hkv, S, Tk, sc, tc); ok = true; }
+#define ATT(T, NAME, DD) if (dt == NAME && D == DD) { run<T, DD>(dir, B, H, Hkv, S, Tk, sc, tc, shift); ok = true; }
     ATT(float, "f32", 16) ATT(float, "f32", 32) ATT(float, "f32", 64) ATT(float, "f32", 128)
     ATT(bf16_t, "bf16", 16) ATT(bf16_t, "bf16", 32) ATT(bf16_t, "bf16", 64) ATT(bf16_t, "bf16", 128)
     if (!ok) { fprintf(stderr, "unsupported %s D=%d\n", dt.c_str(), D); return 2; }

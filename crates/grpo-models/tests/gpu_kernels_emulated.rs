@@ -169,8 +169,13 @@ fn check(what: &str, got: &[f32], want: &[f32], tol: f32) {
 }
 
 /// One attention case: the three kernels (forward, dQ, dK/dV) of `kernels.cu` (or, `tc`, of
-/// `attention_tc.cu`) against the twins, causal with the last row left-padded by two slots.
+/// `attention_tc.cu`) against the twins, causal with the last row left-padded by two slots;
+/// `shift`: the inputs one element off 16-byte alignment (the kernels' unaligned loads).
 fn attention(dt: Dt, tc: bool, n: Dims, seed: u64) {
+    attention_at(dt, tc, false, n, seed)
+}
+
+fn attention_at(dt: Dt, tc: bool, shift: bool, n: Dims, seed: u64) {
     let Dims {
         b,
         h,
@@ -209,6 +214,9 @@ fn attention(dt: Dt, tc: bool, n: Dims, seed: u64) {
     if tc {
         args.push("tc".into());
     }
+    if shift {
+        args.push("shift".into());
+    }
     let dir = run(
         None,
         &[
@@ -245,9 +253,10 @@ fn attention(dt: Dt, tc: bool, n: Dims, seed: u64) {
         Dt::Bf16 => 1.5e-2,
     };
     let what = format!(
-        "{}{} b{b} h{h}/{hkv} s{s} tk{tk} d{d}",
+        "{}{}{} b{b} h{h}/{hkv} s{s} tk{tk} d{d}",
         dt.name(),
-        if tc { " tensor cores" } else { "" }
+        if tc { " tensor cores" } else { "" },
+        if shift { " unaligned" } else { "" }
     );
     check(&format!("{what} o"), &keep(&o), &keep(&wo), tol);
     let lse_live: Vec<(f32, f32)> = lse
@@ -297,6 +306,7 @@ fn tensor_core_attention_kernels_equal_their_twins() {
     attention(Dt::Bf16, true, dims(1, 3, 1, 70, 75, 32), 22);
     attention(Dt::Bf16, true, dims(2, 4, 2, 9, 11, 16), 23);
     attention(Dt::Bf16, true, dims(1, 2, 1, 5, 5, 128), 24);
+    attention_at(Dt::Bf16, true, true, dims(2, 4, 2, 70, 75, 64), 25); // unaligned inputs
 }
 
 #[test]
