@@ -193,7 +193,8 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
     let ang = pos.broadcast_mul(&Tensor::from_vec(inv, (1, 1, hd / 2), &dev)?)?; // [B, T, D/2]
     let (cos, sin) = (ang.cos()?.to_dtype(dt)?, ang.sin()?.to_dtype(dt)?);
     let valid = vec![vec![true; t]; b];
-    let mask = AttnMask::dense(layers::build_mask(&valid, 0, t, t, &dev)?)?;
+    let mask_dense = layers::build_mask(&valid, 0, t, t, &dev)?; // [B, 1, T, T]
+    let mask = AttnMask::dense(mask_dense.clone())?;
     let qkv_in = |g: bool| -> Result<(Tensor, Tensor, Tensor)> {
         let mk = |h: usize| -> Result<Tensor> {
             let r = Tensor::randn(0f32, 1.0, (b, h, t, hd), &dev)?.to_dtype(dt)?;
@@ -367,6 +368,35 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
     })?;
     let att_flops = 4.0 * (b * s.heads * t * t * hd) as f64 / 2.0;
     report("attention", af, ab, att_flops);
+    // Both GPU attention kernel sets, whatever GRPO_GPU_ATTENTION chose (the tensor-core set in
+    // bf16 only): forward + backward, recorded.
+    #[cfg(feature = "cuda")]
+    if compute.on_gpu() {
+        use grpo_models::models::fused_gpu::{attention_cuda_cores, attention_tensor_cores};
+        let scale = 1.0 / (hd as f64).sqrt();
+        type Set =
+            fn(&Tensor, &Tensor, &Tensor, &Tensor, f64) -> candle_core::Result<Option<Tensor>>;
+        let sets: [(&str, Set); 2] = [
+            ("attention_cores", attention_cuda_cores),
+            ("attention_tensor", attention_tensor_cores),
+        ];
+        for (name, set) in sets {
+            if set(&q1, &k1, &v1, &mask_dense, scale)?.is_none() {
+                continue; // f32 (the tensor-core set is bf16 only), or an older card
+            }
+            let f = time(&dev, reps, || {
+                set(&q0, &k0, &v0, &mask_dense, scale)?;
+                Ok(())
+            })?;
+            let fb = time(&dev, reps, || {
+                if let Some(o) = set(&q1, &k1, &v1, &mask_dense, scale)? {
+                    backward(&o)?;
+                }
+                Ok(())
+            })?;
+            report(name, f, fb, att_flops);
+        }
+    }
     // A decoding step's attention: one query per row over views of a KV cache of seq + 64 slots
     // (grpo's decoding kernel on a GPU, else candle ops).
     let slots = t + 64;
