@@ -994,7 +994,7 @@ pub enum AttnMask {
     LeftPad(Vec<usize>, Option<SharedPrefix>),
     /// A GPU's decoding step: [`AttnMask::LeftPad`] as a dense additive `[B, 1, 1, Tk]` f32 mask
     /// (built once per step) with its [`SharedPrefix`] on the device: each row's leader `[B]`
-    /// u32, and the shared slots' end.
+    /// u32, and the shared slots' end (without a prefix, each row its own leader over 0 slots).
     SharedDense(Tensor, Tensor, usize),
 }
 

@@ -599,14 +599,21 @@ impl Model {
             (AttnMask::LeftPad(pad, shared), Some(c), None) if !fused => {
                 let tk = c.len() + s;
                 let dense = mask.to_dense(s, tk, ids.device())?;
-                dense_once = match shared {
-                    Some(sp) if compute.is_some_and(|c| c.on_gpu()) && sp.fits(pad, tk) => {
-                        let leader: Vec<u32> = sp.leader.iter().map(|&l| l as u32).collect();
+                // (Without a prefix that fits, each row leads itself over no slots: the
+                // decoding kernel then needs no leader tensor of its own in every layer.)
+                dense_once = match compute.is_some_and(|c| c.on_gpu()) {
+                    true => {
+                        let (leader, end): (Vec<u32>, usize) = match shared {
+                            Some(sp) if sp.fits(pad, tk) => {
+                                (sp.leader.iter().map(|&l| l as u32).collect(), sp.end)
+                            }
+                            _ => ((0..pad.len() as u32).collect(), 0),
+                        };
                         let n = leader.len();
                         let leader = Tensor::from_vec(leader, n, ids.device())?;
-                        AttnMask::SharedDense(dense, leader, sp.end)
+                        AttnMask::SharedDense(dense, leader, end)
                     }
-                    _ => AttnMask::Dense(dense),
+                    false => AttnMask::Dense(dense),
                 };
                 &dense_once
             }

@@ -134,6 +134,27 @@ __device__ __forceinline__ void tile_accumulate(float acc[D / 8][4], const float
     }
 }
 
+// Zeros for a warp's accumulators of 16 rows x D.
+template <int D>
+__device__ __forceinline__ void zero_rows(float acc[D / 8][4]) {
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+        for (int x = 0; x < 4; ++x) acc[n][x] = 0.f;
+}
+
+// Row r (0: the lane's row g, 1: g + 8) of a warp's accumulators times `mul` into dst [.., D]
+// at `row` (the row's index in dst).
+template <int D>
+__device__ __forceinline__ void store_row(bf16_t* dst, long row, const float acc[D / 8][4], int r,
+                                          float mul) {
+    const int t = threadIdx.x % 4;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+        for (int x = 0; x < 2; ++x) st(dst, row * D + n * 8 + 2 * t + x, acc[n][2 * r + x] * mul);
+}
+
 // Rows row0 .. row0 + TC_T of src [.., D] into dst [TC_T][D + TC_P] (rows from `valid` on are
 // zeros): 16-byte reads when the rows are 16-byte aligned, else 2-byte ones.
 template <int D>
@@ -169,10 +190,7 @@ __device__ void attn_fwd_tc(const bf16_t* q, const bf16_t* k, const bf16_t* v, c
     unsigned qa[KD][4];
     frag_rows<D>(q, qo, r0, S, qa);
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f}, acc[ND][4];
-#pragma unroll
-    for (int n = 0; n < ND; ++n)
-#pragma unroll
-        for (int x = 0; x < 4; ++x) acc[n][x] = 0.f;
+    zero_rows<D>(acc);
     const int kend = imin(Tk, Tk - S + i0 + TC_T);
     for (int j0 = 0; j0 < kend; j0 += TC_T) {
         __syncthreads();
@@ -218,12 +236,7 @@ __device__ void attn_fwd_tc(const bf16_t* q, const bf16_t* k, const bf16_t* v, c
         l[r] = quad_sum(l[r]);
         const int i = r0 + g + r * 8;
         if (i >= S) continue;
-        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-#pragma unroll
-        for (int n = 0; n < ND; ++n) {
-            st(o, (qo + i) * D + n * 8 + 2 * t, acc[n][2 * r] * inv);
-            st(o, (qo + i) * D + n * 8 + 2 * t + 1, acc[n][2 * r + 1] * inv);
-        }
+        store_row<D>(o, qo + i, acc, r, l[r] > 0.f ? 1.f / l[r] : 0.f);
         if (t == 0) lse[qo + i] = m[r] + logf(l[r]);
     }
 }
@@ -257,10 +270,7 @@ __device__ void attn_bwd_dq_tc(const bf16_t* q, const bf16_t* k, const bf16_t* v
         li[r] = i < S ? lse[qo + i] : 0.f;
         if (t == 0 && i < S) delta[qo + i] = dl[r];
     }
-#pragma unroll
-    for (int n = 0; n < ND; ++n)
-#pragma unroll
-        for (int x = 0; x < 4; ++x) acc[n][x] = 0.f;
+    zero_rows<D>(acc);
     const int kend = imin(Tk, Tk - S + i0 + TC_T);
     for (int j0 = 0; j0 < kend; j0 += TC_T) {
         __syncthreads();
@@ -285,12 +295,7 @@ __device__ void attn_bwd_dq_tc(const bf16_t* q, const bf16_t* k, const bf16_t* v
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int i = r0 + g + r * 8;
-        if (i >= S) continue;
-#pragma unroll
-        for (int n = 0; n < ND; ++n) {
-            st(dq, (qo + i) * D + n * 8 + 2 * t, acc[n][2 * r] * scale);
-            st(dq, (qo + i) * D + n * 8 + 2 * t + 1, acc[n][2 * r + 1] * scale);
-        }
+        if (i < S) store_row<D>(dq, qo + i, acc, r, scale);
     }
 }
 
@@ -317,10 +322,8 @@ __device__ void attn_bwd_dkv_tc(const bf16_t* q, const bf16_t* k, const bf16_t* 
     frag_rows<D>(k, ko, c0, Tk, ka);
     frag_rows<D>(v, ko, c0, Tk, va);
     float ak[ND][4], av[ND][4];
-#pragma unroll
-    for (int n = 0; n < ND; ++n)
-#pragma unroll
-        for (int x = 0; x < 4; ++x) ak[n][x] = av[n][x] = 0.f;
+    zero_rows<D>(ak);
+    zero_rows<D>(av);
     const int istart = imax(0, j0 - (Tk - S));
     for (int hh = hk * gq; hh < (hk + 1) * gq; ++hh) {
         const long qo = ((long)b * H + hh) * S;
@@ -356,14 +359,8 @@ __device__ void attn_bwd_dkv_tc(const bf16_t* q, const bf16_t* k, const bf16_t* 
     for (int r = 0; r < 2; ++r) {
         const int j = c0 + g + r * 8;
         if (j >= Tk) continue;
-#pragma unroll
-        for (int n = 0; n < ND; ++n)
-#pragma unroll
-            for (int x = 0; x < 2; ++x) {
-                const long at = (ko + j) * D + n * 8 + 2 * t + x;
-                st(dk, at, ak[n][2 * r + x] * scale);
-                st(dv, at, av[n][2 * r + x]);
-            }
+        store_row<D>(dk, ko + j, ak, r, scale);
+        store_row<D>(dv, ko + j, av, r, 1.f);
     }
 }
 
