@@ -542,6 +542,34 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
         })?;
         report(name, lf, lb, flops);
     }
+    // The whole layer as one recorded op (what training on a GPU runs where it applies).
+    #[cfg(feature = "cuda")]
+    if let Some(sk) = &sinks {
+        let op = grpo_models::models::gpu_layer::GpuLayer {
+            qkv: sk[0].clone(),
+            o: sk[1].clone(),
+            gate_up: sk[2].clone(),
+            down: sk[3].clone(),
+            heads: s.heads,
+            kv_heads: s.kv_heads,
+            head_dim: hd,
+            scale: 1.0 / (hd as f64).sqrt(),
+            eps_in: 1e-5,
+            eps_post: 1e-5,
+        };
+        let run = |x: &Tensor| -> Result<Option<Tensor>> {
+            let nw = norm_w.as_tensor().to_dtype(dt)?;
+            Ok(op.forward(x, &nw, &nw, &cos, &sin, &mask_dense)?)
+        };
+        if run(&xt)?.is_some() {
+            let lf = time(&dev, reps, || run(&xt).map(|_| ()))?;
+            let lb = time(&dev, reps, || match run(x.as_tensor())? {
+                Some(y) => Ok(backward(&y)?),
+                None => bail!("the layer op stopped applying"),
+            })?;
+            report("layer_op", lf, lb, proj_flops + att_flops);
+        }
+    }
     decode_layer(&a, &s, &dev, dt, compute)?;
     // The LM head's log-probs over the whole vocabulary, recomputed in the backward.
     let head = Var::from_tensor(&(Tensor::randn(0f32, 1.0, (s.vocab, s.hidden), &dev)? * 0.02)?)?;

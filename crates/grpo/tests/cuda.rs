@@ -621,6 +621,21 @@ fn gpu_135m_micro_batch_in_one_pass_fits_in_16_gb() {
     );
 }
 
+/// A Llama layer's training forward as one recorded op (`gpu_layer.rs`: its own backward, the
+/// projections' weight gradients into GPU sinks) against the same layer in candle ops with
+/// candle's autograd, in f32 and bf16: the output, the input's gradient and every weight's
+/// (the check each process runs once before training with it). The sink test above compares
+/// whole models, op against graph, on the llama-family fixtures.
+#[test]
+fn gpu_layer_op_equals_candle_ops_with_every_gradient() {
+    let dev = gpu();
+    use grpo_models::models::gpu_layer::{check, worst};
+    let (f, b) = check(&dev).unwrap();
+    eprintln!("layer op against candle ops, of each tensor's largest value: f32 {f:?}; bf16 {b:?}");
+    assert!(worst(&f) < 1e-4, "f32: {f:?}");
+    assert!(worst(&b) < 3e-2, "bf16: {b:?}");
+}
+
 /// grpo's GPU kernels (attention forward and backward, on CUDA cores and, in bf16, on tensor
 /// cores; RMSNorm, RoPE, SwiGLU) against the same computation in candle ops on the same GPU:
 /// grouped heads, left padding, head sizes 64 and 128, several query and key tiles, f32 and bf16.

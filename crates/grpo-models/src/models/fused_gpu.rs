@@ -265,9 +265,10 @@ pub fn takes(x: &candle_core::Tensor) -> bool {
 #[cfg(feature = "cuda")]
 pub use gpu::{
     adamw_step, add_into_f32, add_rms_norm, attention, attention_chunked_backward,
-    attention_cuda_cores, attention_tensor_cores, decode_attention, decode_attention_with,
-    head_logprobs, head_logprobs_backward, head_takes, rms_norm, rms_norm_takes, rope_append,
-    rope_heads, sum_squares, swiglu, swiglu_backward, DecodeKernel,
+    attention_cuda_cores, attention_raw, attention_tensor_cores, decode_attention,
+    decode_attention_with, head_logprobs, head_logprobs_backward, head_takes, rms_norm,
+    rms_norm_backward, rms_norm_raw, rms_norm_takes, rope_append, rope_backward, rope_heads,
+    rope_heads_raw, sum_squares, swiglu, swiglu_backward, AttnSaved, DecodeKernel,
 };
 
 #[cfg(feature = "cuda")]
@@ -727,6 +728,12 @@ mod gpu {
     /// rounded to `x`'s dtype, then times `w`), one kernel each way; the backward keeps only `x`
     /// and `w` (where [`rms_norm_takes`] holds; the caller checks).
     pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+        let y = rms_norm_raw(x, w, eps)?;
+        attach(&y, &[x, w], Arc::new(RmsNormBackward { eps }))
+    }
+
+    /// [`rms_norm`]'s forward kernel alone: no graph.
+    pub fn rms_norm_raw(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
         let h = x.dim(candle_core::D::Minus1)?;
         let rows = x.elem_count() / h.max(1);
         let (xd, wd) = (x.detach().contiguous()?, w.detach().contiguous()?);
@@ -740,7 +747,36 @@ mod gpu {
             &[&xd, &wd, &y],
             &scalars,
         )?;
-        attach(&y, &[x, w], Arc::new(RmsNormBackward { eps }))
+        Ok(y)
+    }
+
+    /// [`rms_norm`]'s backward: the gradients of `x` [.., H] (its dtype) and of `w` [H] (its
+    /// dtype) from the output's gradient `grad`, one kernel and one GEMM (no graph).
+    pub fn rms_norm_backward(
+        x: &Tensor,
+        w: &Tensor,
+        grad: &Tensor,
+        eps: f64,
+    ) -> Result<(Tensor, Tensor)> {
+        let h = w.dim(0)?;
+        let rows = x.elem_count() / h.max(1);
+        let (x, w) = (x.contiguous()?, w.contiguous()?);
+        let g = grad.to_dtype(x.dtype())?.contiguous()?;
+        let dx = output(x.shape(), x.dtype(), x.device())?;
+        let gn = output((rows, h), DType::F32, x.device())?; // [N, H] f32
+        let kernel = format!("rms_norm_bwd_{}", suffix(x.dtype()));
+        let scalars = [Scalar::I32(h as i32), Scalar::F32(eps as f32)];
+        launch(
+            &cuda(&x)?,
+            &kernel,
+            norm_config(rows),
+            &[&x, &w, &g, &dx, &gn],
+            &scalars,
+        )?;
+        // dw: the column sums of gn, as one GEMM.
+        let ones = Tensor::ones((1, rows), DType::F32, x.device())?;
+        let dw = ones.matmul(&gn)?.reshape(h)?.to_dtype(w.dtype())?; // [H]
+        Ok((dx, dw))
     }
 
     struct RmsNormBackward {
@@ -762,24 +798,7 @@ mod gpu {
             let [x, w] = inputs else {
                 candle_core::bail!("gpu rms-norm: two inputs expected");
             };
-            let h = w.dim(0)?;
-            let rows = x.elem_count() / h.max(1);
-            let (x, w) = (x.contiguous()?, w.contiguous()?);
-            let g = grad.to_dtype(x.dtype())?.contiguous()?;
-            let dx = output(x.shape(), x.dtype(), x.device())?;
-            let gn = output((rows, h), DType::F32, x.device())?; // [N, H] f32
-            let kernel = format!("rms_norm_bwd_{}", suffix(x.dtype()));
-            let scalars = [Scalar::I32(h as i32), Scalar::F32(self.eps as f32)];
-            launch(
-                &cuda(&x)?,
-                &kernel,
-                norm_config(rows),
-                &[&x, &w, &g, &dx, &gn],
-                &scalars,
-            )?;
-            // dw: the column sums of gn, as one GEMM.
-            let ones = Tensor::ones((1, rows), DType::F32, x.device())?;
-            let dw = ones.matmul(&gn)?.reshape(h)?.to_dtype(w.dtype())?; // [H]
+            let (dx, dw) = rms_norm_backward(x, w, grad, self.eps)?;
             Ok(vec![Some(dx), Some(dw)])
         }
     }
@@ -1006,20 +1025,22 @@ mod gpu {
         Ok(Some((sum, y)))
     }
 
-    /// What runs a decoding step's attention (`GRPO_GPU_DECODE`, read once): `kernel` (unset)
-    /// the block kernel, `warp` the warp kernel (not yet timed on a GPU), `ops` candle's
-    /// batched matmuls; `scripts/gpu_call.sh` picks the fastest on the card.
+    /// What runs a decoding step's attention (`GRPO_GPU_DECODE`, read once): `warp` (unset)
+    /// the warp kernel, `kernel` the block kernel, `ops` candle's batched matmuls. On an H200
+    /// (2026-11-28, `grpo bench ops`, 46 rows x 304 slots of the 1.7B shape) the warp kernel
+    /// took 0.04 ms against the block kernel's 0.07 (0.04 and 0.06 with a shared prompt), and
+    /// the 1.7B kit's decoding fell from 1.42 to 1.15 s a step with it.
     fn decode_kernel() -> DecodeKernel {
         static K: OnceLock<DecodeKernel> = OnceLock::new();
         *K.get_or_init(|| match std::env::var("GRPO_GPU_DECODE").as_deref() {
             Ok("ops") => DecodeKernel::Ops,
-            Ok("warp") => DecodeKernel::Warp,
-            Ok("kernel") | Ok("") | Err(_) => DecodeKernel::Block,
+            Ok("kernel") => DecodeKernel::Block,
+            Ok("warp") | Ok("") | Err(_) => DecodeKernel::Warp,
             Ok(other) => {
                 tracing::warn!(
-                    "GRPO_GPU_DECODE={other} is not kernel, warp or ops: using the block kernel"
+                    "GRPO_GPU_DECODE={other} is not warp, kernel or ops: using the warp kernel"
                 );
-                DecodeKernel::Block
+                DecodeKernel::Warp
             }
         })
     }
@@ -1209,6 +1230,20 @@ mod gpu {
         sin: &Tensor,
         heads: usize,
     ) -> Result<Option<Tensor>> {
+        match rope_heads_raw(x, cos, sin, heads)? {
+            Some((y, cos, sin)) => Ok(Some(attach(&y, &[x], Arc::new(RopeBackward { cos, sin }))?)),
+            None => Ok(None),
+        }
+    }
+
+    /// [`rope_heads`]'s forward kernel alone (no graph): the result and the contiguous tables
+    /// its backward ([`rope_backward`]) takes.
+    pub fn rope_heads_raw(
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        heads: usize,
+    ) -> Result<Option<(Tensor, Tensor, Tensor)>> {
         let Ok((b, t, hd)) = x.dims3() else {
             return Ok(None);
         };
@@ -1243,7 +1278,26 @@ mod gpu {
             &[&x.detach(), &cos, &sin, &y],
             &scalars,
         )?;
-        Ok(Some(attach(&y, &[x], Arc::new(RopeBackward { cos, sin }))?))
+        Ok(Some((y, cos, sin)))
+    }
+
+    /// RoPE's backward: the gradient `grad` [B, H, T, D] of [`rope_heads_raw`]'s output ->
+    /// the input's [B, T, H*D] (contiguous), one kernel; `cos`/`sin` as that returned them.
+    pub fn rope_backward(grad: &Tensor, cos: &Tensor, sin: &Tensor, dt: DType) -> Result<Tensor> {
+        let (b, h, t, d) = grad.dims4()?;
+        let g = grad.to_dtype(dt)?.contiguous()?;
+        let dx = output((b, t, h * d), dt, g.device())?;
+        let n = g.elem_count() / 2;
+        let scalars = rope_scalars(n, t, h, d);
+        let kernel = format!("rope_bwd_{}", suffix(dt));
+        launch(
+            &cuda(&g)?,
+            &kernel,
+            elementwise(n),
+            &[&g, cos, sin, &dx],
+            &scalars,
+        )?;
+        Ok(dx)
     }
 
     /// The RoPE kernels' shared scalars: pairs, positions, heads, head size.
@@ -1272,20 +1326,13 @@ mod gpu {
             let [x] = inputs else {
                 candle_core::bail!("gpu rope: one input expected");
             };
-            let (b, h, t, d) = out.dims4()?;
-            let g = grad.to_dtype(x.dtype())?.contiguous()?;
-            let dx = output((b, t, h * d), x.dtype(), x.device())?;
-            let n = out.elem_count() / 2;
-            let scalars = rope_scalars(n, t, h, d);
-            let kernel = format!("rope_bwd_{}", suffix(x.dtype()));
-            launch(
-                &cuda(x)?,
-                &kernel,
-                elementwise(n),
-                &[&g, &self.cos, &self.sin, &dx],
-                &scalars,
-            )?;
-            Ok(vec![Some(dx)])
+            let _ = out;
+            Ok(vec![Some(rope_backward(
+                grad,
+                &self.cos,
+                &self.sin,
+                x.dtype(),
+            )?)])
         }
     }
 
@@ -1390,6 +1437,60 @@ mod gpu {
         backward_kernels: bool,
         kernels: AttnKernels,
     ) -> Result<Option<Tensor>> {
+        let Some((o, saved, backward_kernels)) =
+            attention_forward(q, k, v, mask, scale, backward_kernels, kernels)?
+        else {
+            return Ok(None);
+        };
+        if !record {
+            return Ok(Some(o));
+        }
+        if !backward_kernels {
+            let n = saved.n;
+            let lse = saved.lse.reshape((n.b, n.hkv, n.h / n.hkv, n.s, 1))?;
+            let rec =
+                super::super::chunked_attention::record(&o, q, k, v, &saved.mask, scale, &lse)?;
+            return Ok(Some(rec));
+        }
+        Ok(Some(attach(&o, &[q, k, v], Arc::new(GpuAttention(saved)))?))
+    }
+
+    /// The attention kernels' forward without a graph, for a caller that runs the backward
+    /// itself ([`AttnSaved::backward`]): the output [B, H, S, D] and what the backward kernels
+    /// take. `None` where the kernels (forward and backward, under `GRPO_GPU_KERNELS=all`) do
+    /// not take the shapes.
+    pub fn attention_raw(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &Tensor,
+        scale: f64,
+    ) -> Result<Option<(Tensor, AttnSaved)>> {
+        if !takes(q) || gpu_kernels() != GpuKernels::All {
+            return Ok(None);
+        }
+        let bf16 = q.dtype() == DType::BF16;
+        let kernels = match tensor_cores_wanted() && bf16 && tensor_cores_usable(&cuda(q)?) {
+            true => AttnKernels::Tensor,
+            false => AttnKernels::Cores,
+        };
+        match attention_forward(q, k, v, mask, scale, true, kernels)? {
+            Some((o, saved, true)) => Ok(Some((o, saved))),
+            _ => Ok(None),
+        }
+    }
+
+    /// The forward kernel of `kernels`: the output, what the backward takes, and whether the
+    /// backward kernels fit the card's shared memory (when `backward_kernels` is asked).
+    fn attention_forward(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &Tensor,
+        scale: f64,
+        backward_kernels: bool,
+        kernels: AttnKernels,
+    ) -> Result<Option<(Tensor, AttnSaved, bool)>> {
         let (b, h, s, d) = q.dims4()?;
         let (hkv, tk) = (k.dim(1)?, k.dim(2)?);
         let dt = q.dtype();
@@ -1437,25 +1538,18 @@ mod gpu {
             &[&qd, &kd, &vd, &mask, &o, &lse],
             scale as f32,
         )?;
-        if !record {
-            return Ok(Some(o));
-        }
-        if !backward_kernels {
-            let lse = lse.reshape((b, hkv, h / hkv, s, 1))?;
-            let rec = super::super::chunked_attention::record(&o, q, k, v, &mask, scale, &lse)?;
-            return Ok(Some(rec));
-        }
-        let op = GpuAttention {
+        let saved = AttnSaved {
             mask,
             scale: scale as f32,
             lse,
             n,
             kernels,
         };
-        Ok(Some(attach(&o, &[q, k, v], Arc::new(op))?))
+        Ok(Some((o, saved, backward_kernels)))
     }
 
-    struct GpuAttention {
+    /// What attention's backward kernels take from its forward.
+    pub struct AttnSaved {
         /// [B, 1, S, Tk] f32, contiguous.
         mask: Tensor,
         scale: f32,
@@ -1466,21 +1560,17 @@ mod gpu {
         kernels: AttnKernels,
     }
 
-    impl Backward for GpuAttention {
-        fn name(&self) -> &'static str {
-            "gpu-attention"
-        }
-
-        fn backward(
+    impl AttnSaved {
+        /// The gradients of `q`, `k` and `v` (the forward's inputs) from its output `out` and
+        /// the output's gradient `grad`: the dQ kernel, then the dK/dV kernel (no graph).
+        pub fn backward(
             &self,
-            inputs: &[Tensor],
-            _wanted: &[bool],
+            q: &Tensor,
+            k: &Tensor,
+            v: &Tensor,
             out: &Tensor,
             grad: &Tensor,
-        ) -> Result<Vec<Option<Tensor>>> {
-            let [q, k, v] = inputs else {
-                candle_core::bail!("gpu attention: three inputs expected");
-            };
+        ) -> Result<(Tensor, Tensor, Tensor)> {
             let n = self.n;
             let dt = q.dtype();
             let dev = cuda(q)?;
@@ -1508,6 +1598,29 @@ mod gpu {
                 &[&q, &k, &v, &self.mask, &g, &self.lse, &delta, &dk, &dv],
                 self.scale,
             )?;
+            Ok((dq, dk, dv))
+        }
+    }
+
+    /// The attention kernels' output recorded in the graph, their backward kernels its backward.
+    struct GpuAttention(AttnSaved);
+
+    impl Backward for GpuAttention {
+        fn name(&self) -> &'static str {
+            "gpu-attention"
+        }
+
+        fn backward(
+            &self,
+            inputs: &[Tensor],
+            _wanted: &[bool],
+            out: &Tensor,
+            grad: &Tensor,
+        ) -> Result<Vec<Option<Tensor>>> {
+            let [q, k, v] = inputs else {
+                candle_core::bail!("gpu attention: three inputs expected");
+            };
+            let (dq, dk, dv) = self.0.backward(q, k, v, out, grad)?;
             Ok(vec![Some(dq), Some(dk), Some(dv)])
         }
     }

@@ -658,6 +658,19 @@ pub fn sink_mlp(x: &Tensor, gate_up: &SinkProj, down: &SinkProj) -> Result<Tenso
     gpu::mlp(x, gate_up, down)
 }
 
+/// A sink projection's backward for blocks that run their own: `dX = dY [W_1; W_2; ...]`
+/// (returned, [N, in]) and each part's `dW_i += dY[:, part i]^T X` into its accumulator, from
+/// `gy` [N, out] and the forward's input `x` [N, in]: cuBLAS GEMMs on a GPU, the `gemm` crate
+/// on the CPU (f32).
+pub(crate) fn sink_backward(p: &SinkProj, x: &Tensor, gy: &Tensor) -> Result<Tensor> {
+    // The recorded op's own backward (it reads neither its result nor, on a GPU, anything but
+    // these two).
+    match CustomOp1::bwd(p, x, x, gy)? {
+        Some(gx) => Ok(gx),
+        None => candle_core::bail!("sink projection: no input gradient"),
+    }
+}
+
 /// [`SinkProj`] on cuBLAS (see the module's docs).
 #[cfg(feature = "cuda")]
 mod gpu {

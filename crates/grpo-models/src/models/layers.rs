@@ -659,6 +659,10 @@ impl RmsNorm {
     pub fn eps(&self) -> f64 {
         self.eps
     }
+    /// The weight the norm multiplies by (in the compute dtype).
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
     pub fn new(weight: Tensor, eps: f64, compute: Compute) -> Self {
         Self {
             weight,

@@ -334,6 +334,13 @@ impl DecoderLayer {
         cache: Option<(&KvCache, usize)>,
         mode: Mode,
     ) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if mode == Mode::Train && cache.is_none() && x.track_op() {
+            // Training on a GPU: the whole layer as one recorded op where it applies.
+            if let Some(y) = self.gpu_layer(x, cos, sin, mask)? {
+                return Ok(y);
+            }
+        }
         let h = self.input_layernorm.forward(x, mode)?;
         let a = self.self_attn.forward(&h, cos, sin, mask, cache, mode)?;
         match (
@@ -350,6 +357,67 @@ impl DecoderLayer {
                 x + self.mlp.forward(&h)?
             }
         }
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl DecoderLayer {
+    /// The layer's training forward as [`super::gpu_layer::GpuLayer`] (one recorded op) when
+    /// it is a plain Llama layer on a GPU whose projections all have GPU sinks (no bias,
+    /// adapter, q/k norm, softcapping, partial RoPE or sandwich norm; SiLU), its mask dense and
+    /// the op passed its check; else `None` (the caller runs candle's graph).
+    fn gpu_layer(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: &AttnMask,
+    ) -> Result<Option<Tensor>> {
+        let a = &self.self_attn;
+        let plain = a.compute.on_gpu()
+            && self.pre_feedforward_layernorm.is_none()
+            && self.post_feedforward_layernorm.is_none()
+            && a.q_norm.is_none()
+            && a.k_norm.is_none()
+            && a.softcap.is_none()
+            && a.rotary_dim == a.head_dim
+            && self.mlp.activation == Activation::Silu;
+        let sinks = (
+            a.qkv_proj.gpu_sink(),
+            a.o_proj.gpu_sink(),
+            self.mlp.gate_up_proj.gpu_sink(),
+            self.mlp.down_proj.gpu_sink(),
+        );
+        let (Some(qkv), Some(o), Some(gate_up), Some(down)) = sinks else {
+            return Ok(None);
+        };
+        let dense = match mask {
+            AttnMask::Dense(m) | AttnMask::Spanned(m, _) => m,
+            _ => return Ok(None),
+        };
+        if !plain || !super::gpu_layer::usable(x.device()) {
+            return Ok(None);
+        }
+        let layer = super::gpu_layer::GpuLayer {
+            qkv: qkv.clone(),
+            o: o.clone(),
+            gate_up: gate_up.clone(),
+            down: down.clone(),
+            heads: a.num_heads,
+            kv_heads: a.num_kv_heads,
+            head_dim: a.head_dim,
+            scale: a.scale,
+            eps_in: self.input_layernorm.eps(),
+            eps_post: self.post_attention_layernorm.eps(),
+        };
+        layer.forward(
+            x,
+            self.input_layernorm.weight(),
+            self.post_attention_layernorm.weight(),
+            cos,
+            sin,
+            dense,
+        )
     }
 }
 

@@ -20,6 +20,7 @@ pub mod fused_attention;
 pub mod fused_gpu;
 pub mod gemm_bf16;
 pub mod gpt2;
+pub mod gpu_layer;
 pub mod grad_sink;
 pub mod layers;
 pub mod llama;
