@@ -416,6 +416,49 @@ fn swiglu_rms_norm_and_rope_kernels_equal_their_twins() {
             &wdx,
             tol,
         );
+
+        // RoPE of the keys as the one-op layer passes them (gpu_layer.rs): a view of the joined
+        // q/k/v output [B, T, (H + 2 Hkv) D], from column H*D, its rows `width` apart.
+        let (hq, hkv) = (h, 2);
+        let width = (hq + 2 * hkv) * d;
+        let joined = dt.round(&randn(b * t * width, 38, 1.0));
+        let off = hq * d;
+        let mut from_view = joined[off..].to_vec(); // what the kernel's pointer sees
+        from_view.resize(b * t * width, 0.0);
+        let keys: Vec<f32> = (0..b * t)
+            .flat_map(|r| joined[r * width + off..r * width + off + hkv * d].to_vec())
+            .collect(); // the view, contiguous [B, T, Hkv*D]
+        let dk = dt.round(&randn(b * hkv * t * d, 39, 1.0));
+        let dir = run(
+            Some("rope"),
+            &[
+                ("x", dt.bytes(&from_view)),
+                ("cos", dt.bytes(&cos)),
+                ("sin", dt.bytes(&sin)),
+                ("g", dt.bytes(&dk)),
+            ],
+            &[
+                dt.name().into(),
+                b.to_string(),
+                t.to_string(),
+                hkv.to_string(),
+                d.to_string(),
+                width.to_string(),
+            ],
+        );
+        let (wy, wdx) = twin_rope(&keys, &cos, &sin, &dk, (b, t, hkv, d));
+        check(
+            &format!("{name} rope y of a joined view"),
+            &dt.read(dir.path(), "y"),
+            &wy,
+            tol,
+        );
+        check(
+            &format!("{name} rope dx of a joined view"),
+            &dt.read(dir.path(), "dx"),
+            &wdx,
+            tol,
+        );
     }
 }
 

@@ -67,6 +67,23 @@ impl GpuLayer {
         sin: &Tensor,
         mask: &Tensor,
     ) -> Result<Option<Tensor>> {
+        match self.forward_parts(x, w_in, w_post, cos, sin, mask)? {
+            Some((out, bwd)) => Ok(Some(attach(&out, &[x, w_in, w_post], Arc::new(bwd))?)),
+            None => Ok(None),
+        }
+    }
+
+    /// [`Self::forward`]'s output before it is recorded, with what its backward keeps.
+    #[allow(clippy::too_many_arguments)]
+    fn forward_parts(
+        &self,
+        x: &Tensor,
+        w_in: &Tensor,
+        w_post: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: &Tensor,
+    ) -> Result<Option<(Tensor, LayerBackward)>> {
         let (b, s, hid) = x.dims3()?;
         let (nh, nkv, d) = (self.heads, self.kv_heads, self.head_dim);
         let dt = x.dtype();
@@ -128,7 +145,7 @@ impl GpuLayer {
             x1,
             gu,
         };
-        Ok(Some(attach(&out, &[x, w_in, w_post], Arc::new(bwd))?))
+        Ok(Some((out, bwd)))
     }
 }
 
@@ -522,14 +539,14 @@ pub fn check_dtype(dev: &Device, dt: DType) -> Result<Errors> {
     let (cos, sin) = (cos.to_dtype(dt)?, sin.to_dtype(dt)?);
     let mask = Tensor::zeros((b, 1, s, s), DType::F32, dev)?;
     let scale = 1.0 / (d as f64).sqrt();
-    // (output, the gradients of x and of every weight), in f32.
-    let run = |op: bool| -> Result<Vec<Tensor>> {
+    // (output, the gradients of x and of every weight; the forward's intermediates), in f32.
+    let run = |op: bool| -> Result<(Vec<Tensor>, Vec<Tensor>)> {
         let w: Vec<Tensor> = vars
             .iter()
             .map(|v| v.as_tensor().to_dtype(dt))
             .collect::<Result<_>>()?;
         let xc = x.as_tensor().to_dtype(dt)?;
-        let (out, sink) = match op {
+        let (out, sink, parts) = match op {
             true => {
                 let pairs: Vec<(&Var, &Tensor)> = vars[..7].iter().zip(&w[..7]).collect();
                 let sink = match dev.is_cuda() {
@@ -556,12 +573,18 @@ pub fn check_dtype(dev: &Device, dt: DType) -> Result<Errors> {
                 let Some(out) = layer.forward(&xc, &w[7], &w[8], &cos, &sin, &mask)? else {
                     candle_core::bail!("the op does not take the check's shapes");
                 };
-                (out, Some(sink))
+                // The same forward again, unrecorded, for what it keeps.
+                let (xd, w7, w8) = (xc.detach(), w[7].detach(), w[8].detach());
+                let Some((_, kept)) = layer.forward_parts(&xd, &w7, &w8, &cos, &sin, &mask)? else {
+                    candle_core::bail!("the op does not take the check's shapes");
+                };
+                let parts = [kept.q, kept.k, kept.v, kept.o, kept.x1, kept.gu];
+                (out, Some(sink), parts.to_vec())
             }
-            false => (
-                reference(&xc, &w, &cos, &sin, &mask, (nh, nkv, d), eps)?,
-                None,
-            ),
+            false => {
+                let (out, parts) = reference(&xc, &w, &cos, &sin, &mask, (nh, nkv, d), eps)?;
+                (out, None, parts)
+            }
         };
         let out = out.to_dtype(DType::F32)?;
         let grads = (&out * &r)?.sum_all()?.backward()?;
@@ -577,9 +600,25 @@ pub fn check_dtype(dev: &Device, dt: DType) -> Result<Errors> {
             };
             res.push(g.to_dtype(DType::F32)?);
         }
-        Ok(res)
+        let parts = parts
+            .iter()
+            .map(|t| t.to_dtype(DType::F32))
+            .collect::<Result<Vec<_>>>()?;
+        Ok((res, parts))
     };
-    let (got, want) = (run(true)?, run(false)?);
+    let ((got, got_parts), (want, want_parts)) = (run(true)?, run(false)?);
+    let part_names = [
+        "rope(q)",
+        "rope(k)",
+        "v",
+        "attention",
+        "residual after attention",
+        "gate_up",
+    ];
+    let mut errors = Errors::new();
+    for ((a, e), name) in got_parts.iter().zip(&want_parts).zip(part_names) {
+        errors.push((name, rel_diff(a, e)?));
+    }
     let names = [
         "output",
         "x",
@@ -593,13 +632,20 @@ pub fn check_dtype(dev: &Device, dt: DType) -> Result<Errors> {
         "input_layernorm",
         "post_attention_layernorm",
     ];
-    let mut errors = Errors::new();
     for ((a, e), name) in got.iter().zip(&want).zip(names) {
-        let diff = (a - e)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        let top = e.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-6);
-        errors.push((name, diff / top));
+        errors.push((name, rel_diff(a, e)?));
     }
     Ok(errors)
+}
+
+/// The largest difference of `a` from `e`, relative to `e`'s largest value.
+fn rel_diff(a: &Tensor, e: &Tensor) -> Result<f32> {
+    if a.dims() != e.dims() {
+        candle_core::bail!("shapes {:?} and {:?} differ", a.dims(), e.dims());
+    }
+    let diff = (a - e)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    let top = e.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-6);
+    Ok(diff / top)
 }
 
 /// RoPE tables [B, S, D/2] f32 for positions 0..S (base 10000).
@@ -616,7 +662,9 @@ fn rope_tables(b: usize, s: usize, d: usize, dev: &Device) -> Result<(Tensor, Te
 }
 
 /// The layer in candle ops with candle's autograd: weights `w` q, k, v, o, gate, up, down [out,
-/// in], then the two norms' [H].
+/// in], then the two norms' [H]. Returns the output and, detached, what the op keeps: the
+/// rotated q and k, v, attention's output ([B, heads, S, D]), the residual stream after
+/// attention and the gate/up output ([N, ..]).
 fn reference(
     x: &Tensor,
     w: &[Tensor],
@@ -625,7 +673,7 @@ fn reference(
     mask: &Tensor,
     (nh, nkv, d): (usize, usize, usize),
     eps: f64,
-) -> Result<Tensor> {
+) -> Result<(Tensor, Vec<Tensor>)> {
     use super::layers::{apply_rope, rms_norm_diff, Mode};
     let (b, s, hid) = x.dims3()?;
     let n = b * s;
@@ -640,8 +688,12 @@ fn reference(
     let y = o.transpose(1, 2)?.contiguous()?.reshape((n, nh * d))?;
     let x1 = (x.reshape((n, hid))? + lin(&y, &w[3])?)?;
     let h2 = rms_norm_diff(&x1, &w[8], eps)?;
-    let m = lin(&(lin(&h2, &w[4])?.silu()? * lin(&h2, &w[5])?)?, &w[6])?;
-    (x1 + m)?.reshape((b, s, hid))
+    let (gate, up) = (lin(&h2, &w[4])?, lin(&h2, &w[5])?);
+    let gu = Tensor::cat(&[&gate, &up], 1)?.detach();
+    let m = lin(&(gate.silu()? * up)?, &w[6])?;
+    let out = (&x1 + m)?.reshape((b, s, hid))?;
+    let kept = [q, k, v, o, x1, gu].iter().map(|t| t.detach()).collect();
+    Ok((out, kept))
 }
 
 #[cfg(test)]
@@ -655,7 +707,7 @@ mod tests {
     #[test]
     fn the_layer_op_equals_candle_autograd_on_the_cpu() {
         let errors = check_dtype(&Device::Cpu, DType::F32).unwrap();
-        assert_eq!(errors.len(), 11, "{errors:?}");
+        assert_eq!(errors.len(), 17, "{errors:?}");
         assert!(worst(&errors) < 1e-4, "{errors:?}");
     }
 }
