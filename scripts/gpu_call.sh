@@ -1,11 +1,11 @@
 #!/bin/bash
 # One GPU call for issue 31's work, after ../shared/gpu/build_cuda.sh and ../shared/gpu/pack.sh
-# here: `grpo bench ops` on the 1.7B shape with grpo's GPU kernels at their default and with
-# attention on CUDA cores (`cores`: GRPO_GPU_ATTENTION=cores; `forward` and `off` with KINDS),
-# then the kit (`.gpu/run.sh`: GPU tests, grpo vs TRL at the kit's shapes, GRPO_PROFILE=1) with
+# here: `grpo bench ops` on the 1.7B shape with grpo's GPU kernels at their default (KINDS adds
+# `cores`: attention on CUDA cores, and `forward`, `off`), the one-op layer's GPU test, then the kit (`.gpu/run.sh`: GPU tests, grpo vs TRL at the kit's shapes, GRPO_PROFILE=1) with
 # the kernel set whose layer forward + backward was fastest. On the GPU machine, from the
 # project root (with .gpu/ carried along):
-#   OUT=$OUT bash scripts/gpu_call.sh        (~7 minutes; BUDGET=seconds for the whole call, 530)
+#   OUT=$OUT bash scripts/gpu_call.sh        (~7 minutes; BUDGET=seconds for the whole call, 530;
+#                                             the one-op layer's GPU test before the kit)
 #   KIT=0 OUT=$OUT bash scripts/gpu_call.sh  (~2 minutes: the pieces and the GPU tests, no kit)
 #   OPS=0 KIT=0 OUT=$OUT bash scripts/gpu_call.sh  (the GPU tests alone)
 #   KINDS=default TESTS=0 KIT=0 OUT=$OUT bash scripts/gpu_call.sh  (the pieces, default kernels)
@@ -20,8 +20,8 @@ python3 -c "import lzma,sys,shutil; shutil.copyfileobj(lzma.open(sys.argv[1]), o
 chmod +x /tmp/grpo-ops
 # Kernel sets timed (KINDS="default cores forward off" to compare all: in every H200 call so far
 # `default` was the fastest of default, forward and off; `cores` is default with attention on
-# CUDA cores, the default before attention_tc.cu, which has not been timed on a GPU yet).
-KINDS=${KINDS:-default cores}; [ "${OPS:-1}" = 0 ] && KINDS=""  # OPS=0: no pieces
+# CUDA cores, 2.2x slower than attention_tc.cu's forward + backward on the H200, 2026-11-28).
+KINDS=${KINDS:-default}; [ "${OPS:-1}" = 0 ] && KINDS=""  # OPS=0: no pieces
 for k in $KINDS; do
   log "ops 1.7b, kernels: $k"
   kset=$k; att=tensor; [ "$k" = cores ] && { kset=default; att=cores; }
@@ -69,7 +69,32 @@ if [ "${KIT:-1}" = 0 ]; then  # a short call: the pieces and the GPU tests only
 fi
 export GRPO_GPU_ATTENTION=tensor
 [ "$BEST" = cores ] && { BEST=default; export GRPO_GPU_ATTENTION=cores; }
-log "kit with GRPO_GPU_KERNELS=$BEST GRPO_GPU_ATTENTION=$GRPO_GPU_ATTENTION GRPO_GPU_DECODE=${GRPO_GPU_DECODE:-kernel}"
+# The one-op layer (gpu_layer.rs, opt-in): its GPU test first, which prints each tensor's error
+# against candle ops (the forward's intermediates, the output, every gradient); the kit runs it
+# (GRPO_GPU_LAYER=op) only when that test passed and `bench ops` timed it faster than the graph.
+python3 -c "import lzma,sys,shutil; shutil.copyfileobj(lzma.open(sys.argv[1]), open('/tmp/grpo-tests','wb'))" $G/bin/cuda-tests.xz
+chmod +x /tmp/grpo-tests; src=$(cat $G/src_root)
+if [ "$src" != "$ROOT" ]; then
+  mkdir -p "$(dirname "$src")"; [ -e "$src" ] && [ ! -L "$src" ] && mv "$src" "$src.orig"; ln -sfn "$ROOT" "$src"
+fi
+log "the one-op layer's GPU test"
+timeout 60 /tmp/grpo-tests --test-threads=1 --nocapture gpu_layer_op > $FIN/layer-op-test.txt 2>&1; LRC=$?
+grep -E "layer op against|test result" $FIN/layer-op-test.txt >> $FIN/ops-summary.txt
+LAYER=graph
+if [ $LRC = 0 ] && python3 - $FIN <<'PY'
+import json, os, sys
+t = {}
+for line in open(os.path.join(sys.argv[1], "ops-17-default.jsonl")):
+    try:
+        r = json.loads(line)
+    except ValueError:
+        continue
+    t[r["op"]] = r["fwd_bwd_ms"]
+sys.exit(0 if t.get("layer_op", 1e9) < t.get("layer_sink", 0) else 1)
+PY
+then LAYER=op; fi
+export GRPO_GPU_LAYER=$LAYER
+log "kit with GRPO_GPU_KERNELS=$BEST GRPO_GPU_ATTENTION=$GRPO_GPU_ATTENTION GRPO_GPU_DECODE=${GRPO_GPU_DECODE:-kernel} GRPO_GPU_LAYER=$LAYER"
 export GRPO_GPU_KERNELS=$BEST GRPO_PROFILE=1
 BUDGET=$((${BUDGET:-530} - (SECONDS - T0))) OUT=$FIN bash .gpu/run.sh
 # EXTRA=1: after the kit, the small f32 shape again with gradient checkpointing (what TRL's peer
