@@ -463,6 +463,49 @@ pub fn free_memory(device: &candle_core::Device) -> Option<u64> {
     }
 }
 
+/// On a CUDA device: the most bytes of its default memory pool (where candle's allocations live)
+/// in use at once since the last call, and the bytes in use now; the peak is reset. `None` on
+/// the CPU, or where the driver does not say. The device's free memory cannot show a phase's
+/// peak: the pool keeps what is freed, so it shows the run's high-water mark.
+pub fn gpu_pool_usage(device: &candle_core::Device) -> Option<(u64, u64)> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        let ctx = d.cuda_stream().context().clone();
+        ctx.bind_to_thread().ok()?;
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        let (mut high, mut now, mut zero) = (0u64, 0u64, 0u64);
+        let ok = |r: sys::CUresult| r == sys::CUresult::CUDA_SUCCESS;
+        // SAFETY: the context is current on this thread; each attribute is a u64 (cuuint64_t)
+        // written to or read from a live local.
+        unsafe {
+            if !ok(sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())) {
+                return None;
+            }
+            let attr = |a: sys::CUmemPool_attribute, v: &mut u64| {
+                ok(sys::cuMemPoolGetAttribute(pool, a, v as *mut u64 as *mut _))
+            };
+            if !attr(
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                &mut high,
+            ) || !attr(
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
+                &mut now,
+            ) {
+                return None;
+            }
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                &mut zero as *mut u64 as *mut _,
+            );
+        }
+        return Some((high, now));
+    }
+    let _ = device;
+    None
+}
+
 /// Checks `GRPO_ISA` and `GRPO_KERNELS`: an error naming the variable and its accepted values,
 /// for a program to report at start (the kernels themselves treat a bad value as `auto`).
 pub fn check_env() -> Result<(), String> {

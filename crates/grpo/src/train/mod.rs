@@ -194,9 +194,19 @@ impl Console {
     }
 }
 
-/// Current and peak RSS at `phase`, at debug level (`--log-level debug`).
-fn trace_memory(phase: &str) {
+/// Current and peak RSS at `phase`, at debug level (`--log-level debug`); on a GPU with
+/// `GRPO_PROFILE=1`, also the phase's peak of the device's memory pool ([`profile::memory`]).
+fn trace_memory(phase: &str, device: &candle_core::Device) {
     if let Some((cur, peak)) = grpo_models::threads::rss_gb() {
         tracing::debug!("memory after {phase}: rss {cur:.2} GB, peak {peak:.2} GB");
     }
+    profile::memory(device, phase);
+}
+
+/// The device a policy's parameters live on.
+fn policy_device<P: policy::Policy>(p: &P) -> candle_core::Device {
+    p.vars()
+        .first()
+        .map(|v| v.device().clone())
+        .unwrap_or(candle_core::Device::Cpu)
 }

@@ -56,6 +56,22 @@ pub(super) fn lap(laps: &mut Option<Laps>, name: &'static str) {
     }
 }
 
+/// On a GPU, when profiling is on: the most memory in use at once during the phase that just
+/// ended (`phase`), and what is in use at its end, from the device's memory pool.
+pub(super) fn memory(device: &Device, phase: &str) {
+    if !profiling() {
+        return;
+    }
+    if let Some((peak, now)) = grpo_models::kernels::gpu_pool_usage(device) {
+        let gb = |b: u64| b as f64 / 1e9;
+        tracing::info!(
+            "profile memory: {phase}: peak {:.2} GB, {:.2} GB at its end (the GPU's memory pool)",
+            gb(peak),
+            gb(now)
+        );
+    }
+}
+
 /// The rollout's split (prefill, decoding, choosing tokens), when profiling is on. The sampler
 /// synchronizes the device before it times the token choice, so decode_s - sample_s is the
 /// model's decoding forward.

@@ -400,7 +400,7 @@ fn load<P: LoadPolicy>(
         eos_ids,
     } = P::load(cfg, resume_from, kl_needs_ref || rewards_need_ref, device)?;
     let tok = tok.with_template_kwargs(&cfg.chat_template_kwargs);
-    super::trace_memory("loading the policy and reference");
+    super::trace_memory("loading the policy and reference", device);
     let pad = tok.pad_token_id().or(tok.eos_token_id()).unwrap_or(0);
     tracing::info!(
         "data: {} train prompts, {} eval prompts, rewards: {}",

@@ -382,7 +382,7 @@ pub fn policy_gradients<P: Policy>(
             lap(&mut laps, "loss");
             let mut g = out.loss.backward()?;
             lap(&mut laps, "backward");
-            super::trace_memory("a chunk's backward");
+            super::trace_memory("a chunk's backward", &device);
             // Take each gradient out of the store as it is added, so that at most one
             // parameter's chunk gradient is alive beside the accumulators. Every stored gradient
             // is a fresh sum made by the backward, so adding into it in place aliases nothing.
