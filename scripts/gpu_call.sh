@@ -64,7 +64,7 @@ if [ "${KIT:-1}" = 0 ]; then  # a short call: the pieces and the GPU tests only
     mkdir -p "$(dirname "$src")"; [ -e "$src" ] && [ ! -L "$src" ] && mv "$src" "$src.orig"; ln -sfn "$ROOT" "$src"
   fi
   [ "${TESTS:-1}" = 0 ] && { log "done (no tests)"; exit 0; }
-  log "GPU tests"; timeout 150 /tmp/grpo-tests --test-threads=1 > $FIN/cuda-tests.txt 2>&1
+  log "GPU tests"; timeout 150 /tmp/grpo-tests --test-threads=1 --include-ignored > $FIN/cuda-tests.txt 2>&1
   grep -E "^test |test result" $FIN/cuda-tests.txt >> $FIN/ops-summary.txt; log "done"; exit 0
 fi
 export GRPO_GPU_ATTENTION=tensor
@@ -78,7 +78,7 @@ if [ "$src" != "$ROOT" ]; then
   mkdir -p "$(dirname "$src")"; [ -e "$src" ] && [ ! -L "$src" ] && mv "$src" "$src.orig"; ln -sfn "$ROOT" "$src"
 fi
 log "the one-op layer's GPU test"
-timeout 60 /tmp/grpo-tests --test-threads=1 --nocapture gpu_layer_op > $FIN/layer-op-test.txt 2>&1; LRC=$?
+timeout 60 /tmp/grpo-tests --test-threads=1 --nocapture --include-ignored gpu_layer_op > $FIN/layer-op-test.txt 2>&1; LRC=$?
 grep -E "layer op against|test result" $FIN/layer-op-test.txt >> $FIN/ops-summary.txt
 LAYER=graph
 if [ $LRC = 0 ] && python3 - $FIN <<'PY'
