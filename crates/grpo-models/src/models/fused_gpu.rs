@@ -1417,12 +1417,20 @@ mod gpu {
         if !takes(q) {
             return Ok(None);
         }
-        let bf16 = q.dtype() == DType::BF16;
-        let kernels = match tensor_cores && bf16 && tensor_cores_usable(&cuda(q)?) {
-            true => AttnKernels::Tensor,
-            false => AttnKernels::Cores,
-        };
+        let kernels = kernel_set(q, tensor_cores)?;
         attention_on(q, k, v, mask, scale, record, backward_kernels, kernels)
+    }
+
+    /// The attention kernels for `q`: attention_tc.cu's where `tensor_cores` is asked, `q` is
+    /// bf16 and the card runs them, else kernels.cu's.
+    fn kernel_set(q: &Tensor, tensor_cores: bool) -> Result<AttnKernels> {
+        let bf16 = q.dtype() == DType::BF16;
+        Ok(
+            match tensor_cores && bf16 && tensor_cores_usable(&cuda(q)?) {
+                true => AttnKernels::Tensor,
+                false => AttnKernels::Cores,
+            },
+        )
     }
 
     /// [`attention_with`] with its kernel set chosen.
@@ -1469,11 +1477,7 @@ mod gpu {
         if !takes(q) || gpu_kernels() != GpuKernels::All {
             return Ok(None);
         }
-        let bf16 = q.dtype() == DType::BF16;
-        let kernels = match tensor_cores_wanted() && bf16 && tensor_cores_usable(&cuda(q)?) {
-            true => AttnKernels::Tensor,
-            false => AttnKernels::Cores,
-        };
+        let kernels = kernel_set(q, tensor_cores_wanted())?;
         match attention_forward(q, k, v, mask, scale, true, kernels)? {
             Some((o, saved, true)) => Ok(Some((o, saved))),
             _ => Ok(None),

@@ -55,7 +55,8 @@ impl GpuLayer {
     /// The layer over `x` [B, S, H] (a graph input, as are the norms' weights `w_in` and
     /// `w_post` [H], in `x`'s dtype), RoPE tables `cos`/`sin` [B, S, D/2] and the additive
     /// `mask` [B, 1, S, S] f32 (causal on top) -> [B, S, H]; `None` where the kernels do not
-    /// take the shapes (nothing has run then). On the CPU (f32) the same composition runs with
+    /// take the shapes (the caller runs candle's graph; RoPE's and attention's shapes are known
+    /// only after the q/k/v product). On the CPU (f32) the same composition runs with
     /// candle ops in the kernels' places ([`prim`]): what CI checks it with.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
@@ -187,7 +188,7 @@ impl Backward for LayerBackward {
     fn backward(
         &self,
         inputs: &[Tensor],
-        wanted: &[bool],
+        _wanted: &[bool],
         _out: &Tensor,
         grad: &Tensor,
     ) -> Result<Vec<Option<Tensor>>> {
@@ -231,8 +232,8 @@ impl Backward for LayerBackward {
         drop((dqkv, h1));
         let (dx_norm, dw_in) = prim::norm_backward(&x, w_in, &dh1, l.eps_in)?;
         let dx = (dx1 + dx_norm)?.reshape((b, s, hid))?;
-        let keep = |i: usize, t: Tensor| wanted.get(i).copied().unwrap_or(true).then_some(t);
-        Ok(vec![Some(dx), keep(1, dw_in), keep(2, dw_post)])
+        // (recompute::attach drops the gradient of an input that takes no part in the graph.)
+        Ok(vec![Some(dx), Some(dw_in), Some(dw_post)])
     }
 }
 
