@@ -625,6 +625,11 @@ impl WeightGrad {
 }
 
 impl SinkProj {
+    /// The input's width.
+    pub fn in_dim(&self) -> usize {
+        self.in_dim
+    }
+
     /// Whether this projection multiplies on a GPU (a sink made by [`GradSink::on_gpu`]).
     pub fn on_gpu(&self) -> bool {
         self.parts

@@ -395,7 +395,14 @@ impl DecoderLayer {
             AttnMask::Dense(m) | AttnMask::Spanned(m, _) => m,
             _ => return Ok(None),
         };
-        if !plain || !super::gpu_layer::usable(x.device()) {
+        let shape = super::gpu_layer::LayerShape {
+            hidden: x.dim(candle_core::D::Minus1)?,
+            heads: a.num_heads,
+            kv_heads: a.num_kv_heads,
+            head_dim: a.head_dim,
+            intermediate: down.in_dim(),
+        };
+        if !plain || !super::gpu_layer::usable(x.device(), shape, x.dtype()) {
             return Ok(None);
         }
         let layer = super::gpu_layer::GpuLayer {
