@@ -5,6 +5,7 @@
 # the kernel set whose layer forward + backward was fastest. On the GPU machine, from the
 # project root (with .gpu/ carried along):
 #   OUT=$OUT bash scripts/gpu_call.sh        (~7 minutes; BUDGET=seconds for the whole call, 530;
+#                                             EXTRA=1 adds the runs after the kit, BUDGET=580;
 #                                             the one-op layer's GPU test before the kit)
 #   KIT=0 OUT=$OUT bash scripts/gpu_call.sh  (~2 minutes: the pieces and the GPU tests, no kit)
 #   OPS=0 KIT=0 OUT=$OUT bash scripts/gpu_call.sh  (the GPU tests alone)
@@ -99,22 +100,33 @@ export GRPO_GPU_LAYER=$LAYER
 log "kit with GRPO_GPU_KERNELS=$BEST GRPO_GPU_ATTENTION=$GRPO_GPU_ATTENTION GRPO_GPU_DECODE=${GRPO_GPU_DECODE:-kernel} GRPO_GPU_LAYER=$LAYER"
 export GRPO_GPU_KERNELS=$BEST GRPO_PROFILE=1
 BUDGET=$((${BUDGET:-530} - (SECONDS - T0))) OUT=$FIN bash .gpu/run.sh
-# EXTRA=1: after the kit, the small f32 shape again with gradient checkpointing (what TRL's peer
-# runs with), for its peak memory and step time; skipped when the budget is spent.
-if [ "${EXTRA:-0}" = 1 ] && [ $((${BUDGET:-530} + T0 - SECONDS)) -gt 45 ] && [ -d /tmp/m-135m ]; then
-  log "extra: grpo s135-f32 with --gradient_checkpointing=true"
-  rm -f $FIN/mem-ckpt.txt
-  (while true; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits >> $FIN/mem-ckpt.txt; sleep 0.5; done) & PP=$!
-  timeout 60 $G/bin/grpo train --config $G/kit/grpo_gpu.toml --model=/tmp/m-135m --train_file=/tmp/data.jsonl \
-    --output_dir=/tmp/o-ckpt --max_steps=5 --device=cuda --dtype=f32 --gradient_checkpointing=true \
-    > $FIN/grpo-s135-f32-ckpt.log 2>&1
+# EXTRA=1: after the kit, while the budget lasts: the small f32 shape again with gradient
+# checkpointing (what TRL's peer runs with), for its peak memory and step time; and, when the kit
+# ran the one-op layer, the 1.7B shape again through candle's graph (GRPO_GPU_LAYER=graph), the
+# op's A/B in one call; then the 1.7B shape with gradient checkpointing (TRL's default: what it
+# costs there decides whether grpo's GPU default should follow it).
+left() { echo $((${BUDGET:-530} + T0 - SECONDS)); }
+extra() {  # name model-dir timeout env-assignment grpo-args...
+  local name=$1 m=$2 to=$3 env=$4; shift 4
+  [ "${EXTRA:-0}" = 1 ] && [ $(left) -gt $to ] && [ -d $m ] || { log "extra $name skipped"; return; }
+  log "extra: grpo $name ($env $*)"
+  rm -f $FIN/mem-$name.txt
+  (while true; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits >> $FIN/mem-$name.txt; sleep 0.5; done) & PP=$!
+  env $env timeout $to $G/bin/grpo train --config $G/kit/grpo_gpu.toml --model=$m --train_file=/tmp/data.jsonl \
+    --output_dir=/tmp/o-$name --device=cuda "$@" > $FIN/grpo-$name.log 2>&1
   echo "   rc=$?" >> $FIN/ops-summary.txt; kill $PP 2>/dev/null; wait $PP 2>/dev/null
-  echo "   peak GPU memory: $(sort -n $FIN/mem-ckpt.txt | tail -1) MiB" >> $FIN/ops-summary.txt
-  python3 - /tmp/o-ckpt/metrics.jsonl >> $FIN/ops-summary.txt 2>&1 <<'PY'
+  echo "   peak GPU memory: $(sort -n $FIN/mem-$name.txt | tail -1) MiB" >> $FIN/ops-summary.txt
+  python3 - /tmp/o-$name/metrics.jsonl >> $FIN/ops-summary.txt 2>&1 <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]; r = rows[1:] or rows
 m = lambda k: round(statistics.median(x.get(k, 0) for x in r), 3)
-print("   grpo (checkpointing) from step 2, median s: step", m("time/step"), "gen", m("time/generate"), "ref", m("time/reference"), "update", m("time/update"))
+print("   grpo from step 2, median s: step", m("time/step"), "gen", m("time/generate"), "ref", m("time/reference"), "update", m("time/update"))
 PY
-  log "extra done"
-fi
+  rm -rf /tmp/o-$name
+}
+extra s135-f32-ckpt /tmp/m-135m 60 GRPO_GPU_LAYER=$LAYER --max_steps=5 --dtype=f32 --gradient_checkpointing=true
+[ $LAYER = op ] && extra l17-bf16-graph /tmp/m-1.7b 90 GRPO_GPU_LAYER=graph --max_steps=3 --dtype=bf16 \
+  --num_generations=8 --per_device_train_batch_size=128 --max_completion_length=256
+extra l17-bf16-ckpt /tmp/m-1.7b 90 GRPO_GPU_LAYER=$LAYER --max_steps=3 --dtype=bf16 \
+  --num_generations=8 --per_device_train_batch_size=128 --max_completion_length=256 --gradient_checkpointing=true
+log "extras done"

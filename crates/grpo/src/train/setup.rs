@@ -947,21 +947,11 @@ mod tests {
         assert_eq!(got, want, "only dtype changes");
         if Isa::active() < Isa::Avx512Bf16 || kernels() != Kernels::Fused {
             assert_eq!(got.run.dtype, DTypeOpt::F32);
-            return;
         }
-        let (bf16, f32) = grpo_models::models::gemm_bf16::rates().unwrap();
-        if bf16 > 2.0 * f32 {
-            assert_eq!(
-                got.run.dtype,
-                DTypeOpt::Bf16,
-                "{bf16:.0} vs {f32:.0} GFLOP/s"
-            );
-        } else if bf16 < f32 {
-            assert_eq!(
-                got.run.dtype,
-                DTypeOpt::F32,
-                "{bf16:.0} vs {f32:.0} GFLOP/s"
-            );
-        }
+        // Where the CPU has bf16 products the choice follows rates measured at resolve time
+        // (its rule, `DTypeOpt::resolve`, is pinned with fixed rates in config's tests): a
+        // second measurement here would make this a timed test (it failed on a loaded 2-core
+        // CI machine at 48 against 52 GFLOP/s where resolve had measured bf16 faster).
+        assert!(matches!(got.run.dtype, DTypeOpt::F32 | DTypeOpt::Bf16));
     }
 }
