@@ -630,7 +630,11 @@ pub fn check_dtype(dev: &Device, dt: DType, shape: LayerShape) -> Result<Errors>
     let r = Tensor::randn(0f32, 1.0, (b, s, hid), dev)?;
     let (cos, sin) = rope_tables(b, s, d, dev)?;
     let (cos, sin) = (cos.to_dtype(dt)?, sin.to_dtype(dt)?);
-    let mask = causal_mask(b, s, dev)?;
+    // The causal mask training passes (every key valid). It must be causal: the reference's
+    // chunked attention leaves causality inside a chunk of queries to the mask, where the
+    // kernels (and their twins) are causal whatever it says. (An all-zero mask was this check's
+    // fault on its first GPU run: it failed by O(1) against a non-causal reference.)
+    let mask = super::layers::build_mask(&vec![vec![true; s]; b], 0, s, s, dev)?; // [B, 1, S, S]
     let scale = 1.0 / (d as f64).sqrt();
     // (output, the gradients of x and of every weight; the forward's intermediates), in f32.
     let run = |op: bool| -> Result<(Vec<Tensor>, Vec<Tensor>)> {
@@ -739,21 +743,6 @@ fn rel_diff(a: &Tensor, e: &Tensor) -> Result<f32> {
     let diff = (a - e)?.abs()?.max_all()?.to_scalar::<f32>()?;
     let top = e.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-6);
     Ok(diff / top)
-}
-
-/// The additive causal mask [B, 1, S, S] f32 that training passes (0 where query `i` may read
-/// key `j <= i`, [`super::fused_attention::MASK_VALUE`] after). It must be causal: the reference's
-/// chunked attention leaves causality inside a chunk of queries to the mask, where the kernels
-/// (and their twins) are causal whatever it says. (A zero mask was this check's fault on its
-/// first GPU run: it failed by O(1) against a non-causal reference.)
-fn causal_mask(b: usize, s: usize, dev: &Device) -> Result<Tensor> {
-    let m: Vec<f32> = (0..b * s * s)
-        .map(|e| match (e % s) > (e / s) % s {
-            true => super::fused_attention::MASK_VALUE,
-            false => 0.0,
-        })
-        .collect();
-    Tensor::from_vec(m, (b, 1, s, s), dev)
 }
 
 /// RoPE tables [B, S, D/2] f32 for positions 0..S (base 10000).
