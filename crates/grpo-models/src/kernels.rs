@@ -463,18 +463,31 @@ pub fn free_memory(device: &candle_core::Device) -> Option<u64> {
     }
 }
 
-/// On a CUDA device: the most bytes of its default memory pool (where candle's allocations live)
-/// in use at once since the last call, and the bytes in use now; the peak is reset. `None` on
-/// the CPU, or where the driver does not say. The device's free memory cannot show a phase's
-/// peak: the pool keeps what is freed, so it shows the run's high-water mark.
-pub fn gpu_pool_usage(device: &candle_core::Device) -> Option<(u64, u64)> {
+/// What a CUDA device's default memory pool (where candle's allocations live) says of a
+/// phase: bytes in use by tensors and bytes the pool holds from the driver (in use, plus freed
+/// memory it keeps for reuse: what `nvidia-smi` counts, less the context), each at its most
+/// since the last reading and now.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PoolUsage {
+    pub used_peak: u64,
+    pub used_now: u64,
+    pub reserved_peak: u64,
+    pub reserved_now: u64,
+}
+
+/// On a CUDA device: its default memory pool's [`PoolUsage`] since the last call; both peaks
+/// are reset. `None` on the CPU, or where the driver does not say. The device's free memory
+/// cannot show a phase's peak: the pool keeps what is freed, so it shows the run's high-water
+/// mark. A reserved peak well above the used one is memory the pool could not reuse
+/// (fragmentation across the phases' sizes).
+pub fn gpu_pool_usage(device: &candle_core::Device) -> Option<PoolUsage> {
     #[cfg(feature = "cuda")]
     if let candle_core::Device::Cuda(d) = device {
         use candle_core::cuda_backend::cudarc::driver::sys;
+        use sys::CUmemPool_attribute as A;
         let ctx = d.cuda_stream().context().clone();
         ctx.bind_to_thread().ok()?;
         let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-        let (mut high, mut now, mut zero) = (0u64, 0u64, 0u64);
         let ok = |r: sys::CUresult| r == sys::CUresult::CUDA_SUCCESS;
         // SAFETY: the context is current on this thread; each attribute is a u64 (cuuint64_t)
         // written to or read from a live local.
@@ -482,25 +495,30 @@ pub fn gpu_pool_usage(device: &candle_core::Device) -> Option<(u64, u64)> {
             if !ok(sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())) {
                 return None;
             }
-            let attr = |a: sys::CUmemPool_attribute, v: &mut u64| {
-                ok(sys::cuMemPoolGetAttribute(pool, a, v as *mut u64 as *mut _))
+            let get = |a: A| {
+                let mut v = 0u64;
+                ok(sys::cuMemPoolGetAttribute(
+                    pool,
+                    a,
+                    &mut v as *mut u64 as *mut _,
+                ))
+                .then_some(v)
             };
-            if !attr(
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-                &mut high,
-            ) || !attr(
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
-                &mut now,
-            ) {
-                return None;
+            let usage = PoolUsage {
+                used_peak: get(A::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
+                used_now: get(A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
+                reserved_peak: get(A::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)?,
+                reserved_now: get(A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?,
+            };
+            for a in [
+                A::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                A::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+            ] {
+                let mut zero = 0u64;
+                sys::cuMemPoolSetAttribute(pool, a, &mut zero as *mut u64 as *mut _);
             }
-            sys::cuMemPoolSetAttribute(
-                pool,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-                &mut zero as *mut u64 as *mut _,
-            );
+            return Some(usage);
         }
-        return Some((high, now));
     }
     let _ = device;
     None

@@ -57,17 +57,20 @@ pub(super) fn lap(laps: &mut Option<Laps>, name: &'static str) {
 }
 
 /// On a GPU, when profiling is on: the most memory in use at once during the phase that just
-/// ended (`phase`), and what is in use at its end, from the device's memory pool.
+/// ended (`phase`), and what is in use at its end, from the device's memory pool; with what the
+/// pool held from the driver (in use, and freed memory kept for reuse), at most and at the end.
 pub(super) fn memory(device: &Device, phase: &str) {
     if !profiling() {
         return;
     }
-    if let Some((peak, now)) = grpo_models::kernels::gpu_pool_usage(device) {
+    if let Some(u) = grpo_models::kernels::gpu_pool_usage(device) {
         let gb = |b: u64| b as f64 / 1e9;
         tracing::info!(
-            "profile memory: {phase}: peak {:.2} GB, {:.2} GB at its end (the GPU's memory pool)",
-            gb(peak),
-            gb(now)
+            "profile memory: {phase}: peak {:.2} GB, {:.2} GB at its end (the GPU's memory pool; it held up to {:.2} GB, {:.2} GB at the end)",
+            gb(u.used_peak),
+            gb(u.used_now),
+            gb(u.reserved_peak),
+            gb(u.reserved_now)
         );
     }
 }
