@@ -138,6 +138,11 @@ pub struct GenStats {
     pub decode_s: f64,
     /// Part of decode_s spent choosing tokens on the CPU (logit processing, sampling).
     pub sample_s: f64,
+    /// Where tokens are chosen on the logits' device (a GPU): the host's time to issue the
+    /// decoding steps' forwards, without waiting for them. Near the forwards' time (decode_s -
+    /// sample_s under `GRPO_PROFILE`) when decoding waits on the host's launches, well below it
+    /// when it waits on the device. 0 elsewhere.
+    pub issue_s: f64,
     pub prompt_tokens: usize,
     pub generated_tokens: usize,
     pub decode_steps: usize,
@@ -150,6 +155,7 @@ impl GenStats {
         self.prefill_s += o.prefill_s;
         self.decode_s += o.decode_s;
         self.sample_s += o.sample_s;
+        self.issue_s += o.issue_s;
         self.prompt_tokens += o.prompt_tokens;
         self.generated_tokens += o.generated_tokens;
         self.decode_steps += o.decode_steps;
@@ -366,7 +372,9 @@ pub fn generate_streaming(
             let shared = SharedPrefix { leader, end: lmax };
             let mask = AttnMask::LeftPad(pads, Some(shared));
             if on_device {
+                let ti = Instant::now();
                 let logits = model.decode_logits_tensor(&ids, &pos, &mask, &mut cache)?; // [b, V]
+                stats.issue_s += ti.elapsed().as_secs_f64();
                 stats.decode_steps += 1;
                 if crate::kernels::profiling() {
                     device.synchronize()?; // the forward's time is decode_s - sample_s

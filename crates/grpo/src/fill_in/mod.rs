@@ -557,6 +557,7 @@ impl GroupSampler for FillInModel {
                 prefill_s,
                 decode_s,
                 sample_s: decode_s,
+                issue_s: 0.0,
                 prompt_tokens: inputs.iter().map(|p| p.len()).sum(),
                 generated_tokens: generated,
                 decode_steps: 1,

@@ -8,11 +8,14 @@ use std::time::Instant;
 use candle_core::Device;
 use grpo_models::kernels::profiling;
 
-/// Named laps since the last one, summed over repeats (the chunks of a step).
+/// Named laps since the last one, summed over repeats (the chunks of a step): device-
+/// synchronized seconds and, on a GPU, the host's seconds to issue the lap's work before it
+/// waited for the device (near the lap: the lap waits on the host's launches; well below it: on
+/// the device).
 pub(super) struct Laps {
     device: Device,
     t: Instant,
-    laps: Vec<(&'static str, f64)>,
+    laps: Vec<(&'static str, f64, f64)>,
 }
 
 impl Laps {
@@ -25,25 +28,34 @@ impl Laps {
         })
     }
 
-    /// Ends the lap `name`: waits for the device, adds the time since the last lap.
+    /// Ends the lap `name`: waits for the device, adds the time since the last lap (and the
+    /// time it took to get to the wait).
     pub(super) fn lap(&mut self, name: &'static str) {
+        let issued = self.t.elapsed().as_secs_f64();
         if let Err(e) = self.device.synchronize() {
             tracing::warn!("profile: synchronizing the device failed: {e}");
         }
         let dt = self.t.elapsed().as_secs_f64();
-        match self.laps.iter_mut().find(|(n, _)| *n == name) {
-            Some((_, s)) => *s += dt,
-            None => self.laps.push((name, dt)),
+        match self.laps.iter_mut().find(|(n, ..)| *n == name) {
+            Some((_, s, i)) => {
+                *s += dt;
+                *i += issued;
+            }
+            None => self.laps.push((name, dt, issued)),
         }
         self.t = Instant::now();
     }
 
-    /// Logs the laps as one line headed `what`.
+    /// Logs the laps as one line headed `what` (on a GPU, each with its issue time).
     pub(super) fn report(&self, what: &str) {
+        let gpu = self.device.is_cuda();
         let laps: Vec<String> = self
             .laps
             .iter()
-            .map(|(n, s)| format!("{n} {s:.3}s"))
+            .map(|(n, s, i)| match gpu {
+                true => format!("{n} {s:.3}s (issued in {i:.3}s)"),
+                false => format!("{n} {s:.3}s"),
+            })
             .collect();
         tracing::info!("profile {what}: {}", laps.join(", "));
     }
@@ -77,11 +89,17 @@ pub(super) fn memory(device: &Device, phase: &str) {
 
 /// The rollout's split (prefill, decoding, choosing tokens), when profiling is on. The sampler
 /// synchronizes the device before it times the token choice, so decode_s - sample_s is the
-/// model's decoding forward.
+/// model's decoding forward; where tokens are chosen on the device, also the host's time to
+/// issue those forwards (near their time: decoding waits on the host's launches; well below:
+/// on the device).
 pub(super) fn rollout(g: &grpo_models::sampler::GenStats) {
     if profiling() {
+        let issued = match g.issue_s > 0.0 {
+            true => format!("; its forwards issued in {:.3}s of host time", g.issue_s),
+            false => String::new(),
+        };
         tracing::info!(
-            "profile rollout: prefill {:.3}s ({} prompt tokens), decode {:.3}s ({} steps, {} tokens; choosing tokens {:.3}s of it), {} compactions",
+            "profile rollout: prefill {:.3}s ({} prompt tokens), decode {:.3}s ({} steps, {} tokens; choosing tokens {:.3}s of it{issued}), {} compactions",
             g.prefill_s,
             g.prompt_tokens,
             g.decode_s,
