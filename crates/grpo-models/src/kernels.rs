@@ -442,6 +442,43 @@ impl Compute {
     }
 }
 
+/// A GPU's dense bf16 tensor-core rate in TFLOP/s (NVIDIA's datasheets, without sparsity), by
+/// the name the driver gives the card: what the update's MFU (`time/update_mfu`) divides by.
+/// `None` for a card not listed here (the throughput is still logged).
+pub fn bf16_peak_tflops_of(name: &str) -> Option<f64> {
+    // Most specific first: an H100 PCIe or NVL is not an SXM H100, nor an A10 an A100.
+    const CARDS: [(&str, f64); 10] = [
+        ("H100 PCIe", 756.5),
+        ("H100 NVL", 835.5),
+        ("H100", 989.4),
+        ("H200", 989.4),
+        ("GH200", 989.4),
+        ("A100", 312.0),
+        ("L40S", 362.1),
+        ("L40", 181.0),
+        ("L4", 121.0),
+        ("A10", 125.0),
+    ];
+    let n = name.to_ascii_uppercase();
+    let named = |card: &str| {
+        let c = card.to_ascii_uppercase();
+        n.split(|ch: char| !ch.is_ascii_alphanumeric())
+            .any(|word| word == c.split(' ').next().unwrap_or(""))
+            && c.split(' ').skip(1).all(|rest| n.contains(rest))
+    };
+    CARDS.iter().find(|(card, _)| named(card)).map(|&(_, t)| t)
+}
+
+/// [`bf16_peak_tflops_of`] for `device`'s card; `None` on the CPU and in a build without CUDA.
+pub fn bf16_peak_tflops(device: &candle_core::Device) -> Option<f64> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        return bf16_peak_tflops_of(&d.cuda_stream().context().name().ok()?);
+    }
+    let _ = device;
+    None
+}
+
 /// Memory free on `device` now, in bytes: the CUDA driver's free memory on a GPU, the kernel's
 /// `MemAvailable` on the CPU (Linux); `None` where neither answers.
 pub fn free_memory(device: &candle_core::Device) -> Option<u64> {
@@ -636,6 +673,31 @@ pub fn keep_device_pool(device: &candle_core::Device) -> candle_core::Result<()>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Cards by the driver's names: the most specific entry wins (an A10 is not an A100, an
+    /// H100 PCIe not an SXM H100), and a card not listed has no rate.
+    #[test]
+    fn bf16_peaks_by_card_name() {
+        let cases = [
+            ("NVIDIA H200", Some(989.4)),
+            ("NVIDIA GH200 480GB", Some(989.4)),
+            ("NVIDIA H100 80GB HBM3", Some(989.4)),
+            ("NVIDIA H100 PCIe", Some(756.5)),
+            ("NVIDIA H100 NVL", Some(835.5)),
+            ("NVIDIA A100-SXM4-80GB", Some(312.0)),
+            ("NVIDIA A100 80GB PCIe", Some(312.0)),
+            ("NVIDIA A10", Some(125.0)),
+            ("NVIDIA A10G", None),
+            ("NVIDIA L40S", Some(362.1)),
+            ("NVIDIA L40", Some(181.0)),
+            ("NVIDIA L4", Some(121.0)),
+            ("NVIDIA GeForce RTX 4090", None),
+        ];
+        for (name, want) in cases {
+            assert_eq!(bf16_peak_tflops_of(name), want, "{name}");
+        }
+        assert_eq!(bf16_peak_tflops(&candle_core::Device::Cpu), None);
+    }
 
     #[test]
     fn values_parse_and_errors_name_the_choices() {

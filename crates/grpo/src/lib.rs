@@ -16,6 +16,7 @@
 //!   eval rows), fanned out to the [`trackers`].
 //! - [`inputs`]: a run's prompt sets and rewards, loaded one way for train, eval and rewards check.
 //! - [`eval`]: held-out evaluation: pass@k, accuracy (greedy and sampled), mean rewards.
+//! - [`flops`]: the update's model FLOPs, for its throughput and MFU.
 //! - [`train`]: the training loop.
 
 pub mod advantages;
@@ -25,6 +26,7 @@ pub mod data;
 pub mod eval;
 pub mod export;
 pub mod fill_in;
+pub mod flops;
 pub mod inputs;
 pub mod logprobs;
 pub mod logs;

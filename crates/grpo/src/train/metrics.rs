@@ -50,6 +50,12 @@ pub mod names {
     pub const TIME_UPDATE: &str = "time/update";
     pub const TIME_STEP: &str = "time/step";
     pub const TIME_EVAL: &str = "time/eval";
+    /// The update's model FLOPs ([`crate::flops`]) per second of `time/update`, in TFLOP/s, on
+    /// this rank's device.
+    pub const TIME_UPDATE_TFLOPS: &str = "time/update_tflops";
+    /// `time/update_tflops` as a share of the card's dense bf16 rate (bf16 runs on a card grpo
+    /// knows: `grpo_models::kernels::bf16_peak_tflops_of`).
+    pub const TIME_UPDATE_MFU: &str = "time/update_mfu";
     pub const TOKENS_PER_SECOND: &str = "tokens_per_second";
     pub const EPOCH: &str = "epoch";
     pub const RSS_PEAK_GB: &str = "memory/rss_peak_gb";
@@ -121,6 +127,8 @@ pub struct UpdateMetrics {
     pub learning_rate: f64,
     /// After the last step, when an entropy bonus is on.
     pub entropy_coef: Option<f64>,
+    /// Model FLOPs of this rank's passes, summed over the steps.
+    pub flops: f64,
 }
 
 /// Dynamic sampling's groups in a round.
@@ -155,6 +163,9 @@ pub struct StepMetrics {
     /// The round's sampling temperature, with a temperature warm-up.
     pub temperature: Option<f64>,
     pub times: RoundTimes,
+    /// The card's dense bf16 rate in TFLOP/s, in a bf16 run on a card grpo knows (for
+    /// `time/update_mfu`).
+    pub peak_tflops: Option<f64>,
     pub tokens_per_second: f64,
     pub epoch: f64,
     /// Memory, open files and child processes after the round.
@@ -245,6 +256,7 @@ pub fn update_metrics(
             .last()
             .filter(|_| entropy_bonus)
             .map(|s| s.entropy_coef),
+        flops: steps.iter().map(|s| s.flops).sum(),
     })
 }
 
@@ -294,6 +306,10 @@ impl StepMetrics {
             temperature: (cfg.generation.temperature_warmup_steps > 0)
                 .then_some(r.opts.sampling.temperature),
             times: round.times,
+            peak_tflops: match cfg.run.dtype == crate::config::DTypeOpt::Bf16 {
+                true => grpo_models::kernels::bf16_peak_tflops(&super::policy_device(&r.policy)),
+                false => None,
+            },
             tokens_per_second: round.generated_tokens as f64 / round.times.step.max(1e-9),
             epoch: r.state.order.epoch() as f64,
             resources: grpo_models::threads::process_resources(),
@@ -365,6 +381,15 @@ impl StepMetrics {
         push(TIME_REFERENCE, self.times.reference);
         push(TIME_UPDATE, self.times.update);
         push(TIME_STEP, self.times.step);
+        let flops = self.update.as_ref().map_or(0.0, |u| u.flops);
+        if let Some((tflops, mfu)) =
+            crate::flops::throughput(flops, self.times.update, self.peak_tflops)
+        {
+            push(TIME_UPDATE_TFLOPS, tflops);
+            if let Some(mfu) = mfu {
+                push(TIME_UPDATE_MFU, mfu);
+            }
+        }
         push(TOKENS_PER_SECOND, self.tokens_per_second);
         push(EPOCH, self.epoch);
         if let Some(r) = self.resources {
@@ -448,6 +473,7 @@ mod tests {
                     grad_norm: 0.5,
                     lr: 1e-5,
                     finite: true,
+                    flops: 3e12,
                     ..Default::default()
                 }],
                 0.04,
@@ -458,8 +484,10 @@ mod tests {
             temperature: None,
             times: RoundTimes {
                 step: 2.0,
+                update: 0.5,
                 ..Default::default()
             },
+            peak_tflops: Some(60.0),
             tokens_per_second: 100.0,
             epoch: 0.0,
             resources: None,
@@ -482,6 +510,16 @@ mod tests {
         assert_eq!(get(names::TIME_EVAL), Some(1.0));
         assert_eq!(get(names::EVAL_ACCURACY), Some(0.75));
         assert_eq!(get(names::KL_REWARD_COEF), None);
+        // 3e12 FLOPs in 0.5 s: 6 TFLOP/s, a tenth of a 60 TFLOP/s card.
+        assert_eq!(get(names::TIME_UPDATE_TFLOPS), Some(6.0));
+        assert_eq!(get(names::TIME_UPDATE_MFU), Some(0.1));
+        let mut m = metrics();
+        m.peak_tflops = None;
+        let p = m.pairs();
+        let get = |k: &str| p.iter().find(|(n, _)| n == k).map(|x| x.1);
+        assert_eq!(get(names::TIME_UPDATE_TFLOPS), Some(6.0));
+        assert_eq!(get(names::TIME_UPDATE_MFU), None);
+        let p = metrics().pairs();
         let mut keys: Vec<&str> = p.iter().map(|(k, _)| k.as_str()).collect();
         keys.sort_unstable();
         let n = keys.len();

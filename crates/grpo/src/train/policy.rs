@@ -13,6 +13,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor, Var};
 
 use crate::checkpoint::{AdapterExport, HfExport, ModelFiles};
+use crate::flops::FlopShape;
 use crate::logprobs::{completion_logprobs, Entropy, Packing};
 use crate::optim::var_tensors;
 use crate::peft::{self, LoraConfig};
@@ -54,6 +55,12 @@ pub trait Policy {
     /// Tokens per forward/backward pass when `forward_chunk_tokens` is unset.
     fn forward_chunk_tokens(&self, _gradient_checkpointing: bool) -> usize {
         crate::logprobs::DEFAULT_FORWARD_CHUNK_TOKENS
+    }
+
+    /// What sizes a training pass's model FLOPs (the update's throughput and MFU); `None`: not
+    /// counted for this policy kind.
+    fn flop_shape(&self) -> Option<FlopShape> {
+        None
     }
 
     /// The input sampled for a training prompt's group: the prompt itself, or what the policy
@@ -251,6 +258,10 @@ impl Policy for CausalLmPolicy {
 
     fn frozen_from(&self, tensors: HashMap<String, Tensor>) -> Result<CausalLm> {
         CausalLm::from_tensors(&self.cfg, tensors, self.dtype, &self.device)
+    }
+
+    fn flop_shape(&self) -> Option<FlopShape> {
+        Some(FlopShape::of(&self.cfg, self.lora.is_none()))
     }
 
     fn model_files<'a>(

@@ -46,6 +46,15 @@ impl Laps {
         self.t = Instant::now();
     }
 
+    /// Seconds of the laps `names`, summed.
+    pub(super) fn seconds(&self, names: &[&str]) -> f64 {
+        self.laps
+            .iter()
+            .filter(|(n, ..)| names.contains(n))
+            .map(|(_, s, _)| s)
+            .sum()
+    }
+
     /// Logs the laps as one line headed `what` (on a GPU, each with its issue time).
     pub(super) fn report(&self, what: &str) {
         let gpu = self.device.is_cuda();

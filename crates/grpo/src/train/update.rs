@@ -80,6 +80,9 @@ pub struct StepStats {
     pub entropy_coef: f64,
     /// Loss and gradient norm were finite (else the update was skipped).
     pub finite: bool,
+    /// Model FLOPs of this rank's forward and backward passes ([`crate::flops`]; 0 where the
+    /// policy kind does not count them).
+    pub flops: f64,
 }
 
 impl StepStats {
@@ -317,6 +320,7 @@ pub fn policy_gradients<P: Policy>(
     let mut grads: Vec<Option<Tensor>> = vec![None; vars.len()];
     let mut st = StepStats::default();
     let mut laps = Laps::start(&device);
+    let flop_shape = policy.flop_shape();
     let k = window.len() as f64;
     for range in window {
         grpo_models::faults::kill_point("update.micro_batch");
@@ -345,6 +349,9 @@ pub fn policy_gradients<P: Policy>(
         for part in forward_chunks(&prompts, &comps, chunk_tokens) {
             let part = range.start + part.start..range.start + part.end;
             let mb = batch.micro(part, &device)?;
+            if let Some(f) = &flop_shape {
+                st.flops += f.pass(&crate::flops::packed_work(&mb.prompts, &mb.completions));
+            }
             lap(&mut laps, "inputs");
             let (mut logps, ents) = fwd.logprobs(&mb, opts.pad, opts.temperature, opts.entropy)?; // [n, Tc] f32
             lap(&mut laps, "forward");
@@ -402,7 +409,12 @@ pub fn policy_gradients<P: Policy>(
         }
     }
     if let Some(l) = &laps {
-        l.report(&format!("gradients ({} micro-batches)", window.len()));
+        let passes = l.seconds(&["forward", "loss", "backward"]);
+        let rate = match crate::flops::throughput(st.flops, passes, None) {
+            Some((t, _)) => format!("; {t:.2} TFLOP/s over forward, loss and backward"),
+            None => String::new(),
+        };
+        l.report(&format!("gradients ({} micro-batches{rate})", window.len()));
     }
     let mut all = Vec::with_capacity(grads.len());
     for ((v, name), graph) in vars.iter().zip(policy.names()).zip(grads) {
