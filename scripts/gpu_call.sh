@@ -100,6 +100,15 @@ export GRPO_GPU_LAYER=$LAYER
 log "kit with GRPO_GPU_KERNELS=$BEST GRPO_GPU_ATTENTION=$GRPO_GPU_ATTENTION GRPO_GPU_DECODE=${GRPO_GPU_DECODE:-kernel} GRPO_GPU_LAYER=$LAYER"
 export GRPO_GPU_KERNELS=$BEST GRPO_PROFILE=1
 BUDGET=$((${BUDGET:-530} - (SECONDS - T0))) OUT=$FIN bash .gpu/run.sh
+# The update's throughput and MFU (time/update_tflops, time/update_mfu) of each kit run, from
+# step 2.
+python3 - $FIN >> $FIN/ops-summary.txt 2>&1 <<'PY'
+import glob, json, os, statistics, sys
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "grpo-*.metrics.jsonl"))):
+    rows = [json.loads(l) for l in open(path) if '"loss"' in l]; r = rows[1:] or rows
+    m = lambda k: round(statistics.median(x[k] for x in r), 3) if r and all(k in x for x in r) else "-"
+    print("   ", os.path.basename(path), "update TFLOP/s", m("time/update_tflops"), "MFU", m("time/update_mfu"))
+PY
 # EXTRA=1: after the kit, while the budget lasts: the small f32 shape again with gradient
 # checkpointing (what TRL's peer runs with), for its peak memory and step time; and, when the kit
 # ran the one-op layer, the 1.7B shape again through candle's graph (GRPO_GPU_LAYER=graph), the
@@ -121,7 +130,7 @@ extra() {  # name model-dir timeout env-assignment grpo-args...
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]; r = rows[1:] or rows
 m = lambda k: round(statistics.median(x.get(k, 0) for x in r), 3)
-print("   grpo from step 2, median s: step", m("time/step"), "gen", m("time/generate"), "ref", m("time/reference"), "update", m("time/update"))
+print("   grpo from step 2, median s: step", m("time/step"), "gen", m("time/generate"), "ref", m("time/reference"), "update", m("time/update"), "| update TFLOP/s", m("time/update_tflops"), "MFU", m("time/update_mfu"))
 PY
   rm -rf /tmp/o-$name
 }

@@ -1,42 +1,36 @@
 //! Model FLOPs of the update: what its throughput (`time/update_tflops`) and its model FLOPs
 //! utilization (`time/update_mfu`, against the card's dense bf16 rate) count.
 //!
-//! The count is the work the model needs, as MFU defines it (PaLM, nanoGPT): every matmul weight
-//! costs 2 FLOPs a token forward, 2 for the input's gradient and, when it trains, 2 for its own
-//! gradient; causal attention 4 FLOPs per (query, key) pair and head dimension forward, twice
-//! that backward. Each group's prompt is counted once (grpo packs a group's completions behind
-//! one copy of it); recomputation (gradient checkpointing), norms, the embedding lookup and LoRA's
-//! own small matmuls are not counted.
+//! The count is the work the model needs for the rows it trains on, as MFU defines it (PaLM,
+//! nanoGPT): each row is its prompt and completion, as a row per completion computes it (TRL's
+//! way, and grpo's on a GPU); every matmul weight costs 2 FLOPs a token forward, 2 for the
+//! input's gradient and, when it trains, 2 for its own gradient; causal attention 4 FLOPs per
+//! (query, key) pair and head dimension forward, twice that backward. Implementation details do
+//! not count: recomputation (gradient checkpointing) adds none, and the work saved by computing a
+//! group's prompt once (grpo's packing on the CPU) is not taken off. Norms, the embedding lookup
+//! and LoRA's own small matmuls are left out.
 
 use grpo_models::models::ModelConfig;
 
-/// What a training pass over packed rows computes.
+/// What a training pass over rows computes.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct PackedWork {
-    /// Tokens through the blocks: each group's prompt once, then its completions.
+pub struct PassWork {
+    /// Tokens through the blocks: each row's prompt and completion.
     pub tokens: u64,
     /// Rows through the LM head: the completion tokens (each predicts the next).
     pub head_rows: u64,
-    /// (query, key) pairs causal attention scores: a prompt's tokens over the prompt so far, a
-    /// completion's over the prompt and the completion so far.
+    /// (query, key) pairs causal attention scores: T (T + 1) / 2 for a row of T tokens.
     pub attn_pairs: u64,
 }
 
-/// The [`PackedWork`] of rows `prompts[i] ++ completions[i]` whose consecutive rows with the
-/// same prompt form a group.
-pub fn packed_work(prompts: &[&[u32]], completions: &[&[u32]]) -> PackedWork {
-    let mut w = PackedWork::default();
-    let n = prompts.len().min(completions.len());
-    for i in 0..n {
-        let lp = prompts[i].len() as u64;
-        if i == 0 || prompts[i] != prompts[i - 1] {
-            w.tokens += lp;
-            w.attn_pairs += lp * (lp + 1) / 2;
-        }
-        let lc = completions[i].len() as u64;
-        w.tokens += lc;
-        w.head_rows += lc;
-        w.attn_pairs += lc * lp + lc * (lc + 1) / 2;
+/// The [`PassWork`] of rows `prompts[i] ++ completions[i]`.
+pub fn pass_work(prompts: &[&[u32]], completions: &[&[u32]]) -> PassWork {
+    let mut w = PassWork::default();
+    for (p, c) in prompts.iter().zip(completions) {
+        let t = (p.len() + c.len()) as u64;
+        w.tokens += t;
+        w.head_rows += c.len() as u64;
+        w.attn_pairs += t * (t + 1) / 2;
     }
     w
 }
@@ -68,7 +62,7 @@ impl FlopShape {
     }
 
     /// Forward + backward FLOPs of a training pass doing `w`.
-    pub fn pass(&self, w: &PackedWork) -> f64 {
+    pub fn pass(&self, w: &PassWork) -> f64 {
         let per_weight = if self.trains_base { 6.0 } else { 4.0 };
         per_weight * (self.block_params * w.tokens as f64 + self.head_params * w.head_rows as f64)
             + 12.0 * self.attn_width * w.attn_pairs as f64
@@ -93,22 +87,18 @@ pub fn throughput(
 mod tests {
     use super::*;
 
-    /// Counted by hand: a group of two completions behind one prompt, then a group of one.
+    /// Counted by hand: two rows of one prompt (each counts it), and a row of another.
     #[test]
-    fn packed_work_counts_each_groups_prompt_once() {
+    fn pass_work_counts_each_row_whole() {
         let (p1, p2) = ([1u32, 2, 3], [4u32, 5]);
         let (c1, c2, c3) = ([7u32, 8], [9u32], [6u32, 6, 6]);
-        let w = packed_work(&[&p1, &p1, &p2], &[&c1, &c2, &c3]);
-        // Tokens: 3 + 2 + 1, then 2 + 3.
-        assert_eq!(w.tokens, 11);
+        let w = pass_work(&[&p1, &p1, &p2], &[&c1, &c2, &c3]);
+        // Tokens: 3 + 2, 3 + 1, 2 + 3.
+        assert_eq!(w.tokens, 14);
         assert_eq!(w.head_rows, 6);
-        // Pairs: prompt 1 (6), completion 1 (2 x 3 + 3), completion 2 (1 x 3 + 1); prompt 2
-        // (3), completion 3 (3 x 2 + 6).
-        assert_eq!(w.attn_pairs, 6 + 9 + 4 + 3 + 12);
-        // The same prompt in two groups that are not consecutive is counted twice.
-        let w = packed_work(&[&p1, &p2, &p1], &[&c2, &c2, &c2]);
-        assert_eq!(w.tokens, 3 + 1 + 2 + 1 + 3 + 1);
-        assert_eq!(packed_work(&[], &[]), PackedWork::default());
+        // Pairs: rows of 5, 4 and 5 tokens: 15 + 10 + 15.
+        assert_eq!(w.attn_pairs, 40);
+        assert_eq!(pass_work(&[], &[]), PassWork::default());
     }
 
     /// SmolLM2-135M's shape: 6 FLOPs a parameter a token, plus attention; LoRA drops the base
@@ -131,7 +121,7 @@ mod tests {
         );
         assert_eq!(full.head_params, 28_311_552.0);
         assert_eq!(full.attn_width, 30.0 * 9.0 * 64.0);
-        let w = PackedWork {
+        let w = PassWork {
             tokens: 1000,
             head_rows: 800,
             attn_pairs: 50_000,

@@ -350,7 +350,7 @@ pub fn policy_gradients<P: Policy>(
             let part = range.start + part.start..range.start + part.end;
             let mb = batch.micro(part, &device)?;
             if let Some(f) = &flop_shape {
-                st.flops += f.pass(&crate::flops::packed_work(&mb.prompts, &mb.completions));
+                st.flops += f.pass(&crate::flops::pass_work(&mb.prompts, &mb.completions));
             }
             lap(&mut laps, "inputs");
             let (mut logps, ents) = fwd.logprobs(&mb, opts.pad, opts.temperature, opts.entropy)?; // [n, Tc] f32
