@@ -109,6 +109,24 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "grpo-*.metrics.jsonl")))
     m = lambda k: round(statistics.median(x[k] for x in r), 3) if r and all(k in x for x in r) else "-"
     print("   ", os.path.basename(path), "update TFLOP/s", m("time/update_tflops"), "MFU", m("time/update_mfu"))
 PY
+# Each run's memory by phase (GRPO_PROFILE's `profile memory:` lines, the largest over its
+# steps): what tensors used at most, and what CUDA's pool held at most.
+memory() {
+  python3 - "$@" >> $FIN/ops-summary.txt 2>&1 <<'PY'
+import os, re, sys
+pat = re.compile(r"profile memory: (.*?): peak ([0-9.]+) GB, .*held up to ([0-9.]+) GB")
+for path in [p for p in sys.argv[1:] if os.path.exists(p)]:
+    most = {}
+    for line in open(path, errors="replace"):
+        m = pat.search(line)
+        if m:
+            used, held = most.get(m[1], (0.0, 0.0))
+            most[m[1]] = (max(used, float(m[2])), max(held, float(m[3])))
+    for phase, (used, held) in most.items():
+        print(f"    {os.path.basename(path)} memory {phase}: in use {used:.2f} GB, pool held {held:.2f} GB")
+PY
+}
+memory $FIN/grpo-*.log
 # EXTRA=1: after the kit, while the budget lasts: the small f32 shape again with gradient
 # checkpointing (what TRL's peer runs with), for its peak memory and step time; and, when the kit
 # ran the one-op layer, the 1.7B shape again through candle's graph (GRPO_GPU_LAYER=graph), the
@@ -145,4 +163,5 @@ extra l17-bf16-ckpt /tmp/m-1.7b 90 GRPO_GPU_LAYER=$LAYER --max_steps=3 --dtype=b
 # held); in passes of 512 tokens, how far smaller passes bring it down and what they cost.
 extra s135-f32-release /tmp/m-135m 45 GRPO_CUDA_POOL=release --max_steps=5 --dtype=f32
 extra s135-f32-512 /tmp/m-135m 45 GRPO_GPU_LAYER=$LAYER --max_steps=5 --dtype=f32 --forward_chunk_tokens=512
+memory $FIN/grpo-s135-f32-*.log $FIN/grpo-l17-bf16-*.log
 log "extras done"
