@@ -128,11 +128,12 @@ PY
 }
 memory $FIN/grpo-*.log
 # EXTRA=1: after the kit, while the budget lasts: the small f32 shape again with gradient
-# checkpointing (what TRL's peer runs with), for its peak memory and step time; and, when the kit
-# ran the one-op layer, the 1.7B shape again through candle's graph (GRPO_GPU_LAYER=graph), the
-# op's A/B in one call; then the 1.7B shape with gradient checkpointing (TRL's default: what it
-# costs there decides whether grpo's GPU default should follow it); last, the small f32 shape
-# with CUDA's pool releasing freed memory, and in passes of 512 tokens.
+# checkpointing (what TRL's peer runs with), for its peak memory and step time; three reads of
+# that shape's peak (CUDA's pool trimmed between phases, releasing at every synchronization, and
+# passes of 512 tokens); when the kit ran the one-op layer, the 1.7B shape again through candle's
+# graph (GRPO_GPU_LAYER=graph), the op's A/B in one call; then the 1.7B shape with gradient
+# checkpointing (TRL's default: what it costs there decides whether grpo's GPU default should
+# follow it).
 left() { echo $((${BUDGET:-530} + T0 - SECONDS)); }
 extra() {  # name model-dir timeout env-assignment grpo-args...
   local name=$1 m=$2 to=$3 env=$4; shift 4
@@ -153,15 +154,17 @@ PY
   rm -rf /tmp/o-$name
 }
 extra s135-f32-ckpt /tmp/m-135m 60 GRPO_GPU_LAYER=$LAYER --max_steps=5 --dtype=f32 --gradient_checkpointing=true
+# Three more reads of the small f32 shape's peak (6.9 GB in passes of ~1.9k tokens, TRL 3.8),
+# ~20 s each: CUDA's pool handing its free memory back at the end of each phase of a step
+# (GRPO_CUDA_POOL=trim) and at every synchronization (=release): how much of the peak is freed
+# memory the pool kept (the `profile memory:` lines say it too, as what the pool held); and in
+# passes of 512 tokens: how far smaller passes bring it down, and what they cost.
+extra s135-f32-trim /tmp/m-135m 45 GRPO_CUDA_POOL=trim --max_steps=5 --dtype=f32
+extra s135-f32-release /tmp/m-135m 45 GRPO_CUDA_POOL=release --max_steps=5 --dtype=f32
+extra s135-f32-512 /tmp/m-135m 45 GRPO_GPU_LAYER=$LAYER --max_steps=5 --dtype=f32 --forward_chunk_tokens=512
 [ $LAYER = op ] && extra l17-bf16-graph /tmp/m-1.7b 90 GRPO_GPU_LAYER=graph --max_steps=3 --dtype=bf16 \
   --num_generations=8 --per_device_train_batch_size=128 --max_completion_length=256
 extra l17-bf16-ckpt /tmp/m-1.7b 90 GRPO_GPU_LAYER=$LAYER --max_steps=3 --dtype=bf16 \
   --num_generations=8 --per_device_train_batch_size=128 --max_completion_length=256 --gradient_checkpointing=true
-# Last, two reads of the small f32 shape's peak (6.9 GB in passes of ~1.9k tokens, TRL 3.8):
-# with CUDA's pool handing freed memory back (GRPO_CUDA_POOL=release), how much of the peak is
-# freed memory the pool kept (the kit's `profile memory:` lines say it too, as what the pool
-# held); in passes of 512 tokens, how far smaller passes bring it down and what they cost.
-extra s135-f32-release /tmp/m-135m 45 GRPO_CUDA_POOL=release --max_steps=5 --dtype=f32
-extra s135-f32-512 /tmp/m-135m 45 GRPO_GPU_LAYER=$LAYER --max_steps=5 --dtype=f32 --forward_chunk_tokens=512
 memory $FIN/grpo-s135-f32-*.log $FIN/grpo-l17-bf16-*.log
 log "extras done"

@@ -500,6 +500,72 @@ pub fn free_memory(device: &candle_core::Device) -> Option<u64> {
     }
 }
 
+/// How CUDA's memory pool treats freed memory (`GRPO_CUDA_POOL`, read once): `keep` (unset, the
+/// default) keeps it for reuse ([`keep_device_pool`]); `release` hands it back to the driver at
+/// every synchronization; `trim` keeps it within a phase of a step and hands back what is free
+/// at the phase's end ([`end_phase_of_pool`]): the rollout's, the reference's and the update's
+/// differently sized tensors then do not hold memory for each other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CudaPool {
+    Keep,
+    Release,
+    Trim,
+}
+
+impl CudaPool {
+    /// A value of `GRPO_CUDA_POOL` (unset: keep), or the message for another.
+    pub fn parse(v: Option<&str>) -> Result<CudaPool, String> {
+        match v.map(str::trim) {
+            None | Some("" | "keep") => Ok(CudaPool::Keep),
+            Some("release") => Ok(CudaPool::Release),
+            Some("trim") => Ok(CudaPool::Trim),
+            Some(other) => Err(format!(
+                "GRPO_CUDA_POOL={other} is not keep, release or trim: keeping"
+            )),
+        }
+    }
+
+    /// `GRPO_CUDA_POOL`'s choice; another value warns once and keeps.
+    pub fn from_env() -> CudaPool {
+        static P: OnceLock<CudaPool> = OnceLock::new();
+        *P.get_or_init(|| {
+            let v = std::env::var("GRPO_CUDA_POOL").ok();
+            CudaPool::parse(v.as_deref()).unwrap_or_else(|e| {
+                tracing::warn!("{e}");
+                CudaPool::Keep
+            })
+        })
+    }
+}
+
+/// Under `GRPO_CUDA_POOL=trim`, at the end of a phase of a step: waits for `device` and hands the
+/// free memory its pool keeps back to the driver. A no-op otherwise, on the CPU and in a build
+/// without CUDA.
+pub fn end_phase_of_pool(device: &candle_core::Device) {
+    #[cfg(feature = "cuda")]
+    if let (candle_core::Device::Cuda(d), CudaPool::Trim) = (device, CudaPool::from_env()) {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        if device.synchronize().is_err() {
+            return;
+        }
+        let ctx = d.cuda_stream().context().clone();
+        if ctx.bind_to_thread().is_err() {
+            return;
+        }
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: the context is current on this thread and `pool` is a live local the driver
+        // writes; trimming releases only memory no allocation uses.
+        unsafe {
+            if sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+                == sys::CUresult::CUDA_SUCCESS
+            {
+                sys::cuMemPoolTrimTo(pool, 0);
+            }
+        }
+    }
+    let _ = device;
+}
+
 /// What a CUDA device's default memory pool (where candle's allocations live) says of a
 /// phase: bytes in use by tensors and bytes the pool holds from the driver (in use, plus freed
 /// memory it keeps for reuse: what `nvidia-smi` counts, less the context), each at its most
@@ -673,6 +739,18 @@ pub fn keep_device_pool(device: &candle_core::Device) -> candle_core::Result<()>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cuda_pool_values_parse() {
+        assert_eq!(CudaPool::parse(None), Ok(CudaPool::Keep));
+        assert_eq!(CudaPool::parse(Some("keep")), Ok(CudaPool::Keep));
+        assert_eq!(CudaPool::parse(Some(" release")), Ok(CudaPool::Release));
+        assert_eq!(CudaPool::parse(Some("trim")), Ok(CudaPool::Trim));
+        let e = CudaPool::parse(Some("shrink")).unwrap_err();
+        assert!(e.contains("keep, release or trim"), "{e}");
+        // Off a GPU the phase's end does nothing.
+        end_phase_of_pool(&candle_core::Device::Cpu);
+    }
 
     /// Cards by the driver's names: the most specific entry wins (an A10 is not an A100, an
     /// H100 PCIe not an SXM H100), and a card not listed has no rate.

@@ -93,8 +93,11 @@ impl DeviceSpec {
                     )
                 })?;
                 // Freed memory stays in CUDA's pool for the next pass's tensors (PyTorch's
-                // caching allocator does the same); GRPO_CUDA_POOL=release hands it back.
-                if std::env::var("GRPO_CUDA_POOL").as_deref() != Ok("release") {
+                // caching allocator does the same); GRPO_CUDA_POOL=release hands it back, =trim
+                // at the end of each phase of a step.
+                if grpo_models::kernels::CudaPool::from_env()
+                    != grpo_models::kernels::CudaPool::Release
+                {
                     grpo_models::kernels::keep_device_pool(&dev)?;
                 }
                 grpo_models::kernels::untracked_device(&dev);

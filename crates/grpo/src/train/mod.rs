@@ -203,6 +203,14 @@ fn trace_memory(phase: &str, device: &candle_core::Device) {
     profile::memory(device, phase);
 }
 
+/// The end of a phase of a step (rollout, log-probs, update): [`trace_memory`], then, under
+/// `GRPO_CUDA_POOL=trim`, the pool's free memory back to the driver
+/// ([`grpo_models::kernels::end_phase_of_pool`]).
+fn end_phase(phase: &str, device: &candle_core::Device) {
+    trace_memory(phase, device);
+    grpo_models::kernels::end_phase_of_pool(device);
+}
+
 /// The device a policy's parameters live on.
 fn policy_device<P: policy::Policy>(p: &P) -> candle_core::Device {
     p.vars()

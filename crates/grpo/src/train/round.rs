@@ -223,7 +223,7 @@ pub fn step_round<P: Policy>(
         }
     };
     console.set_position(r.state.step);
-    super::trace_memory("update", &super::policy_device(&r.policy));
+    super::end_phase("update", &super::policy_device(&r.policy));
     r.state.round += 1;
     let cfg = r.cfg;
     if cfg.loss.sync_ref_model
@@ -353,7 +353,7 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> R
     )?;
     let t_generate = t0.elapsed().as_secs_f64() - early.wait_s;
     super::profile::rollout(&gen_stats);
-    super::trace_memory("rollout", &super::policy_device(&r.policy));
+    super::end_phase("rollout", &super::policy_device(&r.policy));
     grpo_models::faults::kill_point("train.sampled");
 
     // 2. Old (sampling-policy) and reference log-probs, without a graph.
@@ -377,7 +377,7 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> R
         .logprobs(&pairs, r.pad, r.opts.sampling.temperature, chunk)?;
     let t_reference = t0.elapsed().as_secs_f64();
     super::profile::log_probs(t_old, t_reference - t_old, &pairs, chunk);
-    super::trace_memory("old/reference log-probs", &super::policy_device(&r.policy));
+    super::end_phase("old/reference log-probs", &super::policy_device(&r.policy));
 
     // 3. Score the rest (coherence rewards read the reference's mean log-prob).
     let t0 = Instant::now();
