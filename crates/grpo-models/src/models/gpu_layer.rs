@@ -480,16 +480,18 @@ mod prim {
 /// and dtype.
 pub fn usable(dev: &Device, shape: LayerShape, dt: DType) -> bool {
     static ASKED: OnceLock<std::sync::Mutex<HashMap<(LayerShape, DType), bool>>> = OnceLock::new();
-    match std::env::var("GRPO_GPU_LAYER").as_deref() {
-        Ok("op") | Ok("") | Err(_) => {}
-        Ok("graph") => return false,
+    // GRPO_GPU_LAYER, read once (this is asked at every training layer's forward).
+    static WANTED: OnceLock<bool> = OnceLock::new();
+    let wanted = *WANTED.get_or_init(|| match std::env::var("GRPO_GPU_LAYER").as_deref() {
+        Ok("op") | Ok("") | Err(_) => true,
+        Ok("graph") => false,
         Ok(other) => {
-            static ONCE: std::sync::Once = std::sync::Once::new();
-            ONCE.call_once(|| {
-                tracing::warn!("GRPO_GPU_LAYER={other} is not op or graph: using the graph")
-            });
-            return false;
+            tracing::warn!("GRPO_GPU_LAYER={other} is not op or graph: using the graph");
+            false
         }
+    });
+    if !wanted {
+        return false;
     }
     let Ok(mut asked) = ASKED.get_or_init(Default::default).lock() else {
         return false;
