@@ -20,6 +20,7 @@
 //! - [`train`]: the training loop.
 
 pub mod advantages;
+pub mod agents;
 pub mod checkpoint;
 pub mod config;
 pub mod data;

@@ -10,6 +10,7 @@ use crate::data::Example;
 use crate::rewards::{Reward, ScoreItem};
 use crate::{Error, Result};
 use grpo_models::models::CausalLm;
+use grpo_models::sampler::episodes::{self, EpisodeTokens, TurnHost};
 use grpo_models::sampler::{self, Completion, GenStats, PromptInput, SamplingParams, StopReason};
 use grpo_models::tokenizer::Tokenizer;
 
@@ -27,9 +28,44 @@ pub struct Episode {
     pub stop_reason: StopReason,
     /// One score per reward function (NaN = missing).
     pub rewards: Vec<f32>,
+    /// A multi-turn episode ([`crate::agents`]): per completion token, whether the model sampled
+    /// it (false: a tool's or environment's token, in the context but out of the loss), and the
+    /// turns as messages. `None` for a single-turn completion.
+    pub agent: Option<AgentTrace>,
+}
+
+/// What a multi-turn episode adds to its [`Episode`].
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct AgentTrace {
+    /// Per completion token: sampled by the model (true) or inserted by a tool turn (false).
+    pub sampled: Vec<bool>,
+    /// The episode after the prompt as chat messages (`assistant`, `tool`, ...), in TRL's
+    /// conversational form.
+    pub messages: Vec<serde_json::Value>,
+    /// Model turns.
+    pub turns: usize,
+    /// Tool calls made, by tool name (in call order, repeats counted).
+    pub tool_calls: Vec<String>,
+    /// Tool errors, by kind (`parse`, `unknown_tool`, `arguments`, `raised`, `timeout`, ...).
+    pub tool_errors: Vec<String>,
+    /// Seconds the episode's tools took.
+    pub tool_secs: f64,
+    /// Rewards the environment gave, when it has a reward method.
+    pub env_reward: Option<f32>,
+    /// Why a cap ended the episode (`max_tool_calling_iterations`, `max_episode_tokens`), if one
+    /// did.
+    pub cut: Option<String>,
 }
 
 impl Episode {
+    /// Completion tokens the model sampled (tool tokens left out).
+    pub fn sampled_tokens(&self) -> usize {
+        match &self.agent {
+            Some(a) => a.sampled.iter().filter(|&&s| s).count(),
+            None => self.completion_ids.len(),
+        }
+    }
+
     pub fn truncated(&self) -> bool {
         self.stop_reason == StopReason::Length
     }
@@ -46,6 +82,8 @@ struct EpisodeWire {
     text: String,
     stop_reason: StopReason,
     rewards: Vec<u32>,
+    #[serde(default)]
+    agent: Option<AgentTrace>,
 }
 
 /// `episodes` as bytes for another process ([`decode_episodes`] reads them back exactly).
@@ -60,6 +98,7 @@ pub fn encode_episodes(episodes: &[Episode]) -> Result<Vec<u8>> {
             text: e.text.clone(),
             stop_reason: e.stop_reason,
             rewards: e.rewards.iter().map(|r| r.to_bits()).collect(),
+            agent: e.agent.clone(),
         })
         .collect();
     serde_json::to_vec(&wire)
@@ -80,6 +119,7 @@ pub fn decode_episodes(bytes: &[u8], from: &str) -> Result<Vec<Episode>> {
             text: w.text,
             stop_reason: w.stop_reason,
             rewards: w.rewards.into_iter().map(f32::from_bits).collect(),
+            agent: w.agent,
         })
         .collect())
 }
@@ -97,6 +137,23 @@ pub trait GroupSampler {
         params: &SamplingParams,
         on_done: &mut dyn FnMut(usize, usize, &Completion) -> Result<()>,
     ) -> Result<(Vec<Vec<Completion>>, GenStats)>;
+
+    /// Samples `n` multi-turn episodes of each prompt, `host` answering each turn (agents);
+    /// each at most `max_tokens` tokens after its prompt.
+    fn sample_episodes(
+        &self,
+        _tok: &Tokenizer,
+        _prompts: &[PromptInput],
+        _n: usize,
+        _params: &SamplingParams,
+        _max_tokens: usize,
+        _host: &mut dyn TurnHost,
+    ) -> Result<(Vec<Vec<EpisodeTokens>>, GenStats)> {
+        Err(Error::config(
+            "tools",
+            "this policy samples single completions: tools and environments need policy = \"causal_lm\"",
+        ))
+    }
 
     /// Per-token log-probs `[N][len]` of `rows` (prompt, completion), without a graph, in forward
     /// passes of at most `chunk_tokens` tokens.
@@ -119,6 +176,18 @@ impl GroupSampler for CausalLm {
         on_done: &mut dyn FnMut(usize, usize, &Completion) -> Result<()>,
     ) -> Result<(Vec<Vec<Completion>>, GenStats)> {
         sampler::generate_streaming(self, Some(tok), prompts, n, params, on_done)
+    }
+
+    fn sample_episodes(
+        &self,
+        tok: &Tokenizer,
+        prompts: &[PromptInput],
+        n: usize,
+        params: &SamplingParams,
+        max_tokens: usize,
+        host: &mut dyn TurnHost,
+    ) -> Result<(Vec<Vec<EpisodeTokens>>, GenStats)> {
+        episodes::generate_episodes(self, tok, prompts, n, params, max_tokens, host)
     }
 
     fn sequence_logprobs(
@@ -194,6 +263,7 @@ impl Sampler<'_> {
             text: c.text.clone(),
             stop_reason: c.stop_reason,
             rewards: vec![],
+            agent: None,
         };
         let g = self.g;
         let (groups, stats) = self.model.sample_groups(
@@ -229,6 +299,17 @@ pub struct EarlyScores {
     pub secs: Vec<f64>,
     /// Seconds between the end of sampling and the end of early scoring.
     pub wait_s: f64,
+}
+
+impl EarlyScores {
+    /// Nothing scored early: `n` episodes, `rewards` rewards.
+    pub fn none(n: usize, rewards: usize) -> EarlyScores {
+        EarlyScores {
+            scores: vec![vec![f32::NAN; rewards]; n],
+            secs: vec![0.0; rewards],
+            wait_s: 0.0,
+        }
+    }
 }
 
 /// [`rollout`], with the rewards marked in `early` scored on a second thread while sampling goes
@@ -418,6 +499,20 @@ pub struct TrainRow {
     pub old_logps: Option<Vec<f32>>,
     /// Per completion token, under the reference model (when beta > 0).
     pub ref_logps: Option<Vec<f32>>,
+    /// Per completion token, whether it counts in the loss, the KL and the entropy (false: a tool's
+    /// or environment's token of a multi-turn episode, TRL's `tool_mask`); `None`: every token.
+    pub sampled: Option<Vec<bool>>,
+}
+
+impl TrainRow {
+    /// Completion tokens that count in the loss.
+    pub fn loss_tokens(&self) -> usize {
+        match (&self.sampled, self.active) {
+            (_, false) => 0,
+            (Some(s), true) => s.iter().filter(|&&x| x).count(),
+            (None, true) => self.completion_ids.len(),
+        }
+    }
 }
 
 /// A generation batch ready for the update.
@@ -464,6 +559,7 @@ impl TrainBatch {
                     advantage: advantages[i],
                     old_logps: old_logps.map(|o| o[i].clone()),
                     ref_logps: ref_logps.map(|r| r[i].clone()),
+                    sampled: e.agent.as_ref().map(|a| a.sampled.clone()),
                 })
                 .collect(),
         }
@@ -476,11 +572,7 @@ impl TrainBatch {
 
     /// Active completion tokens of rows `range`.
     pub fn active_tokens_in(&self, range: std::ops::Range<usize>) -> usize {
-        self.rows[range]
-            .iter()
-            .filter(|r| r.active)
-            .map(|r| r.completion_ids.len())
-            .sum()
+        self.rows[range].iter().map(TrainRow::loss_tokens).sum()
     }
 
     /// Rows `range` as tensors on `dev`.
@@ -506,8 +598,16 @@ impl TrainBatch {
         };
         let mut mask = vec![0f32; n * tc];
         for (i, r) in rows.iter().enumerate() {
-            if r.active {
-                mask[i * tc..i * tc + r.completion_ids.len()].fill(1.0);
+            if !r.active {
+                continue;
+            }
+            let row = &mut mask[i * tc..i * tc + r.completion_ids.len()];
+            match &r.sampled {
+                Some(s) => row
+                    .iter_mut()
+                    .zip(s)
+                    .for_each(|(m, &x)| *m = if x { 1.0 } else { 0.0 }),
+                None => row.fill(1.0),
             }
         }
         Ok(MicroBatch {

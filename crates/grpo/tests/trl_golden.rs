@@ -404,6 +404,7 @@ fn fixture_batch(c: &Value, case: &Value, adv: &[f32]) -> TrainBatch {
                     advantage: adv[i],
                     old_logps: old.as_ref().map(cut),
                     ref_logps: refl.as_ref().map(cut),
+                    sampled: None,
                 }
             })
             .collect(),

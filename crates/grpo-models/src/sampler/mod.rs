@@ -17,6 +17,7 @@
 //! Both draw the row's one uniform per token from the row's RNG and pick by inverse CDF.
 
 mod device;
+pub mod episodes;
 
 use crate::seeding::mix_seed;
 use std::time::Instant;
@@ -174,6 +175,12 @@ struct Row {
     /// Scratch buffer for logit processing.
     scratch: Vec<f32>,
     text_len: usize,
+    /// Tokens this row may sample (in this turn of an episode).
+    limit: usize,
+    /// Position of the first token sampled (in this turn): the tokens before it in its sequence.
+    start: usize,
+    /// Key slots of the batched cache before this row's first token (left padding).
+    pad: usize,
 }
 
 /// Samples `n` completions for each prompt. Returns them grouped by prompt, in sample order.
@@ -201,32 +208,7 @@ pub fn generate_streaming(
     params: &SamplingParams,
     on_done: &mut dyn FnMut(usize, usize, &Completion) -> Result<()>,
 ) -> Result<(Vec<Vec<Completion>>, GenStats)> {
-    params.validate()?;
-    if n == 0 {
-        return Err(Error::config("num_generations", "must be at least 1"));
-    }
-    if !params.stop_strings.is_empty() && tokenizer.is_none() {
-        return Err(Error::config("stop_strings", "need a tokenizer"));
-    }
-    let vocab = model.config().vocab_size;
-    let ctx = model.max_positions();
-    for (i, p) in prompts.iter().enumerate() {
-        if p.ids.is_empty() {
-            return Err(Error::Generate(format!("prompt {i} is empty")));
-        }
-        if p.ids.len() + params.max_new_tokens > ctx {
-            return Err(Error::Generate(format!(
-                "prompt {i} has {} tokens; with max_new_tokens {} that exceeds the model's context of {ctx} positions: shorten the prompt or lower max_new_tokens",
-                p.ids.len(),
-                params.max_new_tokens
-            )));
-        }
-        if let Some(&bad) = p.ids.iter().find(|&&t| t as usize >= vocab) {
-            return Err(Error::Generate(format!(
-                "prompt {i} contains token id {bad}, outside the model's vocabulary of {vocab}"
-            )));
-        }
-    }
+    check_prompts(model, tokenizer, prompts, n, params, params.max_new_tokens)?;
     let mut stats = GenStats::default();
     if prompts.is_empty() {
         return Ok((vec![], stats));
@@ -251,71 +233,10 @@ pub fn generate_streaming(
         }
         return Ok((groups, stats));
     }
-    let device = model.device().clone();
-
-    // 1. Prefill every prompt once, all in one forward, left-padded to the longest.
-    let t0 = Instant::now();
-    let lmax = prompts.iter().map(|p| p.ids.len()).max().unwrap_or(0);
-    let seqs: Vec<Vec<u32>> = prompts.iter().map(|p| p.ids.clone()).collect();
-    let pre = SeqBatch::left_padded(&seqs, 0, &device)?;
-    let mut prompt_cache = model.new_cache(prompts.len(), lmax)?;
-    let h = model.forward_cached(
-        &pre.ids,
-        &pre.positions,
-        &AttnMask::dense(pre.mask.clone())?,
-        &mut prompt_cache,
-    )?; // [P, Lmax, H]
-    let last = h.narrow(1, lmax - 1, 1)?.squeeze(1)?; // [P, H]
-    let first = model.logits(&last)?; // [P, V]
-                                      // Off the fused CPU path, tokens are chosen where the logits are.
-    let on_device = !model.compute().is_fused();
-    let all_logits: Vec<f32> = match on_device {
-        true => vec![],
-        false => first.flatten_all()?.to_vec1()?, // [P*V]
-    };
-    stats.prompt_tokens = seqs.iter().map(|s| s.len()).sum();
-    drop(h);
-    stats.prefill_s = t0.elapsed().as_secs_f64();
-
-    // 2. Rows: prompt-major, G per prompt; first tokens from the prompt's last logits.
+    // 1-2. Prefill every prompt once; each row's first token from its prompt's last logits.
+    let (mut rows, prompt_cache, lmax) =
+        start_rows(model, tokenizer, prompts, n, params, &mut stats)?;
     let t1 = Instant::now();
-    let mut rows: Vec<Row> = Vec::with_capacity(prompts.len() * n);
-    for (pi, p) in prompts.iter().enumerate() {
-        for g in 0..n {
-            rows.push(Row {
-                prompt: pi,
-                rng: ChaCha8Rng::seed_from_u64(mix_seed(p.seed, g as u64)),
-                seen: p.ids.clone(),
-                tokens: Vec::with_capacity(params.max_new_tokens),
-                logprobs: Vec::with_capacity(params.max_new_tokens),
-                done: None,
-                scratch: Vec::new(),
-                text_len: 0,
-            });
-        }
-    }
-    let ts = Instant::now();
-    if on_device {
-        let idx: Vec<u32> = rows.iter().map(|r| r.prompt as u32).collect();
-        let idx = Tensor::from_vec(idx, rows.len(), &device)?;
-        let all: Vec<usize> = (0..rows.len()).collect();
-        step_rows_on_device(
-            &mut rows,
-            &all,
-            &first.index_select(&idx, 0)?,
-            params,
-            tokenizer,
-        )?;
-    } else {
-        let v = all_logits.len() / prompts.len();
-        rows.par_iter_mut().try_for_each(|row| {
-            let at = row.prompt * v;
-            step_row(row, &all_logits[at..at + v], params, tokenizer)
-        })?;
-    }
-    stats.sample_s += ts.elapsed().as_secs_f64();
-    drop(all_logits);
-    drop(first);
 
     // Finished samples' completions, each reported once through `on_done`.
     let mut out: Vec<Option<Completion>> = (0..rows.len()).map(|_| None).collect();
@@ -333,90 +254,28 @@ pub fn generate_streaming(
     report(&rows, &mut out, false)?;
 
     // 3. Batched cache: each row gets its prompt's (left-padded) keys and values, plus room.
-    let mut batch: Vec<usize> = (0..rows.len())
+    let batch: Vec<usize> = (0..rows.len())
         .filter(|&r| rows[r].done.is_none())
         .collect();
     if !batch.is_empty() {
-        let mut cache = batch_cache(model, &prompt_cache, &rows, &batch, params)?;
+        let cache = batch_cache(model, &prompt_cache, &rows, &batch, params)?;
         drop(prompt_cache);
         // 4. Decode until every row is done.
-        let max_steps = params.max_new_tokens - 1;
-        for _step in 0..max_steps {
-            let b = batch.len();
-            let ids: Vec<u32> = batch
-                .iter()
-                .map(|&r| *rows[r].tokens.last().unwrap_or(&0))
-                .collect();
-            let pos: Vec<u32> = batch
-                .iter()
-                .map(|&r| (prompts[rows[r].prompt].ids.len() + rows[r].tokens.len() - 1) as u32)
-                .collect();
-            let pads: Vec<usize> = batch
-                .iter()
-                .map(|&r| lmax - prompts[rows[r].prompt].ids.len())
-                .collect();
-            // Rows of one prompt hold its prefill's keys and values in slots ..lmax: attention
-            // reads them once per group, from the group's first row in the batch.
-            let mut first_of = vec![usize::MAX; prompts.len()];
-            let leader: Vec<usize> = batch
-                .iter()
-                .enumerate()
-                .map(|(i, &r)| {
-                    let f = &mut first_of[rows[r].prompt];
-                    if *f == usize::MAX {
-                        *f = i;
-                    }
-                    *f
-                })
-                .collect();
-            let shared = SharedPrefix { leader, end: lmax };
-            let mask = AttnMask::LeftPad(pads, Some(shared));
-            if on_device {
-                let ti = Instant::now();
-                let logits = model.decode_logits_tensor(&ids, &pos, &mask, &mut cache)?; // [b, V]
-                stats.issue_s += ti.elapsed().as_secs_f64();
-                stats.decode_steps += 1;
-                if crate::kernels::profiling() {
-                    device.synchronize()?; // the forward's time is decode_s - sample_s
-                }
-                let ts = Instant::now();
-                step_rows_on_device(&mut rows, &batch, &logits, params, tokenizer)?;
-                stats.sample_s += ts.elapsed().as_secs_f64();
-            } else {
-                let logits = model.decode_logits(&ids, &pos, &mask, &mut cache)?; // [b*V]
-                stats.decode_steps += 1;
-                let ts = Instant::now();
-                let v = logits.len() / b;
-                let mut slot_of = vec![usize::MAX; rows.len()];
-                batch.iter().enumerate().for_each(|(i, &r)| slot_of[r] = i);
-                rows.par_iter_mut()
-                    .enumerate()
-                    .filter(|(r, row)| row.done.is_none() && slot_of[*r] != usize::MAX)
-                    .try_for_each(|(r, row)| {
-                        let i = slot_of[r];
-                        step_row(row, &logits[i * v..(i + 1) * v], params, tokenizer)
-                    })?;
-                stats.sample_s += ts.elapsed().as_secs_f64();
-            }
-            report(&rows, &mut out, false)?;
-            let finished = batch.iter().filter(|&&r| rows[r].done.is_some()).count();
-            if finished == batch.len() {
-                break;
-            }
-            // Drop finished rows once they are a quarter of the batch: the copy costs about as much
-            // as a few steps of decoding the dead rows would.
-            if finished > 0 && finished * 4 >= batch.len() {
-                let keep: Vec<u32> = batch
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, &r)| rows[r].done.is_none())
-                    .map(|(i, _)| i as u32)
-                    .collect();
-                cache = cache.select_rows(&keep)?;
-                batch.retain(|&r| rows[r].done.is_none());
-                stats.compactions += 1;
-            }
-        }
+        let mut lanes = Lanes {
+            model,
+            params,
+            tokenizer,
+            shared_end: Some(lmax),
+            groups: prompts.len(),
+            stats: &mut stats,
+        };
+        lanes.decode(
+            &mut rows,
+            batch,
+            cache,
+            &mut |rows| report(rows, &mut out, false),
+            &mut |_, _, _, _| Ok(()),
+        )?;
     }
     stats.decode_s = t1.elapsed().as_secs_f64();
 
@@ -428,6 +287,255 @@ pub fn generate_streaming(
         .map(|_| all.by_ref().take(n).collect())
         .collect();
     Ok((groups, stats))
+}
+
+/// The checks every sampling call makes before it starts: the parameters, and each prompt (not
+/// empty, inside the vocabulary, and room for `new_tokens` after it in the model's context).
+fn check_prompts(
+    model: &CausalLm,
+    tokenizer: Option<&Tokenizer>,
+    prompts: &[PromptInput],
+    n: usize,
+    params: &SamplingParams,
+    new_tokens: usize,
+) -> Result<()> {
+    params.validate()?;
+    if n == 0 {
+        return Err(Error::config("num_generations", "must be at least 1"));
+    }
+    if !params.stop_strings.is_empty() && tokenizer.is_none() {
+        return Err(Error::config("stop_strings", "need a tokenizer"));
+    }
+    let vocab = model.config().vocab_size;
+    let ctx = model.max_positions();
+    for (i, p) in prompts.iter().enumerate() {
+        if p.ids.is_empty() {
+            return Err(Error::Generate(format!("prompt {i} is empty")));
+        }
+        if p.ids.len() + new_tokens > ctx {
+            return Err(Error::Generate(format!(
+                "prompt {i} has {} tokens; with {new_tokens} new tokens (max_new_tokens, or an episode's budget) that exceeds the model's context of {ctx} positions: shorten the prompt or lower max_new_tokens",
+                p.ids.len()
+            )));
+        }
+        if let Some(&bad) = p.ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::Generate(format!(
+                "prompt {i} contains token id {bad}, outside the model's vocabulary of {vocab}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Steps 1-2 of sampling: prefills every prompt once, all in one forward, left-padded to the
+/// longest, and chooses each row's first token from its prompt's last logits. Returns the rows
+/// (prompt-major, `n` per prompt), the prompts' cache and the longest prompt's length.
+fn start_rows(
+    model: &CausalLm,
+    tokenizer: Option<&Tokenizer>,
+    prompts: &[PromptInput],
+    n: usize,
+    params: &SamplingParams,
+    stats: &mut GenStats,
+) -> Result<(Vec<Row>, KvCache, usize)> {
+    let device = model.device().clone();
+    let t0 = Instant::now();
+    let lmax = prompts.iter().map(|p| p.ids.len()).max().unwrap_or(0);
+    let seqs: Vec<Vec<u32>> = prompts.iter().map(|p| p.ids.clone()).collect();
+    let pre = SeqBatch::left_padded(&seqs, 0, &device)?;
+    let mut prompt_cache = model.new_cache(prompts.len(), lmax)?;
+    let h = model.forward_cached(
+        &pre.ids,
+        &pre.positions,
+        &AttnMask::dense(pre.mask.clone())?,
+        &mut prompt_cache,
+    )?; // [P, Lmax, H]
+    let last = h.narrow(1, lmax - 1, 1)?.squeeze(1)?; // [P, H]
+    let first = model.logits(&last)?; // [P, V]
+    stats.prompt_tokens = seqs.iter().map(|s| s.len()).sum();
+    drop(h);
+    stats.prefill_s = t0.elapsed().as_secs_f64();
+
+    let mut rows: Vec<Row> = Vec::with_capacity(prompts.len() * n);
+    for (pi, p) in prompts.iter().enumerate() {
+        for g in 0..n {
+            rows.push(Row {
+                prompt: pi,
+                rng: ChaCha8Rng::seed_from_u64(mix_seed(p.seed, g as u64)),
+                seen: p.ids.clone(),
+                tokens: Vec::with_capacity(params.max_new_tokens),
+                logprobs: Vec::with_capacity(params.max_new_tokens),
+                done: None,
+                scratch: Vec::new(),
+                text_len: 0,
+                limit: params.max_new_tokens,
+                start: p.ids.len(),
+                pad: lmax - p.ids.len(),
+            });
+        }
+    }
+    // Row r takes its first token from its prompt's logits.
+    let of_prompt: Vec<usize> = rows.iter().map(|r| r.prompt).collect();
+    let all: Vec<usize> = (0..rows.len()).collect();
+    let ts = Instant::now();
+    first_tokens(
+        model, &mut rows, &all, &first, &of_prompt, params, tokenizer,
+    )?;
+    stats.sample_s += ts.elapsed().as_secs_f64();
+    Ok((rows, prompt_cache, lmax))
+}
+
+/// Chooses the next token of each of `rows` `which[i]` from row `logit_row[i]` of `logits`
+/// [N, V], on the logits' device off the fused CPU path, on the host on it.
+fn first_tokens(
+    model: &CausalLm,
+    rows: &mut [Row],
+    which: &[usize],
+    logits: &Tensor,
+    logit_row: &[usize],
+    params: &SamplingParams,
+    tokenizer: Option<&Tokenizer>,
+) -> Result<()> {
+    if !model.compute().is_fused() {
+        let idx: Vec<u32> = logit_row.iter().map(|&i| i as u32).collect();
+        let idx = Tensor::from_vec(idx, which.len(), logits.device())?;
+        return step_rows_on_device(
+            rows,
+            which,
+            &logits.index_select(&idx, 0)?,
+            params,
+            tokenizer,
+        );
+    }
+    let all_logits: Vec<f32> = logits.flatten_all()?.to_vec1()?; // [N*V]
+    let v = all_logits.len() / logits.dim(0)?.max(1);
+    let mut at = vec![usize::MAX; rows.len()];
+    which.iter().zip(logit_row).for_each(|(&r, &l)| at[r] = l);
+    rows.par_iter_mut()
+        .enumerate()
+        .filter(|(r, _)| at[*r] != usize::MAX)
+        .try_for_each(|(r, row)| {
+            let a = at[r] * v;
+            step_row(row, &all_logits[a..a + v], params, tokenizer)
+        })
+}
+
+/// Rows decoding in lockstep over one batched cache (see [`Lanes::decode`]).
+struct Lanes<'a> {
+    model: &'a CausalLm,
+    params: &'a SamplingParams,
+    tokenizer: Option<&'a Tokenizer>,
+    /// Rows of one prompt hold its prefill's keys and values in slots `..end` (the first turn):
+    /// attention then reads them once per group.
+    shared_end: Option<usize>,
+    /// Prompts (groups) of the rows.
+    groups: usize,
+    stats: &'a mut GenStats,
+}
+
+impl Lanes<'_> {
+    /// Decodes rows `batch` (each with its first token chosen; row `r`'s keys in `cache` row
+    /// `i` where `batch[i] == r`, from slot `rows[r].pad` on) until every one is done or has its
+    /// `limit` of tokens. `report` runs after each step; `leaving(cache, i, r, row)` just before
+    /// row `r` leaves the cache as cache row `i` (a finished row dropped once finished rows are a
+    /// quarter of the batch, and every row at the end).
+    fn decode(
+        &mut self,
+        rows: &mut [Row],
+        mut batch: Vec<usize>,
+        mut cache: KvCache,
+        report: &mut dyn FnMut(&[Row]) -> Result<()>,
+        leaving: &mut dyn FnMut(&KvCache, usize, usize, &Row) -> Result<()>,
+    ) -> Result<()> {
+        let (model, params, tokenizer) = (self.model, self.params, self.tokenizer);
+        let device = model.device().clone();
+        let on_device = !model.compute().is_fused();
+        let max_steps = batch
+            .iter()
+            .map(|&r| rows[r].limit.saturating_sub(rows[r].tokens.len()))
+            .max()
+            .unwrap_or(0);
+        for _step in 0..max_steps {
+            let b = batch.len();
+            let ids: Vec<u32> = batch
+                .iter()
+                .map(|&r| *rows[r].tokens.last().unwrap_or(&0))
+                .collect();
+            let pos: Vec<u32> = batch
+                .iter()
+                .map(|&r| (rows[r].start + rows[r].tokens.len() - 1) as u32)
+                .collect();
+            let pads: Vec<usize> = batch.iter().map(|&r| rows[r].pad).collect();
+            let shared = self.shared_end.map(|end| {
+                // Rows of one prompt hold its prefill's keys and values in slots ..end:
+                // attention reads them once per group, from the group's first row in the batch.
+                let mut first_of = vec![usize::MAX; self.groups];
+                let leader: Vec<usize> = batch
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &r)| {
+                        let f = &mut first_of[rows[r].prompt];
+                        if *f == usize::MAX {
+                            *f = i;
+                        }
+                        *f
+                    })
+                    .collect();
+                SharedPrefix { leader, end }
+            });
+            let mask = AttnMask::LeftPad(pads, shared);
+            if on_device {
+                let ti = Instant::now();
+                let logits = model.decode_logits_tensor(&ids, &pos, &mask, &mut cache)?; // [b, V]
+                self.stats.issue_s += ti.elapsed().as_secs_f64();
+                self.stats.decode_steps += 1;
+                if crate::kernels::profiling() {
+                    device.synchronize()?; // the forward's time is decode_s - sample_s
+                }
+                let ts = Instant::now();
+                step_rows_on_device(rows, &batch, &logits, params, tokenizer)?;
+                self.stats.sample_s += ts.elapsed().as_secs_f64();
+            } else {
+                let logits = model.decode_logits(&ids, &pos, &mask, &mut cache)?; // [b*V]
+                self.stats.decode_steps += 1;
+                let ts = Instant::now();
+                let v = logits.len() / b;
+                let mut slot_of = vec![usize::MAX; rows.len()];
+                batch.iter().enumerate().for_each(|(i, &r)| slot_of[r] = i);
+                rows.par_iter_mut()
+                    .enumerate()
+                    .filter(|(r, row)| row.done.is_none() && slot_of[*r] != usize::MAX)
+                    .try_for_each(|(r, row)| {
+                        let i = slot_of[r];
+                        step_row(row, &logits[i * v..(i + 1) * v], params, tokenizer)
+                    })?;
+                self.stats.sample_s += ts.elapsed().as_secs_f64();
+            }
+            report(rows)?;
+            let finished = batch.iter().filter(|&&r| rows[r].done.is_some()).count();
+            if finished == batch.len() {
+                break;
+            }
+            // Drop finished rows once they are a quarter of the batch: the copy costs about as
+            // much as a few steps of decoding the dead rows would.
+            if finished > 0 && finished * 4 >= batch.len() {
+                let mut keep: Vec<u32> = Vec::with_capacity(batch.len());
+                for (i, &r) in batch.iter().enumerate() {
+                    match rows[r].done {
+                        None => keep.push(i as u32),
+                        Some(_) => leaving(&cache, i, r, &rows[r])?,
+                    }
+                }
+                cache = cache.select_rows(&keep)?;
+                batch.retain(|&r| rows[r].done.is_none());
+                self.stats.compactions += 1;
+            }
+        }
+        for (i, &r) in batch.iter().enumerate() {
+            leaving(&cache, i, r, &rows[r])?;
+        }
+        Ok(())
+    }
 }
 
 /// The finished (or length-stopped) completion of `row`.
@@ -577,7 +685,7 @@ fn advance(
         }
         row.text_len = text.len();
     }
-    if row.done.is_none() && row.tokens.len() >= params.max_new_tokens {
+    if row.done.is_none() && row.tokens.len() >= row.limit {
         row.done = Some(StopReason::Length);
     }
     Ok(())

@@ -455,6 +455,20 @@ impl Tokenizer {
         self
     }
 
+    /// Sets one chat-template variable for every rendering from now on (replacing a variable of
+    /// that name): `tools` (the JSON schemas of an agent's tools, as transformers'
+    /// `apply_chat_template(tools=...)` passes them), or any `chat_template_kwargs` entry.
+    pub fn with_template_var(mut self, name: &str, value: serde_json::Value) -> Self {
+        self.template_kwargs.retain(|(k, _)| k != name);
+        self.template_kwargs.push((name.to_string(), value));
+        self
+    }
+
+    /// The chat template's text, when there is one.
+    pub fn chat_template_source(&self) -> Option<&str> {
+        self.chat.as_ref().map(|t| t.source())
+    }
+
     /// Renders `messages` with the chat template, like transformers'
     /// `apply_chat_template(messages, tokenize=False, add_generation_prompt=...)`.
     pub fn apply_chat_template(

@@ -32,7 +32,7 @@ use crate::{Error, Result};
 
 use sections::{is_key, suggest, Sections, KEYS};
 pub use sections::{
-    reference, Data, Generation, KeyDoc, Logging, Lora, Loss, Run, TaskConfig, Update,
+    reference, Agent, Data, Generation, KeyDoc, Logging, Lora, Loss, Run, TaskConfig, Update,
 };
 pub use trl::{ignore_reason, ignored_trl_keys, trl_key, TrlKey, DEFAULT_DIFFERENCES};
 pub use values::{DTypeOpt, DeviceSpec, MaskRatio, PolicyType, SaveStrategy, SpanLen};
@@ -128,6 +128,7 @@ pub struct TrainConfig {
     pub lora: Lora,
     pub loss: Loss,
     pub logging: Logging,
+    pub agent: Agent,
     /// Completions per generation round: `generation_batch_size`, else
     /// per_device_train_batch_size x steps_per_generation.
     pub generation_batch_size: usize,
@@ -379,6 +380,7 @@ impl TrainConfig {
             lora,
             loss,
             mut logging,
+            agent,
         } = s;
         let per_device = update.per_device_train_batch_size;
         let accum = update.gradient_accumulation_steps;
@@ -598,6 +600,7 @@ impl TrainConfig {
             lora,
             loss,
             logging,
+            agent,
             generation_batch_size: gbs,
             steps_per_generation: spg,
             masking,

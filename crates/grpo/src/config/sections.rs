@@ -301,6 +301,18 @@ sections! {
         ref_model_sync_steps: usize = "512" check values::at_least_one, "steps between reference syncs";
         ref_model_mixup_alpha: f64 = "0.6", "ref = alpha x policy + (1 - alpha) x ref at each sync";
     }
+    /// `[agent]` keys: multi-turn episodes with tools (docs/agents.md).
+    Agent agent {
+        tools: Vec<String> = "[]", "agents: the model may call these Python functions during an episode, as TRL's tools= takes them (path/to/file.py:name, module:name or module.name; their JSON schemas come from type hints and docstrings, as transformers' get_json_schema builds them); [] = no tools";
+        environment_factory: Option<String> = "", "agents: an environment class (path/to/env.py:Env), TRL's environment_factory: one instance per episode, reset(**row) with the dataset row, its public methods as tools, its get_reward method (if any) as a reward (not wired yet: docs/agents.md)";
+        max_tool_calling_iterations: Option<usize> = "" check values::at_least_one_when_set, "agents: turns that call tools, at most, per episode (TRL's name; unset: 5); the episode ends at the next turn that calls one";
+        max_episode_tokens: Option<usize> = "" check values::at_least_one_when_set, "agents: tokens after the prompt, the model's and the tools' together, at most (unset: max_completion_length x (max_tool_calling_iterations + 1)); each model turn is at most max_completion_length";
+        tool_call_format: Option<String> as "hermes|llama3|mistral" = "", "agents: how the model writes tool calls (unset: read from its chat template: <tool_call> is hermes (Qwen, SmolLM3), <|python_tag|> llama3, [TOOL_CALLS] mistral)";
+        chat_template: Option<PathBuf> = "", "a Jinja chat template file used instead of the model's (agents need one that renders `tools` and tool messages; examples/templates/chatml_tools.jinja does for ChatML models such as SmolLM2)";
+        tool_timeout_s: f64 = "10.0" check values::positive, "agents: seconds a tool call may take; a slower one is killed (with its process) and answers the model with a timeout error";
+        tool_max_concurrency: usize = "4" check values::at_least_one, "agents: tool calls running at once (each in a Python process of its own)";
+        tool_max_result_chars: usize = "4096" check values::at_least_one, "agents: a tool's result is cut to this many characters";
+    }
     /// `[logging]` keys.
     Logging logging {
         logging_steps: usize = "1", "log metrics every N steps";

@@ -394,7 +394,6 @@ const IGNORED: &[(&str, &str)] = &[
         "skip_memory_metrics",
         "grpo traces memory with RUST_LOG=grpo=debug",
     ),
-    ("max_tool_calling_iterations", "grpo has no tool calling"),
 ];
 
 /// How grpo reads a TRL (or PEFT, or the seeds') key: `None` when it does not know the key.

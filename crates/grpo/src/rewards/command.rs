@@ -708,7 +708,7 @@ impl Call<'_> {
     }
 }
 
-enum Out {
+pub(crate) enum Out {
     Line(String),
     Eof,
 }
@@ -767,12 +767,12 @@ fn read_line_bounded(
 }
 
 /// One running scorer process and the threads that feed it and read it.
-struct Proc {
-    child: Child,
+pub(crate) struct Proc {
+    pub(crate) child: Child,
     /// Lines for the writer thread; dropping it closes the scorer's stdin.
     input: Option<Sender<String>>,
     /// Lines the scorer wrote to stdout, then `Eof`.
-    output: Receiver<Out>,
+    pub(crate) output: Receiver<Out>,
     stderr: Arc<Mutex<VecDeque<String>>>,
     /// Disconnects when the stderr thread has read everything.
     stderr_done: Receiver<()>,
@@ -785,7 +785,7 @@ struct Proc {
 }
 
 impl Proc {
-    fn spawn(spec: &CommandSpec, name: &str) -> Result<Proc> {
+    pub(crate) fn spawn(spec: &CommandSpec, name: &str) -> Result<Proc> {
         let mut program = PathBuf::from(&spec.command[0]);
         // A relative path with a slash is relative to the scorer's working directory.
         if let Some(dir) = &spec.cwd {
@@ -935,7 +935,7 @@ impl Proc {
         })
     }
 
-    fn send(&self, mut line: String) {
+    pub(crate) fn send(&self, mut line: String) {
         line.push('\n');
         if let Some(tx) = &self.input {
             // A failed send means the writer stopped (the scorer closed stdin or died); the
@@ -944,7 +944,7 @@ impl Proc {
         }
     }
 
-    fn exit_status(&mut self) -> Option<ExitStatus> {
+    pub(crate) fn exit_status(&mut self) -> Option<ExitStatus> {
         if self.reaped.is_some() {
             return self.reaped;
         }
@@ -958,7 +958,7 @@ impl Proc {
     }
 
     /// Waits up to `grace` for the process to exit on its own, then kills it; describes the exit.
-    fn reap(&mut self, grace: Duration) -> String {
+    pub(crate) fn reap(&mut self, grace: Duration) -> String {
         let t0 = Instant::now();
         while self.exit_status().is_none() && t0.elapsed() < grace {
             std::thread::sleep(Duration::from_millis(5));
@@ -972,11 +972,11 @@ impl Proc {
         }
     }
 
-    fn wait_stderr(&self, d: Duration) {
+    pub(crate) fn wait_stderr(&self, d: Duration) {
         let _ = self.stderr_done.recv_timeout(d);
     }
 
-    fn stderr_tail(&self) -> String {
+    pub(crate) fn stderr_tail(&self) -> String {
         let t = lock(&self.stderr);
         if t.is_empty() {
             "(none)".into()
@@ -989,7 +989,7 @@ impl Proc {
     }
 
     /// Kills the scorer and every process it started (its process group), and reaps it.
-    fn kill(&mut self) {
+    pub(crate) fn kill(&mut self) {
         self.input = None;
         if !self.group_killed {
             sandbox::kill_group(&self.child);
@@ -1014,7 +1014,7 @@ impl Drop for Proc {
     }
 }
 
-fn describe(s: ExitStatus) -> String {
+pub(crate) fn describe(s: ExitStatus) -> String {
     use std::os::unix::process::ExitStatusExt;
     if let Some(code) = s.code() {
         return format!("exit status {code}");

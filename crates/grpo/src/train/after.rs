@@ -260,18 +260,22 @@ fn log_completions<P: Policy>(
 ) -> Result<()> {
     let (rewards, advantages) = (&scored.adv.rewards, &scored.adv.advantages);
     for (i, e) in episodes.iter().enumerate() {
-        r.metrics.log_json(
-            "completions.jsonl",
-            &json!({
-                "step": r.state.step,
-                "prompt": prompt_shown(r, e)?,
-                "completion": e.text,
-                "stop_reason": e.stop_reason,
-                "rewards": Reward::named_scores(&r.data.rewards, &e.rewards),
-                "reward": rewards[i],
-                "advantage": advantages[i],
-            }),
-        )?;
+        let mut line = json!({
+            "step": r.state.step,
+            "prompt": prompt_shown(r, e)?,
+            "completion": e.text,
+            "stop_reason": e.stop_reason,
+            "rewards": Reward::named_scores(&r.data.rewards, &e.rewards),
+            "reward": rewards[i],
+            "advantage": advantages[i],
+        });
+        // An agent's episode turn by turn, with roles and tool calls.
+        if let Some(a) = &e.agent {
+            line["messages"] = json!(a.messages);
+            line["tool_errors"] = json!(a.tool_errors);
+            line["cut"] = json!(a.cut);
+        }
+        r.metrics.log_json("completions.jsonl", &line)?;
     }
     // Seed 003's per-group validation log: one row per group.
     let stats = crate::advantages::group_stats(rewards, advantages, r.opts.g);

@@ -270,10 +270,7 @@ impl StepMetrics {
         steps: &[StepStats],
     ) -> StepMetrics {
         let (episodes, adv, cfg) = (&round.episodes, &scored.adv, r.cfg);
-        let lens: Vec<f64> = episodes
-            .iter()
-            .map(|e| e.completion_ids.len() as f64)
-            .collect();
+        let lens: Vec<f64> = episodes.iter().map(|e| e.sampled_tokens() as f64).collect();
         let finite_rewards = adv
             .rewards
             .iter()
@@ -320,6 +317,7 @@ impl StepMetrics {
             health: vec![],
         };
         m.policy = r.policy.round_metrics(&m, episodes, &r.data.rewards);
+        m.policy.extend(crate::agents::round_metrics(episodes));
         m
     }
 

@@ -339,18 +339,38 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> R
         .zip(&seeds)
         .map(|(&i, &seed)| r.policy.round_input(&r.train_ids[i], seed))
         .collect();
-    let (mut episodes, gen_stats, early) = rollout::rollout_scoring_early(
-        &sampler,
-        &r.tok,
-        &batch_idx,
-        prompt_ids,
-        &seeds,
-        r.opts.g,
-        &r.opts.sampling,
-        &r.data.train,
-        &r.data.rewards,
-        &r.opts.early_rewards,
-    )?;
+    // Agents' episodes are scored once they are over (after the log-probs, with the rest).
+    let early_rewards = match &r.agent {
+        Some(_) => vec![false; r.data.rewards.len()],
+        None => r.opts.early_rewards.clone(),
+    };
+    let (mut episodes, gen_stats, early) = match &r.agent {
+        Some(agent) => {
+            let (eps, stats) = agent.rollout(
+                &sampler,
+                &batch_idx,
+                prompt_ids,
+                &seeds,
+                r.opts.g,
+                &r.opts.sampling,
+                &r.data.train,
+            )?;
+            let unscored = rollout::EarlyScores::none(eps.len(), r.data.rewards.len());
+            (eps, stats, unscored)
+        }
+        None => rollout::rollout_scoring_early(
+            &sampler,
+            &r.tok,
+            &batch_idx,
+            prompt_ids,
+            &seeds,
+            r.opts.g,
+            &r.opts.sampling,
+            &r.data.train,
+            &r.data.rewards,
+            &early_rewards,
+        )?,
+    };
     let t_generate = t0.elapsed().as_secs_f64() - early.wait_s;
     super::profile::rollout(&gen_stats);
     super::end_phase("rollout", &super::policy_device(&r.policy));
@@ -394,7 +414,7 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> R
     let reward_secs = rollout::score_rest(
         &mut episodes,
         early,
-        &r.opts.early_rewards,
+        &early_rewards,
         &r.data.train,
         &r.data.rewards,
         ref_means.as_deref(),

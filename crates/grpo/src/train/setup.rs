@@ -150,6 +150,8 @@ pub struct Run<'a, P: Policy = CausalLmPolicy> {
     /// Rounds in a row in which each reward was missing for every completion (not saved: a
     /// resumed run counts afresh).
     pub missing_streak: Vec<usize>,
+    /// Multi-turn episodes with tools, when the config gives them.
+    pub agent: Option<crate::agents::Agent>,
 }
 
 /// What every round uses, resolved once from the config and what the run loaded.
@@ -203,6 +205,7 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
             train_ids,
             policy,
             reference,
+            agent,
             ..
         } = loaded;
         let missing_streak = vec![0; data.rewards.len()];
@@ -221,6 +224,7 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
             metrics,
             config_toml,
             opts,
+            agent,
         })
     }
 }
@@ -377,6 +381,7 @@ struct LoadedRun<P: Policy> {
     tok: Tokenizer,
     pad: u32,
     train_ids: Vec<Vec<u32>>,
+    agent: Option<crate::agents::Agent>,
     /// The frozen reference is loaded only when a KL term or a reward (coherence) needs it.
     kl_needs_ref: bool,
     rewards_need_ref: bool,
@@ -399,7 +404,18 @@ fn load<P: LoadPolicy>(
         tok,
         eos_ids,
     } = P::load(cfg, resume_from, kl_needs_ref || rewards_need_ref, device)?;
-    let tok = tok.with_template_kwargs(&cfg.chat_template_kwargs);
+    let mut tok = tok.with_template_kwargs(&cfg.chat_template_kwargs);
+    if let Some(path) = &cfg.agent.chat_template {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            Error::config(
+                "chat_template",
+                format!("cannot read {}: {e}", path.display()),
+            )
+        })?;
+        tok = tok.with_chat_template(&text, &path.display().to_string())?;
+    }
+    // Tools and environments: started now, their schemas in the chat template's variables.
+    let (agent, tok) = crate::agents::from_config(cfg, tok)?;
     super::trace_memory("loading the policy and reference", device);
     let pad = tok.pad_token_id().or(tok.eos_token_id()).unwrap_or(0);
     tracing::info!(
@@ -433,6 +449,7 @@ fn load<P: LoadPolicy>(
         tok,
         pad,
         train_ids,
+        agent,
         kl_needs_ref,
         rewards_need_ref,
     })

@@ -67,6 +67,7 @@ mod tests {
             text: "x\u{e9}".into(),
             stop_reason: StopReason::Eos,
             rewards: vec![r, f32::NAN],
+            agent: None,
         };
         let got = gather_episodes(&SingleProcess, &[e(3, 1.0), e(1, 0.5), e(3, 2.0)]).unwrap();
         assert_eq!(

@@ -1,0 +1,287 @@
+//! Agents: multi-turn episodes in which the model calls tools or acts in an environment.
+//!
+//! An episode alternates model turns with tool turns until the model answers without a tool
+//! call, the environment says it is done, or a cap is reached (`max_tool_calling_iterations`,
+//! `max_episode_tokens`). The sampler ([`grpo_models::sampler::episodes`]) only sees prefills
+//! and stops; this module is the edge: it parses the model's tool calls ([`calls`]), runs them
+//! ([`tools`]: the user's Python functions and environment classes, in processes of their own),
+//! and renders their results as the model's chat template writes tool messages ([`template`]).
+//! The trainer sees one token sequence per episode and a mask of the tokens the model sampled
+//! ([`crate::rollout::AgentTrace`]).
+
+pub mod calls;
+mod episode;
+pub mod template;
+pub mod tools;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use serde_json::Value;
+
+use crate::data::Example;
+use crate::rollout::{Episode, GroupSampler};
+use crate::Result;
+use calls::CallFormat;
+use grpo_models::sampler::{GenStats, PromptInput, SamplingParams};
+use grpo_models::tokenizer::Tokenizer;
+use template::ToolTurns;
+use tools::ToolHost;
+
+/// What an agent run needs, resolved once at set-up.
+#[derive(Debug)]
+pub struct Agent {
+    pub tools: Arc<ToolHost>,
+    /// Every tool's JSON schema (functions, then the environment's methods).
+    pub schemas: Vec<Value>,
+    pub format: CallFormat,
+    pub turns: ToolTurns,
+    /// Turns that call tools, at most (TRL's `max_tool_calling_iterations`).
+    pub max_iterations: usize,
+    /// Tokens after the prompt, model and tool tokens together, at most.
+    pub max_tokens: usize,
+    /// The tokenizer, with the tools in its chat template's variables.
+    pub tok: Tokenizer,
+    next_id: AtomicU64,
+}
+
+/// How an agent run was configured (from the `[agent]` keys).
+#[derive(Debug, Clone)]
+pub struct AgentOptions {
+    pub format: Option<CallFormat>,
+    pub max_iterations: usize,
+    pub max_tokens: usize,
+    /// Names the model (and where its template came from) in errors.
+    pub model: String,
+}
+
+impl Agent {
+    /// Starts the tools, puts their schemas into `tok`'s chat template (returned, for the
+    /// prompts), and checks that the template renders them and their results.
+    pub fn start(tools: ToolHost, tok: Tokenizer, o: &AgentOptions) -> Result<(Agent, Tokenizer)> {
+        let schemas = tools.schemas();
+        let names: Vec<String> = schemas.iter().filter_map(schema_name).collect();
+        let tok = tok.with_template_var("tools", Value::Array(schemas.clone()));
+        let what = format!("model {}", o.model);
+        let format = match o.format {
+            Some(f) => f,
+            None => tok
+                .chat_template_source()
+                .and_then(CallFormat::from_template)
+                .ok_or_else(|| {
+                    crate::Error::config(
+                        "tool_call_format",
+                        format!(
+                            "{what}: its chat template does not say how it writes tool calls; \
+                             set tool_call_format = \"hermes\", \"llama3\" or \"mistral\""
+                        ),
+                    )
+                })?,
+        };
+        let turns = ToolTurns::new(&tok, &names, &what)?;
+        let agent = Agent {
+            tools: Arc::new(tools),
+            schemas,
+            format,
+            turns,
+            max_iterations: o.max_iterations,
+            max_tokens: o.max_tokens,
+            tok: tok.clone(),
+            next_id: AtomicU64::new(0),
+        };
+        Ok((agent, tok))
+    }
+
+    fn new_episode_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// The stop strings a turn needs on top of the run's (Hermes: `</tool_call>`, so that a
+    /// call's turn ends where its tool runs).
+    pub fn stop_strings(&self) -> Vec<String> {
+        self.format
+            .stop_string()
+            .map(|s| vec![s.to_string()])
+            .unwrap_or_default()
+    }
+
+    /// Samples `g` episodes of each prompt (`seeds[i]` seeds prompt i's group, as
+    /// [`crate::rollout::rollout`] does); every reward NaN (not scored yet).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rollout(
+        &self,
+        model: &dyn GroupSampler,
+        examples: &[usize],
+        prompt_ids: Vec<Vec<u32>>,
+        seeds: &[u64],
+        g: usize,
+        params: &SamplingParams,
+        data: &[Example],
+    ) -> Result<(Vec<Episode>, GenStats)> {
+        let inputs: Vec<PromptInput> = prompt_ids
+            .iter()
+            .zip(seeds)
+            .map(|(ids, &seed)| PromptInput {
+                ids: ids.clone(),
+                seed,
+            })
+            .collect();
+        let mut params = params.clone();
+        for s in self.stop_strings() {
+            if !params.stop_strings.contains(&s) {
+                params.stop_strings.push(s);
+            }
+        }
+        let mut host = episode::Host::new(self, examples.len() * g);
+        if self.tools.has_environment() {
+            let rows: Vec<Value> = examples
+                .iter()
+                .flat_map(|&e| std::iter::repeat_n(episode::row_json(&data[e]), g))
+                .collect();
+            host.reset_environments(&rows);
+        }
+        let sampled =
+            model.sample_episodes(&self.tok, &inputs, g, &params, self.max_tokens, &mut host);
+        host.close_environments();
+        let (groups, stats) = sampled?;
+        Ok((host.episodes(groups, examples, &prompt_ids), stats))
+    }
+}
+
+/// A tool schema's function name.
+fn schema_name(s: &Value) -> Option<String> {
+    s.get("function")
+        .unwrap_or(s)
+        .get("name")
+        .and_then(Value::as_str)
+        .map(str::to_owned)
+}
+
+/// The run's agent, when the config gives tools or an environment (else `tok` as it is). The
+/// tools start here, so that a missing module, a tool without a docstring or a template without
+/// tool support stops the run before training.
+pub fn from_config(
+    cfg: &crate::config::TrainConfig,
+    tok: Tokenizer,
+) -> Result<(Option<Agent>, Tokenizer)> {
+    let a = &cfg.agent;
+    if a.tools.is_empty() && a.environment_factory.is_none() {
+        return Ok((None, tok));
+    }
+    let target = |key: &str, t: &str| {
+        crate::rewards::command::python_target(t).map_err(|m| crate::Error::config(key, m))
+    };
+    let tools = a
+        .tools
+        .iter()
+        .map(|t| target("tools", t))
+        .collect::<Result<Vec<_>>>()?;
+    if a.environment_factory.is_some() {
+        // The tool process hosts environments already; how an episode starts from reset's
+        // observation (TRL appends it to the prompt) is not built yet.
+        return Err(crate::Error::config(
+            "environment_factory",
+            "environments are not supported yet (tools are): see docs/agents.md",
+        ));
+    }
+    let environment = None;
+    let spec = tools::ToolSpec {
+        timeout: std::time::Duration::from_secs_f64(a.tool_timeout_s),
+        max_result_chars: a.tool_max_result_chars,
+        processes: a.tool_max_concurrency,
+        ..tools::ToolSpec::new(tools, environment)
+    };
+    let host = ToolHost::start(spec)?;
+    let max_iterations = a.max_tool_calling_iterations.unwrap_or(5);
+    let per_turn = cfg.generation.max_completion_length;
+    let opts = AgentOptions {
+        format: a
+            .tool_call_format
+            .as_deref()
+            .map(CallFormat::parse)
+            .transpose()
+            .map_err(|m| crate::Error::config("tool_call_format", m))?,
+        max_iterations,
+        max_tokens: a
+            .max_episode_tokens
+            .unwrap_or(per_turn * (max_iterations + 1)),
+        model: cfg
+            .run
+            .model
+            .clone()
+            .unwrap_or_else(|| "SmolLM2-135M-Instruct".into()),
+    };
+    let (agent, tok) = Agent::start(host, tok, &opts)?;
+    tracing::info!(
+        "agent: tools {} ({} format), at most {} tool turns and {} tokens an episode",
+        agent
+            .schemas
+            .iter()
+            .filter_map(schema_name)
+            .collect::<Vec<_>>()
+            .join(", "),
+        format!("{:?}", agent.format).to_lowercase(),
+        agent.max_iterations,
+        agent.max_tokens
+    );
+    Ok((Some(agent), tok))
+}
+
+/// A round's agent metrics (`agent/*`): turns, tool calls (in all and per tool), tool errors (in
+/// all and per kind), tool seconds, sampled and tool tokens per episode, and the share of
+/// episodes a cap ended. Empty for single-turn episodes.
+pub fn round_metrics(episodes: &[Episode]) -> Vec<(String, f64)> {
+    let traces: Vec<&crate::rollout::AgentTrace> =
+        episodes.iter().filter_map(|e| e.agent.as_ref()).collect();
+    if traces.is_empty() {
+        return vec![];
+    }
+    let n = traces.len() as f64;
+    let mean = |f: &dyn Fn(&crate::rollout::AgentTrace) -> f64| {
+        traces.iter().map(|t| f(t)).sum::<f64>() / n
+    };
+    let mut m = vec![
+        (
+            "agent/turns_per_episode".to_string(),
+            mean(&|t| t.turns as f64),
+        ),
+        (
+            "agent/tool_calls_per_episode".into(),
+            mean(&|t| t.tool_calls.len() as f64),
+        ),
+        (
+            "agent/tool_errors_per_episode".into(),
+            mean(&|t| t.tool_errors.len() as f64),
+        ),
+        (
+            "agent/tool_seconds_per_episode".into(),
+            mean(&|t| t.tool_secs),
+        ),
+        (
+            "agent/episodes_calling_tools".into(),
+            mean(&|t| (!t.tool_calls.is_empty()) as u8 as f64),
+        ),
+        (
+            "agent/episodes_cut".into(),
+            mean(&|t| t.cut.is_some() as u8 as f64),
+        ),
+        (
+            "agent/tool_tokens_per_episode".into(),
+            mean(&|t| t.sampled.iter().filter(|&&s| !s).count() as f64),
+        ),
+    ];
+    let mut by = |prefix: &str, names: &dyn Fn(&crate::rollout::AgentTrace) -> &Vec<String>| {
+        let mut counts: std::collections::BTreeMap<&str, f64> = Default::default();
+        for t in &traces {
+            for k in names(t) {
+                *counts.entry(k.as_str()).or_default() += 1.0;
+            }
+        }
+        for (k, c) in counts {
+            m.push((format!("{prefix}/{k}"), c / n));
+        }
+    };
+    by("agent/tool_calls", &|t| &t.tool_calls);
+    by("agent/tool_errors", &|t| &t.tool_errors);
+    m
+}

@@ -1,0 +1,474 @@
+//! The multi-turn sampler (`grpo_models::sampler::episodes`) on a tiny random Llama: each turn's
+//! inserted tokens are prefilled onto the row's own keys and values, so an episode's sampled
+//! log-probs must equal a plain forward over the whole episode's tokens, on the fused decoding
+//! step and on the tensor path; an episode must not depend on the rest of the batch; the budget
+//! of tokens must end an episode.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device};
+use grpo::logprobs::next_token_logprobs;
+use grpo_models::hub::ModelSource;
+use grpo_models::models::{CausalLm, Mode, SeqBatch};
+use grpo_models::sampler::episodes::{generate_episodes, EpisodeTokens, TurnHost};
+use grpo_models::sampler::{Completion, PromptInput, SamplingParams};
+use grpo_models::tokenizer::Tokenizer;
+use grpo_models::weights::load_model;
+
+#[path = "support/tiny_llama.rs"]
+mod support;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+/// Every turn goes on until the episode has `turns` model turns; row r's inserted turn is
+/// `1 + r % 4` tokens (different lengths in one batch), made from the row's own last token so
+/// that it depends on what the row sampled.
+struct Scripted {
+    turns: usize,
+    seen: Vec<usize>,
+    last: Vec<u32>,
+    ended: Vec<(usize, usize)>,
+}
+
+impl TurnHost for Scripted {
+    fn turn_ended(
+        &mut self,
+        row: usize,
+        prompt: usize,
+        sample: usize,
+        turn: &Completion,
+    ) -> grpo_models::Result<bool> {
+        if self.seen.len() <= row {
+            self.seen.resize(row + 1, 0);
+            self.last.resize(row + 1, 0);
+        }
+        self.seen[row] += 1;
+        self.last[row] = *turn.ids.last().unwrap();
+        self.ended.push((prompt, sample));
+        Ok(self.seen[row] < self.turns)
+    }
+
+    fn continuations(&mut self, rows: &[usize]) -> grpo_models::Result<Vec<Option<Vec<u32>>>> {
+        Ok(rows
+            .iter()
+            .map(|&r| {
+                Some(
+                    (0..1 + r % 4)
+                        .map(|j| 100 + self.last[r] % 50 + j as u32)
+                        .collect(),
+                )
+            })
+            .collect())
+    }
+}
+
+fn tiny() -> (CausalLm, Tokenizer, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    support::tiny_llama(dir.path(), &fixtures());
+    let m = load_model(
+        &ModelSource::HfDir(dir.path().to_path_buf()),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let tok = m.tokenizer().unwrap().clone();
+    (m.build().unwrap(), tok, dir)
+}
+
+fn params(max_new: usize) -> SamplingParams {
+    SamplingParams {
+        max_new_tokens: max_new,
+        temperature: 0.8,
+        // A token the random model samples now and then ends some turns early.
+        eos_token_ids: vec![2, 7, 11, 13],
+        ..Default::default()
+    }
+}
+
+fn prompts() -> Vec<PromptInput> {
+    vec![
+        PromptInput {
+            ids: vec![5, 17, 33, 2, 90],
+            seed: 3,
+        },
+        PromptInput {
+            ids: vec![8, 9],
+            seed: 4,
+        },
+        PromptInput {
+            ids: vec![40, 41, 42, 43, 44, 45, 46, 47],
+            seed: 5,
+        },
+    ]
+}
+
+fn episodes(
+    model: &CausalLm,
+    tok: &Tokenizer,
+    prompts: &[PromptInput],
+    turns: usize,
+    max_tokens: usize,
+) -> Vec<Vec<EpisodeTokens>> {
+    let mut host = Scripted {
+        turns,
+        seen: vec![],
+        last: vec![],
+        ended: vec![],
+    };
+    let (out, stats) =
+        generate_episodes(model, tok, prompts, 4, &params(6), max_tokens, &mut host).unwrap();
+    let sampled: usize = out
+        .iter()
+        .flatten()
+        .map(|e| e.sampled.iter().filter(|&&s| s).count())
+        .sum();
+    assert_eq!(stats.generated_tokens, sampled);
+    out
+}
+
+/// Sampled log-probs against a forward over prompt + episode, at the sampled positions.
+fn check_logprobs(
+    model: &CausalLm,
+    prompts: &[PromptInput],
+    out: &[Vec<EpisodeTokens>],
+    what: &str,
+) {
+    for (p, group) in prompts.iter().zip(out) {
+        for e in group {
+            assert_eq!(e.ids.len(), e.sampled.len());
+            assert_eq!(e.ids.len(), e.logprobs.len());
+            let seq = [p.ids.clone(), e.ids.clone()].concat();
+            let batch = SeqBatch::right_padded(&[seq], 0, &Device::Cpu).unwrap();
+            let lp = next_token_logprobs(model, &batch, 0.8, Mode::Infer).unwrap();
+            let lp = lp.to_vec2::<f32>().unwrap().remove(0);
+            let lp = &lp[p.ids.len() - 1..];
+            for (j, (&s, &got)) in e.sampled.iter().zip(&e.logprobs).enumerate() {
+                if s {
+                    assert!(
+                        (lp[j] - got).abs() < 1e-4,
+                        "{what}: token {j} of {:?}: sampler {got} vs forward {}",
+                        e.ids,
+                        lp[j]
+                    );
+                } else {
+                    assert_eq!(got, 0.0);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn episode_logprobs_equal_a_forward_over_the_whole_episode() {
+    let (plain, tok, _dir) = tiny();
+    let mut packed = plain.clone();
+    packed.pack_for_decoding().unwrap();
+    for (model, what) in [(&plain, "tensor path"), (&packed, "fused decoding")] {
+        let out = episodes(model, &tok, &prompts(), 3, 200);
+        for e in out.iter().flatten() {
+            assert_eq!(e.turns, 3, "every episode runs its 3 turns: {e:?}");
+            let inserted = e.sampled.iter().filter(|&&s| !s).count();
+            assert!(inserted >= 2, "two inserted turns: {e:?}");
+            assert!(!e.out_of_tokens);
+        }
+        check_logprobs(model, &prompts(), &out, what);
+    }
+}
+
+#[test]
+fn an_episode_does_not_depend_on_the_rest_of_the_batch() {
+    let (model, tok, _dir) = tiny();
+    let all = episodes(&model, &tok, &prompts(), 3, 200);
+    let alone = episodes(&model, &tok, &prompts()[1..2], 3, 200);
+    // Rows are numbered in the batch and the scripted host's inserted length depends on the
+    // row's number mod 4: prompt 1's rows (4..8 in the batch, 0..4 alone) get the same ones.
+    for s in 0..4 {
+        let (in_batch, by_itself) = (&all[1][s], &alone[0][s]);
+        assert_eq!(
+            in_batch.ids, by_itself.ids,
+            "sample {s} depends on the batch"
+        );
+        let d = in_batch
+            .logprobs
+            .iter()
+            .zip(&by_itself.logprobs)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        assert!(d < 1e-4, "sample {s}: log-probs differ by {d}");
+    }
+    // The same prompt batch, sampled again, is the same.
+    assert_eq!(all, episodes(&model, &tok, &prompts(), 3, 200));
+}
+
+#[test]
+fn the_token_budget_ends_episodes() {
+    let (model, tok, _dir) = tiny();
+    let out = episodes(&model, &tok, &prompts(), 10, 14);
+    for e in out.iter().flatten() {
+        assert!(
+            e.ids.len() <= 14,
+            "{} tokens over a budget of 14",
+            e.ids.len()
+        );
+        assert!(e.out_of_tokens || e.turns == 10, "{e:?}");
+    }
+    assert!(out.iter().flatten().any(|e| e.out_of_tokens));
+    check_logprobs(&model, &prompts(), &out, "budget");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The agents' host: tool calls parsed, run in Python, their results rendered by the template.
+
+use grpo::agents::tools::{ToolHost, ToolSpec};
+use grpo::agents::{Agent, AgentOptions};
+use grpo::data::Example;
+use grpo::rollout::GroupSampler;
+use grpo_models::sampler::episodes::EpisodeTokens as Tokens;
+use grpo_models::sampler::{GenStats, StopReason};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// A sampler that writes fixed turns: `turns[i]` is the text of every episode's turn i.
+struct Scripted2 {
+    turns: Vec<String>,
+}
+
+impl GroupSampler for Scripted2 {
+    fn sample_groups(
+        &self,
+        _: &Tokenizer,
+        _: &[PromptInput],
+        _: usize,
+        _: &SamplingParams,
+        _: &mut dyn FnMut(usize, usize, &Completion) -> grpo::Result<()>,
+    ) -> grpo::Result<(Vec<Vec<Completion>>, GenStats)> {
+        unreachable!("agents sample episodes")
+    }
+
+    fn sample_episodes(
+        &self,
+        tok: &Tokenizer,
+        prompts: &[PromptInput],
+        n: usize,
+        _: &SamplingParams,
+        _: usize,
+        host: &mut dyn TurnHost,
+    ) -> grpo::Result<(Vec<Vec<Tokens>>, GenStats)> {
+        let rows = prompts.len() * n;
+        let mut eps: Vec<Tokens> = (0..rows)
+            .map(|_| Tokens {
+                ids: vec![],
+                sampled: vec![],
+                logprobs: vec![],
+                turns: 0,
+                stop_reason: StopReason::Eos,
+                out_of_tokens: false,
+            })
+            .collect();
+        let mut live: Vec<usize> = (0..rows).collect();
+        for text in &self.turns {
+            let ids = tok.encode(text, false).unwrap();
+            let stop_reason = match text.ends_with("<|im_end|>") {
+                true => StopReason::Eos,
+                false => StopReason::StopString,
+            };
+            let c = Completion {
+                text: tok.decode(&ids, true).unwrap(),
+                logprobs: vec![-0.5; ids.len()],
+                ids: ids.clone(),
+                stop_reason,
+            };
+            let mut going = vec![];
+            for &r in &live {
+                let e = &mut eps[r];
+                e.ids.extend(&ids);
+                e.sampled.extend(vec![true; ids.len()]);
+                e.logprobs.extend(&c.logprobs);
+                e.turns += 1;
+                e.stop_reason = stop_reason;
+                if host.turn_ended(r, r / n, r % n, &c)? {
+                    going.push(r);
+                }
+            }
+            let conts = host.continuations(&going)?;
+            live.clear();
+            for (r, cont) in going.into_iter().zip(conts) {
+                if let Some(t) = cont {
+                    let e = &mut eps[r];
+                    e.ids.extend(&t);
+                    e.sampled.extend(vec![false; t.len()]);
+                    e.logprobs.extend(vec![0.0; t.len()]);
+                    live.push(r);
+                }
+            }
+        }
+        let mut it = eps.into_iter();
+        Ok((
+            (0..prompts.len())
+                .map(|_| it.by_ref().take(n).collect())
+                .collect(),
+            GenStats::default(),
+        ))
+    }
+
+    fn sequence_logprobs(
+        &self,
+        _: &[(&[u32], &[u32])],
+        _: u32,
+        _: f64,
+        _: usize,
+    ) -> grpo::Result<Vec<Vec<f32>>> {
+        unreachable!()
+    }
+}
+
+fn calculator_agent(tok: Tokenizer) -> (Agent, Tokenizer) {
+    let template =
+        std::fs::read_to_string(repo().join("examples/templates/chatml_tools.jinja")).unwrap();
+    let tok = tok
+        .with_chat_template(&template, "chatml_tools.jinja")
+        .unwrap();
+    let calc = repo().join("examples/agents/calculator.py");
+    let host = ToolHost::start(ToolSpec::new(
+        vec![format!("{}:calculator", calc.display())],
+        None,
+    ))
+    .unwrap();
+    let o = AgentOptions {
+        format: None,
+        max_iterations: 2,
+        max_tokens: 400,
+        model: "tiny".into(),
+    };
+    Agent::start(host, tok, &o).unwrap()
+}
+
+fn example() -> Example {
+    Example {
+        prompt: grpo::data::Prompt::Text("What is 12 * 34?".into()),
+        answer: Some("408".into()),
+        metadata: Default::default(),
+        origin: "test:1".into(),
+        tokens: None,
+    }
+}
+
+#[test]
+fn the_host_runs_tools_and_renders_their_results_as_the_template_does() {
+    let (_, tok, _dir) = tiny();
+    let (agent, tok) = calculator_agent(tok);
+    // The tools are in the prompt.
+    let prompt = tok
+        .apply_chat_template(&[grpo_models::tokenizer::ChatMessage::user("hi")], true)
+        .unwrap();
+    assert!(prompt.contains("\"name\": \"calculator\""), "{prompt}");
+    let sampler = Scripted2 {
+        turns: vec![
+            "<tool_call>\n{\"name\": \"calculator\", \"arguments\": {\"expression\": \"12 * 34\"}}\n</tool_call>".into(),
+            "<tool_call>\n{\"name\": \"calculator\", \"arguments\": {\"expr\": 1}}\n</tool_call>".into(),
+            "The answer is 408.<|im_end|>".into(),
+        ],
+    };
+    let params = SamplingParams::default();
+    let (eps, _) = agent
+        .rollout(
+            &sampler,
+            &[0],
+            vec![vec![1, 2, 3]],
+            &[7],
+            2,
+            &params,
+            &[example()],
+        )
+        .unwrap();
+    assert_eq!(eps.len(), 2);
+    let e = &eps[0];
+    let t = e.agent.as_ref().unwrap();
+    assert_eq!(t.turns, 3);
+    assert_eq!(t.tool_calls, vec!["calculator", "calculator"]);
+    assert_eq!(t.tool_errors, vec!["arguments"]);
+    assert_eq!(e.text, "The answer is 408.");
+    let roles: Vec<&str> = t
+        .messages
+        .iter()
+        .map(|m| m["role"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        roles,
+        ["assistant", "tool", "assistant", "tool", "assistant"]
+    );
+    assert_eq!(t.messages[1]["content"], "408");
+    // The inserted tokens are the template's tool turn, around the tool's result.
+    let inserted: Vec<u32> = e
+        .completion_ids
+        .iter()
+        .zip(&t.sampled)
+        .filter(|(_, &s)| !s)
+        .map(|(&id, _)| id)
+        .collect();
+    let text = tok.decode(&inserted, false).unwrap();
+    assert!(
+        text.starts_with("<|im_end|>\n<|im_start|>user\n<tool_response>\n408\n</tool_response><|im_end|>\n<|im_start|>assistant\n"),
+        "{text:?}"
+    );
+    assert!(text.contains("Error: tool `calculator`"), "{text:?}");
+    let m: std::collections::HashMap<String, f64> =
+        grpo::agents::round_metrics(&eps).into_iter().collect();
+    assert_eq!(m["agent/turns_per_episode"], 3.0);
+    assert_eq!(m["agent/tool_calls/calculator"], 2.0);
+    assert_eq!(m["agent/tool_errors/arguments"], 1.0);
+}
+
+#[test]
+fn a_template_without_tools_is_refused_naming_the_key() {
+    let (_, tok, _dir) = tiny();
+    let calc = repo().join("examples/agents/calculator.py");
+    let host = ToolHost::start(ToolSpec::new(
+        vec![format!("{}:calculator", calc.display())],
+        None,
+    ))
+    .unwrap();
+    let o = AgentOptions {
+        format: Some(grpo::agents::calls::CallFormat::Hermes),
+        max_iterations: 2,
+        max_tokens: 400,
+        model: "tiny".into(),
+    };
+    let e = Agent::start(host, tok, &o).unwrap_err().to_string();
+    assert!(
+        e.contains("ignores `tools`") && e.contains("chat_template"),
+        "{e}"
+    );
+}
+
+#[test]
+fn training_with_tools_runs_and_logs_agent_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    support::tiny_llama(&model, &fixtures());
+    let out = dir.path().join("out");
+    let text = format!(
+        "model = \"{}\"\noutput_dir = \"{}\"\nnum_generations = 4\nper_device_train_batch_size = 8\n\
+         max_completion_length = 6\nmax_steps = 2\nsave_steps = 0\nthreads = 2\nlearning_rate = 1e-3\n\
+         report_to = []\ntools = [\"{}:calculator\"]\nchat_template = \"{}\"\n\
+         max_tool_calling_iterations = 2\n[task]\ntrain_size = 8\neval_size = 2\n",
+        model.display(),
+        out.display(),
+        repo().join("examples/agents/calculator.py").display(),
+        repo().join("examples/templates/chatml_tools.jinja").display(),
+    );
+    let cfg =
+        grpo::config::TrainConfig::from_str(&text, grpo::config::Format::Toml, "t", &[]).unwrap();
+    let done = grpo::train::train(&cfg, &grpo::train::RunControl::default()).unwrap();
+    assert_eq!(done.steps, 2);
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let first: serde_json::Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
+    assert!(
+        first["agent/turns_per_episode"].as_f64().unwrap() >= 1.0,
+        "{first}"
+    );
+}
