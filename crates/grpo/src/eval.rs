@@ -383,8 +383,24 @@ pub fn evaluate_sharded(
     examples: &[Example],
     rewards: &[Reward],
     opts: &EvalOptions,
+    out: Option<RowSink<'_>>,
+    shard: Option<EvalShard<'_>>,
+) -> Result<EvalReport> {
+    evaluate_agent(model, tok, examples, rewards, opts, out, shard, None)
+}
+
+/// [`evaluate_sharded`], each sample an episode of `agent`'s tools when one is given (its
+/// correctness that of the episode's final answer).
+#[allow(clippy::too_many_arguments)]
+pub fn evaluate_agent(
+    model: &dyn GroupSampler,
+    tok: &Tokenizer,
+    examples: &[Example],
+    rewards: &[Reward],
+    opts: &EvalOptions,
     mut out: Option<RowSink<'_>>,
     shard: Option<EvalShard<'_>>,
+    agent: Option<&crate::agents::Agent>,
 ) -> Result<EvalReport> {
     opts.validate()?;
     let n = opts.num_samples;
@@ -436,14 +452,17 @@ pub fn evaluate_sharded(
             }
             eps
         };
+        let sample = |ids: Vec<Vec<u32>>, n: usize, params: &SamplingParams| match agent {
+            Some(a) => a.rollout(model, chunk, ids, &seeds, n, params, examples),
+            None => rollout::rollout(model, tok, chunk, ids, &seeds, n, params),
+        };
         if n > 0 {
-            let (mut eps, _) =
-                rollout::rollout(model, tok, chunk, ids.clone(), &seeds, n, &opts.sampling)?;
+            let (mut eps, _) = sample(ids.clone(), n, &opts.sampling)?;
             rollout::score(&mut eps, examples, rewards, &all, None)?;
             sampled_all.extend(tag(eps));
         }
         if opts.greedy {
-            let (mut eps, _) = rollout::rollout(model, tok, chunk, ids, &seeds, 1, &greedy_params)?;
+            let (mut eps, _) = sample(ids, 1, &greedy_params)?;
             rollout::score(&mut eps, examples, rewards, &all, None)?;
             greedy_all.extend(tag(eps));
         }

@@ -455,7 +455,8 @@ fn training_with_tools_runs_and_logs_agent_metrics() {
         "model = \"{}\"\noutput_dir = \"{}\"\nnum_generations = 4\nper_device_train_batch_size = 8\n\
          max_completion_length = 6\nmax_steps = 2\nsave_steps = 0\nthreads = 2\nlearning_rate = 1e-3\n\
          report_to = []\ntools = [\"{}:calculator\"]\nchat_template = \"{}\"\n\
-         max_tool_calling_iterations = 2\n[task]\ntrain_size = 8\neval_size = 2\n",
+         max_tool_calling_iterations = 2\nsft_warmup_steps = 3\nsft_warmup_learning_rate = 1e-2\n\
+         eval_steps = 2\neval_num_samples = 0\n[task]\ntrain_size = 8\neval_size = 2\nops = [\"*\"]\n",
         model.display(),
         out.display(),
         repo().join("examples/agents/calculator.py").display(),
@@ -466,9 +467,33 @@ fn training_with_tools_runs_and_logs_agent_metrics() {
     let done = grpo::train::train(&cfg, &grpo::train::RunControl::default()).unwrap();
     assert_eq!(done.steps, 2);
     let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
-    let first: serde_json::Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
+    let rows: Vec<serde_json::Value> = metrics
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    // The supervised warm-up: 3 steps before GRPO's first, their cross-entropy falling (the
+    // same 8 traces each step: 8 problems, 8 a step).
+    let ce: Vec<f64> = rows
+        .iter()
+        .filter_map(|r| r["warmup/cross_entropy"].as_f64())
+        .collect();
+    assert_eq!(ce.len(), 3, "{metrics}");
+    assert!(ce[2] < ce[0], "warm-up cross-entropy {ce:?}");
+    let first = rows
+        .iter()
+        .find(|r| r["agent/turns_per_episode"].is_number())
+        .unwrap();
     assert!(
         first["agent/turns_per_episode"].as_f64().unwrap() >= 1.0,
         "{first}"
     );
+    // Evaluation ran (episodes, the tools in the prompt).
+    assert!(
+        rows.iter().any(|r| r["eval/accuracy"].is_number()),
+        "{metrics}"
+    );
+    // completions.jsonl shows each episode turn by turn.
+    let samples = std::fs::read_to_string(out.join("completions.jsonl")).unwrap();
+    let line: serde_json::Value = serde_json::from_str(samples.lines().next().unwrap()).unwrap();
+    assert_eq!(line["messages"][0]["role"], "assistant", "{line}");
 }

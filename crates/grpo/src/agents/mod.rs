@@ -285,3 +285,83 @@ pub fn round_metrics(episodes: &[Episode]) -> Vec<(String, f64)> {
     by("agent/tool_errors", &|t| &t.tool_errors);
     m
 }
+
+/// One supervised warm-up trace: the prompt, then a call of the tool, the tool's real answer,
+/// and the final answer, with the tokens the model is to learn marked.
+#[derive(Debug, Clone)]
+pub struct Trace {
+    pub prompt_ids: Vec<u32>,
+    pub completion_ids: Vec<u32>,
+    /// Per completion token: the model's (learned) or the tool's (context only).
+    pub sampled: Vec<bool>,
+}
+
+impl Agent {
+    /// Tool-use traces for the built-in arithmetic task's `examples` (with `prompt_ids`, already
+    /// rendered with the tools): the model calls the first tool with the problem's expression
+    /// (`a op b` from the example's fields), the tool answers (run for real), and the model
+    /// answers with the tool's result and `eos`. Examples the tool cannot answer are left out.
+    pub fn arithmetic_traces(
+        &self,
+        examples: &[Example],
+        prompt_ids: &[Vec<u32>],
+        eos: u32,
+    ) -> Result<Vec<Trace>> {
+        let bad = |m: &str| crate::Error::config("sft_warmup_steps", m.to_string());
+        if self.format != CallFormat::Hermes {
+            return Err(bad(
+                "the warm-up's traces are written in the hermes tool-call format",
+            ));
+        }
+        let (name, arg) = self
+            .schemas
+            .first()
+            .and_then(|s| {
+                let f = s.get("function").unwrap_or(s);
+                let name = f.get("name")?.as_str()?.to_string();
+                let props = f.get("parameters")?.get("properties")?.as_object()?;
+                let (arg, _) = props.iter().next()?;
+                (props.len() == 1).then(|| (name, arg.clone()))
+            })
+            .ok_or_else(|| {
+                bad("the warm-up needs a first tool with one argument (the expression)")
+            })?;
+        let mut out = Vec::with_capacity(examples.len());
+        for (ex, prompt) in examples.iter().zip(prompt_ids) {
+            let m = &ex.metadata;
+            let (Some(a), Some(b), Some(op)) = (m.get("a"), m.get("b"), m.get("op")) else {
+                return Err(bad("the warm-up's traces are made from the built-in arithmetic task (unset train_file)"));
+            };
+            let expression = format!("{a} {} {b}", op.as_str().unwrap_or("+"));
+            let mut arguments = serde_json::Map::new();
+            arguments.insert(arg.clone(), Value::String(expression));
+            let call = calls::ToolCall {
+                name: name.clone(),
+                arguments,
+            };
+            let Ok(result) = self.tools.call(self.new_episode_id(), &call) else {
+                continue;
+            };
+            let text = format!(
+                "<tool_call>\n{}\n</tool_call>",
+                serde_json::json!({"name": call.name, "arguments": call.arguments})
+            );
+            let first = self.tok.encode(&text, false)?;
+            let inserted = self
+                .turns
+                .continuation_ids("", std::slice::from_ref(&result))?;
+            let mut last = self.tok.encode(result.trim(), false)?;
+            last.push(eos);
+            let sampled: Vec<bool> = std::iter::repeat_n(true, first.len())
+                .chain(std::iter::repeat_n(false, inserted.len()))
+                .chain(std::iter::repeat_n(true, last.len()))
+                .collect();
+            out.push(Trace {
+                prompt_ids: prompt.clone(),
+                completion_ids: [first, inserted, last].concat(),
+                sampled,
+            });
+        }
+        Ok(out)
+    }
+}

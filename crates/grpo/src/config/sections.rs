@@ -312,6 +312,8 @@ sections! {
         tool_timeout_s: f64 = "10.0" check values::positive, "agents: seconds a tool call may take; a slower one is killed (with its process) and answers the model with a timeout error";
         tool_max_concurrency: usize = "4" check values::at_least_one, "agents: tool calls running at once (each in a Python process of its own)";
         tool_max_result_chars: usize = "4096" check values::at_least_one, "agents: a tool's result is cut to this many characters";
+        sft_warmup_steps: usize = "0", "agents: optimizer steps of supervised fine-tuning on tool-use traces before GRPO, in a fresh run (0: none): a small model that never calls a tool on its own learns the call format first, as agentic RL runs usually start. The traces are made from the built-in arithmetic task's training problems with the first tool (one string argument, the expression; hermes format): a call, the tool's real answer, the final answer";
+        sft_warmup_learning_rate: Option<f64> = "" check values::positive_when_set, "agents: the warm-up's constant learning rate (unset: learning_rate)";
     }
     /// `[logging]` keys.
     Logging logging {

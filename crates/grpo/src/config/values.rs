@@ -592,6 +592,11 @@ pub(super) fn positive(x: &f64) -> Res<()> {
     })
 }
 
+/// Unset, or greater than 0 and finite.
+pub(super) fn positive_when_set(x: &Option<f64>) -> Res<()> {
+    x.as_ref().map_or(Ok(()), positive)
+}
+
 /// At least 1 and finite (a multiple of a count that must not shrink it).
 pub(super) fn at_least_one_f(x: &f64) -> Res<()> {
     rule(*x >= 1.0 && x.is_finite(), || {

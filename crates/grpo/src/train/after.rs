@@ -236,7 +236,7 @@ fn evaluate<P: Policy>(r: &mut Run<P>, step: u64, world: &dyn World) -> Result<V
         size: world.size(),
         gather: &gather,
     });
-    let report = crate::eval::evaluate_sharded(
+    let report = crate::eval::evaluate_agent(
         &model,
         &r.tok,
         &r.data.eval,
@@ -246,6 +246,7 @@ fn evaluate<P: Policy>(r: &mut Run<P>, step: u64, world: &dyn World) -> Result<V
             .is_main()
             .then_some(&mut log as crate::eval::RowSink<'_>),
         shard,
+        r.agent.as_ref(),
     )?;
     Ok(report.metrics)
 }

@@ -24,6 +24,7 @@ mod round;
 mod setup;
 mod shard;
 mod update;
+mod warmup;
 mod world;
 
 use std::path::PathBuf;
@@ -115,6 +116,8 @@ fn run<P: LoadPolicy>(
     let console = Console::new(total_steps, r.state.step, world.is_main());
     let mut after = AfterRound::new(&r);
     after.before_training(&mut r, world, &console)?;
+    // Agents: supervised steps on tool-use traces first, when asked for (a fresh run only).
+    warmup::sft_warmup(&mut r, world, &console)?;
     tracing::info!(
         "training: {total_steps} steps, {} prompts x {} completions per round, {} optimizer step(s) per round, output {}",
         r.opts.p,

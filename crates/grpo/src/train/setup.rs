@@ -455,17 +455,9 @@ fn load<P: LoadPolicy>(
     })
 }
 
-/// AdamW over the policy's parameters and the trainer state: fresh, or both from the checkpoint
-/// resumed from (then the logs are cut back to its step).
-fn optimizer_and_state<P: Policy>(
-    cfg: &TrainConfig,
-    run: &LoadedRun<P>,
-    resume_from: Option<&PathBuf>,
-    device: &Device,
-    main: bool,
-) -> Result<(AdamW, TrainerState)> {
-    let policy = &run.policy;
-    let mut opt = AdamW::new(
+/// A fresh AdamW over `policy`'s parameters, as the config sets it.
+pub(super) fn new_optimizer<P: Policy>(cfg: &TrainConfig, policy: &P) -> Result<AdamW> {
+    AdamW::new(
         policy
             .names()
             .iter()
@@ -478,7 +470,19 @@ fn optimizer_and_state<P: Policy>(
             eps: cfg.update.adam_epsilon,
             weight_decay: cfg.update.weight_decay,
         },
-    )?;
+    )
+}
+
+/// AdamW over the policy's parameters and the trainer state: fresh, or both from the checkpoint
+/// resumed from (then the logs are cut back to its step).
+fn optimizer_and_state<P: Policy>(
+    cfg: &TrainConfig,
+    run: &LoadedRun<P>,
+    resume_from: Option<&PathBuf>,
+    device: &Device,
+    main: bool,
+) -> Result<(AdamW, TrainerState)> {
+    let mut opt = new_optimizer(cfg, &run.policy)?;
     let Some(dir) = resume_from else {
         let state = TrainerState {
             step: 0,
