@@ -12,7 +12,9 @@ The function is called as TRL calls its reward_funcs,
       -> list of float or None (None: missing)
 
 with one list entry per request of the line. `my_rewards.py:name` loads a file; `package.module:name`
-imports a module. Prompts are strings or lists of {role, content} messages, as in the dataset.
+imports a module. Prompts are strings or lists of {role, content} messages, as in the dataset. An agent's
+episode (a run with tools) comes as its list of messages (assistant turns with their tool_calls, tool
+results), as TRL passes conversational completions.
 """
 import importlib
 import importlib.util
@@ -39,7 +41,8 @@ def call(f, requests):
     columns = {k: [r.get("metadata", {}).get(k) for r in requests] for k in keys}
     out = f(
         prompts=[r["prompt"] for r in requests],
-        completions=[r["completion"] for r in requests],
+        # An agent's episode arrives as its messages too: TRL's conversational completions.
+        completions=[r.get("completion_messages") or r["completion"] for r in requests],
         answer=[r.get("answer") for r in requests],
         completion_ids=None,
         **columns,

@@ -443,6 +443,8 @@ pub fn score(
             group: ep.group,
             completion_tokens: ep.completion_ids.len(),
             ref_mean_logp: ref_mean_logps.map(|m| m[i]),
+            messages: ep.agent.as_ref().map(|a| a.messages.as_slice()),
+            env_reward: ep.agent.as_ref().and_then(|a| a.env_reward),
             ..ScoreItem::new(&data[ep.example], &ep.text)
         })
         .collect();

@@ -343,6 +343,9 @@ fn calculator_agent(tok: Tokenizer) -> (Agent, Tokenizer) {
         max_iterations: 2,
         max_tokens: 400,
         model: "tiny".into(),
+        system_prompt: None,
+        max_prompt_length: None,
+        environment: None,
     };
     Agent::start(host, tok, &o).unwrap()
 }
@@ -416,6 +419,31 @@ fn the_host_runs_tools_and_renders_their_results_as_the_template_does() {
         "{text:?}"
     );
     assert!(text.contains("Error: tool `calculator`"), "{text:?}");
+    // A TRL-style Python reward function gets the episode as conversational completions.
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("rewards.py");
+    std::fs::write(
+        &f,
+        "def used_tool(prompts, completions, **kw):\n    \
+         return [1.0 if isinstance(c, list) and c[1]['role'] == 'tool' and c[1]['content'] == '408'\n            \
+         and c[0]['tool_calls'][0]['function']['name'] == 'calculator' else 0.0 for c in completions]\n",
+    )
+    .unwrap();
+    let table =
+        serde_json::json!({"kind": "python", "function": format!("{}:used_tool", f.display())});
+    let rewards = grpo::rewards::build_rewards(
+        &grpo::rewards::parse_specs(&[table], 64).unwrap(),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let mut scored = eps.clone();
+    grpo::rollout::score(&mut scored, &[example()], &rewards, &[0], None).unwrap();
+    assert_eq!(
+        scored[0].rewards,
+        [1.0],
+        "the reward function saw {:?}",
+        t.messages
+    );
     let m: std::collections::HashMap<String, f64> =
         grpo::agents::round_metrics(&eps).into_iter().collect();
     assert_eq!(m["agent/turns_per_episode"], 3.0);
@@ -437,6 +465,9 @@ fn a_template_without_tools_is_refused_naming_the_key() {
         max_iterations: 2,
         max_tokens: 400,
         model: "tiny".into(),
+        system_prompt: None,
+        max_prompt_length: None,
+        environment: None,
     };
     let e = Agent::start(host, tok, &o).unwrap_err().to_string();
     assert!(
@@ -496,4 +527,161 @@ fn training_with_tools_runs_and_logs_agent_metrics() {
     let samples = std::fs::read_to_string(out.join("completions.jsonl")).unwrap();
     let line: serde_json::Value = serde_json::from_str(samples.lines().next().unwrap()).unwrap();
     assert_eq!(line["messages"][0]["role"], "assistant", "{line}");
+}
+
+/// A TRL-style environment class: `reset(**row)` with the dataset row, a public method as its
+/// tool, `get_reward()` as a reward. `numbered` makes each instance's observation its own.
+fn env_agent(tok: Tokenizer, numbered: bool) -> (Agent, Tokenizer, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let obs = match numbered {
+        true => "f' (table {Guess.made})'",
+        false => "' (you may guess)'",
+    };
+    std::fs::write(
+        dir.path().join("env.py"),
+        format!(
+            "class Guess:\n    made = 0\n\n    def __init__(self):\n        Guess.made += 1\n        \
+             self.target, self.guesses = None, 0\n\n    def reset(self, **row):\n        \
+             self.target, self.guesses = row['answer'], 0\n        return {obs}\n\n    \
+             def guess(self, value: str) -> str:\n        \"\"\"Guesses the answer.\n\n        \
+             Args:\n            value: The guess.\n        \"\"\"\n        self.guesses += 1\n        \
+             return 'right' if value == self.target else 'wrong'\n\n    def get_reward(self):\n        \
+             return 1.0 if self.guesses == 1 else 0.0\n"
+        ),
+    )
+    .unwrap();
+    let template =
+        std::fs::read_to_string(repo().join("examples/templates/chatml_tools.jinja")).unwrap();
+    let tok = tok
+        .with_chat_template(&template, "chatml_tools.jinja")
+        .unwrap();
+    let target = format!("{}:Guess", dir.path().join("env.py").display());
+    let mut spec = ToolSpec::new(vec![], Some(target.clone()));
+    spec.processes = 1;
+    let host = ToolHost::start(spec).unwrap();
+    let o = AgentOptions {
+        format: None,
+        max_iterations: 2,
+        max_tokens: 400,
+        model: "tiny".into(),
+        system_prompt: None,
+        max_prompt_length: None,
+        environment: Some(target),
+    };
+    let (agent, tok) = Agent::start(host, tok, &o).unwrap();
+    (agent, tok, dir)
+}
+
+#[test]
+fn an_environment_class_runs_as_trl_runs_it() {
+    let (_, tok, _dir) = tiny();
+    let (agent, tok, _env) = env_agent(tok, false);
+    assert_eq!(agent.environment_reward_name().as_deref(), Some("Guess"));
+    let sampler = Scripted2 {
+        turns: vec![
+            "<tool_call>\n{\"name\": \"guess\", \"arguments\": {\"value\": \"408\"}}\n</tool_call>"
+                .into(),
+            "Done.<|im_end|>".into(),
+        ],
+    };
+    let ex = example();
+    let prompt = grpo::data::prompt_ids(&tok, &ex, None, None).unwrap();
+    let (eps, _) = agent
+        .rollout(
+            &sampler,
+            &[0],
+            vec![prompt],
+            &[7],
+            3,
+            &SamplingParams::default(),
+            &[ex],
+        )
+        .unwrap();
+    assert_eq!(eps.len(), 3);
+    for e in &eps {
+        // reset's observation is appended to the last user message (TRL), the same for the group.
+        let shown = tok.decode(&e.prompt_ids, false).unwrap();
+        assert!(
+            shown.contains("What is 12 * 34? (you may guess)<|im_end|>"),
+            "{shown}"
+        );
+        assert_eq!(e.prompt_ids, eps[0].prompt_ids);
+        let t = e.agent.as_ref().unwrap();
+        assert_eq!(t.messages[1]["content"], "right");
+        assert_eq!(t.tool_calls, ["guess"]);
+        assert_eq!(t.env_reward, Some(1.0));
+    }
+    // The environment's reward is a reward like the others.
+    let reward = grpo::rewards::Reward {
+        name: "Guess".into(),
+        func: grpo::rewards::RewardFn::Environment,
+        weight: 1.0,
+    };
+    let mut scored = eps.clone();
+    grpo::rollout::score(&mut scored, &[example()], &[reward], &[0], None).unwrap();
+    assert!(scored.iter().all(|e| e.rewards == [1.0]));
+}
+
+#[test]
+fn episodes_whose_observations_differ_each_sample_from_their_own_prompt() {
+    let (_, tok, _dir) = tiny();
+    let (agent, tok, _env) = env_agent(tok, true);
+    let sampler = Scripted2 {
+        turns: vec!["No tools needed.<|im_end|>".into()],
+    };
+    let ex = example();
+    let prompt = grpo::data::prompt_ids(&tok, &ex, None, None).unwrap();
+    let (eps, _) = agent
+        .rollout(
+            &sampler,
+            &[0],
+            vec![prompt],
+            &[7],
+            3,
+            &SamplingParams::default(),
+            &[ex],
+        )
+        .unwrap();
+    let shown: Vec<String> = eps
+        .iter()
+        .map(|e| tok.decode(&e.prompt_ids, false).unwrap())
+        .collect();
+    assert!(
+        shown.iter().all(|s| s.contains("What is 12 * 34? (table ")),
+        "{shown:?}"
+    );
+    assert!(shown[0] != shown[1] && shown[1] != shown[2], "{shown:?}");
+    assert!(eps.iter().all(|e| e.group == 0 && e.example == 0));
+    // Never guessed: reward 0.
+    assert!(eps
+        .iter()
+        .all(|e| e.agent.as_ref().unwrap().env_reward == Some(0.0)));
+}
+
+#[test]
+fn training_with_an_environment_runs_and_scores_its_reward() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    support::tiny_llama(&model, &fixtures());
+    let (_, tok, _d) = tiny();
+    // Each instance's observation its own: every episode samples from its own prompt.
+    let (_agent, _tok, env) = env_agent(tok, true);
+    let out = dir.path().join("out");
+    let text = format!(
+        "model = \"{}\"\noutput_dir = \"{}\"\nnum_generations = 4\nper_device_train_batch_size = 8\n\
+         max_completion_length = 6\nmax_steps = 2\nsave_steps = 0\nthreads = 2\nlearning_rate = 1e-3\n\
+         report_to = []\nenvironment_factory = \"{}:Guess\"\nchat_template = \"{}\"\n\
+         [task]\ntrain_size = 8\neval_size = 2\n",
+        model.display(),
+        out.display(),
+        env.path().join("env.py").display(),
+        repo().join("examples/templates/chatml_tools.jinja").display(),
+    );
+    let cfg =
+        grpo::config::TrainConfig::from_str(&text, grpo::config::Format::Toml, "t", &[]).unwrap();
+    let done = grpo::train::train(&cfg, &grpo::train::RunControl::default()).unwrap();
+    assert_eq!(done.steps, 2);
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    // The environment's reward is scored as `Guess` (never guessed: 0).
+    assert!(metrics.contains("\"rewards/Guess/mean\":0.0"), "{metrics}");
 }

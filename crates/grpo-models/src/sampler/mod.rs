@@ -18,6 +18,9 @@
 
 mod device;
 pub mod episodes;
+mod lanes;
+
+use lanes::Lanes;
 
 use crate::seeding::mix_seed;
 use std::time::Instant;
@@ -28,7 +31,7 @@ use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
 use crate::kv_cache::KvCache;
-use crate::models::{vmath, AttnMask, CausalLm, SeqBatch, SharedPrefix};
+use crate::models::{vmath, AttnMask, CausalLm, SeqBatch};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 
@@ -418,124 +421,6 @@ fn first_tokens(
             let a = at[r] * v;
             step_row(row, &all_logits[a..a + v], params, tokenizer)
         })
-}
-
-/// Rows decoding in lockstep over one batched cache (see [`Lanes::decode`]).
-struct Lanes<'a> {
-    model: &'a CausalLm,
-    params: &'a SamplingParams,
-    tokenizer: Option<&'a Tokenizer>,
-    /// Rows of one prompt hold its prefill's keys and values in slots `..end` (the first turn):
-    /// attention then reads them once per group.
-    shared_end: Option<usize>,
-    /// Prompts (groups) of the rows.
-    groups: usize,
-    stats: &'a mut GenStats,
-}
-
-impl Lanes<'_> {
-    /// Decodes rows `batch` (each with its first token chosen; row `r`'s keys in `cache` row
-    /// `i` where `batch[i] == r`, from slot `rows[r].pad` on) until every one is done or has its
-    /// `limit` of tokens. `report` runs after each step; `leaving(cache, i, r, row)` just before
-    /// row `r` leaves the cache as cache row `i` (a finished row dropped once finished rows are a
-    /// quarter of the batch, and every row at the end).
-    fn decode(
-        &mut self,
-        rows: &mut [Row],
-        mut batch: Vec<usize>,
-        mut cache: KvCache,
-        report: &mut dyn FnMut(&[Row]) -> Result<()>,
-        leaving: &mut dyn FnMut(&KvCache, usize, usize, &Row) -> Result<()>,
-    ) -> Result<()> {
-        let (model, params, tokenizer) = (self.model, self.params, self.tokenizer);
-        let device = model.device().clone();
-        let on_device = !model.compute().is_fused();
-        let max_steps = batch
-            .iter()
-            .map(|&r| rows[r].limit.saturating_sub(rows[r].tokens.len()))
-            .max()
-            .unwrap_or(0);
-        for _step in 0..max_steps {
-            let b = batch.len();
-            let ids: Vec<u32> = batch
-                .iter()
-                .map(|&r| *rows[r].tokens.last().unwrap_or(&0))
-                .collect();
-            let pos: Vec<u32> = batch
-                .iter()
-                .map(|&r| (rows[r].start + rows[r].tokens.len() - 1) as u32)
-                .collect();
-            let pads: Vec<usize> = batch.iter().map(|&r| rows[r].pad).collect();
-            let shared = self.shared_end.map(|end| {
-                // Rows of one prompt hold its prefill's keys and values in slots ..end:
-                // attention reads them once per group, from the group's first row in the batch.
-                let mut first_of = vec![usize::MAX; self.groups];
-                let leader: Vec<usize> = batch
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &r)| {
-                        let f = &mut first_of[rows[r].prompt];
-                        if *f == usize::MAX {
-                            *f = i;
-                        }
-                        *f
-                    })
-                    .collect();
-                SharedPrefix { leader, end }
-            });
-            let mask = AttnMask::LeftPad(pads, shared);
-            if on_device {
-                let ti = Instant::now();
-                let logits = model.decode_logits_tensor(&ids, &pos, &mask, &mut cache)?; // [b, V]
-                self.stats.issue_s += ti.elapsed().as_secs_f64();
-                self.stats.decode_steps += 1;
-                if crate::kernels::profiling() {
-                    device.synchronize()?; // the forward's time is decode_s - sample_s
-                }
-                let ts = Instant::now();
-                step_rows_on_device(rows, &batch, &logits, params, tokenizer)?;
-                self.stats.sample_s += ts.elapsed().as_secs_f64();
-            } else {
-                let logits = model.decode_logits(&ids, &pos, &mask, &mut cache)?; // [b*V]
-                self.stats.decode_steps += 1;
-                let ts = Instant::now();
-                let v = logits.len() / b;
-                let mut slot_of = vec![usize::MAX; rows.len()];
-                batch.iter().enumerate().for_each(|(i, &r)| slot_of[r] = i);
-                rows.par_iter_mut()
-                    .enumerate()
-                    .filter(|(r, row)| row.done.is_none() && slot_of[*r] != usize::MAX)
-                    .try_for_each(|(r, row)| {
-                        let i = slot_of[r];
-                        step_row(row, &logits[i * v..(i + 1) * v], params, tokenizer)
-                    })?;
-                self.stats.sample_s += ts.elapsed().as_secs_f64();
-            }
-            report(rows)?;
-            let finished = batch.iter().filter(|&&r| rows[r].done.is_some()).count();
-            if finished == batch.len() {
-                break;
-            }
-            // Drop finished rows once they are a quarter of the batch: the copy costs about as
-            // much as a few steps of decoding the dead rows would.
-            if finished > 0 && finished * 4 >= batch.len() {
-                let mut keep: Vec<u32> = Vec::with_capacity(batch.len());
-                for (i, &r) in batch.iter().enumerate() {
-                    match rows[r].done {
-                        None => keep.push(i as u32),
-                        Some(_) => leaving(&cache, i, r, &rows[r])?,
-                    }
-                }
-                cache = cache.select_rows(&keep)?;
-                batch.retain(|&r| rows[r].done.is_none());
-                self.stats.compactions += 1;
-            }
-        }
-        for (i, &r) in batch.iter().enumerate() {
-            leaving(&cache, i, r, &rows[r])?;
-        }
-        Ok(())
-    }
 }
 
 /// The finished (or length-stopped) completion of `row`.

@@ -92,23 +92,24 @@ impl<'a> Host<'a> {
         self.rows[row].pending = Some(handle);
     }
 
-    /// Each episode as the trainer's [`Episode`], the host's record of it attached.
+    /// Each episode as the trainer's [`Episode`], the host's record of it attached: `flat` in
+    /// row order (`g` per group), each with its prompt.
     pub(super) fn episodes(
         mut self,
-        groups: Vec<Vec<EpisodeTokens>>,
+        flat: Vec<EpisodeTokens>,
+        g: usize,
         examples: &[usize],
-        prompt_ids: &[Vec<u32>],
+        prompts: Vec<Vec<u32>>,
     ) -> Vec<Episode> {
-        let mut out = Vec::with_capacity(self.rows.len());
-        let mut row = 0;
-        for (group, eps) in groups.into_iter().enumerate() {
-            for e in eps {
+        flat.into_iter()
+            .zip(prompts)
+            .enumerate()
+            .map(|(row, (e, prompt_ids))| {
                 let st = std::mem::take(&mut self.rows[row]);
-                row += 1;
-                let mut cut = st.cut;
-                if e.out_of_tokens {
-                    cut = Some("max_episode_tokens".into());
-                }
+                let cut = match e.out_of_tokens {
+                    true => Some("max_episode_tokens".into()),
+                    false => st.cut,
+                };
                 // The answer: the last assistant message.
                 let text = st
                     .messages
@@ -118,10 +119,10 @@ impl<'a> Host<'a> {
                     .and_then(|m| m["content"].as_str())
                     .unwrap_or("")
                     .to_string();
-                out.push(Episode {
-                    example: examples[group],
-                    group,
-                    prompt_ids: prompt_ids[group].clone(),
+                Episode {
+                    example: examples[row / g],
+                    group: row / g,
+                    prompt_ids,
                     completion_ids: e.ids,
                     text,
                     stop_reason: e.stop_reason,
@@ -136,10 +137,9 @@ impl<'a> Host<'a> {
                         env_reward: st.env_reward,
                         cut,
                     }),
-                });
-            }
-        }
-        out
+                }
+            })
+            .collect()
     }
 
     /// Ends every episode's environment (its reward first, when it has one).

@@ -42,6 +42,10 @@ pub struct Agent {
     pub max_tokens: usize,
     /// The tokenizer, with the tools in its chat template's variables.
     pub tok: Tokenizer,
+    system_prompt: Option<String>,
+    max_prompt_length: Option<usize>,
+    /// The environment class's target, when there is one.
+    environment: Option<String>,
     next_id: AtomicU64,
 }
 
@@ -53,6 +57,12 @@ pub struct AgentOptions {
     pub max_tokens: usize,
     /// Names the model (and where its template came from) in errors.
     pub model: String,
+    /// How prompts are rendered (`system_prompt`, `max_prompt_length`): an environment's
+    /// observation re-renders its episode's prompt.
+    pub system_prompt: Option<String>,
+    pub max_prompt_length: Option<usize>,
+    /// The environment class (`environment_factory`), for its reward's name.
+    pub environment: Option<String>,
 }
 
 impl Agent {
@@ -87,9 +97,21 @@ impl Agent {
             max_iterations: o.max_iterations,
             max_tokens: o.max_tokens,
             tok: tok.clone(),
+            system_prompt: o.system_prompt.clone(),
+            max_prompt_length: o.max_prompt_length,
+            environment: o.environment.clone(),
             next_id: AtomicU64::new(0),
         };
         Ok((agent, tok))
+    }
+
+    /// The reward an environment with a `get_reward` method gives: named after its class.
+    pub fn environment_reward_name(&self) -> Option<String> {
+        let env = self.environment.as_deref()?;
+        self.tools.env_has_reward().then(|| {
+            let class = env.rsplit([':', '.']).next().unwrap_or(env);
+            class.to_string()
+        })
     }
 
     fn new_episode_id(&self) -> u64 {
@@ -106,7 +128,10 @@ impl Agent {
     }
 
     /// Samples `g` episodes of each prompt (`seeds[i]` seeds prompt i's group, as
-    /// [`crate::rollout::rollout`] does); every reward NaN (not scored yet).
+    /// [`crate::rollout::rollout`] does); every reward NaN (not scored yet). With an environment,
+    /// each episode's instance is reset with its dataset row first, and an observation it
+    /// returns is appended to the prompt's last user message (TRL's `environment_factory`); a
+    /// group whose observations differ samples each episode from its own prompt.
     #[allow(clippy::too_many_arguments)]
     pub fn rollout(
         &self,
@@ -118,14 +143,6 @@ impl Agent {
         params: &SamplingParams,
         data: &[Example],
     ) -> Result<(Vec<Episode>, GenStats)> {
-        let inputs: Vec<PromptInput> = prompt_ids
-            .iter()
-            .zip(seeds)
-            .map(|(ids, &seed)| PromptInput {
-                ids: ids.clone(),
-                seed,
-            })
-            .collect();
         let mut params = params.clone();
         for s in self.stop_strings() {
             if !params.stop_strings.contains(&s) {
@@ -133,18 +150,76 @@ impl Agent {
             }
         }
         let mut host = episode::Host::new(self, examples.len() * g);
+        // Each episode's prompt: its group's, or its own when its environment's observation
+        // makes it one.
+        let mut prompts: Vec<Vec<u32>> = prompt_ids
+            .iter()
+            .flat_map(|p| std::iter::repeat_n(p.clone(), g))
+            .collect();
         if self.tools.has_environment() {
-            let rows: Vec<Value> = examples
+            let rows: Vec<&Example> = examples
                 .iter()
-                .flat_map(|&e| std::iter::repeat_n(episode::row_json(&data[e]), g))
+                .flat_map(|&e| std::iter::repeat_n(&data[e], g))
                 .collect();
-            host.reset_environments(&rows);
+            let row_values: Vec<Value> = rows.iter().map(|ex| episode::row_json(ex)).collect();
+            let observations = host.reset_environments(&row_values);
+            for (i, obs) in observations.iter().enumerate() {
+                if let Some(o) = obs {
+                    prompts[i] = self.prompt_with(rows[i], o)?;
+                }
+            }
         }
+        let shared = prompts
+            .chunks(g)
+            .all(|grp| grp.iter().all(|p| *p == grp[0]));
+        let inputs: Vec<PromptInput> = match shared {
+            true => prompts
+                .chunks(g)
+                .zip(seeds)
+                .map(|(grp, &seed)| PromptInput {
+                    ids: grp[0].clone(),
+                    seed,
+                })
+                .collect(),
+            // One prompt per episode, seeded by (group seed, sample index).
+            false => prompts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| PromptInput {
+                    ids: p.clone(),
+                    seed: grpo_models::seeding::mix_seed(seeds[i / g], (i % g) as u64),
+                })
+                .collect(),
+        };
+        let n = if shared { g } else { 1 };
         let sampled =
-            model.sample_episodes(&self.tok, &inputs, g, &params, self.max_tokens, &mut host);
+            model.sample_episodes(&self.tok, &inputs, n, &params, self.max_tokens, &mut host);
         host.close_environments();
         let (groups, stats) = sampled?;
-        Ok((host.episodes(groups, examples, &prompt_ids), stats))
+        let flat: Vec<_> = groups.into_iter().flatten().collect();
+        Ok((host.episodes(flat, g, examples, prompts), stats))
+    }
+
+    /// `ex`'s prompt ids with `observation` appended to its last user message (TRL appends it
+    /// with no separator).
+    fn prompt_with(&self, ex: &Example, observation: &str) -> Result<Vec<u32>> {
+        let mut ex = ex.clone();
+        match &mut ex.prompt {
+            crate::data::Prompt::Text(t) => t.push_str(observation),
+            crate::data::Prompt::Messages(ms) => {
+                match ms.iter_mut().rev().find(|m| m.role == "user") {
+                    Some(m) => m.content.push_str(observation),
+                    None => ms.push(grpo_models::tokenizer::ChatMessage::user(observation)),
+                }
+            }
+        }
+        ex.tokens = None;
+        crate::data::prompt_ids(
+            &self.tok,
+            &ex,
+            self.system_prompt.as_deref(),
+            self.max_prompt_length,
+        )
     }
 }
 
@@ -176,15 +251,11 @@ pub fn from_config(
         .iter()
         .map(|t| target("tools", t))
         .collect::<Result<Vec<_>>>()?;
-    if a.environment_factory.is_some() {
-        // The tool process hosts environments already; how an episode starts from reset's
-        // observation (TRL appends it to the prompt) is not built yet.
-        return Err(crate::Error::config(
-            "environment_factory",
-            "environments are not supported yet (tools are): see docs/agents.md",
-        ));
-    }
-    let environment = None;
+    let environment = a
+        .environment_factory
+        .as_deref()
+        .map(|t| target("environment_factory", t))
+        .transpose()?;
     let spec = tools::ToolSpec {
         timeout: std::time::Duration::from_secs_f64(a.tool_timeout_s),
         max_result_chars: a.tool_max_result_chars,
@@ -210,6 +281,9 @@ pub fn from_config(
             .model
             .clone()
             .unwrap_or_else(|| "SmolLM2-135M-Instruct".into()),
+        system_prompt: cfg.data.system_prompt.clone(),
+        max_prompt_length: cfg.data.max_prompt_length,
+        environment: a.environment_factory.clone(),
     };
     let (agent, tok) = Agent::start(host, tok, &opts)?;
     tracing::info!(

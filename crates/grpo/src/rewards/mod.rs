@@ -41,6 +41,11 @@ pub struct ScoreItem<'a> {
     /// The reference model's mean per-token log-prob of the completion, when the trainer computed
     /// it (rewards that ask for it through `needs_ref_logp`).
     pub ref_mean_logp: Option<f32>,
+    /// An agent's episode as messages (assistant turns with their tool calls, tool results):
+    /// what TRL's conversational `completions` hold. `completion` is then its final answer.
+    pub messages: Option<&'a [Value]>,
+    /// What the episode's environment rewarded it with, when it has a reward.
+    pub env_reward: Option<f32>,
 }
 
 impl<'a> ScoreItem<'a> {
@@ -54,6 +59,8 @@ impl<'a> ScoreItem<'a> {
             group: 0,
             completion_tokens: 0,
             ref_mean_logp: None,
+            messages: None,
+            env_reward: None,
         }
     }
 
@@ -124,6 +131,9 @@ pub enum RewardFn {
     Command(Box<command::CommandScorer>),
     /// The user's scorer behind an HTTP endpoint.
     Http(Box<command::HttpScorer>),
+    /// An agent's environment's reward (its `get_reward()`, TRL's `environment_factory`):
+    /// [`ScoreItem::env_reward`], missing when it gave none.
+    Environment,
 }
 
 /// `kind = "composite"`: a weighted sum of a quality, a safety and a diversity reward (each any
@@ -211,6 +221,7 @@ impl Reward {
             RewardFn::Embedding(e) => e.score(items),
             RewardFn::Command(c) => c.score(items),
             RewardFn::Http(h) => h.score(items),
+            RewardFn::Environment => each(&|it| it.env_reward.unwrap_or(f32::NAN)),
         }
     }
 

@@ -49,6 +49,10 @@ pub enum HealthKind {
     KlSpike,
     GradSpike,
     AccuracyFall,
+    /// Agents: no episode of the round called a tool.
+    NoToolCalls,
+    /// Agents: every tool call of the round failed.
+    ToolsFailing,
 }
 
 impl HealthKind {
@@ -60,6 +64,8 @@ impl HealthKind {
             HealthKind::KlSpike => "kl_spike",
             HealthKind::GradSpike => "grad_norm_spike",
             HealthKind::AccuracyFall => "accuracy_fall",
+            HealthKind::NoToolCalls => "no_tool_calls",
+            HealthKind::ToolsFailing => "tools_failing",
         }
     }
 }
@@ -185,6 +191,7 @@ impl Health {
                 }
             }
         }
+        now.extend(agent_checks(m));
         if let Some(acc) = m.eval_accuracy().filter(|a| a.is_finite()) {
             match self.best {
                 Some((best, at)) if acc < best - o.accuracy_drop => now.push((
@@ -229,6 +236,42 @@ impl Health {
         }
         out
     }
+}
+
+/// An agent run's rounds: no episode called a tool, or every call failed.
+fn agent_checks(m: &StepMetrics) -> Vec<(HealthKind, String)> {
+    let get = |k: &str| m.policy.iter().find(|(n, _)| n == k).map(|x| x.1);
+    let mut out = vec![];
+    if get("agent/episodes_calling_tools") == Some(0.0) {
+        out.push((
+            HealthKind::NoToolCalls,
+            "no episode of this round called a tool, so nothing teaches the model to use one: \
+             start with a supervised warm-up (sft_warmup_steps), check that the prompt shows the \
+             tools (completions.jsonl; a chat template that renders `tools`), or reward tool use"
+                .to_string(),
+        ));
+    }
+    let calls = get("agent/tool_calls_per_episode").unwrap_or(0.0);
+    let errors = get("agent/tool_errors_per_episode").unwrap_or(0.0);
+    if calls > 0.0 && errors >= calls {
+        let kinds: Vec<String> = m
+            .policy
+            .iter()
+            .filter_map(|(n, v)| Some((n.strip_prefix("agent/tool_errors/")?, v)))
+            .map(|(k, v)| format!("{k} {v:.2}"))
+            .collect();
+        out.push((
+            HealthKind::ToolsFailing,
+            format!(
+                "every tool call of this round failed (per episode: {}): the model learns only \
+                 error messages; the tool messages in completions.jsonl say why (a tool that \
+                 raises or times out, arguments the schema does not allow, calls that cannot be \
+                 parsed)",
+                kinds.join(", ")
+            ),
+        ));
+    }
+    out
 }
 
 #[cfg(test)]
@@ -285,6 +328,31 @@ mod tests {
 
     fn kinds(w: &[HealthWarning]) -> Vec<HealthKind> {
         w.iter().map(|w| w.kind).collect()
+    }
+
+    #[test]
+    fn agents_without_tool_calls_or_with_failing_tools_warn() {
+        let mut h = Health::new(HealthOptions::default());
+        let agent = |calling: f64, calls: f64, errors: f64| {
+            let mut m = round(1.0, 0.2, 0.01, 0.5, None);
+            m.policy = vec![
+                ("agent/episodes_calling_tools".into(), calling),
+                ("agent/tool_calls_per_episode".into(), calls),
+                ("agent/tool_errors_per_episode".into(), errors),
+                ("agent/tool_errors/timeout".into(), errors),
+            ];
+            m
+        };
+        assert!(h.check(1, &agent(0.5, 1.0, 0.2)).is_empty());
+        assert_eq!(
+            kinds(&h.check(2, &agent(0.0, 0.0, 0.0))),
+            [HealthKind::NoToolCalls]
+        );
+        let w = h.check(3, &agent(1.0, 1.0, 1.0));
+        assert_eq!(kinds(&w), [HealthKind::ToolsFailing]);
+        assert!(w[0].message.contains("timeout 1.00"), "{}", w[0].message);
+        // A single-turn run has no agent metrics and no such warnings.
+        assert!(h.check(4, &round(1.0, 0.2, 0.01, 0.5, None)).is_empty());
     }
 
     #[test]

@@ -550,10 +550,13 @@ fn check_round_invariants(
         )));
     }
     for (gi, group) in episodes.chunks(g).enumerate() {
-        if group
-            .iter()
-            .any(|e| e.group != gi || e.prompt_ids != group[0].prompt_ids)
-        {
+        // An agent's episodes may each have their own prompt (their environment's observation
+        // appended): they share the dataset row.
+        let same = |e: &Episode| match e.agent {
+            Some(_) => e.example == group[0].example,
+            None => e.prompt_ids == group[0].prompt_ids,
+        };
+        if group.iter().any(|e| e.group != gi || !same(e)) {
             return Err(Error::Invariant(format!("group {gi} mixes prompts")));
         }
     }

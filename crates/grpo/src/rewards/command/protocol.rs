@@ -81,14 +81,18 @@ pub(super) fn numbered_requests(
 
 /// One request as a JSON object (one line, no newline).
 pub(super) fn request_json(id: u64, item: &ScoreItem) -> String {
-    serde_json::json!({
+    let mut r = serde_json::json!({
         "id": id,
         "prompt": item.prompt_json(),
         "completion": item.completion,
         "answer": item.answer,
         "metadata": item.metadata,
-    })
-    .to_string()
+    });
+    // An agent's episode: its turns as messages too (TRL's conversational completions).
+    if let Some(m) = item.messages {
+        r["completion_messages"] = Value::Array(m.to_vec());
+    }
+    r.to_string()
 }
 
 /// What one answer line (or HTTP body) says.
