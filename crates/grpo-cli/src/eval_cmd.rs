@@ -178,6 +178,10 @@ pub fn run(a: EvalArgs) -> Result<()> {
         t0.elapsed().as_secs_f64()
     );
     opts.sampling.eos_token_ids = eos;
+    // A run with tools (the --rewards-config's `tools`, `environment_factory`): every sample is
+    // an episode with them, as in training's evaluation.
+    let tok = crate::generate_tools::with_template(tok, cfg.agent.chat_template.as_ref())?;
+    let (agent, tok) = grpo::agents::from_config(&cfg, tok)?;
 
     let mut file = match &a.out {
         Some(p) => Some(std::io::BufWriter::new(
@@ -198,13 +202,15 @@ pub fn run(a: EvalArgs) -> Result<()> {
         Ok(())
     };
     let t0 = Instant::now();
-    let report = eval::evaluate(
+    let report = eval::evaluate_agent(
         &model,
         &tok,
         &examples,
         &rewards,
         &opts,
         Some(&mut write_row),
+        None,
+        agent.as_ref(),
     )?;
     if let Some(mut f) = file {
         f.flush().context("cannot write --out")?;

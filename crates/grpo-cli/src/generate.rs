@@ -63,6 +63,17 @@ pub struct GenerateArgs {
     /// Print one JSON object per completion instead of text.
     #[arg(long)]
     pub json: bool,
+    /// Agents: a Python tool the model may call (repeatable): path/to/file.py:name or
+    /// module.name. Each sample is then an episode of model and tool turns (docs/agents.md).
+    #[arg(long)]
+    pub tools: Vec<String>,
+    /// A Jinja chat template file used instead of the model's (with --tools: one that renders
+    /// `tools` and tool messages, e.g. examples/templates/chatml_tools.jinja).
+    #[arg(long)]
+    pub chat_template: Option<PathBuf>,
+    /// With --tools: turns that call tools, at most, per episode.
+    #[arg(long, default_value_t = 5)]
+    pub max_tool_calls: usize,
 }
 
 /// A prompt as read from the command line or a file.
@@ -162,6 +173,14 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     params.validate()?;
     let (model, loaded) = a.model.load_model()?;
     let tok = loaded.tokenizer()?;
+    if !a.tools.is_empty() {
+        let tok = crate::generate_tools::with_template(tok.clone(), a.chat_template.as_ref())?;
+        let params = SamplingParams {
+            eos_token_ids: loaded.eos_token_ids.clone(),
+            ..params
+        };
+        return crate::generate_tools::run(&a, &model, tok, &specs, &params);
+    }
     let params = SamplingParams {
         eos_token_ids: loaded.eos_token_ids.clone(),
         ..params

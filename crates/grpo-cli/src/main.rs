@@ -17,6 +17,7 @@ mod config_cmd;
 mod eval_cmd;
 mod export_cmd;
 mod generate;
+mod generate_tools;
 mod pretrain_cmd;
 mod report;
 mod report_cmd;

@@ -685,3 +685,78 @@ fn training_with_an_environment_runs_and_scores_its_reward() {
     // The environment's reward is scored as `Guess` (never guessed: 0).
     assert!(metrics.contains("\"rewards/Guess/mean\":0.0"), "{metrics}");
 }
+
+/// Weights of a checkpoint, by name.
+fn checkpoint_weights(dir: &Path) -> Vec<(String, Vec<f32>)> {
+    let m = load_model(
+        &ModelSource::HfDir(dir.to_path_buf()),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let mut w: Vec<(String, Vec<f32>)> = m
+        .tensors
+        .into_iter()
+        .map(|(k, v)| (k, v.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+        .collect();
+    w.sort_by(|a, b| a.0.cmp(&b.0));
+    w
+}
+
+#[test]
+fn an_agent_run_resumed_mid_run_equals_the_uninterrupted_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    support::tiny_llama(&model, &fixtures());
+    let cfg = |out: &Path| {
+        let text = format!(
+            "model = \"{}\"\noutput_dir = \"{}\"\nnum_generations = 4\nper_device_train_batch_size = 8\n\
+             max_completion_length = 24\nmax_steps = 4\nsave_steps = 2\nthreads = 2\nlearning_rate = 1e-3\n\
+             report_to = []\ntools = [\"{}:calculator\"]\nchat_template = \"{}\"\n\
+             sft_warmup_steps = 4\nsft_warmup_learning_rate = 1e-2\n\
+             [task]\ntrain_size = 16\neval_size = 2\nops = [\"*\"]\n",
+            model.display(),
+            out.display(),
+            repo().join("examples/agents/calculator.py").display(),
+            repo().join("examples/templates/chatml_tools.jinja").display(),
+        );
+        grpo::config::TrainConfig::from_str(&text, grpo::config::Format::Toml, "t", &[]).unwrap()
+    };
+    let (full, part) = (dir.path().join("full"), dir.path().join("part"));
+    let ctl = grpo::train::RunControl::default;
+    assert_eq!(grpo::train::train(&cfg(&full), &ctl()).unwrap().steps, 4);
+    let first = grpo::train::RunControl {
+        max_rounds_this_run: Some(2),
+        ..ctl()
+    };
+    assert!(grpo::train::train(&cfg(&part), &first).unwrap().interrupted);
+    let again = grpo::train::RunControl {
+        resume: true,
+        ..ctl()
+    };
+    assert_eq!(grpo::train::train(&cfg(&part), &again).unwrap().steps, 4);
+    assert!(
+        checkpoint_weights(&full.join("checkpoint-4"))
+            == checkpoint_weights(&part.join("checkpoint-4")),
+        "weights differ after resume"
+    );
+    let rows = |d: &Path| -> Vec<serde_json::Value> {
+        std::fs::read_to_string(d.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
+                v.as_object_mut().unwrap().retain(|k, _| {
+                    !k.starts_with("time")
+                        && !k.starts_with("memory/")
+                        && k != "tokens_per_second"
+                        && !k.starts_with("agent/tool_seconds")
+                        // Health checks start afresh in a resumed run (not trainer state).
+                        && !k.starts_with("health/")
+                });
+                v
+            })
+            .collect()
+    };
+    assert_eq!(rows(&full), rows(&part));
+}

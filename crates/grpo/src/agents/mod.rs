@@ -73,6 +73,8 @@ impl Agent {
         let names: Vec<String> = schemas.iter().filter_map(schema_name).collect();
         let tok = tok.with_template_var("tools", Value::Array(schemas.clone()));
         let what = format!("model {}", o.model);
+        // A template without tools is the first thing to fix, so it is checked first.
+        let turns = ToolTurns::new(&tok, &names, &what)?;
         let format = match o.format {
             Some(f) => f,
             None => tok
@@ -88,7 +90,6 @@ impl Agent {
                     )
                 })?,
         };
-        let turns = ToolTurns::new(&tok, &names, &what)?;
         let agent = Agent {
             tools: Arc::new(tools),
             schemas,
