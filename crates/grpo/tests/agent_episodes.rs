@@ -659,7 +659,7 @@ fn episodes_whose_observations_differ_each_sample_from_their_own_prompt() {
 }
 
 #[test]
-fn training_with_an_environment_runs_and_scores_its_reward() {
+fn training_with_an_environment_and_lora_runs_and_scores_its_reward() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("model");
     support::tiny_llama(&model, &fixtures());
@@ -671,7 +671,7 @@ fn training_with_an_environment_runs_and_scores_its_reward() {
         "model = \"{}\"\noutput_dir = \"{}\"\nnum_generations = 4\nper_device_train_batch_size = 8\n\
          max_completion_length = 6\nmax_steps = 2\nsave_steps = 0\nthreads = 2\nlearning_rate = 1e-3\n\
          report_to = []\nenvironment_factory = \"{}:Guess\"\nchat_template = \"{}\"\n\
-         [task]\ntrain_size = 8\neval_size = 2\n",
+         [lora]\nr = 4\n[task]\ntrain_size = 8\neval_size = 2\n",
         model.display(),
         out.display(),
         env.path().join("env.py").display(),
@@ -684,6 +684,8 @@ fn training_with_an_environment_runs_and_scores_its_reward() {
     let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
     // The environment's reward is scored as `Guess` (never guessed: 0).
     assert!(metrics.contains("\"rewards/Guess/mean\":0.0"), "{metrics}");
+    // LoRA: the run trained adapters.
+    assert!(out.join("checkpoint-2/adapter_model.safetensors").is_file());
 }
 
 /// Weights of a checkpoint, by name.

@@ -372,51 +372,45 @@ pub struct Trace {
 }
 
 impl Agent {
-    /// Tool-use traces for the built-in arithmetic task's `examples` (with `prompt_ids`, already
-    /// rendered with the tools): the model calls the first tool with the problem's expression
-    /// (`a op b` from the example's fields), the tool answers (run for real), and the model
-    /// answers with the tool's result and `eos`. Examples the tool cannot answer are left out.
+    /// Tool-use traces for the built-in arithmetic task's first `count` `examples` (with
+    /// `prompt_ids`, already rendered with the tools): the model calls the first tool with the
+    /// problem's expression (`a op b` from the example's fields), the tool answers (run for real,
+    /// as many calls at once as there are tool processes), and the model answers with the tool's
+    /// result and `eos`. Examples the tool cannot answer are left out.
     pub fn arithmetic_traces(
         &self,
         examples: &[Example],
         prompt_ids: &[Vec<u32>],
+        count: usize,
         eos: u32,
     ) -> Result<Vec<Trace>> {
-        let bad = |m: &str| crate::Error::config("sft_warmup_steps", m.to_string());
-        if self.format != CallFormat::Hermes {
-            return Err(bad(
-                "the warm-up's traces are written in the hermes tool-call format",
-            ));
-        }
-        let (name, arg) = self
-            .schemas
-            .first()
-            .and_then(|s| {
-                let f = s.get("function").unwrap_or(s);
-                let name = f.get("name")?.as_str()?.to_string();
-                let props = f.get("parameters")?.get("properties")?.as_object()?;
-                let (arg, _) = props.iter().next()?;
-                (props.len() == 1).then(|| (name, arg.clone()))
-            })
-            .ok_or_else(|| {
-                bad("the warm-up needs a first tool with one argument (the expression)")
-            })?;
-        let mut out = Vec::with_capacity(examples.len());
-        for (ex, prompt) in examples.iter().zip(prompt_ids) {
-            let m = &ex.metadata;
-            let (Some(a), Some(b), Some(op)) = (m.get("a"), m.get("b"), m.get("op")) else {
-                return Err(bad("the warm-up's traces are made from the built-in arithmetic task (unset train_file)"));
-            };
-            let expression = format!("{a} {} {b}", op.as_str().unwrap_or("+"));
-            let mut arguments = serde_json::Map::new();
-            arguments.insert(arg.clone(), Value::String(expression));
-            let call = calls::ToolCall {
-                name: name.clone(),
-                arguments,
-            };
-            let Ok(result) = self.tools.call(self.new_episode_id(), &call) else {
-                continue;
-            };
+        let calls = examples
+            .iter()
+            .take(count)
+            .map(|ex| self.warmup_call(ex))
+            .collect::<Result<Vec<_>>>()?;
+        let processes = self.tools.pids().len().max(1);
+        let results: Vec<Option<String>> = std::thread::scope(|s| {
+            let per = calls.len().div_ceil(processes).max(1);
+            let handles: Vec<_> = calls
+                .chunks(per)
+                .map(|chunk| {
+                    s.spawn(move || {
+                        chunk
+                            .iter()
+                            .map(|c| self.tools.call(self.new_episode_id(), c).ok())
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().unwrap_or_default())
+                .collect()
+        });
+        let mut out = Vec::with_capacity(calls.len());
+        for ((call, result), prompt) in calls.iter().zip(results).zip(prompt_ids) {
+            let Some(result) = result else { continue };
             let text = format!(
                 "<tool_call>\n{}\n</tool_call>",
                 serde_json::json!({"name": call.name, "arguments": call.arguments})
@@ -438,5 +432,41 @@ impl Agent {
             });
         }
         Ok(out)
+    }
+
+    /// The warm-up's call for an arithmetic problem: the first tool (one argument, in the
+    /// `hermes` format) with the problem's expression.
+    fn warmup_call(&self, ex: &Example) -> Result<calls::ToolCall> {
+        let bad = |m: &str| crate::Error::config("sft_warmup_steps", m.to_string());
+        if self.format != CallFormat::Hermes {
+            return Err(bad(
+                "the warm-up's traces are written in the hermes tool-call format",
+            ));
+        }
+        let (name, arg) = self
+            .schemas
+            .first()
+            .and_then(|s| {
+                let f = s.get("function").unwrap_or(s);
+                let name = f.get("name")?.as_str()?.to_string();
+                let props = f.get("parameters")?.get("properties")?.as_object()?;
+                let (arg, _) = props.iter().next()?;
+                (props.len() == 1).then(|| (name, arg.clone()))
+            })
+            .ok_or_else(|| {
+                bad("the warm-up needs a first tool with one argument (the expression)")
+            })?;
+        let m = &ex.metadata;
+        let (Some(a), Some(b), Some(op)) = (m.get("a"), m.get("b"), m.get("op")) else {
+            return Err(bad(
+                "the warm-up's traces are made from the built-in arithmetic task (unset train_file)",
+            ));
+        };
+        let mut arguments = serde_json::Map::new();
+        arguments.insert(
+            arg,
+            Value::String(format!("{a} {} {b}", op.as_str().unwrap_or("+"))),
+        );
+        Ok(calls::ToolCall { name, arguments })
     }
 }

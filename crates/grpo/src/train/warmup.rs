@@ -39,14 +39,15 @@ pub(super) fn sft_warmup<P: Policy>(
         .first()
         .copied()
         .unwrap_or(r.pad);
-    let traces = agent.arithmetic_traces(&r.data.train, &r.train_ids, eos)?;
+    let per_step = cfg.update.per_device_train_batch_size;
+    // As many traces as the warm-up's steps read (each problem once, when there are enough).
+    let traces = agent.arithmetic_traces(&r.data.train, &r.train_ids, steps * per_step, eos)?;
     if traces.is_empty() {
         return Err(crate::Error::config(
             "sft_warmup_steps",
             "no warm-up trace could be made: the tool answered none of the problems",
         ));
     }
-    let per_step = cfg.update.per_device_train_batch_size;
     let mut opts = r.opts.update.clone();
     opts.loss = LossOptions {
         loss_type: LossType::Dapo,
