@@ -181,7 +181,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
     // A run with tools (the --rewards-config's `tools`, `environment_factory`): every sample is
     // an episode with them, as in training's evaluation.
     let tok = crate::generate_tools::with_template(tok, cfg.agent.chat_template.as_ref())?;
-    let (agent, tok) = grpo::agents::from_config(&cfg, tok)?;
+    let (agent, tok) = grpo::inputs::agent(&cfg, tok)?;
 
     let mut file = match &a.out {
         Some(p) => Some(std::io::BufWriter::new(

@@ -179,7 +179,28 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             eos_token_ids: loaded.eos_token_ids.clone(),
             ..params
         };
-        return crate::generate_tools::run(&a, &model, tok, &specs, &params);
+        let run = crate::generate_tools::ToolRun {
+            tools: &a.tools,
+            max_tool_calls: a.max_tool_calls,
+            max_new_tokens: a.max_new_tokens,
+            system: a.system.as_deref(),
+            n: a.n,
+            seed: a.seed,
+            json: a.json,
+            model: a
+                .model
+                .model
+                .clone()
+                .unwrap_or_else(|| "SmolLM2-135M-Instruct".into()),
+        };
+        let prompts = specs
+            .into_iter()
+            .map(|s| match s {
+                PromptSpec::Text(t) => grpo::data::Prompt::Text(t),
+                PromptSpec::Messages(m) => grpo::data::Prompt::Messages(m),
+            })
+            .collect();
+        return crate::generate_tools::run(&run, &model, tok, prompts, &params);
     }
     let params = SamplingParams {
         eos_token_ids: loaded.eos_token_ids.clone(),

@@ -12,7 +12,19 @@ use grpo_models::models::CausalLm;
 use grpo_models::sampler::SamplingParams;
 use grpo_models::tokenizer::Tokenizer;
 
-use crate::generate::{GenerateArgs, PromptSpec};
+/// What `grpo generate --tools` was asked for.
+pub struct ToolRun<'a> {
+    pub tools: &'a [String],
+    pub max_tool_calls: usize,
+    pub max_new_tokens: usize,
+    pub system: Option<&'a str>,
+    /// Episodes per prompt.
+    pub n: usize,
+    pub seed: u64,
+    pub json: bool,
+    /// The model as `--model` named it, for messages.
+    pub model: String,
+}
 
 /// `tok` with the chat template of `path`, when given.
 pub fn with_template(tok: Tokenizer, path: Option<&PathBuf>) -> Result<Tokenizer> {
@@ -25,10 +37,10 @@ pub fn with_template(tok: Tokenizer, path: Option<&PathBuf>) -> Result<Tokenizer
 /// Samples `a.n` episodes of each prompt with the tools of `a.tools` and prints them turn by
 /// turn (or one JSON object per episode, with its messages, under `--json`).
 pub fn run(
-    a: &GenerateArgs,
+    a: &ToolRun<'_>,
     model: &CausalLm,
     tok: Tokenizer,
-    specs: &[PromptSpec],
+    prompts: Vec<Prompt>,
     params: &SamplingParams,
 ) -> Result<()> {
     let targets = a
@@ -42,24 +54,17 @@ pub fn run(
         format: None,
         max_iterations: a.max_tool_calls,
         max_tokens: a.max_new_tokens * (a.max_tool_calls + 1),
-        model: a
-            .model
-            .model
-            .clone()
-            .unwrap_or_else(|| "SmolLM2-135M-Instruct".into()),
-        system_prompt: a.system.clone(),
+        model: a.model.clone(),
+        system_prompt: a.system.map(str::to_owned),
         max_prompt_length: None,
         environment: None,
     };
     let (agent, tok) = Agent::start(host, tok, &opts)?;
-    let data: Vec<Example> = specs
-        .iter()
+    let data: Vec<Example> = prompts
+        .into_iter()
         .enumerate()
-        .map(|(i, s)| Example {
-            prompt: match s {
-                PromptSpec::Text(t) => Prompt::Text(t.clone()),
-                PromptSpec::Messages(m) => Prompt::Messages(m.clone()),
-            },
+        .map(|(i, prompt)| Example {
+            prompt,
             answer: None,
             metadata: Default::default(),
             origin: format!("prompt {i}"),
@@ -68,7 +73,7 @@ pub fn run(
         .collect();
     let ids = data
         .iter()
-        .map(|ex| grpo::data::prompt_ids(&tok, ex, a.system.as_deref(), None))
+        .map(|ex| grpo::data::prompt_ids(&tok, ex, a.system, None))
         .collect::<grpo::Result<Vec<_>>>()?;
     let index: Vec<usize> = (0..data.len()).collect();
     let seeds: Vec<u64> = index

@@ -225,81 +225,12 @@ impl Agent {
 }
 
 /// A tool schema's function name.
-fn schema_name(s: &Value) -> Option<String> {
+pub(crate) fn schema_name(s: &Value) -> Option<String> {
     s.get("function")
         .unwrap_or(s)
         .get("name")
         .and_then(Value::as_str)
         .map(str::to_owned)
-}
-
-/// The run's agent, when the config gives tools or an environment (else `tok` as it is). The
-/// tools start here, so that a missing module, a tool without a docstring or a template without
-/// tool support stops the run before training.
-pub fn from_config(
-    cfg: &crate::config::TrainConfig,
-    tok: Tokenizer,
-) -> Result<(Option<Agent>, Tokenizer)> {
-    let a = &cfg.agent;
-    if a.tools.is_empty() && a.environment_factory.is_none() {
-        return Ok((None, tok));
-    }
-    let target = |key: &str, t: &str| {
-        crate::rewards::command::python_target(t).map_err(|m| crate::Error::config(key, m))
-    };
-    let tools = a
-        .tools
-        .iter()
-        .map(|t| target("tools", t))
-        .collect::<Result<Vec<_>>>()?;
-    let environment = a
-        .environment_factory
-        .as_deref()
-        .map(|t| target("environment_factory", t))
-        .transpose()?;
-    let spec = tools::ToolSpec {
-        timeout: std::time::Duration::from_secs_f64(a.tool_timeout_s),
-        max_result_chars: a.tool_max_result_chars,
-        processes: a.tool_max_concurrency,
-        ..tools::ToolSpec::new(tools, environment)
-    };
-    let host = ToolHost::start(spec)?;
-    let max_iterations = a.max_tool_calling_iterations.unwrap_or(5);
-    let per_turn = cfg.generation.max_completion_length;
-    let opts = AgentOptions {
-        format: a
-            .tool_call_format
-            .as_deref()
-            .map(CallFormat::parse)
-            .transpose()
-            .map_err(|m| crate::Error::config("tool_call_format", m))?,
-        max_iterations,
-        max_tokens: a
-            .max_episode_tokens
-            .unwrap_or(per_turn * (max_iterations + 1)),
-        model: cfg
-            .run
-            .model
-            .clone()
-            .unwrap_or_else(|| "SmolLM2-135M-Instruct".into()),
-        system_prompt: cfg.data.system_prompt.clone(),
-        max_prompt_length: cfg.data.max_prompt_length,
-        environment: a.environment_factory.clone(),
-    };
-    let (agent, tok) = Agent::start(host, tok, &opts)?;
-    tracing::info!(
-        "agent: tools {} ({} format), at most {} tool turns and {} tokens an episode",
-        agent
-            .schemas
-            .iter()
-            .filter_map(schema_name)
-            .collect::<Vec<_>>()
-            .join(", "),
-        format!("{:?}", agent.format).to_lowercase(),
-        agent.max_iterations,
-        agent.max_tokens
-    );
-    Ok((Some(agent), tok))
 }
 
 /// A round's agent metrics (`agent/*`): turns, tool calls (in all and per tool), tool errors (in

@@ -415,7 +415,7 @@ fn load<P: LoadPolicy>(
         tok = tok.with_chat_template(&text, &path.display().to_string())?;
     }
     // Tools and environments: started now, their schemas in the chat template's variables.
-    let (agent, tok) = crate::agents::from_config(cfg, tok)?;
+    let (agent, tok) = crate::inputs::agent(cfg, tok)?;
     // An environment with a reward method rewards its episodes (TRL: one more reward
     // function, weight 1, named after the environment).
     if let Some(name) = agent.as_ref().and_then(|a| a.environment_reward_name()) {
