@@ -257,8 +257,7 @@ impl TurnHost for Host<'_> {
             let ids = self
                 .agent
                 .turns
-                .continuation_ids(&st.sampled_close, &results)
-                .map_err(|e| grpo_models::Error::Generate(e.to_string()))?;
+                .continuation_ids(&st.sampled_close, &results)?;
             out.push(Some(ids));
         }
         Ok(out)
