@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 
 use grpo::config::TrainConfig;
-use grpo::eval::{self, EvalOptions};
+use grpo::eval::{self, Correctness, EvalOptions};
 
 use crate::common::ModelArgs;
 
@@ -18,8 +18,9 @@ const DEFAULT_NUM_SAMPLES: usize = 4;
 #[derive(Args, Debug)]
 #[command(
     after_help = "Per prompt: N sampled completions (seeded per prompt) and one greedy \
-    completion, each scored by every reward. A completion is correct when every answer_match \
-    reward scores 1. Reported: eval/pass@K for each K (unbiased estimator 1 - C(N-c, K)/C(N, K), \
+    completion, each scored by every reward. A completion is correct when the --correctness-reward \
+    scores at least --correctness-threshold (any kind of reward: a Python function, a scorer \
+    program, a model), else when every answer_match reward scores 1. Reported: eval/pass@K for each K (unbiased estimator 1 - C(N-c, K)/C(N, K), \
     c = correct samples, averaged over prompts), eval/mean_accuracy (share of correct samples), \
     eval/accuracy (greedy), eval/reward/NAME (mean over the samples; over the greedy completions \
     with --num-samples 0).\n\n\
@@ -72,6 +73,16 @@ pub struct EvalArgs {
     /// Maximum new tokens per completion. Default: the config's max_completion_length.
     #[arg(long, visible_alias = "max_new_tokens")]
     pub max_new_tokens: Option<usize>,
+    /// The reward that decides whether a completion is correct, by name (a [[rewards]] name of
+    /// --rewards-config, a reward_funcs function's name; any kind), for pass@K and the
+    /// accuracies. Default: the config's correctness_reward, else every answer_match reward must
+    /// score 1.
+    #[arg(long, visible_alias = "correctness_reward")]
+    pub correctness_reward: Option<String>,
+    /// A completion is correct when the correctness reward scores at least this. Default: the
+    /// config's correctness_threshold, else 1.0.
+    #[arg(long, visible_alias = "correctness_threshold")]
+    pub correctness_threshold: Option<f64>,
     /// Skip the greedy completion (no eval/accuracy).
     #[arg(long)]
     pub no_greedy: bool,
@@ -96,7 +107,7 @@ pub struct EvalArgs {
 }
 
 /// The options: command line first, then the config.
-fn options(a: &EvalArgs, cfg: &TrainConfig) -> EvalOptions {
+fn options(a: &EvalArgs, cfg: &TrainConfig) -> Result<EvalOptions> {
     let mut o = cfg.eval_options(vec![]);
     o.num_samples = a.num_samples.unwrap_or(if a.rewards_config.is_some() {
         cfg.logging.eval_num_samples
@@ -117,7 +128,23 @@ fn options(a: &EvalArgs, cfg: &TrainConfig) -> EvalOptions {
     s.top_p = a.top_p.unwrap_or(s.top_p);
     s.top_k = a.top_k.unwrap_or(s.top_k);
     s.max_new_tokens = a.max_new_tokens.unwrap_or(s.max_new_tokens);
-    o
+    if let Some(reward) = &a.correctness_reward {
+        let threshold = cfg.logging.correctness_threshold;
+        o.correctness = Some(Correctness {
+            reward: reward.clone(),
+            threshold: threshold.unwrap_or(eval::CORRECTNESS_THRESHOLD),
+        });
+    }
+    if let Some(t) = a.correctness_threshold {
+        match &mut o.correctness {
+            Some(c) => c.threshold = t,
+            None => bail!(
+                "--correctness-threshold needs --correctness-reward (or correctness_reward in \
+                 --rewards-config): the reward whose score it bounds"
+            ),
+        }
+    }
+    Ok(o)
 }
 
 /// Checks the options with the command line's names.
@@ -127,13 +154,16 @@ fn validate(o: &EvalOptions) -> Result<()> {
         bail!("--num-samples 0 with --no-greedy leaves nothing to evaluate");
     }
     o.sampling.validate()?;
+    if let Some(c) = o.correctness.as_ref().filter(|c| !c.threshold.is_finite()) {
+        bail!("--correctness-threshold {} is not a number", c.threshold);
+    }
     Ok(())
 }
 
 pub fn run(a: EvalArgs) -> Result<()> {
     let mut cfg = TrainConfig::load(a.rewards_config.as_deref(), &[])
         .context("invalid configuration (--rewards-config)")?;
-    let mut opts = options(&a, &cfg);
+    let mut opts = options(&a, &cfg)?;
     validate(&opts)?;
     if let Some(f) = &a.prompt_field {
         cfg.data.prompt_field = f.clone();
@@ -148,7 +178,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
         None => grpo::inputs::held_out_examples(&cfg)?,
     };
     let device = a.model.device()?;
-    let rewards = grpo::inputs::config_rewards(&cfg, &device)?;
+    let mut rewards = grpo::inputs::config_rewards(&cfg, &device)?;
     if a.rewards_config.is_none() {
         if let Some(run_cfg) = a
             .model
@@ -182,6 +212,19 @@ pub fn run(a: EvalArgs) -> Result<()> {
     // an episode with them, as in training's evaluation.
     let tok = crate::generate_tools::with_template(tok, cfg.agent.chat_template.as_ref())?;
     let (agent, tok) = grpo::inputs::agent(&cfg, tok)?;
+    // The environment's rewards, as in training (its get_reward, reward functions that take
+    // `environments`, a program's summed step rewards).
+    if let Some(agent) = &agent {
+        grpo::inputs::environment_rewards(agent, &mut rewards);
+    }
+    // The reward that decides correctness is one of them (before any answer is sampled).
+    if let Some(c) = &opts.correctness {
+        let key = match a.correctness_reward {
+            Some(_) => "--correctness-reward",
+            None => "correctness_reward",
+        };
+        c.index(&rewards, key)?;
+    }
 
     let mut file = match &a.out {
         Some(p) => Some(std::io::BufWriter::new(

@@ -457,6 +457,76 @@ def level_bonus(prompts, completions, level, **kwargs):
     );
 }
 
+/// `reward_funcs: [my_rewards.correct]` with my_rewards.py importable only through
+/// `PYTHONPATH`, as TRL's docs have it (issue 57): the adapter sees the user's PYTHONPATH, so the
+/// module imports; without it, the error names the module.
+#[test]
+fn python_reward_functions_import_through_the_users_pythonpath() {
+    let Some(python) = reward_python() else {
+        return;
+    };
+    let (lib, run) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    std::fs::write(
+        lib.path().join("my_rewards.py"),
+        "def correct(completions, answer, **kwargs):\n    \
+         return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]\n",
+    )
+    .unwrap();
+    std::fs::write(
+        run.path().join("samples.jsonl"),
+        "{\"prompt\": \"2+2?\", \"answer\": \"4\", \"completion\": \"4\"}\n\
+         {\"prompt\": \"2+3?\", \"answer\": \"5\", \"completion\": \"6\"}\n",
+    )
+    .unwrap();
+    std::fs::write(
+        run.path().join("run.yaml"),
+        "reward_funcs:\n  - my_rewards.correct\n",
+    )
+    .unwrap();
+    let check = |pythonpath: Option<&std::path::Path>, extra: &[&str]| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_grpo"));
+        c.args(["rewards", "check", "--config", "run.yaml"])
+            .args(["--samples", "samples.jsonl", "--json"])
+            .args(extra)
+            .current_dir(run.path())
+            .env("RUST_LOG", "warn")
+            .env("GRPO_PYTHON", &python)
+            .env_remove("PYTHONPATH");
+        if let Some(p) = pythonpath {
+            c.env("PYTHONPATH", p);
+        }
+        c.output().unwrap()
+    };
+    let rows = |o: &Output| -> Vec<serde_json::Value> {
+        assert!(o.status.success(), "{}", stderr(o));
+        String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let got = rows(&check(Some(lib.path()), &[]));
+    assert_eq!(got.len(), 2);
+    assert_eq!(got[0]["rewards"]["correct"], 1.0);
+    assert_eq!(got[1]["rewards"]["correct"], 0.0);
+    // `--reward_funcs a b` replaces the file's list, as in TRL (it used to append: "two
+    // rewards are named `correct`").
+    let extra = [
+        "--reward_funcs",
+        "my_rewards.correct",
+        "think_format_reward",
+    ];
+    let got = rows(&check(Some(lib.path()), &extra));
+    let names: Vec<&String> = got[0]["rewards"].as_object().unwrap().keys().collect();
+    assert_eq!(names, ["correct", "think_format_reward"]);
+    let o = check(None, &[]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("No module named 'my_rewards'"),
+        "{}",
+        stderr(&o)
+    );
+}
+
 /// examples/configs/trl_grpo.yaml, a config written as TRL's docs write one with its reward
 /// functions in a Python file, trains as shipped from the repository's root (here on a tiny model,
 /// one step).
@@ -481,6 +551,10 @@ fn the_trl_style_example_trains_as_shipped() {
             "--task.train_size=16",
             "--task.eval_size=4",
             "--threads=2",
+            "--eval_steps=1",
+            "--eval_num_samples=2",
+            "--eval_k=1,2",
+            "--correctness_reward=correct",
         ])
         .current_dir(&root)
         .env("RUST_LOG", "warn")
@@ -492,6 +566,17 @@ fn the_trl_style_example_trains_as_shipped() {
     let last: serde_json::Value = serde_json::from_str(m.lines().last().unwrap()).unwrap();
     for k in ["rewards/correct/mean", "rewards/short_answer/mean"] {
         assert!(last[k].as_f64().is_some(), "{k} not in {last}");
+    }
+    // Its Python `correct` as the correctness reward: evaluation in training reports pass@k and
+    // accuracy from it.
+    let evals: Vec<serde_json::Value> = m
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|r: &serde_json::Value| r.get("eval/pass@2").is_some())
+        .collect();
+    assert!(!evals.is_empty(), "no eval/pass@2 in {m}");
+    for k in ["eval/pass@1", "eval/mean_accuracy", "eval/accuracy"] {
+        assert!(evals[0][k].as_f64().is_some(), "{k} not in {}", evals[0]);
     }
     assert!(out.join("checkpoint-1").is_dir());
 }
@@ -526,6 +611,8 @@ fn help_explains_every_eval_option() {
         "--num-prompts",
         "--seed",
         "--system-prompt",
+        "--correctness-reward",
+        "--correctness-threshold",
         "--out",
         "--json",
         "pass@K",
@@ -634,6 +721,116 @@ fn eval_rejects_k_above_num_samples() {
     let o = grpo(&["eval", "--rewards-config", cfg.to_str().unwrap()]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("`eval_k`"), "{}", stderr(&o));
+}
+
+/// A Python reward function as the correctness reward (issue 57): `grpo eval
+/// --correctness-reward NAME --correctness-threshold T` reports pass@k and the accuracies from
+/// it (a completion is correct when it scores >= T), which a run with no answer_match reward
+/// otherwise cannot; a name that is not one of the rewards is an error listing them.
+#[test]
+fn eval_takes_any_reward_as_the_correctness_reward() {
+    let Some(python) = reward_python() else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    tiny_model(&model);
+    std::fs::write(
+        tmp.path().join("checks.py"),
+        "def thirds(completions, **kwargs):\n    return [len(c) % 3 / 2 for c in completions]\n",
+    )
+    .unwrap();
+    let cfg = tmp.path().join("run.toml");
+    std::fs::write(
+        &cfg,
+        "[[rewards]]\nkind = \"python\"\nfunction = \"checks.py:thirds\"\n",
+    )
+    .unwrap();
+    let eval = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_grpo"))
+            .args(["eval", "--model", model.to_str().unwrap()])
+            .args(["--rewards-config", cfg.to_str().unwrap()])
+            .args(["--k", "1,4", "--num-samples", "4", "--num-prompts", "3"])
+            .args(["--max-new-tokens", "4", "--threads", "2", "--json"])
+            .args(extra)
+            .current_dir(tmp.path())
+            .env("RUST_LOG", "warn")
+            .env("GRPO_PYTHON", &python)
+            .output()
+            .unwrap()
+    };
+    let metrics = |o: &Output| -> serde_json::Value {
+        assert!(o.status.success(), "{}", stderr(o));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    // No answer_match reward and none named: only the reward's mean.
+    let m = metrics(&eval(&[]));
+    assert!(
+        m["eval/reward/thirds"].is_number() && m["eval/accuracy"].is_null(),
+        "{m}"
+    );
+    let rows = tmp.path().join("rows.jsonl");
+    let o = eval(&[
+        "--correctness-reward",
+        "thirds",
+        "--correctness-threshold",
+        "0.5",
+        "--out",
+        rows.to_str().unwrap(),
+    ]);
+    let m = metrics(&o);
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(&rows)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let (mut correct, mut greedy) = (0, 0);
+    for r in &rows {
+        for c in r["completions"].as_array().unwrap() {
+            let ok = c["rewards"]["thirds"].as_f64().unwrap() >= 0.5;
+            assert_eq!(c["correct"], ok, "{c}");
+            correct += usize::from(ok);
+        }
+        let ok = r["greedy"]["rewards"]["thirds"].as_f64().unwrap() >= 0.5;
+        assert_eq!(r["greedy"]["correct"], ok);
+        greedy += usize::from(ok);
+    }
+    let get = |k: &str| m[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {m}"));
+    assert!((get("eval/mean_accuracy") - correct as f64 / 12.0).abs() < 1e-9);
+    assert!((get("eval/pass@1") - correct as f64 / 12.0).abs() < 1e-9);
+    assert!((get("eval/accuracy") - greedy as f64 / 3.0).abs() < 1e-9);
+    assert!(get("eval/pass@4") >= get("eval/pass@1"));
+    // The same from the config's keys (threshold 1.0 unless set).
+    std::fs::write(
+        &cfg,
+        "correctness_reward = \"thirds\"\n\
+         [[rewards]]\nkind = \"python\"\nfunction = \"checks.py:thirds\"\n",
+    )
+    .unwrap();
+    let m = metrics(&eval(&[]));
+    assert!(
+        m["eval/pass@4"].is_number() && m["eval/accuracy"].is_number(),
+        "{m}"
+    );
+    // A wrong name: the flag's error, and the config key's (before a model is loaded).
+    let o = eval(&["--correctness-reward", "thrids"]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(
+        e.contains("--correctness-reward") && e.contains("`thrids`") && e.contains("`thirds`"),
+        "{e}"
+    );
+    std::fs::write(
+        &cfg,
+        "correctness_reward = \"thrids\"\n\
+         [[rewards]]\nkind = \"python\"\nfunction = \"checks.py:thirds\"\n",
+    )
+    .unwrap();
+    let e = stderr(&eval(&[]));
+    assert!(
+        e.contains("`correctness_reward`") && e.contains("`thrids`") && e.contains("`thirds`"),
+        "{e}"
+    );
 }
 
 /// `grpo export`: a PEFT adapter merged into its base, the adapter files alone, and the errors.

@@ -90,7 +90,8 @@ fn assert_same_run(one: &Path, two: &Path, step: usize) {
     for (x, y) in a.iter().zip(&b) {
         for (k, v) in x.as_object().unwrap() {
             let Some(v) = v.as_f64() else { continue };
-            if k.starts_with("time") || k.starts_with("memory") || k == "tokens_per_second" {
+            let timing = k.starts_with("time") || k.contains("seconds");
+            if timing || k.starts_with("memory") || k == "tokens_per_second" {
                 continue;
             }
             let w = y[k]
@@ -242,6 +243,42 @@ fn two_ranks_train_as_one_process_does() {
         // Rank 0 alone wrote the run.
         assert!(two.join("config.toml").is_file() && !two.join("rank1").exists());
     }
+}
+
+#[test]
+fn two_ranks_run_agent_episodes_as_one_process_does() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    support::tiny_llama(&model, &fixtures());
+    let repo = fixtures().join("../..");
+    let tools = format!(
+        "--tools={}:calculator",
+        repo.join("examples/agents/calculator.py").display()
+    );
+    let template = format!(
+        "--chat_template={}",
+        repo.join("examples/templates/chatml_tools.jinja").display()
+    );
+    // Each rank runs its own tool processes; the episodes of a group, sampled on whichever rank
+    // owns it, are the same, and so are their rewards, advantages and agent metrics.
+    let extra = [
+        tools.as_str(),
+        template.as_str(),
+        "--max_tool_calling_iterations=2",
+        "--eval_steps=1",
+        "--eval_num_samples=2",
+    ];
+    let one = tmp.path().join("agent-1");
+    let two = tmp.path().join("agent-2");
+    train(1, &args(&model, &one, 8, 2, &extra));
+    train(2, &args(&model, &two, 4, 1, &extra));
+    assert_same_run(&one, &two, 3);
+    let m = metrics(&two);
+    assert!(
+        m.iter()
+            .any(|r| r["agent/turns_per_episode"].as_f64() >= Some(1.0)),
+        "no agent metrics: {m:?}"
+    );
 }
 
 #[test]

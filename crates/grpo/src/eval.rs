@@ -11,16 +11,19 @@
 //! - `eval/reward/<name>`: each reward's mean over the sampled completions, or over the greedy
 //!   ones when `num_samples` is 0 (missing scores left out; NaN when every score is missing).
 //!
-//! *Correct* means every accuracy reward ([`Reward::is_accuracy`], i.e. `answer_match`, which
-//! scores 0 or 1) scores more than 0.5. When one of them is missing (NaN: the row has no reference
-//! answer) correctness is unknown and the prompt is left out of the accuracy metrics and pass@k
-//! (its row says `"correct": null`). With no accuracy reward at all, pass@k and the accuracies are
-//! not defined: they are omitted, with a warning.
+//! *Correct* means the reward the config names (`correctness_reward`, any kind: a Python
+//! function, a scorer program, a model) scores at least `correctness_threshold` (1.0); when none is
+//! named, every accuracy reward ([`Reward::is_accuracy`], i.e. `answer_match`, which scores 0 or 1)
+//! scores more than 0.5. When one of them is missing (NaN: the row has no reference answer, the
+//! scorer could not score it) correctness is unknown and the prompt is left out of the accuracy
+//! metrics and pass@k (its row says `"correct": null`). With no accuracy reward at all and none
+//! named, pass@k and the accuracies are not defined: they are omitted, with a warning.
 //!
 //! Each prompt gives one JSON row (`eval/step-N.jsonl` in training, `--out` of `grpo eval`):
 //! `{"prompt", "answer", "origin", "completions": [{"text", "rewards": {name: score or null},
 //! "correct", "stop_reason"}], "num_correct", "greedy": {"text", "rewards", "correct",
-//! "stop_reason"} or null}`.
+//! "stop_reason"} or null}`; an agent's completions also carry their episode's `messages`,
+//! `tool_errors` and `cut`, as `completions.jsonl` does.
 
 use std::sync::Once;
 
@@ -114,6 +117,49 @@ pub struct EvalOptions {
     pub system_prompt: Option<String>,
     /// Prompts longer than this are truncated from the left.
     pub max_prompt_length: Option<usize>,
+    /// The reward that decides correctness; None: the accuracy rewards (see the module docs).
+    pub correctness: Option<Correctness>,
+}
+
+/// The reward that decides whether a completion is correct (`correctness_reward`,
+/// `correctness_threshold`): correct when `reward` scores at least `threshold`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Correctness {
+    /// The reward's name, as its metrics show it.
+    pub reward: String,
+    pub threshold: f64,
+}
+
+/// Default of `correctness_threshold`: a reward that gives 1 for a correct answer.
+pub const CORRECTNESS_THRESHOLD: f64 = 1.0;
+
+impl Correctness {
+    /// The index of the reward in `rewards`; an error naming `key` (the config's key or the
+    /// command line's flag) and listing the rewards when there is none of that name.
+    pub fn index(&self, rewards: &[Reward], key: &str) -> Result<usize> {
+        check_correctness_reward(&self.reward, rewards.iter().map(|r| r.name.as_str()), key)
+    }
+}
+
+/// The position of `name` among the reward `names`; an error naming `key` and listing the
+/// names when it is not one of them.
+pub fn check_correctness_reward<'a>(
+    name: &str,
+    names: impl IntoIterator<Item = &'a str>,
+    key: &str,
+) -> Result<usize> {
+    let names: Vec<&str> = names.into_iter().collect();
+    names.iter().position(|n| *n == name).ok_or_else(|| {
+        let list = names
+            .iter()
+            .map(|n| format!("`{n}`"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        Error::config(
+            key,
+            format!("`{name}` is not one of the run's rewards; they are: {list}"),
+        )
+    })
 }
 
 impl EvalOptions {
@@ -201,9 +247,10 @@ fn num_or_null(x: f64) -> Value {
     serde_json::Number::from_f64(x).map_or(Value::Null, Value::Number)
 }
 
-/// Whether a completion is correct: every accuracy reward (`acc`, indices into `scores`) scores
-/// more than 0.5. None when there is no accuracy reward or one of them is missing.
-fn correctness(scores: &[f32], acc: &[usize]) -> Option<bool> {
+/// Whether a completion is correct: every reward of `acc` (indices into `scores`) scores at
+/// least `at_least` (the correctness reward), or more than 0.5 without it (the accuracy rewards).
+/// None when `acc` is empty or one of its scores is missing.
+fn correctness(scores: &[f32], acc: &[usize], at_least: Option<f32>) -> Option<bool> {
     if acc.is_empty() {
         return None;
     }
@@ -213,7 +260,10 @@ fn correctness(scores: &[f32], acc: &[usize]) -> Option<bool> {
         if s.is_nan() {
             return None;
         }
-        all &= s > 0.5;
+        all &= match at_least {
+            Some(t) => s >= t,
+            None => s > 0.5,
+        };
     }
     Some(all)
 }
@@ -321,12 +371,19 @@ impl Tally {
 /// `{name: score or null}`.
 /// One completion of a log row.
 fn completion_json(rewards: &[Reward], ep: &Episode, correct: Option<bool>) -> Value {
-    json!({
+    let mut c = json!({
         "text": ep.text,
         "rewards": Reward::named_scores(rewards, &ep.rewards),
         "correct": correct,
         "stop_reason": ep.stop_reason,
-    })
+    });
+    // An agent's episode turn by turn, as completions.jsonl has it.
+    if let Some(a) = &ep.agent {
+        c["messages"] = json!(a.messages);
+        c["tool_errors"] = json!(a.tool_errors);
+        c["cut"] = json!(a.cut);
+    }
+    c
 }
 
 /// The log row of one prompt (see the module docs).
@@ -408,14 +465,25 @@ pub fn evaluate_agent(
         .num_prompts
         .unwrap_or(examples.len())
         .min(examples.len());
-    let acc: Vec<usize> = (0..rewards.len())
-        .filter(|&k| rewards[k].is_accuracy())
-        .collect();
+    // The scores compare as f32 (a threshold of 0.7 admits a score of 0.7).
+    let (acc, at_least): (Vec<usize>, Option<f32>) = match &opts.correctness {
+        Some(c) => (
+            vec![c.index(rewards, "correctness_reward")?],
+            Some(c.threshold as f32),
+        ),
+        None => (
+            (0..rewards.len())
+                .filter(|&k| rewards[k].is_accuracy())
+                .collect(),
+            None,
+        ),
+    };
     if acc.is_empty() {
         NO_ACCURACY_REWARD.call_once(|| {
             tracing::warn!(
-                "eval: no accuracy reward (kind = \"answer_match\"), so correctness, pass@k and \
-                 accuracy are not reported; only the mean of each reward is"
+                "eval: no accuracy reward (kind = \"answer_match\") and no correctness_reward, \
+                 so correctness, pass@k and accuracy are not reported; only the mean of each \
+                 reward is"
             )
         });
     }
@@ -487,11 +555,11 @@ pub fn evaluate_agent(
             &sampled_all[(i * n).min(sampled_all.len())..((i + 1) * n).min(sampled_all.len())];
         let correct: Vec<Option<bool>> = samples
             .iter()
-            .map(|e| correctness(&e.rewards, &acc))
+            .map(|e| correctness(&e.rewards, &acc, at_least))
             .collect();
         let g = greedy_all
             .get(i)
-            .map(|e| (e, correctness(&e.rewards, &acc)));
+            .map(|e| (e, correctness(&e.rewards, &acc, at_least)));
         let scores: Vec<&[f32]> = samples.iter().map(|e| e.rewards.as_slice()).collect();
         tally.add(&correct, &scores, g.map(|(e, c)| (c, e.rewards.as_slice())));
         if let Some(f) = out.as_mut() {
@@ -629,12 +697,37 @@ mod tests {
     }
 
     #[test]
+    fn a_correctness_reward_must_be_one_of_the_rewards() {
+        let names = ["correct", "format"];
+        assert_eq!(
+            check_correctness_reward("format", names, "correctness_reward").unwrap(),
+            1
+        );
+        let e = check_correctness_reward("corect", names, "--correctness-reward")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--correctness-reward") && e.contains("`corect`"),
+            "{e}"
+        );
+        assert!(e.contains("`correct`, `format`"), "{e}");
+    }
+
+    #[test]
     fn correctness_needs_every_accuracy_reward() {
-        assert_eq!(correctness(&[1.0, 0.1], &[0]), Some(true));
-        assert_eq!(correctness(&[0.0, 0.1], &[0]), Some(false));
-        assert_eq!(correctness(&[1.0, 0.0], &[0, 1]), Some(false));
-        assert_eq!(correctness(&[f32::NAN, 1.0], &[0]), None);
-        assert_eq!(correctness(&[1.0], &[]), None);
+        assert_eq!(correctness(&[1.0, 0.1], &[0], None), Some(true));
+        assert_eq!(correctness(&[0.0, 0.1], &[0], None), Some(false));
+        assert_eq!(correctness(&[1.0, 0.0], &[0, 1], None), Some(false));
+        assert_eq!(correctness(&[f32::NAN, 1.0], &[0], None), None);
+        assert_eq!(correctness(&[1.0], &[], None), None);
+        // A named correctness reward: its score at least the threshold, compared as f32.
+        assert_eq!(
+            correctness(&[0.1, 0.7], &[1], Some(0.7_f64 as f32)),
+            Some(true)
+        );
+        assert_eq!(correctness(&[0.1, 0.6], &[1], Some(0.7)), Some(false));
+        assert_eq!(correctness(&[0.9, 1.0], &[1], Some(1.0)), Some(true));
+        assert_eq!(correctness(&[1.0, f32::NAN], &[1], Some(0.5)), None);
     }
 
     fn names() -> Vec<String> {

@@ -6,11 +6,12 @@ use std::path::Path;
 use candle_core::Device;
 
 use crate::agents::calls::CallFormat;
+use crate::agents::program_env::{EnvSpec, ProgramEnv, Transport};
 use crate::agents::tools::{ToolHost, ToolSpec};
-use crate::agents::{Agent, AgentOptions};
+use crate::agents::{Agent, AgentOptions, EnvironmentReward};
 use crate::config::{PolicyType, TrainConfig};
 use crate::data::{self, Example};
-use crate::rewards::{self, Reward};
+use crate::rewards::{self, Reward, RewardKind};
 use crate::{Error, Result};
 use grpo_models::tokenizer::Tokenizer;
 
@@ -119,11 +120,39 @@ pub fn reward_weights(cfg: &TrainConfig, rewards: &[Reward]) -> Result<Vec<f32>>
     }
 }
 
+/// The rewards the environment's side gives ([`Agent::environment_rewards`]) in `rewards`: an
+/// environment with a reward method adds one (TRL: one more reward function, weight 1, named
+/// after the environment); a Python reward function that takes `environments` is then scored
+/// where the instances live (its adapter process is stopped).
+pub fn environment_rewards(agent: &Agent, rewards: &mut Vec<Reward>) {
+    for (k, source) in agent.environment_rewards().into_iter().enumerate() {
+        let func = rewards::RewardFn::Environment(k);
+        match source {
+            EnvironmentReward::GetReward(name) => rewards.push(Reward {
+                name,
+                func,
+                weight: 1.0,
+            }),
+            EnvironmentReward::Function(target) => {
+                let mine = rewards
+                    .iter_mut()
+                    .filter(|r| r.python_function() == Some(target.as_str()));
+                for r in mine {
+                    r.func = rewards::RewardFn::Environment(k);
+                }
+            }
+        }
+    }
+}
+
 /// The run's agent, when the config gives tools or an environment (else `tok` as it is). The
 /// tools start here, so that a missing module, a tool without a docstring or a template without
 /// tool support stops the run before training.
 pub fn agent(cfg: &TrainConfig, tok: Tokenizer) -> Result<(Option<Agent>, Tokenizer)> {
     let a = &cfg.agent;
+    if let Some(transport) = program_transport(cfg) {
+        return Ok((Some(program_agent(cfg, &tok, transport)?), tok));
+    }
     if a.tools.is_empty() && a.environment_factory.is_none() {
         return Ok((None, tok));
     }
@@ -140,9 +169,24 @@ pub fn agent(cfg: &TrainConfig, tok: Tokenizer) -> Result<(Option<Agent>, Tokeni
         .as_deref()
         .map(|t| target("environment_factory", t))
         .transpose()?;
+    // With an environment, the Python reward functions that take `environments` are called
+    // where the instances live (TRL passes `environments=` to every reward function).
+    let reward_functions = cfg
+        .rewards
+        .iter()
+        .filter_map(|r| match &r.kind {
+            RewardKind::Command(c) if environment.is_some() => c.python_function(),
+            _ => None,
+        })
+        .map(str::to_owned)
+        .collect();
     let spec = ToolSpec {
+        reward_functions,
         timeout: std::time::Duration::from_secs_f64(a.tool_timeout_s),
         max_result_chars: a.tool_max_result_chars,
+        cpu_seconds: a.tool_cpu_seconds.map(|s| s as u64),
+        memory_mb: a.tool_memory_mb.map(|m| m as u64),
+        no_network: a.tool_no_network,
         processes: a.tool_max_concurrency,
         ..ToolSpec::new(tools, environment)
     };
@@ -178,9 +222,59 @@ pub fn agent(cfg: &TrainConfig, tok: Tokenizer) -> Result<(Option<Agent>, Tokeni
             .filter_map(crate::agents::schema_name)
             .collect::<Vec<_>>()
             .join(", "),
-        format!("{:?}", agent.format).to_lowercase(),
+        agent
+            .format()
+            .map_or(String::new(), |f| format!("{f:?}").to_lowercase()),
         agent.max_iterations,
         agent.max_tokens
     );
     Ok((Some(agent), tok))
+}
+
+/// Where the config's environment program or service is (`environment_command`,
+/// `environment_url`; the config's checks allow one at most).
+fn program_transport(cfg: &TrainConfig) -> Option<Transport> {
+    let a = &cfg.agent;
+    match (&a.environment_url, a.environment_command.is_empty()) {
+        (Some(url), _) => Some(Transport::Http(url.clone())),
+        (None, false) => Some(Transport::Command(a.environment_command.clone())),
+        (None, true) => None,
+    }
+}
+
+/// An agent acting in an environment program or service: the programs are started (or the
+/// service is asked whether it answers) here, so that one that cannot run stops the run before
+/// training, naming its key.
+fn program_agent(cfg: &TrainConfig, tok: &Tokenizer, transport: Transport) -> Result<Agent> {
+    let a = &cfg.agent;
+    let spec = EnvSpec {
+        processes: a.tool_max_concurrency,
+        timeout: std::time::Duration::from_secs_f64(a.tool_timeout_s),
+        max_observation_chars: a.tool_max_result_chars,
+        // The tools' sandbox, for a program (a service runs where it runs).
+        cpu_seconds: a.tool_cpu_seconds.map(|s| s as u64),
+        memory_mb: a.tool_memory_mb.map(|m| m as u64),
+        no_network: a.tool_no_network,
+        ..EnvSpec::new(transport)
+    };
+    let env = ProgramEnv::start(spec)?;
+    let max_iterations = a.max_tool_calling_iterations.unwrap_or(5);
+    let per_turn = cfg.generation.max_completion_length;
+    let opts = AgentOptions {
+        format: None,
+        max_iterations,
+        max_tokens: (a.max_episode_tokens).unwrap_or(per_turn * (max_iterations + 1)),
+        model: (cfg.run.model.clone()).unwrap_or_else(|| "SmolLM2-135M-Instruct".into()),
+        system_prompt: cfg.data.system_prompt.clone(),
+        max_prompt_length: cfg.data.max_prompt_length,
+        environment: None,
+    };
+    let shown = env.describe();
+    let agent = Agent::start_environment(env, tok.clone(), &opts)?;
+    tracing::info!(
+        "agent: environment {shown}, at most {} observations and {} tokens an episode",
+        agent.max_iterations,
+        agent.max_tokens
+    );
+    Ok(agent)
 }

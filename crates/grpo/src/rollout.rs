@@ -50,8 +50,9 @@ pub struct AgentTrace {
     pub tool_errors: Vec<String>,
     /// Seconds the episode's tools took.
     pub tool_secs: f64,
-    /// Rewards the environment gave, when it has a reward method.
-    pub env_reward: Option<f32>,
+    /// The environment's rewards (its `get_reward()`, then the reward functions that take
+    /// `environments`; see [`crate::agents::Agent::environment_rewards`]); None: missing.
+    pub env_rewards: Vec<Option<f32>>,
     /// Why a cap ended the episode (`max_tool_calling_iterations`, `max_episode_tokens`), if one
     /// did.
     pub cut: Option<String>,
@@ -444,7 +445,7 @@ pub fn score(
             completion_tokens: ep.completion_ids.len(),
             ref_mean_logp: ref_mean_logps.map(|m| m[i]),
             messages: ep.agent.as_ref().map(|a| a.messages.as_slice()),
-            env_reward: ep.agent.as_ref().and_then(|a| a.env_reward),
+            env_rewards: ep.agent.as_ref().map_or(&[], |a| a.env_rewards.as_slice()),
             ..ScoreItem::new(&data[ep.example], &ep.text)
         })
         .collect();

@@ -222,7 +222,7 @@ fn the_token_budget_ends_episodes() {
 // The agents' host: tool calls parsed, run in Python, their results rendered by the template.
 
 use grpo::agents::tools::{ToolHost, ToolSpec};
-use grpo::agents::{Agent, AgentOptions};
+use grpo::agents::{Agent, AgentOptions, EnvironmentReward};
 use grpo::data::Example;
 use grpo::rollout::GroupSampler;
 use grpo_models::sampler::episodes::EpisodeTokens as Tokens;
@@ -369,6 +369,14 @@ fn the_host_runs_tools_and_renders_their_results_as_the_template_does() {
         .apply_chat_template(&[grpo_models::tokenizer::ChatMessage::user("hi")], true)
         .unwrap();
     assert!(prompt.contains("\"name\": \"calculator\""), "{prompt}");
+    // In the order transformers' get_json_schema writes them (as apply_chat_template(tools=)
+    // renders them), not sorted.
+    assert!(
+        prompt.contains(
+            "{\"type\": \"function\", \"function\": {\"name\": \"calculator\", \"description\": "
+        ),
+        "{prompt}"
+    );
     let sampler = Scripted2 {
         turns: vec![
             "<tool_call>\n{\"name\": \"calculator\", \"arguments\": {\"expression\": \"12 * 34\"}}\n</tool_call>".into(),
@@ -527,6 +535,10 @@ fn training_with_tools_runs_and_logs_agent_metrics() {
     let samples = std::fs::read_to_string(out.join("completions.jsonl")).unwrap();
     let line: serde_json::Value = serde_json::from_str(samples.lines().next().unwrap()).unwrap();
     assert_eq!(line["messages"][0]["role"], "assistant", "{line}");
+    // So do the evaluation's answers.
+    let evals = std::fs::read_to_string(out.join("eval/step-0.jsonl")).unwrap();
+    let row: serde_json::Value = serde_json::from_str(evals.lines().next().unwrap()).unwrap();
+    assert_eq!(row["greedy"]["messages"][0]["role"], "assistant", "{row}");
 }
 
 /// A TRL-style environment class: `reset(**row)` with the dataset row, a public method as its
@@ -546,7 +558,13 @@ fn env_agent(tok: Tokenizer, numbered: bool) -> (Agent, Tokenizer, tempfile::Tem
              def guess(self, value: str) -> str:\n        \"\"\"Guesses the answer.\n\n        \
              Args:\n            value: The guess.\n        \"\"\"\n        self.guesses += 1\n        \
              return 'right' if value == self.target else 'wrong'\n\n    def get_reward(self):\n        \
-             return 1.0 if self.guesses == 1 else 0.0\n"
+             return 1.0 if self.guesses == 1 else 0.0\n\n\n\
+             # TRL passes `environments=` to reward functions: this one is scored by the tool host.\n\
+             def guessed(environments, prompts, completions, answer, **kwargs):\n    \
+             return [e.guesses + 10 * (a == '408') + 100 * len(c) + 1000 * isinstance(p, list)\n            \
+             for e, p, c, a in zip(environments, prompts, completions, answer)]\n\n\n\
+             # No `environments`: served by grpo's reward adapter.\n\
+             def plain(completions, **kwargs):\n    return [0.5 for _ in completions]\n"
         ),
     )
     .unwrap();
@@ -558,6 +576,8 @@ fn env_agent(tok: Tokenizer, numbered: bool) -> (Agent, Tokenizer, tempfile::Tem
     let target = format!("{}:Guess", dir.path().join("env.py").display());
     let mut spec = ToolSpec::new(vec![], Some(target.clone()));
     spec.processes = 1;
+    let env_py = dir.path().join("env.py").display().to_string();
+    spec.reward_functions = vec![format!("{env_py}:guessed"), format!("{env_py}:plain")];
     let host = ToolHost::start(spec).unwrap();
     let o = AgentOptions {
         format: None,
@@ -577,6 +597,14 @@ fn an_environment_class_runs_as_trl_runs_it() {
     let (_, tok, _dir) = tiny();
     let (agent, tok, _env) = env_agent(tok, false);
     assert_eq!(agent.environment_reward_name().as_deref(), Some("Guess"));
+    // get_reward, then the reward function that takes `environments` (not `plain`).
+    let sources = agent.environment_rewards();
+    assert_eq!(sources.len(), 2, "{sources:?}");
+    assert_eq!(sources[0], EnvironmentReward::GetReward("Guess".into()));
+    assert!(
+        matches!(&sources[1], EnvironmentReward::Function(f) if f.ends_with("env.py:guessed")),
+        "{sources:?}"
+    );
     let sampler = Scripted2 {
         turns: vec![
             "<tool_call>\n{\"name\": \"guess\", \"arguments\": {\"value\": \"408\"}}\n</tool_call>"
@@ -609,17 +637,21 @@ fn an_environment_class_runs_as_trl_runs_it() {
         let t = e.agent.as_ref().unwrap();
         assert_eq!(t.messages[1]["content"], "right");
         assert_eq!(t.tool_calls, ["guess"]);
-        assert_eq!(t.env_reward, Some(1.0));
+        // guessed: 1 guess + 10 (the answer column) + 100 * 3 messages (assistant, tool,
+        // assistant), the prompt a string (not messages: + 0), computed on the episode's own
+        // instance.
+        assert_eq!(t.env_rewards, [Some(1.0), Some(311.0)]);
     }
-    // The environment's reward is a reward like the others.
-    let reward = grpo::rewards::Reward {
-        name: "Guess".into(),
-        func: grpo::rewards::RewardFn::Environment,
+    // The environment's rewards are rewards like the others.
+    let reward = |name: &str, k| grpo::rewards::Reward {
+        name: name.into(),
+        func: grpo::rewards::RewardFn::Environment(k),
         weight: 1.0,
     };
+    let rewards = [reward("Guess", 0), reward("guessed", 1)];
     let mut scored = eps.clone();
-    grpo::rollout::score(&mut scored, &[example()], &[reward], &[0], None).unwrap();
-    assert!(scored.iter().all(|e| e.rewards == [1.0]));
+    grpo::rollout::score(&mut scored, &[example()], &rewards, &[0, 1], None).unwrap();
+    assert!(scored.iter().all(|e| e.rewards == [1.0, 311.0]));
 }
 
 #[test]
@@ -655,7 +687,7 @@ fn episodes_whose_observations_differ_each_sample_from_their_own_prompt() {
     // Never guessed: reward 0.
     assert!(eps
         .iter()
-        .all(|e| e.agent.as_ref().unwrap().env_reward == Some(0.0)));
+        .all(|e| e.agent.as_ref().unwrap().env_rewards[0] == Some(0.0)));
 }
 
 #[test]
@@ -670,12 +702,15 @@ fn training_with_an_environment_and_lora_runs_and_scores_its_reward() {
     let text = format!(
         "model = \"{}\"\noutput_dir = \"{}\"\nnum_generations = 4\nper_device_train_batch_size = 8\n\
          max_completion_length = 6\nmax_steps = 2\nsave_steps = 0\nthreads = 2\nlearning_rate = 1e-3\n\
-         report_to = []\nenvironment_factory = \"{}:Guess\"\nchat_template = \"{}\"\n\
-         [lora]\nr = 4\n[task]\ntrain_size = 8\neval_size = 2\n",
+         report_to = []\nenvironment_factory = \"{env_py}:Guess\"\nchat_template = \"{}\"\n\
+         [lora]\nr = 4\n[task]\ntrain_size = 8\neval_size = 2\n\
+         [[rewards]]\nkind = \"answer_match\"\n\
+         [[rewards]]\nkind = \"python\"\nfunction = \"{env_py}:guessed\"\n\
+         [[rewards]]\nkind = \"python\"\nfunction = \"{env_py}:plain\"\n",
         model.display(),
         out.display(),
-        env.path().join("env.py").display(),
         repo().join("examples/templates/chatml_tools.jinja").display(),
+        env_py = env.path().join("env.py").display(),
     );
     let cfg =
         grpo::config::TrainConfig::from_str(&text, grpo::config::Format::Toml, "t", &[]).unwrap();
@@ -684,6 +719,18 @@ fn training_with_an_environment_and_lora_runs_and_scores_its_reward() {
     let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
     // The environment's reward is scored as `Guess` (never guessed: 0).
     assert!(metrics.contains("\"rewards/Guess/mean\":0.0"), "{metrics}");
+    // `guessed` takes `environments`: scored by the tool host on each episode's instance (at
+    // least 100 per message of the episode); `plain` by the reward adapter.
+    let first: serde_json::Value = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .find(|r| r["rewards/guessed/mean"].is_number())
+        .unwrap_or_else(|| panic!("no rewards/guessed/mean: {metrics}"));
+    assert!(
+        first["rewards/guessed/mean"].as_f64().unwrap() >= 100.0,
+        "{first}"
+    );
+    assert_eq!(first["rewards/plain/mean"].as_f64(), Some(0.5), "{first}");
     // LoRA: the run trained adapters.
     assert!(out.join("checkpoint-2/adapter_model.safetensors").is_file());
 }
@@ -761,4 +808,123 @@ fn an_agent_run_resumed_mid_run_equals_the_uninterrupted_one() {
             .collect()
     };
     assert_eq!(rows(&full), rows(&part));
+}
+
+/// The calculator conversation of `example()` in TRL's SFT form.
+const TRACE_LINE: &str = r#"{"messages": [{"role": "user", "content": "What is 12 * 34?"}, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12 * 34"}}}]}, {"role": "tool", "name": "calculator", "content": "408"}, {"role": "assistant", "content": "408"}]}"#;
+
+#[test]
+fn warm_up_traces_from_a_file_are_the_built_in_ones_for_the_same_conversation() {
+    let (_, tok, _d) = tiny();
+    let (agent, tok) = calculator_agent(tok);
+    let mut ex = example();
+    for (k, v) in [
+        ("a", serde_json::json!(12)),
+        ("b", serde_json::json!(34)),
+        ("op", serde_json::json!("*")),
+    ] {
+        ex.metadata.insert(k.into(), v);
+    }
+    let prompt = grpo::data::prompt_ids(&tok, &ex, None, None).unwrap();
+    let eos = tok.eos_token_id().unwrap();
+    let built = agent.arithmetic_traces(&[ex], &[prompt], 1, eos).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("traces.jsonl");
+    std::fs::write(&file, format!("{TRACE_LINE}\n\n")).unwrap();
+    let conversations = grpo::agents::traces::read_conversations(&file).unwrap();
+    let from_file = agent.conversation_traces(&conversations, eos).unwrap();
+    assert_eq!(from_file, built);
+    // Only the model's tokens are learned: the call, then the answer; the tool turn is not.
+    let s = &from_file[0].sampled;
+    assert!(s[0] && *s.last().unwrap() && s.iter().any(|&x| !x), "{s:?}");
+
+    // A bad line is named by file and line.
+    std::fs::write(&file, format!("{TRACE_LINE}\n{{\"messages\": []}}\n")).unwrap();
+    let e = grpo::agents::traces::read_conversations(&file)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("sft_warmup_file") && e.contains("traces.jsonl:2"),
+        "{e}"
+    );
+}
+
+#[test]
+fn the_warm_up_trains_on_a_file_of_conversations() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    support::tiny_llama(&model, &fixtures());
+    let traces = dir.path().join("traces.jsonl");
+    std::fs::write(&traces, format!("{TRACE_LINE}\n")).unwrap();
+    let out = dir.path().join("out");
+    let text = format!(
+        "model = \"{}\"\noutput_dir = \"{}\"\nnum_generations = 4\nper_device_train_batch_size = 8\n\
+         max_completion_length = 6\nmax_steps = 1\nsave_steps = 0\nthreads = 2\n\
+         report_to = []\ntools = [\"{}:calculator\"]\nchat_template = \"{}\"\n\
+         sft_warmup_steps = 3\nsft_warmup_learning_rate = 1e-2\nsft_warmup_file = \"{}\"\n\
+         eval_steps = 0\n[task]\ntrain_size = 8\neval_size = 2\n",
+        model.display(),
+        out.display(),
+        repo().join("examples/agents/calculator.py").display(),
+        repo().join("examples/templates/chatml_tools.jinja").display(),
+        traces.display(),
+    );
+    let cfg =
+        grpo::config::TrainConfig::from_str(&text, grpo::config::Format::Toml, "t", &[]).unwrap();
+    grpo::train::train(&cfg, &grpo::train::RunControl::default()).unwrap();
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let ce: Vec<f64> = metrics
+        .lines()
+        .filter_map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["warmup/cross_entropy"].as_f64()
+        })
+        .collect();
+    // The one conversation, 8 times a step: learned quickly.
+    assert_eq!(ce.len(), 3, "{metrics}");
+    assert!(ce[2] < ce[0], "warm-up cross-entropy {ce:?}");
+}
+
+#[test]
+fn dynamic_sampling_samples_more_episodes_until_groups_have_signal() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    support::tiny_llama(&model, &fixtures());
+    let out = dir.path().join("out");
+    // Rewards that differ within groups even for the random tiny model (a letter in the
+    // answer, group diversity), so kept groups exist; every round logs what dynamic sampling did.
+    let text = format!(
+        "model = \"{}\"\noutput_dir = \"{}\"\nnum_generations = 4\nper_device_train_batch_size = 8\n\
+         max_completion_length = 6\nmax_steps = 2\nsave_steps = 0\nthreads = 2\n\
+         report_to = []\ntools = [\"{}:calculator\"]\nchat_template = \"{}\"\n\
+         max_tool_calling_iterations = 1\ndynamic_sampling = true\neval_steps = 0\n\
+         [task]\ntrain_size = 16\neval_size = 2\n\
+         [[rewards]]\nkind = \"format\"\npattern = \"[xzqjkv]\"\n\
+         [[rewards]]\nkind = \"diversity\"\nweight = 0.5\n",
+        model.display(),
+        out.display(),
+        repo().join("examples/agents/calculator.py").display(),
+        repo().join("examples/templates/chatml_tools.jinja").display(),
+    );
+    let cfg =
+        grpo::config::TrainConfig::from_str(&text, grpo::config::Format::Toml, "t", &[]).unwrap();
+    let done = grpo::train::train(&cfg, &grpo::train::RunControl::default()).unwrap();
+    assert_eq!(done.steps, 2);
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let rows: Vec<serde_json::Value> = metrics
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|r: &serde_json::Value| r["dynamic_sampling/groups_sampled"].is_number())
+        .collect();
+    assert_eq!(rows.len(), 2, "{metrics}");
+    for r in &rows {
+        let n = |k: &str| r[k].as_f64().unwrap_or_else(|| panic!("no {k}: {r}"));
+        let (sampled, dropped) = (
+            n("dynamic_sampling/groups_sampled"),
+            n("dynamic_sampling/groups_dropped"),
+        );
+        assert!(sampled >= 2.0 && dropped < sampled, "{r}");
+        assert!(n("dynamic_sampling/groups_kept") >= 1.0, "{r}");
+        // The round's episodes are agent episodes.
+        assert!(n("agent/turns_per_episode") >= 1.0, "{r}");
+    }
 }

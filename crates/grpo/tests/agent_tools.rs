@@ -531,16 +531,16 @@ fn environments_keep_one_instance_per_episode() {
         host.call(1, &call("add", json!({"a": 1, "b": 2}))).unwrap(),
         "3"
     );
-    assert_eq!(host.env_reward(0), Some(1.0));
-    assert_eq!(host.env_reward(1), Some(0.0));
-    assert_eq!(host.env_reward(2), Some(1.0));
+    assert_eq!(reward(&host, 0), Some(1.0));
+    assert_eq!(reward(&host, 1), Some(0.0));
+    assert_eq!(reward(&host, 2), Some(1.0));
 
     host.close(0);
     let e = host
         .call(0, &call("increment", json!({"by": 1})))
         .unwrap_err();
     assert_eq!(e.kind, "environment_lost", "{}", e.message);
-    assert_eq!(host.env_reward(0), None);
+    assert_eq!(reward(&host, 0), None);
     // A new episode reuses the closed one's instance, reset.
     assert_eq!(
         host.reset(4, &json!({"target": 1})).unwrap().as_deref(),
@@ -567,7 +567,7 @@ fn a_reset_that_does_not_take_the_row_is_an_error() {
     assert!(e.message.contains("**kwargs"), "{}", e.message);
     assert_eq!(host.reset(0, &json!({})).unwrap(), None);
     assert_eq!(host.call(0, &call("look", json!({}))).unwrap(), "nothing");
-    assert_eq!(host.env_reward(0), None);
+    assert_eq!(reward(&host, 0), None);
 }
 
 #[test]
@@ -593,7 +593,7 @@ fn a_timeout_loses_the_environments_of_its_process() {
         host.call(3, &call("increment", json!({"by": 2}))).unwrap(),
         "2"
     );
-    assert_eq!(host.env_reward(3), Some(1.0));
+    assert_eq!(reward(&host, 3), Some(1.0));
     let st = host.stats();
     assert_eq!((st.restarts, st.environments_lost), (1, 2));
 }
@@ -654,4 +654,171 @@ fn calls_run_in_parallel_up_to_the_processes() {
         t0.elapsed()
     );
     assert_eq!(host.stats().calls, 4);
+}
+
+const GREEDY: &str = r#"
+import socket
+
+
+def spin() -> str:
+    """Burns CPU forever."""
+    while True:
+        pass
+
+
+def alloc() -> str:
+    """Allocates a gigabyte."""
+    return str(len(bytearray(1 << 30)))
+
+
+def connect(port: int) -> str:
+    """Connects to a local port.
+
+    Args:
+        port: The port.
+    """
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return "connected"
+    except OSError as e:
+        return f"refused: {e}"
+"#;
+
+#[test]
+fn cpu_and_memory_limits_cost_the_call_not_the_run() {
+    let py = need_python!();
+    let dir = dir_with(&[("greedy.py", GREEDY)]);
+    let mut s = spec(py, dir.path(), &["greedy.py:spin", "greedy.py:alloc"], None);
+    s.cpu_seconds = Some(1);
+    s.memory_mb = Some(400);
+    s.timeout = Duration::from_secs(20);
+    let host = ToolHost::start(s.clone()).unwrap();
+    let t0 = Instant::now();
+    let e = host.call(0, &call("spin", json!({}))).unwrap_err();
+    // RLIMIT_CPU kills the process after about a second of CPU, long before the timeout.
+    assert_eq!(e.kind, "crash", "{}", e.message);
+    assert!(t0.elapsed() < Duration::from_secs(15), "{:?}", t0.elapsed());
+    let e = host.call(0, &call("alloc", json!({}))).unwrap_err();
+    assert_eq!(
+        e.kind, "raised",
+        "MemoryError is raised in the tool: {}",
+        e.message
+    );
+    assert!(e.message.contains("MemoryError"), "{}", e.message);
+    assert_eq!(host.stats().restarts, 1);
+
+    // Without the limits the same tool allocates the gigabyte (the limit is what stopped it).
+    s.cpu_seconds = None;
+    s.memory_mb = None;
+    let host = ToolHost::start(s).unwrap();
+    assert_eq!(
+        host.call(0, &call("alloc", json!({}))).unwrap(),
+        "1073741824"
+    );
+}
+
+#[test]
+fn tool_no_network_takes_the_network_away() {
+    let py = need_python!();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || for _ in listener.incoming() {});
+    let dir = dir_with(&[("greedy.py", GREEDY)]);
+    let mut s = spec(py, dir.path(), &["greedy.py:connect"], None);
+    let host = ToolHost::start(s.clone()).unwrap();
+    let reach = json!({ "port": port });
+    assert_eq!(
+        host.call(0, &call("connect", reach.clone())).unwrap(),
+        "connected"
+    );
+    s.no_network = true;
+    match ToolHost::start(s) {
+        Ok(host) => {
+            let out = host.call(0, &call("connect", reach)).unwrap();
+            assert!(
+                out.starts_with("refused"),
+                "tool_no_network did not cut the network: {out}"
+            );
+        }
+        Err(e) => {
+            let e = e.to_string();
+            assert!(
+                e.contains("tool_no_network") && e.contains("namespace"),
+                "{e}"
+            );
+            eprintln!("skipped: this sandbox allows no network namespace: {e}");
+        }
+    }
+}
+
+/// The environment's `get_reward()` of `episode` (the first of its rewards).
+fn reward(host: &ToolHost, episode: u64) -> Option<f32> {
+    let row = json!({});
+    host.env_rewards(episode, &row, &[])
+        .first()
+        .copied()
+        .flatten()
+}
+
+const ENV_REWARDS: &str = r#"
+def distance(environments, completions, target, **kwargs):
+    return [float(t - e.count) - len(c) for e, c, t in zip(environments, completions, target)]
+
+def raises(environments, **kwargs):
+    raise ValueError("no score today")
+
+def not_a_number(environments, **kwargs):
+    return ["high"]
+
+def two_scores(environments, **kwargs):
+    return [1.0, 2.0]
+
+def without(completions, **kwargs):
+    return [0.0 for _ in completions]
+"#;
+
+#[test]
+fn reward_functions_taking_environments_score_on_the_instances() {
+    let py = need_python!();
+    let dir = dir_with(&[("env.py", ENV), ("rw.py", ENV_REWARDS)]);
+    let mut s = spec(py, dir.path(), &[], Some("env.py:Counter"));
+    s.reward_functions = [
+        "distance",
+        "raises",
+        "without",
+        "not_a_number",
+        "two_scores",
+    ]
+    .iter()
+    .map(|f| format!("rw.py:{f}"))
+    .collect();
+    let host = ToolHost::start(s).unwrap();
+    // `without` has no `environments` parameter: grpo's reward adapter scores it.
+    let listed: Vec<&str> = host
+        .env_reward_functions()
+        .iter()
+        .map(String::as_str)
+        .collect();
+    assert_eq!(
+        listed,
+        [
+            "rw.py:distance",
+            "rw.py:raises",
+            "rw.py:not_a_number",
+            "rw.py:two_scores"
+        ]
+    );
+    let row = json!({"prompt": "count", "target": 5});
+    host.reset(0, &row).unwrap();
+    host.call(0, &call("increment", json!({"by": 2}))).unwrap();
+    let messages = [json!({"role": "assistant", "content": "2"})];
+    // get_reward (not reached: 0), then 5 - 2 - one message; a function that raises, returns a
+    // word or two scores for one episode costs its own score only.
+    assert_eq!(
+        host.env_rewards(0, &row, &messages),
+        [Some(0.0), Some(2.0), None, None, None]
+    );
+    // An episode without an instance (never reset) gets no scores, and no crash.
+    assert_eq!(host.env_rewards(9, &row, &messages), [None; 5]);
+    assert!(host.stats().errors["raised"] >= 3, "{:?}", host.stats());
 }

@@ -1,6 +1,9 @@
 //! One round of episodes: the [`TurnHost`] that reads each model turn's tool calls, runs them
 //! on a thread of their own while the other rows decode, and gives the sampler the tool turn's
-//! tokens; then each episode as the trainer's [`Episode`] with its [`AgentTrace`].
+//! tokens; then each episode as the trainer's [`Episode`] with its [`AgentTrace`]. An
+//! environment program's episodes ([`super::AgentWorld::Program`]) are hosted in [`program`].
+
+mod program;
 
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -9,7 +12,8 @@ use std::time::Instant;
 use serde_json::{json, Value};
 
 use super::calls::{check_call, parse_turn, CallError, TurnCalls};
-use super::Agent;
+use super::tools::ToolHost;
+use super::{Agent, AgentWorld};
 use crate::data::Example;
 use crate::rollout::{AgentTrace, Episode};
 use grpo_models::sampler::episodes::{EpisodeTokens, TurnHost};
@@ -39,8 +43,10 @@ struct RowState {
     /// The end-of-turn token the model sampled, as text (a continuation leaves it out).
     sampled_close: String,
     pending: Option<JoinHandle<Vec<Answered>>>,
-    /// The environment's reward, once the episode is over.
-    env_reward: Option<f32>,
+    /// The environment's rewards, once the episode is over ([`super::tools::ToolHost::env_rewards`]).
+    env_rewards: Vec<Option<f32>>,
+    /// An environment program's side of the episode.
+    program: program::ProgramRow,
 }
 
 /// The host of one round's episodes (`rows` = prompts x G, prompt-major).
@@ -61,8 +67,13 @@ impl<'a> Host<'a> {
     }
 
     /// Runs `calls` of row `row` on a thread of their own (in order), and keeps its handle.
-    fn start_calls(&mut self, row: usize, calls: Vec<super::calls::ToolCall>) {
-        let tools = Arc::clone(&self.agent.tools);
+    fn start_calls(
+        &mut self,
+        tools: &Arc<ToolHost>,
+        row: usize,
+        calls: Vec<super::calls::ToolCall>,
+    ) {
+        let tools = Arc::clone(tools);
         let id = self.rows[row].id;
         let schemas = self.agent.schemas.clone();
         let handle = std::thread::spawn(move || {
@@ -134,7 +145,7 @@ impl<'a> Host<'a> {
                         tool_calls: st.tool_calls,
                         tool_errors: st.tool_errors,
                         tool_secs: st.tool_secs,
-                        env_reward: st.env_reward,
+                        env_rewards: st.env_rewards,
                         cut,
                     }),
                 }
@@ -142,16 +153,15 @@ impl<'a> Host<'a> {
             .collect()
     }
 
-    /// Ends every episode's environment (its reward first, when it has one).
-    pub(super) fn close_environments(&mut self) {
-        if !self.agent.tools.has_environment() {
+    /// Ends every episode's environment, its rewards first (`rows`: each episode's dataset
+    /// row, as [`row_json`] writes it).
+    pub(super) fn close_environments(&mut self, rows: &[Value]) {
+        let Some(tools) = self.agent.tool_host().filter(|t| t.has_environment()) else {
             return;
-        }
-        for st in &mut self.rows {
-            if self.agent.tools.env_has_reward() {
-                st.env_reward = self.agent.tools.env_reward(st.id);
-            }
-            self.agent.tools.close(st.id);
+        };
+        for (st, row) in self.rows.iter_mut().zip(rows) {
+            st.env_rewards = tools.env_rewards(st.id, row, &st.messages);
+            tools.close(st.id);
         }
     }
 
@@ -159,10 +169,15 @@ impl<'a> Host<'a> {
     /// one, is what the episode starts from (`None`: the environment failed to start, recorded
     /// as a tool error).
     pub(super) fn reset_environments(&mut self, rows: &[Value]) -> Vec<Option<String>> {
+        let agent = self.agent;
+        let tools = match &agent.world {
+            AgentWorld::Tools { host, .. } => host,
+            AgentWorld::Program(env) => return self.reset_programs(env, rows),
+        };
         self.rows
             .iter_mut()
             .zip(rows)
-            .map(|(st, row)| match self.agent.tools.reset(st.id, row) {
+            .map(|(st, row)| match tools.reset(st.id, row) {
                 Ok(obs) => obs,
                 Err(e) => {
                     st.tool_errors.push(e.kind.to_string());
@@ -188,7 +203,11 @@ impl TurnHost for Host<'_> {
             (StopReason::Eos, Some(&eos)) => agent.tok.decode(&[eos], false)?,
             _ => String::new(),
         };
-        let calls = parse_turn(agent.format, &with_special);
+        let (tools, format) = match &agent.world {
+            AgentWorld::Tools { host, format } => (host, *format),
+            AgentWorld::Program(env) => return Ok(self.program_turn(env, row, turn)),
+        };
+        let calls = parse_turn(format, &with_special);
         let mut message = json!({"role": "assistant", "content": turn.text});
         if let TurnCalls::Calls(cs) = &calls {
             message["tool_calls"] = json!(cs
@@ -221,13 +240,16 @@ impl TurnHost for Host<'_> {
                 Ok(true)
             }
             TurnCalls::Calls(cs) => {
-                self.start_calls(row, cs);
+                self.start_calls(tools, row, cs);
                 Ok(true)
             }
         }
     }
 
     fn continuations(&mut self, rows: &[usize]) -> grpo_models::Result<Vec<Option<Vec<u32>>>> {
+        if let AgentWorld::Program(_) = &self.agent.world {
+            return self.program_continuations(rows);
+        }
         let mut out = Vec::with_capacity(rows.len());
         for &r in rows {
             let st = &mut self.rows[r];

@@ -6,13 +6,17 @@
 //! and stops; this module is the edge: it parses the model's tool calls ([`calls`]), runs them
 //! ([`tools`]: the user's Python functions and environment classes, in processes of their own),
 //! and renders their results as the model's chat template writes tool messages ([`template`]).
+//! An environment program or service ([`program_env`]) is the other [`AgentWorld`]: every model
+//! turn is an action, and each observation continues the episode as a user message.
 //! The trainer sees one token sequence per episode and a mask of the tokens the model sampled
 //! ([`crate::rollout::AgentTrace`]).
 
 pub mod calls;
 mod episode;
+pub mod program_env;
 pub mod template;
 pub mod tools;
+pub mod traces;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -25,18 +29,36 @@ use crate::Result;
 use calls::CallFormat;
 use grpo_models::sampler::{GenStats, PromptInput, SamplingParams};
 use grpo_models::tokenizer::Tokenizer;
+use program_env::ProgramEnv;
 use template::ToolTurns;
 use tools::ToolHost;
+
+/// Where an agent's episodes act, resolved once at set-up.
+#[derive(Debug)]
+pub enum AgentWorld {
+    /// Python tools and an environment class (`tools`, `environment_factory`): the model's
+    /// tool calls, written in `format`, are parsed and run.
+    Tools {
+        host: Arc<ToolHost>,
+        format: CallFormat,
+    },
+    /// An environment program or service (`environment_command`, `environment_url`): every
+    /// model turn is an action.
+    Program(Arc<ProgramEnv>),
+}
+
+/// The reward an environment program's steps sum to (`rewards/environment/mean`).
+pub const PROGRAM_REWARD: &str = "environment";
 
 /// What an agent run needs, resolved once at set-up.
 #[derive(Debug)]
 pub struct Agent {
-    pub tools: Arc<ToolHost>,
-    /// Every tool's JSON schema (functions, then the environment's methods).
+    pub world: AgentWorld,
+    /// Every tool's JSON schema (functions, then the environment's methods; none for a program).
     pub schemas: Vec<Value>,
-    pub format: CallFormat,
     pub turns: ToolTurns,
-    /// Turns that call tools, at most (TRL's `max_tool_calling_iterations`).
+    /// Turns that call tools (or observations that continue a program's episode), at most
+    /// (TRL's `max_tool_calling_iterations`).
     pub max_iterations: usize,
     /// Tokens after the prompt, model and tool tokens together, at most.
     pub max_tokens: usize,
@@ -91,9 +113,11 @@ impl Agent {
                 })?,
         };
         let agent = Agent {
-            tools: Arc::new(tools),
+            world: AgentWorld::Tools {
+                host: Arc::new(tools),
+                format,
+            },
             schemas,
-            format,
             turns,
             max_iterations: o.max_iterations,
             max_tokens: o.max_tokens,
@@ -106,13 +130,78 @@ impl Agent {
         Ok((agent, tok))
     }
 
-    /// The reward an environment with a `get_reward` method gives: named after its class.
+    /// An agent acting in an environment program or service: checks that `tok`'s chat template
+    /// renders observations (user messages after an assistant turn). `o.format` is not used.
+    pub fn start_environment(env: ProgramEnv, tok: Tokenizer, o: &AgentOptions) -> Result<Agent> {
+        let turns = ToolTurns::for_environment(&tok, &format!("model {}", o.model))?;
+        Ok(Agent {
+            world: AgentWorld::Program(Arc::new(env)),
+            schemas: vec![],
+            turns,
+            max_iterations: o.max_iterations,
+            max_tokens: o.max_tokens,
+            tok,
+            system_prompt: o.system_prompt.clone(),
+            max_prompt_length: o.max_prompt_length,
+            environment: o.environment.clone(),
+            next_id: AtomicU64::new(0),
+        })
+    }
+
+    /// The Python tool host (None for an environment program).
+    pub fn tool_host(&self) -> Option<&Arc<ToolHost>> {
+        match &self.world {
+            AgentWorld::Tools { host, .. } => Some(host),
+            AgentWorld::Program(_) => None,
+        }
+    }
+
+    /// How the model writes tool calls (None for an environment program: no calls).
+    pub fn format(&self) -> Option<CallFormat> {
+        match &self.world {
+            AgentWorld::Tools { format, .. } => Some(*format),
+            AgentWorld::Program(_) => None,
+        }
+    }
+
+    /// Whether episodes are reset with their dataset row (an environment class or program).
+    pub fn has_environment(&self) -> bool {
+        match &self.world {
+            AgentWorld::Tools { host, .. } => host.has_environment(),
+            AgentWorld::Program(_) => true,
+        }
+    }
+
+    /// The reward an environment with a `get_reward` method gives: named after its class; an
+    /// environment program's is [`PROGRAM_REWARD`], the sum of its steps' rewards.
     pub fn environment_reward_name(&self) -> Option<String> {
+        let host = match &self.world {
+            AgentWorld::Tools { host, .. } => host,
+            AgentWorld::Program(_) => return Some(PROGRAM_REWARD.into()),
+        };
         let env = self.environment.as_deref()?;
-        self.tools.env_has_reward().then(|| {
+        host.env_has_reward().then(|| {
             let class = env.rsplit([':', '.']).next().unwrap_or(env);
             class.to_string()
         })
+    }
+
+    /// The rewards the environment's side gives, in the order of
+    /// [`crate::rollout::AgentTrace::env_rewards`] (the index of [`RewardFn::Environment`]).
+    ///
+    /// [`RewardFn::Environment`]: crate::rewards::RewardFn::Environment
+    pub fn environment_rewards(&self) -> Vec<EnvironmentReward> {
+        let get_reward = self
+            .environment_reward_name()
+            .map(EnvironmentReward::GetReward);
+        let functions = self
+            .tool_host()
+            .map(|t| t.env_reward_functions().to_vec())
+            .unwrap_or_default();
+        get_reward
+            .into_iter()
+            .chain(functions.into_iter().map(EnvironmentReward::Function))
+            .collect()
     }
 
     fn new_episode_id(&self) -> u64 {
@@ -122,8 +211,8 @@ impl Agent {
     /// The stop strings a turn needs on top of the run's (Hermes: `</tool_call>`, so that a
     /// call's turn ends where its tool runs).
     pub fn stop_strings(&self) -> Vec<String> {
-        self.format
-            .stop_string()
+        self.format()
+            .and_then(CallFormat::stop_string)
             .map(|s| vec![s.to_string()])
             .unwrap_or_default()
     }
@@ -157,12 +246,13 @@ impl Agent {
             .iter()
             .flat_map(|p| std::iter::repeat_n(p.clone(), g))
             .collect();
-        if self.tools.has_environment() {
+        let mut row_values: Vec<Value> = vec![];
+        if self.has_environment() {
             let rows: Vec<&Example> = examples
                 .iter()
                 .flat_map(|&e| std::iter::repeat_n(&data[e], g))
                 .collect();
-            let row_values: Vec<Value> = rows.iter().map(|ex| episode::row_json(ex)).collect();
+            row_values = rows.iter().map(|ex| episode::row_json(ex)).collect();
             let observations = host.reset_environments(&row_values);
             for (i, obs) in observations.iter().enumerate() {
                 if let Some(o) = obs {
@@ -195,7 +285,8 @@ impl Agent {
         let n = if shared { g } else { 1 };
         let sampled =
             model.sample_episodes(&self.tok, &inputs, n, &params, self.max_tokens, &mut host);
-        host.close_environments();
+        host.close_environments(&row_values);
+        host.close_program_episodes();
         let (groups, stats) = sampled?;
         let flat: Vec<_> = groups.into_iter().flatten().collect();
         Ok((host.episodes(flat, g, examples, prompts), stats))
@@ -222,6 +313,15 @@ impl Agent {
             self.max_prompt_length,
         )
     }
+}
+
+/// A reward scored where the environment instances live.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EnvironmentReward {
+    /// The environment's `get_reward()`: one more reward, named after the class (TRL).
+    GetReward(String),
+    /// A `kind = "python"` reward function (its target) that takes `environments`.
+    Function(String),
 }
 
 /// A tool schema's function name.
@@ -294,7 +394,7 @@ pub fn round_metrics(episodes: &[Episode]) -> Vec<(String, f64)> {
 
 /// One supervised warm-up trace: the prompt, then a call of the tool, the tool's real answer,
 /// and the final answer, with the tokens the model is to learn marked.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Trace {
     pub prompt_ids: Vec<u32>,
     pub completion_ids: Vec<u32>,
@@ -320,7 +420,13 @@ impl Agent {
             .take(count)
             .map(|ex| self.warmup_call(ex))
             .collect::<Result<Vec<_>>>()?;
-        let processes = self.tools.pids().len().max(1);
+        let tools = self.tool_host().ok_or_else(|| {
+            crate::Error::config(
+                "sft_warmup_steps",
+                "the warm-up's traces call tools; an environment program has none",
+            )
+        })?;
+        let processes = tools.pids().len().max(1);
         let results: Vec<Option<String>> = std::thread::scope(|s| {
             let per = calls.len().div_ceil(processes).max(1);
             let handles: Vec<_> = calls
@@ -329,7 +435,7 @@ impl Agent {
                     s.spawn(move || {
                         chunk
                             .iter()
-                            .map(|c| self.tools.call(self.new_episode_id(), c).ok())
+                            .map(|c| tools.call(self.new_episode_id(), c).ok())
                             .collect::<Vec<_>>()
                     })
                 })
@@ -369,7 +475,7 @@ impl Agent {
     /// `hermes` format) with the problem's expression.
     fn warmup_call(&self, ex: &Example) -> Result<calls::ToolCall> {
         let bad = |m: &str| crate::Error::config("sft_warmup_steps", m.to_string());
-        if self.format != CallFormat::Hermes {
+        if self.format() != Some(CallFormat::Hermes) {
             return Err(bad(
                 "the warm-up's traces are written in the hermes tool-call format",
             ));

@@ -8,6 +8,10 @@
 //! and the text from there to the next assistant header with a marker where each tool result
 //! goes. A template that renders no tool messages, or ignores `tools`, is refused before
 //! training.
+//!
+//! An environment program's observations continue an episode as user messages: the text from a
+//! closed assistant turn to the next assistant header around one user message is found the same
+//! way (`[user, assistant]` against `[user, assistant, user]`).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -18,6 +22,7 @@ use crate::{Error, Result};
 
 const USER: &str = "GRPOUSERMARK";
 const CONTENT: &str = "GRPOCONTENTMARK";
+const OBSERVATION: &str = "GRPOOBSERVATIONMARK";
 
 fn result_mark(i: usize) -> String {
     format!("GRPORESULTMARK{i}END")
@@ -32,6 +37,9 @@ pub struct ToolTurns {
     /// By the number of tool messages: the text after a closed assistant turn to the next
     /// assistant header, split at the tool results (n + 1 pieces).
     blocks: Mutex<HashMap<usize, Vec<String>>>,
+    /// The text after a closed assistant turn to the next assistant header, split at a user
+    /// message's content (2 pieces; rendered once).
+    user: Mutex<Option<[String; 2]>>,
     /// Where the template came from, for errors.
     what: String,
 }
@@ -65,26 +73,104 @@ impl ToolTurns {
                 "its chat template ignores `tools` (tool `{missing}` is not in a rendered prompt)"
             )));
         }
-        let with_turn = render(&[user[0].clone(), ChatMessage::assistant(CONTENT)], false)?;
-        let close = match with_turn.strip_prefix(&prompt) {
+        let turns = Self::with_close(tok, &prompt, what).map_err(refuse)?;
+        turns.block(1).map_err(|e| refuse(e.to_string()))?;
+        Ok(turns)
+    }
+
+    /// For an environment program's episodes: checks that `tok`'s chat template renders an
+    /// assistant turn and a user message after it (the observation); `what` names the model in
+    /// errors, which name `chat_template`.
+    pub fn for_environment(tok: &Tokenizer, what: &str) -> Result<ToolTurns> {
+        let refuse = |why: String| {
+            Error::config(
+                "chat_template",
+                format!(
+                    "{what}: {why}; an environment's observations are user messages: set \
+                     chat_template to a template file that renders user and assistant turns"
+                ),
+            )
+        };
+        if !tok.has_chat_template() {
+            return Err(refuse("the model has no chat template".into()));
+        }
+        let prompt = tok
+            .apply_chat_template(&[ChatMessage::user(USER)], true)
+            .map_err(|e| refuse(format!("its chat template fails: {e}")))?;
+        let turns = Self::with_close(tok, &prompt, what).map_err(refuse)?;
+        turns.user_block().map_err(|e| refuse(e.to_string()))?;
+        Ok(turns)
+    }
+
+    /// Learns what closes an assistant turn, from the rendered `prompt` (`[user]` with the
+    /// generation prompt) and the same conversation with an assistant turn.
+    fn with_close(tok: &Tokenizer, prompt: &str, what: &str) -> std::result::Result<Self, String> {
+        let msgs = [ChatMessage::user(USER), ChatMessage::assistant(CONTENT)];
+        let with_turn = tok
+            .apply_chat_template(&msgs, false)
+            .map_err(|e| format!("its chat template fails: {e}"))?;
+        let close = match with_turn.strip_prefix(prompt) {
             Some(rest) => rest.strip_prefix(CONTENT).map(str::to_owned),
             None => None,
         }
         .ok_or_else(|| {
-            refuse(
-                "its chat template does not render an assistant turn as its generation \
-                 prompt followed by the content"
-                    .into(),
-            )
+            "its chat template does not render an assistant turn as its generation prompt \
+             followed by the content"
+                .to_string()
         })?;
-        let turns = ToolTurns {
+        Ok(ToolTurns {
             tok: tok.clone(),
             close,
             blocks: Mutex::new(HashMap::new()),
+            user: Mutex::new(None),
             what: what.to_string(),
-        };
-        turns.block(1).map_err(|e| refuse(e.to_string()))?;
-        Ok(turns)
+        })
+    }
+
+    /// The pieces around one user message after a closed assistant turn (rendered once).
+    fn user_block(&self) -> Result<[String; 2]> {
+        let mut user = self.user.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(b) = user.as_ref() {
+            return Ok(b.clone());
+        }
+        let mut msgs = vec![ChatMessage::user(USER), ChatMessage::assistant(CONTENT)];
+        let closed = self.tok.apply_chat_template(&msgs, false)?;
+        msgs.push(ChatMessage::user(OBSERVATION));
+        let full = self.tok.apply_chat_template(&msgs, true)?;
+        let pieces = full
+            .strip_prefix(&closed)
+            .and_then(|rest| rest.split_once(OBSERVATION))
+            .map(|(before, after)| [before.to_string(), after.to_string()])
+            .ok_or_else(|| {
+                Error::config(
+                    "chat_template",
+                    format!(
+                        "{}: its chat template does not render a user message after an \
+                         assistant turn",
+                        self.what
+                    ),
+                )
+            })?;
+        *user = Some(pieces.clone());
+        Ok(pieces)
+    }
+
+    /// The text that follows a model turn with an environment's `observation`: what closes the
+    /// turn (less the end-of-turn token the model sampled, `sampled_close`), the observation as
+    /// a user message, and the next assistant header.
+    pub fn observation(&self, sampled_close: &str, observation: &str) -> Result<String> {
+        let [before, after] = self.user_block()?;
+        let close = self
+            .close
+            .strip_prefix(sampled_close)
+            .unwrap_or(&self.close);
+        Ok(format!("{close}{before}{observation}{after}"))
+    }
+
+    /// The observation's continuation, as tokens.
+    pub fn observation_ids(&self, sampled_close: &str, observation: &str) -> Result<Vec<u32>> {
+        self.tok
+            .encode(&self.observation(sampled_close, observation)?, false)
     }
 
     /// The pieces around `n` tool results (rendered once per `n`).

@@ -2,17 +2,20 @@
 
 Started by grpo (crates/grpo/src/agents/tools.rs) as `python -c <this file> <spec-json>`, with
 spec = {"tools": ["file.py:fn" | "pkg.module:fn", ...], "environment": "file.py:Cls" | null,
-        "max_result_chars": N, "check_schemas": bool}.
+        "reward_functions": ["file.py:fn", ...], "max_result_chars": N, "check_schemas": bool}.
 It reads one JSON request per line on stdin and writes one JSON answer per line to the original
 stdout. Tools cannot disturb that channel: fd 1 and sys.stdout go to stderr, and fd 0 and
 sys.stdin read from /dev/null, before any user code is imported.
 
 First line written: {"ready": true}. Then, per request (the request's "id" is in every answer):
-  {"op": "describe"}                            -> {"tools": [schema], "env_tools": [schema], "env_has_reward": b}
+  {"op": "describe"}                            -> {"tools": [schema], "env_tools": [schema], "env_has_reward": b,
+                                                    "env_reward_functions": [target]}
   {"op": "call", "tool", "arguments"}           -> {"result": str} | {"error": {"kind", "message"}}
   {"op": "reset", "episode", "row"}             -> {"result": str | null} | {"error"}
   {"op": "env_call", "episode", "tool", "arguments"} -> as "call", on the episode's environment
-  {"op": "env_reward", "episode"}               -> {"reward": float | null[, "error"]}
+  {"op": "env_reward", "episode", "row", "messages"}
+                                                -> {"reward": float | null[, "error"], "rewards": [float | null],
+                                                    "errors": [{"kind", "message"} | null]}
   {"op": "close", "episode"}                    -> {"result": null}
 Error kinds: raised, arguments, unknown_tool, environment_lost, env_reset, host.
 A result is the returned str as is, else json.dumps(value), else str(value), cut to
@@ -21,7 +24,12 @@ max_result_chars with a "... [cut: N chars]" marker (N: the characters left out)
 Environments follow TRL's `environment_factory` (trl/trainer/grpo_trainer.py): the factory is
 called with no arguments; the class's public functions other than `reset` and `get_reward` are
 tools; `reset(**row)` starts an episode and returns None or a string for the prompt;
-`get_reward()` scores the episode. Instances are reused after `close` ("construct once, reset
+`get_reward()` scores the episode ("reward"). The reward functions among "reward_functions" that
+take an `environments` parameter (TRL passes `environments=` to every reward function) are called
+here, where the instances live, once per episode, as TRL calls them, with one-element lists:
+f(prompts=[prompt], completions=[messages], completion_ids=None, environments=[instance],
+<every other column of the row>=[value]) ("rewards", in "env_reward_functions" order; the others
+run in grpo's reward adapter). Instances are reused after `close` ("construct once, reset
 often", as TRL's pool does). A start-up error is written to stderr, prefixed with `tools:` or
 `environment_factory:`, and the process exits with status 2.
 """
@@ -258,8 +266,13 @@ class Host:
         self.pool = []  # instances free for a new episode
         self.episodes = {}  # episode -> instance
         env = spec.get("environment")
+        self.reward_fns = []  # (target, function) of the reward functions taking `environments`
         if env:
             self._probe(env)
+            for target in spec.get("reward_functions") or []:
+                fn = _load(target, "reward_funcs")
+                if _takes_environments(fn):
+                    self.reward_fns.append((target, fn))
         self.loop = asyncio.new_event_loop()
         self.schemas = None
         if spec.get("check_schemas"):
@@ -301,7 +314,8 @@ class Host:
                 instance = (self.pool or list(self.episodes.values()))[0]
                 for n in self.env_methods:
                     env_tools.append(_schema_of(schema, getattr(instance, n), "environment_factory", n))
-            self.schemas = {"tools": tools, "env_tools": env_tools, "env_has_reward": self.env_has_reward}
+            self.schemas = {"tools": tools, "env_tools": env_tools, "env_has_reward": self.env_has_reward,
+                            "env_reward_functions": [t for t, _ in self.reward_fns]}
         return self.schemas
 
     # -- requests --------------------------------------------------------------------------
@@ -327,7 +341,9 @@ class Host:
                 return _error("unknown_tool", f"the environment has no method {name!r}")
             return self._run(getattr(instance, name), req.get("arguments"))
         if op == "env_reward":
-            return self._reward(episode)
+            out = self._reward(episode)
+            out.update(self._reward_functions(episode, req.get("row"), req.get("messages")))
+            return out
         if op == "close":
             instance = self.episodes.pop(episode, None)
             if instance is not None:
@@ -385,6 +401,24 @@ class Host:
             return {"reward": value if math.isfinite(value) else None}
         return dict(_error("raised", f"get_reward returned {_short(repr(value))}, not a number"), reward=None)
 
+    def _reward_functions(self, episode, row, messages):
+        """The episode's scores from the reward functions that take `environments`."""
+        if not self.reward_fns:
+            return {"rewards": [], "errors": []}
+        instance = self.episodes.get(episode)
+        row = dict(row) if isinstance(row, dict) else {}
+        kwargs = {k: [v] for k, v in row.items() if k != "prompt"}
+        kwargs.update(prompts=[row.get("prompt")], completions=[messages], completion_ids=None)
+        rewards, errors = [], []
+        for target, fn in self.reward_fns:
+            if instance is None:
+                value, error = None, _lost(episode)["error"]
+            else:
+                value, error = _one_score(lambda: self._await(fn(environments=[instance], **kwargs)), target)
+            rewards.append(value)
+            errors.append(error)
+        return {"rewards": rewards, "errors": errors}
+
     def _run(self, fn, arguments):
         if arguments is None:
             arguments = {}
@@ -418,6 +452,31 @@ class Host:
         if len(text) > self.max_chars:
             text = f"{text[: self.max_chars]}... [cut: {len(text) - self.max_chars} chars]"
         return text
+
+
+def _takes_environments(fn):
+    try:
+        return "environments" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _one_score(call, target):
+    """(value, None) or (None, error) of a reward function's call on one episode."""
+    try:
+        out = call()
+    except (Exception, SystemExit) as e:
+        return None, {"kind": "raised", "message": f"{target}: {_describe(e)}"}
+    try:
+        (value,) = list(out)
+    except (TypeError, ValueError):
+        return None, {"kind": "raised", "message": f"{target} returned {_short(repr(out))}, not a list of one score"}
+    if value is None:
+        return None, None
+    if isinstance(value, numbers.Real):
+        value = float(value)
+        return (value if math.isfinite(value) else None), None
+    return None, {"kind": "raised", "message": f"{target} returned the score {_short(repr(value))}, not a number"}
 
 
 def _schema_of(schema, fn, key, what):

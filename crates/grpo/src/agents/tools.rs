@@ -48,7 +48,7 @@ use serde_json::{json, Map, Value};
 use tracing::warn;
 
 use super::calls::{CallError, ToolCall};
-use crate::rewards::command::{describe, python_target, CommandSpec, Out, Proc};
+use crate::rewards::command::{describe, python_target, CommandSpec, Out, Proc, PYTHON_ENV};
 use crate::{Error, Result};
 
 /// The options of the tool host.
@@ -58,6 +58,10 @@ pub struct ToolSpec {
     pub tools: Vec<String>,
     /// The environment class (or factory), named the same ways; called with no arguments.
     pub environment: Option<String>,
+    /// The run's Python reward functions (`file.py:fn`, `pkg.module:fn`). With an environment,
+    /// those that take an `environments` parameter are called here, where the instances live
+    /// ([`ToolHost::env_reward_functions`]).
+    pub reward_functions: Vec<String>,
     /// The Python interpreter (default: `GRPO_PYTHON`, else `python3`).
     pub python: String,
     /// How long one call may run (default 10 s).
@@ -74,6 +78,12 @@ pub struct ToolSpec {
     /// Variables of the trainer's environment passed on, besides the base ones and
     /// `PYTHONPATH`, `VIRTUAL_ENV`, `CONDA_PREFIX` (e.g. an API key a tool needs).
     pub inherit_env: Vec<String>,
+    /// RLIMIT_CPU of each process (CPU seconds over its life), as a scorer's `cpu_seconds`.
+    pub cpu_seconds: Option<u64>,
+    /// RLIMIT_AS of each process in MiB, as a scorer's `memory_mb`.
+    pub memory_mb: Option<u64>,
+    /// A network namespace of their own (no network), as a scorer's `no_network`.
+    pub no_network: bool,
 }
 
 impl ToolSpec {
@@ -82,6 +92,7 @@ impl ToolSpec {
         ToolSpec {
             tools,
             environment,
+            reward_functions: vec![],
             python: std::env::var("GRPO_PYTHON").unwrap_or_else(|_| "python3".into()),
             timeout: Duration::from_secs(10),
             max_result_chars: 4096,
@@ -89,6 +100,9 @@ impl ToolSpec {
             cwd: None,
             env: vec![],
             inherit_env: vec![],
+            cpu_seconds: None,
+            memory_mb: None,
+            no_network: false,
         }
     }
 }
@@ -119,8 +133,6 @@ const START_TIMEOUT: Duration = Duration::from_secs(120);
 /// Failed starts in a row (exit or hang before the host is ready) after which a process is
 /// given up: its calls then fail at once as `crash`.
 pub const MAX_START_FAILURES: usize = 3;
-/// Variables the tool processes get besides the scorer programs' base ones.
-const PYTHON_ENV: [&str; 3] = ["PYTHONPATH", "VIRTUAL_ENV", "CONDA_PREFIX"];
 /// Errors of `env_reward` warned about (then only counted).
 const REWARD_WARNINGS: u64 = 5;
 
@@ -138,6 +150,7 @@ pub struct ToolHost {
     env_tools: HashSet<String>,
     schemas: Vec<Value>,
     env_has_reward: bool,
+    env_reward_functions: Vec<String>,
     stats: Mutex<ToolStats>,
 }
 
@@ -212,6 +225,18 @@ impl ToolHost {
                 dir.display()
             ));
         }
+        if spec.no_network {
+            crate::rewards::command::probe_no_network().map_err(|e| {
+                Error::config(
+                    "tool_no_network",
+                    format!(
+                        "a new network namespace cannot be created here (unshare: {e}); allow \
+                         user namespaces (or run with CAP_SYS_ADMIN), or set tool_no_network = \
+                         false and isolate the tools another way"
+                    ),
+                )
+            })?;
+        }
         let target = |t: &String| python_target(t).map_err(|m| m.replace("my_rewards", "my_tools"));
         let tools = (spec
             .tools
@@ -223,6 +248,7 @@ impl ToolHost {
             .map_err(|m| Error::config("environment_factory", m))?;
         let command = |check_schemas: bool| {
             let host_spec = json!({"tools": tools, "environment": environment,
+                "reward_functions": spec.reward_functions,
                 "max_result_chars": spec.max_result_chars, "check_schemas": check_schemas});
             let (python, source) = (spec.python.clone(), TOOL_HOST.to_owned());
             let mut c = CommandSpec::new(vec![python, "-c".into(), source, host_spec.to_string()]);
@@ -231,13 +257,16 @@ impl ToolHost {
             c.env = spec.env.clone();
             c.inherit_env = PYTHON_ENV.iter().map(|s| s.to_string()).collect();
             c.inherit_env.extend(spec.inherit_env.iter().cloned());
+            (c.cpu_seconds, c.memory_mb) = (spec.cpu_seconds, spec.memory_mb);
+            c.no_network = spec.no_network;
             c
         };
         // The Python side prefixes start-up errors with the option they are about.
         let key = |m: &str| {
-            let env = m.contains("environment_factory:");
-            if env {
+            if m.contains("environment_factory:") {
                 "environment_factory"
+            } else if m.contains("reward_funcs:") {
+                "rewards"
             } else {
                 "tools"
             }
@@ -293,6 +322,7 @@ impl ToolHost {
             env_tools: HashSet::new(),
             schemas: vec![],
             env_has_reward: false,
+            env_reward_functions: vec![],
             stats: Mutex::new(ToolStats::default()),
         };
         let answer = host
@@ -306,6 +336,8 @@ impl ToolHost {
             tools: Vec<Value>,
             env_tools: Vec<Value>,
             env_has_reward: bool,
+            #[serde(default)]
+            env_reward_functions: Vec<String>,
         }
         let d: Described = serde_json::from_value(Value::Object(answer))
             .map_err(|e| Error::invariant(format!("the tool host's describe answer: {e}")))?;
@@ -317,6 +349,7 @@ impl ToolHost {
         host.tools = d.tools.iter().filter_map(name).collect();
         host.env_tools = d.env_tools.iter().filter_map(name).collect();
         host.env_has_reward = d.env_has_reward;
+        host.env_reward_functions = d.env_reward_functions;
         host.schemas = d.tools.into_iter().chain(d.env_tools).collect();
         Ok(host)
     }
@@ -335,6 +368,12 @@ impl ToolHost {
     /// Whether the environment has a `get_reward` method.
     pub fn env_has_reward(&self) -> bool {
         self.env_has_reward
+    }
+
+    /// The reward functions of [`ToolSpec::reward_functions`] that take `environments` (TRL's
+    /// `environments=`): [`ToolHost::env_reward`] scores episodes with them.
+    pub fn env_reward_functions(&self) -> &[String] {
+        &self.env_reward_functions
     }
 
     /// Runs one call: a plain tool, or the episode's environment method when `call.name` is
@@ -411,24 +450,61 @@ impl ToolHost {
         out
     }
 
-    /// The episode's reward from the environment's `get_reward()`: None when it has none,
-    /// returned None or a non-finite number, or failed (counted, and warned about a few times).
-    pub fn env_reward(&self, episode: u64) -> Option<f32> {
-        if !self.env_has_reward {
-            return None;
+    /// The episode's environment rewards, in order: the environment's `get_reward()` when it
+    /// has one, then each of [`ToolHost::env_reward_functions`] called with `environments=[its
+    /// instance]`, `prompts`, `completions=[messages]` and the dataset `row`'s columns. None
+    /// where a reward is missing: None or a non-finite number returned, or a failure (counted,
+    /// and warned about a few times).
+    pub fn env_rewards(&self, episode: u64, row: &Value, messages: &[Value]) -> Vec<Option<f32>> {
+        let n = usize::from(self.env_has_reward) + self.env_reward_functions.len();
+        if n == 0 {
+            return vec![];
         }
-        let request = json!({"op": "env_reward", "episode": episode});
-        let what = format!("get_reward of episode {episode}");
+        let request =
+            json!({"op": "env_reward", "episode": episode, "row": row, "messages": messages});
+        let what = format!("the rewards of episode {episode}");
         let answer = self.on_slot(Some(self.slot_of(episode)), |s| {
             self.exchange(s, request, self.spec.timeout, &what)
         });
-        let e = match answer.and_then(|a| error_of(&a).map(|_| a)) {
-            Ok(a) => {
-                let r = a.get("reward").and_then(Value::as_f64);
-                return r.filter(|r| r.is_finite()).map(|r| r as f32);
+        let answer = match answer {
+            Ok(a) => a,
+            Err(e) => {
+                self.warn_reward(&what, &e);
+                return vec![None; n];
             }
-            Err(e) => e,
         };
+        let number = |v: Option<&Value>| {
+            v.and_then(Value::as_f64)
+                .filter(|r| r.is_finite())
+                .map(|r| r as f32)
+        };
+        let mut out = vec![];
+        if self.env_has_reward {
+            if let Err(e) = error_of(&answer) {
+                self.warn_reward(&format!("get_reward of episode {episode}"), &e);
+            }
+            out.push(number(answer.get("reward")));
+        }
+        let none = vec![];
+        let rewards = answer
+            .get("rewards")
+            .and_then(Value::as_array)
+            .unwrap_or(&none);
+        let errors = answer
+            .get("errors")
+            .and_then(Value::as_array)
+            .unwrap_or(&none);
+        for (k, target) in self.env_reward_functions.iter().enumerate() {
+            if let Some(e) = errors.get(k).filter(|e| e.is_object()) {
+                self.warn_reward(&format!("{target} on episode {episode}"), &error_from(e));
+            }
+            out.push(number(rewards.get(k)));
+        }
+        out
+    }
+
+    /// Counts a failed environment reward, warning about the first few.
+    fn warn_reward(&self, what: &str, e: &CallError) {
         let n = self.count(e.kind);
         if n <= REWARD_WARNINGS {
             let more = if n == REWARD_WARNINGS {
@@ -441,7 +517,6 @@ impl ToolHost {
                 e.kind, e.message
             );
         }
-        None
     }
 
     /// Ends episode `episode`: its environment instance is kept for a later episode (TRL's
@@ -731,25 +806,30 @@ fn is_ready(answer: &Map<String, Value>) -> bool {
 
 /// An answer's `error` as a [`CallError`].
 fn error_of(answer: &Map<String, Value>) -> std::result::Result<(), CallError> {
-    if let Some(e) = answer.get("error") {
-        let kind = e.get("kind").and_then(Value::as_str).unwrap_or_default();
-        let message = e.get("message").and_then(Value::as_str).unwrap_or_default();
-        let kind = match kind {
-            "raised" => "raised",
-            "arguments" => "arguments",
-            "unknown_tool" => "unknown_tool",
-            "environment_lost" => "environment_lost",
-            "env_reset" => "env_reset",
-            other => {
-                return Err(call_error(
-                    "garbage",
-                    format!("the tool host failed ({other}): {message}"),
-                ))
-            }
-        };
-        return Err(call_error(kind, message));
+    match answer.get("error") {
+        Some(e) => Err(error_from(e)),
+        None => Ok(()),
     }
-    Ok(())
+}
+
+/// The tool host's `{"kind", "message"}` as a [`CallError`] (an unknown kind: `garbage`).
+fn error_from(e: &Value) -> CallError {
+    let kind = e.get("kind").and_then(Value::as_str).unwrap_or_default();
+    let message = e.get("message").and_then(Value::as_str).unwrap_or_default();
+    let kind = match kind {
+        "raised" => "raised",
+        "arguments" => "arguments",
+        "unknown_tool" => "unknown_tool",
+        "environment_lost" => "environment_lost",
+        "env_reset" => "env_reset",
+        other => {
+            return call_error(
+                "garbage",
+                format!("the tool host failed ({other}): {message}"),
+            )
+        }
+    };
+    call_error(kind, message)
 }
 
 /// An answer's `error` as a [`CallError`], else its `result` (a string or null).

@@ -26,7 +26,7 @@ use std::path::Path;
 use candle_core::Device;
 use serde_json::Value;
 
-use crate::eval::EvalOptions;
+use crate::eval::{check_correctness_reward, Correctness, EvalOptions, CORRECTNESS_THRESHOLD};
 use crate::rewards::RewardSpec;
 use crate::{Error, Result};
 
@@ -338,6 +338,7 @@ impl TrainConfig {
         let mut cfg = Self::validate(Sections::read(&merged)?)?;
         cfg.rewards =
             crate::rewards::parse_specs(&reward_tables, cfg.generation.max_completion_length)?;
+        cfg.check_correctness_reward()?;
         if cfg.run.policy == PolicyType::FillIn
             && cfg.data.train_file.is_some()
             && cfg.run.judge.is_none()
@@ -491,6 +492,7 @@ impl TrainConfig {
                     .into(),
             );
         }
+        check_environment(&agent)?;
         // The fill-in policy trains its whole generator in f32 without recomputation: adapters
         // and gradient checkpointing would be silently ignored, so they are refused.
         if run.policy == PolicyType::FillIn {
@@ -646,7 +648,44 @@ impl TrainConfig {
             sampling,
             system_prompt: self.data.system_prompt.clone(),
             max_prompt_length: self.data.max_prompt_length,
+            correctness: l.correctness_reward.clone().map(|reward| Correctness {
+                reward,
+                threshold: l.correctness_threshold.unwrap_or(CORRECTNESS_THRESHOLD),
+            }),
         }
+    }
+
+    /// `correctness_reward` names one of the run's rewards (the `[[rewards]]` and `reward_funcs`,
+    /// else the built-in task's; a tool environment's are known once it starts, and checked
+    /// then); `correctness_threshold` needs it.
+    fn check_correctness_reward(&self) -> Result<()> {
+        let (l, a) = (&self.logging, &self.agent);
+        let Some(name) = &l.correctness_reward else {
+            return match l.correctness_threshold {
+                Some(_) => Err(Error::config(
+                    "correctness_threshold",
+                    "needs correctness_reward: the reward whose score it bounds",
+                )),
+                None => Ok(()),
+            };
+        };
+        let environment = a.environment_factory.is_some()
+            || !a.environment_command.is_empty()
+            || a.environment_url.is_some();
+        let names: Vec<String> = match (self.rewards.is_empty(), self.run.policy) {
+            (false, _) => self.rewards.iter().map(|r| r.name.clone()).collect(),
+            (true, PolicyType::CausalLm) => crate::rewards::builtin_task_rewards()
+                .into_iter()
+                .map(|r| r.name)
+                .collect(),
+            // A fill-in run's built-in rewards are built with its judge: checked at the eval.
+            (true, PolicyType::FillIn) => return Ok(()),
+        };
+        if environment && !names.contains(name) {
+            return Ok(());
+        }
+        let names = names.iter().map(String::as_str);
+        check_correctness_reward(name, names, "correctness_reward").map(|_| ())
     }
 
     /// `eval_temperature`, or `temperature` when unset.
@@ -702,6 +741,60 @@ impl TrainConfig {
         toml::to_string(&root)
             .unwrap_or_else(|e| format!("# grpo could not write this config as TOML: {e}\n"))
     }
+}
+
+/// An agent's world is one of: tools and an environment class, an environment program, an
+/// environment service. A program's episodes have no tool calls (every turn is an action).
+fn check_environment(a: &Agent) -> Result<()> {
+    let given: Vec<&str> = [
+        ("environment_factory", a.environment_factory.is_some()),
+        ("environment_command", !a.environment_command.is_empty()),
+        ("environment_url", a.environment_url.is_some()),
+    ]
+    .into_iter()
+    .filter_map(|(k, set)| set.then_some(k))
+    .collect();
+    if let [first, second, ..] = given[..] {
+        return Err(Error::config(
+            second,
+            format!("{first} and {second} are two ways to give the environment: set one"),
+        ));
+    }
+    let Some(&program) = given.first().filter(|k| **k != "environment_factory") else {
+        return Ok(());
+    };
+    if !a.tools.is_empty() {
+        return Err(Error::config(
+            "tools",
+            format!(
+                "an environment program ({program}) has no tools: every model turn is its \
+                 action; remove tools, or give the environment as environment_factory"
+            ),
+        ));
+    }
+    if a.sft_warmup_steps > 0 {
+        return Err(Error::config(
+            "sft_warmup_steps",
+            format!(
+                "the warm-up's traces call a tool; an environment program ({program}) has none"
+            ),
+        ));
+    }
+    if let Some(url) = &a.environment_url {
+        if !(url.starts_with("http://") || url.starts_with("https://")) {
+            return Err(Error::config(
+                "environment_url",
+                format!("`{url}` must start with http:// or https://"),
+            ));
+        }
+    }
+    if a.environment_command.first().is_some_and(|p| p.is_empty()) {
+        return Err(Error::config(
+            "environment_command",
+            "starts with an empty program name",
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -943,3 +943,96 @@ fn temperature_warmup_start_must_be_positive() {
         .to_string();
     assert!(e.contains("temperature_warmup_start"), "{e}");
 }
+
+/// A command-line value of a list key replaces the file's list, as in TRL (issue 57): TRL's
+/// `reward_funcs` (`--reward_funcs a b` arrives as `a,b`) and every grpo list key alike.
+#[test]
+fn command_line_lists_replace_the_files() {
+    let names = |c: &TrainConfig| c.rewards.iter().map(|r| r.name.clone()).collect::<Vec<_>>();
+    let yaml = "reward_funcs:\n  - accuracy_reward\n  - my_rewards.correct\n\
+                lora_target_modules: [q_proj, v_proj]\neval_num_samples: 8\neval_k: [1, 8]\n\
+                tools: [tools.py:add]\nstop: [\"###\"]\n";
+    let c = load(yaml, Format::Yaml, &[]).unwrap();
+    assert_eq!(names(&c), ["accuracy_reward", "correct"]);
+    assert_eq!(c.data.answer_field, "solution");
+    // The same function again on the command line: one reward, not two named `correct`.
+    let c = load(
+        yaml,
+        Format::Yaml,
+        &[
+            "--reward_funcs=my_rewards.correct",
+            "--lora_target_modules=k_proj",
+            "--eval_k=4",
+            "--tools=tools.py:mul,tools.py:sub",
+            "--stop=END",
+        ],
+    )
+    .unwrap();
+    assert_eq!(names(&c), ["correct"]);
+    // What only the replaced list asked for goes with it.
+    assert_eq!(c.data.answer_field, "answer");
+    assert_eq!(c.lora.target_modules, ["k_proj"]);
+    assert_eq!(c.logging.eval_k, [4]);
+    assert_eq!(c.agent.tools, ["tools.py:mul", "tools.py:sub"]);
+    assert_eq!(c.generation.stop, ["END"]);
+    // grpo's own spelling of a key the file gave in TRL's, and a TOML array on the command line.
+    let c = load(
+        yaml,
+        Format::Yaml,
+        &["--lora.target_modules=[\"o_proj\"]", "--eval_k=[2]"],
+    )
+    .unwrap();
+    assert_eq!(c.lora.target_modules, ["o_proj"]);
+    assert_eq!(c.logging.eval_k, [2]);
+}
+
+/// `correctness_reward` names the reward that decides correctness in evaluation, any kind
+/// (issue 57); a name that is not one of the run's rewards is an error naming the key and
+/// listing the rewards; `correctness_threshold` needs it.
+#[test]
+fn correctness_reward_names_one_of_the_rewards() {
+    let c = load("", Format::Toml, &[]).unwrap();
+    assert_eq!(c.eval_options(vec![]).correctness, None);
+    let yaml = "reward_funcs: [my_rewards.correct, think_format_reward]\n";
+    let c = load(yaml, Format::Yaml, &["--correctness_reward=correct"]).unwrap();
+    let want = crate::eval::Correctness {
+        reward: "correct".into(),
+        threshold: 1.0,
+    };
+    assert_eq!(c.eval_options(vec![]).correctness, Some(want));
+    let c = load(
+        "correctness_reward = \"judge\"\ncorrectness_threshold = 0.5\n\
+         [[rewards]]\nkind = \"command\"\nname = \"judge\"\ncommand = \"python3 judge.py\"\n",
+        Format::Toml,
+        &[],
+    )
+    .unwrap();
+    let got = c.eval_options(vec![]).correctness.unwrap();
+    assert_eq!((got.reward.as_str(), got.threshold), ("judge", 0.5));
+    // The built-in task's rewards when none are given.
+    assert!(load("correctness_reward = \"format\"", Format::Toml, &[]).is_ok());
+    let e = load(yaml, Format::Yaml, &["--correctness_reward=corect"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`correctness_reward`")
+            && e.contains("`corect`")
+            && e.contains("`correct`, `think_format_reward`"),
+        "{e}"
+    );
+    let e = load("correctness_threshold = 0.5", Format::Toml, &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`correctness_threshold`") && e.contains("correctness_reward"),
+        "{e}"
+    );
+    let e = load(
+        "correctness_reward = \"correct\"\ncorrectness_threshold = \"high\"",
+        Format::Toml,
+        &[],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("`correctness_threshold`"), "{e}");
+}

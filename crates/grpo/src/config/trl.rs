@@ -775,10 +775,12 @@ impl Translation {
             | "lora_modules_to_save"
             | "lora_target_parameters"
             | "optim" => refuse_unsupported(&k, &v)?,
+            // A later value replaces an earlier one (the command line the file's), as for
+            // every list key and as in TRL.
             "reward_funcs" => {
                 let (tables, solution) = trl_reward_funcs(&v)?;
-                self.rewards.extend(tables);
-                self.needs_solution |= solution;
+                self.rewards = tables;
+                self.needs_solution = solution;
             }
             "reward_model_name_or_path" => {
                 let Some(path) = v.as_str() else {

@@ -151,7 +151,9 @@ impl CommandSpec {
     /// embedded) through the scorer protocol: `function` is `path/to/file.py:name`, `pkg.module:name`
     /// or TRL's dotted `pkg.module.name`; `python` the interpreter (default `GRPO_PYTHON`, else
     /// `python3`). The function gets up to `batch_size` (default 64) completions per call; a call
-    /// that raises loses only its batch (missing rewards) and the adapter is restarted.
+    /// that raises loses only its batch (missing rewards) and the adapter is restarted. The
+    /// adapter sees the user's Python environment ([`PYTHON_ENV`]: `PYTHONPATH`, `VIRTUAL_ENV`,
+    /// `CONDA_PREFIX`) besides [`BASE_ENV`], as TRL runs the function in the user's process.
     pub fn from_python_table(t: &Table) -> Result<Self> {
         let function = t.opt_str("function")?.ok_or_else(|| {
             t.err(
@@ -165,7 +167,26 @@ impl CommandSpec {
             None => std::env::var("GRPO_PYTHON").unwrap_or_else(|_| "python3".into()),
         };
         let command = vec![python, "-c".into(), TRL_ADAPTER.into(), target];
-        CommandSpec::new(command).with_options(t, 64)
+        let mut spec = CommandSpec::new(command).with_options(t, 64)?;
+        // The user's own code, run as TRL runs it: it imports what their PYTHONPATH and
+        // virtualenv give (third-party scorer programs get only what they name).
+        let named = std::mem::take(&mut spec.inherit_env);
+        spec.inherit_env = PYTHON_ENV.iter().map(|s| s.to_string()).collect();
+        spec.inherit_env.extend(
+            named
+                .into_iter()
+                .filter(|k| !PYTHON_ENV.contains(&k.as_str())),
+        );
+        Ok(spec)
+    }
+
+    /// The function a `kind = "python"` reward serves (`file.py:name`, `module:name`); None
+    /// for other scorer programs.
+    pub fn python_function(&self) -> Option<&str> {
+        match self.command.as_slice() {
+            [_, c, source, target] if c == "-c" && source == TRL_ADAPTER => Some(target),
+            _ => None,
+        }
     }
 
     /// The process options every scorer program takes, from its table.
@@ -202,6 +223,9 @@ impl CommandSpec {
         shown.join(" ")
     }
 }
+
+/// Whether a new network namespace can be made here (what `no_network` needs).
+pub(crate) use sandbox::probe_no_network;
 
 /// What `kind = "python"` serves: examples/scorers/trl_adapter.py, run with `python -c`.
 const TRL_ADAPTER: &str = include_str!("../../../../examples/scorers/trl_adapter.py");
@@ -426,6 +450,11 @@ impl CommandScorer {
     }
 
     /// Counters since start.
+    /// The options it was started with.
+    pub fn spec(&self) -> &CommandSpec {
+        &self.spec
+    }
+
     pub fn stats(&self) -> ScorerStats {
         *lock(&self.stats)
     }
@@ -714,7 +743,8 @@ pub(crate) enum Out {
 }
 
 /// The trainer's variables every scorer gets (where set): what finds programs and libraries and
-/// sets the locale. Others only through `inherit_env` or `env`.
+/// sets the locale. Others only through `inherit_env` or `env` (and [`PYTHON_ENV`] for the
+/// user's own Python code).
 pub const BASE_ENV: [&str; 9] = [
     "PATH",
     "HOME",
@@ -726,6 +756,11 @@ pub const BASE_ENV: [&str; 9] = [
     "TMPDIR",
     "LD_LIBRARY_PATH",
 ];
+
+/// The trainer's variables that find the user's Python code and packages (where set), passed on
+/// besides [`BASE_ENV`] to the processes that run the user's own Python: `kind = "python"`
+/// rewards, agents' tools and environments.
+pub const PYTHON_ENV: [&str; 3] = ["PYTHONPATH", "VIRTUAL_ENV", "CONDA_PREFIX"];
 
 /// The longest answer line kept from a scorer's stdout; a longer one ends the scorer as a crash.
 const MAX_ANSWER_LINE: usize = 16 << 20;
@@ -1093,6 +1128,24 @@ mod tests {
             (0, Some(10), Some(512))
         );
         assert!(s.no_network);
+    }
+
+    /// The user's own reward functions see their Python environment (issue 57); a third-party
+    /// scorer program only what it names.
+    #[test]
+    fn python_rewards_inherit_the_python_environment_and_programs_do_not() {
+        let obj = table_of(
+            r#"{"kind": "python", "function": "my_rewards.correct",
+                "inherit_env": ["HF_HOME", "PYTHONPATH"]}"#,
+        );
+        let t = Table::new(&obj, "rewards[0]".into(), CommandSpec::PYTHON_KEYS).unwrap();
+        let s = CommandSpec::from_python_table(&t).unwrap();
+        assert_eq!(
+            s.inherit_env,
+            ["PYTHONPATH", "VIRTUAL_ENV", "CONDA_PREFIX", "HF_HOME"]
+        );
+        let s = command_spec(r#"{"kind": "command", "command": "python3 score.py"}"#).unwrap();
+        assert!(s.inherit_env.is_empty());
     }
 
     #[test]

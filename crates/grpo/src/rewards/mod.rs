@@ -44,8 +44,9 @@ pub struct ScoreItem<'a> {
     /// An agent's episode as messages (assistant turns with their tool calls, tool results):
     /// what TRL's conversational `completions` hold. `completion` is then its final answer.
     pub messages: Option<&'a [Value]>,
-    /// What the episode's environment rewarded it with, when it has a reward.
-    pub env_reward: Option<f32>,
+    /// What the episode's environment rewarded it with ([`RewardFn::Environment`]'s index;
+    /// None: missing).
+    pub env_rewards: &'a [Option<f32>],
 }
 
 impl<'a> ScoreItem<'a> {
@@ -60,7 +61,7 @@ impl<'a> ScoreItem<'a> {
             completion_tokens: 0,
             ref_mean_logp: None,
             messages: None,
-            env_reward: None,
+            env_rewards: &[],
         }
     }
 
@@ -131,9 +132,10 @@ pub enum RewardFn {
     Command(Box<command::CommandScorer>),
     /// The user's scorer behind an HTTP endpoint.
     Http(Box<command::HttpScorer>),
-    /// An agent's environment's reward (its `get_reward()`, TRL's `environment_factory`):
-    /// [`ScoreItem::env_reward`], missing when it gave none.
-    Environment,
+    /// An agent's environment's reward k (TRL's `environment_factory`: its `get_reward()`, or
+    /// a reward function that takes `environments`, called where the instances live):
+    /// [`ScoreItem::env_rewards`]`[k]`, missing when it gave none.
+    Environment(usize),
 }
 
 /// `kind = "composite"`: a weighted sum of a quality, a safety and a diversity reward (each any
@@ -221,7 +223,21 @@ impl Reward {
             RewardFn::Embedding(e) => e.score(items),
             RewardFn::Command(c) => c.score(items),
             RewardFn::Http(h) => h.score(items),
-            RewardFn::Environment => each(&|it| it.env_reward.unwrap_or(f32::NAN)),
+            RewardFn::Environment(k) => each(&|it| {
+                it.env_rewards
+                    .get(*k)
+                    .copied()
+                    .flatten()
+                    .unwrap_or(f32::NAN)
+            }),
+        }
+    }
+
+    /// The function of a `kind = "python"` reward ([`command::CommandSpec::python_function`]).
+    pub fn python_function(&self) -> Option<&str> {
+        match &self.func {
+            RewardFn::Command(c) => c.spec().python_function(),
+            _ => None,
         }
     }
 

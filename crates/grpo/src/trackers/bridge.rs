@@ -5,7 +5,8 @@
 //! `TRACKIO_DIR`); `wandb_project` (W&B), `project` (Trackio, HF's key) and `run_name` in the
 //! config name the project and run. The run's id (Trackio: its name) is kept in `trackers.json`,
 //! so `--resume` continues the same run. Each logged step's sampled completions go with it as a
-//! table (`completions`).
+//! table (`completions`); an agent's episode has its messages there as JSON (`messages`) and as
+//! text turn by turn, with roles and tool calls (`episode`).
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -156,6 +157,18 @@ impl BridgeTracker {
     }
 }
 
+/// A row of `completions.jsonl` as a row of the `completions` table: an agent's episode gets an
+/// `episode` column, its messages as text turn by turn ([`crate::logs::episode_text`]), beside
+/// the `messages` column that holds them as JSON.
+fn table_row(row: &Value) -> Value {
+    let mut row = row.clone();
+    if let Some(messages) = row.get("messages").and_then(Value::as_array) {
+        let text = crate::logs::episode_text(messages);
+        row["episode"] = Value::String(text);
+    }
+    row
+}
+
 impl Tracker for BridgeTracker {
     fn name(&self) -> &'static str {
         self.library.name()
@@ -171,7 +184,7 @@ impl Tracker for BridgeTracker {
     }
 
     fn log_completion(&mut self, row: &Value) -> Result<()> {
-        self.send(&json!({ "row": row }))
+        self.send(&json!({ "row": table_row(row) }))
     }
 
     fn finish(&mut self, _artifacts: &[std::path::PathBuf]) -> Result<()> {
@@ -195,5 +208,23 @@ impl Drop for BridgeTracker {
     fn drop(&mut self) {
         // A run that ends without `finish` (an error): the bridge sees its input close.
         let _ = self.child.try_wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_agent_row_gets_its_episode_as_text_and_a_plain_row_is_unchanged() {
+        let plain = json!({"step": 1, "prompt": "p", "completion": "c", "reward": 1.0});
+        assert_eq!(table_row(&plain), plain);
+        let agent = json!({"step": 1, "prompt": "p", "completion": "c", "messages": [
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "calc", "arguments": {"x": 1}}}]},
+            {"role": "tool", "name": "calc", "content": "2"}]});
+        let row = table_row(&agent);
+        assert_eq!(row["episode"], "[assistant]\n-> calc(x=1)\n[tool calc]\n2");
+        assert_eq!(row["messages"], agent["messages"]);
     }
 }

@@ -416,14 +416,12 @@ fn load<P: LoadPolicy>(
     }
     // Tools and environments: started now, their schemas in the chat template's variables.
     let (agent, tok) = crate::inputs::agent(cfg, tok)?;
-    // An environment with a reward method rewards its episodes (TRL: one more reward
-    // function, weight 1, named after the environment).
-    if let Some(name) = agent.as_ref().and_then(|a| a.environment_reward_name()) {
-        data.rewards.push(crate::rewards::Reward {
-            name,
-            func: crate::rewards::RewardFn::Environment,
-            weight: 1.0,
-        });
+    if let Some(agent) = &agent {
+        crate::inputs::environment_rewards(agent, &mut data.rewards);
+    }
+    // `correctness_reward` among them all (the config checked those it knows), before training.
+    if let Some(c) = cfg.eval_options(vec![]).correctness {
+        c.index(&data.rewards, "correctness_reward")?;
     }
     super::trace_memory("loading the policy and reference", device);
     let pad = tok.pad_token_id().or(tok.eos_token_id()).unwrap_or(0);

@@ -40,8 +40,15 @@ pub(super) fn sft_warmup<P: Policy>(
         .copied()
         .unwrap_or(r.pad);
     let per_step = cfg.update.per_device_train_batch_size;
-    // As many traces as the warm-up's steps read (each problem once, when there are enough).
-    let traces = agent.arithmetic_traces(&r.data.train, &r.train_ids, steps * per_step, eos)?;
+    // The file's conversations, or as many traces of the built-in task as the warm-up's steps
+    // read (each problem once, when there are enough).
+    let traces = match &cfg.agent.sft_warmup_file {
+        Some(path) => {
+            let conversations = crate::agents::traces::read_conversations(path)?;
+            agent.conversation_traces(&conversations, eos)?
+        }
+        None => agent.arithmetic_traces(&r.data.train, &r.train_ids, steps * per_step, eos)?,
+    };
     if traces.is_empty() {
         return Err(crate::Error::config(
             "sft_warmup_steps",

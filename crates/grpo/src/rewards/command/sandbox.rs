@@ -113,7 +113,7 @@ unsafe fn write_file(path: &std::ffi::CStr, data: &[u8]) {
 }
 
 /// Whether a child can get a new network namespace here: a fork that only tries it.
-pub(super) fn probe_no_network() -> std::io::Result<()> {
+pub(crate) fn probe_no_network() -> std::io::Result<()> {
     use std::os::unix::process::CommandExt;
     let exe = std::env::current_exe().unwrap_or_else(|_| "/bin/sh".into());
     let maps = UserMaps::current();
