@@ -17,6 +17,35 @@
 mod agent;
 mod html;
 mod plots;
+/// Keeps the first `head` and last `tail` characters of a long text (a completion's answer is at
+/// its end), marking what was cut.
+pub(crate) fn truncate_middle(s: &str, head: usize, tail: usize) -> String {
+    let n = s.chars().count();
+    if n <= head + tail + 20 {
+        return s.to_string();
+    }
+    let start: String = s.chars().take(head).collect();
+    let end: String = s.chars().skip(n - tail).collect();
+    format!("{start} […{} characters…] {end}", n - head - tail)
+}
+
+/// A number for a table cell (three decimals, so a column lines up); "–" for none.
+pub(crate) fn num(v: f64) -> String {
+    if !v.is_finite() {
+        "–".into()
+    } else if v.abs() >= 1000.0 {
+        format!("{v:.0}")
+    } else if v != 0.0 && v.abs() < 1e-3 {
+        format!("{v:.2e}")
+    } else {
+        format!("{v:.3}")
+    }
+}
+
+pub(crate) fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len() as f64
+}
+
 #[cfg(test)]
 mod tests;
 
@@ -66,7 +95,9 @@ pub fn write_report_to(run_dir: &Path, out_dir: &Path) -> Result<ReportSummary> 
         .map_err(|e| Error::io(format!("cannot create {}", plots_dir.display()), e))?;
     register_font(&plots_dir)?;
     let mut plots = Vec::new();
-    for spec in plot_specs(&metrics) {
+    // The agent's curves (agent runs only) after the others.
+    let agent_specs = agent::plot_specs(&metrics.keys());
+    for spec in plot_specs(&metrics).into_iter().chain(agent_specs) {
         plots.push(spec.render(&metrics, &plots_dir)?);
     }
     let page = Page {

@@ -26,6 +26,7 @@
 //! `tool_errors` and `cut`, as `completions.jsonl` does.
 
 use std::sync::Once;
+use std::time::Instant;
 
 use candle_core::{DType, Device};
 use serde_json::{json, Map, Value};
@@ -88,13 +89,139 @@ pub fn check_ks(ks: &[usize], n: usize, k_key: &str, n_key: &str) -> Result<()> 
     Ok(())
 }
 
-/// Completions sampled at once: `n` samples of up to this many / n prompts per batch (at most 32
-/// prompts), which bounds the sampler's KV cache whatever the held-out set's size.
-const BATCH_COMPLETIONS: usize = 64;
+/// Completions sampled at once at most, whatever the memory allows: at 64 rows the CPU's
+/// decoding of a 135M model is bound by its arithmetic, not by reading the weights, so larger
+/// batches would only hold more memory.
+pub const MAX_BATCH_COMPLETIONS: usize = 64;
 
-/// Prompts per sampling batch with `n` samples each.
-fn prompts_per_batch(n: usize) -> usize {
-    (BATCH_COMPLETIONS / n.max(1)).clamp(1, 32)
+pub use crate::rollout::MemoryCosts;
+
+/// What bounds the completions evaluation samples at once (in whole prompts: `n` samples of a
+/// prompt are sampled together, and a call has at least one prompt): as many as a training pass's
+/// activations would take ([`BatchBound::completions`]), never fewer than a training round
+/// samples at once, never more than `max`. Training's peak already holds both, so evaluation
+/// does not peak above it for its sampling. A completion does not depend on the bound.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BatchBound {
+    /// Tokens of a training pass (`forward_chunk_tokens`, as the run resolved it).
+    pub pass_tokens: usize,
+    /// Training checkpoints activations (its passes keep far less per token).
+    pub gradient_checkpointing: bool,
+    /// Completions a training round samples at once on one process (`generation_batch_size`, or
+    /// `sampling_batch_size` when smaller).
+    pub round: usize,
+    /// At most this many ([`MAX_BATCH_COMPLETIONS`], or `sampling_batch_size` when smaller).
+    pub max: usize,
+}
+
+impl BatchBound {
+    /// Completions that may be sampled at once when a call's longest prompt has `prompt_len`
+    /// tokens and each completion up to `max_new` (with `costs` None: `max`).
+    pub fn completions(
+        &self,
+        costs: Option<&MemoryCosts>,
+        prompt_len: usize,
+        max_new: usize,
+    ) -> usize {
+        let fit = costs.map_or(usize::MAX, |c| {
+            let budget = c.pass_per_token.saturating_mul(self.pass_tokens as u64);
+            let per_sequence = c.kv_per_position * (prompt_len + max_new) as u64 + c.logits;
+            usize::try_from(budget / per_sequence.max(1)).unwrap_or(usize::MAX)
+        });
+        fit.max(self.round).min(self.max)
+    }
+}
+
+/// Splits prompts of `lens` tokens (in order) into consecutive sampling calls of whole prompts,
+/// `n` completions each (at least one prompt a call), within what `bound` allows for the call's
+/// longest prompt.
+fn batches(
+    lens: &[usize],
+    n: usize,
+    max_new: usize,
+    bound: &BatchBound,
+    costs: Option<&MemoryCosts>,
+) -> Vec<std::ops::Range<usize>> {
+    let n = n.max(1);
+    let mut out = vec![];
+    let mut start = 0;
+    while start < lens.len() {
+        let (mut end, mut longest) = (start + 1, lens[start]);
+        while end < lens.len() {
+            let l = longest.max(lens[end]);
+            if (end + 1 - start) * n > bound.completions(costs, l, max_new) {
+                break;
+            }
+            (end, longest) = (end + 1, l);
+        }
+        out.push(start..end);
+        start = end;
+    }
+    out
+}
+
+/// Evaluation's progress on the console: a bar on a terminal, else a line every 30 seconds
+/// (none on the processes of a shard but the first).
+struct Progress {
+    bar: Option<indicatif::ProgressBar>,
+    total: usize,
+    t0: Instant,
+    last_line: Instant,
+}
+
+impl Progress {
+    fn new(total: usize, shown: bool) -> Self {
+        let bar = shown.then(|| {
+            let bar = indicatif::ProgressBar::new(total as u64);
+            bar.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "eval {bar:30} {pos}/{len} prompts  {elapsed_precise} < {eta_precise}",
+                )
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            bar
+        });
+        let now = Instant::now();
+        Progress {
+            bar,
+            total,
+            t0: now,
+            last_line: now,
+        }
+    }
+
+    fn set(&mut self, done: usize) {
+        let Some(bar) = &self.bar else { return };
+        bar.set_position(done as u64);
+        if bar.is_hidden() && done < self.total && self.last_line.elapsed().as_secs() >= 30 {
+            self.last_line = Instant::now();
+            let el = self.t0.elapsed().as_secs_f64();
+            let eta = el / done.max(1) as f64 * (self.total - done) as f64;
+            tracing::info!(
+                "eval: {done}/{} prompts, {}, eta {}",
+                self.total,
+                minutes(el),
+                minutes(eta)
+            );
+        }
+    }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+/// `1m12s`, `45s`.
+fn minutes(s: f64) -> String {
+    let s = s.round() as u64;
+    match s / 60 {
+        0 => format!("{s}s"),
+        m => format!("{m}m{:02}s", s % 60),
+    }
 }
 
 /// How to evaluate.
@@ -119,6 +246,8 @@ pub struct EvalOptions {
     pub max_prompt_length: Option<usize>,
     /// The reward that decides correctness; None: the accuracy rewards (see the module docs).
     pub correctness: Option<Correctness>,
+    /// What bounds the completions sampled at once.
+    pub batch: BatchBound,
 }
 
 /// The reward that decides whether a completion is correct (`correctness_reward`,
@@ -495,20 +624,32 @@ pub fn evaluate_agent(
     // This process's prompts: all of them, or every size-th from its rank.
     let (rank, size) = shard.as_ref().map_or((0, 1), |s| (s.rank, s.size));
     let indices: Vec<usize> = (0..total).filter(|i| i % size == rank).collect();
+    let all_ids = indices
+        .iter()
+        .map(|&i| {
+            data::prompt_ids(
+                tok,
+                &examples[i],
+                opts.system_prompt.as_deref(),
+                opts.max_prompt_length,
+            )
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let lens: Vec<usize> = all_ids.iter().map(Vec::len).collect();
+    let costs = model.memory_costs(opts.batch.gradient_checkpointing);
+    let calls = batches(
+        &lens,
+        n,
+        opts.sampling.max_new_tokens,
+        &opts.batch,
+        costs.as_ref(),
+    );
+    let mut progress = Progress::new(indices.len(), rank == 0);
     let mut sampled_all: Vec<Episode> = vec![];
     let mut greedy_all: Vec<Episode> = vec![];
-    for chunk in indices.chunks(prompts_per_batch(n)) {
-        let ids = chunk
-            .iter()
-            .map(|&i| {
-                data::prompt_ids(
-                    tok,
-                    &examples[i],
-                    opts.system_prompt.as_deref(),
-                    opts.max_prompt_length,
-                )
-            })
-            .collect::<Result<Vec<_>>>()?;
+    for call in calls {
+        let chunk = &indices[call.clone()];
+        let ids = all_ids[call.clone()].to_vec();
         // A prompt's samples depend on its index only, wherever it is evaluated.
         let seeds: Vec<u64> = chunk
             .iter()
@@ -534,8 +675,14 @@ pub fn evaluate_agent(
             rollout::score(&mut eps, examples, rewards, &all, None)?;
             greedy_all.extend(tag(eps));
         }
-        tracing::debug!("eval: {} of {total} prompts", chunk[chunk.len() - 1] + 1);
+        progress.set(call.end);
+        tracing::debug!(
+            "eval: {} of {total} prompts ({} at once)",
+            chunk[chunk.len() - 1] + 1,
+            chunk.len()
+        );
     }
+    drop(progress);
     // Every process's answers, then the tally in prompt order (as one process makes it).
     if let Some(s) = &shard {
         for eps in [&mut sampled_all, &mut greedy_all] {
@@ -687,13 +834,78 @@ mod tests {
         assert!(e.contains("`eval_k`"), "{e}");
     }
 
+    /// SmolLM2-135M in f32 (30 layers, 3 KV heads of 64, hidden 576, MLP 1536, vocabulary
+    /// 49152), as `GroupSampler::memory_costs` gives it.
+    fn smollm2_costs(gradient_checkpointing: bool) -> MemoryCosts {
+        MemoryCosts {
+            kv_per_position: 2 * 2 * 30 * 3 * 64 * 4,
+            logits: 2 * 4 * 49152,
+            pass_per_token: crate::logprobs::activation_bytes_per_token(
+                (576, 1536, 30),
+                4,
+                gradient_checkpointing,
+            ),
+        }
+    }
+
+    fn bound(pass_tokens: usize, gradient_checkpointing: bool, round: usize) -> BatchBound {
+        BatchBound {
+            pass_tokens,
+            gradient_checkpointing,
+            round,
+            max: MAX_BATCH_COMPLETIONS,
+        }
+    }
+
     #[test]
-    fn batches_bound_the_completions_sampled_at_once() {
-        assert_eq!(prompts_per_batch(0), 32);
-        assert_eq!(prompts_per_batch(1), 32);
-        assert_eq!(prompts_per_batch(4), 16);
-        assert_eq!(prompts_per_batch(8), 8);
-        assert_eq!(prompts_per_batch(100), 1);
+    fn the_bound_is_what_a_training_pass_holds_within_the_round_and_the_cap() {
+        let c = smollm2_costs(false);
+        // A 1024-token pass keeps 2.26 GB (30 x (16 x 576 + 6 x 1536) floats a token); a
+        // sequence of 100 + 128 positions holds 21 MB of KV cache and 0.4 MB of logits: room
+        // for 105, capped at 64.
+        assert_eq!(c.pass_per_token * 1024, 2_264_924_160);
+        let b = bound(1024, false, 16);
+        assert_eq!(b.completions(Some(&c), 100, 128), 64);
+        // 2048 new tokens: 198 MB a sequence, 11 fit; 512-token passes: 5, below the round's 16.
+        assert_eq!(bound(1024, false, 4).completions(Some(&c), 100, 2048), 11);
+        assert_eq!(bound(512, false, 16).completions(Some(&c), 100, 2048), 16);
+        assert_eq!(bound(512, false, 4).completions(Some(&c), 100, 2048), 5);
+        // With checkpointing a pass keeps 13x less: 8 sequences at 228 positions, so the round's.
+        let gc = smollm2_costs(true);
+        assert_eq!(bound(1024, true, 1).completions(Some(&gc), 100, 128), 8);
+        assert_eq!(bound(1024, true, 16).completions(Some(&gc), 100, 128), 16);
+        // sampling_batch_size (the cap) wins over the round; no KV cache: the cap.
+        let small = BatchBound { max: 8, ..b };
+        assert_eq!(small.completions(Some(&c), 100, 128), 8);
+        assert_eq!(b.completions(None, 100, 128), 64);
+    }
+
+    #[test]
+    fn batches_are_whole_prompts_within_the_bound_of_their_longest() {
+        let b = bound(1024, false, 16);
+        let c = smollm2_costs(false);
+        // Short prompts: 64 completions a call, 8 prompts of 8.
+        let calls = batches(&[50; 20], 8, 128, &b, Some(&c));
+        assert_eq!(calls, [0..8, 8..16, 16..20]);
+        // Greedy only (n = 0) counts as one completion a prompt.
+        assert_eq!(batches(&[50; 100], 0, 128, &b, Some(&c)), [0..64, 64..100]);
+        // Long completions: 11 fit, 2 prompts of 4; a long prompt (4 fit) closes its call early.
+        let b4 = bound(1024, false, 4);
+        let calls = batches(&[100, 100, 100, 3000, 100], 4, 2048, &b4, Some(&c));
+        assert_eq!(calls, [0..2, 2..3, 3..4, 4..5]);
+        // More samples than the bound allows: one prompt a call, never none.
+        assert_eq!(
+            batches(&[10; 3], 100, 128, &b, Some(&c)),
+            [0..1, 1..2, 2..3]
+        );
+        assert!(batches(&[], 8, 128, &b, Some(&c)).is_empty());
+    }
+
+    #[test]
+    fn durations_read_as_minutes_and_seconds() {
+        assert_eq!(minutes(45.2), "45s");
+        assert_eq!(minutes(72.0), "1m12s");
+        assert_eq!(minutes(3605.0), "60m05s");
     }
 
     #[test]

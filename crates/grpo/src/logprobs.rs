@@ -461,12 +461,23 @@ pub fn tokens_for_memory(
     gradient_checkpointing: bool,
     budget: u64,
 ) -> usize {
+    let per_token = activation_bytes_per_token((h, i, l), act_bytes, gradient_checkpointing);
+    ((budget / per_token) as usize).clamp(DEFAULT_FORWARD_CHUNK_TOKENS, 1 << 20)
+}
+
+/// Bytes a training pass keeps per token on a model of `shape` (hidden, intermediate, layers)
+/// computing in `act_bytes`-byte floats: the model [`tokens_for_memory`] sizes passes by (at
+/// least 1).
+pub fn activation_bytes_per_token(
+    (h, i, l): (usize, usize, usize),
+    act_bytes: usize,
+    gradient_checkpointing: bool,
+) -> u64 {
     let floats = match gradient_checkpointing {
         true => l * h + 24 * h + 8 * i,
         false => l * (16 * h + 6 * i),
     };
-    let per_token = (floats * act_bytes).max(1) as u64;
-    ((budget / per_token) as usize).clamp(DEFAULT_FORWARD_CHUNK_TOKENS, 1 << 20)
+    (floats * act_bytes).max(1) as u64
 }
 
 /// Tokens per training pass when `forward_chunk_tokens` is unset, for a model of `shape`

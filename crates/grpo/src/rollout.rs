@@ -125,6 +125,20 @@ pub fn decode_episodes(bytes: &[u8], from: &str) -> Result<Vec<Episode>> {
         .collect())
 }
 
+/// What sampling holds per sequence, and a training pass per token, on a model
+/// ([`GroupSampler::memory_costs`]; evaluation bounds its sampling
+/// calls with them).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MemoryCosts {
+    /// Bytes per position of a sampled sequence: its keys and values in every layer, twice (the
+    /// batched cache is built from the prompts' and copied again as finished rows leave it).
+    pub kv_per_position: u64,
+    /// Bytes per sampled sequence for its logits at a step (the device's row and the host's).
+    pub logits: u64,
+    /// Bytes a training pass keeps per token ([`crate::logprobs::activation_bytes_per_token`]).
+    pub pass_per_token: u64,
+}
+
 /// What rollout samples from: a policy frozen at its current weights (and the reference model,
 /// which only scores). The causal LM samples with the KV-cached batched sampler.
 pub trait GroupSampler {
@@ -165,6 +179,13 @@ pub trait GroupSampler {
         temperature: f64,
         chunk_tokens: usize,
     ) -> Result<Vec<Vec<f32>>>;
+
+    /// What sampling holds per sequence, and a training pass per token, on this model (for
+    /// bounding evaluation's sampling by memory); None: no KV
+    /// cache to bound.
+    fn memory_costs(&self, _gradient_checkpointing: bool) -> Option<MemoryCosts> {
+        None
+    }
 }
 
 impl GroupSampler for CausalLm {
@@ -199,6 +220,23 @@ impl GroupSampler for CausalLm {
         chunk_tokens: usize,
     ) -> Result<Vec<Vec<f32>>> {
         crate::logprobs::sequence_logprobs(self, rows, pad, temperature, chunk_tokens)
+    }
+
+    fn memory_costs(&self, gradient_checkpointing: bool) -> Option<MemoryCosts> {
+        let c = self.config();
+        let bytes = self.dtype().size_in_bytes() as u64;
+        Some(MemoryCosts {
+            // Keys and values of every layer; twice, as the batched cache is copied from the
+            // prompts' and again when finished rows are dropped.
+            kv_per_position: 2 * (2 * c.num_layers * c.num_kv_heads * c.head_dim) as u64 * bytes,
+            // A step's logits row in f32, on the device and on the host.
+            logits: 2 * 4 * c.vocab_size as u64,
+            pass_per_token: crate::logprobs::activation_bytes_per_token(
+                (c.hidden_size, c.intermediate_size, c.num_layers),
+                bytes as usize,
+                gradient_checkpointing,
+            ),
+        })
     }
 }
 

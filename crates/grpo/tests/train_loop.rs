@@ -283,6 +283,35 @@ fn eval_on_the_builtin_task_reports_pass_at_k() {
     assert_eq!(r3.num_prompts, 3);
     assert_eq!(rows3[..], rows[..3]);
 
+    // The batch bound changes how many prompts are sampled at once, never an answer: 8 prompts
+    // a call above; here 3 (24 completions), and one (a bound below a group; a memory bound of
+    // a 1-token training pass).
+    let b = opts.batch;
+    for batch in [
+        grpo::eval::BatchBound {
+            max: 24,
+            round: 24,
+            ..b
+        },
+        grpo::eval::BatchBound {
+            max: 1,
+            round: 1,
+            ..b
+        },
+        grpo::eval::BatchBound {
+            pass_tokens: 1,
+            round: 1,
+            ..b
+        },
+    ] {
+        let (rb, rows_b) = run(&grpo::eval::EvalOptions {
+            batch,
+            ..opts.clone()
+        });
+        assert_eq!(rows_b, rows, "{batch:?}");
+        assert_eq!(rb, report, "{batch:?}");
+    }
+
     // Greedy only: no pass@k; rewards are the greedy completions' means.
     let greedy = grpo::eval::EvalOptions {
         num_samples: 0,

@@ -9,9 +9,8 @@ use serde_json::Value;
 
 use grpo::train::names;
 
-use super::html::{mean, num, truncate_middle};
 use super::plots::{line_plot, Line, PlotSpec};
-use super::{JsonObject, Metrics, Sample};
+use super::{mean, num, truncate_middle, JsonObject, Metrics, Sample};
 
 /// The metrics of `grpo::agents::round_metrics`, each a mean over a step's episodes.
 const AGENT_PREFIX: &str = "agent/";
@@ -35,7 +34,7 @@ pub(super) struct Message {
     /// A tool message's tool.
     name: String,
     content: String,
-    /// An assistant's tool calls, each as `name(arguments)` (`grpo::logs::tool_call_text`).
+    /// An assistant's tool calls, each as `name(arguments)` (`grpo::agents::transcript::tool_call_text`).
     calls: Vec<String>,
 }
 
@@ -90,7 +89,10 @@ impl Message {
             c => text_of(c),
         };
         let calls = match v.get("tool_calls") {
-            Some(Value::Array(cs)) => cs.iter().map(grpo::logs::tool_call_text).collect(),
+            Some(Value::Array(cs)) => cs
+                .iter()
+                .map(grpo::agents::transcript::tool_call_text)
+                .collect(),
             _ => Vec::new(),
         };
         let role = text_of(v.get("role"));

@@ -12,7 +12,9 @@ use grpo::train::names;
 
 use super::agent::{self, AgentRow, EpisodeView};
 use super::plots::Plot;
-use super::{json_lines, EvalFile, JsonObject, Metrics, Sample, Samples};
+use super::{
+    json_lines, mean, num, truncate_middle, EvalFile, JsonObject, Metrics, Sample, Samples,
+};
 
 /// The page, rendered by minijinja; the name ends in `.html`, so every value is HTML-escaped.
 const TEMPLATE_NAME: &str = "report.html";
@@ -48,31 +50,6 @@ fn render_page(page: &PageView) -> std::result::Result<String, minijinja::Error>
     env.get_template(TEMPLATE_NAME)?.render(page)
 }
 
-/// Keeps the first `head` and last `tail` characters of a long text (a completion's answer is at
-/// its end), marking what was cut.
-pub(super) fn truncate_middle(s: &str, head: usize, tail: usize) -> String {
-    let n = s.chars().count();
-    if n <= head + tail + 20 {
-        return s.to_string();
-    }
-    let start: String = s.chars().take(head).collect();
-    let end: String = s.chars().skip(n - tail).collect();
-    format!("{start} […{} characters…] {end}", n - head - tail)
-}
-
-/// A number for a table cell (three decimals, so a column lines up); "–" for none.
-pub(super) fn num(v: f64) -> String {
-    if !v.is_finite() {
-        "–".into()
-    } else if v.abs() >= 1000.0 {
-        format!("{v:.0}")
-    } else if v != 0.0 && v.abs() < 1e-3 {
-        format!("{v:.2e}")
-    } else {
-        format!("{v:.3}")
-    }
-}
-
 pub(super) fn duration(secs: f64) -> String {
     if !secs.is_finite() {
         return "–".into();
@@ -83,10 +60,6 @@ pub(super) fn duration(secs: f64) -> String {
         _ if s < 3600 => format!("{}m {:02}s", s / 60, s % 60),
         _ => format!("{}h {:02}m {:02}s", s / 3600, s % 3600 / 60, s % 60),
     }
-}
-
-pub(super) fn mean(v: &[f64]) -> f64 {
-    v.iter().sum::<f64>() / v.len() as f64
 }
 
 /// One health warning the trainer wrote (`health.jsonl`).

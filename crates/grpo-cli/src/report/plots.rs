@@ -299,7 +299,6 @@ pub(super) fn plot_specs(m: &Metrics) -> Vec<PlotSpec> {
             },
         );
     }
-    specs.extend(super::agent::plot_specs(&keys));
     specs
 }
 

@@ -6,9 +6,10 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use super::html::{duration, num, truncate_middle};
+use super::html::duration;
 use super::plots::{axis_number, pass_at_k_keys, Line, Series, HEIGHT, WIDTH};
 use super::*;
+use super::{num, truncate_middle};
 
 /// A synthetic run of `steps` steps with every metric the trainer logs, eval rows (one before
 /// training on a row of its own), nulls, completions and an eval file.

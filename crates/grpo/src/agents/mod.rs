@@ -17,6 +17,7 @@ pub mod program_env;
 pub mod template;
 pub mod tools;
 pub mod traces;
+pub mod transcript;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

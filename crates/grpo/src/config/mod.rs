@@ -26,7 +26,10 @@ use std::path::Path;
 use candle_core::Device;
 use serde_json::Value;
 
-use crate::eval::{check_correctness_reward, Correctness, EvalOptions, CORRECTNESS_THRESHOLD};
+use crate::eval::{
+    check_correctness_reward, BatchBound, Correctness, EvalOptions, CORRECTNESS_THRESHOLD,
+    MAX_BATCH_COMPLETIONS,
+};
 use crate::rewards::RewardSpec;
 use crate::{Error, Result};
 
@@ -652,6 +655,23 @@ impl TrainConfig {
                 reward,
                 threshold: l.correctness_threshold.unwrap_or(CORRECTNESS_THRESHOLD),
             }),
+            batch: self.eval_batch_bound(),
+        }
+    }
+
+    /// What bounds evaluation's sampling calls: a training pass's activations
+    /// (`forward_chunk_tokens`, 1024 when unset: the CPU's default; training gives the size it
+    /// resolved), at least a round's completions, at most 64 or `sampling_batch_size`.
+    pub fn eval_batch_bound(&self) -> BatchBound {
+        let cap = self.generation.sampling_batch_size.unwrap_or(usize::MAX);
+        BatchBound {
+            pass_tokens: self
+                .update
+                .forward_chunk_tokens
+                .unwrap_or(crate::logprobs::DEFAULT_FORWARD_CHUNK_TOKENS),
+            gradient_checkpointing: self.update.gradient_checkpointing,
+            round: self.generation_batch_size.min(cap),
+            max: MAX_BATCH_COMPLETIONS.min(cap),
         }
     }
 
@@ -746,6 +766,21 @@ impl TrainConfig {
 /// An agent's world is one of: tools and an environment class, an environment program, an
 /// environment service. A program's episodes have no tool calls (every turn is an action).
 fn check_environment(a: &Agent) -> Result<()> {
+    if let Some(path) = &a.sft_warmup_file {
+        if a.sft_warmup_steps == 0 {
+            return Err(Error::config(
+                "sft_warmup_file",
+                "the warm-up's traces are read only when there is a warm-up: set sft_warmup_steps \
+                 (e.g. 12), or remove sft_warmup_file",
+            ));
+        }
+        if !path.is_file() {
+            return Err(Error::config(
+                "sft_warmup_file",
+                format!("{}: no such file", path.display()),
+            ));
+        }
+    }
     let given: Vec<&str> = [
         ("environment_factory", a.environment_factory.is_some()),
         ("environment_command", !a.environment_command.is_empty()),

@@ -1036,3 +1036,36 @@ fn correctness_reward_names_one_of_the_rewards() {
     .to_string();
     assert!(e.contains("`correctness_threshold`"), "{e}");
 }
+
+#[test]
+fn a_warm_up_file_needs_a_warm_up_and_a_file() {
+    let e = load("sft_warmup_file = \"Cargo.toml\"", Format::Toml, &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("sft_warmup_file") && e.contains("sft_warmup_steps"),
+        "{e}"
+    );
+    let e = load(
+        "sft_warmup_steps = 2\nsft_warmup_file = \"no/such/traces.jsonl\"",
+        Format::Toml,
+        &[],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("sft_warmup_file") && e.contains("no/such/traces.jsonl"),
+        "{e}"
+    );
+    let here = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
+    let c = load(
+        &format!("sft_warmup_steps = 2\nsft_warmup_file = \"{here}\""),
+        Format::Toml,
+        &[],
+    )
+    .unwrap();
+    assert_eq!(
+        c.agent.sft_warmup_file.as_deref(),
+        Some(std::path::Path::new(here))
+    );
+}

@@ -158,12 +158,12 @@ impl BridgeTracker {
 }
 
 /// A row of `completions.jsonl` as a row of the `completions` table: an agent's episode gets an
-/// `episode` column, its messages as text turn by turn ([`crate::logs::episode_text`]), beside
+/// `episode` column, its messages as text turn by turn ([`crate::agents::transcript::episode_text`]), beside
 /// the `messages` column that holds them as JSON.
 fn table_row(row: &Value) -> Value {
     let mut row = row.clone();
     if let Some(messages) = row.get("messages").and_then(Value::as_array) {
-        let text = crate::logs::episode_text(messages);
+        let text = crate::agents::transcript::episode_text(messages);
         row["episode"] = Value::String(text);
     }
     row

@@ -56,7 +56,7 @@ impl AfterRound {
         if !self.evaluates || r.state.step != 0 {
             return Ok(());
         }
-        let ev = evaluate(r, 0, world)?;
+        let ev = evaluate(r, 0, world, console)?;
         let acc = ev
             .iter()
             .find(|(n, _)| n == names::EVAL_ACCURACY)
@@ -87,7 +87,7 @@ impl AfterRound {
         let at_end = step >= r.opts.schedule.total_steps;
         if self.evaluates && (step.is_multiple_of(cfg.logging.eval_steps as u64) || at_end) {
             let t0 = Instant::now();
-            let ev = evaluate(r, step, world)?;
+            let ev = evaluate(r, step, world, console)?;
             m.eval_seconds = Some(t0.elapsed().as_secs_f64());
             m.eval = ev.clone();
             self.last_eval = Some(ev);
@@ -223,10 +223,18 @@ fn check_same_parameters<P: Policy>(policy: &P, world: &dyn World) -> Result<()>
 
 /// Evaluation on the held-out prompts as the config's `eval_*` keys say (see [`crate::eval`]):
 /// pass@k, sampled and greedy accuracy, mean rewards. Every answer goes to `eval/step-N.jsonl`.
-/// Across ranks the prompts are shared out and the answers gathered; rank 0 writes them.
-fn evaluate<P: Policy>(r: &mut Run<P>, step: u64, world: &dyn World) -> Result<Vec<(String, f64)>> {
+/// Across ranks the prompts are shared out and the answers gathered; rank 0 writes them. Its
+/// sampling calls are bounded by the memory of a training pass of the size the run resolved
+/// ([`crate::eval::BatchBound`]); its progress bar takes the training bar's place meanwhile.
+fn evaluate<P: Policy>(
+    r: &mut Run<P>,
+    step: u64,
+    world: &dyn World,
+    console: &Console,
+) -> Result<Vec<(String, f64)>> {
     let model = r.policy.freeze(r.cfg.update.gradient_checkpointing)?;
-    let opts = r.cfg.eval_options(r.opts.sampling.eos_token_ids.clone());
+    let mut opts = r.cfg.eval_options(r.opts.sampling.eos_token_ids.clone());
+    opts.batch.pass_tokens = r.opts.update.forward_chunk_tokens;
     let file = format!("eval/step-{step}.jsonl");
     let metrics = &mut r.metrics;
     let mut log = |row: &serde_json::Value| metrics.log_json(&file, row);
@@ -236,18 +244,21 @@ fn evaluate<P: Policy>(r: &mut Run<P>, step: u64, world: &dyn World) -> Result<V
         size: world.size(),
         gather: &gather,
     });
-    let report = crate::eval::evaluate_agent(
-        &model,
-        &r.tok,
-        &r.data.eval,
-        &r.data.rewards,
-        &opts,
-        world
-            .is_main()
-            .then_some(&mut log as crate::eval::RowSink<'_>),
-        shard,
-        r.agent.as_ref(),
-    )?;
+    let report = console.suspend(|| {
+        crate::eval::evaluate_agent(
+            &model,
+            &r.tok,
+            &r.data.eval,
+            &r.data.rewards,
+            &opts,
+            world
+                .is_main()
+                .then_some(&mut log as crate::eval::RowSink<'_>),
+            shard,
+            r.agent.as_ref(),
+        )
+    })?;
+    super::trace_memory("evaluation", &super::policy_device(&r.policy));
     Ok(report.metrics)
 }
 

@@ -188,6 +188,11 @@ impl Console {
         }
     }
 
+    /// Runs `f` with the bar hidden (another bar, evaluation's, draws meanwhile).
+    pub fn suspend<R>(&self, f: impl FnOnce() -> R) -> R {
+        self.bar.suspend(f)
+    }
+
     pub fn set_position(&self, step: u64) {
         self.bar.set_position(step);
     }
