@@ -363,6 +363,14 @@ pub struct CallError {
     pub message: String,
 }
 
+/// A [`CallError`] of `kind`.
+pub(crate) fn call_error(kind: &'static str, message: impl Into<String>) -> CallError {
+    CallError {
+        kind,
+        message: message.into(),
+    }
+}
+
 /// Checks `call` against the known tools' JSON schemas (`tools`: OpenAI/HF function-schema
 /// objects, `{"type": "function", "function": {"name", "description", "parameters"}}`; a bare
 /// `{"name", "parameters"}` is accepted too). Errors: kind "unknown_tool", or kind "arguments"

@@ -325,6 +325,12 @@ pub enum EnvironmentReward {
     Function(String),
 }
 
+/// A poisoned lock's data is still consistent here (every critical section writes whole values):
+/// taken as it is.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// A tool schema's function name.
 pub(crate) fn schema_name(s: &Value) -> Option<String> {
     s.get("function")

@@ -42,13 +42,14 @@ use std::collections::{BTreeMap, HashSet};
 use std::io::Read;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::RecvTimeoutError;
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
 use tracing::warn;
 
-use super::calls::CallError;
+use super::calls::{call_error, CallError};
+use super::lock;
 use crate::rewards::command::{CommandSpec, Out, Proc, PYTHON_ENV};
 use crate::{Error, Result};
 
@@ -178,17 +179,6 @@ struct Slot {
     /// Exits or hangs before any answer, in a row.
     start_failures: usize,
     broken: Option<String>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn call_error(kind: &'static str, message: impl Into<String>) -> CallError {
-    CallError {
-        kind,
-        message: message.into(),
-    }
 }
 
 impl ProgramEnv {

@@ -41,13 +41,14 @@ use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::RecvTimeoutError;
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
 use tracing::warn;
 
-use super::calls::{CallError, ToolCall};
+use super::calls::{call_error, CallError, ToolCall};
+use super::lock;
 use crate::rewards::command::{describe, python_target, CommandSpec, Out, Proc, PYTHON_ENV};
 use crate::{Error, Result};
 
@@ -192,17 +193,6 @@ impl Drop for Release<'_> {
     fn drop(&mut self) {
         lock(&self.0.leases).busy[self.1] = false;
         self.0.freed.notify_all();
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn call_error(kind: &'static str, message: impl Into<String>) -> CallError {
-    CallError {
-        kind,
-        message: message.into(),
     }
 }
 
