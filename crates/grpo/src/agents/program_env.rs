@@ -50,7 +50,7 @@ use tracing::warn;
 
 use super::calls::{call_error, CallError};
 use super::lock;
-use crate::rewards::command::{CommandSpec, Out, Proc, PYTHON_ENV};
+use crate::rewards::command::{is_timeout_io, CommandSpec, Out, Proc, PYTHON_ENV};
 use crate::{Error, Result};
 
 /// How long a program may take, at start, to answer its first request (a slow import, a game
@@ -792,13 +792,6 @@ fn short(s: &str) -> String {
 /// The start of a text, quoted, for messages about answers.
 fn excerpt(s: &str) -> String {
     format!("{:?}", short(s))
-}
-
-fn is_timeout_io(e: &std::io::Error) -> bool {
-    matches!(
-        e.kind(),
-        std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
-    )
 }
 
 #[cfg(test)]

@@ -224,6 +224,8 @@ impl CommandSpec {
     }
 }
 
+/// Whether an I/O error ran out of time (HTTP scorers' and environment services' requests).
+pub(crate) use http::is_timeout_io;
 /// Whether a new network namespace can be made here (what `no_network` needs).
 pub(crate) use sandbox::probe_no_network;
 

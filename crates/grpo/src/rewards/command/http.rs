@@ -238,7 +238,8 @@ impl HttpScorer {
     }
 }
 
-fn is_timeout_io(e: &std::io::Error) -> bool {
+/// Whether an I/O error is a read or connect that ran out of time.
+pub(crate) fn is_timeout_io(e: &std::io::Error) -> bool {
     matches!(
         e.kind(),
         std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
