@@ -46,7 +46,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         &RunControl {
             resume,
             stop,
-            max_rounds_this_run: None,
+            ..Default::default()
         },
     )?;
     // Under an MPI launcher rank 0 wrote the run and reports it; the other ranks are done.

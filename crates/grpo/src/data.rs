@@ -276,6 +276,33 @@ fn load_file(path: &Path, fields: &DataFields) -> Result<Loaded> {
             ));
         }
     };
+    rows_to_examples(rows, &name, fields, "line", |m| Error::file(path, m))
+}
+
+/// Rows in memory (a dataset the Python package was given), read as a file's rows are: `name`
+/// (`train_dataset`) and the row's index name a bad row.
+pub fn examples_from_rows(
+    rows: Vec<Map<String, Value>>,
+    name: &str,
+    fields: &DataFields,
+) -> Result<Loaded> {
+    let rows: RawRows = rows
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| (i, Ok(r)))
+        .collect();
+    rows_to_examples(rows, name, fields, "row", |m| Error::config(name, m))
+}
+
+/// Rows -> examples; a bad row is skipped (`skip_bad_rows`) or the error `err` makes, naming
+/// the row as `{unit} {n}`.
+fn rows_to_examples(
+    rows: RawRows,
+    name: &str,
+    fields: &DataFields,
+    unit: &str,
+    err: impl Fn(String) -> Error,
+) -> Result<Loaded> {
     let mut out = Loaded {
         examples: Vec::with_capacity(rows.len()),
         skipped: vec![],
@@ -286,15 +313,14 @@ fn load_file(path: &Path, fields: &DataFields) -> Result<Loaded> {
             Ok(ex) => out.examples.push(ex),
             Err(why) if fields.skip_bad_rows => out.skipped.push(format!("{origin}: {why}")),
             Err(why) => {
-                return Err(Error::file(
-                    path,
-                    format!("line {line}: {why} (or set skip_bad_rows = true to skip such rows)"),
-                ))
+                return Err(err(format!(
+                    "{unit} {line}: {why} (or set skip_bad_rows = true to skip such rows)"
+                )))
             }
         }
     }
     if out.examples.is_empty() {
-        return Err(Error::file(path, "no usable rows"));
+        return Err(err("no usable rows".into()));
     }
     Ok(out)
 }

@@ -22,18 +22,77 @@ pub struct RunData {
     pub rewards: Vec<Reward>,
 }
 
-/// Training prompts (`train_file`, else the built-in task's training problems), held-out prompts
-/// (`eval_file`, else the built-in task's held-out problems; none for a `train_file` without an
-/// `eval_file`) and the rewards ([`config_rewards`]), each scorer endpoint checked to answer.
-pub fn load_run_data(cfg: &TrainConfig, device: &Device) -> Result<RunData> {
-    let (train, mut eval) = match &cfg.data.train_file {
-        Some(p) => (load_examples(cfg, p)?, vec![]),
-        None => builtin_task(cfg)?,
+/// What the program grpo runs in (the Python package) gives a run besides its config: prompt
+/// sets built in memory and reward functions of its own. Empty for `grpo train`.
+#[derive(Clone, Default)]
+pub struct HostInputs {
+    /// Training prompts (replace `train_file` and the built-in task).
+    pub train: Option<Vec<Example>>,
+    /// Held-out prompts (replace `eval_file`).
+    pub eval: Option<Vec<Example>>,
+    /// The host's rewards, each at its place among the config's.
+    pub rewards: Vec<HostRewardAt>,
+}
+
+/// A host reward and where it goes in the run's list of rewards.
+#[derive(Clone)]
+pub struct HostRewardAt {
+    /// Its index in the run's rewards (the config's rewards fill the other places, in order).
+    pub position: usize,
+    pub name: String,
+    pub weight: f32,
+    pub func: std::sync::Arc<dyn rewards::host::HostReward>,
+}
+
+impl std::fmt::Debug for HostInputs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostInputs")
+            .field("train", &self.train.as_ref().map(Vec::len))
+            .field("eval", &self.eval.as_ref().map(Vec::len))
+            .field(
+                "rewards",
+                &self.rewards.iter().map(|r| &r.name).collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+impl HostInputs {
+    /// The config's rewards with the host's put at their places. A host that gives rewards and a
+    /// config with none: only the host's (not the built-in task's).
+    pub fn rewards(&self, cfg: &TrainConfig, device: &Device) -> Result<Vec<Reward>> {
+        let mut all = match self.rewards.is_empty() || !cfg.rewards.is_empty() {
+            true => config_rewards(cfg, device)?,
+            false => vec![],
+        };
+        for h in &self.rewards {
+            let reward = Reward {
+                name: h.name.clone(),
+                func: rewards::RewardFn::Host(h.func.clone()),
+                weight: h.weight,
+            };
+            all.insert(h.position.min(all.len()), reward);
+        }
+        Ok(all)
+    }
+}
+
+/// Training prompts (the host's, else `train_file`, else the built-in task's training problems),
+/// held-out prompts (the host's, else `eval_file`, else the built-in task's held-out problems;
+/// none for training prompts of the user's without held-out ones) and the rewards
+/// ([`HostInputs::rewards`]), each scorer endpoint checked to answer.
+pub fn load_run_data(cfg: &TrainConfig, device: &Device, host: &HostInputs) -> Result<RunData> {
+    let (train, mut eval) = match (&host.train, &cfg.data.train_file) {
+        (Some(t), _) => (t.clone(), vec![]),
+        (None, Some(p)) => (load_examples(cfg, p)?, vec![]),
+        (None, None) => builtin_task(cfg)?,
     };
-    if let Some(p) = &cfg.data.eval_file {
+    if let Some(e) = &host.eval {
+        eval = e.clone();
+    } else if let Some(p) = &cfg.data.eval_file {
         eval = load_examples(cfg, p)?;
     }
-    let rewards = config_rewards(cfg, device)?;
+    let rewards = host.rewards(cfg, device)?;
     for r in &rewards {
         r.check_reachable()?;
     }

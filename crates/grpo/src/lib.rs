@@ -18,12 +18,14 @@
 //! - [`eval`]: held-out evaluation: pass@k, accuracy (greedy and sampled), mean rewards.
 //! - [`flops`]: the update's model FLOPs, for its throughput and MFU.
 //! - [`train`]: the training loop.
+//! - [`embed`]: what the Python package asks of the library besides training (evaluation).
 
 pub mod advantages;
 pub mod agents;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod embed;
 pub mod eval;
 pub mod export;
 pub mod fill_in;

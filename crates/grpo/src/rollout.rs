@@ -481,6 +481,7 @@ pub fn score(
         .map(|(i, ep)| ScoreItem {
             group: ep.group,
             completion_tokens: ep.completion_ids.len(),
+            completion_ids: Some(&ep.completion_ids),
             ref_mean_logp: ref_mean_logps.map(|m| m[i]),
             messages: ep.agent.as_ref().map(|a| a.messages.as_slice()),
             env_rewards: ep.agent.as_ref().map_or(&[], |a| a.env_rewards.as_slice()),

@@ -37,7 +37,9 @@ use sections::{is_key, suggest, Sections, KEYS};
 pub use sections::{
     reference, Agent, Data, Generation, KeyDoc, Logging, Lora, Loss, Run, TaskConfig, Update,
 };
-pub use trl::{ignore_reason, ignored_trl_keys, trl_key, TrlKey, DEFAULT_DIFFERENCES};
+pub use trl::{
+    ignore_reason, ignored_trl_keys, trl_builtin_reward, trl_key, TrlKey, DEFAULT_DIFFERENCES,
+};
 pub use values::{DTypeOpt, DeviceSpec, MaskRatio, PolicyType, SaveStrategy, SpanLen};
 
 /// The embedded default run (`grpo train` with no arguments).
@@ -295,8 +297,30 @@ impl TrainConfig {
         overrides: &[String],
     ) -> Result<TrainConfig> {
         let doc = parse_doc(text, format, origin)?;
-        trl::Translation::check_doc(&doc)?;
         let trl_style = trl::names_trl_keys(&doc, format == Format::Yaml);
+        Self::from_doc(doc, trl_style, origin, overrides, &[])
+    }
+
+    /// The fields of a Python `GRPOConfig` (TRL's names, read as a TRL YAML's keys are: one key
+    /// table; an unknown field is an error naming it). `host_rewards` are the names of the
+    /// rewards the host computes (`correctness_reward` may name one).
+    pub fn from_fields(
+        fields: serde_json::Map<String, Value>,
+        host_rewards: &[String],
+    ) -> Result<TrainConfig> {
+        let mut doc = BTreeMap::new();
+        flatten("", Value::Object(fields), &mut doc);
+        Self::from_doc(doc, true, "GRPOConfig", &[], host_rewards)
+    }
+
+    fn from_doc(
+        doc: BTreeMap<String, Value>,
+        trl_style: bool,
+        origin: &str,
+        overrides: &[String],
+        host_rewards: &[String],
+    ) -> Result<TrainConfig> {
+        trl::Translation::check_doc(&doc)?;
         let mut given = std::collections::BTreeSet::new();
         let mut merged: BTreeMap<String, Value> = KEYS
             .iter()
@@ -341,7 +365,7 @@ impl TrainConfig {
         let mut cfg = Self::validate(Sections::read(&merged)?)?;
         cfg.rewards =
             crate::rewards::parse_specs(&reward_tables, cfg.generation.max_completion_length)?;
-        cfg.check_correctness_reward()?;
+        cfg.check_correctness_reward(host_rewards)?;
         if cfg.run.policy == PolicyType::FillIn
             && cfg.data.train_file.is_some()
             && cfg.run.judge.is_none()
@@ -678,7 +702,7 @@ impl TrainConfig {
     /// `correctness_reward` names one of the run's rewards (the `[[rewards]]` and `reward_funcs`,
     /// else the built-in task's; a tool environment's are known once it starts, and checked
     /// then); `correctness_threshold` needs it.
-    fn check_correctness_reward(&self) -> Result<()> {
+    fn check_correctness_reward(&self, host_rewards: &[String]) -> Result<()> {
         let (l, a) = (&self.logging, &self.agent);
         let Some(name) = &l.correctness_reward else {
             return match l.correctness_threshold {
@@ -692,8 +716,16 @@ impl TrainConfig {
         let environment = a.environment_factory.is_some()
             || !a.environment_command.is_empty()
             || a.environment_url.is_some();
-        let names: Vec<String> = match (self.rewards.is_empty(), self.run.policy) {
-            (false, _) => self.rewards.iter().map(|r| r.name.clone()).collect(),
+        let names: Vec<String> = match (
+            self.rewards.is_empty() && host_rewards.is_empty(),
+            self.run.policy,
+        ) {
+            (false, _) => self
+                .rewards
+                .iter()
+                .map(|r| r.name.clone())
+                .chain(host_rewards.iter().cloned())
+                .collect(),
             (true, PolicyType::CausalLm) => crate::rewards::builtin_task_rewards()
                 .into_iter()
                 .map(|r| r.name)

@@ -219,6 +219,7 @@ sections! {
         mask_span: SpanLen as "length or \"LO..HI\"" = "", "fill_in with mask_ratio: length in tokens of each masked span, fixed or drawn per span (unset: 1)";
         mask_seed: Option<usize> = "", "fill_in with mask_ratio: seeds the masks (unset: seed)";
         reward_weights: Option<Vec<f64>> = "", "weight of each reward function (unset: each reward's own weight)";
+        reward_errors: String as "raise|missing" = "\"raise\"" check values::reward_errors, "Python package: a reward function (a callable given to GRPOTrainer) that raises: raise stops the run with its traceback, as TRL does; missing loses only that batch's scores of it (missing rewards, a warning), as a scorer program's failure does";
     }
     /// `[generation]` keys.
     Generation generation {

@@ -465,36 +465,26 @@ fn trl_reward_funcs(v: &Value) -> Result<(Vec<Value>, bool)> {
     };
     let (mut tables, mut solution) = (vec![], false);
     for name in names {
-        let t = match name.as_str() {
-            "accuracy_reward" => {
-                solution = true;
-                serde_json::json!({"kind": "answer_match", "name": name, "extract": "boxed"})
+        let t = match trl_builtin_reward(&name) {
+            Some((t, reads_solution)) => {
+                solution |= reads_solution;
+                t
             }
-            "reasoning_accuracy_reward" => {
-                solution = true;
-                serde_json::json!({"kind": "answer_match", "name": name, "extract": "boxed",
-                                   "after": "</think>"})
-            }
-            "think_format_reward" => serde_json::json!({"kind": "think_format", "name": name}),
-            // `trl grpo`'s fixed arguments.
-            "get_soft_overlong_punishment" => serde_json::json!({
-                "kind": "length", "name": "soft_overlong_punishment_reward",
-                "max_length": 1280, "cache_length": 256}),
             // A Python function, as `trl grpo` takes it: `my_rewards.correctness` or
             // `path/to/file.py:correctness`, served by grpo's adapter (kind = "python").
-            other if other.contains('.') || other.contains(':') => {
-                crate::rewards::command::python_target(other)
+            None if name.contains('.') || name.contains(':') => {
+                crate::rewards::command::python_target(&name)
                     .map_err(|m| Error::config("reward_funcs", m))?;
-                serde_json::json!({"kind": "python", "function": other})
+                serde_json::json!({"kind": "python", "function": name})
             }
-            other => {
+            None => {
                 return Err(Error::config(
                     "reward_funcs",
                     format!(
-                        "`{other}` is not one of TRL's rewards: accuracy_reward, \
+                        "`{name}` is not one of TRL's rewards: accuracy_reward, \
                          reasoning_accuracy_reward, think_format_reward, \
                          get_soft_overlong_punishment, or a Python function as \
-                         my_rewards.{other} or path/to/file.py:{other} (or give [[rewards]] \
+                         my_rewards.{name} or path/to/file.py:{name} (or give [[rewards]] \
                          tables)"
                     ),
                 ))
@@ -503,6 +493,33 @@ fn trl_reward_funcs(v: &Value) -> Result<(Vec<Value>, bool)> {
         tables.push(t);
     }
     Ok((tables, solution))
+}
+
+/// One of TRL's built-in rewards by name, as a `[[rewards]]` table of grpo's rules, and whether
+/// it reads the `solution` column; None for any other name.
+pub fn trl_builtin_reward(name: &str) -> Option<(Value, bool)> {
+    let t = match name {
+        "accuracy_reward" => {
+            return Some((
+                serde_json::json!({"kind": "answer_match", "name": name, "extract": "boxed"}),
+                true,
+            ))
+        }
+        "reasoning_accuracy_reward" => {
+            return Some((
+                serde_json::json!({"kind": "answer_match", "name": name, "extract": "boxed",
+                                   "after": "</think>"}),
+                true,
+            ))
+        }
+        "think_format_reward" => serde_json::json!({"kind": "think_format", "name": name}),
+        // `trl grpo`'s fixed arguments.
+        "get_soft_overlong_punishment" => serde_json::json!({
+            "kind": "length", "name": "soft_overlong_punishment_reward",
+            "max_length": 1280, "cache_length": 256}),
+        _ => return None,
+    };
+    Some((t, false))
 }
 
 /// The file of split `split` of TRL's `dataset_name` (in configuration `config`, TRL's

@@ -565,6 +565,12 @@ fn rule(ok: bool, msg: impl FnOnce() -> String) -> Res<()> {
     }
 }
 
+pub(super) fn reward_errors(v: &String) -> Res<()> {
+    rule(matches!(v.as_str(), "raise" | "missing"), || {
+        format!("`{v}`: use \"raise\" (stop the run) or \"missing\" (lose the batch's scores)")
+    })
+}
+
 pub(super) fn at_least_one(n: &usize) -> Res<()> {
     rule(*n >= 1, || "must be at least 1".into())
 }

@@ -8,6 +8,7 @@
 //! starts scorer programs and loads reward models when a run starts.
 
 pub mod command;
+pub mod host;
 pub mod judge;
 pub mod models;
 pub mod rules;
@@ -30,6 +31,8 @@ pub struct ScoreItem<'a> {
     /// The prompt as the dataset gave it: text or chat messages.
     pub prompt: &'a Prompt,
     pub completion: &'a str,
+    /// The completion's token ids (the EOS, when sampled, last), where the trainer has them.
+    pub completion_ids: Option<&'a [u32]>,
     /// The example's reference answer.
     pub answer: Option<&'a str>,
     /// The example's other fields.
@@ -55,6 +58,7 @@ impl<'a> ScoreItem<'a> {
         ScoreItem {
             prompt: &ex.prompt,
             completion,
+            completion_ids: None,
             answer: ex.answer.as_deref(),
             metadata: &ex.metadata,
             group: 0,
@@ -136,6 +140,8 @@ pub enum RewardFn {
     /// a reward function that takes `environments`, called where the instances live):
     /// [`ScoreItem::env_rewards`]`[k]`, missing when it gave none.
     Environment(usize),
+    /// Computed by the program grpo runs in (the Python package's reward functions).
+    Host(std::sync::Arc<dyn host::HostReward>),
 }
 
 /// `kind = "composite"`: a weighted sum of a quality, a safety and a diversity reward (each any
@@ -223,6 +229,7 @@ impl Reward {
             RewardFn::Embedding(e) => e.score(items),
             RewardFn::Command(c) => c.score(items),
             RewardFn::Http(h) => h.score(items),
+            RewardFn::Host(h) => h.score(items),
             RewardFn::Environment(k) => each(&|it| {
                 it.env_rewards
                     .get(*k)
@@ -245,7 +252,11 @@ impl Reward {
     pub fn is_judge(&self) -> bool {
         matches!(
             self.func,
-            RewardFn::Judge(_) | RewardFn::Classifier(_) | RewardFn::Command(_) | RewardFn::Http(_)
+            RewardFn::Judge(_)
+                | RewardFn::Classifier(_)
+                | RewardFn::Command(_)
+                | RewardFn::Http(_)
+                | RewardFn::Host(_)
         )
     }
 

@@ -4,12 +4,14 @@
 
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Instant;
 
 use serde_json::json;
 
 use super::health::{Health, HealthOptions};
 use super::metrics::{names, StepMetrics};
+use super::observer::Observer;
 use super::policy::Policy;
 use super::round::{Sampled, Scored};
 use super::setup::Run;
@@ -33,16 +35,29 @@ pub struct AfterRound {
     rounds_this_run: u64,
     last_checkpoint: Option<PathBuf>,
     last_eval: Option<Vec<(String, f64)>>,
+    /// Told of each step, log, evaluation and checkpoint (on the main rank).
+    observer: Option<Arc<dyn Observer>>,
+    /// The last step the observer was told of.
+    observed_step: u64,
 }
 
 impl AfterRound {
-    pub fn new<P: Policy>(r: &Run<P>) -> AfterRound {
+    pub fn new<P: Policy>(r: &Run<P>, observer: Option<Arc<dyn Observer>>) -> AfterRound {
         AfterRound {
             health: Health::new(HealthOptions::default()),
             evaluates: r.cfg.logging.eval_steps > 0 && !r.data.eval.is_empty(),
             rounds_this_run: 0,
             last_checkpoint: r.resumed_from.clone(),
             last_eval: None,
+            observer,
+            observed_step: r.state.step,
+        }
+    }
+
+    /// Runs `f` on the observer, when there is one.
+    fn tell(&self, f: impl FnOnce(&dyn Observer)) {
+        if let Some(o) = &self.observer {
+            f(o.as_ref());
         }
     }
 
@@ -62,7 +77,12 @@ impl AfterRound {
             .find(|(n, _)| n == names::EVAL_ACCURACY)
             .map_or(f64::NAN, |x| x.1);
         console.say(format!("step    0  eval acc {acc:.3} (before training)"));
-        r.metrics.log(0, &ev)
+        r.metrics.log(0, &ev)?;
+        self.tell(|o| {
+            o.on_log(0, &ev);
+            o.on_evaluate(0, &ev);
+        });
+        Ok(())
     }
 
     /// Logs the round that just updated (eval, health, completions) and saves a checkpoint when
@@ -84,6 +104,10 @@ impl AfterRound {
         // 6. Log (and evaluate on the held-out prompts every eval_steps).
         let mut m = StepMetrics::of_round(r, round, scored, steps);
         let step = r.state.step;
+        for s in self.observed_step + 1..=step {
+            self.tell(|o| o.on_step_end(s));
+        }
+        self.observed_step = step;
         let at_end = step >= r.opts.schedule.total_steps;
         if self.evaluates && (step.is_multiple_of(cfg.logging.eval_steps as u64) || at_end) {
             let t0 = Instant::now();
@@ -98,8 +122,13 @@ impl AfterRound {
             && cfg.logging.logging_steps > 0
             && (step.is_multiple_of(cfg.logging.logging_steps as u64) || at_end)
         {
-            r.metrics.log(step, &m.pairs())?;
+            let pairs = m.pairs();
+            r.metrics.log(step, &pairs)?;
             console.say(m.console_line(step));
+            self.tell(|o| o.on_log(step, &pairs));
+        }
+        if !m.eval.is_empty() {
+            self.tell(|o| o.on_evaluate(step, &m.eval));
         }
         for w in warnings.iter().filter(|_| main) {
             console.say(format!("warning: {}", w.message));
@@ -140,6 +169,7 @@ impl AfterRound {
                 .and_then(|b| b.improved_by(&m, &r.state));
             let dir = r.save(new_best)?;
             console.say(format!("saved {}", dir.display()));
+            self.tell(|o| o.on_save(step, &dir));
             self.last_checkpoint = Some(dir);
         }
         Ok(stop_now && !at_end)

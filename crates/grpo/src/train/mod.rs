@@ -18,6 +18,7 @@ mod after;
 mod fill_in;
 mod health;
 mod metrics;
+mod observer;
 mod policy;
 mod profile;
 mod round;
@@ -35,6 +36,7 @@ use std::time::Instant;
 pub use fill_in::{FillInForward, FillInPolicy};
 pub use health::{Health, HealthKind, HealthOptions, HealthWarning};
 pub use metrics::{names, RewardMetrics, StepMetrics, UpdateMetrics};
+pub use observer::Observer;
 pub use policy::{CausalLmForward, CausalLmPolicy, Policy, Reference, TrainForward};
 pub use round::{RoundTimes, Sampled, Scored};
 pub use setup::{update_options, BestModel, LoadPolicy, Loaded, RoundOptions, TrainerState};
@@ -47,12 +49,13 @@ pub use world::MpiWorld;
 pub use world::{launcher_world_size, SingleProcess, World};
 
 use crate::config::{PolicyType, TrainConfig};
+use crate::inputs::HostInputs;
 use crate::Result;
 use after::AfterRound;
 use setup::Run;
 
 /// How the run is controlled from outside.
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub struct RunControl {
     /// Continue from the newest checkpoint in `output_dir`.
     pub resume: bool,
@@ -60,6 +63,22 @@ pub struct RunControl {
     pub stop: Arc<AtomicBool>,
     /// Stop after this many rounds of this invocation (tests: "kill" a run after step k).
     pub max_rounds_this_run: Option<u64>,
+    /// Prompts and rewards of the program grpo runs in (the Python package); empty otherwise.
+    pub host: HostInputs,
+    /// Told of steps, logs, evaluations and checkpoints (the Python package's callbacks).
+    pub observer: Option<Arc<dyn Observer>>,
+}
+
+impl std::fmt::Debug for RunControl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunControl")
+            .field("resume", &self.resume)
+            .field("stop", &self.stop)
+            .field("max_rounds_this_run", &self.max_rounds_this_run)
+            .field("host", &self.host)
+            .field("observer", &self.observer.is_some())
+            .finish()
+    }
 }
 
 /// What a finished run reports.
@@ -111,10 +130,14 @@ fn run<P: LoadPolicy>(
     ctl: &RunControl,
     world: &dyn World,
 ) -> Result<TrainOutcome> {
-    let mut r = Run::<P>::start(cfg, ctl.resume, world)?;
+    let mut r = Run::<P>::start(cfg, ctl.resume, &ctl.host, world)?;
     let total_steps = r.opts.schedule.total_steps;
     let console = Console::new(total_steps, r.state.step, world.is_main());
-    let mut after = AfterRound::new(&r);
+    let observer = ctl.observer.clone().filter(|_| world.is_main());
+    if let Some(o) = &observer {
+        o.on_train_begin(total_steps, r.state.step);
+    }
+    let mut after = AfterRound::new(&r, observer);
     after.before_training(&mut r, world, &console)?;
     // Agents: supervised steps on tool-use traces first, when asked for (a fresh run only).
     warmup::sft_warmup(&mut r, world, &console)?;

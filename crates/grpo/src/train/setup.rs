@@ -15,7 +15,7 @@ use crate::advantages::AdvantageOptions;
 use crate::checkpoint::{self, CheckpointData};
 use crate::config::{DTypeOpt, DeviceSpec, TrainConfig};
 use crate::data::{self, PromptOrder};
-use crate::inputs::{load_run_data, reward_weights, RunData};
+use crate::inputs::{load_run_data, reward_weights, HostInputs, RunData};
 use crate::logprobs::Entropy;
 use crate::logs::MetricsWriter;
 use crate::loss::{AdaptiveEntropy, AdaptiveKl, KlMode};
@@ -188,13 +188,18 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
     /// Sets up a run as `cfg` says, continuing from the newest checkpoint in `output_dir` when
     /// `resume`: the process (kernels, device), the resume point, the model and data, the
     /// optimizer and trainer state, the run's writers, and the options each round uses.
-    pub fn start(cfg: &'a TrainConfig, resume: bool, world: &dyn World) -> Result<Run<'a, P>> {
+    pub fn start(
+        cfg: &'a TrainConfig,
+        resume: bool,
+        host: &HostInputs,
+        world: &dyn World,
+    ) -> Result<Run<'a, P>> {
         let main = world.is_main();
         check_world(cfg, world)?;
         let device = process_device(cfg, world)?;
         P::check(cfg, &device, main)?;
         let resumed_from = resume_point(cfg, resume, main)?;
-        let loaded = load::<P>(cfg, resumed_from.as_ref(), &device)?;
+        let loaded = load::<P>(cfg, resumed_from.as_ref(), &device, host)?;
         let (opt, state) = optimizer_and_state(cfg, &loaded, resumed_from.as_ref(), &device, main)?;
         let (metrics, config_toml) = writers(cfg, resumed_from.is_some(), main)?;
         let opts = RoundOptions::resolve(cfg, &loaded, world)?;
@@ -394,8 +399,9 @@ fn load<P: LoadPolicy>(
     cfg: &TrainConfig,
     resume_from: Option<&PathBuf>,
     device: &Device,
+    host: &HostInputs,
 ) -> Result<LoadedRun<P>> {
-    let mut data = load_run_data(cfg, device)?;
+    let mut data = load_run_data(cfg, device, host)?;
     let kl_needs_ref = !matches!(cfg.loss.kl(), KlMode::None);
     let rewards_need_ref = data.rewards.iter().any(|r| r.needs_ref_logp());
     let Loaded {
