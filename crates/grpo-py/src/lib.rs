@@ -69,7 +69,14 @@ fn json_object(text: &str, what: &str) -> PyResult<Map<String, Value>> {
 #[pyfunction]
 #[pyo3(signature = (fields, host_rewards=vec![]))]
 fn resolve_config(fields: &str, host_rewards: Vec<String>) -> PyResult<String> {
-    let cfg = config(fields, &host_rewards)?;
+    let map = json_object(fields, "GRPOConfig")?;
+    // A config alone does not know the trainer's reward functions: the reward
+    // `correctness_reward` names is checked when GRPOTrainer gets them.
+    let host_rewards = match map.get("correctness_reward") {
+        Some(Value::String(name)) if host_rewards.is_empty() => vec![name.clone()],
+        _ => host_rewards,
+    };
+    let cfg = TrainConfig::from_fields(map, &host_rewards).map_err(to_py)?;
     let ignored: Vec<(&str, &str)> = cfg
         .ignored_keys
         .iter()

@@ -178,17 +178,23 @@ class GRPOTrainer:
         observer = _Observer(self)
         result = {}
 
+        done = threading.Event()
+
         def run():
             try:
                 result["out"] = self._native.train(resume, observer)
             except BaseException as e:  # re-raised in the caller's thread
                 result["err"] = e
+            finally:
+                done.set()
 
+        # The engine runs on a thread of its own, so that this one takes Ctrl-C (a notebook's
+        # interrupt) and asks the run to stop at the end of its step.
         worker = threading.Thread(target=run, name="grpo-train", daemon=True)
         restore = self._catch_sigterm()
         worker.start()
         try:
-            self._wait(worker)
+            self._wait(done)
         finally:
             restore()
             observer.close()
@@ -207,16 +213,18 @@ class GRPOTrainer:
             self.state.best_model_checkpoint = out["best_checkpoint"]
         return TrainOutput(out["steps"], metrics["train_loss"], metrics)
 
-    def _wait(self, worker):
+    def _wait(self, done):
+        # An Event, not Thread.join: a join that Ctrl-C interrupts can report a live thread as
+        # finished (CPython's gh-90882).
         try:
-            while worker.is_alive():
-                worker.join(0.2)
+            while not done.wait(0.2):
+                pass
         except KeyboardInterrupt:
             self._native.request_stop()
             print("\nstop requested: finishing the current step, then saving a checkpoint "
                   "(interrupt again to stop waiting; the step still finishes)", file=sys.stderr)
-            while worker.is_alive():
-                worker.join(0.2)
+            while not done.wait(0.2):
+                pass
 
     def _catch_sigterm(self):
         """SIGTERM (Slurm's preemption) stops at the next step boundary with a checkpoint, as it

@@ -280,11 +280,13 @@ impl Reward {
     }
 
     /// Whether the reward may score groups on a second thread while sampling goes on: scorer
-    /// programs and rule rewards; not model rewards (on the CPU they would only compete with the
+    /// programs and rule rewards; not model rewards, not the host's (on the CPU they would only compete with the
     /// sampler for cores) and not rewards that need the reference model's log-probs.
     pub fn overlaps_sampling(&self) -> bool {
         match &self.func {
             RewardFn::Judge(_) | RewardFn::Classifier(_) | RewardFn::Embedding(_) => false,
+            // A host's functions get the whole round in one call, as TRL calls them.
+            RewardFn::Host(_) => false,
             RewardFn::Composite(c) => {
                 !self.needs_ref_logp() && c.terms.iter().all(Reward::overlaps_sampling)
             }

@@ -172,6 +172,12 @@ impl AfterRound {
             self.tell(|o| o.on_save(step, &dir));
             self.last_checkpoint = Some(dir);
         }
+        // An observer may ask to stop when told of the checkpoint (a callback's on_save).
+        // (`ctl.observer`, which every rank has, so that every rank takes part.)
+        let stop_now = match (stop_now, &ctl.observer) {
+            (false, Some(_)) => world.any(ctl.stop.load(Ordering::SeqCst))?,
+            _ => stop_now,
+        };
         Ok(stop_now && !at_end)
     }
 
