@@ -2,7 +2,9 @@
 # Reward throughput: the same 1,024 completions scored (a) through grpo's `kind = "command"` with a
 # Python scorer (processes = 1 and 2, one request per line; batch_size = 64; 8 processes for the slow
 # one), and (b) TRL's way,
-# one in-process call of the same reward function f(prompts, completions, **kwargs). Two functions:
+# one in-process call of the same reward function f(prompts, completions, **kwargs), and (c) grpo's
+# Python package's way: the function in process, called by the library (GRPOTrainer's reward_funcs).
+# Two functions:
 # a cheap rule (last number == answer) and a slow one (2 ms per completion), plus grpo's built-in
 # answer_match rule for scale. One JSON line per case.
 #   bench/reward_throughput.sh            # writes bench/results/reward-throughput-<date>.jsonl
@@ -18,6 +20,12 @@ out="$root/bench/results/reward-throughput-$(date +%Y%m%d-%H%M%S).jsonl"
 mkdir -p "$root/bench/results"
 cd "$root"
 profile=${PROFILE:-release}   # PROFILE=dev reuses a debug build for a quick check
+# The Python package (release build) in a venv of its own, made once: GRPO_PY_VENV=dir reuses one.
+py_venv=${GRPO_PY_VENV:-$root/target/bench-venv}
+if ! "$py_venv/bin/python" -c "import grpo" 2>/dev/null; then
+  python3 -m venv "$py_venv" && "$py_venv/bin/pip" install -q "$root/crates/grpo-py"
+fi
+py_pkg="$py_venv/bin/python"
 cargo build --profile "$profile" -p grpo --example reward_bench
 bench="${CARGO_TARGET_DIR:-$root/target}/$([ "$profile" = dev ] && echo debug || echo "$profile")/examples/reward_bench"
 work=$(mktemp -d)
@@ -57,6 +65,8 @@ TOML
       "$bench" "$work/c.jsonl" "$work/reward.toml" "grpo_command:$fn:processes=$1:batch_size=$2" "$reps"
     done
     "$python" bench/reward_inprocess.py "$work/c.jsonl" "bench/reward_fns.py:$fn" "$reps"
+    # GRPOTrainer's way: the function in process, called by the library (the package's Python).
+    "$py_pkg" bench/reward_inprocess_grpo.py "$work/c.jsonl" "bench/reward_fns.py:$fn" "$reps"
   done
 } | tee "$out"
 echo "results: $out" >&2

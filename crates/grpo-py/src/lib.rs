@@ -115,6 +115,48 @@ fn resolve_model(py: Python<'_>, model: Option<String>) -> PyResult<String> {
     Ok(source.path().display().to_string())
 }
 
+/// Benchmark (bench/reward_throughput.sh): scores `rows` (a JSON list of `{prompt,
+/// completion, answer}`) with `score` (a reward function's caller) `reps` times, as training
+/// scores a round (one call with every completion, from a thread of the library's, the GIL taken
+/// for the call); returns the seconds of each.
+#[pyfunction]
+fn bench_reward(py: Python<'_>, rows: &str, score: Py<PyAny>, reps: usize) -> PyResult<Vec<f64>> {
+    let mut rows: Vec<Map<String, Value>> =
+        serde_json::from_str(rows).map_err(|e| PyValueError::new_err(format!("rows: {e}")))?;
+    let completions: Vec<String> = rows
+        .iter_mut()
+        .map(|r| match r.remove("completion") {
+            Some(Value::String(c)) => c,
+            _ => String::new(),
+        })
+        .collect();
+    let fields = grpo::data::DataFields {
+        prompt_field: "prompt".into(),
+        answer_field: "answer".into(),
+        skip_bad_rows: false,
+    };
+    let examples = grpo::data::examples_from_rows(rows, "rows", &fields)
+        .map_err(to_py)?
+        .examples;
+    let raised: Raised = Arc::default();
+    let reward = reward::PyReward::new("bench".into(), score, "answer".into(), raised.clone());
+    let items: Vec<grpo::rewards::ScoreItem> = examples
+        .iter()
+        .zip(&completions)
+        .map(|(ex, c)| grpo::rewards::ScoreItem::new(ex, c))
+        .collect();
+    use grpo::rewards::host::HostReward;
+    let secs = py.detach(|| {
+        (0..reps)
+            .map(|_| {
+                let t = std::time::Instant::now();
+                reward.score(&items).map(|_| t.elapsed().as_secs_f64())
+            })
+            .collect::<grpo::Result<Vec<f64>>>()
+    });
+    secs.map_err(|e| raised_or(&raised, e))
+}
+
 /// The package's version: the workspace's, the `grpo` binary's.
 #[pyfunction]
 fn version() -> &'static str {
@@ -305,6 +347,7 @@ fn _grpo(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(resolve_config, m)?)?;
     m.add_function(wrap_pyfunction!(builtin_reward_table, m)?)?;
     m.add_function(wrap_pyfunction!(resolve_model, m)?)?;
+    m.add_function(wrap_pyfunction!(bench_reward, m)?)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_class::<Trainer>()?;
     Ok(())

@@ -66,6 +66,9 @@ impl grpo::rewards::host::HostReward for PyReward {
     }
 }
 
+/// Dataset columns TRL does not pass to reward functions as columns.
+const NOT_COLUMNS: &[&str] = &["prompt", "completion", "completion_ids"];
+
 /// The batch as TRL's reward functions get it: prompts as the dataset holds them (a string or
 /// messages); completions as strings, or for a conversational prompt as `[{"role":
 /// "assistant", "content": ...}]` (an agent's episode: its messages); token ids (the EOS, when
@@ -93,7 +96,12 @@ pub fn batch_json(items: &[ScoreItem], answer_field: &str) -> Value {
         columns.insert(answer_field.to_string(), Value::Array(answers));
     }
     for it in items {
-        for k in it.metadata.keys() {
+        // TRL passes every column but the prompt, a completion and completion ids.
+        for k in it
+            .metadata
+            .keys()
+            .filter(|k| !NOT_COLUMNS.contains(&k.as_str()))
+        {
             if !columns.contains_key(k) {
                 let col = items
                     .iter()

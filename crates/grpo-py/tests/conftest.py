@@ -99,7 +99,7 @@ def small_config(output_dir, **extra):
 @pytest.fixture(scope="session")
 def grpo_binary():
     """The `grpo` binary (GRPO_BIN, else target/debug/grpo, built here when missing)."""
-    path = os.environ.get("GRPO_BIN") or os.path.join(ROOT, "target", "debug", "grpo")
+    path = os.path.abspath(os.environ.get("GRPO_BIN") or os.path.join(ROOT, "target", "debug", "grpo"))
     if not os.path.exists(path):
         subprocess.run(["cargo", "build", "-p", "grpo-cli"], cwd=ROOT, check=True)
     return path

@@ -166,7 +166,7 @@ def test_callbacks_fire_in_order_and_can_stop_the_run(tiny_model, tmp_path):
             seen.append(("log", logs["step"]))
 
         def on_evaluate(self, args, state, control, metrics=None, **kw):
-            seen.append(("evaluate", state.global_step, "eval/reward/length_reward" in metrics))
+            seen.append(("evaluate", state.global_step, "eval_reward_length_reward" in metrics))
 
         def on_save(self, args, state, control, **kw):
             seen.append(("save", state.global_step))
@@ -368,3 +368,56 @@ def test_config_fields_read_back_resolved():
     assert args.max_steps == 7
     with pytest.raises(ValueError, match="num_generations"):
         args.num_generations = 0
+
+
+def test_peft_config_trains_a_lora_adapter(tiny_model, tmp_path):
+    class LoraConfig:  # what peft.LoraConfig holds (the package reads its attributes)
+        r, lora_alpha, lora_dropout = 4, 8, 0.0
+        target_modules = ["q_proj", "v_proj"]
+
+    args = GRPOConfig(**small_config(tmp_path / "run", max_steps=1))
+    t = GRPOTrainer(model=tiny_model, reward_funcs=length_reward, args=args, train_dataset=ROWS,
+                    peft_config=LoraConfig())
+    t.train()
+    adapter = json.load(open(tmp_path / "run" / "checkpoint-1" / "adapter_config.json"))
+    assert (adapter["r"], adapter["lora_alpha"]) == (4, 8)
+    assert sorted(adapter["target_modules"]) == ["q_proj", "v_proj"]
+
+
+def test_none_is_missing_and_weights_combine_rewards(tiny_model, tmp_path):
+    def one(completions, **kw):
+        return [1.0] * len(completions)
+
+    def half_missing(completions, **kw):
+        return [None if i % 2 else 2.0 for i in range(len(completions))]
+
+    t = trainer(tiny_model, tmp_path / "run", [one, half_missing], max_steps=1,
+                reward_weights=[1.0, 0.5])
+    t.train()
+    row = t.state.log_history[0]
+    assert row["rewards/half_missing/missing"] == 2.0
+    assert row["rewards/half_missing/mean"] == 2.0
+    # Missing scores count as 0 in the weighted sum (TRL's nansum): 1 + 0.5 x 2 on half of them.
+    assert row["reward"] == pytest.approx((4 * 1.0 + 2 * 0.5 * 2.0) / 4)
+
+
+def test_training_releases_the_gil(tiny_model, tmp_path):
+    import threading
+
+    ticks, done = [0], threading.Event()
+
+    def count():
+        while not done.is_set():
+            ticks[0] += 1
+            time.sleep(0.001)
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    t = trainer(tiny_model, tmp_path / "run", max_steps=4)
+    t0 = time.time()
+    t.train()
+    elapsed = time.time() - t0
+    done.set()
+    counter.join()
+    # The counter ran all along (a held GIL would stall it for the whole of each step).
+    assert ticks[0] > 0.3 * elapsed / 0.0015

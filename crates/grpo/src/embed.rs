@@ -16,9 +16,12 @@ pub fn evaluate(
     model: Option<&str>,
 ) -> Result<Vec<(String, f64)>> {
     let device = cfg.run.device.device()?;
-    let examples = match &host.eval {
-        Some(e) => e.clone(),
-        None => crate::inputs::held_out_examples(cfg)?,
+    // As in training: the user's training prompts without held-out ones have none.
+    let own_train = host.train.is_some() || cfg.data.train_file.is_some();
+    let examples = match (&host.eval, &cfg.data.eval_file, own_train) {
+        (Some(e), _, _) => e.clone(),
+        (None, Some(_), _) | (None, None, false) => crate::inputs::held_out_examples(cfg)?,
+        (None, None, true) => vec![],
     };
     if examples.is_empty() {
         return Err(Error::config(
@@ -30,16 +33,7 @@ pub fn evaluate(
     let base = cfg.run.model.as_deref().filter(|b| Some(*b) != model);
     let (sampler, tok, eos) =
         crate::eval::load_inference_model(model, base, cfg.run.dtype.compute(), &device)?;
-    let mut tok = tok.with_template_kwargs(&cfg.chat_template_kwargs);
-    if let Some(path) = &cfg.agent.chat_template {
-        let text = std::fs::read_to_string(path).map_err(|e| {
-            Error::config(
-                "chat_template",
-                format!("cannot read {}: {e}", path.display()),
-            )
-        })?;
-        tok = tok.with_chat_template(&text, &path.display().to_string())?;
-    }
+    let tok = crate::inputs::configured_tokenizer(cfg, tok)?;
     let (agent, tok) = crate::inputs::agent(cfg, tok)?;
     if let Some(agent) = &agent {
         crate::inputs::environment_rewards(agent, &mut rewards);

@@ -204,6 +204,22 @@ pub fn environment_rewards(agent: &Agent, rewards: &mut Vec<Reward>) {
     }
 }
 
+/// The model's tokenizer as the config sets it: `chat_template_kwargs`, and `chat_template` (a
+/// template file) in place of the model's.
+pub fn configured_tokenizer(cfg: &TrainConfig, tok: Tokenizer) -> Result<Tokenizer> {
+    let tok = tok.with_template_kwargs(&cfg.chat_template_kwargs);
+    let Some(path) = &cfg.agent.chat_template else {
+        return Ok(tok);
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        Error::config(
+            "chat_template",
+            format!("cannot read {}: {e}", path.display()),
+        )
+    })?;
+    tok.with_chat_template(&text, &path.display().to_string())
+}
+
 /// The run's agent, when the config gives tools or an environment (else `tok` as it is). The
 /// tools start here, so that a missing module, a tool without a docstring or a template without
 /// tool support stops the run before training.

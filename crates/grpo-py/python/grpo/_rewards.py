@@ -11,6 +11,7 @@ of one batch are awaited together (`asyncio.gather`), as TRL does.
 """
 
 import asyncio
+import concurrent.futures
 import inspect
 import json
 import numbers
@@ -70,7 +71,13 @@ class AsyncGroup:
             calls = [c.func(**kwargs) for c in self.callers]
             return await asyncio.gather(*calls, return_exceptions=True)
 
-        results = asyncio.run(run())
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            results = asyncio.run(run())
+        else:  # called under a running loop (a notebook's cell): a loop on a thread of its own
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                results = pool.submit(asyncio.run, run()).result()
         return dict(zip(self.callers, results))
 
 

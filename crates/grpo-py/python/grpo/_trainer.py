@@ -10,7 +10,7 @@ import threading
 import warnings
 
 from . import _grpo
-from ._callbacks import CallbackHandler, TrainerState
+from ._callbacks import CallbackHandler, TrainerControl, TrainerState
 from ._config import GRPOConfig, to_json_value
 from ._rewards import AsyncGroup, Caller, check_signature, reward_name
 
@@ -36,6 +36,16 @@ def dataset_rows(dataset, name):
     return json.dumps([to_json_value(r, f"{name}[{i}]") for i, r in enumerate(rows)])
 
 
+def eval_names(metrics, prefix="eval"):
+    """The engine's evaluation metrics (`eval/pass@1`, `eval/reward/x`) as transformers names
+    them (`eval_pass@1`, `eval_reward_x`)."""
+    out = {}
+    for k, v in metrics.items():
+        key = k.split("/", 1)[1] if k.startswith("eval/") else k
+        out[f"{prefix}_{key}".replace("/", "_")] = v
+    return out
+
+
 def reward_table(name):
     """A string in `reward_funcs`: one of TRL's built-in rewards, else (as TRL reads it) a reward
     model's hub id or directory, scored as TRL scores it (its first logit of prompt + completion).
@@ -44,6 +54,12 @@ def reward_table(name):
     if builtin is not None:
         table, solution = builtin
         return json.loads(table), solution
+    try:
+        _grpo.resolve_model(name)
+    except ValueError as e:
+        raise ValueError(f"reward_funcs: `{name}` is neither one of TRL's rewards "
+                         "(accuracy_reward, reasoning_accuracy_reward, think_format_reward, "
+                         f"get_soft_overlong_punishment) nor a reward model ({e})") from None
     short = os.path.basename(os.path.normpath(name)) or name
     table = {"kind": "classifier", "name": short, "model": name, "input": "joined",
              "label": 0, "output": "logit"}
@@ -60,6 +76,14 @@ def peft_fields(peft_config):
         value = getattr(peft_config, attr, None)
         if value is not None:
             fields[key] = sorted(value) if isinstance(value, (set, frozenset)) else value
+    # What grpo's adapters are not: the config refuses these keys with what to do instead.
+    if getattr(peft_config, "use_dora", False):
+        fields["use_dora"] = True
+    if getattr(peft_config, "modules_to_save", None):
+        fields["lora_modules_to_save"] = list(peft_config.modules_to_save)
+    if getattr(peft_config, "use_rslora", False):
+        raise ValueError("peft_config.use_rslora: grpo's LoRA scales by lora_alpha / r; "
+                         "rank-stabilized scaling is not supported")
     return fields
 
 
@@ -119,7 +143,7 @@ class GRPOTrainer:
         self._eval = dataset_rows(eval_dataset, "eval_dataset")
         self._host = host
         self._native = self._make_native(self._eval)
-        self.model_path = _grpo.resolve_model(model)
+        self.model_path = _grpo.resolve_model(self._fields.get("model"))
         self.state.logging_steps = args.logging_steps
         self.state.eval_steps = args.eval_steps
         self.state.save_steps = args.save_steps
@@ -175,6 +199,8 @@ class GRPOTrainer:
         run in output_dir). Ctrl-C (or SIGTERM) stops at the end of the current step with a
         checkpoint; `trainer.train(resume_from_checkpoint=True)` continues it."""
         resume = self._resume_flag(resume_from_checkpoint)
+        self._callbacks.control = TrainerControl()
+        first_row = len(self.state.log_history)
         observer = _Observer(self)
         result = {}
 
@@ -203,7 +229,8 @@ class GRPOTrainer:
         out = json.loads(result["out"])
         self.state.global_step = out["steps"]
         self._callbacks.call("on_train_end")
-        losses = [h["loss"] for h in self.state.log_history if h.get("loss") is not None]
+        losses = [h["loss"] for h in self.state.log_history[first_row:]
+                  if h.get("loss") is not None]
         metrics = {"train_loss": sum(losses) / len(losses) if losses else float("nan"),
                    "interrupted": out["interrupted"]}
         if out.get("last_eval"):
@@ -281,11 +308,7 @@ class GRPOTrainer:
         if eval_dataset is not None:
             native = self._make_native(dataset_rows(eval_dataset, "eval_dataset"))
         model = getattr(self, "last_checkpoint", None)
-        raw = json.loads(native.evaluate(model))
-        metrics = {}
-        for k, v in raw.items():
-            key = k.split("/", 1)[1] if k.startswith("eval/") else k
-            metrics[f"{metric_key_prefix}_{key}".replace("/", "_")] = v
+        metrics = eval_names(json.loads(native.evaluate(model)), metric_key_prefix)
         metrics["step"] = self.state.global_step
         self.state.log_history.append(dict(metrics))
         self._callbacks.call("on_evaluate", metrics=metrics)
@@ -330,7 +353,7 @@ class _Observer:
         return self.callbacks.call("on_log", logs=logs)
 
     def on_evaluate(self, step, metrics):
-        return self.callbacks.call("on_evaluate", metrics=dict(metrics))
+        return self.callbacks.call("on_evaluate", metrics=eval_names(dict(metrics)))
 
     def on_save(self, step, directory):
         self.trainer.last_checkpoint = directory

@@ -410,16 +410,7 @@ fn load<P: LoadPolicy>(
         tok,
         eos_ids,
     } = P::load(cfg, resume_from, kl_needs_ref || rewards_need_ref, device)?;
-    let mut tok = tok.with_template_kwargs(&cfg.chat_template_kwargs);
-    if let Some(path) = &cfg.agent.chat_template {
-        let text = std::fs::read_to_string(path).map_err(|e| {
-            Error::config(
-                "chat_template",
-                format!("cannot read {}: {e}", path.display()),
-            )
-        })?;
-        tok = tok.with_chat_template(&text, &path.display().to_string())?;
-    }
+    let tok = crate::inputs::configured_tokenizer(cfg, tok)?;
     // Tools and environments: started now, their schemas in the chat template's variables.
     let (agent, tok) = crate::inputs::agent(cfg, tok)?;
     if let Some(agent) = &agent {

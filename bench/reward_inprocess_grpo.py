@@ -1,0 +1,48 @@
+"""grpo's in-process path for Python reward functions (GRPOTrainer's reward_funcs): the
+completions handed from the library to the function's caller as training hands a round, one
+call with all of them, timed in the library (the JSON batch, the GIL, the call, the checks).
+
+    python bench/reward_inprocess_grpo.py completions.jsonl bench/reward_fns.py:last_number_reward [REPS]
+
+Needs the package (`pip install ./crates/grpo-py`). Prints one JSON line as reward_bench.rs does.
+"""
+import importlib.util
+import json
+import sys
+
+from grpo import TrainerState, _grpo
+from grpo._rewards import AsyncGroup, Caller
+
+
+class _Trainer:
+    """What a caller reads of its trainer."""
+
+    state = TrainerState()
+
+    def _log_metric(self, name, value):
+        pass
+
+    def _log_extra(self, column, values):
+        pass
+
+
+def main():
+    path, target = sys.argv[1], sys.argv[2]
+    reps = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+    file, _, name = target.rpartition(":")
+    spec = importlib.util.spec_from_file_location("reward_fns", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = [json.loads(line) for line in open(path)]
+    caller = Caller(getattr(module, name), name, _Trainer(), AsyncGroup(), "raise")
+    times = _grpo.bench_reward(json.dumps(rows), caller, reps)
+    best = min(times)
+    print(json.dumps({
+        "bench": "reward", "case": f"grpo_in_process:{name}", "n": len(rows),
+        "score_s": [round(t, 6) for t in times], "best_s": round(best, 6),
+        "per_s": round(len(rows) / best, 1),
+    }))
+
+
+if __name__ == "__main__":
+    main()
