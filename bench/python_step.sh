@@ -2,9 +2,10 @@
 # The GRPO step from Python (GRPOTrainer, the package in a release build) against `grpo train` on
 # the same run, in one run: bench/configs/trl_peer.toml (SmolLM2-135M-Instruct f32, 8 prompts x 4
 # generations x 64 tokens, beta 0.04, 2 threads), as bench/grpo_step.sh measures it against TRL.
-#   bench/python_step.sh [STEPS]     # default 8; results in bench/results/python-step-<date>.jsonl
+#   bench/python_step.sh [STEPS [PEER_STEPS]]  # default 8 and 3; results in bench/results/python-step-<date>.jsonl
 # Cases: grpo train; GRPOTrainer with the config's rewards (what the Python layer adds); GRPOTrainer
-# with Python twins of them as reward functions (in-process Python rewards). GRPO_PY_VENV=dir reuses
+# with Python twins of them as reward functions (in-process Python rewards); TRL's GRPOTrainer on the
+# peer step (PEER_STEPS steps; 0: none), as bench/grpo_step.sh runs it. GRPO_PY_VENV=dir reuses
 # a venv holding the package (else target/bench-venv, made once with pip install ./crates/grpo-py).
 # Needs ../shared/bench/peers/setup.sh once. Run on a quiet machine.
 set -euo pipefail
@@ -12,6 +13,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 peers=${PEERS_SRC:-$root/../shared/bench/peers}
 PEERS_DIR=${PEERS_DIR:-/opt/peers}
 steps=${1:-8}
+peer_steps=${2:-3}
 out="$root/bench/results/python-step-$(date +%Y%m%d-%H%M%S).jsonl"
 mkdir -p "$root/bench/results"
 cd "$root"
@@ -53,5 +55,9 @@ keep = lambda r: {k: v for k, v in r.items() if not k.startswith(("time", "memor
 a, b = ([keep(json.loads(l)) for l in open(p)] for p in sys.argv[1:])
 print(json.dumps({"bench": "python_step", "check": "python_equals_cli", "equal": a == b}))
 PY
+  if [ "$peer_steps" -gt 0 ] && [ -x "$PEERS_DIR/venv/bin/python" ]; then
+    "$PEERS_DIR/venv/bin/python" "$peers/trl_grpo_bench.py" --steps "$peer_steps" --prompts 8 \
+      --generations 4 --max-tokens 64 --seed 0 --lr 2e-5 --beta 0.04 2>/dev/null | tail -1
+  fi
 } | tee "$out"
 echo "results: $out" >&2

@@ -66,25 +66,9 @@ enum Command {
     Bench(bench::BenchCommand),
 }
 
-/// mimalloc's `purge_delay` option (its index in `mi_option_t`, mimalloc v2 and v3).
-const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
-/// mimalloc's `allow_large_os_pages` option (its index in `mi_option_t`, mimalloc v2 and v3).
-const MI_OPTION_LARGE_OS_PAGES: libmimalloc_sys::mi_option_t = 6;
-
 fn main() -> ExitCode {
-    // Never hand freed memory back to the OS: training frees and re-allocates the same large
-    // activation buffers every step, and re-faulting them (the kernel zeroing fresh pages) took a
-    // third of the time of a forward+backward pass. Peak RSS is unchanged; it just stays there.
-    // SAFETY: sets a process-wide allocator option before any other thread exists.
-    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
-    // Ask for transparent huge pages for the heap (mimalloc madvises its arenas; the kernel's
-    // default mode here is `madvise`). On this VM every first touch of a 4 KiB page costs about
-    // 4 us, and the first training step touches about 1.3 M of them: with 2 MiB pages the first
-    // step of the TRL benchmark took 20.3 instead of 24.6 s, the whole 3-step run 59.6 instead of
-    // 65.6 s, for 60 MB more peak RSS (4.80 against 4.74 GB). Later steps reuse the memory either way.
-    // SAFETY: as above.
-    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_LARGE_OS_PAGES, 1) };
-    candle_pool_spin();
+    // mimalloc's options and candle's pool (before any other thread exists).
+    grpo_models::threads::process_setup();
     quiet_error_backtraces();
     if let Err(e) = grpo_models::faults::init_from_env() {
         eprintln!("error: {e}");
@@ -155,22 +139,6 @@ fn quiet_error_backtraces() {
     // Called at the start of main, before any other thread exists.
     std::env::set_var("RUST_LIB_BACKTRACE", if wanted { "1" } else { "0" });
 }
-
-/// How long candle's own CPU worker threads spin for the next operation before they sleep,
-/// unless `CANDLE_BARRIER_POOL_SPIN_LIMIT` is set. candle runs its large elementwise ops (the
-/// backward's adds and products) on a pool of its own beside rayon's, whose workers by default
-/// spin 25,000 times after every op; grpo's GEMMs and kernels run on rayon's threads between
-/// those ops, so on a 2-core machine the spinning worker took a core's share from them (a tenth
-/// of a thread's time in a CPU GRPO step). Called at the start of main, before any other thread.
-fn candle_pool_spin() {
-    const VAR: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
-    if std::env::var_os(VAR).is_none() {
-        std::env::set_var(VAR, CANDLE_SPIN_LIMIT);
-    }
-}
-
-/// See [`candle_pool_spin`].
-const CANDLE_SPIN_LIMIT: &str = "1000";
 
 /// This process's rank under an MPI launcher of several processes (None: one process).
 pub(crate) fn launcher_rank() -> Option<usize> {

@@ -10,6 +10,12 @@
 mod observer;
 mod reward;
 
+/// The engine's allocations go to mimalloc, as in the `grpo` binary (the Python interpreter's own
+/// are its own): see [`grpo_models::threads::process_setup`]. With the system allocator the
+/// peer step ran 7.7% slower from Python than from `grpo train`.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -344,6 +350,8 @@ fn init_logging() {
 
 #[pymodule]
 fn _grpo(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // mimalloc's options and candle's pool, as `grpo` sets them, before the engine's threads.
+    grpo_models::threads::process_setup();
     m.add_function(wrap_pyfunction!(resolve_config, m)?)?;
     m.add_function(wrap_pyfunction!(builtin_reward_table, m)?)?;
     m.add_function(wrap_pyfunction!(resolve_model, m)?)?;
