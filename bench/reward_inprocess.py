@@ -11,14 +11,19 @@ import sys
 import time
 
 
-def main():
-    path, target = sys.argv[1], sys.argv[2]
-    reps = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+def load_function(target):
+    """`file.py:name` -> (the function, its name)."""
     file, _, name = target.rpartition(":")
     spec = importlib.util.spec_from_file_location("reward_fns", file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    f = getattr(module, name)
+    return getattr(module, name), name
+
+
+def main():
+    path, target = sys.argv[1], sys.argv[2]
+    reps = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+    f, name = load_function(target)
     rows = [json.loads(line) for line in open(path)]
     prompts = [r["prompt"] for r in rows]
     completions = [r["completion"] for r in rows]

@@ -6,12 +6,12 @@ call with all of them, timed in the library (the JSON batch, the GIL, the call, 
 
 Needs the package (`pip install ./crates/grpo-py`). Prints one JSON line as reward_bench.rs does.
 """
-import importlib.util
 import json
 import sys
 
 from grpo import TrainerState, _grpo
 from grpo._rewards import AsyncGroup, Caller
+from reward_inprocess import load_function  # bench/, the script's directory
 
 
 class _Trainer:
@@ -29,12 +29,9 @@ class _Trainer:
 def main():
     path, target = sys.argv[1], sys.argv[2]
     reps = int(sys.argv[3]) if len(sys.argv) > 3 else 3
-    file, _, name = target.rpartition(":")
-    spec = importlib.util.spec_from_file_location("reward_fns", file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    f, name = load_function(target)
     rows = [json.loads(line) for line in open(path)]
-    caller = Caller(getattr(module, name), name, _Trainer(), AsyncGroup(), "raise")
+    caller = Caller(f, name, _Trainer(), AsyncGroup(), "raise")
     times = _grpo.bench_reward(json.dumps(rows), caller, reps)
     best = min(times)
     print(json.dumps({

@@ -58,6 +58,7 @@ import torch  # noqa: E402
 torch.set_num_threads(2)
 
 import transformers  # noqa: E402
+from trl_kwargs_types import describe  # noqa: E402 (scripts/, the script's directory)
 import trl  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
@@ -74,30 +75,6 @@ ROWS = [
 ]
 
 COLUMNS = ["answer", "level", "tags"]
-
-
-def describe(value):
-    """Structural type of a value: lists by their first element, dicts by their sorted keys."""
-    if value is None:
-        return "None"
-    if isinstance(value, bool):
-        return "bool"
-    if isinstance(value, int):
-        return "int"
-    if isinstance(value, float):
-        return "float"
-    if isinstance(value, str):
-        return "str"
-    if isinstance(value, (list, tuple)):
-        name = type(value).__name__
-        return f"{name}[{describe(value[0])}]" if value else f"{name}[]"
-    if isinstance(value, dict):
-        return "dict[" + ",".join(f"{k}:{describe(value[k])}" for k in sorted(value)) + "]"
-    if isinstance(value, torch.Tensor):
-        return f"Tensor[{str(value.dtype).removeprefix('torch.')}]"
-    if callable(value) and not isinstance(value, type):
-        return "callable"
-    return type(value).__name__
 
 
 def jsonable(value):

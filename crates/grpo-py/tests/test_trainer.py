@@ -14,10 +14,13 @@ import time
 
 import pytest
 
-from conftest import FIXTURES, ROWS, small_config
+from conftest import FIXTURES, ROOT, ROWS, small_config
 
 import grpo
 from grpo import GRPOConfig, GRPOTrainer, TrainerCallback
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from trl_kwargs_types import describe  # noqa: E402 (the fixture's own types)
 
 with open(os.path.join(FIXTURES, "python", "trl_reward_kwargs.json")) as f:
     TRL = json.load(f)
@@ -29,28 +32,6 @@ def need(module):
     if os.environ.get("GRPO_REQUIRE_PYTHON_PACKAGE"):
         return __import__(module)
     return pytest.importorskip(module)
-
-
-def describe(value):
-    """scripts/record_trl_reward_kwargs.py's structural type of a value."""
-    if value is None:
-        return "None"
-    if isinstance(value, bool):
-        return "bool"
-    if isinstance(value, int):
-        return "int"
-    if isinstance(value, float):
-        return "float"
-    if isinstance(value, str):
-        return "str"
-    if isinstance(value, (list, tuple)):
-        name = type(value).__name__
-        return f"{name}[{describe(value[0])}]" if value else f"{name}[]"
-    if isinstance(value, dict):
-        return "dict[" + ",".join(f"{k}:{describe(value[k])}" for k in sorted(value)) + "]"
-    if callable(value) and not isinstance(value, type):
-        return "callable"
-    return type(value).__name__
 
 
 def dumps(value):
