@@ -4,7 +4,8 @@
     python examples/python/quickstart.py
 
 Trains the default model (SmolLM2-135M-Instruct, fetched once) for 20 steps on 200 questions
-made here, with one reward function: 1.0 when the last number of the answer is the sum. Then it
+made here (8 a step, 8 answers each), with one reward function: 1.0 when the last number of the
+answer is the sum. Then it
 evaluates the trained model on 50 held-out questions. Metrics and checkpoints go to
 runs/python-quickstart/. docs/python.md describes the API.
 """
@@ -44,10 +45,13 @@ def main():
     args = GRPOConfig(
         output_dir="runs/python-quickstart",
         max_steps=20,
-        per_device_train_batch_size=16,   # 16 completions a step: 2 prompts x 8
+        per_device_train_batch_size=64,   # 64 completions a step: 8 prompts x 8
         num_generations=8,
         max_completion_length=32,
         learning_rate=2e-5,               # crates/grpo/configs/default.toml's rate
+        loss_type="dapo",
+        eval_num_samples=4,               # eval_pass@1 and eval_pass@4 of 4 samples a question
+        eval_k=[1, 4],
         correctness_reward="correct",     # eval_accuracy and eval_pass@k use this reward
     )
     trainer = GRPOTrainer(
