@@ -402,3 +402,39 @@ def test_training_releases_the_gil(tiny_model, tmp_path):
     counter.join()
     # The counter ran all along (a held GIL would stall it for the whole of each step).
     assert ticks[0] > 0.3 * elapsed / 0.0015
+
+
+def test_tools_train_an_agent_from_python(tiny_model, tmp_path):
+    """TRL's tools=: a function from a module file runs in grpo's tool processes."""
+    import importlib.util
+
+    (tmp_path / "my_tools.py").write_text(textwrap.dedent('''
+        def add(a: int, b: int) -> int:
+            """Adds two integers.
+
+            Args:
+                a: The first integer.
+                b: The second integer.
+            """
+            return a + b
+    '''))
+    spec = importlib.util.spec_from_file_location("my_tools", tmp_path / "my_tools.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    template = os.path.join(ROOT, "examples", "templates", "chatml_tools.jinja")
+    rows = [dict(r, prompt=[{"role": "user", "content": r["prompt"]}]) for r in ROWS]
+    args = GRPOConfig(**small_config(tmp_path / "run", max_steps=1, chat_template=template,
+                                     max_tool_calling_iterations=2))
+    t = GRPOTrainer(model=tiny_model, reward_funcs=length_reward, args=args, train_dataset=rows,
+                    tools=[module.add])
+    t.train()
+    assert "agent/turns_per_episode" in t.state.log_history[0]
+
+    def nested():
+        def inner():
+            pass
+        return inner
+
+    with pytest.raises(TypeError, match="top level"):
+        GRPOTrainer(model=tiny_model, reward_funcs=length_reward, args=args, train_dataset=rows,
+                    tools=[nested()])

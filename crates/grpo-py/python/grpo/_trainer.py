@@ -1,6 +1,7 @@
 """GRPOTrainer: TRL's GRPOTrainer arguments, converted and handed to grpo's engine."""
 
 import collections
+import inspect
 import json
 import os
 import shutil
@@ -66,6 +67,32 @@ def reward_table(name):
     return table, False
 
 
+def python_target(obj, arg):
+    """A tool function or an environment class as the config names it, `path/to/file.py:name`
+    (a string is taken as it is). grpo runs tools in processes of their own, which load the
+    file: the object must be defined at the top level of a file, and a script that defines it
+    must start its work under `if __name__ == "__main__":` (else each tool process would run it)."""
+    if isinstance(obj, (str, os.PathLike)):
+        return os.fspath(obj)
+    name = getattr(obj, "__name__", None)
+    try:
+        file = inspect.getsourcefile(obj)
+    except TypeError:
+        file = None
+    if file is None or name is None or getattr(obj, "__qualname__", name) != name:
+        raise TypeError(f"{arg}: {obj!r} is not a function or class defined at the top level of "
+                        "a Python file; grpo runs it in a process of its own, which loads the file "
+                        "(define it in a module, or pass 'path/to/file.py:name')")
+    if getattr(obj, "__module__", None) == "__main__":
+        with open(file) as f:
+            guarded = "__name__" in f.read()
+        if not guarded:
+            raise ValueError(f"{arg}: {name} is defined in the script {file}, which grpo's tool "
+                             "processes load: put the script's work under "
+                             "`if __name__ == \"__main__\":`, or move the tool into a module")
+    return f"{os.path.abspath(file)}:{name}"
+
+
 def peft_fields(peft_config):
     """A `peft.LoraConfig` (or anything with its attributes) as the config's LoRA fields."""
     if peft_config is None:
@@ -107,7 +134,8 @@ class GRPOTrainer:
 
     def __init__(self, model=None, reward_funcs=None, args=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None,
-                 callbacks=None, optimizers=(None, None), peft_config=None, **kwargs):
+                 callbacks=None, optimizers=(None, None), peft_config=None, tools=None,
+                 environment_factory=None, **kwargs):
         if kwargs:
             raise TypeError(f"GRPOTrainer got unexpected arguments {sorted(kwargs)}")
         if model is not None and not isinstance(model, (str, os.PathLike)):
@@ -132,6 +160,14 @@ class GRPOTrainer:
         if model is not None:
             fields["model"] = model
         fields.update(peft_fields(peft_config))
+        # Agents (TRL's tools= and environment_factory=): they run in processes of their own, as
+        # `grpo train` runs them, with this interpreter (and its packages) unless GRPO_PYTHON says.
+        os.environ.setdefault("GRPO_PYTHON", sys.executable)
+        if tools is not None:
+            fields["tools"] = [python_target(t, "tools") for t in tools]
+        if environment_factory is not None:
+            fields["environment_factory"] = python_target(environment_factory,
+                                                          "environment_factory")
         self.state = TrainerState()
         self._pending_metrics = collections.defaultdict(list)
         self.extra_columns = {}
