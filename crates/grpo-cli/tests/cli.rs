@@ -332,7 +332,9 @@ fn rewards_check_prints_a_table_and_json() {
 fn reward_python() -> Option<String> {
     let python = std::env::var("GRPO_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
     if Command::new(&python).arg("-c").arg("1").output().is_err() {
-        eprintln!("skipped: no `{python}` to run the reward functions (set GRPO_TEST_PYTHON)");
+        no_python(&format!(
+            "no `{python}` to run the reward functions (set GRPO_TEST_PYTHON)"
+        ));
         return None;
     }
     Some(python)
@@ -1494,4 +1496,13 @@ fn bench_ops_reports_every_piece_of_a_layer() {
     }
     let bad = grpo(&["bench", "ops", "--shape", "7b"]);
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--shape"));
+}
+
+/// No Python here: a skip, or under `GRPO_REQUIRE_PYTHON=1` (set by `.ci/run`) a failure.
+fn no_python(why: &str) {
+    assert!(
+        std::env::var("GRPO_REQUIRE_PYTHON").map_or(true, |v| v != "1"),
+        "GRPO_REQUIRE_PYTHON=1 but {why}"
+    );
+    eprintln!("skipped: {why}");
 }

@@ -28,7 +28,7 @@ macro_rules! need_python {
         match python() {
             Some(p) => p,
             None => {
-                eprintln!("skipped: no python3 on PATH (these tests run Python tools)");
+                no_python("no python3 on PATH (these tests run Python tools)");
                 return;
             }
         }
@@ -821,4 +821,13 @@ fn reward_functions_taking_environments_score_on_the_instances() {
     // An episode without an instance (never reset) gets no scores, and no crash.
     assert_eq!(host.env_rewards(9, &row, &messages), [None; 5]);
     assert!(host.stats().errors["raised"] >= 3, "{:?}", host.stats());
+}
+
+/// No Python here: a skip, or under `GRPO_REQUIRE_PYTHON=1` (set by `.ci/run`) a failure.
+fn no_python(why: &str) {
+    assert!(
+        std::env::var("GRPO_REQUIRE_PYTHON").map_or(true, |v| v != "1"),
+        "GRPO_REQUIRE_PYTHON=1 but {why}"
+    );
+    eprintln!("skipped: {why}");
 }

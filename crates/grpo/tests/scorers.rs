@@ -32,7 +32,7 @@ macro_rules! need_python {
         match python() {
             Some(p) => p,
             None => {
-                eprintln!("skipped: no python3 on PATH (these tests run Python scorers)");
+                no_python("no python3 on PATH (these tests run Python scorers)");
                 return;
             }
         }
@@ -815,4 +815,13 @@ fn an_endpoint_that_does_not_answer_fails_the_check_before_training() {
         e.contains("`http`") && e.contains(&url) && e.contains("does not answer"),
         "{e}"
     );
+}
+
+/// No Python here: a skip, or under `GRPO_REQUIRE_PYTHON=1` (set by `.ci/run`) a failure.
+fn no_python(why: &str) {
+    assert!(
+        std::env::var("GRPO_REQUIRE_PYTHON").map_or(true, |v| v != "1"),
+        "GRPO_REQUIRE_PYTHON=1 but {why}"
+    );
+    eprintln!("skipped: {why}");
 }

@@ -669,7 +669,7 @@ fn command_reward_trains() {
         .output()
         .is_err()
     {
-        eprintln!("skipped: no python3 on this machine");
+        no_python("no python3 on this machine");
         return;
     }
     let scorer =
@@ -1493,4 +1493,13 @@ fn auto_dtype_trains_as_the_dtype_it_picks() {
     let bf16 = two_steps("dtype = \"bf16\"");
     assert_ne!(f32, bf16, "the two dtypes train differently");
     assert!(auto == f32 || auto == bf16, "auto trains as f32 or as bf16");
+}
+
+/// No Python here: a skip, or under `GRPO_REQUIRE_PYTHON=1` (set by `.ci/run`) a failure.
+fn no_python(why: &str) {
+    assert!(
+        std::env::var("GRPO_REQUIRE_PYTHON").map_or(true, |v| v != "1"),
+        "GRPO_REQUIRE_PYTHON=1 but {why}"
+    );
+    eprintln!("skipped: {why}");
 }
