@@ -377,8 +377,15 @@ pub fn save_checkpoint(
     if had_old {
         let _ = std::fs::remove_dir_all(&aside);
     }
-    if let Ok(d) = std::fs::File::open(output_dir) {
-        let _ = d.sync_all();
+    // The rename is durable once the directory is synced; a failure leaves the checkpoint
+    // complete on disk but possibly not yet after a power loss: said, not fatal.
+    if let Err(e) = std::fs::File::open(output_dir).and_then(|d| d.sync_all()) {
+        tracing::warn!(
+            "{}: cannot sync the directory after writing {} ({e}); the checkpoint may not \
+             survive a power loss",
+            output_dir.display(),
+            final_dir.display()
+        );
     }
     if let Some(limit) = save_total_limit {
         // Oldest first, with the kept (best) checkpoint counted as the newest; a limit of 1

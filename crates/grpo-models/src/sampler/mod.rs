@@ -529,7 +529,8 @@ fn step_rows_on_device(
         .filter(|(row, p)| row.done.is_none() && p.is_some())
         .try_for_each(|(row, p)| {
             // Rows without a pick were filtered out just above.
-            let (tok, lp) = p.unwrap_or_default();
+            let (tok, lp) =
+                p.ok_or_else(|| Error::invariant("a sampling row to advance has no token"))?;
             let suppress_eos = row.tokens.len() < params.min_new_tokens;
             advance(row, tok, lp, suppress_eos, params, tokenizer)
         })
