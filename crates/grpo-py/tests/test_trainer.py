@@ -438,3 +438,20 @@ def test_tools_train_an_agent_from_python(tiny_model, tmp_path):
     with pytest.raises(TypeError, match="top level"):
         GRPOTrainer(model=tiny_model, reward_funcs=length_reward, args=args, train_dataset=rows,
                     tools=[nested()])
+
+
+def test_a_raising_callback_stops_the_run_with_a_checkpoint_and_its_exception(tiny_model,
+                                                                               tmp_path):
+    class Broken(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if state.global_step == 1:
+                raise RuntimeError("callback broke")
+
+    args = GRPOConfig(**small_config(tmp_path / "run", max_steps=3, save_steps=1000))
+    t = GRPOTrainer(model=tiny_model, reward_funcs=length_reward, args=args, train_dataset=ROWS,
+                    callbacks=[Broken()])
+    with pytest.raises(RuntimeError, match="callback broke"):
+        t.train()
+    # The round that raised ended the run with its checkpoint, as a stop does.
+    assert os.path.isfile(tmp_path / "run" / "checkpoint-1" / "optimizer.safetensors")
+    assert not os.path.exists(tmp_path / "run" / "checkpoint-2")
