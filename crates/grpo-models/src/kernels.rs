@@ -442,6 +442,28 @@ impl Compute {
     }
 }
 
+/// What kind of processor a device is. Code outside the kernels that must know (a default
+/// dtype, a log line's wording, whether a profile's timers wait for the device) asks here, never
+/// the device itself; what runs where is [`Compute`]'s.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// This machine's CPU: host memory, synchronous.
+    Cpu,
+    /// A CUDA GPU: its own memory, kernels run asynchronously.
+    Gpu,
+    /// Another candle device (Metal).
+    Other,
+}
+
+/// The kind of `device`.
+pub fn device_kind(device: &candle_core::Device) -> DeviceKind {
+    match device {
+        candle_core::Device::Cpu => DeviceKind::Cpu,
+        candle_core::Device::Cuda(_) => DeviceKind::Gpu,
+        _ => DeviceKind::Other,
+    }
+}
+
 /// A GPU's dense bf16 tensor-core rate in TFLOP/s (NVIDIA's datasheets, without sparsity), by
 /// the name the driver gives the card: what the update's MFU (`time/update_mfu`) divides by.
 /// `None` for a card not listed here (the throughput is still logged).

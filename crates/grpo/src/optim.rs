@@ -12,7 +12,7 @@
 use std::cell::RefCell;
 
 use candle_core::{CpuStorage, Layout, Tensor, Var};
-use grpo_models::kernels::Compute;
+use grpo_models::kernels::{device_kind, Compute, DeviceKind};
 use rayon::prelude::*;
 
 use crate::named::named_enum;
@@ -323,7 +323,8 @@ impl AdamW {
                         exp_avg_sq: RefCell::new(exp_avg_sq),
                         s: step,
                     };
-                    if slot.var.device().is_cpu() && slot.var.is_contiguous() {
+                    if device_kind(slot.var.device()) == DeviceKind::Cpu && slot.var.is_contiguous()
+                    {
                         slot.var.as_tensor().inplace_op2(&grad, &op)?;
                     } else {
                         let mut p = slot.var.flatten_all()?.to_vec1::<f32>()?;
@@ -448,7 +449,7 @@ pub fn accumulate(acc: Tensor, g: &Tensor) -> Result<Tensor> {
             Ok(())
         }
     }
-    let in_place = acc.device().is_cpu()
+    let in_place = device_kind(acc.device()) == DeviceKind::Cpu
         && acc.dtype() == candle_core::DType::F32
         && g.dtype() == candle_core::DType::F32
         && acc.is_contiguous()

@@ -68,7 +68,8 @@ impl DeviceSpec {
         }
     }
 
-    pub fn is_cuda(self) -> bool {
+    /// Whether the spec names a GPU (a config value, not a device: nothing is opened).
+    pub fn names_a_gpu(self) -> bool {
         matches!(self, DeviceSpec::Cuda(_))
     }
 

@@ -894,9 +894,11 @@ impl Translation {
         // when TRL's half-precision keys ask).
         let on_gpu = match merged.get("device") {
             Some(Value::String(d)) if d.starts_with("cuda") => true,
-            None | Some(Value::Null) => self.wants_half() && DeviceSpec::Auto.resolve().is_cuda(),
+            None | Some(Value::Null) => {
+                self.wants_half() && DeviceSpec::Auto.resolve().names_a_gpu()
+            }
             Some(Value::String(d)) if d == "auto" => {
-                self.wants_half() && DeviceSpec::Auto.resolve().is_cuda()
+                self.wants_half() && DeviceSpec::Auto.resolve().names_a_gpu()
             }
             _ => false,
         };

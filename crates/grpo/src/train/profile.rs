@@ -6,7 +6,7 @@
 use std::time::Instant;
 
 use candle_core::Device;
-use grpo_models::kernels::profiling;
+use grpo_models::kernels::{device_kind, profiling, DeviceKind};
 
 /// Named laps since the last one, summed over repeats (the chunks of a step): device-
 /// synchronized seconds and, on a GPU, the host's seconds to issue the lap's work before it
@@ -57,7 +57,7 @@ impl Laps {
 
     /// Logs the laps as one line headed `what` (on a GPU, each with its issue time).
     pub(super) fn report(&self, what: &str) {
-        let gpu = self.device.is_cuda();
+        let gpu = device_kind(&self.device) == DeviceKind::Gpu;
         let laps: Vec<String> = self
             .laps
             .iter()

@@ -23,6 +23,7 @@ use crate::optim::{AdamW, AdamWConfig};
 use crate::peft;
 use crate::{Error, Result};
 use grpo_models::hub::{self, ModelSource};
+use grpo_models::kernels::{device_kind, DeviceKind};
 use grpo_models::models::CausalLm;
 use grpo_models::sampler::SamplingParams;
 use grpo_models::tokenizer::Tokenizer;
@@ -247,7 +248,7 @@ pub(super) fn resolve_dtype(cfg: &TrainConfig, world: &dyn World) -> Result<Opti
         grpo_models::kernels::set_kernels(k);
     }
     let mixed = cfg.run.policy == crate::config::PolicyType::CausalLm;
-    let on_gpu = cfg.run.device.resolve().is_cuda();
+    let on_gpu = cfg.run.device.resolve().names_a_gpu();
     let cpu_mixed = Compute::resolve(&Device::Cpu, candle_core::DType::BF16).bf16_matmuls();
     let rates = (mixed && !on_gpu && cpu_mixed && Isa::active() >= Isa::Avx512Bf16)
         .then(grpo_models::models::gemm_bf16::rates)
@@ -772,7 +773,7 @@ impl LoadPolicy for CausalLmPolicy {
     fn check(cfg: &TrainConfig, device: &Device, main: bool) -> Result<()> {
         let isa = grpo_models::kernels::Isa::active();
         let compute = grpo_models::kernels::Compute::resolve(device, cfg.run.dtype.compute());
-        if cfg.run.dtype != DTypeOpt::F32 && device.is_cpu() && main {
+        if cfg.run.dtype != DTypeOpt::F32 && device_kind(device) == DeviceKind::Cpu && main {
             if !compute.bf16_matmuls() {
                 tracing::warn!(
                     "dtype = bf16 on the CPU without grpo's bf16 matmuls (kernels = portable, or \
