@@ -13,9 +13,9 @@ use super::health::{Health, HealthOptions};
 use super::metrics::{names, StepMetrics};
 use super::observer::Observer;
 use super::policy::Policy;
-use super::round::{Sampled, Scored};
+use super::round::RoundBatch;
 use super::setup::Run;
-use super::update::StepStats;
+use super::step::Round;
 use super::world::World;
 use super::{Console, RunControl, TrainOutcome};
 use crate::config::SaveStrategy;
@@ -85,24 +85,20 @@ impl AfterRound {
         Ok(())
     }
 
-    /// Logs the round that just updated (eval, health, completions) and saves a checkpoint when
-    /// one is due. Returns whether the run stops here (asked to, before its last step).
-    #[allow(clippy::too_many_arguments)]
-    pub fn round<P: Policy>(
+    /// Logs the round that just updated: its metrics (and the held-out evaluation every
+    /// `eval_steps`), health warnings, sampled completions; tells the observer. Returns the
+    /// metrics, which decide the best checkpoint.
+    pub fn log<P: Policy>(
         &mut self,
         r: &mut Run<P>,
-        round: &Sampled,
-        scored: &Scored,
-        steps: &[StepStats],
-        ctl: &RunControl,
+        round: &Round,
         world: &dyn World,
         console: &Console,
-    ) -> Result<bool> {
+    ) -> Result<StepMetrics> {
         let cfg = r.cfg;
         let main = world.is_main();
         self.rounds_this_run += 1;
-        // 6. Log (and evaluate on the held-out prompts every eval_steps).
-        let mut m = StepMetrics::of_round(r, round, scored, steps);
+        let mut m = StepMetrics::of_round(r, &round.scored, &round.batch, &round.steps);
         let step = r.state.step;
         for s in self.observed_step + 1..=step {
             self.tell(|o| o.on_step_end(s));
@@ -141,9 +137,26 @@ impl AfterRound {
             .is_multiple_of(cfg.logging.log_completions_steps.max(1) as u64)
             || r.state.round == 1;
         if main && cfg.logging.log_completions && completions_due {
-            log_completions(r, &round.episodes, scored, console)?;
+            log_completions(r, &round.scored.episodes, &round.batch, console)?;
         }
+        Ok(m)
+    }
 
+    /// Saves a checkpoint when one is due (every `save_steps`, at the end, and when asked to
+    /// stop; `m` says whether it is the best so far). Returns whether the run stops here (asked
+    /// to, before its last step).
+    pub fn checkpoint<P: Policy>(
+        &mut self,
+        r: &mut Run<P>,
+        m: &StepMetrics,
+        ctl: &RunControl,
+        world: &dyn World,
+        console: &Console,
+    ) -> Result<bool> {
+        let cfg = r.cfg;
+        let main = world.is_main();
+        let step = r.state.step;
+        let at_end = step >= r.opts.schedule.total_steps;
         // 7. Checkpoint (every save_steps, at the end, and when asked to stop).
         // Any rank asked to stop (Slurm's SIGTERM): every rank stops after this round.
         let stop_now = world.any(ctl.stop.load(Ordering::SeqCst))?
@@ -166,7 +179,7 @@ impl AfterRound {
                 .opts
                 .best
                 .as_ref()
-                .and_then(|b| b.improved_by(&m, &r.state));
+                .and_then(|b| b.improved_by(m, &r.state));
             let dir = r.save(new_best)?;
             console.say(format!("saved {}", dir.display()));
             self.tell(|o| o.on_save(step, &dir));
@@ -303,10 +316,10 @@ fn evaluate<P: Policy>(
 fn log_completions<P: Policy>(
     r: &mut Run<P>,
     episodes: &[Episode],
-    scored: &Scored,
+    batch: &RoundBatch,
     console: &Console,
 ) -> Result<()> {
-    let (rewards, advantages) = (&scored.adv.rewards, &scored.adv.advantages);
+    let (rewards, advantages) = (&batch.adv.rewards, &batch.adv.advantages);
     for (i, e) in episodes.iter().enumerate() {
         let mut line = json!({
             "step": r.state.step,
@@ -340,7 +353,7 @@ fn log_completions<P: Policy>(
                 "advantage_mean": st.advantage_mean,
                 "advantage_std": st.advantage_std,
                 "scorable": st.scorable,
-                "zero_std": scored.adv.zero_std[gi],
+                "zero_std": batch.adv.zero_std[gi],
             }),
         )?;
     }

@@ -3,7 +3,7 @@
 //! (through [`StepMetrics::pairs`]), the console line, and (by the names in [`names`]) the report.
 
 use super::policy::Policy;
-use super::round::{RoundTimes, Sampled, Scored};
+use super::round::{RoundBatch, RoundTimes, Scored};
 use super::setup::Run;
 use crate::advantages::nan_std;
 use crate::rewards::Reward;
@@ -265,11 +265,11 @@ impl StepMetrics {
     /// optimizer steps, and the metrics of the policy kind.
     pub fn of_round<P: Policy>(
         r: &Run<P>,
-        round: &Sampled,
-        scored: &Scored,
+        round: &Scored,
+        batch: &RoundBatch,
         steps: &[StepStats],
     ) -> StepMetrics {
-        let (episodes, adv, cfg) = (&round.episodes, &scored.adv, r.cfg);
+        let (episodes, adv, cfg) = (&round.episodes, &batch.adv, r.cfg);
         let lens: Vec<f64> = episodes.iter().map(|e| e.sampled_tokens() as f64).collect();
         let finite_rewards = adv
             .rewards
@@ -298,7 +298,7 @@ impl StepMetrics {
                 r.opts.update.loss.beta,
                 cfg.loss.entropy_coef != 0.0 || cfg.loss.adaptive_entropy().is_some(),
             ),
-            kl_reward_seq_kl: scored.kl_reward_seq_kl,
+            kl_reward_seq_kl: batch.kl_reward_seq_kl,
             kl_reward_coef: r.state.adaptive_kl.as_ref().map(|a| a.coef),
             temperature: (cfg.generation.temperature_warmup_steps > 0)
                 .then_some(r.opts.sampling.temperature),

@@ -20,10 +20,12 @@ mod health;
 mod metrics;
 mod observer;
 mod policy;
+mod probe;
 mod profile;
 mod round;
 mod setup;
 mod shard;
+mod step;
 mod update;
 mod warmup;
 mod world;
@@ -31,18 +33,18 @@ mod world;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
-use std::time::Instant;
 
 pub use fill_in::{FillInForward, FillInPolicy};
 pub use health::{Health, HealthKind, HealthOptions, HealthWarning};
 pub use metrics::{names, RewardMetrics, StepMetrics, UpdateMetrics};
 pub use observer::Observer;
 pub use policy::{CausalLmForward, CausalLmPolicy, Policy, Reference, TrainForward};
-pub use round::{RoundTimes, Sampled, Scored};
+pub use round::{Episodes, LogProbs, RoundBatch, RoundTimes, Scored};
 pub use setup::{update_options, BestModel, LoadPolicy, Loaded, RoundOptions, TrainerState};
+pub use step::Round;
 pub use update::{
-    policy_gradients, skip_round, update_policy, update_round, Schedule, StepCounter, StepStats,
-    UpdateOptions,
+    optimizer_step, policy_gradients, skip_round, update_policy, update_round, Schedule,
+    StepCounter, StepStats, UpdateOptions, UpdatePlan,
 };
 #[cfg(feature = "mpi")]
 pub use world::MpiWorld;
@@ -150,27 +152,12 @@ fn run<P: LoadPolicy>(
     );
     let mut interrupted = false;
     while r.state.step < total_steps {
-        let t_round = Instant::now();
-        r.opts
-            .set_temperature(cfg.generation.temperature_at(r.state.step));
-        // 1-3. Rollout with the current policy (rewards that allow it score each group on a
-        //      second thread as soon as it has finished), old and reference log-probs, scores;
-        //      with dynamic sampling, more prompts until P groups carry a signal.
-        let mut sampled = round::sample_round(&mut r, world)?;
-
-        // 4. Rewards -> group-relative advantages (KL in the reward when so configured).
-        let scored = round::score_round(&mut r, &sampled)?;
-
-        // 5. Update: optimizer steps over the batch (an infinite reward skips them, as a NaN
-        //    loss does), then (TRL) mix the policy into the reference.
-        let t0 = Instant::now();
-        let steps = round::step_round(&mut r, &scored, world, &console)?;
-        sampled.times.update = t0.elapsed().as_secs_f64();
-        sampled.times.step = t_round.elapsed().as_secs_f64();
-
-        // 6-7. Log, evaluate, check health; checkpoint every save_steps, at the end and when
-        //      asked to stop.
-        if after.round(&mut r, &sampled, &scored, &steps, ctl, world, &console)? {
+        // 1-5. Sample -> score -> advantages -> loss -> optimizer step.
+        let round = step::grpo_round(&mut r, world, &console)?;
+        // 6. Log, evaluate every eval_steps, check health.
+        let metrics = after.log(&mut r, &round, world, &console)?;
+        // 7. Checkpoint every save_steps, at the end and when asked to stop.
+        if after.checkpoint(&mut r, &metrics, ctl, world, &console)? {
             interrupted = true;
             break;
         }

@@ -70,13 +70,6 @@ impl Laps {
     }
 }
 
-/// Ends lap `name` when profiling is on.
-pub(super) fn lap(laps: &mut Option<Laps>, name: &'static str) {
-    if let Some(l) = laps {
-        l.lap(name);
-    }
-}
-
 /// On a GPU, when profiling is on: the most memory in use at once during the phase that just
 /// ended (`phase`), and what is in use at its end, from the device's memory pool; with what the
 /// pool held from the driver (in use, and freed memory kept for reuse), at most and at the end.

@@ -1,18 +1,19 @@
-//! Steps 1-4 of a round: sample `P` prompts x `G` completions with the current policy, take the
-//! old (sampling-policy) and reference log-probs, score every reward ([`sample_round`]; with
-//! dynamic sampling (DAPO) groups whose rewards all equal are dropped and more prompts are
-//! sampled until `P` groups carry a signal, for at most `max_extra_passes` extra passes), then
-//! turn the rewards into group-relative advantages and this rank's [`TrainBatch`]
-//! ([`score_round`]).
+//! The phases of a round before the update, each taking what it reads and returning what it
+//! produces: [`sample`] (this rank's groups rolled out with the current policy, rewards that
+//! allow it scored while sampling runs) -> [`log_probs`] (old and reference) -> [`score`] (every
+//! reward; the world's groups gathered: a [`Scored`] pass) -> [`advantages`] (group-relative,
+//! and this rank's [`TrainBatch`]: a [`RoundBatch`]). [`Passes`] plans the sampling passes:
+//! one, or under dynamic sampling (DAPO) more until `P` groups carry a signal (their rewards
+//! differ), for at most `max_extra_passes` extra passes. [`super::step::grpo_round`] calls them
+//! in order.
 
 use std::time::Instant;
 
 use super::policy::Policy;
+use super::probe;
 use super::setup::Run;
 use super::shard::{gather_episodes, owned_groups};
-use super::update::{skip_round, update_round, StepCounter, StepStats};
 use super::world::World;
-use super::Console;
 use crate::advantages::{
     check_group_spread, combine_rewards, groups_with_signal, round_advantages, Advantages,
     RewardAggregation,
@@ -33,9 +34,9 @@ pub struct RoundTimes {
     pub step: f64,
 }
 
-/// What a round sampled, scored and kept.
+/// What a round sampled, scored and kept (a pass's, then the round's).
 #[derive(Debug, Default)]
-pub struct Sampled {
+pub struct Scored {
     /// Group-major, `G` per group; `Episode::group` is the index among the kept groups.
     pub episodes: Vec<Episode>,
     /// Per completion token, when the round needs them (off-policy updates, KL in the reward).
@@ -56,9 +57,9 @@ pub struct Sampled {
     pub own: Vec<bool>,
 }
 
-impl Sampled {
+impl Scored {
     /// Appends `other`'s groups (of `g` completions) after this one's.
-    fn extend(&mut self, mut other: Sampled, g: usize) {
+    fn extend(&mut self, mut other: Scored, g: usize) {
         let offset = self.episodes.len() / g;
         for e in &mut other.episodes {
             e.group += offset;
@@ -115,30 +116,30 @@ impl Sampled {
     }
 }
 
-/// What step 4 made of a sampled round.
-pub struct Scored {
+/// A round's batch: the advantages of its scored completions and what this rank trains on.
+pub struct RoundBatch {
     /// Combined rewards and group-relative advantages, per completion.
     pub adv: Advantages,
     /// KL in the reward: the round's mean sequence KL.
     pub kl_reward_seq_kl: Option<f64>,
     /// This rank's rows: its own groups, less those `drop_zero_std_groups` leaves out.
-    pub batch: TrainBatch,
+    pub train: TrainBatch,
     /// Why the round cannot train (a reward of +/-inf), when it cannot.
     pub unusable: Option<String>,
 }
 
-/// Step 4: rewards -> group-relative advantages (KL in the reward when so configured; the
-/// adaptive controller moves), checked, then this rank's [`TrainBatch`].
-pub fn score_round<P: Policy>(r: &mut Run<P>, sampled: &Sampled) -> Result<Scored> {
+/// Rewards -> group-relative advantages (KL in the reward when so configured; the adaptive
+/// controller moves), checked, then this rank's [`TrainBatch`].
+pub fn advantages<P: Policy>(r: &mut Run<P>, scored: &Scored) -> Result<RoundBatch> {
     let cfg = r.cfg;
-    let (episodes, g) = (&sampled.episodes, r.opts.g);
+    let (episodes, g) = (&scored.episodes, r.opts.g);
     check_missing_rewards(r, episodes)?;
     let p = episodes.len() / g;
     let per_func: Vec<f32> = episodes
         .iter()
         .flat_map(|e| e.rewards.iter().copied())
         .collect();
-    let kl_penalty = match (&cfg.loss.kl(), &sampled.old_logps, &sampled.ref_logps) {
+    let kl_penalty = match (&cfg.loss.kl(), &scored.old_logps, &scored.ref_logps) {
         (KlMode::Reward { coef, .. }, Some(old), Some(refl)) => Some(kl_reward_penalty(
             old,
             refl,
@@ -159,82 +160,21 @@ pub fn score_round<P: Policy>(r: &mut Run<P>, sampled: &Sampled) -> Result<Score
     if cfg.loss.multi_objective_aggregation == RewardAggregation::SumThenNormalize {
         check_group_spread(&adv.rewards, &adv.advantages, g, &r.opts.adv)?;
     }
-    let batch = TrainBatch::from_round(
+    let train = TrainBatch::from_round(
         episodes,
         &adv.advantages,
         // This rank's groups (all of them in one process).
-        &|e| sampled.own[e.group] && !(cfg.loss.drop_zero_std_groups && adv.zero_std[e.group]),
+        &|e| scored.own[e.group] && !(cfg.loss.drop_zero_std_groups && adv.zero_std[e.group]),
         cfg.loss.mask_truncated_completions,
-        sampled.old_logps.as_deref().filter(|_| r.opts.needs_old),
-        sampled.ref_logps.as_deref().filter(|_| r.opts.kl_needs_ref),
+        scored.old_logps.as_deref().filter(|_| r.opts.needs_old),
+        scored.ref_logps.as_deref().filter(|_| r.opts.kl_needs_ref),
     );
-    Ok(Scored {
+    Ok(RoundBatch {
         unusable: infinite_reward(episodes, &r.data.rewards),
         kl_reward_seq_kl: kl_penalty.map(|k| k.1),
         adv,
-        batch,
+        train,
     })
-}
-
-/// Step 5: the round's optimizer steps, the one place the step counter moves. A round that
-/// cannot train (`unusable`) counts its steps as bad ones; a round without a row to train on
-/// (every group's rewards equal, each dropped) moves the counter past its steps without an AdamW
-/// step; any other runs its updates. Then (TRL) the policy is mixed into the reference every
-/// `ref_model_sync_steps`.
-pub fn step_round<P: Policy>(
-    r: &mut Run<P>,
-    scored: &Scored,
-    world: &dyn World,
-    console: &Console,
-) -> Result<Vec<StepStats>> {
-    let o = &r.opts;
-    let counter = StepCounter {
-        step: &mut r.state.step,
-        consecutive_nonfinite: &mut r.state.consecutive_nonfinite,
-        skipped_steps: &mut r.state.skipped_steps,
-        adaptive_entropy: r.state.adaptive_entropy.as_mut(),
-    };
-    let steps = match &scored.unusable {
-        Some(why) => skip_round(
-            o.updates_per_round,
-            &o.schedule,
-            counter,
-            why,
-            o.update.max_bad_steps,
-        )?,
-        None => {
-            if scored.batch.rows.is_empty() {
-                console.say(format!(
-                    "step {}: every group had equal rewards; no update this round",
-                    *counter.step + 1
-                ));
-                *counter.step = (*counter.step + o.updates_per_round).min(o.schedule.total_steps);
-            }
-            update_round(
-                &r.policy,
-                &mut r.opt,
-                &scored.batch,
-                &o.update,
-                &o.schedule,
-                counter,
-                world,
-                &mut |s| console.set_position(s),
-            )?
-        }
-    };
-    console.set_position(r.state.step);
-    super::end_phase("update", &super::policy_device(&r.policy));
-    r.state.round += 1;
-    let cfg = r.cfg;
-    if cfg.loss.sync_ref_model
-        && r.state
-            .step
-            .is_multiple_of(cfg.loss.ref_model_sync_steps as u64)
-    {
-        r.reference
-            .sync(&r.policy, cfg.loss.ref_model_mixup_alpha)?;
-    }
-    Ok(steps)
 }
 
 /// Why a round's rewards cannot train (a reward of +/-inf: a scorer's overflow), naming the
@@ -260,17 +200,97 @@ fn signal(episodes: &[Episode], weights: &[f32], g: usize) -> Result<Vec<bool>> 
     Ok(groups_with_signal(&combine_rewards(&per_func, weights)?, g))
 }
 
-/// Samples, takes log-probs and scores the round's `P` groups; with dynamic sampling, samples
-/// `ceil(P x oversample)` groups in the first pass, drops the groups without signal and samples
-/// more until `P` carry one or `max_extra_passes` extra passes ran.
-pub fn sample_round<P: Policy>(r: &mut Run<P>, world: &dyn World) -> Result<Sampled> {
-    let (p, g, max_extra) = (r.opts.p, r.opts.g, r.opts.max_extra_passes);
+/// The sampling passes of a round, each a list of per-prompt seeds. The first samples `P`
+/// prompts, or under dynamic sampling `ceil(P x oversample)`; dynamic sampling drops the groups
+/// without signal and samples `P` more until `P` groups carry one or `max_extra_passes` extra
+/// passes ran.
+pub struct Passes {
+    p: usize,
+    g: usize,
+    dynamic: bool,
+    max_extra: usize,
+    extra: usize,
+}
+
+impl Passes {
+    pub fn new<P: Policy>(r: &Run<P>) -> Passes {
+        Passes {
+            p: r.opts.p,
+            g: r.opts.g,
+            dynamic: r.opts.dynamic_sampling,
+            max_extra: r.opts.max_extra_passes,
+            extra: 0,
+        }
+    }
+
+    /// The next pass's seeds, given the groups `kept` so far (None before the first pass); None
+    /// when the round has its groups.
+    pub fn next<P: Policy>(&mut self, r: &mut Run<P>, kept: Option<&Scored>) -> Option<Vec<u64>> {
+        let p = self.p;
+        let Some(kept) = kept else {
+            return Some(first_pass_seeds(r, self.dynamic));
+        };
+        let short = kept.episodes.len() < p * self.g;
+        if !self.dynamic || !short {
+            return None;
+        }
+        if self.extra >= self.max_extra {
+            // A short round is news only when extra passes were allowed to fill it (the
+            // metrics log every round's groups_kept).
+            if self.max_extra > 0 {
+                tracing::warn!(
+                    "dynamic sampling: {} of {p} groups carry a signal after {} extra passes; updating on those",
+                    kept.episodes.len() / self.g,
+                    self.max_extra
+                );
+            }
+            return None;
+        }
+        // Extra passes draw their own streams (exact resume: the count is trainer state).
+        let n = r.state.extra_passes;
+        r.state.extra_passes += 1;
+        self.extra += 1;
+        Some(
+            (0..p)
+                .map(|i| mix_seed(r.cfg.run.seed ^ 0x4459_4e53, n * p as u64 + i as u64))
+                .collect(),
+        )
+    }
+
+    /// The round's groups after `pass`: under dynamic sampling, `pass`'s groups with a signal
+    /// are appended to `kept`'s, up to `P`; otherwise the pass is the round.
+    pub fn keep(&self, weights: &[f32], kept: Option<Scored>, mut pass: Scored) -> Result<Scored> {
+        if !self.dynamic {
+            return Ok(pass);
+        }
+        let g = self.g;
+        let keep = signal(&pass.episodes, weights, g)?;
+        pass.groups_sampled = keep.len();
+        pass.groups_dropped = keep.iter().filter(|k| !**k).count();
+        Ok(match kept {
+            None => {
+                pass.retain_groups(g, &keep, self.p);
+                pass
+            }
+            Some(mut kept) => {
+                let room = self.p - kept.episodes.len() / g;
+                pass.retain_groups(g, &keep, room);
+                kept.extend(pass, g);
+                kept
+            }
+        })
+    }
+}
+
+/// The first pass's seeds: one per prompt, numbered by round. Dynamic sampling's oversampled
+/// prompts beyond `P` draw a stream of their own (the first `P` keep theirs, so oversample = 1
+/// is the plain pass).
+fn first_pass_seeds<P: Policy>(r: &Run<P>, dynamic: bool) -> Vec<u64> {
+    let p = r.opts.p;
     let mut seeds: Vec<u64> = (0..p)
         .map(|i| mix_seed(r.cfg.run.seed, r.state.round * p as u64 + i as u64))
         .collect();
-    // Dynamic sampling's oversampled first pass: the prompts beyond P draw a stream of their
-    // own, numbered by round (the first P keep theirs, so oversample = 1 is the plain pass).
-    let first = match r.opts.dynamic_sampling {
+    let first = match dynamic {
         true => ((p as f64 * r.opts.oversample).ceil() as usize).max(p),
         false => p,
     };
@@ -281,48 +301,33 @@ pub fn sample_round<P: Policy>(r: &mut Run<P>, world: &dyn World) -> Result<Samp
             r.state.round * extra_first + j,
         )
     }));
-    let mut round = sample_pass(r, &seeds, world)?;
-    if !r.opts.dynamic_sampling {
-        return Ok(round);
-    }
-    let keep = signal(&round.episodes, &r.opts.weights, g)?;
-    round.groups_sampled = keep.len();
-    round.groups_dropped = keep.iter().filter(|k| !**k).count();
-    round.retain_groups(g, &keep, p);
-    let mut extra = 0;
-    while round.episodes.len() < p * g && extra < max_extra {
-        // Extra passes draw their own streams (exact resume: the count is trainer state).
-        let n = r.state.extra_passes;
-        let seeds: Vec<u64> = (0..p)
-            .map(|i| mix_seed(r.cfg.run.seed ^ 0x4459_4e53, n * p as u64 + i as u64))
-            .collect();
-        r.state.extra_passes += 1;
-        extra += 1;
-        let mut more = sample_pass(r, &seeds, world)?;
-        let keep = signal(&more.episodes, &r.opts.weights, g)?;
-        more.groups_sampled = keep.len();
-        more.groups_dropped = keep.iter().filter(|k| !**k).count();
-        let room = p - round.episodes.len() / g;
-        more.retain_groups(g, &keep, room);
-        round.extend(more, g);
-    }
-    // A short round is news only when extra passes were allowed to fill it (the metrics log
-    // every round's groups_kept).
-    if round.episodes.len() < p * g && max_extra > 0 {
-        tracing::warn!(
-            "dynamic sampling: {} of {p} groups carry a signal after {max_extra} extra passes; updating on those",
-            round.episodes.len() / g
-        );
-    }
-    Ok(round)
+    seeds
 }
 
-/// One pass: `seeds.len()` prompts from the order, `G` completions each (rewards that allow it
-/// scored on a second thread while sampling runs), log-probs, every reward. Across ranks each
-/// samples and scores its own groups, and the scored episodes are gathered.
-fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> Result<Sampled> {
+/// A pass's rollout: this rank's groups of the pass's prompts, sampled with the current policy.
+pub struct Episodes {
+    /// This rank's episodes, group-major, `G` per group (`Episode::group` counts this rank's).
+    pub episodes: Vec<Episode>,
+    /// The rewards scored while sampling ran, and which.
+    early: rollout::EarlyScores,
+    early_rewards: Vec<bool>,
+    /// This rank's groups among the pass's, and how many the pass has in the world.
+    mine: Vec<usize>,
+    groups: usize,
+    generated_tokens: usize,
+    /// Seconds sampling took (less the wait for the early scorer).
+    generate_s: f64,
+}
+
+/// Rolls out this rank's groups of `seeds.len()` prompts from the order, `G` completions each
+/// (rewards that allow it scored on a second thread while sampling runs); also returns the
+/// policy frozen for sampling, which takes the old log-probs next.
+pub fn sample<P: Policy>(
+    r: &mut Run<P>,
+    seeds: &[u64],
+    world: &dyn World,
+) -> Result<(Episodes, P::Frozen)> {
     let cfg = r.cfg;
-    // 1. Rollout with the current policy: the world's prompts, this rank's groups.
     let t0 = Instant::now();
     let sampler = r.policy.freeze(cfg.update.gradient_checkpointing)?;
     let all_idx = r.state.order.next_batch(seeds.len());
@@ -344,7 +349,7 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> R
         Some(_) => vec![false; r.data.rewards.len()],
         None => r.opts.early_rewards.clone(),
     };
-    let (mut episodes, gen_stats, early) = match &r.agent {
+    let (episodes, gen_stats, early) = match &r.agent {
         Some(agent) => {
             let (eps, stats) = agent.rollout(
                 &sampler,
@@ -371,45 +376,94 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> R
             &early_rewards,
         )?,
     };
-    let t_generate = t0.elapsed().as_secs_f64() - early.wait_s;
+    let generate_s = t0.elapsed().as_secs_f64() - early.wait_s;
     super::profile::rollout(&gen_stats);
     super::end_phase("rollout", &super::policy_device(&r.policy));
-    grpo_models::faults::kill_point("train.sampled");
+    probe::kill_point("train.sampled");
+    let episodes = Episodes {
+        episodes,
+        early,
+        early_rewards,
+        mine,
+        groups: all_idx.len(),
+        generated_tokens: gen_stats.generated_tokens,
+        generate_s,
+    };
+    Ok((episodes, sampler))
+}
 
-    // 2. Old (sampling-policy) and reference log-probs, without a graph.
+/// Per completion token of a pass's episodes: the sampling policy's log-probs (when the update
+/// is off-policy or the KL is in the reward) and the reference's (when a KL term or a reward
+/// needs them), taken without a graph.
+pub struct LogProbs {
+    pub old: Option<Vec<Vec<f32>>>,
+    pub reference: Option<Vec<Vec<f32>>>,
+    /// Seconds both took.
+    pub seconds: f64,
+}
+
+/// The old (with `sampler`, the policy frozen as it sampled, then dropped) and reference
+/// log-probs of `episodes`.
+pub fn log_probs<P: Policy>(
+    r: &Run<P>,
+    sampler: P::Frozen,
+    episodes: &[Episode],
+) -> Result<LogProbs> {
     let t0 = Instant::now();
     let pairs: Vec<(&[u32], &[u32])> = episodes
         .iter()
         .map(|e| (e.prompt_ids.as_slice(), e.completion_ids.as_slice()))
         .collect();
-    let kl_in_reward = matches!(cfg.loss.kl(), KlMode::Reward { .. });
-    let chunk = r.opts.update.forward_chunk_tokens;
-    let old_logps = match r.opts.needs_old || kl_in_reward {
-        true => {
-            Some(sampler.sequence_logprobs(&pairs, r.pad, r.opts.sampling.temperature, chunk)?)
-        }
+    let kl_in_reward = matches!(r.cfg.loss.kl(), KlMode::Reward { .. });
+    let (chunk, temperature) = (
+        r.opts.update.forward_chunk_tokens,
+        r.opts.sampling.temperature,
+    );
+    let old = match r.opts.needs_old || kl_in_reward {
+        true => Some(sampler.sequence_logprobs(&pairs, r.pad, temperature, chunk)?),
         false => None,
     };
     drop(sampler);
     let t_old = t0.elapsed().as_secs_f64();
-    let ref_logps = r
-        .reference
-        .logprobs(&pairs, r.pad, r.opts.sampling.temperature, chunk)?;
-    let t_reference = t0.elapsed().as_secs_f64();
-    super::profile::log_probs(t_old, t_reference - t_old, &pairs, chunk);
+    let reference = r.reference.logprobs(&pairs, r.pad, temperature, chunk)?;
+    let seconds = t0.elapsed().as_secs_f64();
+    super::profile::log_probs(t_old, seconds - t_old, &pairs, chunk);
     super::end_phase("old/reference log-probs", &super::policy_device(&r.policy));
+    Ok(LogProbs {
+        old,
+        reference,
+        seconds,
+    })
+}
 
-    // 3. Score the rest (coherence rewards read the reference's mean log-prob).
+/// Scores a pass: every reward not scored while sampling (coherence rewards read the
+/// reference's mean log-prob); across ranks, the world's scored episodes are gathered, in
+/// global group order (log-probs stay with their rank).
+pub fn score<P: Policy>(
+    r: &Run<P>,
+    pass: Episodes,
+    logps: LogProbs,
+    world: &dyn World,
+) -> Result<Scored> {
     let t0 = Instant::now();
-    let ref_means: Option<Vec<f32>> =
-        ref_logps
-            .as_ref()
-            .filter(|_| r.opts.rewards_need_ref)
-            .map(|rl| {
-                rl.iter()
-                    .map(|l| l.iter().sum::<f32>() / l.len().max(1) as f32)
-                    .collect()
-            });
+    let ref_means: Option<Vec<f32>> = logps
+        .reference
+        .as_ref()
+        .filter(|_| r.opts.rewards_need_ref)
+        .map(|rl| {
+            rl.iter()
+                .map(|l| l.iter().sum::<f32>() / l.len().max(1) as f32)
+                .collect()
+        });
+    let Episodes {
+        mut episodes,
+        early,
+        early_rewards,
+        mine,
+        groups,
+        generated_tokens,
+        generate_s,
+    } = pass;
     let wait_s = early.wait_s;
     let reward_secs = rollout::score_rest(
         &mut episodes,
@@ -420,48 +474,46 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> R
         ref_means.as_deref(),
     )?;
     // What scoring added to the step: waiting for the early scorer, then the late rewards.
-    let t_score = wait_s + t0.elapsed().as_secs_f64();
-    grpo_models::faults::kill_point("train.scored");
-    if grpo_models::faults::fires("rewards.inf") {
-        if let Some(x) = episodes.first_mut().and_then(|e| e.rewards.first_mut()) {
-            *x = f32::INFINITY;
-        }
-    }
-    let times = RoundTimes {
-        generate: t_generate,
-        reference: t_reference,
-        score: t_score,
-        ..Default::default()
+    let score_s = wait_s + t0.elapsed().as_secs_f64();
+    probe::scored(&mut episodes);
+    let scored = Scored {
+        groups_sampled: groups,
+        episodes,
+        old_logps: logps.old,
+        ref_logps: logps.reference,
+        reward_secs,
+        generated_tokens,
+        times: RoundTimes {
+            generate: generate_s,
+            reference: logps.seconds,
+            score: score_s,
+            ..Default::default()
+        },
+        groups_dropped: 0,
+        own: vec![true; groups],
     };
-    let mut generated = [gen_stats.generated_tokens as f64];
-    let n_all = all_idx.len();
-    if world.size() == 1 {
-        return Ok(Sampled {
-            groups_sampled: n_all,
-            episodes,
-            old_logps,
-            ref_logps,
-            reward_secs,
-            generated_tokens: gen_stats.generated_tokens,
-            times,
-            groups_dropped: 0,
-            own: vec![true; n_all],
-        });
+    match world.size() {
+        1 => Ok(scored),
+        _ => gather(scored, &mine, world),
     }
-    // 4. The world's scored episodes, in global group order; log-probs stay with their rank.
-    for e in &mut episodes {
+}
+
+/// The world's scored episodes of a pass, in global group order, from this rank's (its groups
+/// `mine`); this rank's log-prob rows placed at its episodes (other ranks' rows stay empty:
+/// they are never read here), the generated tokens summed.
+fn gather(mut local: Scored, mine: &[usize], world: &dyn World) -> Result<Scored> {
+    for e in &mut local.episodes {
         e.group = mine[e.group];
     }
-    let gathered = gather_episodes(world, &episodes)?;
+    let gathered = gather_episodes(world, &local.episodes)?;
+    let mut generated = [local.generated_tokens as f64];
     world.sum_f64(&mut generated)?;
-    let mut own = vec![false; n_all];
-    for &i in &mine {
+    let mut own = vec![false; local.groups_sampled];
+    for &i in mine {
         own[i] = true;
     }
-    // This rank's log-prob rows, one per episode it sampled, in order, placed at its episodes
-    // among the gathered ones (other ranks' rows stay empty: they are never read here).
-    let spread = |local: Option<Vec<Vec<f32>>>| -> Result<Option<Vec<Vec<f32>>>> {
-        let Some(l) = local else { return Ok(None) };
+    let spread = |rows: Option<Vec<Vec<f32>>>| -> Result<Option<Vec<Vec<f32>>>> {
+        let Some(l) = rows else { return Ok(None) };
         let have = l.len();
         let mut it = l.into_iter();
         let rows = gathered
@@ -477,16 +529,13 @@ fn sample_pass<P: Policy>(r: &mut Run<P>, seeds: &[u64], world: &dyn World) -> R
             .collect::<Result<Vec<_>>>()?;
         Ok(Some(rows))
     };
-    Ok(Sampled {
-        groups_sampled: n_all,
-        old_logps: spread(old_logps)?,
-        ref_logps: spread(ref_logps)?,
+    Ok(Scored {
+        old_logps: spread(local.old_logps)?,
+        ref_logps: spread(local.ref_logps)?,
         episodes: gathered,
-        reward_secs,
         generated_tokens: generated[0] as usize,
-        times,
-        groups_dropped: 0,
         own,
+        ..local
     })
 }
 

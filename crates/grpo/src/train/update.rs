@@ -4,15 +4,19 @@
 //! [`update_policy`] is one optimizer step (the golden tests pin it to TRL); [`policy_gradients`]
 //! is its forward/backward part.
 
+use std::borrow::Cow;
 use std::ops::Range;
 
-use candle_core::Tensor;
+use candle_core::backprop::GradStore;
+use candle_core::{Tensor, Var};
 
 use super::policy::{Policy, TrainForward};
-use super::profile::{lap, Laps};
+use super::probe::Probe;
 use super::world::World;
 use crate::logprobs::{forward_chunks, Entropy};
-use crate::loss::{grpo_loss, AdaptiveEntropy, LossInputs, LossOptions, MicroTotals, Reduction};
+use crate::loss::{
+    grpo_loss, AdaptiveEntropy, LossInputs, LossOptions, LossOutput, MicroTotals, Reduction,
+};
 use crate::optim::{accumulate, clip_factor, lr_lambda, AdamW, LrSchedule};
 use crate::rollout::TrainBatch;
 use crate::{Error, Result};
@@ -86,6 +90,36 @@ pub struct StepStats {
 }
 
 impl StepStats {
+    /// Adds a forward chunk's loss statistics: the loss and the bonus sums as they are; the
+    /// masked means weighted by the chunk's share of its micro-batch's active tokens
+    /// (`micro_active` in the world), each of the step's `micro_batches` by its share.
+    fn add_chunk(
+        &mut self,
+        out: &LossOutput,
+        logps: &Tensor,
+        mask: &Tensor,
+        micro_active: f64,
+        micro_batches: usize,
+    ) -> Result<()> {
+        let k = micro_batches as f64;
+        let active = mask.sum_all()?.to_scalar::<f32>()? as f64;
+        let w = active / micro_active.max(1.0) / k;
+        self.loss += out.loss.to_scalar::<f32>()? as f64;
+        self.policy_loss += out.policy_loss as f64;
+        self.kl += out.kl as f64 * w;
+        self.entropy += out.entropy.unwrap_or(f32::NAN) as f64 * w;
+        self.clip_low += out.clip_low as f64 * w;
+        self.clip_high += out.clip_high as f64 * w;
+        self.clip_region += out.clip_region as f64 * w;
+        self.bonus_entropy_sum += out.bonus_entropy_sum as f64;
+        self.bonus_tokens += out.bonus_tokens as f64;
+        // [n, Tc] f32 -> the masked sum of the log-probs
+        self.mean_logp += (logps.detach() * mask)?.sum_all()?.to_scalar::<f32>()? as f64
+            / micro_active.max(1.0)
+            / k;
+        Ok(())
+    }
+
     /// The statistics that are sums of per-rank shares (each normalized by the world's counts).
     fn shares_mut(&mut self) -> [&mut f64; 10] {
         [
@@ -113,7 +147,92 @@ pub struct StepCounter<'a> {
     pub adaptive_entropy: Option<&'a mut AdaptiveEntropy>,
 }
 
-/// The optimizer steps of one round; `on_step(step)` after each. Stops at `schedule.total_steps`.
+impl StepCounter<'_> {
+    /// Counts the optimizer step `st` just took, with the entropy coefficient it ran under
+    /// (adaptive entropy control moves it by the world's entropy over the bonus tokens); a
+    /// non-finite step extends the streak of bad ones (`max_bad_steps` in a row stop the run).
+    pub fn count(
+        &mut self,
+        mut st: StepStats,
+        opts: &UpdateOptions,
+        world: &dyn World,
+    ) -> Result<StepStats> {
+        st.entropy_coef = opts.loss.entropy_coef;
+        if let Some(ae) = self.adaptive_entropy.as_deref_mut() {
+            // The window's entropy over the world's bonus tokens.
+            let mut m = [st.bonus_entropy_sum, st.bonus_tokens];
+            world.sum_f64(&mut m)?;
+            ae.update(m[0] / m[1].max(1.0));
+            st.entropy_coef = ae.coef;
+        }
+        let bad = (!st.finite).then_some("a non-finite loss or gradient");
+        count_step(self, bad, opts.max_bad_steps)?;
+        Ok(st)
+    }
+
+    /// The options of the step at hand: `opts`, with adaptive entropy control's coefficient
+    /// when it is on.
+    pub fn options<'o>(&self, opts: &'o UpdateOptions) -> Cow<'o, UpdateOptions> {
+        match self.adaptive_entropy.as_deref() {
+            Some(ae) => Cow::Owned(UpdateOptions {
+                loss: LossOptions {
+                    entropy_coef: ae.apply_coef(),
+                    ..opts.loss.clone()
+                },
+                ..opts.clone()
+            }),
+            None => Cow::Borrowed(opts),
+        }
+    }
+}
+
+/// How a round's batch becomes optimizer steps (TRL's structure): `num_iterations` passes over
+/// it, each in windows of `gradient_accumulation_steps` micro-batches of
+/// `per_device_train_batch_size` rows, one optimizer step per window; and the loss's
+/// normalizers, over the world's active tokens.
+pub struct UpdatePlan {
+    pub reduction: Reduction,
+    /// Micro-batches of rows, in order.
+    micro: Vec<Range<usize>>,
+    accumulation_steps: usize,
+    num_iterations: usize,
+}
+
+impl UpdatePlan {
+    pub fn new(batch: &TrainBatch, opts: &UpdateOptions, world: &dyn World) -> Result<UpdatePlan> {
+        let (mb, accum) = (opts.micro_batch, opts.accumulation_steps);
+        let mut active = [batch.active_tokens() as f64];
+        world.sum_f64(&mut active)?;
+        Ok(UpdatePlan {
+            reduction: Reduction {
+                accumulation_steps: accum,
+                max_completion_length: opts.max_completion_length,
+                dapo_tokens: active[0] * accum as f64 / opts.steps_per_generation as f64,
+                micro: None,
+            },
+            micro: (0..batch.rows.len())
+                .step_by(mb.max(1))
+                .map(|s| s..(s + mb).min(batch.rows.len()))
+                .collect(),
+            accumulation_steps: accum,
+            num_iterations: opts.num_iterations,
+        })
+    }
+
+    /// Each optimizer step's window of micro-batches, in order.
+    pub fn windows(&self) -> impl Iterator<Item = &[Range<usize>]> {
+        (0..self.num_iterations).flat_map(|_| self.micro.chunks(self.accumulation_steps.max(1)))
+    }
+}
+
+/// The LoRA dropout stream of optimizer step `step` (one per step: exact resume).
+pub fn dropout_stream(step: u64) -> u64 {
+    0x4452_4f50 ^ step
+}
+
+/// The optimizer steps of a batch outside a GRPO round (the agents' supervised warm-up, tests):
+/// per window of [`UpdatePlan`], [`update_policy`]; `on_step(step)` after each. Stops at
+/// `schedule.total_steps`. (A GRPO round takes the same steps in [`super::step::grpo_round`].)
 #[allow(clippy::too_many_arguments)]
 pub fn update_round<P: Policy>(
     policy: &P,
@@ -125,66 +244,28 @@ pub fn update_round<P: Policy>(
     world: &dyn World,
     on_step: &mut dyn FnMut(u64),
 ) -> Result<Vec<StepStats>> {
-    let (mb, accum) = (opts.micro_batch, opts.accumulation_steps);
-    let mut active = [batch.active_tokens() as f64];
-    world.sum_f64(&mut active)?;
-    let red = Reduction {
-        accumulation_steps: accum,
-        max_completion_length: opts.max_completion_length,
-        dapo_tokens: active[0] * accum as f64 / opts.steps_per_generation as f64,
-        micro: None,
-    };
-    // Micro-batches of `mb` rows in order; `accum` of them make one optimizer step.
-    let micro: Vec<Range<usize>> = (0..batch.rows.len())
-        .step_by(mb.max(1))
-        .map(|s| s..(s + mb).min(batch.rows.len()))
-        .collect();
+    let plan = UpdatePlan::new(batch, opts, world)?;
     let mut stats = Vec::new();
-    for _ in 0..opts.num_iterations {
-        for window in micro.chunks(accum.max(1)) {
-            if *counter.step >= schedule.total_steps {
-                return Ok(stats);
-            }
-            let step = *counter.step;
-            let adaptive_opts;
-            let step_opts = match counter.adaptive_entropy.as_deref() {
-                Some(ae) => {
-                    adaptive_opts = UpdateOptions {
-                        loss: LossOptions {
-                            entropy_coef: ae.apply_coef(),
-                            ..opts.loss.clone()
-                        },
-                        ..opts.clone()
-                    };
-                    &adaptive_opts
-                }
-                None => opts,
-            };
-            // LoRA dropout masks: one stream per optimizer step (exact resume).
-            let mut st = update_policy(
-                policy,
-                opt,
-                batch,
-                window,
-                &red,
-                step_opts,
-                schedule.lr(step),
-                0x4452_4f50 ^ step,
-                world,
-            )?;
-            st.entropy_coef = opts.loss.entropy_coef;
-            if let Some(ae) = counter.adaptive_entropy.as_deref_mut() {
-                // The window's entropy over the world's bonus tokens.
-                let mut m = [st.bonus_entropy_sum, st.bonus_tokens];
-                world.sum_f64(&mut m)?;
-                ae.update(m[0] / m[1].max(1.0));
-                st.entropy_coef = ae.coef;
-            }
-            let bad = (!st.finite).then_some("a non-finite loss or gradient");
-            count_step(&mut counter, bad, opts.max_bad_steps)?;
-            on_step(*counter.step);
-            stats.push(st);
+    for window in plan.windows() {
+        let step = *counter.step;
+        if step >= schedule.total_steps {
+            break;
         }
+        let step_opts = counter.options(opts);
+        let lr = schedule.lr(step);
+        let st = update_policy(
+            policy,
+            opt,
+            batch,
+            window,
+            &plan.reduction,
+            &step_opts,
+            lr,
+            dropout_stream(step),
+            world,
+        )?;
+        stats.push(counter.count(st, opts, world)?);
+        on_step(*counter.step);
     }
     Ok(stats)
 }
@@ -244,9 +325,8 @@ pub fn skip_round(
     Ok(stats)
 }
 
-/// One optimizer step over the micro-batches `window` of `batch`: [`policy_gradients`], summed
-/// over the world, clipped to `max_grad_norm`, AdamW at `lr`. A non-finite loss or gradient
-/// skips the update (the statistics say so).
+/// One optimizer step over the micro-batches `window` of `batch`: [`policy_gradients`], then
+/// [`optimizer_step`] (what the golden tests pin to TRL).
 #[allow(clippy::too_many_arguments)]
 pub fn update_policy<P: Policy>(
     policy: &P,
@@ -259,39 +339,57 @@ pub fn update_policy<P: Policy>(
     dropout_stream: u64,
     world: &dyn World,
 ) -> Result<StepStats> {
-    let (mut grads, mut st) =
-        policy_gradients(policy, batch, window, red, opts, dropout_stream, world)?;
-    let mut laps = grads.first().and_then(|g| Laps::start(g.device()));
-    world.sum_grads(&mut grads)?;
-    // Each rank's statistics are its share of the world's (global normalizers): sum them.
-    let mut sums = st.shares_mut().map(|x| *x);
-    world.sum_f64(&mut sums)?;
-    for (x, sum) in st.shares_mut().into_iter().zip(sums) {
-        *x = sum;
-    }
-    if grpo_models::faults::fires("update.nan_grad") {
-        if let Some(g) = grads.first_mut() {
-            *g = (&*g * f64::NAN)?;
-        }
-    }
-    if grpo_models::faults::fires("update.nan_loss") {
-        st.loss = f64::NAN;
-    }
-    grpo_models::faults::kill_point("update.before_step");
-    lap(&mut laps, "all-reduce");
+    let (grads, st) = policy_gradients(policy, batch, window, red, opts, dropout_stream, world)?;
+    optimizer_step(opt, grads, st, lr, opts, world)
+}
+
+/// The optimizer step on this rank's gradients `grads` and statistics `st`: both summed over
+/// the world, the gradients clipped to `max_grad_norm`, AdamW at `lr`. A non-finite loss or
+/// gradient skips the update (the statistics say so).
+pub fn optimizer_step(
+    opt: &mut AdamW,
+    mut grads: Vec<Tensor>,
+    mut st: StepStats,
+    lr: f64,
+    opts: &UpdateOptions,
+    world: &dyn World,
+) -> Result<StepStats> {
+    let mut probe = Probe::new(grads.first().map(|g| g.device()), None);
+    sum_over_world(world, &mut grads, &mut st)?;
+    probe.before_step(&mut grads, &mut st.loss)?;
     let (norm, scale) = clip_factor(&grads, opts.max_grad_norm, opt.compute())?;
-    lap(&mut laps, "clip");
+    probe.lap("clip");
     st.lr = lr;
     st.grad_norm = norm;
     st.finite = st.loss.is_finite() && norm.is_finite();
     if st.finite {
         opt.step(&grads, lr, scale)?;
     }
-    lap(&mut laps, "adamw");
-    if let Some(l) = &laps {
-        l.report("optimizer");
-    }
+    probe.lap("adamw");
+    probe.report("optimizer");
     Ok(st)
+}
+
+/// Sums this rank's gradients and statistics over the world. Each rank's statistics are its
+/// share of the world's (the loss's normalizers count the world's rows and tokens).
+fn sum_over_world(world: &dyn World, grads: &mut [Tensor], st: &mut StepStats) -> Result<()> {
+    world.sum_grads(grads)?;
+    let mut sums = st.shares_mut().map(|x| *x);
+    world.sum_f64(&mut sums)?;
+    for (x, sum) in st.shares_mut().into_iter().zip(sums) {
+        *x = sum;
+    }
+    Ok(())
+}
+
+/// The world's rows and active tokens in micro-batch `range` (each rank holds its part).
+fn world_totals(world: &dyn World, batch: &TrainBatch, range: Range<usize>) -> Result<MicroTotals> {
+    let mut t = [range.len() as f64, batch.active_tokens_in(range) as f64];
+    world.sum_f64(&mut t)?;
+    Ok(MicroTotals {
+        rows: t[0] as usize,
+        active_tokens: t[1],
+    })
 }
 
 /// The gradient of the GRPO loss for every parameter of `policy` (in [`Policy::vars`] order) over
@@ -313,111 +411,102 @@ pub fn policy_gradients<P: Policy>(
         opts.gradient_checkpointing,
     )?;
     let vars = policy.vars();
-    let device = vars
-        .first()
-        .map(|v| v.device().clone())
-        .unwrap_or(candle_core::Device::Cpu);
+    let device = super::policy_device(policy);
+    let mut probe = Probe::new(Some(&device), policy.flop_shape());
     let mut grads: Vec<Option<Tensor>> = vec![None; vars.len()];
     let mut st = StepStats::default();
-    let mut laps = Laps::start(&device);
-    let flop_shape = policy.flop_shape();
-    let k = window.len() as f64;
     for range in window {
-        grpo_models::faults::kill_point("update.micro_batch");
-        let mut t = [
-            range.len() as f64,
-            batch.active_tokens_in(range.clone()) as f64,
-        ];
-        world.sum_f64(&mut t)?;
-        let totals = MicroTotals {
-            rows: t[0] as usize,
-            active_tokens: t[1],
-        };
+        probe.micro_batch();
+        let totals = world_totals(world, batch, range.clone())?;
         let red = Reduction {
             micro: Some(totals),
             ..*red
         };
-        let rows = &batch.rows[range.clone()];
-        let prompts: Vec<&[u32]> = rows.iter().map(|r| r.prompt_ids.as_slice()).collect();
-        let comps: Vec<&[u32]> = rows.iter().map(|r| r.completion_ids.as_slice()).collect();
-        // The high-entropy mask's quantile is over the micro-batch: take it in one piece.
-        let chunk_tokens = if opts.loss.top_entropy_quantile < 1.0 {
-            usize::MAX
-        } else {
-            opts.forward_chunk_tokens
-        };
-        for part in forward_chunks(&prompts, &comps, chunk_tokens) {
-            let part = range.start + part.start..range.start + part.end;
+        for part in forward_parts(batch, range.clone(), opts) {
             let mb = batch.micro(part, &device)?;
-            if let Some(f) = &flop_shape {
-                st.flops += f.pass(&crate::flops::pass_work(&mb.prompts, &mb.completions));
-            }
-            lap(&mut laps, "inputs");
+            probe.inputs(&mb);
             let (mut logps, ents) = fwd.logprobs(&mb, opts.pad, opts.temperature, opts.entropy)?; // [n, Tc] f32
-            lap(&mut laps, "forward");
-            if grpo_models::faults::fires("update.nan_logits") {
-                logps = (logps * f64::NAN)?;
-            }
-            let out = grpo_loss(
-                &LossInputs {
-                    logps: &logps,
-                    old_logps: mb.old_logps.as_ref(),
-                    ref_logps: mb.ref_logps.as_ref(),
-                    advantages: &mb.advantages,
-                    mask: &mb.mask,
-                    entropies: ents.as_ref(),
-                },
-                &opts.loss,
-                &red,
-            )?;
-            // Chunk statistics are masked means; weight them by the chunk's share of the
-            // micro-batch's active tokens, and the micro-batch by 1/k.
-            let active = mb.mask.sum_all()?.to_scalar::<f32>()? as f64;
-            let w = active / totals.active_tokens.max(1.0) / k;
-            st.loss += out.loss.to_scalar::<f32>()? as f64;
-            st.policy_loss += out.policy_loss as f64;
-            st.kl += out.kl as f64 * w;
-            st.entropy += out.entropy.unwrap_or(f32::NAN) as f64 * w;
-            st.clip_low += out.clip_low as f64 * w;
-            st.clip_high += out.clip_high as f64 * w;
-            st.clip_region += out.clip_region as f64 * w;
-            st.bonus_entropy_sum += out.bonus_entropy_sum as f64;
-            st.bonus_tokens += out.bonus_tokens as f64;
-            st.mean_logp += (logps.detach() * &mb.mask)?.sum_all()?.to_scalar::<f32>()? as f64
-                / totals.active_tokens.max(1.0)
-                / k;
-            lap(&mut laps, "loss");
-            let mut g = out.loss.backward()?;
-            lap(&mut laps, "backward");
-            super::trace_memory("a chunk's backward", &device);
-            // Take each gradient out of the store as it is added, so that at most one
-            // parameter's chunk gradient is alive beside the accumulators. Every stored gradient
-            // is a fresh sum made by the backward, so adding into it in place aliases nothing.
-            for (i, v) in vars.iter().enumerate() {
-                let gi = match (g.remove(v), fwd.take_chunk_grad(v)?) {
-                    (Some(a), Some(b)) => Some((a + b)?),
-                    (a, b) => a.or(b),
-                };
-                if let Some(gi) = gi {
-                    grads[i] = Some(match grads[i].take() {
-                        Some(acc) => accumulate(acc, &gi)?,
-                        None => gi,
-                    });
-                }
-            }
-            lap(&mut laps, "accumulate");
+            probe.forward(&mut logps)?;
+            let inputs = LossInputs {
+                logps: &logps,
+                old_logps: mb.old_logps.as_ref(),
+                ref_logps: mb.ref_logps.as_ref(),
+                advantages: &mb.advantages,
+                mask: &mb.mask,
+                entropies: ents.as_ref(),
+            };
+            let out = grpo_loss(&inputs, &opts.loss, &red)?;
+            st.add_chunk(&out, &logps, &mb.mask, totals.active_tokens, window.len())?;
+            probe.lap("loss");
+            let g = out.loss.backward()?;
+            probe.backward(&device);
+            add_chunk_gradients(&mut grads, vars, g, &fwd)?;
+            probe.lap("accumulate");
         }
     }
-    if let Some(l) = &laps {
-        let passes = l.seconds(&["forward", "loss", "backward"]);
-        let rate = match crate::flops::throughput(st.flops, passes, None) {
-            Some((t, _)) => format!("; {t:.2} TFLOP/s over forward, loss and backward"),
-            None => String::new(),
+    st.flops = probe.flops;
+    probe.report_gradients(window.len());
+    let all = step_gradients(grads, policy, &fwd)?;
+    Ok((all, st))
+}
+
+/// The forward chunks of micro-batch `range` of `batch` (whole groups, at most
+/// `forward_chunk_tokens` tokens each), as row ranges of the batch. The high-entropy mask's
+/// quantile is over the micro-batch: then it is taken in one piece.
+fn forward_parts(
+    batch: &TrainBatch,
+    range: Range<usize>,
+    opts: &UpdateOptions,
+) -> Vec<Range<usize>> {
+    let rows = &batch.rows[range.clone()];
+    let prompts: Vec<&[u32]> = rows.iter().map(|r| r.prompt_ids.as_slice()).collect();
+    let comps: Vec<&[u32]> = rows.iter().map(|r| r.completion_ids.as_slice()).collect();
+    let chunk_tokens = if opts.loss.top_entropy_quantile < 1.0 {
+        usize::MAX
+    } else {
+        opts.forward_chunk_tokens
+    };
+    forward_chunks(&prompts, &comps, chunk_tokens)
+        .into_iter()
+        .map(|part| range.start + part.start..range.start + part.end)
+        .collect()
+}
+
+/// Adds a chunk's gradients (candle's store `g`, and what the forward's recomputed blocks left
+/// outside it) into the accumulators `acc`, taking each out of the store as it is added, so
+/// that at most one parameter's chunk gradient is alive beside the accumulators. Every stored
+/// gradient is a fresh sum made by the backward, so adding into it in place aliases nothing.
+fn add_chunk_gradients<F: TrainForward>(
+    acc: &mut [Option<Tensor>],
+    vars: &[Var],
+    mut g: GradStore,
+    fwd: &F,
+) -> Result<()> {
+    for (i, v) in vars.iter().enumerate() {
+        let gi = match (g.remove(v), fwd.take_chunk_grad(v)?) {
+            (Some(a), Some(b)) => Some((a + b)?),
+            (a, b) => a.or(b),
         };
-        l.report(&format!("gradients ({} micro-batches{rate})", window.len()));
+        if let Some(gi) = gi {
+            acc[i] = Some(match acc[i].take() {
+                Some(a) => accumulate(a, &gi)?,
+                None => gi,
+            });
+        }
     }
-    let mut all = Vec::with_capacity(grads.len());
-    for ((v, name), graph) in vars.iter().zip(policy.names()).zip(grads) {
+    Ok(())
+}
+
+/// The step's gradient of every parameter: the chunks' sums `acc` plus what the forward's
+/// gradient sinks accumulated over the step. A parameter without either is an error (an op
+/// without a backward).
+fn step_gradients<P: Policy>(
+    acc: Vec<Option<Tensor>>,
+    policy: &P,
+    fwd: &P::Train,
+) -> Result<Vec<Tensor>> {
+    let mut all = Vec::with_capacity(acc.len());
+    for ((v, name), graph) in policy.vars().iter().zip(policy.names()).zip(acc) {
         all.push(match (graph, fwd.take_step_grad(v)?) {
             (Some(a), Some(b)) => accumulate(a, &b)?,
             (Some(a), None) | (None, Some(a)) => a,
@@ -428,5 +517,5 @@ pub fn policy_gradients<P: Policy>(
             }
         });
     }
-    Ok((all, st))
+    Ok(all)
 }
