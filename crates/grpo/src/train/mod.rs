@@ -1,4 +1,4 @@
-//! The GRPO training loop, top to bottom: rollout, score, advantages, update, log, checkpoint.
+//! The GRPO training loop, top to bottom: sample, score, advantages, update, log, checkpoint.
 //!
 //! One *round* = one generation batch: `P` prompts x `G` completions, sampled with the current
 //! policy, scored, turned into advantages, then used for `num_iterations x steps_per_generation /
@@ -6,13 +6,14 @@
 //! `per_device_train_batch_size` completions each (TRL's semantics). Checkpoints and resume happen
 //! at round boundaries, so a resumed run replays exactly what the uninterrupted one does.
 //!
-//! Each step of a round is one call into the module that owns it; this file only orders them.
-//! Set-up (model, policy, optimizer, reference, resume, the options each round uses) is
-//! [`setup`]; sampling, scoring, advantages and the round's optimizer steps (the one place the
-//! step counter moves) [`round`]; the optimizer step itself [`update`]; logging, evaluation,
-//! health and checkpoints after a round [`after`], with the metrics it logs in [`metrics`]. The
-//! [`Policy`] and [`World`] traits are the seams for other kinds of policy (the fill-in
-//! generator, [`crate::fill_in`]) and for data-parallel runs.
+//! A round is one call, [`step::grpo_round`]: sample -> score -> advantages -> loss -> optimizer
+//! step on one screen, each phase a call that takes what it reads and returns what it produces
+//! (the phases before the update are in [`round`], the update's in [`update`]; what watches
+//! them, laps, FLOP counts and fault points, in [`probe`]). This file sets up and loops: set-up
+//! (model, policy, optimizer, reference, resume, the options each round uses) is [`setup`];
+//! logging, evaluation, health and checkpoints after a round [`after`], with the metrics it
+//! logs in [`metrics`]. The [`Policy`] and [`World`] traits are the seams for other kinds of
+//! policy (the fill-in generator, [`crate::fill_in`]) and for data-parallel runs.
 
 mod after;
 mod fill_in;

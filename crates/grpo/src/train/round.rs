@@ -4,7 +4,7 @@
 //! reward; the world's groups gathered: a [`Scored`] pass) -> [`advantages`] (group-relative,
 //! and this rank's [`TrainBatch`]: a [`RoundBatch`]). [`Passes`] plans the sampling passes:
 //! one, or under dynamic sampling (DAPO) more until `P` groups carry a signal (their rewards
-//! differ), for at most `max_extra_passes` extra passes. [`super::step::grpo_round`] calls them
+//! differ), for at most `max_extra_passes` extra passes. `step::grpo_round` calls them
 //! in order.
 
 use std::time::Instant;

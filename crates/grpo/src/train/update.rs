@@ -1,8 +1,11 @@
-//! The update: a round's [`TrainBatch`] becomes optimizer steps. [`update_round`] walks TRL's
+//! The update: a round's [`TrainBatch`] becomes optimizer steps. [`UpdatePlan`] walks TRL's
 //! structure (`num_iterations` passes, each split into optimizer steps of
 //! `gradient_accumulation_steps` micro-batches of `per_device_train_batch_size` completions);
-//! [`update_policy`] is one optimizer step (the golden tests pin it to TRL); [`policy_gradients`]
-//! is its forward/backward part.
+//! one optimizer step is [`policy_gradients`] (forward, GRPO loss, backward) then
+//! [`optimizer_step`] (the world's sums, clipping, AdamW), counted by [`StepCounter::count`].
+//! `step::grpo_round` calls them in a round; [`update_policy`] (one step, which the
+//! golden tests pin to TRL) and [`update_round`] (a batch's steps: the agents' warm-up) compose
+//! the same calls.
 
 use std::borrow::Cow;
 use std::ops::Range;
@@ -232,7 +235,7 @@ pub fn dropout_stream(step: u64) -> u64 {
 
 /// The optimizer steps of a batch outside a GRPO round (the agents' supervised warm-up, tests):
 /// per window of [`UpdatePlan`], [`update_policy`]; `on_step(step)` after each. Stops at
-/// `schedule.total_steps`. (A GRPO round takes the same steps in [`super::step::grpo_round`].)
+/// `schedule.total_steps`. (A GRPO round takes the same steps in `step::grpo_round`.)
 #[allow(clippy::too_many_arguments)]
 pub fn update_round<P: Policy>(
     policy: &P,

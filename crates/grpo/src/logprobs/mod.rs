@@ -6,6 +6,8 @@
 //! each chunk's logits for the backward; off it (a GPU, bf16, portable)
 //! [`token_logprobs_entropy_recomputed`] keeps none and recomputes them in the backward.
 
+use std::ops::Range;
+
 use candle_core::{Tensor, D};
 
 use grpo_models::models::fused;
@@ -422,7 +424,10 @@ impl HeadLogprobs {
     }
 }
 
-/// Tokens per forward/backward pass on the fused CPU path (passes sized to the CPU's caches).
+/// Tokens per forward/backward pass under [`Compute::CpuFused`] (f32 on the CPU: passes sized to
+/// the CPU's caches; [`MIXED_FORWARD_CHUNK_TOKENS`] under CPU mixed precision); also the floor
+/// of the memory-sized default elsewhere, its value when free memory is unknown, and the
+/// fill-in policy's.
 pub const DEFAULT_FORWARD_CHUNK_TOKENS: usize = 1024;
 
 /// Tokens per forward/backward pass under CPU mixed precision (`dtype = "bf16"` on the CPU). A
@@ -580,6 +585,114 @@ fn per_row_scores_fewer(packs: usize, shared: usize, n: usize, own: usize) -> bo
     scores(n, own) < scores(packs, shared)
 }
 
+/// Runs of consecutive rows with the same prompt (a group) under [`Packing::SharedPrompt`],
+/// else single rows. Off `one_row` (where attention scores every key slot of a row) a group
+/// shares one only when that scores fewer keys than a row per completion.
+fn packs(
+    prompts: &[&[u32]],
+    completions: &[&[u32]],
+    packing: Packing,
+    one_row: bool,
+) -> Vec<Range<usize>> {
+    let n = prompts.len();
+    let mut packs: Vec<Range<usize>> = Vec::new();
+    for i in 0..n {
+        match packs.last_mut() {
+            Some(r) if packing == Packing::SharedPrompt && prompts[r.start] == prompts[i] => {
+                r.end = i + 1
+            }
+            _ => packs.push(i..i + 1),
+        }
+    }
+    if !one_row && packs.len() < n {
+        let longest = |lens: &mut dyn Iterator<Item = usize>| lens.max().unwrap_or(0);
+        let shared = longest(&mut packs.iter().map(|r| pack_len(prompts, completions, r)));
+        let own = longest(&mut (0..n).map(|i| prompts[i].len() + completions[i].len()));
+        if per_row_scores_fewer(packs.len(), shared, n, own) {
+            packs = (0..n).map(|i| i..i + 1).collect();
+        }
+    }
+    packs
+}
+
+/// Tokens of a pack: its prompt once, then each of its completions.
+fn pack_len(prompts: &[&[u32]], completions: &[&[u32]], r: &Range<usize>) -> usize {
+    prompts[r.start].len() + r.clone().map(|i| completions[i].len()).sum::<usize>()
+}
+
+/// The forward's rows for packs of (prompt, completions): token ids, positions and segments
+/// (pack, and 0 for the prompt or k + 1 for its k-th completion) per row; the slot of the
+/// flattened `[rows * T]` hidden states that predicts each completion token, in row-major
+/// completion order, and each such token's target.
+struct PackedRows {
+    ids: Vec<Vec<u32>>,
+    pos: Vec<Vec<u32>>,
+    seg: Vec<Vec<(u32, u32)>>,
+    /// Row length T.
+    t: usize,
+    slots: Vec<u32>,
+    targets: Vec<u32>,
+}
+
+impl PackedRows {
+    /// All packs in one row (`one_row`), or a right-padded row per pack.
+    fn new(
+        prompts: &[&[u32]],
+        completions: &[&[u32]],
+        packs: &[Range<usize>],
+        one_row: bool,
+    ) -> Result<PackedRows> {
+        let lens: Vec<usize> = packs
+            .iter()
+            .map(|r| pack_len(prompts, completions, r))
+            .collect();
+        let n_rows = if one_row { 1 } else { packs.len() };
+        let t = match one_row {
+            true => lens.iter().sum(),
+            false => lens.iter().copied().max().unwrap_or(0),
+        };
+        let mut ids: Vec<Vec<u32>> = vec![Vec::new(); n_rows];
+        let mut pos: Vec<Vec<u32>> = vec![Vec::new(); n_rows];
+        let mut seg: Vec<Vec<(u32, u32)>> = vec![Vec::new(); n_rows];
+        let (mut slots, mut targets) = (Vec::new(), Vec::new());
+        for (pi, r) in packs.iter().enumerate() {
+            let (row, pack) = if one_row { (0, pi as u32) } else { (pi, 0) };
+            let p = prompts[r.start];
+            let lp = p.len();
+            if lp == 0 {
+                return Err(crate::Error::ModelInput(
+                    "a completion needs a non-empty prompt".into(),
+                ));
+            }
+            let base = ids[row].len();
+            let (i_row, p_row, s_row) = (&mut ids[row], &mut pos[row], &mut seg[row]);
+            i_row.extend_from_slice(p);
+            p_row.extend(0..lp as u32);
+            s_row.extend(std::iter::repeat_n((pack, 0), lp));
+            for (k, i) in r.clone().enumerate() {
+                let c = completions[i];
+                let off = i_row.len();
+                for (j, &tok) in c.iter().enumerate() {
+                    let from = if j == 0 { base + lp - 1 } else { off + j - 1 };
+                    slots.push((row * t + from) as u32);
+                    targets.push(tok);
+                }
+                i_row.extend_from_slice(c);
+                p_row.extend((lp..lp + c.len()).map(|x| x as u32));
+                s_row.extend(std::iter::repeat_n((pack, k as u32 + 1), c.len()));
+            }
+        }
+        Ok(PackedRows {
+            ids,
+            pos,
+            seg,
+            t,
+            slots,
+            targets,
+        })
+    }
+}
+
 /// Log-probs (and optionally entropies) of completion tokens, `[N, Tc]` right-padded with zeros.
 /// Row `i` is `prompts[i] ++ completions[i]`; the LM head is applied only at the positions that
 /// predict completion tokens, so no logits are computed for prompt or padding positions.
@@ -596,72 +709,13 @@ pub fn completion_logprobs(
 ) -> Result<(Tensor, Option<Tensor>)> {
     let n = prompts.len();
     let tc = completions.iter().map(|c| c.len()).max().unwrap_or(0);
-    // Packs: runs of consecutive rows with the same prompt (or single rows).
-    let mut packs: Vec<std::ops::Range<usize>> = Vec::new();
-    for i in 0..n {
-        match packs.last_mut() {
-            Some(r) if packing == Packing::SharedPrompt && prompts[r.start] == prompts[i] => {
-                r.end = i + 1
-            }
-            _ => packs.push(i..i + 1),
-        }
-    }
-    let pack_len = |r: &std::ops::Range<usize>| {
-        prompts[r.start].len() + r.clone().map(|i| completions[i].len()).sum::<usize>()
-    };
     // On the CPU in f32 the fused attention reads only each token's own pack, so all packs go
     // into one row: no padding, and one large matmul per projection. Elsewhere attention scores
-    // every key slot of a row, so each pack gets its own right-padded row, and a group shares
-    // one only when that scores fewer keys than a row per completion.
+    // every key slot of a row, so each pack gets its own right-padded row.
     let one_row = model.compute().is_fused();
-    if !one_row && packs.len() < n {
-        let longest = |lens: &mut dyn Iterator<Item = usize>| lens.max().unwrap_or(0);
-        let shared = longest(&mut packs.iter().map(pack_len));
-        let own = longest(&mut (0..n).map(|i| prompts[i].len() + completions[i].len()));
-        if per_row_scores_fewer(packs.len(), shared, n, own) {
-            packs = (0..n).map(|i| i..i + 1).collect();
-        }
-    }
-    let lens: Vec<usize> = packs.iter().map(pack_len).collect();
-    let n_rows = if one_row { 1 } else { packs.len() };
-    let t = match one_row {
-        true => lens.iter().sum(),
-        false => lens.iter().copied().max().unwrap_or(0),
-    };
-    let mut ids: Vec<Vec<u32>> = vec![Vec::new(); n_rows];
-    let mut pos: Vec<Vec<u32>> = vec![Vec::new(); n_rows];
-    let mut seg: Vec<Vec<(u32, u32)>> = vec![Vec::new(); n_rows];
-    // Slot of the flattened [rows * T] hidden states that predicts each completion token, in
-    // row-major completion order, and each completion token's target.
-    let (mut rows, mut targets) = (Vec::new(), Vec::new());
-    for (pi, r) in packs.iter().enumerate() {
-        let (row, pack) = if one_row { (0, pi as u32) } else { (pi, 0) };
-        let p = prompts[r.start];
-        let lp = p.len();
-        if lp == 0 {
-            return Err(crate::Error::ModelInput(
-                "a completion needs a non-empty prompt".into(),
-            ));
-        }
-        let base = ids[row].len();
-        let (i_row, p_row, s_row) = (&mut ids[row], &mut pos[row], &mut seg[row]);
-        i_row.extend_from_slice(p);
-        p_row.extend(0..lp as u32);
-        s_row.extend(std::iter::repeat_n((pack, 0), lp));
-        for (k, i) in r.clone().enumerate() {
-            let c = completions[i];
-            let off = i_row.len();
-            for (j, &tok) in c.iter().enumerate() {
-                let from = if j == 0 { base + lp - 1 } else { off + j - 1 };
-                rows.push((row * t + from) as u32);
-                targets.push(tok);
-            }
-            i_row.extend_from_slice(c);
-            p_row.extend((lp..lp + c.len()).map(|x| x as u32));
-            s_row.extend(std::iter::repeat_n((pack, k as u32 + 1), c.len()));
-        }
-    }
-    let m = rows.len();
+    let packs = packs(prompts, completions, packing, one_row);
+    let rows = PackedRows::new(prompts, completions, &packs, one_row)?;
+    let (n_rows, t, m) = (rows.ids.len(), rows.t, rows.slots.len());
     let mut scatter = vec![m as u32; n * tc];
     let mut k = 0;
     for (i, c) in completions.iter().enumerate() {
@@ -671,17 +725,47 @@ pub fn completion_logprobs(
         }
     }
     let dev = model.device().clone();
-    let batch = SeqBatch::prefix_shared(ids, pos, seg, pad_id, &dev)?;
+    let batch = SeqBatch::prefix_shared(rows.ids, rows.pos, rows.seg, pad_id, &dev)?;
     let hidden = model.forward_hidden(&batch, mode)?; // [rows, T, H]
     let h = hidden.dim(2)?;
     let picked = hidden
         .reshape((n_rows * t, h))?
-        .index_select(&Tensor::from_vec(rows, m, &dev)?, 0)?; // [M, H]
-    let targets = Tensor::from_vec(targets, m, &dev)?;
+        .index_select(&Tensor::from_vec(rows.slots, m, &dev)?, 0)?; // [M, H]
+    let targets = Tensor::from_vec(rows.targets, m, &dev)?; // [M]
+    let (lp, ent) = head_logprobs(
+        model,
+        &picked,
+        &targets,
+        temperature,
+        mode,
+        entropy,
+        one_row,
+    )?; // [M]
+    let scatter = Tensor::from_vec(scatter, n * tc, &dev)?;
+    let to_grid = |x: Tensor| -> Result<Tensor> {
+        let zero = Tensor::zeros(1, x.dtype(), &dev)?;
+        Ok(Tensor::cat(&[&x, &zero], 0)?
+            .index_select(&scatter, 0)?
+            .reshape((n, tc))?) // [N, Tc]
+    };
+    Ok((to_grid(lp)?, ent.map(to_grid).transpose()?))
+}
+
+/// The LM head's log-probs (and entropies) `[M]` of `targets` at the hidden states `picked`
+/// `[M, H]`. Off the fused CPU path (a GPU's) the head runs in chunks of the attention's byte
+/// budget, `[rows, V]` f32 each: 1,365 rows for SmolLM2's vocabulary, where 256-row chunks cost
+/// the reference pass ~1,500 small launches (rows are independent: no number changes); there a
+/// training forward keeps no `[M, V]` logits (recomputed in the backward).
+fn head_logprobs(
+    model: &CausalLm,
+    picked: &Tensor,
+    targets: &Tensor,
+    temperature: f64,
+    mode: Mode,
+    entropy: Entropy,
+    one_row: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
     let head = |h: &Tensor| model.head_logits(h);
-    // Off the fused CPU path (a GPU's) the LM head runs in chunks of the attention's byte budget,
-    // [rows, V] f32 each: 1,365 rows for SmolLM2's vocabulary, where 256-row chunks cost the
-    // reference pass ~1,500 small launches (rows are independent: no number changes).
     let vocab = match model.plain_head() {
         Some(w) => w.dim(0)?,
         None => model.config().vocab_size,
@@ -691,22 +775,21 @@ pub fn completion_logprobs(
         Compute::Gpu => GPU_TRAIN_HEAD_CHUNK_BYTES / (4 * vocab.max(1)),
         _ => big_rows,
     };
-    let (lp, ent) = match model.plain_head() {
-        // Off the fused CPU path a training forward keeps no [M, V] logits.
+    match model.plain_head() {
         Some(w) if mode == Mode::Train && !one_row => head_logprobs_recomputed(
-            &picked,
+            picked,
             w,
-            &targets,
+            targets,
             temperature,
             train_rows.max(1),
             entropy,
             model.head_grad().cloned(),
             model.compute(),
-        )?,
+        ),
         _ => token_logprobs_entropy_with(
-            &picked,
+            picked,
             &head,
-            &targets,
+            targets,
             temperature,
             match one_row {
                 true => DEFAULT_CHUNK_ROWS,
@@ -714,16 +797,8 @@ pub fn completion_logprobs(
             },
             entropy,
             model.compute(),
-        )?,
-    }; // [M]
-    let scatter = Tensor::from_vec(scatter, n * tc, &dev)?;
-    let to_grid = |x: Tensor| -> Result<Tensor> {
-        let zero = Tensor::zeros(1, x.dtype(), &dev)?;
-        Ok(Tensor::cat(&[&x, &zero], 0)?
-            .index_select(&scatter, 0)?
-            .reshape((n, tc))?) // [N, Tc]
-    };
-    Ok((to_grid(lp)?, ent.map(to_grid).transpose()?))
+        ),
+    }
 }
 
 /// Per-token log-probs `[N][len]` of `rows` (prompt, completion) under `model`, without a graph,
@@ -769,243 +844,4 @@ pub fn unpad_rows(x: &Tensor, lens: &[usize]) -> Result<Vec<Vec<f32>>> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use candle_core::{Device, Var};
-
-    /// Plain-f32 twin: log softmax(logits / T)[target] for one row.
-    fn logprob_slow(logits: &[f32], target: usize, t: f32) -> f32 {
-        let z: Vec<f32> = logits.iter().map(|x| x / t).collect();
-        let m = z.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-        let lse = z.iter().map(|x| (x - m).exp()).sum::<f32>().ln() + m;
-        z[target] - lse
-    }
-
-    /// The budget: half the free memory, capped at twice the f32 training state.
-    #[test]
-    fn the_activation_budget_is_capped_by_the_model_state() {
-        let gb = 1u64 << 30;
-        assert_eq!(activation_budget(136 * gb, 135_000_000), 32 * 135_000_000);
-        assert_eq!(activation_budget(8 * gb, 1_700_000_000), 4 * gb);
-    }
-
-    /// The GPU's layout: the kit's 16 x 8 x 256 batch behind ~52-token prompts scores 5.8x fewer
-    /// keys with a row per completion; a long prompt with short completions keeps its group's row.
-    #[test]
-    fn a_row_per_completion_only_where_it_scores_fewer_keys() {
-        assert!(per_row_scores_fewer(16, 52 + 8 * 256, 128, 52 + 256));
-        assert!(!per_row_scores_fewer(16, 1000 + 8 * 100, 128, 1000 + 100));
-        // One completion per prompt: the same rows either way, no change.
-        assert!(!per_row_scores_fewer(8, 300, 8, 300));
-    }
-
-    /// The device-sized pass: SmolLM2-135M's shape in bf16 with checkpointing keeps ~87 KB per
-    /// token (30 x 576 + 24 x 576 + 8 x 1536 floats), so 8 GB holds ~99k tokens; without it
-    /// ~1.1 MB, ~7.6k tokens; a tiny budget still gets the CPU default and a huge one the cap.
-    #[test]
-    fn device_sized_passes_follow_the_model_and_the_budget() {
-        let cfg = (576, 1536, 30); // hidden, intermediate, layers
-        let gb = 1u64 << 30;
-        let per_ckpt = (30 * 576 + 24 * 576 + 8 * 1536) * 2;
-        assert_eq!(
-            tokens_for_memory(cfg, 2, true, 8 * gb),
-            (8 * gb) as usize / per_ckpt
-        );
-        let per_full = 30 * (16 * 576 + 6 * 1536) * 2;
-        assert_eq!(
-            tokens_for_memory(cfg, 2, false, 8 * gb),
-            (8 * gb) as usize / per_full
-        );
-        assert_eq!(
-            tokens_for_memory(cfg, 4, false, 1 << 20),
-            DEFAULT_FORWARD_CHUNK_TOKENS
-        );
-        assert_eq!(tokens_for_memory(cfg, 2, true, 1 << 50), 1 << 20);
-    }
-
-    /// The unset pass size by compute: f32 on the fused CPU path keeps its cache-sized passes
-    /// whatever memory is free; CPU mixed precision takes the smaller passes; off the fused path
-    /// the free memory sizes them, and the CPU default stands in when it is unknown.
-    #[test]
-    fn unset_passes_follow_the_compute() {
-        use grpo_models::kernels::Compute;
-        let (cfg, params, gb) = ((576, 1536, 30), 135_000_000, 1u64 << 30);
-        let chunk = |c, free| default_chunk_tokens(c, free, cfg, 4, false, params);
-        assert_eq!(
-            chunk(Compute::CpuFused, Some(64 * gb)),
-            DEFAULT_FORWARD_CHUNK_TOKENS
-        );
-        assert_eq!(
-            chunk(Compute::CpuMixed, Some(64 * gb)),
-            MIXED_FORWARD_CHUNK_TOKENS
-        );
-        const { assert!(MIXED_FORWARD_CHUNK_TOKENS < DEFAULT_FORWARD_CHUNK_TOKENS) };
-        let budget = activation_budget(64 * gb, params);
-        for c in [Compute::Gpu, Compute::Portable] {
-            assert_eq!(
-                chunk(c, Some(64 * gb)),
-                tokens_for_memory(cfg, 4, false, budget)
-            );
-            assert_eq!(chunk(c, None), DEFAULT_FORWARD_CHUNK_TOKENS);
-        }
-    }
-
-    #[test]
-    fn forward_chunks_keep_groups_whole_and_respect_the_budget() {
-        let p1 = [1u32, 2, 3, 4];
-        let p2 = [5u32, 6];
-        let c: Vec<Vec<u32>> = [3, 2, 5, 1, 4, 4].iter().map(|&l| vec![9; l]).collect();
-        let prompts: Vec<&[u32]> = vec![&p1, &p1, &p1, &p2, &p2, &p2];
-        let comps: Vec<&[u32]> = c.iter().map(|v| v.as_slice()).collect();
-        // Groups cost 4+3+2+5 = 14 and 2+1+4+4 = 11.
-        assert_eq!(forward_chunks(&prompts, &comps, 100), vec![0..6]);
-        assert_eq!(forward_chunks(&prompts, &comps, 14), vec![0..3, 3..6]);
-        // A group over budget splits between completions: [4+3+2], [4+5], then group 2 whole.
-        assert_eq!(forward_chunks(&prompts, &comps, 11), vec![0..2, 2..3, 3..6]);
-        assert_eq!(
-            forward_chunks(&prompts, &comps, 1),
-            (0..6).map(|i| i..i + 1).collect::<Vec<_>>()
-        );
-        assert!(forward_chunks(&[], &[], 10).is_empty());
-    }
-
-    /// The recomputed head gives the graph path's log-probs, entropies and gradients (of the
-    /// hidden states and the head, through log-probs and a differentiable entropy), in chunks
-    /// that do not divide the rows, and no head gradient when the head is frozen.
-    #[test]
-    fn recomputed_head_logprobs_match_the_graph_path_with_gradients() {
-        let dev = Device::Cpu;
-        let (n, h, v) = (7, 5, 11);
-        let hidden = Var::randn(0f32, 1.0, (n, h), &dev).unwrap();
-        let w = Var::randn(0f32, 1.0, (v, h), &dev).unwrap();
-        let targets = Tensor::new(&[0u32, 3, 10, 5, 5, 1, 9], &dev).unwrap();
-        let c1 = Tensor::randn(0f32, 1.0, n, &dev).unwrap();
-        let c2 = Tensor::randn(0f32, 1.0, n, &dev).unwrap();
-        let diff = |a: &Tensor, b: &Tensor| -> f32 {
-            (a - b)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .max(0)
-                .unwrap()
-                .to_scalar()
-                .unwrap()
-        };
-        for (t, chunk) in [(1.0, 3), (0.7, 100), (0.0, 1)] {
-            let loss = |(lp, ent): (Tensor, Option<Tensor>)| {
-                let a = (lp * &c1).unwrap().sum_all().unwrap();
-                (a + (ent.unwrap() * &c2).unwrap().sum_all().unwrap()).unwrap()
-            };
-            let (lp0, e0) =
-                token_logprobs_entropy(&hidden, &w, &targets, t, chunk, Entropy::WithGrad).unwrap();
-            let (lp1, e1) = token_logprobs_entropy_recomputed(
-                &hidden,
-                &w,
-                &targets,
-                t,
-                chunk,
-                Entropy::WithGrad,
-            )
-            .unwrap();
-            assert!(
-                diff(&lp0, &lp1) < 1e-5 && diff(e0.as_ref().unwrap(), e1.as_ref().unwrap()) < 1e-5
-            );
-            let g0 = loss((lp0, e0)).backward().unwrap();
-            let g1 = loss((lp1, e1)).backward().unwrap();
-            for x in [&hidden, &w] {
-                // Relative to the gradient's size: the inputs are random, and at t = 0.7 an entry
-                // reaches ~10, where f32 sums in another order differ by ~1e-5 (seen: 1.24e-5).
-                let (a, b) = (g0.get(x).unwrap(), g1.get(x).unwrap());
-                let scale = 1.0 + diff(a, &a.zeros_like().unwrap());
-                let d = diff(a, b);
-                assert!(
-                    d < 1e-5 * scale,
-                    "t {t}, chunk {chunk}: {d} (scale {scale})"
-                );
-            }
-        }
-        // The head's gradient into an accumulator instead of the graph (a GPU sink's route,
-        // here on the CPU), the head a non-leaf (a cast of a parameter, as a bf16 model holds
-        // it) that nothing else reads: the backward runs, and the accumulator holds the graph
-        // path's gradient.
-        let wv = Var::randn(0f32, 1.0, (v, h), &dev).unwrap();
-        let cast = (wv.as_tensor() * 1.0).unwrap();
-        let sink = grpo_models::models::grad_sink::GradSink::on_device(&[(&wv, &cast)]);
-        let acc = sink
-            .weight_grad(&cast)
-            .expect("an accumulator for the head");
-        let (lp0, _) =
-            token_logprobs_entropy(&hidden, &cast, &targets, 0.8, 3, Entropy::Skip).unwrap();
-        let g0 = (lp0 * &c1).unwrap().sum_all().unwrap().backward().unwrap();
-        let (lp1, _) = head_logprobs_recomputed(
-            &hidden,
-            &cast,
-            &targets,
-            0.8,
-            3,
-            Entropy::Skip,
-            Some(acc),
-            Compute::Portable,
-        )
-        .unwrap();
-        let g1 = (lp1 * &c1).unwrap().sum_all().unwrap().backward().unwrap();
-        assert!(
-            g1.get(wv.as_tensor()).is_none(),
-            "the head's gradient left the graph"
-        );
-        let taken = sink
-            .take(&wv)
-            .unwrap()
-            .expect("the accumulated head gradient");
-        assert!(diff(g0.get(wv.as_tensor()).unwrap(), &taken) < 1e-5);
-        assert!(diff(g0.get(&hidden).unwrap(), g1.get(&hidden).unwrap()) < 1e-5);
-        let frozen = w.as_tensor().detach();
-        let (lp, ent) = token_logprobs_entropy_recomputed(
-            &hidden,
-            &frozen,
-            &targets,
-            1.0,
-            4,
-            Entropy::Detached,
-        )
-        .unwrap();
-        assert!(!ent.unwrap().track_op());
-        let g = lp.sum_all().unwrap().backward().unwrap();
-        assert!(g.get(&hidden).is_some() && g.get(&frozen).is_none());
-    }
-
-    #[test]
-    fn chunked_logprobs_match_plain_twin_and_have_gradients() {
-        let dev = Device::Cpu;
-        let (n, h, v) = (7, 5, 11);
-        let hidden = Var::randn(0f32, 1.0, (n, h), &dev).unwrap();
-        let w = Var::randn(0f32, 1.0, (v, h), &dev).unwrap();
-        let targets = Tensor::new(&[0u32, 3, 10, 5, 5, 1, 9], &dev).unwrap();
-        for (t, chunk) in [(1.0, 3), (0.7, 100), (0.0, 1)] {
-            let lp = token_logprobs(&hidden, &w, &targets, t, chunk).unwrap();
-            let got = lp.to_vec1::<f32>().unwrap();
-            let logits = hidden
-                .matmul(&w.t().unwrap())
-                .unwrap()
-                .to_vec2::<f32>()
-                .unwrap();
-            let tt = if t > 0.0 { t as f32 } else { 1.0 };
-            for i in 0..n {
-                let want = logprob_slow(
-                    &logits[i],
-                    targets.to_vec1::<u32>().unwrap()[i] as usize,
-                    tt,
-                );
-                assert!(
-                    (got[i] - want).abs() < 1e-5,
-                    "row {i}: {} vs {want}",
-                    got[i]
-                );
-            }
-            let grads = lp.sum_all().unwrap().backward().unwrap();
-            assert!(grads.get(&hidden).is_some() && grads.get(&w).is_some());
-        }
-    }
-}
+mod tests;

@@ -1,0 +1,224 @@
+//! Log-probs, entropies, packing and chunking against plain twins and the graph path.
+use super::*;
+use candle_core::{Device, Var};
+
+/// Plain-f32 twin: log softmax(logits / T)[target] for one row.
+fn logprob_slow(logits: &[f32], target: usize, t: f32) -> f32 {
+    let z: Vec<f32> = logits.iter().map(|x| x / t).collect();
+    let m = z.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let lse = z.iter().map(|x| (x - m).exp()).sum::<f32>().ln() + m;
+    z[target] - lse
+}
+
+/// The budget: half the free memory, capped at twice the f32 training state.
+#[test]
+fn the_activation_budget_is_capped_by_the_model_state() {
+    let gb = 1u64 << 30;
+    assert_eq!(activation_budget(136 * gb, 135_000_000), 32 * 135_000_000);
+    assert_eq!(activation_budget(8 * gb, 1_700_000_000), 4 * gb);
+}
+
+/// The GPU's layout: the kit's 16 x 8 x 256 batch behind ~52-token prompts scores 5.8x fewer
+/// keys with a row per completion; a long prompt with short completions keeps its group's row.
+#[test]
+fn a_row_per_completion_only_where_it_scores_fewer_keys() {
+    assert!(per_row_scores_fewer(16, 52 + 8 * 256, 128, 52 + 256));
+    assert!(!per_row_scores_fewer(16, 1000 + 8 * 100, 128, 1000 + 100));
+    // One completion per prompt: the same rows either way, no change.
+    assert!(!per_row_scores_fewer(8, 300, 8, 300));
+}
+
+/// The device-sized pass: SmolLM2-135M's shape in bf16 with checkpointing keeps ~87 KB per
+/// token (30 x 576 + 24 x 576 + 8 x 1536 floats), so 8 GB holds ~99k tokens; without it
+/// ~1.1 MB, ~7.6k tokens; a tiny budget still gets the CPU default and a huge one the cap.
+#[test]
+fn device_sized_passes_follow_the_model_and_the_budget() {
+    let cfg = (576, 1536, 30); // hidden, intermediate, layers
+    let gb = 1u64 << 30;
+    let per_ckpt = (30 * 576 + 24 * 576 + 8 * 1536) * 2;
+    assert_eq!(
+        tokens_for_memory(cfg, 2, true, 8 * gb),
+        (8 * gb) as usize / per_ckpt
+    );
+    let per_full = 30 * (16 * 576 + 6 * 1536) * 2;
+    assert_eq!(
+        tokens_for_memory(cfg, 2, false, 8 * gb),
+        (8 * gb) as usize / per_full
+    );
+    assert_eq!(
+        tokens_for_memory(cfg, 4, false, 1 << 20),
+        DEFAULT_FORWARD_CHUNK_TOKENS
+    );
+    assert_eq!(tokens_for_memory(cfg, 2, true, 1 << 50), 1 << 20);
+}
+
+/// The unset pass size by compute: f32 on the fused CPU path keeps its cache-sized passes
+/// whatever memory is free; CPU mixed precision takes the smaller passes; off the fused path
+/// the free memory sizes them, and the CPU default stands in when it is unknown.
+#[test]
+fn unset_passes_follow_the_compute() {
+    use grpo_models::kernels::Compute;
+    let (cfg, params, gb) = ((576, 1536, 30), 135_000_000, 1u64 << 30);
+    let chunk = |c, free| default_chunk_tokens(c, free, cfg, 4, false, params);
+    assert_eq!(
+        chunk(Compute::CpuFused, Some(64 * gb)),
+        DEFAULT_FORWARD_CHUNK_TOKENS
+    );
+    assert_eq!(
+        chunk(Compute::CpuMixed, Some(64 * gb)),
+        MIXED_FORWARD_CHUNK_TOKENS
+    );
+    const { assert!(MIXED_FORWARD_CHUNK_TOKENS < DEFAULT_FORWARD_CHUNK_TOKENS) };
+    let budget = activation_budget(64 * gb, params);
+    for c in [Compute::Gpu, Compute::Portable] {
+        assert_eq!(
+            chunk(c, Some(64 * gb)),
+            tokens_for_memory(cfg, 4, false, budget)
+        );
+        assert_eq!(chunk(c, None), DEFAULT_FORWARD_CHUNK_TOKENS);
+    }
+}
+
+#[test]
+fn forward_chunks_keep_groups_whole_and_respect_the_budget() {
+    let p1 = [1u32, 2, 3, 4];
+    let p2 = [5u32, 6];
+    let c: Vec<Vec<u32>> = [3, 2, 5, 1, 4, 4].iter().map(|&l| vec![9; l]).collect();
+    let prompts: Vec<&[u32]> = vec![&p1, &p1, &p1, &p2, &p2, &p2];
+    let comps: Vec<&[u32]> = c.iter().map(|v| v.as_slice()).collect();
+    // Groups cost 4+3+2+5 = 14 and 2+1+4+4 = 11.
+    assert_eq!(forward_chunks(&prompts, &comps, 100), vec![0..6]);
+    assert_eq!(forward_chunks(&prompts, &comps, 14), vec![0..3, 3..6]);
+    // A group over budget splits between completions: [4+3+2], [4+5], then group 2 whole.
+    assert_eq!(forward_chunks(&prompts, &comps, 11), vec![0..2, 2..3, 3..6]);
+    assert_eq!(
+        forward_chunks(&prompts, &comps, 1),
+        (0..6).map(|i| i..i + 1).collect::<Vec<_>>()
+    );
+    assert!(forward_chunks(&[], &[], 10).is_empty());
+}
+
+/// The recomputed head gives the graph path's log-probs, entropies and gradients (of the
+/// hidden states and the head, through log-probs and a differentiable entropy), in chunks
+/// that do not divide the rows, and no head gradient when the head is frozen.
+#[test]
+fn recomputed_head_logprobs_match_the_graph_path_with_gradients() {
+    let dev = Device::Cpu;
+    let (n, h, v) = (7, 5, 11);
+    let hidden = Var::randn(0f32, 1.0, (n, h), &dev).unwrap();
+    let w = Var::randn(0f32, 1.0, (v, h), &dev).unwrap();
+    let targets = Tensor::new(&[0u32, 3, 10, 5, 5, 1, 9], &dev).unwrap();
+    let c1 = Tensor::randn(0f32, 1.0, n, &dev).unwrap();
+    let c2 = Tensor::randn(0f32, 1.0, n, &dev).unwrap();
+    let diff = |a: &Tensor, b: &Tensor| -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar()
+            .unwrap()
+    };
+    for (t, chunk) in [(1.0, 3), (0.7, 100), (0.0, 1)] {
+        let loss = |(lp, ent): (Tensor, Option<Tensor>)| {
+            let a = (lp * &c1).unwrap().sum_all().unwrap();
+            (a + (ent.unwrap() * &c2).unwrap().sum_all().unwrap()).unwrap()
+        };
+        let (lp0, e0) =
+            token_logprobs_entropy(&hidden, &w, &targets, t, chunk, Entropy::WithGrad).unwrap();
+        let (lp1, e1) =
+            token_logprobs_entropy_recomputed(&hidden, &w, &targets, t, chunk, Entropy::WithGrad)
+                .unwrap();
+        assert!(diff(&lp0, &lp1) < 1e-5 && diff(e0.as_ref().unwrap(), e1.as_ref().unwrap()) < 1e-5);
+        let g0 = loss((lp0, e0)).backward().unwrap();
+        let g1 = loss((lp1, e1)).backward().unwrap();
+        for x in [&hidden, &w] {
+            // Relative to the gradient's size: the inputs are random, and at t = 0.7 an entry
+            // reaches ~10, where f32 sums in another order differ by ~1e-5 (seen: 1.24e-5).
+            let (a, b) = (g0.get(x).unwrap(), g1.get(x).unwrap());
+            let scale = 1.0 + diff(a, &a.zeros_like().unwrap());
+            let d = diff(a, b);
+            assert!(
+                d < 1e-5 * scale,
+                "t {t}, chunk {chunk}: {d} (scale {scale})"
+            );
+        }
+    }
+    // The head's gradient into an accumulator instead of the graph (a GPU sink's route,
+    // here on the CPU), the head a non-leaf (a cast of a parameter, as a bf16 model holds
+    // it) that nothing else reads: the backward runs, and the accumulator holds the graph
+    // path's gradient.
+    let wv = Var::randn(0f32, 1.0, (v, h), &dev).unwrap();
+    let cast = (wv.as_tensor() * 1.0).unwrap();
+    let sink = grpo_models::models::grad_sink::GradSink::on_device(&[(&wv, &cast)]);
+    let acc = sink
+        .weight_grad(&cast)
+        .expect("an accumulator for the head");
+    let (lp0, _) = token_logprobs_entropy(&hidden, &cast, &targets, 0.8, 3, Entropy::Skip).unwrap();
+    let g0 = (lp0 * &c1).unwrap().sum_all().unwrap().backward().unwrap();
+    let (lp1, _) = head_logprobs_recomputed(
+        &hidden,
+        &cast,
+        &targets,
+        0.8,
+        3,
+        Entropy::Skip,
+        Some(acc),
+        Compute::Portable,
+    )
+    .unwrap();
+    let g1 = (lp1 * &c1).unwrap().sum_all().unwrap().backward().unwrap();
+    assert!(
+        g1.get(wv.as_tensor()).is_none(),
+        "the head's gradient left the graph"
+    );
+    let taken = sink
+        .take(&wv)
+        .unwrap()
+        .expect("the accumulated head gradient");
+    assert!(diff(g0.get(wv.as_tensor()).unwrap(), &taken) < 1e-5);
+    assert!(diff(g0.get(&hidden).unwrap(), g1.get(&hidden).unwrap()) < 1e-5);
+    let frozen = w.as_tensor().detach();
+    let (lp, ent) =
+        token_logprobs_entropy_recomputed(&hidden, &frozen, &targets, 1.0, 4, Entropy::Detached)
+            .unwrap();
+    assert!(!ent.unwrap().track_op());
+    let g = lp.sum_all().unwrap().backward().unwrap();
+    assert!(g.get(&hidden).is_some() && g.get(&frozen).is_none());
+}
+
+#[test]
+fn chunked_logprobs_match_plain_twin_and_have_gradients() {
+    let dev = Device::Cpu;
+    let (n, h, v) = (7, 5, 11);
+    let hidden = Var::randn(0f32, 1.0, (n, h), &dev).unwrap();
+    let w = Var::randn(0f32, 1.0, (v, h), &dev).unwrap();
+    let targets = Tensor::new(&[0u32, 3, 10, 5, 5, 1, 9], &dev).unwrap();
+    for (t, chunk) in [(1.0, 3), (0.7, 100), (0.0, 1)] {
+        let lp = token_logprobs(&hidden, &w, &targets, t, chunk).unwrap();
+        let got = lp.to_vec1::<f32>().unwrap();
+        let logits = hidden
+            .matmul(&w.t().unwrap())
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        let tt = if t > 0.0 { t as f32 } else { 1.0 };
+        for i in 0..n {
+            let want = logprob_slow(
+                &logits[i],
+                targets.to_vec1::<u32>().unwrap()[i] as usize,
+                tt,
+            );
+            assert!(
+                (got[i] - want).abs() < 1e-5,
+                "row {i}: {} vs {want}",
+                got[i]
+            );
+        }
+        let grads = lp.sum_all().unwrap().backward().unwrap();
+        assert!(grads.get(&hidden).is_some() && grads.get(&w).is_some());
+    }
+}
