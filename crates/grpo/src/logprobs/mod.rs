@@ -430,20 +430,18 @@ impl HeadLogprobs {
 /// fill-in policy's.
 pub const DEFAULT_FORWARD_CHUNK_TOKENS: usize = 1024;
 
-/// Tokens per forward/backward pass under CPU mixed precision (`dtype = "bf16"` on the CPU). A
-/// pass keeps ~1.7 MB of activations a token for SmolLM2-135M, and its bf16 products run as
-/// fast on 512 rows as on 1024 (AMX tiles; the `vdpbf16ps` kernel's blocks are 192 rows): at 512
-/// the GRPO step bench (8 x 4 x 64) peaked at 3.84 GB against 4.75 GB at 1024, in the same time
-/// (8.49 against 8.52 s a step; 384 tokens cost 12% more, as a group of 4 x 64 tokens no longer
-/// fits a pass and its prompt is computed once per part). Intel Xeon with AMX, 2 cores.
+/// Tokens per forward/backward pass under CPU mixed precision (`dtype = "bf16"` on the CPU): half
+/// the activation memory of [`DEFAULT_FORWARD_CHUNK_TOKENS`], as the bf16 products run as fast
+/// on 512 rows as on 1024 (bench/README.md, "Where the defaults come from", has the
+/// measurement).
 pub const MIXED_FORWARD_CHUNK_TOKENS: usize = 512;
 
 /// The bytes a training pass's kept activations may take off the fused CPU path: half of the
 /// device's `free` memory, and at most twice the f32 state of the model's `params` parameters
-/// (weight, gradient and two AdamW moments: 16 bytes each). Half the free memory alone let a
-/// 135M model's 16 x 8 x 256 micro-batch take 48 GB of an H200 in one pass where TRL takes
-/// 12 GB; with the cap it runs in passes of a few thousand tokens, still enough rows to keep a
-/// GPU's matmuls full, and a 1.7B model keeps its passes of ~14k tokens.
+/// (weight, gradient and two AdamW moments: 16 bytes each). The cap keeps a small model's passes
+/// to a few thousand tokens, still enough rows to keep a GPU's matmuls full, where half the free
+/// memory alone would put a whole large micro-batch in one pass (bench/README.md, "Where the
+/// defaults come from").
 pub fn activation_budget(free: u64, params: u64) -> u64 {
     (free / 2).min(2 * 16 * params)
 }
