@@ -2,6 +2,12 @@
 # Type-check the CUDA build (`--features cuda`) on a machine without a GPU or a system CUDA toolkit.
 #
 #   scripts/check_cuda.sh [extra cargo args...]      e.g. scripts/check_cuda.sh -p grpo
+#   scripts/check_cuda.sh --skip-candle-kernels [extra cargo args...]     (what .ci/run runs)
+#
+# `--skip-candle-kernels` routes nvcc through scripts/nvcc_skip_candle_kernels.sh, which writes
+# empty outputs for candle-kernels' own CUDA sources (15-25 minutes of nvcc on 2 cores, which a
+# type check never reads) and runs the real nvcc for anything else; its target directory is
+# target/cuda-typecheck. Without it, every kernel is compiled, as a real CUDA build does.
 #
 # What it does:
 #   1. Creates a Python venv (default .ci/cuda-venv, git-ignored) and pip-installs NVIDIA's CUDA
@@ -50,8 +56,15 @@ die() { printf 'check_cuda.sh: error: %s\n' "$*" >&2; exit 1; }
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+SKIP_CANDLE=0
+if [[ "${1:-}" == "--skip-candle-kernels" ]]; then
+    SKIP_CANDLE=1
+    shift
+fi
 VENV="${CUDA_CHECK_VENV:-$ROOT/.ci/cuda-venv}"
-TARGET_DIR="${CUDA_CHECK_TARGET_DIR:-$ROOT/target/cuda-check}"
+DEFAULT_TARGET="$ROOT/target/cuda-check"
+[[ $SKIP_CANDLE == 1 ]] && DEFAULT_TARGET="$ROOT/target/cuda-typecheck"
+TARGET_DIR="${CUDA_CHECK_TARGET_DIR:-$DEFAULT_TARGET}"
 COMPUTE_CAP="${CUDA_COMPUTE_CAP:-80}"
 PYTHON="${PYTHON:-python3}"
 
@@ -86,6 +99,10 @@ done
 export PATH="$CUDA_TREE/bin:$PATH"
 export CUDA_ROOT="$CUDA_TREE" CUDA_PATH="$CUDA_TREE" CUDA_HOME="$CUDA_TREE"
 export NVCC="$CUDA_TREE/bin/nvcc"       # cudaforge (candle-kernels' build helper) looks here first
+if [[ $SKIP_CANDLE == 1 ]]; then
+    export REAL_NVCC="$NVCC"
+    export NVCC="$ROOT/scripts/nvcc_skip_candle_kernels.sh"
+fi
 export CUDA_COMPUTE_CAP="$COMPUTE_CAP"  # no nvidia-smi to ask
 export CARGO_TARGET_DIR="$TARGET_DIR"
 
