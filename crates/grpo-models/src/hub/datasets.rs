@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use hf_hub::{Cache, Repo, RepoType};
 use tracing::{info, warn};
 
-use crate::error::{Error, Result};
 use super::hf::{http_status, HubSettings, VerifiedFetch};
+use crate::error::{Error, Result};
 
 /// The data formats grpo reads, in the order a split's file is looked for.
 const DATASET_EXTS: [&str; 5] = ["jsonl", "json", "parquet", "csv", "txt"];

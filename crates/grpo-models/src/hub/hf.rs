@@ -11,10 +11,11 @@ use hf_hub::{Cache, Repo, RepoType};
 use sha2::Digest;
 use tracing::{info, warn};
 
-use crate::error::{Error, Result};
 use super::pypi::{digest_file, http_agent, sha256_file};
-use super::{cache_dir, DEFAULT_HF_ENDPOINT, HUB_OPTIONAL_FILES, SAFETENSORS_INDEX, SAFETENSORS_SINGLE};
-
+use super::{
+    cache_dir, DEFAULT_HF_ENDPOINT, HUB_OPTIONAL_FILES, SAFETENSORS_INDEX, SAFETENSORS_SINGLE,
+};
+use crate::error::{Error, Result};
 
 /// Where and how to talk to the hub.
 #[derive(Debug, Clone)]
@@ -141,7 +142,9 @@ fn hub_file_hashes(
     parse_hub_file_hashes(&text)
 }
 
-pub(super) fn parse_hub_file_hashes(text: &str) -> std::result::Result<HashMap<String, HubFileHash>, String> {
+pub(super) fn parse_hub_file_hashes(
+    text: &str,
+) -> std::result::Result<HashMap<String, HubFileHash>, String> {
     let v: serde_json::Value =
         serde_json::from_str(text).map_err(|e| format!("invalid JSON: {e}"))?;
     let siblings = v
@@ -263,7 +266,11 @@ impl<'a> VerifiedFetch<'a> {
 
     /// `name`, from the cache or downloaded and checked against the hub's hashes; a failed
     /// download is worded by `failed`.
-    pub(super) fn get(&mut self, name: &str, failed: impl FnOnce(ApiError) -> Error) -> Result<PathBuf> {
+    pub(super) fn get(
+        &mut self,
+        name: &str,
+        failed: impl FnOnce(ApiError) -> Error,
+    ) -> Result<PathBuf> {
         let fresh = !self.snapshot.join(name).exists();
         let path = self.repo.get(name).map_err(failed)?;
         if !fresh {

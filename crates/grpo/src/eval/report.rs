@@ -1,7 +1,6 @@
 //! What an evaluation found: the running tally over the prompts, the report of metrics it
 //! makes, and each prompt's log row.
 
-
 use serde_json::{json, Map, Value};
 
 use super::pass_at_k;

@@ -33,12 +33,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-
 pub use http::{HttpScorer, HttpSpec};
 pub use protocol::ScorerStats;
-use protocol::{
-    lock, numbered_requests, units, Tally,
-};
+use protocol::{lock, numbered_requests, units, Tally};
 
 use super::ScoreItem;
 use crate::{Error, Result};

@@ -1,6 +1,5 @@
 //! `--objective causal`: a small Llama causal LM trained by next-token prediction.
 
-
 use candle_core::{DType, Device, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;

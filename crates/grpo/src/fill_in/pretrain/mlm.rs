@@ -1,7 +1,6 @@
 //! `--objective mlm`: the masked-LM generator (a char-level or BPE BERT), trained to fill every
 //! masked position at once.
 
-
 use candle_core::{Device, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;

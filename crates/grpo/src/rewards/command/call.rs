@@ -9,10 +9,7 @@ use std::time::{Duration, Instant};
 
 use tracing::warn;
 
-use super::protocol::{
-    excerpt, lock, parse_answers, unit_line, Answer, Miss,
-    Tally,
-};
+use super::protocol::{excerpt, lock, parse_answers, unit_line, Answer, Miss, Tally};
 
 use super::process::{Out, Proc};
 use super::spec::CommandSpec;

@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-
 use crate::rewards::table::Table;
 use crate::Result;
 
