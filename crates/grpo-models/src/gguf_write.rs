@@ -137,23 +137,9 @@ fn model_metadata(
     outtype: GgufType,
 ) -> Result<(Metadata, Vec<String>)> {
     let arch = gguf_arch(config.arch);
-    let biases_ok = matches!(config.arch, Arch::Qwen2 | Arch::Gpt2);
-    if !biases_ok && (config.mlp_bias || config.attention_bias) {
-        return Err(Error::Model(format!(
-            "GGUF export: llama.cpp's {arch} graph has no projection biases, and this model has some"
-        )));
-    }
+    check_graph(config, arch)?;
     let gemma = matches!(config.arch, Arch::Gemma2 | Arch::Gemma3);
-    if config.arch == Arch::Gemma2 && !config.tie_word_embeddings {
-        return Err(Error::Model(
-            "GGUF export: llama.cpp's gemma2 graph ties the output layer to the embeddings, and this model has its own lm_head".into(),
-        ));
-    }
-    let u = |x: usize| -> Result<Value> {
-        u32::try_from(x)
-            .map(Value::U32)
-            .map_err(|_| Error::Model(format!("{x} does not fit GGUF's u32 metadata")))
-    };
+    let u = u32_value;
     let key = |k: &str| format!("{arch}.{k}");
     let extras = &config.extras;
     let mut warnings = vec![];
@@ -227,60 +213,102 @@ fn model_metadata(
         }
     }
     if gemma {
-        if window.is_none() {
-            // llama.cpp's Gemma graphs always slide (Gemma 2 at 4096 when the file does not
-            // say): a window as long as the context is none.
-            md.push((key("attention.sliding_window"), u(context)?));
-        }
-        let sliding: Vec<bool> = match extras.sliding_layers.is_empty() {
-            true => vec![false; config.num_layers],
-            false => extras.sliding_layers.clone(),
-        };
-        if window.is_some() && sliding != llama_cpp_sliding_layers(config.arch, config.num_layers) {
-            warnings.push(format!(
-                "llama.cpp fixes which {arch} layers slide ({}); this model's are {:?}, which                  the file records for grpo but llama.cpp ignores",
-                match config.arch {
-                    Arch::Gemma2 => "every other one from the first",
-                    _ => "five of every six",
-                },
-                sliding
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, &s)| s)
-                    .map(|(i, _)| i)
-                    .collect::<Vec<_>>()
-            ));
-        }
-        md.push((
-            key("attention.sliding_window_pattern"),
-            Value::Array(sliding.into_iter().map(Value::Bool).collect()),
-        ));
-        for (k, cap) in [
-            ("attn_logit_softcapping", extras.attn_softcap),
-            ("final_logit_softcapping", extras.final_softcap),
-        ] {
-            match (cap, config.arch) {
-                (Some(c), _) => md.push((key(k), Value::F32(c as f32))),
-                (None, Arch::Gemma2) => warnings.push(format!(
-                    "this model has no {k}; llama.cpp's gemma2 graph applies its default"
-                )),
-                _ => {}
-            }
-        }
-        if config.arch == Arch::Gemma3 {
-            let local = extras.rope_local_theta.unwrap_or(10000.0);
-            md.push((key("rope.freq_base_swa"), Value::F32(local as f32)));
-            if local != 10000.0 {
-                warnings.push(format!(
-                    "llama.cpp's gemma3 graph fixes the sliding layers' RoPE base at 10000; this                      model's is {local}"
-                ));
-            }
-            if extras.attn_softcap.is_some() || extras.final_softcap.is_some() {
-                warnings.push("llama.cpp's gemma3 graph has no logit soft-capping".into());
-            }
-        }
+        gemma_metadata(config, arch, context, &mut md, &mut warnings)?;
     }
     Ok((md, warnings))
+}
+
+/// What llama.cpp's graph for `arch` cannot hold: projection biases (but Qwen2's and GPT-2's), and
+/// Gemma 2's own lm_head.
+fn check_graph(config: &ModelConfig, arch: &str) -> Result<()> {
+    let biases_ok = matches!(config.arch, Arch::Qwen2 | Arch::Gpt2);
+    if !biases_ok && (config.mlp_bias || config.attention_bias) {
+        return Err(Error::Model(format!(
+            "GGUF export: llama.cpp's {arch} graph has no projection biases, and this model has some"
+        )));
+    }
+    if config.arch == Arch::Gemma2 && !config.tie_word_embeddings {
+        return Err(Error::Model(
+            "GGUF export: llama.cpp's gemma2 graph ties the output layer to the embeddings, and this model has its own lm_head".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// `x` as GGUF's u32 metadata.
+fn u32_value(x: usize) -> Result<Value> {
+    u32::try_from(x)
+        .map(Value::U32)
+        .map_err(|_| Error::Model(format!("{x} does not fit GGUF's u32 metadata")))
+}
+
+/// Gemma 2's and 3's `<arch>.*` metadata (sliding window and its layer pattern, logit
+/// soft-capping, Gemma 3's local RoPE base), appended to `md`, and what llama.cpp runs
+/// differently, appended to `warnings`.
+fn gemma_metadata(
+    config: &ModelConfig,
+    arch: &str,
+    context: usize,
+    md: &mut Metadata,
+    warnings: &mut Vec<String>,
+) -> Result<()> {
+    let u = u32_value;
+    let key = |k: &str| format!("{arch}.{k}");
+    let extras = &config.extras;
+    let window = extras.sliding_window;
+    if window.is_none() {
+        // llama.cpp's Gemma graphs always slide (Gemma 2 at 4096 when the file does not
+        // say): a window as long as the context is none.
+        md.push((key("attention.sliding_window"), u(context)?));
+    }
+    let sliding: Vec<bool> = match extras.sliding_layers.is_empty() {
+        true => vec![false; config.num_layers],
+        false => extras.sliding_layers.clone(),
+    };
+    if window.is_some() && sliding != llama_cpp_sliding_layers(config.arch, config.num_layers) {
+        warnings.push(format!(
+            "llama.cpp fixes which {arch} layers slide ({}); this model's are {:?}, which                  the file records for grpo but llama.cpp ignores",
+            match config.arch {
+                Arch::Gemma2 => "every other one from the first",
+                _ => "five of every six",
+            },
+            sliding
+                .iter()
+                .enumerate()
+                .filter(|(_, &s)| s)
+                .map(|(i, _)| i)
+                .collect::<Vec<_>>()
+        ));
+    }
+    md.push((
+        key("attention.sliding_window_pattern"),
+        Value::Array(sliding.into_iter().map(Value::Bool).collect()),
+    ));
+    for (k, cap) in [
+        ("attn_logit_softcapping", extras.attn_softcap),
+        ("final_logit_softcapping", extras.final_softcap),
+    ] {
+        match (cap, config.arch) {
+            (Some(c), _) => md.push((key(k), Value::F32(c as f32))),
+            (None, Arch::Gemma2) => warnings.push(format!(
+                "this model has no {k}; llama.cpp's gemma2 graph applies its default"
+            )),
+            _ => {}
+        }
+    }
+    if config.arch == Arch::Gemma3 {
+        let local = extras.rope_local_theta.unwrap_or(10000.0);
+        md.push((key("rope.freq_base_swa"), Value::F32(local as f32)));
+        if local != 10000.0 {
+            warnings.push(format!(
+                "llama.cpp's gemma3 graph fixes the sliding layers' RoPE base at 10000; this                      model's is {local}"
+            ));
+        }
+        if extras.attn_softcap.is_some() || extras.final_softcap.is_some() {
+            warnings.push("llama.cpp's gemma3 graph has no logit soft-capping".into());
+        }
+    }
+    Ok(())
 }
 
 /// A number from the source `config.json` (Phi-3's `max_position_embeddings`, which grpo caps).

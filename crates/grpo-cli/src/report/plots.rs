@@ -172,25 +172,26 @@ pub(super) fn line_plot(
 /// Every plot of the report, in page order.
 pub(super) fn plot_specs(m: &Metrics) -> Vec<PlotSpec> {
     let keys = m.keys();
-    let per_reward = reward_names(&keys)
+    let mut specs = reward_specs(&keys);
+    specs.extend(eval_specs(&keys));
+    specs.extend(training_specs());
+    // A fill-in run's own curves (the judge's score, fills equal to the original).
+    if keys.contains(grpo::fill_in::FILL_MASKED_POSITIONS) {
+        specs.insert(2, fill_in_spec());
+    }
+    specs
+}
+
+/// The rewards: their sum, and each function's.
+fn reward_specs(keys: &BTreeSet<&str>) -> Vec<PlotSpec> {
+    let per_reward = reward_names(keys)
         .into_iter()
         .map(|n| {
             let band = Band::Std(names::reward_std(&n));
             Line::new(n.clone(), names::reward_mean(&n)).band(band)
         })
         .collect();
-    let mut eval: Vec<Line> = pass_at_k_keys(&keys)
-        .into_iter()
-        .map(|(k, key)| Line::new(format!("pass@{k}"), key))
-        .collect();
-    eval.push(Line::new("accuracy", names::EVAL_ACCURACY).dashed());
-    eval.push(Line::new("mean accuracy", names::EVAL_MEAN_ACCURACY).dashed());
-    let eval_rewards = keys
-        .iter()
-        .filter_map(|k| k.strip_prefix(names::EVAL_REWARD_PREFIX))
-        .map(|n| Line::new(n, format!("{}{n}", names::EVAL_REWARD_PREFIX)))
-        .collect();
-    let mut specs = vec![
+    vec![
         line_plot(
             "reward.png",
             "Reward (mean ± std over the step's completions)",
@@ -203,6 +204,23 @@ pub(super) fn plot_specs(m: &Metrics) -> Vec<PlotSpec> {
             "score",
             per_reward,
         ),
+    ]
+}
+
+/// Evaluation: pass@k and the accuracies, and each reward's mean.
+fn eval_specs(keys: &BTreeSet<&str>) -> Vec<PlotSpec> {
+    let mut eval: Vec<Line> = pass_at_k_keys(keys)
+        .into_iter()
+        .map(|(k, key)| Line::new(format!("pass@{k}"), key))
+        .collect();
+    eval.push(Line::new("accuracy", names::EVAL_ACCURACY).dashed());
+    eval.push(Line::new("mean accuracy", names::EVAL_MEAN_ACCURACY).dashed());
+    let eval_rewards = keys
+        .iter()
+        .filter_map(|k| k.strip_prefix(names::EVAL_REWARD_PREFIX))
+        .map(|n| Line::new(n, format!("{}{n}", names::EVAL_REWARD_PREFIX)))
+        .collect();
+    vec![
         PlotSpec {
             unit_range: true,
             ..line_plot(
@@ -218,6 +236,12 @@ pub(super) fn plot_specs(m: &Metrics) -> Vec<PlotSpec> {
             "score",
             eval_rewards,
         ),
+    ]
+}
+
+/// The training curves: KL, loss, entropy, length, clipping, gradient norm, learning rate, time.
+fn training_specs() -> Vec<PlotSpec> {
+    vec![
         line_plot(
             "kl.png",
             "KL divergence to the reference model",
@@ -280,26 +304,23 @@ pub(super) fn plot_specs(m: &Metrics) -> Vec<PlotSpec> {
             unit_range: false,
             agent: false,
         },
-    ];
-    // A fill-in run's own curves (the judge's score, fills equal to the original).
-    if keys.contains(grpo::fill_in::FILL_MASKED_POSITIONS) {
-        specs.insert(
-            2,
-            PlotSpec {
-                unit_range: true,
-                ..line_plot(
-                    "fill.png",
-                    "Fill-in: judge score and fill accuracy against the original",
-                    "score / fraction of masked tokens",
-                    vec![
-                        Line::new("judge score", grpo::fill_in::FILL_JUDGE_SCORE),
-                        Line::new("fill accuracy", grpo::fill_in::FILL_ACCURACY),
-                    ],
-                )
-            },
-        );
+    ]
+}
+
+/// A fill-in run's curves: the judge's score and the fills equal to the original.
+fn fill_in_spec() -> PlotSpec {
+    PlotSpec {
+        unit_range: true,
+        ..line_plot(
+            "fill.png",
+            "Fill-in: judge score and fill accuracy against the original",
+            "score / fraction of masked tokens",
+            vec![
+                Line::new("judge score", grpo::fill_in::FILL_JUDGE_SCORE),
+                Line::new("fill accuracy", grpo::fill_in::FILL_ACCURACY),
+            ],
+        )
     }
-    specs
 }
 
 impl PlotSpec {

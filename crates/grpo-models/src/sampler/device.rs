@@ -58,8 +58,6 @@ pub(super) fn choose_tokens(
     rows: &[DeviceRow<'_>],
     params: &SamplingParams,
 ) -> Result<Vec<(u32, f32)>> {
-    let (b, v) = logits.dims2()?;
-    let device = logits.device();
     let greedy = params.temperature <= 0.0;
     let t = if greedy { 1.0 } else { params.temperature };
     let raw = logits.to_dtype(DType::F32)?; // [b, V] f32
@@ -72,27 +70,7 @@ pub(super) fn choose_tokens(
     let norm = Tensor::cat(&[&m, &e.sum_keepdim(1)?], 1)?; // [b, 2]
     let logprob = |raw_tok: f32, norm: &[f32]| (raw_tok - norm[0]) / t as f32 - norm[1].ln();
 
-    // Processed logits: the repetition penalty, then EOS suppression (HF's order).
-    let mut z = None;
-    if params.repetition_penalty != 1.0 {
-        let ids = padded_ids(rows.iter().map(|r| unique_below(r.seen, v)), b);
-        let ids = Tensor::from_vec(ids.0, (b, ids.1), device)?; // [b, S] u32
-        let g = raw.gather(&ids, 1)?; // [b, S]
-        let p = params.repetition_penalty;
-        let penalised = g.lt(0.0)?.where_cond(&(&g * p)?, &(&g / p)?)?;
-        z = Some(raw.scatter(&ids, &penalised, 1)?);
-    }
-    let eos: Vec<u32> = unique_below(&params.eos_token_ids, v);
-    if !eos.is_empty() && rows.iter().any(|r| r.suppress_eos) {
-        let zz = z.as_ref().unwrap_or(&raw);
-        let e = eos.len();
-        let ids = Tensor::from_vec(eos.repeat(b), (b, e), device)?; // [b, E] u32
-        let cur = zz.gather(&ids, 1)?; // [b, E]
-        let flags: Vec<u8> = rows.iter().map(|r| r.suppress_eos as u8).collect();
-        let off = Tensor::from_vec(flags, (b, 1), device)?.broadcast_as((b, e))?;
-        let none = Tensor::full(f32::NEG_INFINITY, (b, e), device)?;
-        z = Some(zz.scatter(&ids, &off.where_cond(&none, &cur)?, 1)?);
-    }
+    let z = processed(&raw, rows, params)?;
 
     if greedy {
         let tok = z.as_ref().unwrap_or(&raw).argmax_keepdim(1)?; // [b, 1] u32
@@ -108,7 +86,7 @@ pub(super) fn choose_tokens(
 
     // The processed logits at temperature t, 0 at each row's top, and their exponentials (the
     // unnormalised probabilities): the raw ones' when nothing was processed.
-    let (s, mut q) = match z {
+    let (s, q) = match z {
         None => (scaled_raw, e),
         Some(z) => {
             let s = (z.broadcast_sub(&z.max_keepdim(1)?)? / t)?; // [b, V], <= 0
@@ -116,6 +94,51 @@ pub(super) fn choose_tokens(
             (s, q)
         }
     };
+    let q = truncated(&s, q, params)?;
+    let drawn = draw(&q, &raw, &norm, rows)?;
+    Ok(drawn
+        .into_iter()
+        .map(|(tok, raw_tok, norm)| (tok, logprob(raw_tok, &norm)))
+        .collect())
+}
+
+/// The processed logits [b, V]: the repetition penalty, then EOS suppression (HF's order); None
+/// when neither applies.
+fn processed(
+    raw: &Tensor,
+    rows: &[DeviceRow<'_>],
+    params: &SamplingParams,
+) -> Result<Option<Tensor>> {
+    let (b, v) = raw.dims2()?;
+    let device = raw.device();
+    let mut z = None;
+    if params.repetition_penalty != 1.0 {
+        let ids = padded_ids(rows.iter().map(|r| unique_below(r.seen, v)), b);
+        let ids = Tensor::from_vec(ids.0, (b, ids.1), device)?; // [b, S] u32
+        let g = raw.gather(&ids, 1)?; // [b, S]
+        let p = params.repetition_penalty;
+        let penalised = g.lt(0.0)?.where_cond(&(&g * p)?, &(&g / p)?)?;
+        z = Some(raw.scatter(&ids, &penalised, 1)?);
+    }
+    let eos: Vec<u32> = unique_below(&params.eos_token_ids, v);
+    if !eos.is_empty() && rows.iter().any(|r| r.suppress_eos) {
+        let zz = z.as_ref().unwrap_or(raw);
+        let e = eos.len();
+        let ids = Tensor::from_vec(eos.repeat(b), (b, e), device)?; // [b, E] u32
+        let cur = zz.gather(&ids, 1)?; // [b, E]
+        let flags: Vec<u8> = rows.iter().map(|r| r.suppress_eos as u8).collect();
+        let off = Tensor::from_vec(flags, (b, 1), device)?.broadcast_as((b, e))?;
+        let none = Tensor::full(f32::NEG_INFINITY, (b, e), device)?;
+        z = Some(zz.scatter(&ids, &off.where_cond(&none, &cur)?, 1)?);
+    }
+    Ok(z)
+}
+
+/// The unnormalised probabilities `q` [b, V] after top-k, top-p and min-p, given the tempered
+/// logits `s` [b, V] shifted to 0 at each row's top (`q = exp(s)`).
+fn truncated(s: &Tensor, mut q: Tensor, params: &SamplingParams) -> Result<Tensor> {
+    let (b, v) = s.dims2()?;
+    let device = s.device();
     let at_least = |x: &Tensor, floor: &Tensor| x.broadcast_ge(floor)?.to_dtype(DType::F32);
     let (lo, hi) = (
         Tensor::full(-FLOOR as f32, (b, 1), device)?,
@@ -124,27 +147,39 @@ pub(super) fn choose_tokens(
     if params.top_k > 0 && params.top_k < v {
         let k = params.top_k as f64;
         let keep = bisect(lo.clone(), hi.clone(), |mid| {
-            at_least(&s, mid)?.sum_keepdim(1)?.ge(k)
+            at_least(s, mid)?.sum_keepdim(1)?.ge(k)
         })?;
-        q = (q * at_least(&s, &keep)?)?;
+        q = (q * at_least(s, &keep)?)?;
     }
     if params.top_p < 1.0 {
         let target = (q.sum_keepdim(1)? * params.top_p)?; // [b, 1]
         let keep = bisect(lo, hi, |mid| {
-            (&q * at_least(&s, mid)?)?.sum_keepdim(1)?.ge(&target)
+            (&q * at_least(s, mid)?)?.sum_keepdim(1)?.ge(&target)
         })?;
-        q = (&q * at_least(&s, &keep)?)?;
+        q = (&q * at_least(s, &keep)?)?;
     }
     if params.min_p > 0.0 {
         let least = (q.max_keepdim(1)? * params.min_p)?; // [b, 1]
         q = (&q * at_least(&q, &least)?)?;
     }
+    Ok(q)
+}
 
-    // The two-level draw.
+/// The two-level draw from the unnormalised probabilities `q` [b, V] with each row's uniform:
+/// per row the token, its raw logit (from `raw` [b, V]) and the row's log-prob normaliser (from
+/// `norm` [b, 2]).
+fn draw(
+    q: &Tensor,
+    raw: &Tensor,
+    norm: &Tensor,
+    rows: &[DeviceRow<'_>],
+) -> Result<Vec<(u32, f32, Vec<f32>)>> {
+    let (b, v) = q.dims2()?;
+    let device = q.device();
     let blocks = v.div_ceil(BLOCK);
     let q = q.pad_with_zeros(1, 0, blocks * BLOCK - v)?; // [b, C*K]
     let sums = q.reshape((b, blocks, BLOCK))?.sum(2)?; // [b, C]
-    let back = Tensor::cat(&[&sums, &norm], 1)?.to_vec2::<f32>()?; // [b, C+2]
+    let back = Tensor::cat(&[&sums, norm], 1)?.to_vec2::<f32>()?; // [b, C+2]
     let picks: Vec<(usize, f64)> = rows
         .iter()
         .zip(&back)
@@ -171,10 +206,7 @@ pub(super) fn choose_tokens(
         .zip(&back)
         .map(|((&(c, rest), blk), s)| {
             let j = scan(&blk[..BLOCK], rest).0;
-            (
-                (c * BLOCK + j) as u32,
-                logprob(blk[BLOCK + j], &s[blocks..]),
-            )
+            ((c * BLOCK + j) as u32, blk[BLOCK + j], s[blocks..].to_vec())
         })
         .collect())
 }

@@ -91,6 +91,63 @@ pub(crate) fn build(content: &Content, path: &Path) -> Result<GgufTokenizer> {
 
 fn build_byte_level_bpe(md: &Meta) -> Result<GgufTokenizer> {
     let path = md.path;
+    let (tokens, types, merges) = vocabulary(md)?;
+    let Specials {
+        bos,
+        eos,
+        pad,
+        unk,
+        add_bos,
+        add_eos,
+    } = Specials::read(md, tokens.len())?;
+    let add_space_prefix = md.bool("tokenizer.ggml.add_space_prefix")?.unwrap_or(false);
+    let pre = md.string("tokenizer.ggml.pre")?;
+    let chat_template = md.string("tokenizer.chat_template")?.map(str::to_owned);
+
+    let layout = PreLayout::for_pre(pre, add_space_prefix).map_err(|msg| Error::file(path, msg))?;
+
+    let vocab = byte_level_vocab(&tokens, &types);
+    let pairs = merge_pairs(path, &merges)?;
+
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, pairs)
+        .ignore_merges(layout.ignore_merges)
+        .build()
+        .map_err(|e| {
+            Error::file(
+                path,
+                format!("cannot build the BPE tokenizer from GGUF metadata: {e}"),
+            )
+        })?;
+
+    let mut inner = tokenizers::Tokenizer::new(bpe);
+    if layout.nfc {
+        inner
+            .with_normalizer(Some(NFC))
+            .map_err(|e| Error::Tokenizer(format!("setting the NFC normalizer: {e}")))?;
+    }
+    inner.with_pre_tokenizer(Some(layout.pre_tokenizer));
+    inner.with_decoder(Some(ByteLevelDecoder::default()));
+
+    let named: Vec<u32> = [bos, eos, pad, unk].into_iter().flatten().collect();
+    add_file_tokens(&mut inner, path, &tokens, &types, &named)?;
+
+    Ok(GgufTokenizer {
+        inner,
+        bos,
+        eos,
+        pad,
+        unk,
+        add_bos,
+        add_eos,
+        chat_template,
+        tokens: tokens.iter().map(|t| (*t).to_owned()).collect(),
+    })
+}
+
+/// The vocabulary's tokens (by id), their types (normal where the file gives none) and merges.
+fn vocabulary<'a>(md: &Meta<'a>) -> Result<(Vec<&'a str>, Vec<i64>, Vec<&'a str>)> {
+    let path = md.path;
     let tokens = md
         .string_array("tokenizer.ggml.tokens")?
         .ok_or_else(|| Error::file(path, "GGUF metadata `tokenizer.ggml.tokens` is missing"))?;
@@ -127,47 +184,70 @@ fn build_byte_level_bpe(md: &Meta) -> Result<GgufTokenizer> {
             "GGUF metadata `tokenizer.ggml.merges` is missing (a byte-level BPE vocabulary needs it)",
         )
     })?;
+    Ok((tokens, types, merges))
+}
 
-    let special_id = |key: &str| -> Result<Option<u32>> {
-        match md.u32(key)? {
-            Some(id) if id as usize >= n => Err(Error::file(
+/// The special token ids a GGUF names, and whether encoding adds BOS and EOS.
+struct Specials {
+    bos: Option<u32>,
+    eos: Option<u32>,
+    pad: Option<u32>,
+    unk: Option<u32>,
+    add_bos: bool,
+    add_eos: bool,
+}
+
+impl Specials {
+    /// Reads them for a vocabulary of `n` tokens: an id out of range, or BOS / EOS insertion
+    /// without its id, is an error.
+    fn read(md: &Meta, n: usize) -> Result<Self> {
+        let path = md.path;
+        let special_id = |key: &str| -> Result<Option<u32>> {
+            match md.u32(key)? {
+                Some(id) if id as usize >= n => Err(Error::file(
+                    path,
+                    format!(
+                        "GGUF metadata `{key}` = {id} is out of range (the vocabulary has {n} tokens)"
+                    ),
+                )),
+                other => Ok(other),
+            }
+        };
+        let bos = special_id("tokenizer.ggml.bos_token_id")?;
+        let eos = special_id("tokenizer.ggml.eos_token_id")?;
+        let pad = special_id("tokenizer.ggml.padding_token_id")?;
+        let unk = special_id("tokenizer.ggml.unknown_token_id")?;
+        // llama.cpp's default for BPE vocabularies is no BOS and no EOS unless the file says so.
+        let add_bos = md.bool("tokenizer.ggml.add_bos_token")?.unwrap_or(false);
+        let add_eos = md.bool("tokenizer.ggml.add_eos_token")?.unwrap_or(false);
+        if add_bos && bos.is_none() {
+            return Err(Error::file(
                 path,
-                format!(
-                    "GGUF metadata `{key}` = {id} is out of range (the vocabulary has {n} tokens)"
-                ),
-            )),
-            other => Ok(other),
+                "GGUF metadata sets `tokenizer.ggml.add_bos_token` but has no `tokenizer.ggml.bos_token_id`",
+            ));
         }
-    };
-    let bos = special_id("tokenizer.ggml.bos_token_id")?;
-    let eos = special_id("tokenizer.ggml.eos_token_id")?;
-    let pad = special_id("tokenizer.ggml.padding_token_id")?;
-    let unk = special_id("tokenizer.ggml.unknown_token_id")?;
-    // llama.cpp's default for BPE vocabularies is no BOS and no EOS unless the file says so.
-    let add_bos = md.bool("tokenizer.ggml.add_bos_token")?.unwrap_or(false);
-    let add_eos = md.bool("tokenizer.ggml.add_eos_token")?.unwrap_or(false);
-    if add_bos && bos.is_none() {
-        return Err(Error::file(
-            path,
-            "GGUF metadata sets `tokenizer.ggml.add_bos_token` but has no `tokenizer.ggml.bos_token_id`",
-        ));
+        if add_eos && eos.is_none() {
+            return Err(Error::file(
+                path,
+                "GGUF metadata sets `tokenizer.ggml.add_eos_token` but has no `tokenizer.ggml.eos_token_id`",
+            ));
+        }
+        Ok(Specials {
+            bos,
+            eos,
+            pad,
+            unk,
+            add_bos,
+            add_eos,
+        })
     }
-    if add_eos && eos.is_none() {
-        return Err(Error::file(
-            path,
-            "GGUF metadata sets `tokenizer.ggml.add_eos_token` but has no `tokenizer.ggml.eos_token_id`",
-        ));
-    }
-    let add_space_prefix = md.bool("tokenizer.ggml.add_space_prefix")?.unwrap_or(false);
-    let pre = md.string("tokenizer.ggml.pre")?;
-    let chat_template = md.string("tokenizer.chat_template")?.map(str::to_owned);
+}
 
-    let layout = PreLayout::for_pre(pre, add_space_prefix).map_err(|msg| Error::file(path, msg))?;
-
-    // The vocabulary, in the byte-level spelling the merges use. A token the file stores in plain
-    // text (an added token such as `<think>` with characters outside the byte alphabet) is also
-    // entered in its byte-level spelling, and added tokens keep their plain spelling too, so the
-    // added-token matcher finds them under the id the file gives them.
+/// The vocabulary, in the byte-level spelling the merges use. A token the file stores in plain
+/// text (an added token such as `<think>` with characters outside the byte alphabet) is also
+/// entered in its byte-level spelling, and added tokens keep their plain spelling too, so the
+/// added-token matcher finds them under the id the file gives them.
+fn byte_level_vocab(tokens: &[&str], types: &[i64]) -> Vocab {
     let alphabet = ByteAlphabet::new();
     let mut vocab = Vocab::new();
     for (id, token) in tokens.iter().enumerate() {
@@ -180,7 +260,11 @@ fn build_byte_level_bpe(md: &Meta) -> Result<GgufTokenizer> {
             vocab.entry((*token).to_owned()).or_insert(id);
         }
     }
+    vocab
+}
 
+/// The merges as token pairs (each `a b` in the file).
+fn merge_pairs(path: &Path, merges: &[&str]) -> Result<Vec<(String, String)>> {
     let mut pairs = Vec::with_capacity(merges.len());
     for (i, merge) in merges.iter().enumerate() {
         let (a, b) = merge.split_once(' ').ok_or_else(|| {
@@ -191,31 +275,20 @@ fn build_byte_level_bpe(md: &Meta) -> Result<GgufTokenizer> {
         })?;
         pairs.push((a.to_owned(), b.to_owned()));
     }
+    Ok(pairs)
+}
 
-    let bpe = BPE::builder()
-        .vocab_and_merges(vocab, pairs)
-        .ignore_merges(layout.ignore_merges)
-        .build()
-        .map_err(|e| {
-            Error::file(
-                path,
-                format!("cannot build the BPE tokenizer from GGUF metadata: {e}"),
-            )
-        })?;
-
-    let mut inner = tokenizers::Tokenizer::new(bpe);
-    if layout.nfc {
-        inner
-            .with_normalizer(Some(NFC))
-            .map_err(|e| Error::Tokenizer(format!("setting the NFC normalizer: {e}")))?;
-    }
-    inner.with_pre_tokenizer(Some(layout.pre_tokenizer));
-    inner.with_decoder(Some(ByteLevelDecoder::default()));
-
-    // Added tokens: control (and unknown) tokens are special, user-defined ones are plain added
-    // tokens; both are matched whole in the input, as llama.cpp and HF do. The named special tokens
-    // are special whatever their type says.
-    let named: Vec<u32> = [bos, eos, pad, unk].into_iter().flatten().collect();
+/// Adds the file's added tokens to `inner`: control (and unknown) tokens are special,
+/// user-defined ones are plain added tokens; both are matched whole in the input, as llama.cpp and
+/// HF do. The `named` special tokens are special whatever their type says. Warns when one does
+/// not keep the file's id.
+fn add_file_tokens(
+    inner: &mut tokenizers::Tokenizer,
+    path: &Path,
+    tokens: &[&str],
+    types: &[i64],
+    named: &[u32],
+) -> Result<()> {
     let mut seen = std::collections::HashSet::new();
     let mut special = Vec::new();
     let mut user = Vec::new();
@@ -249,18 +322,7 @@ fn build_byte_level_bpe(md: &Meta) -> Result<GgufTokenizer> {
             );
         }
     }
-
-    Ok(GgufTokenizer {
-        inner,
-        bos,
-        eos,
-        pad,
-        unk,
-        add_bos,
-        add_eos,
-        chat_template,
-        tokens: tokens.iter().map(|t| (*t).to_owned()).collect(),
-    })
+    Ok(())
 }
 
 /// llama.cpp's type for the filler entries of a vocabulary shorter than the embedding matrix.
@@ -295,82 +357,8 @@ pub(crate) fn metadata(
         )));
     }
     let pre = pre_name(&json).map_err(unsupported)?;
-
-    // Tokens by id: added tokens in their plain spelling, the rest as the vocabulary spells them
-    // (byte-level); ids nothing names are filled with `[PAD{id}]`, type unused, as llama.cpp's
-    // converter does.
-    let alphabet = ByteAlphabet::new();
-    let mut tokens: Vec<Option<String>> = vec![None; vocab_size];
-    let mut types = vec![TYPE_NORMAL; vocab_size];
-    let vocab = model["vocab"]
-        .as_object()
-        .ok_or_else(|| unsupported("the BPE model has no vocabulary".into()))?;
-    for (text, id) in vocab {
-        let id = id.as_u64().unwrap_or(u64::MAX) as usize;
-        let slot = tokens.get_mut(id).ok_or_else(|| {
-            unsupported(format!(
-                "token {text:?} has id {id}, outside the model's {vocab_size} embedding rows"
-            ))
-        })?;
-        // A GGUF-built vocabulary holds added tokens under two spellings: keep the byte-level
-        // one (the added-token list below has the plain one); between equals, the smaller.
-        let byte_level = |t: &str| t.chars().all(|c| alphabet.contains(c));
-        let replace = match slot.as_deref() {
-            None => true,
-            Some(old) => (byte_level(text), old) > (byte_level(old), text.as_str()),
-        };
-        if replace {
-            *slot = Some(text.clone());
-        }
-    }
-    // A GGUF's own fillers stay fillers.
-    for (id, t) in tokens.iter().enumerate() {
-        if t.as_deref() == Some(format!("[PAD{id}]").as_str()) {
-            types[id] = TYPE_UNUSED;
-        }
-    }
-    for added in json["added_tokens"].as_array().into_iter().flatten() {
-        let (Some(id), Some(text)) = (added["id"].as_u64(), added["content"].as_str()) else {
-            continue;
-        };
-        let id = id as usize;
-        if id >= vocab_size {
-            return Err(unsupported(format!(
-                "added token {text:?} has id {id}, outside the model's {vocab_size} embedding rows"
-            )));
-        }
-        tokens[id] = Some(text.to_owned());
-        types[id] = if added["special"].as_bool() == Some(true) {
-            TYPE_CONTROL as i32
-        } else {
-            TYPE_USER_DEFINED as i32
-        };
-    }
-    let tokens: Vec<GgufValue> = tokens
-        .into_iter()
-        .enumerate()
-        .map(|(id, t)| {
-            GgufValue::String(t.unwrap_or_else(|| {
-                types[id] = TYPE_UNUSED;
-                format!("[PAD{id}]")
-            }))
-        })
-        .collect();
-    let merges = model["merges"]
-        .as_array()
-        .ok_or_else(|| unsupported("the BPE model has no merges".into()))?
-        .iter()
-        .map(|m| match m {
-            serde_json::Value::String(s) => Ok(GgufValue::String(s.clone())),
-            serde_json::Value::Array(p) => match (p.first(), p.get(1)) {
-                (Some(serde_json::Value::String(a)), Some(serde_json::Value::String(b))) => {
-                    Ok(GgufValue::String(format!("{a} {b}")))
-                }
-                _ => Err(unsupported(format!("a merge is not a pair of tokens: {m}"))),
-            },
-            _ => Err(unsupported(format!("a merge is not a pair of tokens: {m}"))),
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let (tokens, types) = tokens_by_id(&json, vocab_size).map_err(unsupported)?;
+    let merges = gguf_merges(model).map_err(unsupported)?;
 
     // BOS / EOS insertion: what encoding with special tokens adds around a text.
     let plain = tok.encode("a", false)?;
@@ -419,6 +407,92 @@ pub(crate) fn metadata(
         md.push(("tokenizer.chat_template".to_owned(), s(t.source())));
     }
     Ok(md)
+}
+
+/// The tokens of a serialised BPE tokenizer by id, `vocab_size` of them, and their llama.cpp
+/// types: added tokens in their plain spelling, the rest as the vocabulary spells them
+/// (byte-level); ids nothing names are filled with `[PAD{id}]`, type unused, as llama.cpp's
+/// converter does. An error says why the tokenizer cannot be written.
+fn tokens_by_id(
+    json: &serde_json::Value,
+    vocab_size: usize,
+) -> std::result::Result<(Vec<GgufValue>, Vec<i32>), String> {
+    let alphabet = ByteAlphabet::new();
+    let mut tokens: Vec<Option<String>> = vec![None; vocab_size];
+    let mut types = vec![TYPE_NORMAL; vocab_size];
+    let vocab = json["model"]["vocab"]
+        .as_object()
+        .ok_or_else(|| "the BPE model has no vocabulary".to_string())?;
+    for (text, id) in vocab {
+        let id = id.as_u64().unwrap_or(u64::MAX) as usize;
+        let slot = tokens.get_mut(id).ok_or_else(|| {
+            format!("token {text:?} has id {id}, outside the model's {vocab_size} embedding rows")
+        })?;
+        // A GGUF-built vocabulary holds added tokens under two spellings: keep the byte-level
+        // one (the added-token list below has the plain one); between equals, the smaller.
+        let byte_level = |t: &str| t.chars().all(|c| alphabet.contains(c));
+        let replace = match slot.as_deref() {
+            None => true,
+            Some(old) => (byte_level(text), old) > (byte_level(old), text.as_str()),
+        };
+        if replace {
+            *slot = Some(text.clone());
+        }
+    }
+    // A GGUF's own fillers stay fillers.
+    for (id, t) in tokens.iter().enumerate() {
+        if t.as_deref() == Some(format!("[PAD{id}]").as_str()) {
+            types[id] = TYPE_UNUSED;
+        }
+    }
+    for added in json["added_tokens"].as_array().into_iter().flatten() {
+        let (Some(id), Some(text)) = (added["id"].as_u64(), added["content"].as_str()) else {
+            continue;
+        };
+        let id = id as usize;
+        if id >= vocab_size {
+            return Err(format!(
+                "added token {text:?} has id {id}, outside the model's {vocab_size} embedding rows"
+            ));
+        }
+        tokens[id] = Some(text.to_owned());
+        types[id] = if added["special"].as_bool() == Some(true) {
+            TYPE_CONTROL as i32
+        } else {
+            TYPE_USER_DEFINED as i32
+        };
+    }
+    let tokens: Vec<GgufValue> = tokens
+        .into_iter()
+        .enumerate()
+        .map(|(id, t)| {
+            GgufValue::String(t.unwrap_or_else(|| {
+                types[id] = TYPE_UNUSED;
+                format!("[PAD{id}]")
+            }))
+        })
+        .collect();
+    Ok((tokens, types))
+}
+
+/// The merges of a serialised BPE model as GGUF strings (`a b`); they may be stored as strings or
+/// as pairs.
+fn gguf_merges(model: &serde_json::Value) -> std::result::Result<Vec<GgufValue>, String> {
+    model["merges"]
+        .as_array()
+        .ok_or_else(|| "the BPE model has no merges".to_string())?
+        .iter()
+        .map(|m| match m {
+            serde_json::Value::String(s) => Ok(GgufValue::String(s.clone())),
+            serde_json::Value::Array(p) => match (p.first(), p.get(1)) {
+                (Some(serde_json::Value::String(a)), Some(serde_json::Value::String(b))) => {
+                    Ok(GgufValue::String(format!("{a} {b}")))
+                }
+                _ => Err(format!("a merge is not a pair of tokens: {m}")),
+            },
+            _ => Err(format!("a merge is not a pair of tokens: {m}")),
+        })
+        .collect()
 }
 
 /// The `tokenizer.ggml.pre` name of a serialised tokenizer's normalizer and pre-tokenizer: the

@@ -202,86 +202,28 @@ impl ToolHost {
     /// error, a missing function, an environment class without `reset`, two tools with one name,
     /// a tool named like an environment method, a function without type hints or docstring.
     pub fn start(spec: ToolSpec) -> Result<ToolHost> {
-        let bad = |m: String| Err(Error::config("tools", m));
-        if spec.tools.is_empty() && spec.environment.is_none() {
-            return bad("no tools and no environment_factory: name at least one".into());
-        }
-        if spec.processes == 0 || spec.timeout.is_zero() {
-            return bad("the tool processes and timeout must be > 0".into());
-        }
-        if let Some(dir) = spec.cwd.as_ref().filter(|d| !d.is_dir()) {
-            return bad(format!(
-                "working directory `{}` is not a directory",
-                dir.display()
-            ));
-        }
-        if spec.no_network {
-            crate::rewards::command::probe_no_network().map_err(|e| {
-                Error::config(
-                    "tool_no_network",
-                    format!(
-                        "a new network namespace cannot be created here (unshare: {e}); allow \
-                         user namespaces (or run with CAP_SYS_ADMIN), or set tool_no_network = \
-                         false and isolate the tools another way"
-                    ),
-                )
-            })?;
-        }
-        let target = |t: &String| python_target(t).map_err(|m| m.replace("my_rewards", "my_tools"));
-        let tools = (spec
-            .tools
-            .iter()
-            .map(target)
-            .collect::<std::result::Result<Vec<_>, _>>())
-        .map_err(|m| Error::config("tools", m))?;
-        let environment = (spec.environment.as_ref().map(target).transpose())
-            .map_err(|m| Error::config("environment_factory", m))?;
-        let command = |check_schemas: bool| {
-            let host_spec = json!({"tools": tools, "environment": environment,
-                "reward_functions": spec.reward_functions,
-                "max_result_chars": spec.max_result_chars, "check_schemas": check_schemas});
-            let (python, source) = (spec.python.clone(), TOOL_HOST.to_owned());
-            let mut c = CommandSpec::new(vec![python, "-c".into(), source, host_spec.to_string()]);
-            c.timeout = spec.timeout;
-            c.cwd = spec.cwd.clone();
-            c.env = spec.env.clone();
-            c.inherit_env = PYTHON_ENV.iter().map(|s| s.to_string()).collect();
-            c.inherit_env.extend(spec.inherit_env.iter().cloned());
-            (c.cpu_seconds, c.memory_mb) = (spec.cpu_seconds, spec.memory_mb);
-            c.no_network = spec.no_network;
-            c
-        };
-        // The Python side prefixes start-up errors with the option they are about.
-        let key = |m: &str| {
-            if m.contains("environment_factory:") {
-                "environment_factory"
-            } else if m.contains("reward_funcs:") {
-                "rewards"
-            } else {
-                "tools"
-            }
-        };
-        let spawn = |c: &CommandSpec| {
-            Proc::spawn(c, "tools").map_err(|e| {
-                let python = &spec.python;
-                Error::config(
-                    "tools",
-                    format!("cannot start the tool host with `{python}`: {e}"),
-                )
-            })
-        };
+        check_spec(&spec)?;
+        let (first_command, restart_command) = host_commands(&spec)?;
+        let spawn = |c: &CommandSpec| spawn_host(c, &spec.python);
 
         // The first process checks the schemas (importing transformers when it is there); the
         // others only load the tools.
-        let mut procs = vec![spawn(&command(true))?];
-        let restart_command = command(false);
+        let mut procs = vec![spawn(&first_command)?];
         for _ in 1..spec.processes {
             procs.push(spawn(&restart_command)?);
         }
         let deadline = Instant::now() + START_TIMEOUT;
         for p in &mut procs {
-            wait_ready(p, deadline).map_err(|m| Error::config(key(&m), m))?;
+            wait_ready(p, deadline).map_err(|m| Error::config(start_error_key(&m), m))?;
         }
+        let mut host = ToolHost::with_processes(spec, restart_command, procs);
+        host.read_schemas()?;
+        Ok(host)
+    }
+
+    /// The host over started, ready processes; what they serve is not known yet
+    /// ([`Self::read_schemas`]).
+    fn with_processes(spec: ToolSpec, restart_command: CommandSpec, procs: Vec<Proc>) -> ToolHost {
         let n = procs.len();
         let slot = |(index, p)| Slot {
             index,
@@ -291,7 +233,7 @@ impl ToolHost {
             start_failures: 0,
             broken: None,
         };
-        let mut host = ToolHost {
+        ToolHost {
             spec,
             restart_command,
             slots: procs
@@ -314,13 +256,23 @@ impl ToolHost {
             env_has_reward: false,
             env_reward_functions: vec![],
             stats: Mutex::new(ToolStats::default()),
-        };
-        let answer = host
+        }
+    }
+
+    /// Asks the first process what it serves: the tools' and the environment's schemas, and the
+    /// environment's rewards.
+    fn read_schemas(&mut self) -> Result<()> {
+        let answer = self
             .on_slot(Some(0), |s| {
-                host.exchange(s, json!({"op": "describe"}), START_TIMEOUT, "describe")
+                self.exchange(s, json!({"op": "describe"}), START_TIMEOUT, "describe")
             })
             .and_then(|a| error_of(&a).map(|_| a))
-            .map_err(|e| Error::config(key(&e.message), format!("the tool host: {}", e.message)))?;
+            .map_err(|e| {
+                Error::config(
+                    start_error_key(&e.message),
+                    format!("the tool host: {}", e.message),
+                )
+            })?;
         #[derive(serde::Deserialize)]
         struct Described {
             tools: Vec<Value>,
@@ -336,12 +288,12 @@ impl ToolHost {
                 .and_then(Value::as_str)
                 .map(str::to_owned)
         };
-        host.tools = d.tools.iter().filter_map(name).collect();
-        host.env_tools = d.env_tools.iter().filter_map(name).collect();
-        host.env_has_reward = d.env_has_reward;
-        host.env_reward_functions = d.env_reward_functions;
-        host.schemas = d.tools.into_iter().chain(d.env_tools).collect();
-        Ok(host)
+        self.tools = d.tools.iter().filter_map(name).collect();
+        self.env_tools = d.env_tools.iter().filter_map(name).collect();
+        self.env_has_reward = d.env_has_reward;
+        self.env_reward_functions = d.env_reward_functions;
+        self.schemas = d.tools.into_iter().chain(d.env_tools).collect();
+        Ok(())
     }
 
     /// The tools' JSON schemas, as `transformers.utils.get_json_schema` writes them: the plain
@@ -756,6 +708,89 @@ impl ToolHost {
             s.broken = Some(b);
         }
     }
+}
+
+/// The checks of a tool spec that need no process: something to serve, processes and a timeout,
+/// an existing working directory, and a network namespace when `no_network` asks for one.
+fn check_spec(spec: &ToolSpec) -> Result<()> {
+    let bad = |m: String| Err(Error::config("tools", m));
+    if spec.tools.is_empty() && spec.environment.is_none() {
+        return bad("no tools and no environment_factory: name at least one".into());
+    }
+    if spec.processes == 0 || spec.timeout.is_zero() {
+        return bad("the tool processes and timeout must be > 0".into());
+    }
+    if let Some(dir) = spec.cwd.as_ref().filter(|d| !d.is_dir()) {
+        return bad(format!(
+            "working directory `{}` is not a directory",
+            dir.display()
+        ));
+    }
+    if spec.no_network {
+        crate::rewards::command::probe_no_network().map_err(|e| {
+            Error::config(
+                "tool_no_network",
+                format!(
+                    "a new network namespace cannot be created here (unshare: {e}); allow \
+                     user namespaces (or run with CAP_SYS_ADMIN), or set tool_no_network = \
+                     false and isolate the tools another way"
+                ),
+            )
+        })?;
+    }
+    Ok(())
+}
+
+/// The tool host's commands: the first process's, which checks the schemas, and the one every
+/// other process starts (and restarts) with. Errors name the option whose function or class name
+/// cannot be read.
+fn host_commands(spec: &ToolSpec) -> Result<(CommandSpec, CommandSpec)> {
+    let target = |t: &String| python_target(t).map_err(|m| m.replace("my_rewards", "my_tools"));
+    let tools = (spec
+        .tools
+        .iter()
+        .map(target)
+        .collect::<std::result::Result<Vec<_>, _>>())
+    .map_err(|m| Error::config("tools", m))?;
+    let environment = (spec.environment.as_ref().map(target).transpose())
+        .map_err(|m| Error::config("environment_factory", m))?;
+    let command = |check_schemas: bool| {
+        let host_spec = json!({"tools": tools, "environment": environment,
+            "reward_functions": spec.reward_functions,
+            "max_result_chars": spec.max_result_chars, "check_schemas": check_schemas});
+        let (python, source) = (spec.python.clone(), TOOL_HOST.to_owned());
+        let mut c = CommandSpec::new(vec![python, "-c".into(), source, host_spec.to_string()]);
+        c.timeout = spec.timeout;
+        c.cwd = spec.cwd.clone();
+        c.env = spec.env.clone();
+        c.inherit_env = PYTHON_ENV.iter().map(|s| s.to_string()).collect();
+        c.inherit_env.extend(spec.inherit_env.iter().cloned());
+        (c.cpu_seconds, c.memory_mb) = (spec.cpu_seconds, spec.memory_mb);
+        c.no_network = spec.no_network;
+        c
+    };
+    Ok((command(true), command(false)))
+}
+
+/// The option a start-up error is about: the Python side prefixes its errors with it.
+fn start_error_key(m: &str) -> &'static str {
+    if m.contains("environment_factory:") {
+        "environment_factory"
+    } else if m.contains("reward_funcs:") {
+        "rewards"
+    } else {
+        "tools"
+    }
+}
+
+/// Starts one tool host process with `python`.
+fn spawn_host(c: &CommandSpec, python: &str) -> Result<Proc> {
+    Proc::spawn(c, "tools").map_err(|e| {
+        Error::config(
+            "tools",
+            format!("cannot start the tool host with `{python}`: {e}"),
+        )
+    })
 }
 
 /// Waits for a new process's `{"ready": true}` line.

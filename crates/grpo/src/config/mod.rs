@@ -16,6 +16,7 @@
 //! parsed into [`RewardSpec`]s at the same time, so a reward typo fails here, not after the model
 //! loaded.
 
+mod rules;
 mod sections;
 mod trl;
 mod values;
@@ -396,11 +397,10 @@ impl TrainConfig {
         Ok(cfg)
     }
 
-    /// Checks the rules that span keys (a key's own type checks its value), resolves what
-    /// depends on several keys, and normalizes a few values in place; the one place config rules
-    /// live. Every error names its key.
+    /// Checks the rules that span keys (a key's own type checks its value; the rules are in
+    /// `rules.rs`, one function per section, called here in turn), resolves what depends on
+    /// several keys, and normalizes a few values in place. Every error names its key.
     fn validate(s: Sections) -> Result<TrainConfig> {
-        let bad = |k: &str, msg: String| Err(Error::config(k, msg));
         let Sections {
             mut run,
             data,
@@ -411,215 +411,17 @@ impl TrainConfig {
             mut logging,
             agent,
         } = s;
-        let per_device = update.per_device_train_batch_size;
-        let accum = update.gradient_accumulation_steps;
-        let g = gen.num_generations;
-        let (gbs, spg) = match (gen.generation_batch_size, gen.steps_per_generation) {
-            (Some(_), Some(_)) => {
-                return bad(
-                    "generation_batch_size",
-                    "set generation_batch_size or steps_per_generation, not both".into(),
-                )
-            }
-            (Some(gbs), None) => {
-                if gbs == 0 || gbs % per_device != 0 {
-                    return bad("generation_batch_size", format!("{gbs} is not a positive multiple of per_device_train_batch_size={per_device}"));
-                }
-                (gbs, gbs / per_device)
-            }
-            (None, Some(spg)) => (per_device * spg.max(1), spg.max(1)),
-            (None, None) => (per_device * accum, accum),
-        };
-        if gbs % g != 0 {
-            return bad(
-                "num_generations",
-                format!("a batch must hold whole groups: generation_batch_size={gbs} is not a multiple of num_generations={g}; set per_device_train_batch_size to a multiple of {g}"),
-            );
-        }
-        if spg % accum != 0 {
-            return bad(
-                "steps_per_generation",
-                format!("steps_per_generation={spg} must be a multiple of gradient_accumulation_steps={accum} (each generation round ends on an optimizer step)"),
-            );
-        }
-        if loss.use_adaptive_entropy {
-            let (lo, hi, d) = (
-                loss.entropy_coef_min,
-                loss.entropy_coef_max,
-                loss.entropy_coef_delta,
-            );
-            if !(lo >= 0.0 && lo <= hi && hi.is_finite()) {
-                return bad(
-                    "entropy_coef_min",
-                    format!("needs 0 <= entropy_coef_min <= entropy_coef_max, got {lo} and {hi}"),
-                );
-            }
-            if !(d >= 0.0 && d.is_finite()) {
-                return bad("entropy_coef_delta", format!("must be >= 0, got {d}"));
-            }
-        }
-        if gen.temperature_warmup_hold_steps > 0 && gen.temperature_warmup_steps == 0 {
-            return bad(
-                "temperature_warmup_hold_steps",
-                "holds temperature_warmup_start before a warm-up, but there is none: set temperature_warmup_steps (e.g. 40) or remove the hold".into(),
-            );
-        }
-        if loss.beta > 0.0 && loss.kl_coef > 0.0 {
-            return bad(
-                "beta",
-                "beta (KL in the loss) and kl_coef (KL in the reward) are both set: choose one"
-                    .into(),
-            );
-        }
-        if loss.kl_target.is_some() && loss.kl_coef == 0.0 {
-            return bad(
-                "kl_target",
-                "the adaptive KL controller needs kl_coef > 0 (its starting value)".into(),
-            );
-        }
-        if data.task_min_operand > data.task_max_operand {
-            return bad(
-                "task.min_operand",
-                format!(
-                    "{} is above task.max_operand={}",
-                    data.task_min_operand, data.task_max_operand
-                ),
-            );
-        }
-        if let Some(l) = lora.adapters() {
-            if !(l.alpha > 0.0 && l.alpha.is_finite()) {
-                return bad("lora.alpha", format!("must be > 0, got {}", l.alpha));
-            }
-            if !(0.0..1.0).contains(&l.dropout) {
-                return bad(
-                    "lora.dropout",
-                    format!("must be in [0, 1), got {}", l.dropout),
-                );
-            }
-        }
-        if lora.base_quantization.is_some() && lora.r == 0 {
-            return bad(
-                "base_quantization",
-                "a quantized base is frozen, so it needs LoRA adapters to train: set lora.r (e.g. --lora.r=16)".into(),
-            );
-        }
-        if lora.r > 0 && loss.sync_ref_model {
-            return bad(
-                "sync_ref_model",
-                "with LoRA the reference is the base model with adapters off; it cannot be synced: set sync_ref_model = false".into(),
-            );
-        }
-        if loss.multi_objective_aggregation
-            == crate::advantages::RewardAggregation::NormalizeThenSum
-            && loss.kl_coef > 0.0
-        {
-            return bad(
-                "multi_objective_aggregation",
-                "normalize_then_sum cannot be combined with kl_coef (KL in the reward); use beta \
-                 (KL in the loss) instead"
-                    .into(),
-            );
-        }
-        check_environment(&agent)?;
-        // The fill-in policy trains its whole generator in f32 without recomputation: adapters
-        // and gradient checkpointing would be silently ignored, so they are refused.
-        if run.policy == PolicyType::FillIn {
-            if lora.r > 0 {
-                return bad(
-                    "lora.r",
-                    "policy = \"fill_in\" trains the whole generator: LoRA adapters are not \
-                     implemented for it; leave lora.r (TRL: lora_r, use_peft) unset"
-                        .into(),
-                );
-            }
-            if update.gradient_checkpointing {
-                return bad(
-                    "gradient_checkpointing",
-                    "policy = \"fill_in\" has no gradient checkpointing (its generator is \
-                     small and single-step); leave it false"
-                        .into(),
-                );
-            }
-        }
-        // A fill-in run on the user's inputs needs their generator (the built-in task brings
-        // one); its reward is checked once the reward tables are read.
-        if run.policy == PolicyType::FillIn && data.train_file.is_some() && run.model.is_none() {
-            return bad(
-                "model",
-                "policy = \"fill_in\" with a train_file needs model = the directory of a \
-                 masked-LM generator (BERT, RoBERTa or DistilBERT *ForMaskedLM, or one \
-                 `grpo pretrain` made)"
-                    .into(),
-            );
-        }
-        let masking = match data.mask_ratio {
-            Some(r) if run.policy == PolicyType::FillIn => Some(Masking {
-                ratio: r.0,
-                span: data.mask_span.0,
-                seed: data.mask_seed.map_or(run.seed, |s| s as u64),
-            }),
-            Some(_) => {
-                return bad(
-                    "mask_ratio",
-                    "masks inputs of policy = \"fill_in\"; a causal LM has nothing to mask".into(),
-                )
-            }
-            None if data.mask_span != SpanLen((1, 1)) || data.mask_seed.is_some() => {
-                let key = match data.mask_seed.is_some() {
-                    true => "mask_seed",
-                    false => "mask_span",
-                };
-                return bad(
-                    key,
-                    "applies to inputs masked on the fly: set mask_ratio too".into(),
-                );
-            }
-            None => None,
-        };
-        // The best model: HF's spellings of an eval metric (`eval_accuracy`, `accuracy`) name ours.
-        logging.metric_for_best_model = logging.metric_for_best_model.as_deref().map(|m| {
-            if m.contains('/') {
-                m.to_string()
-            } else {
-                format!("eval/{}", m.strip_prefix("eval_").unwrap_or(m))
-            }
-        });
-        if logging.load_best_model_at_end {
-            if logging.metric_for_best_model.is_none() {
-                return bad(
-                    "load_best_model_at_end",
-                    "needs metric_for_best_model (e.g. \"eval/accuracy\") to know which checkpoint is best".into(),
-                );
-            }
-            if logging.eval_steps == 0 || !logging.save_steps.is_multiple_of(logging.eval_steps) {
-                return bad(
-                    "load_best_model_at_end",
-                    format!(
-                        "needs save_steps ({}) to be a multiple of eval_steps ({}), so that every checkpoint has an evaluation",
-                        logging.save_steps, logging.eval_steps
-                    ),
-                );
-            }
-        }
-        // Eval: the ks against the sample count, something to evaluate, the temperature.
-        crate::eval::check_ks(
-            &logging.eval_k,
-            logging.eval_num_samples,
-            "eval_k",
-            "eval_num_samples",
-        )?;
-        logging.eval_k.sort_unstable();
-        logging.eval_k.dedup();
-        if logging.eval_num_samples == 0 && !logging.eval_greedy {
-            return bad(
-                "eval_num_samples",
-                "0 samples with eval_greedy = false leave nothing to evaluate: set eval_num_samples \
-                 above 0 or eval_greedy = true"
-                    .into(),
-            );
-        }
-        logging.report_to = values::resolve_report_to(&logging.report_to)
-            .map_err(|e| Error::config("report_to", e))?;
+        let (gbs, spg) = rules::batch_sizes(&gen, &update)?;
+        rules::adaptive_entropy(&loss)?;
+        rules::generation(&gen)?;
+        rules::kl(&loss)?;
+        rules::data(&data)?;
+        rules::lora(&lora, &loss)?;
+        rules::aggregation(&loss)?;
+        rules::agent(&agent)?;
+        rules::fill_in_policy(&run, &data, &lora, &update)?;
+        let masking = rules::masking(&run, &data)?;
+        rules::logging(&mut logging)?;
         run.threads = run.threads.filter(|&n| n > 0);
         update.max_bad_steps = update.max_bad_steps.max(1);
         Ok(TrainConfig {
@@ -794,75 +596,6 @@ impl TrainConfig {
         toml::to_string(&root)
             .unwrap_or_else(|e| format!("# grpo could not write this config as TOML: {e}\n"))
     }
-}
-
-/// An agent's world is one of: tools and an environment class, an environment program, an
-/// environment service. A program's episodes have no tool calls (every turn is an action).
-fn check_environment(a: &Agent) -> Result<()> {
-    if let Some(path) = &a.sft_warmup_file {
-        if a.sft_warmup_steps == 0 {
-            return Err(Error::config(
-                "sft_warmup_file",
-                "the warm-up's traces are read only when there is a warm-up: set sft_warmup_steps \
-                 (e.g. 12), or remove sft_warmup_file",
-            ));
-        }
-        if !path.is_file() {
-            return Err(Error::config(
-                "sft_warmup_file",
-                format!("{}: no such file", path.display()),
-            ));
-        }
-    }
-    let given: Vec<&str> = [
-        ("environment_factory", a.environment_factory.is_some()),
-        ("environment_command", !a.environment_command.is_empty()),
-        ("environment_url", a.environment_url.is_some()),
-    ]
-    .into_iter()
-    .filter_map(|(k, set)| set.then_some(k))
-    .collect();
-    if let [first, second, ..] = given[..] {
-        return Err(Error::config(
-            second,
-            format!("{first} and {second} are two ways to give the environment: set one"),
-        ));
-    }
-    let Some(&program) = given.first().filter(|k| **k != "environment_factory") else {
-        return Ok(());
-    };
-    if !a.tools.is_empty() {
-        return Err(Error::config(
-            "tools",
-            format!(
-                "an environment program ({program}) has no tools: every model turn is its \
-                 action; remove tools, or give the environment as environment_factory"
-            ),
-        ));
-    }
-    if a.sft_warmup_steps > 0 {
-        return Err(Error::config(
-            "sft_warmup_steps",
-            format!(
-                "the warm-up's traces call a tool; an environment program ({program}) has none"
-            ),
-        ));
-    }
-    if let Some(url) = &a.environment_url {
-        if !(url.starts_with("http://") || url.starts_with("https://")) {
-            return Err(Error::config(
-                "environment_url",
-                format!("`{url}` must start with http:// or https://"),
-            ));
-        }
-    }
-    if a.environment_command.first().is_some_and(|p| p.is_empty()) {
-        return Err(Error::config(
-            "environment_command",
-            "starts with an empty program name",
-        ));
-    }
-    Ok(())
 }
 
 #[cfg(test)]

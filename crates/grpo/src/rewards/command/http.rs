@@ -8,7 +8,7 @@ use super::protocol::{
     excerpt, lock, numbered_requests, parse_answers, unit_line, units, Answer, Miss, ScorerStats,
     Tally,
 };
-use super::{at_least_one, string_table, timeout};
+use super::spec::{at_least_one, string_table, timeout};
 use crate::rewards::table::Table;
 use crate::rewards::ScoreItem;
 use crate::Result;
