@@ -2,7 +2,7 @@
 kernels.cu as C++ and runs each block's threads as OS threads (__syncthreads a barrier), this
 compares the outputs, attention's log-sum-exp and every gradient with torch autograd's.
     /opt/peers/venv/bin/python scripts/check_gpu_kernels.py     (needs g++ and torch)
-The GPU itself runs the same source through NVRTC; crates/grpo/tests/cuda.rs checks it there."""
+The GPU itself runs the same source through NVRTC; crates/grpo/tests/cuda/ checks it there."""
 import os, subprocess, sys, tempfile
 import numpy as np
 import torch

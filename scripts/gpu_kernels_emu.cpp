@@ -1,4 +1,4 @@
-// Runs grpo's CUDA kernels (crates/grpo-models/src/models/cuda/*.cu) on the CPU for
+// Runs grpo's CUDA kernels (crates/grpo-models/src/kernels/cuda/*.cu) on the CPU for
 // scripts/check_gpu_kernels.py: a block's threads are OS threads sharing the block's shared memory,
 // __syncthreads is a barrier (a thread that returns drops out of it, as on a GPU), blocks run one
 // after another.
@@ -102,8 +102,8 @@ static float emu_lane_xor(float v, int m) {
     warp_sync();
     return r;
 }
-#include "../crates/grpo-models/src/models/cuda/kernels.cu"
-#include "../crates/grpo-models/src/models/cuda/attention_tc.cu"
+#include "../crates/grpo-models/src/kernels/cuda/kernels.cu"
+#include "../crates/grpo-models/src/kernels/cuda/attention_tc.cu"
 
 template <typename T> std::vector<T> rd(const std::string& p, size_t n) {
     std::vector<T> v(n);

@@ -255,7 +255,7 @@ fn bench_generate(a: GenBenchArgs) -> Result<()> {
 }
 
 fn bench_gemm(a: GemmArgs) -> Result<()> {
-    use grpo_models::models::gemm_bf16;
+    use grpo_models::kernels::cpu::gemm_bf16;
     if let Some(n) = a.threads {
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
         let _ = grpo_models::threads::set_global_threads(n);

@@ -13,9 +13,10 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use clap::Args;
+use grpo_models::kernels::grad_sink::{GradSink, SinkProj};
 use grpo_models::kernels::Compute;
-use grpo_models::models::grad_sink::{GradSink, SinkProj};
-use grpo_models::models::layers::{self, AttnMask, Mode};
+use grpo_models::kernels::{self, mask::build_mask, Mode};
+use grpo_models::models::layers::{AttnMask, RmsNorm};
 
 #[derive(Args, Debug)]
 pub struct OpsArgs {
@@ -113,7 +114,7 @@ fn sink_proj(w: &Var, dt: DType, compute: Compute) -> candle_core::Result<Option
 /// A fixed gradient for a recorded result, whatever reaches it: what a layer above would send.
 struct GivenGrad(Tensor);
 
-impl grpo_models::models::recompute::Backward for GivenGrad {
+impl grpo_models::kernels::portable::recompute::Backward for GivenGrad {
     fn name(&self) -> &'static str {
         "given-gradient"
     }
@@ -147,7 +148,8 @@ impl Grads {
         // A one-number node whose backward hands `g` to `y`: no reduction over `y` is timed
         // (candle's sum of a whole tensor runs on one block, ~0.1 ns an element on an H200).
         let one = Tensor::zeros(1, DType::F32, y.device())?;
-        let fed = grpo_models::models::recompute::attach(&one, &[y], Arc::new(GivenGrad(g)))?;
+        let fed =
+            grpo_models::kernels::portable::recompute::attach(&one, &[y], Arc::new(GivenGrad(g)))?;
         fed.backward().map(|_| ())
     }
 }
@@ -193,7 +195,7 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
     let ang = pos.broadcast_mul(&Tensor::from_vec(inv, (1, 1, hd / 2), &dev)?)?; // [B, T, D/2]
     let (cos, sin) = (ang.cos()?.to_dtype(dt)?, ang.sin()?.to_dtype(dt)?);
     let valid = vec![vec![true; t]; b];
-    let mask_dense = layers::build_mask(&valid, 0, t, t, &dev)?; // [B, 1, T, T]
+    let mask_dense = build_mask(&valid, 0, t, t, &dev)?; // [B, 1, T, T]
     let mask = AttnMask::dense(mask_dense.clone())?;
     let qkv_in = |g: bool| -> Result<(Tensor, Tensor, Tensor)> {
         let mk = |h: usize| -> Result<Tensor> {
@@ -248,7 +250,7 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
     // The gate/up projection's three GEMMs alone, by cuBLAS layout (row-major names: `tn` is
     // x W^T, the forward's; `nn` is dY W, the input's gradient; `nt` is dY^T X, the weight's),
     // and the backward's two as `tn` over transposed copies: whether a layout is what is slow.
-    if dev.is_cuda() {
+    if kernels::device_kind(&dev) == kernels::DeviceKind::Gpu {
         let (o, k) = (2 * s.inter, s.hidden);
         let r = |a: usize, b: usize| Tensor::randn(0f32, 1.0, (a, b), &dev)?.to_dtype(dt);
         let (xa, wa, dy) = (r(n, k)?, r(o, k)?, r(n, o)?);
@@ -277,7 +279,7 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
         // does around a gradient of these sizes (zero-fill + add, a cast, a transposed copy).
         #[cfg(feature = "cuda")]
         if dt == DType::BF16 {
-            use grpo_models::models::grad_sink::{add_weight_gradient, DwVia};
+            use grpo_models::kernels::grad_sink::{add_weight_gradient, DwVia};
             let acc = Tensor::zeros((o, k), DType::F32, &dev)?;
             for (name, via) in [
                 ("dw_f32_gemm", DwVia::F32Gemm),
@@ -314,13 +316,13 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
     // RMSNorm: Infer (candle's fused kernel) and Train (recorded, backward written out).
     let nf = time(&dev, reps, || {
         Ok(
-            layers::RmsNorm::new(norm_w.as_tensor().to_dtype(dt)?, 1e-5, compute)
+            RmsNorm::new(norm_w.as_tensor().to_dtype(dt)?, 1e-5, compute)
                 .forward(&xt, Mode::Infer)
                 .map(|_| ())?,
         )
     })?;
     let nb = time(&dev, reps, || {
-        let y = layers::RmsNorm::new(norm_w.as_tensor().to_dtype(dt)?, 1e-5, compute)
+        let y = RmsNorm::new(norm_w.as_tensor().to_dtype(dt)?, 1e-5, compute)
             .forward(x.as_tensor(), Mode::Train)?;
         Ok(backward(&y)?)
     })?;
@@ -329,7 +331,7 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
     let qflat =
         Var::from_tensor(&Tensor::randn(0f32, 1.0, (b, t, s.heads * hd), &dev)?.to_dtype(dt)?)?;
     let rf = time(&dev, reps, || {
-        Ok(layers::rope_heads(
+        Ok(kernels::rope::rope_heads(
             &qflat.as_tensor().detach(),
             &cos,
             &sin,
@@ -340,7 +342,7 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
         .map(|_| ())?)
     })?;
     let rb = time(&dev, reps, || {
-        Ok(backward(&layers::rope_heads(
+        Ok(backward(&kernels::rope::rope_heads(
             qflat.as_tensor(),
             &cos,
             &sin,
@@ -353,11 +355,14 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
     // Attention (causal, the portable path's chunked attention).
     let (q0, k0, v0) = qkv_in(false)?;
     let af = time(&dev, reps, || {
-        Ok(layers::attention(&q0, &k0, &v0, &mask, Mode::Infer, compute).map(|_| ())?)
+        Ok(
+            kernels::attention::attention(&q0, &k0, &v0, &mask, Mode::Infer, compute)
+                .map(|_| ())?,
+        )
     })?;
     let (q1, k1, v1) = qkv_in(true)?;
     let ab = time(&dev, reps, || {
-        Ok(backward(&layers::attention(
+        Ok(backward(&kernels::attention::attention(
             &q1,
             &k1,
             &v1,
@@ -372,7 +377,7 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
     // bf16 only): forward + backward, recorded.
     #[cfg(feature = "cuda")]
     if compute.on_gpu() {
-        use grpo_models::models::fused_gpu::{attention_cuda_cores, attention_tensor_cores};
+        use grpo_models::kernels::cuda::{attention_cuda_cores, attention_tensor_cores};
         let scale = 1.0 / (hd as f64).sqrt();
         type Set =
             fn(&Tensor, &Tensor, &Tensor, &Tensor, f64) -> candle_core::Result<Option<Tensor>>;
@@ -410,7 +415,10 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
     let one_dense = Tensor::zeros((b, 1, 1, t), DType::F32, &dev)?;
     let one_mask = AttnMask::Dense(one_dense.clone());
     let df = time(&dev, reps, || {
-        Ok(layers::attention(&q_one, &kc, &vc, &one_mask, Mode::Infer, compute).map(|_| ())?)
+        Ok(
+            kernels::attention::attention(&q_one, &kc, &vc, &one_mask, Mode::Infer, compute)
+                .map(|_| ())?,
+        )
     })?;
     report(
         "decode_attention",
@@ -422,7 +430,7 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
     // fastest of these and the candle ops).
     #[cfg(feature = "cuda")]
     if compute.on_gpu() {
-        use grpo_models::models::fused_gpu::{decode_attention_with, DecodeKernel};
+        use grpo_models::kernels::cuda::{decode_attention_with, DecodeKernel};
         let scale = 1.0 / (hd as f64).sqrt();
         // A shared prompt as the kit's: groups of 8 rows, a sixth of the slots (48 of 304).
         let leader: Vec<u32> = (0..b as u32).map(|r| r / 8 * 8).collect();
@@ -452,8 +460,8 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
     let gu = Var::from_tensor(&Tensor::randn(0f32, 1.0, (n, 2 * s.inter), &dev)?.to_dtype(dt)?)?;
     let swiglu = |g: &Tensor| -> candle_core::Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if compute.on_gpu() && grpo_models::models::fused_gpu::takes(g) {
-            return grpo_models::models::fused_gpu::swiglu(g);
+        if compute.on_gpu() && grpo_models::kernels::cuda::takes(g) {
+            return grpo_models::kernels::cuda::swiglu(g);
         }
         let gate = g.narrow(1, 0, s.inter)?;
         let up = g.narrow(1, s.inter, s.inter)?;
@@ -483,7 +491,7 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
     let layer = |x: &Tensor, mode: Mode, attend: bool, sunk: bool| -> Result<Tensor> {
         let nw = norm_w.as_tensor().to_dtype(dt)?;
         let norm = |h: &Tensor| -> Result<Tensor> {
-            Ok(layers::RmsNorm::new(nw.clone(), 1e-5, compute).forward(h, mode)?)
+            Ok(RmsNorm::new(nw.clone(), 1e-5, compute).forward(h, mode)?)
         };
         let h = norm(x)?;
         let (q, k, v) = match (&split_qkv, sunk) {
@@ -505,11 +513,11 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
                 )
             }
         };
-        let q = layers::rope_heads(&q, &cos, &sin, s.heads, mode, compute)?;
-        let k = layers::rope_heads(&k, &cos, &sin, s.kv_heads, mode, compute)?;
+        let q = kernels::rope::rope_heads(&q, &cos, &sin, s.heads, mode, compute)?;
+        let k = kernels::rope::rope_heads(&k, &cos, &sin, s.kv_heads, mode, compute)?;
         let v = v.reshape((b, t, s.kv_heads, hd))?.transpose(1, 2)?;
         let y = match attend {
-            true => layers::attention(&q, &k, &v, &mask, mode, compute)?, // [B, T, H*D]
+            true => kernels::attention::attention(&q, &k, &v, &mask, mode, compute)?, // [B, T, H*D]
             // Everything but attention: the queries stand in for its output.
             false => q.transpose(1, 2)?.reshape((b, t, s.heads * hd))?,
         };
@@ -518,7 +526,7 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
         #[cfg(feature = "cuda")]
         if let (Some(sk), true) = (&sinks, sunk) {
             // As training on a GPU runs it: the MLP block as one recorded op.
-            let m = grpo_models::models::grad_sink::sink_mlp(&flat(&h)?, &sk[2], &sk[3])?;
+            let m = grpo_models::kernels::grad_sink::sink_mlp(&flat(&h)?, &sk[2], &sk[3])?;
             return Ok((x + m.reshape((b, t, s.hidden))?)?);
         }
         let g = pj(&flat(&h)?, 2, sunk)?;
@@ -545,7 +553,7 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
     // The whole layer as one recorded op (what training on a GPU runs where it applies).
     #[cfg(feature = "cuda")]
     if let Some(sk) = &sinks {
-        let op = grpo_models::models::gpu_layer::GpuLayer {
+        let op = grpo_models::kernels::gpu_layer::GpuLayer {
             qkv: sk[0].clone(),
             o: sk[1].clone(),
             gate_up: sk[2].clone(),
@@ -580,7 +588,7 @@ pub fn bench_ops(a: OpsArgs) -> Result<()> {
         n,
         &dev,
     )?;
-    let chunk = grpo_models::models::chunked_attention::CHUNK_BYTES / (4 * s.vocab);
+    let chunk = grpo_models::kernels::portable::chunked_attention::CHUNK_BYTES / (4 * s.vocab);
     let hf = time(&dev, reps, || {
         let h = flat(&xt)?;
         // A frozen head (as the reference's): no graph, so the forward-only kernel applies.
@@ -634,15 +642,15 @@ fn decode_layer(a: &OpsArgs, s: &Shape, dev: &Device, dt: DType, compute: Comput
     let ang = Tensor::randn(0f32, 1.0, (rows, 1, hd / 2), dev)?;
     let (cos, sin) = (ang.cos()?.to_dtype(dt)?, ang.sin()?.to_dtype(dt)?);
     let mask = AttnMask::Dense(Tensor::zeros((rows, 1, 1, t), DType::F32, dev)?);
-    let norm = layers::RmsNorm::new(nw, 1e-5, compute);
+    let norm = RmsNorm::new(nw, 1e-5, compute);
     let mm = |x: &Tensor, w: &Tensor| -> candle_core::Result<Tensor> {
         let (i, o) = w.dims2()?;
         x.reshape((rows, i))?.matmul(w)?.reshape((rows, 1, o))
     };
     let swiglu = |g: &Tensor| -> candle_core::Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if compute.on_gpu() && grpo_models::models::fused_gpu::takes(g) {
-            return grpo_models::models::fused_gpu::swiglu(g);
+        if compute.on_gpu() && grpo_models::kernels::cuda::takes(g) {
+            return grpo_models::kernels::cuda::swiglu(g);
         }
         g.narrow(2, 0, s.inter)?.silu()? * g.narrow(2, s.inter, s.inter)?
     };
@@ -652,13 +660,13 @@ fn decode_layer(a: &OpsArgs, s: &Shape, dev: &Device, dt: DType, compute: Comput
         let q = qkv.narrow(2, 0, s.heads * hd)?;
         let k = qkv.narrow(2, s.heads * hd, s.kv_heads * hd)?;
         let v = qkv.narrow(2, (s.heads + s.kv_heads) * hd, s.kv_heads * hd)?;
-        let q = layers::rope_heads(&q, &cos, &sin, s.heads, Mode::Infer, compute)?;
-        let k = layers::rope_heads(&k, &cos, &sin, s.kv_heads, Mode::Infer, compute)?;
+        let q = kernels::rope::rope_heads(&q, &cos, &sin, s.heads, Mode::Infer, compute)?;
+        let k = kernels::rope::rope_heads(&k, &cos, &sin, s.kv_heads, Mode::Infer, compute)?;
         let v = v.reshape((rows, 1, s.kv_heads, hd))?.transpose(1, 2)?;
         kc.slice_set(&k.contiguous()?, 2, t - 1)?;
         vc.slice_set(&v.contiguous()?, 2, t - 1)?;
         let (kk, vv) = (kc.narrow(2, 0, t)?, vc.narrow(2, 0, t)?);
-        let y = layers::attention(&q, &kk, &vv, &mask, Mode::Infer, compute)?; // [R, 1, H*D]
+        let y = kernels::attention::attention(&q, &kk, &vv, &mask, Mode::Infer, compute)?; // [R, 1, H*D]
         let x = (x + mm(&y, &w_o)?)?;
         let h = norm.forward(&x, Mode::Infer)?;
         let m = mm(&swiglu(&mm(&h, &w_gu)?)?, &w_down)?;

@@ -4,6 +4,9 @@
 //! - [`error`]: the error type shared by every grpo crate (each variant names the file, tensor or
 //!   key it is about).
 //! - [`files`]: the files of a Hugging Face model directory (safetensors shards, JSON configs).
+//! - [`kernels`]: how the models run fast: grpo's CPU and GPU kernels and the candle-op
+//!   portable path, each op's dispatch from the model's resolved `Compute` (the device seam), and
+//!   every `GRPO_*` kernel switch, read once.
 //! - [`models`]: Llama / Qwen2 / Qwen3 / GPT-2 with HF weight names, a differentiable all-position
 //!   forward for training and a cached incremental forward for sampling; BERT-family encoders and
 //!   sequence classifiers for reward models.

@@ -1,15 +1,15 @@
 //! grpo's CUDA source, run on the CPU in CI: `scripts/gpu_kernels_emu.cpp` compiles
-//! `models/cuda/kernels.cu` and `attention_tc.cu` as C++ (a block's threads as OS threads,
+//! `kernels/cuda/kernels.cu` and `attention_tc.cu` as C++ (a block's threads as OS threads,
 //! `__syncthreads` a barrier; a warp's `mma.sync`, `ldmatrix` and lane shuffles emulated from the
 //! PTX ISA's fragment layouts) and runs a kernel on inputs from files. Here its outputs are
-//! compared with the kernels' Rust twins (`models::fused_gpu::twin_*`, which CI compares with the
+//! compared with the kernels' Rust twins (`kernels::cuda::twin_*`, which CI compares with the
 //! candle-op path): attention forward and backward (CUDA cores in f32 and bf16, tensor cores in
 //! bf16), a decoding step's attention (both kernels, a shared prompt), SwiGLU, RMSNorm and RoPE;
 //! and with the formulas, in f64 where they sum: the LM head's log-softmax, the residual add +
 //! RMSNorm, a decoding step's q/k/v + cache write, AdamW and the clipping norm's sums of
 //! squares: every kernel of the CUDA source but `acc_add_bf16` (one add per thread). CI has no
 //! GPU: this is what keeps an edit of the CUDA source honest between GPU runs
-//! (`crates/grpo/tests/cuda.rs` runs the same source on a GPU; `scripts/check_gpu_kernels.py`
+//! (`crates/grpo/tests/cuda/` runs the same source on a GPU; `scripts/check_gpu_kernels.py`
 //! compares the emulator with torch, by hand).
 //!
 //! Needs a C++20 compiler: `g++`, or the one `CXX` names (CI's machines have g++: tokenizers'
@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use grpo_models::models::fused_gpu::{
+use grpo_models::kernels::cuda::{
     twin_backward, twin_forward, twin_rms_norm, twin_rope, twin_swiglu, Dims,
 };
 

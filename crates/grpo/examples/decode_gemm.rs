@@ -1,11 +1,11 @@
 //! Decoding-step projections (SmolLM2-135M shapes, 1 to 64 rows): candle's GEMM on the
-//! contiguous [in, out] weight vs the packed decoding kernel (`grpo_models::models::packed`), plus the
+//! contiguous [in, out] weight vs the packed decoding kernel (`grpo_models::kernels::cpu::packed`), plus the
 //! cost of packing. Not a test.
 //!   cargo run --release -p grpo --example decode_gemm
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
-use grpo_models::models::packed::PackedWeight;
+use grpo_models::kernels::cpu::packed::PackedWeight;
 
 fn time(reps: usize, mut f: impl FnMut() -> candle_core::Result<()>) -> candle_core::Result<f64> {
     f()?;

@@ -84,7 +84,7 @@ fn run() -> anyhow::Result<()> {
         let mut model = CausalLm::from_tensors(&m.config, tensors, dtype, &Device::Cpu)?;
         // SINK=1: projection weight gradients through the trainer's gradient sink.
         let list: Vec<Var> = vars.iter().map(|(_, v)| v.clone()).collect();
-        let sink = grpo_models::models::grad_sink::GradSink::new(&list);
+        let sink = grpo_models::kernels::grad_sink::GradSink::new(&list);
         if std::env::var("SINK").is_ok() {
             model.attach_grad_sink(&sink)?;
         }

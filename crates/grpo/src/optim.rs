@@ -147,7 +147,7 @@ impl StepScalars {
     /// The step as one GPU kernel, in place on `p`, `m` and `v` (the formula of
     /// [`FusedStep::apply`]); false where grpo's kernels do not take these tensors.
     fn on_gpu(&self, p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor) -> Result<bool> {
-        let s = grpo_models::models::fused_gpu::AdamWScalars {
+        let s = grpo_models::kernels::cuda::AdamWScalars {
             grad_scale: self.grad_scale,
             decay: 1.0 - self.lr * self.weight_decay,
             beta1: self.beta1,
@@ -156,7 +156,7 @@ impl StepScalars {
             bias_correction2_sqrt: self.bias_correction2_sqrt,
             step_size: self.lr / self.bias_correction1,
         };
-        Ok(grpo_models::models::fused_gpu::adamw_step(p, g, m, v, &s)?)
+        Ok(grpo_models::kernels::cuda::adamw_step(p, g, m, v, &s)?)
     }
 }
 
@@ -471,7 +471,7 @@ pub fn accumulate(acc: Tensor, g: &Tensor) -> Result<Tensor> {
 pub fn clip_factor(grads: &[Tensor], max_norm: f64, compute: Compute) -> Result<(f64, f32)> {
     #[cfg(feature = "cuda")]
     if compute.on_gpu() {
-        if let Some(sums) = grpo_models::models::fused_gpu::sum_squares(grads)? {
+        if let Some(sums) = grpo_models::kernels::cuda::sum_squares(grads)? {
             return Ok(clip_of(sums.iter().sum::<f64>().sqrt(), max_norm));
         }
     }

@@ -1,7 +1,9 @@
 //! The shape of the code, checked: no import circles between the modules of a crate (top-level
-//! modules, and the child modules of each module directory; test code aside), and the math
-//! modules never import the config. Crate cycles are cargo's to refuse; module cycles are only visible by reading the
-//! sources, which this test does (every `crate::`, `super::` and `self::` path of every file).
+//! modules, and the child modules of each module directory; test code aside), the math
+//! modules never import the config, and only grpo-models' kernels module asks a device what it
+//! is (the device seam). Crate cycles are cargo's to refuse; module cycles are only visible by
+//! reading the sources, which this test does (every `crate::`, `super::` and `self::` path of
+//! every file).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -374,5 +376,100 @@ fn grpo_does_not_re_export_the_model_runtime() {
         reexports,
         ["pub use grpo_models::error::{Error, Result};"],
         "{reexports:?}"
+    );
+}
+
+/// What asking a device what it is, or branching on its variant, looks like (whitespace removed):
+/// the device seam's checker looks for these.
+const DEVICE_BRANCHES: [&str; 11] = [
+    ".is_cuda()",
+    ".is_cpu()",
+    "is_cuda(",
+    "is_cpu(",
+    "Device::Cpu=>",
+    "Device::Cpu|",
+    "|Device::Cpu",
+    ",Device::Cpu)",
+    "Device::Cuda(_)",
+    "Device::Cuda(..)",
+    ",Device::Cuda(",
+];
+
+/// Every place in the non-test code under `src` (comments and strings aside) that asks a device
+/// what it is or branches on its variant, as `module: pattern`, outside the modules `allowed`
+/// takes (by module path).
+fn device_branches(src: &Path, allowed: &dyn Fn(&[String]) -> bool) -> Vec<String> {
+    let mut found = vec![];
+    for (m, text) in modules(src) {
+        if allowed(&m) {
+            continue;
+        }
+        let flat: String = text.chars().filter(|c| !c.is_whitespace()).collect();
+        for p in DEVICE_BRANCHES {
+            if flat.contains(p) {
+                found.push(format!("{}: {p}", m.join("::")));
+            }
+        }
+    }
+    found
+}
+
+/// The device seam holds: no crate's code outside `grpo-models/src/kernels/` asks a device what
+/// it is (`.is_cuda()`, `.is_cpu()`) or branches on its variant (`Device::Cpu =>`,
+/// `Device::Cuda(_)`). What runs where is the kernels module's `Compute`, resolved once per
+/// model or optimizer; what a device is, `kernels::device_kind`. (Binding a CUDA device's
+/// handle, `Device::Cuda(dev)`, to hand it to NCCL, is not a question about its kind.)
+#[test]
+fn only_the_kernels_ask_a_device_what_it_is() {
+    let crates = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut found = vec![];
+    for e in std::fs::read_dir(&crates).unwrap() {
+        let dir = e.unwrap().path();
+        let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+        if !dir.join("src").is_dir() {
+            continue;
+        }
+        let kernels = |m: &[String]| {
+            name == "grpo-models" && m.first().map(String::as_str) == Some("kernels")
+        };
+        for f in device_branches(&dir.join("src"), &kernels) {
+            found.push(format!("{name}/src {f}"));
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "device branches outside grpo-models/src/kernels (ask `Compute` or \
+         `kernels::device_kind` instead): {found:?}"
+    );
+}
+
+/// The seam's checker sees a planted branch, in a method call and a match arm, and passes
+/// over the kernels, comments, strings and tests.
+#[test]
+fn the_checker_sees_a_device_branch() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path();
+    std::fs::create_dir(src.join("kernels")).unwrap();
+    std::fs::write(src.join("lib.rs"), "pub mod kernels;\npub mod model;\n").unwrap();
+    std::fs::write(
+        src.join("kernels/mod.rs"),
+        "pub fn f(d: &Device) -> bool { d.is_cuda() }\n",
+    )
+    .unwrap();
+    let model = "// x.is_cuda() in a comment\nfn g() -> &'static str { \"is_cpu()\" }\n\
+                 #[cfg(test)]\nmod tests { fn t(d: &Device) { d.is_cpu(); } }\n";
+    std::fs::write(src.join("model.rs"), model).unwrap();
+    let kernels = |m: &[String]| m.first().map(String::as_str) == Some("kernels");
+    assert_eq!(device_branches(src, &kernels), Vec::<String>::new());
+    let planted = "fn g(d: &Device) -> u8 {\n    if x.device().is_cuda() { 1 } else { 0 }\n}\n\
+                   fn h(d: &Device) -> u8 {\n    match d {\n        Device::Cpu => 0,\n        _ => 1,\n    }\n}\n";
+    std::fs::write(src.join("model.rs"), planted).unwrap();
+    assert_eq!(
+        device_branches(src, &kernels),
+        [
+            "model: .is_cuda()",
+            "model: is_cuda(",
+            "model: Device::Cpu=>"
+        ]
     );
 }

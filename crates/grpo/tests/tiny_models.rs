@@ -643,8 +643,8 @@ fn shared_prompt_packing_equals_one_row_per_completion() {
 /// also holds plain f32 results, which must be much farther away (the test tells the two apart).
 #[test]
 fn mixed_precision_matches_torch_with_bf16_rounded_products() {
+    use grpo_models::kernels::grad_sink::GradSink;
     use grpo_models::kernels::Compute;
-    use grpo_models::models::grad_sink::GradSink;
     let compute = Compute::resolve(&Device::Cpu, DType::BF16);
     if !compute.bf16_matmuls() {
         eprintln!("no CPU mixed precision here ({}): skipped", compute.name());
@@ -742,7 +742,7 @@ fn mixed_precision_matches_torch_with_bf16_rounded_products() {
 
 #[test]
 fn gradient_sink_equals_autograd_and_accumulates() {
-    use grpo_models::models::grad_sink::GradSink;
+    use grpo_models::kernels::grad_sink::GradSink;
     if grpo_models::kernels::kernels() == grpo_models::kernels::Kernels::Portable {
         return; // the sink is CPU code, which the portable kernels (a GPU's path) do not run
     }
@@ -1003,7 +1003,7 @@ fn bf16_mixed_precision_stays_within_stated_tolerances() {
         let compute = grpo_models::kernels::Compute::resolve(&Device::Cpu, DType::BF16);
         assert_eq!(bf16_model.dtype(), compute.storage_dtype(DType::BF16));
         let list: Vec<Var> = vars.values().cloned().collect();
-        let sink = grpo_models::models::grad_sink::GradSink::new(&list).with_bf16_matmuls(true);
+        let sink = grpo_models::kernels::grad_sink::GradSink::new(&list).with_bf16_matmuls(true);
         if compute.bf16_matmuls() {
             assert!(bf16_model.attach_grad_sink(&sink).unwrap() > 0);
         }

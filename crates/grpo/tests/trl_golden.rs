@@ -21,8 +21,8 @@ use grpo::train::{
     StepCounter, UpdateOptions,
 };
 use grpo_models::hub::ModelSource;
+use grpo_models::kernels::grad_sink::GradSink;
 use grpo_models::kernels::Compute;
-use grpo_models::models::grad_sink::GradSink;
 use grpo_models::models::{CausalLm, Mode};
 use serde_json::Value;
 

@@ -7,7 +7,7 @@
 //! only. So the op is over (block input, `anchor`), and the gradients of the block's parameters
 //! found by the recomputation go to a side store ([`CheckpointGrads`]) that the trainer adds to
 //! candle's gradients, like the gradient sink's accumulators (projections attached to a
-//! [`super::grad_sink::GradSink`] write there directly, recomputed or not). `anchor` is a
+//! [`crate::kernels::grad_sink::GradSink`] write there directly, recomputed or not). `anchor` is a
 //! tracked scalar that makes the op record a backward even when the block input does not track
 //! gradients (LoRA: the first block's input comes from the frozen embedding).
 
@@ -65,7 +65,7 @@ impl CheckpointGrads {
 }
 
 /// `block(x)`, keeping no intermediate of it for the backward (see the module doc). Any device
-/// and dtype (the result is recorded with [`super::recompute::attach`]).
+/// and dtype (the result is recorded with [`crate::kernels::portable::recompute::attach`]).
 pub fn checkpoint(
     x: &Tensor,
     grads: &Arc<CheckpointGrads>,
@@ -77,7 +77,7 @@ pub fn checkpoint(
         block: Arc::new(block),
         grads: grads.clone(),
     };
-    super::recompute::attach(&y, &[x, grads.anchor.as_tensor()], Arc::new(op))
+    crate::kernels::portable::recompute::attach(&y, &[x, grads.anchor.as_tensor()], Arc::new(op))
 }
 
 struct Checkpointed {
@@ -85,7 +85,7 @@ struct Checkpointed {
     grads: Arc<CheckpointGrads>,
 }
 
-impl super::recompute::Backward for Checkpointed {
+impl crate::kernels::portable::recompute::Backward for Checkpointed {
     fn name(&self) -> &'static str {
         "checkpointed-block"
     }

@@ -9,8 +9,9 @@ use std::sync::Arc;
 
 use super::checkpointing::{checkpoint, CheckpointGrads};
 use super::config::ModelConfig;
-use super::grad_sink::GradSink;
-use super::layers::{attention, AttnMask, Embedding, LayerNorm, Linear, Mode, ProjMut};
+use super::layers::{AttnMask, Embedding, LayerNorm, Linear, Mode, ProjMut};
+use crate::kernels::attention::attention;
+use crate::kernels::grad_sink::GradSink;
 use crate::kernels::Compute;
 use crate::kv_cache::KvCache;
 

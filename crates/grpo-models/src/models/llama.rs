@@ -16,11 +16,16 @@ use std::sync::Arc;
 
 use super::checkpointing::{checkpoint, CheckpointGrads};
 use super::config::{Activation, ModelConfig};
-use super::grad_sink::GradSink;
 use super::layers::{
-    apply_rope, attention, linear, linear_parts, rope_heads, softcapped_attention, AttnMask,
-    Embedding, FusedLinear, Linear, Mode, ProjMut, RmsNorm, Rope,
+    linear, linear_parts, AttnMask, Embedding, FusedLinear, Linear, Mode, ProjMut, RmsNorm, Rope,
 };
+use crate::kernels::attention::{attention, softcapped_attention};
+use crate::kernels::grad_sink::GradSink;
+use crate::kernels::mlp;
+use crate::kernels::portable::apply_rope;
+#[cfg(feature = "cuda")]
+use crate::kernels::rope;
+use crate::kernels::rope::rope_heads;
 use crate::kernels::Compute;
 use crate::kv_cache::KvCache;
 
@@ -155,11 +160,12 @@ impl Attention {
         #[cfg(feature = "cuda")]
         if let (Some((c, layer)), 1, None, None) = (cache, s, &self.q_norm, &self.k_norm) {
             // A GPU's decoding step: q rotated, k and v into the cache, one kernel.
-            if self.rotary_dim == hd && self.compute.on_gpu() {
-                let joined = self.qkv_proj.forward_joined(x)?; // [B, 1, (H + 2 Hkv) D]
+            if self.rotary_dim == hd {
                 let (kc, vc) = c.layer_tensors();
                 let (kc, vc) = (&kc[layer], &vc[layer]);
-                let q = super::fused_gpu::rope_append(&joined, cos, sin, nh, nkv, kc, vc, c.len())?;
+                let joined = || self.qkv_proj.forward_joined(x); // [B, 1, (H + 2 Hkv) D]
+                let q =
+                    rope::rope_append(joined, cos, sin, nh, nkv, kc, vc, c.len(), self.compute)?;
                 if let Some(q) = q {
                     let (k, v) = (kc.narrow(2, 0, c.len() + 1)?, vc.narrow(2, 0, c.len() + 1)?);
                     return self.attend(&q, &k, &v, mask, mode); // [B, 1, hidden]
@@ -253,23 +259,16 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if self.activation == Activation::Silu && self.compute.fuses(x) {
-            let gu = self.gate_up_proj.forward_joined(x)?; // [B, S, 2I]
-            return self.down_proj.forward(&super::fused::silu_mul(&gu)?);
-        }
-        #[cfg(feature = "cuda")]
-        if self.activation == Activation::Silu && self.compute.on_gpu() {
-            if let (Some(gu), Some(down), true) = (
-                self.gate_up_proj.gpu_sink(),
-                self.down_proj.gpu_sink(),
-                x.track_op(),
-            ) {
+        if self.activation == Activation::Silu {
+            let sinks = (self.gate_up_proj.gpu_sink(), self.down_proj.gpu_sink());
+            match mlp::plan(x, self.compute, sinks.0, sinks.1) {
                 // Training on a GPU: the whole block as one recorded op.
-                return super::grad_sink::sink_mlp(x, gu, down);
-            }
-            if super::fused_gpu::takes(x) {
-                let gu = self.gate_up_proj.forward_joined(x)?; // [B, S, 2I]
-                return self.down_proj.forward(&super::fused_gpu::swiglu(&gu)?);
+                mlp::SwiGlu::Block(gu, down) => return mlp::block(x, gu, down),
+                mlp::SwiGlu::Joined(compute) => {
+                    let gu = self.gate_up_proj.forward_joined(x)?; // [B, S, 2I]
+                    return self.down_proj.forward(&mlp::activate(&gu, compute)?);
+                }
+                mlp::SwiGlu::Parts => {}
             }
         }
         let i = self.intermediate;
@@ -362,7 +361,7 @@ impl DecoderLayer {
 
 #[cfg(feature = "cuda")]
 impl DecoderLayer {
-    /// The layer's training forward as [`super::gpu_layer::GpuLayer`] (one recorded op) when
+    /// The layer's training forward as [`crate::kernels::gpu_layer::GpuLayer`] (one recorded op) when
     /// it is a plain Llama layer on a GPU whose projections all have GPU sinks (no bias,
     /// adapter, q/k norm, softcapping, partial RoPE or sandwich norm; SiLU), its mask dense and
     /// the op passed its check; else `None` (the caller runs candle's graph).
@@ -374,8 +373,7 @@ impl DecoderLayer {
         mask: &AttnMask,
     ) -> Result<Option<Tensor>> {
         let a = &self.self_attn;
-        let plain = a.compute.on_gpu()
-            && self.pre_feedforward_layernorm.is_none()
+        let plain = self.pre_feedforward_layernorm.is_none()
             && self.post_feedforward_layernorm.is_none()
             && a.q_norm.is_none()
             && a.k_norm.is_none()
@@ -395,17 +393,17 @@ impl DecoderLayer {
             AttnMask::Dense(m) | AttnMask::Spanned(m, _) => m,
             _ => return Ok(None),
         };
-        let shape = super::gpu_layer::LayerShape {
+        let shape = crate::kernels::gpu_layer::LayerShape {
             hidden: x.dim(candle_core::D::Minus1)?,
             heads: a.num_heads,
             kv_heads: a.num_kv_heads,
             head_dim: a.head_dim,
             intermediate: down.in_dim(),
         };
-        if !plain || !super::gpu_layer::usable(x.device(), shape, x.dtype()) {
+        if !plain || !crate::kernels::gpu_layer::usable(a.compute, x.device(), shape, x.dtype()) {
             return Ok(None);
         }
-        let layer = super::gpu_layer::GpuLayer {
+        let layer = crate::kernels::gpu_layer::GpuLayer {
             qkv: qkv.clone(),
             o: o.clone(),
             gate_up: gate_up.clone(),
@@ -563,8 +561,8 @@ impl Model {
     }
 
     /// The weights as the fused CPU decoding step takes them, when every projection is packed
-    /// with nothing added to it and the norms are f32 ([`super::decode_cpu`]); else `None`.
-    pub fn decode_plan(&self) -> Result<Option<super::decode_cpu::Plan>> {
+    /// with nothing added to it and the norms are f32 ([`crate::kernels::cpu::decode`]); else `None`.
+    pub fn decode_plan(&self) -> Result<Option<crate::kernels::cpu::decode::Plan>> {
         let Some(first) = self.layers.first().filter(|_| self.plain_decoder) else {
             return Ok(None);
         };
@@ -608,7 +606,7 @@ impl Model {
                     ),
                     (Some(qkv), Some(o), Some(gate_up), Some(down)),
                     true,
-                ) => layers.push(super::decode_cpu::LayerPlan {
+                ) => layers.push(crate::kernels::cpu::decode::LayerPlan {
                     input_layernorm,
                     post_attention_layernorm,
                     q_norm,
@@ -625,7 +623,7 @@ impl Model {
             return Ok(None);
         };
         let (cos, sin) = self.rope.tables_all();
-        Ok(Some(super::decode_cpu::Plan {
+        Ok(Some(crate::kernels::cpu::decode::Plan {
             layers,
             norm,
             eps,
@@ -668,29 +666,16 @@ impl Model {
         // host and upload it (a GPU's decoding step did that once per layer): do it once here.
         // On a GPU the prompt's shared slots go along as each row's leader, on the device.
         let compute = self.layers.first().map(|l| l.self_attn.compute);
-        let fused = compute.is_some_and(|c| c.is_fused());
         let dense_once;
         let mask = match (mask, cache.as_deref(), self.sliding_window) {
-            (AttnMask::LeftPad(pad, shared), Some(c), None) if !fused => {
-                let tk = c.len() + s;
-                let dense = mask.to_dense(s, tk, ids.device())?;
-                // (Without a prefix that fits, each row leads itself over no slots: the
-                // decoding kernel then needs no leader tensor of its own in every layer.)
-                dense_once = match compute.is_some_and(|c| c.on_gpu()) {
-                    true => {
-                        let (leader, end): (Vec<u32>, usize) = match shared {
-                            Some(sp) if sp.fits(pad, tk) => {
-                                (sp.leader.iter().map(|&l| l as u32).collect(), sp.end)
-                            }
-                            _ => ((0..pad.len() as u32).collect(), 0),
-                        };
-                        let n = leader.len();
-                        let leader = Tensor::from_vec(leader, n, ids.device())?;
-                        AttnMask::SharedDense(dense, leader, end)
+            (AttnMask::LeftPad(..), Some(c), None) => {
+                match mask.for_every_layer(s, c.len() + s, ids.device(), compute)? {
+                    Some(m) => {
+                        dense_once = m;
+                        &dense_once
                     }
-                    false => AttnMask::Dense(dense),
-                };
-                &dense_once
+                    None => mask,
+                }
             }
             _ => mask,
         };

@@ -102,6 +102,25 @@ impl LoraAdapter {
     }
 }
 
+/// What the fused CPU decoding step reads of an adapter.
+impl crate::kernels::cpu::decode::LowRank for LoraAdapter {
+    fn a(&self) -> &Tensor {
+        LoraAdapter::a(self)
+    }
+    fn b(&self) -> &Tensor {
+        LoraAdapter::b(self)
+    }
+    fn scale(&self) -> f64 {
+        LoraAdapter::scale(self)
+    }
+    fn has_dropout(&self) -> bool {
+        LoraAdapter::has_dropout(self)
+    }
+    fn dims(&self) -> Result<(usize, usize)> {
+        LoraAdapter::dims(self)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -11,29 +11,14 @@
 //! (Llama / Qwen2) sequence classifiers built on [`CausalLm`], and the sentence embedder.
 
 pub mod checkpointing;
-pub mod chunked_attention;
 pub mod config;
-pub mod decode_cpu;
 pub mod encoder;
-pub mod fused;
-pub mod fused_attention;
-pub mod fused_gpu;
-pub mod gemm_bf16;
 pub mod gpt2;
-pub mod gpu_layer;
-pub mod grad_sink;
 pub mod layers;
 pub mod llama;
 pub mod lora;
 pub mod masked_lm;
-pub mod packed;
-pub mod packed_quant;
-mod panels;
-pub mod quant;
-pub mod recompute;
 mod seq_cls;
-mod tensor_ops;
-pub mod vmath;
 
 use std::collections::HashMap;
 
@@ -43,9 +28,12 @@ use candle_nn::VarBuilder;
 pub use config::{Arch, ModelConfig};
 pub use layers::{AttnMask, Mode, ProjMut, SharedPrefix};
 pub use lora::{LoraAdapter, LoraDropout};
-pub use quant::{QuantProj, QuantType};
+// Frozen quantized projections are a kernel of the CPU ([`crate::kernels::cpu::quant`]); the
+// models name their kinds here.
+pub use crate::kernels::cpu::quant::{QuantProj, QuantType};
 
-use crate::kernels::Compute;
+use crate::kernels::cpu::{decode as decode_cpu, gemm_bf16, packed};
+use crate::kernels::{grad_sink, Compute};
 use crate::kv_cache::KvCache;
 use crate::{Error, Result};
 

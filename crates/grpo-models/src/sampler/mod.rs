@@ -30,8 +30,9 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
+use crate::kernels::cpu::vmath;
 use crate::kv_cache::KvCache;
-use crate::models::{vmath, AttnMask, CausalLm, SeqBatch};
+use crate::models::{AttnMask, CausalLm, SeqBatch};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 

@@ -35,7 +35,7 @@ pub use crate::config::Masking;
 use crate::logprobs::{unpad_rows, Entropy};
 use crate::rollout::GroupSampler;
 use crate::{Error, Result};
-use grpo_models::models::fused_attention::MASK_VALUE;
+use grpo_models::kernels::cpu::fused_attention::MASK_VALUE;
 use grpo_models::models::masked_lm::{pad_batch, MaskedLm, MlmTokenizer};
 use grpo_models::sampler::{
     choose_token, Completion, GenStats, PromptInput, SamplingParams, StopReason,

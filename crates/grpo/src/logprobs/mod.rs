@@ -10,7 +10,7 @@ use std::ops::Range;
 
 use candle_core::{Tensor, D};
 
-use grpo_models::models::fused;
+use grpo_models::kernels::cpu::fused;
 use grpo_models::models::layers::reduce_dtype;
 
 use crate::Result;
@@ -142,13 +142,11 @@ pub fn token_logprobs_entropy_with(
             continue;
         }
         #[cfg(feature = "cuda")]
-        if compute.on_gpu()
-            && !logits.track_op()
-            && grpo_models::models::fused_gpu::head_takes(&logits)
+        if compute.on_gpu() && !logits.track_op() && grpo_models::kernels::cuda::head_takes(&logits)
         {
             // One kernel per chunk on a GPU (no graph here: a reference or old-policy pass).
             let (both, _) =
-                grpo_models::models::fused_gpu::head_logprobs(&logits, &y, (1.0 / t) as f32)?;
+                grpo_models::kernels::cuda::head_logprobs(&logits, &y, (1.0 / t) as f32)?;
             lps.push(both.narrow(1, 0, 1)?.squeeze(1)?);
             if entropy != Entropy::Skip {
                 ents.push(both.narrow(1, 1, 1)?.squeeze(1)?);
@@ -190,7 +188,7 @@ pub fn token_logprobs_entropy_with(
 /// Like [`token_logprobs_entropy`] for a differentiable forward that keeps no logits: each
 /// chunk's `[c, V]` logits exist only while it is computed, in the forward and again in the
 /// backward, which recomputes them from `hidden` and `lm_head` (the fused linear + log-softmax
-/// plan of Liger's kernels, in candle ops; see [`grpo_models::models::recompute`]). What the backward
+/// plan of Liger's kernels, in candle ops; see [`grpo_models::kernels::portable::recompute`]). What the backward
 /// keeps is `hidden`, `lm_head` and one log-sum-exp per row. `lm_head` [V, H] gets a gradient
 /// only where it tracks one (a frozen head under LoRA does not).
 ///
@@ -226,7 +224,7 @@ fn head_logprobs_recomputed(
     temperature: f64,
     chunk_rows: usize,
     entropy: Entropy,
-    head_grad: Option<grpo_models::models::grad_sink::WeightGrad>,
+    head_grad: Option<grpo_models::kernels::grad_sink::WeightGrad>,
     compute: Compute,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let op = HeadLogprobs {
@@ -250,8 +248,11 @@ fn head_logprobs_recomputed(
         lse: std::sync::OnceLock::from(lse),
         ..op
     };
-    let both =
-        grpo_models::models::recompute::attach(&both, &[hidden, &head], std::sync::Arc::new(op))?;
+    let both = grpo_models::kernels::portable::recompute::attach(
+        &both,
+        &[hidden, &head],
+        std::sync::Arc::new(op),
+    )?;
     let lp = both.narrow(1, 0, 1)?.squeeze(1)?; // [N]
     let ent = both.narrow(1, 1, 1)?.squeeze(1)?; // [N]
     Ok((
@@ -274,7 +275,7 @@ struct HeadLogprobs {
     /// [N, 1] f32: each row's log-sum-exp of `logits / T`.
     lse: std::sync::OnceLock<Tensor>,
     /// Where the head weight's gradient goes instead of the graph (a GPU sink), when set.
-    head_grad: Option<grpo_models::models::grad_sink::WeightGrad>,
+    head_grad: Option<grpo_models::kernels::grad_sink::WeightGrad>,
     /// The model's compute: grpo's head kernels under [`Compute::Gpu`].
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     compute: Compute,
@@ -295,11 +296,10 @@ impl HeadLogprobs {
             let len = self.chunk.min(n - start);
             let logits = hidden.narrow(0, start, len)?.matmul(&w.t()?)?; // [c, V]
             #[cfg(feature = "cuda")]
-            if self.compute.on_gpu() && grpo_models::models::fused_gpu::head_takes(&logits) {
+            if self.compute.on_gpu() && grpo_models::kernels::cuda::head_takes(&logits) {
                 let y = self.targets.narrow(0, start, len)?;
                 let inv_t = (1.0 / self.temperature) as f32;
-                let (both, lse) =
-                    grpo_models::models::fused_gpu::head_logprobs(&logits, &y, inv_t)?;
+                let (both, lse) = grpo_models::kernels::cuda::head_logprobs(&logits, &y, inv_t)?;
                 rows.push(both);
                 lses.push(lse);
                 start += len;
@@ -326,7 +326,7 @@ impl HeadLogprobs {
     }
 }
 
-impl grpo_models::models::recompute::Backward for HeadLogprobs {
+impl grpo_models::kernels::portable::recompute::Backward for HeadLogprobs {
     fn name(&self) -> &'static str {
         "head-logprobs"
     }
@@ -387,8 +387,8 @@ impl HeadLogprobs {
         grad: &Tensor,
     ) -> candle_core::Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if self.compute.on_gpu() && grpo_models::models::fused_gpu::head_takes(logits) {
-            return grpo_models::models::fused_gpu::head_logprobs_backward(
+        if self.compute.on_gpu() && grpo_models::kernels::cuda::head_takes(logits) {
+            return grpo_models::kernels::cuda::head_logprobs_backward(
                 logits,
                 &self.targets.narrow(0, start, len)?,
                 &lse.narrow(0, start, len)?,
@@ -768,7 +768,8 @@ fn head_logprobs(
         Some(w) => w.dim(0)?,
         None => model.config().vocab_size,
     };
-    let big_rows = grpo_models::models::chunked_attention::CHUNK_BYTES / (4 * vocab.max(1));
+    let big_rows =
+        grpo_models::kernels::portable::chunked_attention::CHUNK_BYTES / (4 * vocab.max(1));
     let train_rows = match model.compute() {
         Compute::Gpu => GPU_TRAIN_HEAD_CHUNK_BYTES / (4 * vocab.max(1)),
         _ => big_rows,

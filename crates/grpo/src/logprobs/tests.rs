@@ -153,7 +153,7 @@ fn recomputed_head_logprobs_match_the_graph_path_with_gradients() {
     // path's gradient.
     let wv = Var::randn(0f32, 1.0, (v, h), &dev).unwrap();
     let cast = (wv.as_tensor() * 1.0).unwrap();
-    let sink = grpo_models::models::grad_sink::GradSink::on_device(&[(&wv, &cast)]);
+    let sink = grpo_models::kernels::grad_sink::GradSink::on_device(&[(&wv, &cast)]);
     let acc = sink
         .weight_grad(&cast)
         .expect("an accumulator for the head");

@@ -20,8 +20,8 @@ use crate::peft::{self, LoraConfig};
 use crate::rewards::Reward;
 use crate::rollout::{Episode, GroupSampler, MicroBatch};
 use crate::Result;
+use grpo_models::kernels::grad_sink::GradSink;
 use grpo_models::models::checkpointing::CheckpointGrads;
-use grpo_models::models::grad_sink::GradSink;
 use grpo_models::models::{CausalLm, Mode, ModelConfig};
 use grpo_models::tokenizer::Tokenizer;
 

@@ -251,7 +251,7 @@ pub(super) fn resolve_dtype(cfg: &TrainConfig, world: &dyn World) -> Result<Opti
     let on_gpu = cfg.run.device.resolve().names_a_gpu();
     let cpu_mixed = Compute::resolve(&Device::Cpu, candle_core::DType::BF16).bf16_matmuls();
     let rates = (mixed && !on_gpu && cpu_mixed && Isa::active() >= Isa::Avx512Bf16)
-        .then(grpo_models::models::gemm_bf16::rates)
+        .then(grpo_models::kernels::cpu::gemm_bf16::rates)
         .and_then(|r| r.ok());
     let mut dtype = cfg.run.dtype.resolve(mixed, on_gpu, rates);
     let mut votes = [f64::from(u8::from(dtype == DTypeOpt::Bf16))];
@@ -785,7 +785,7 @@ impl LoadPolicy for CausalLmPolicy {
                     "dtype = bf16 on a CPU without AVX512_BF16 (instruction set {isa}): the bf16 \
                      matmuls are emulated with f32 FMAs, slower than dtype = \"f32\""
                 );
-            } else if let Ok((bf16, f32)) = grpo_models::models::gemm_bf16::rates() {
+            } else if let Ok((bf16, f32)) = grpo_models::kernels::cpu::gemm_bf16::rates() {
                 // Some CPUs issue `vdpbf16ps` at half the f32 FMA's rate: measured, not assumed.
                 match bf16 < f32 {
                     true => tracing::warn!(
