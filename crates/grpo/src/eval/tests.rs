@@ -1,3 +1,5 @@
+//! Tests of evaluation: pass@k against its textbook form, the batches, the tally and report.
+
 use super::*;
 
 /// C(n, k) in plain f64 (exact for the small n used here).

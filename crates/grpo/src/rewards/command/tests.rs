@@ -1,3 +1,5 @@
+//! Tests of the scorer program options: TRL-style function names, defaults, errors naming the key.
+
 use std::path::PathBuf;
 use std::time::Duration;
 
