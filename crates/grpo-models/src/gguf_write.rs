@@ -208,7 +208,9 @@ fn model_metadata(
         };
         if let (Some(why), true) = (ignored, w < context) {
             warnings.push(format!(
-                "llama.cpp {why}: past {w} tokens it attends to every earlier token, where                  transformers and grpo (which loads this file with its window) attend to the                  last {w}"
+                "llama.cpp {why}: past {w} tokens it attends to every earlier token, where \
+                 transformers and grpo (which loads this file with its window) attend to the \
+                 last {w}"
             ));
         }
     }
@@ -267,7 +269,8 @@ fn gemma_metadata(
     };
     if window.is_some() && sliding != llama_cpp_sliding_layers(config.arch, config.num_layers) {
         warnings.push(format!(
-            "llama.cpp fixes which {arch} layers slide ({}); this model's are {:?}, which                  the file records for grpo but llama.cpp ignores",
+            "llama.cpp fixes which {arch} layers slide ({}); this model's are {:?}, which \
+             the file records for grpo but llama.cpp ignores",
             match config.arch {
                 Arch::Gemma2 => "every other one from the first",
                 _ => "five of every six",
@@ -301,7 +304,8 @@ fn gemma_metadata(
         md.push((key("rope.freq_base_swa"), Value::F32(local as f32)));
         if local != 10000.0 {
             warnings.push(format!(
-                "llama.cpp's gemma3 graph fixes the sliding layers' RoPE base at 10000; this                      model's is {local}"
+                "llama.cpp's gemma3 graph fixes the sliding layers' RoPE base at 10000; this \
+                 model's is {local}"
             ));
         }
         if extras.attn_softcap.is_some() || extras.final_softcap.is_some() {
