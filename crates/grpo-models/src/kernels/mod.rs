@@ -1,7 +1,7 @@
 //! How the models run fast: grpo's own kernels, grouped by device, the dispatch that picks one
 //! per op, and the device seam that decides it once per model or optimizer ([`Compute`]).
 //!
-//! A model (in [`crate::models`]) asks for an op: [`attention::attention`], [`norm::rms_norm`]
+//! A model (in `models`) asks for an op: [`attention::attention`], [`norm::rms_norm`]
 //! and [`norm::add_rms_norm`], [`rope::rope_heads`] and [`rope::rope_append`], [`mlp::swiglu`];
 //! each is a small dispatch function here that picks the implementation from the model's
 //! [`Compute`]. Where each lives:

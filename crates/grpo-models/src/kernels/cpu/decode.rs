@@ -2,7 +2,7 @@
 //! per row through every layer and the LM head, computed by a team of the thread pool's threads
 //! that meet at spin barriers between phases.
 //!
-//! The tensor path ([`super::CausalLm::forward_cached`]) runs a dozen small parallel ops per layer,
+//! The tensor path (`models::CausalLm::forward_cached`) runs a dozen small parallel ops per layer,
 //! each a fork and join of the pool with a sleeping worker to wake, and cores sit idle between
 //! them (bench/README.md). Here every thread takes an equal share of
 //! each phase and goes straight on to the next once the others are done with the current one:
@@ -47,7 +47,7 @@ pub struct Proj {
 }
 
 /// The LoRA adapters of a packed projection's parts as one low-rank product added after the
-/// bias: `y += ((x A^T) B^T) * scale`, as [`super::lora::LoraAdapter::forward`] computes each
+/// bias: `y += ((x A^T) B^T) * scale`, as `models::LoraAdapter::forward` computes each
 /// (no dropout: a sampling model's adapters). `A` stacks the parts' `A`s ([R, in]); `B` is
 /// block diagonal ([out, R]: part `i`'s rows see only its own rank), so each output column sums
 /// its own part's rank in order and adds zeros for the others'.
@@ -133,7 +133,7 @@ pub struct LayerPlan {
 }
 
 /// The whole model's weights for the fused step, built once by
-/// [`super::CausalLm::pack_for_decoding`].
+/// `models::CausalLm::pack_for_decoding`.
 #[derive(Debug)]
 pub struct Plan {
     pub layers: Vec<LayerPlan>,

@@ -1,7 +1,7 @@
 //! Fused CPU f32 kernels with hand-written backward passes, for the training forward.
 //!
 //! candle's own fused kernels record no backward, and the differentiable compositions in
-//! [`super::layers`] keep every intermediate alive until the backward pass ends (an RMSNorm is
+//! [`crate::kernels::portable`] keep every intermediate alive until the backward pass ends (an RMSNorm is
 //! five tensors, a masked softmax seven, an LM-head log-softmax four `[rows, vocab]` copies). These
 //! custom ops keep only their inputs and output, and compute the gradient in one pass:
 //! - [`rms_norm`]: `w * x / sqrt(mean(x^2) + eps)`;

@@ -10,7 +10,7 @@
 //! element is the same chain of FMAs in the same order, so the two variants agree bit for bit.
 //!
 //! Only the forward exists: a packed projection is for detached (sampling and scoring) models,
-//! built by [`super::CausalLm::pack_for_decoding`]. Without AVX2 (or with `kernels =
+//! built by `models::CausalLm::pack_for_decoding`. Without AVX2 (or with `kernels =
 //! "portable"`) the packed layout is not used at all (`Compute::packs_for_decoding`); the plain
 //! loop [`matmul_portable`] is the kernels' twin in tests and the fallback of last resort.
 
@@ -82,7 +82,7 @@ impl PackedWeight {
         t.dims2()
     }
 
-    /// Packs `wt` [in, out] (the transposed weight, as [`super::layers::Linear`] keeps it).
+    /// Packs `wt` [in, out] (the transposed weight, as `models::layers::Linear` keeps it).
     pub fn from_in_out(wt: &Tensor) -> Result<Self> {
         let (k, n) = Self::check(wt)?;
         with_f32(wt, |src| {
@@ -123,7 +123,7 @@ impl PackedWeight {
         Self::bf16_of(w, k, n, (1, k as isize))
     }
 
-    /// [`Self::from_out_in_bf16`] from `wt` [in, out] (the layout [`super::layers::Linear`] keeps).
+    /// [`Self::from_out_in_bf16`] from `wt` [in, out] (the layout `models::layers::Linear` keeps).
     pub fn from_in_out_bf16(wt: &Tensor) -> Result<Self> {
         let (k, n) = Self::check(wt)?;
         Self::bf16_of(wt, k, n, (n as isize, 1))

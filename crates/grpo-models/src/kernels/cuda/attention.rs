@@ -7,7 +7,8 @@ use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{DType, Device, Result, Tensor};
 
-use super::launch::{cuda, dims_args, launch, launch_from, name, output, smem_limit, Module};
+use super::gpu_tc_ptx;
+use super::launch::{cuda, dims_args, launch_from, name, output, smem_limit, Module};
 use super::{takes, Dims, HEAD_DIMS};
 use crate::kernels::portable::recompute::{attach, Backward};
 use crate::kernels::{gpu_kernels, GpuKernels};

@@ -4,7 +4,7 @@ use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
 use candle_core::{DType, Result, Tensor};
 
 use super::launch::{cuda, elementwise, launch, output, Scalar};
-use super::{takes, AdamWScalars};
+use super::takes;
 
 /// AdamW in place, one kernel per parameter with its scalars as arguments (candle ops took
 /// ~20 launches and 7 scalar uploads a parameter): `p` (the parameter's storage), `m`, `v`

@@ -4,8 +4,7 @@ use std::sync::Arc;
 
 use candle_core::{Result, Tensor};
 
-use super::launch::{cuda, elementwise, launch, output, suffix};
-use super::takes;
+use super::launch::{cuda, elementwise, launch, output, suffix, Scalar};
 use crate::kernels::portable::recompute::{attach, Backward};
 
 /// `gu` [.., 2I] (gate, then up) -> silu(gate) * up [.., I] in one kernel, recorded in the

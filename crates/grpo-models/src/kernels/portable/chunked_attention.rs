@@ -1,6 +1,6 @@
 //! Attention over query chunks that keeps no `[B, H, S, Tk]` tensor: the portable path's
 //! attention for several queries (a GPU's too, where grpo's own kernels of
-//! [`crate::kernels::cuda`] do not apply).
+//! `kernels::cuda` do not apply).
 //!
 //! The forward scores a chunk of queries at a time (`[B, H, c, Tk]`, `c` sized to a byte
 //! budget), softmaxes in f32 and keeps only the output and each query's log-sum-exp. In a

@@ -1,6 +1,6 @@
 //! Frozen reward models: BERT / RoBERTa / XLM-RoBERTa / DistilBERT encoders with their
 //! `*ForSequenceClassification` heads, decoder sequence classifiers (Llama / Qwen2, see
-//! [`super::seq_cls`]) behind one [`SequenceClassifier`], and the sentence-transformers
+//! [`crate::models::seq_cls`]) behind one [`SequenceClassifier`], and the sentence-transformers
 //! embedder ([`SentenceEmbedder`], mean pooling, e.g. all-MiniLM-L6-v2).
 //!
 //! Inference only: nothing here records a backward, so the forwards use candle's fused kernels

@@ -1,7 +1,7 @@
 //! Fused CPU f32 attention for all-position forwards (training, reference log-probs, prefill),
 //! with a hand-written backward.
 //!
-//! The matmul composition in [`super::layers::attention`] scores every key slot, masked or not,
+//! The matmul composition in `kernels::attention::attention` scores every key slot, masked or not,
 //! through batched candle matmuls (one small GEMM per batch entry and KV head), and its backward
 //! adds four more matmuls and transposed copies. Packed training rows are mostly masked (a
 //! completion sees its prompt and itself, not its siblings, and a row may hold several
