@@ -10,8 +10,8 @@ use super::*;
 /// also holds plain f32 results, which must be much farther away (the test tells the two apart).
 #[test]
 fn mixed_precision_matches_torch_with_bf16_rounded_products() {
-    use grpo_models::kernels::Compute;
     use grpo_models::kernels::grad_sink::GradSink;
+    use grpo_models::kernels::Compute;
     let compute = Compute::resolve(&Device::Cpu, DType::BF16);
     if !compute.bf16_matmuls() {
         eprintln!("no CPU mixed precision here ({}): skipped", compute.name());
