@@ -156,35 +156,8 @@ impl Tokenizer {
         inner.with_padding(None);
 
         let cfg_path = dir.join("tokenizer_config.json");
-        let config = match std::fs::read_to_string(&cfg_path) {
-            Ok(text) => match serde_json::from_str::<serde_json::Value>(&text) {
-                Ok(serde_json::Value::Object(m)) => m,
-                Ok(_) => return Err(Error::file(&cfg_path, "not a JSON object")),
-                Err(e) => return Err(Error::file(&cfg_path, format!("invalid JSON: {e}"))),
-            },
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => serde_json::Map::new(),
-            Err(e) => return Err(Error::file(&cfg_path, format!("cannot read: {e}"))),
-        };
-
-        // Named special tokens, then any `extra_special_tokens` given by name.
-        let mut template_tokens: Vec<(String, String)> = SPECIAL_TOKEN_NAMES
-            .iter()
-            .filter_map(|&name| {
-                config
-                    .get(name)
-                    .and_then(token_string)
-                    .map(|s| (name.to_owned(), s))
-            })
-            .collect();
-        if let Some(serde_json::Value::Object(extra)) = config.get("extra_special_tokens") {
-            for (name, v) in extra {
-                if let Some(s) = token_string(v) {
-                    if !template_tokens.iter().any(|(n, _)| n == name) {
-                        template_tokens.push((name.clone(), s));
-                    }
-                }
-            }
-        }
+        let config = read_tokenizer_config(&cfg_path)?;
+        let template_tokens = named_special_tokens(&config);
         let missing: Vec<AddedToken> = template_tokens
             .iter()
             .filter(|(_, s)| !s.is_empty() && inner.token_to_id(s).is_none())
@@ -203,49 +176,7 @@ impl Tokenizer {
         };
         let (bos_id, eos_id, pad_id) = (id_of("bos_token"), id_of("eos_token"), id_of("pad_token"));
 
-        let jinja_path = dir.join("chat_template.jinja");
-        let mut no_chat_reason = format!(
-            "neither {} has a `chat_template` nor is there a {}",
-            cfg_path.display(),
-            jinja_path.display()
-        );
-        let chat = if jinja_path.is_file() {
-            let source = read_text(&jinja_path, "")?;
-            Some(ChatTemplate::compile(
-                &source,
-                jinja_path.display().to_string(),
-            )?)
-        } else {
-            let origin = format!("{} (`chat_template`)", cfg_path.display());
-            match config.get("chat_template") {
-                Some(serde_json::Value::String(s)) => Some(ChatTemplate::compile(s, origin)?),
-                Some(serde_json::Value::Array(list)) => {
-                    let named: Vec<(&str, &str)> = list
-                        .iter()
-                        .filter_map(|t| Some((t.get("name")?.as_str()?, t.get("template")?.as_str()?)))
-                        .collect();
-                    match named.iter().find(|(n, _)| *n == "default") {
-                        Some((_, s)) => Some(ChatTemplate::compile(s, format!("{origin}, \"default\""))?),
-                        None => {
-                            let names: Vec<&str> = named.iter().map(|(n, _)| *n).collect();
-                            no_chat_reason = format!(
-                                "{} has named chat templates ({}) but none named \"default\"",
-                                cfg_path.display(),
-                                names.join(", ")
-                            );
-                            None
-                        }
-                    }
-                }
-                Some(serde_json::Value::Null) | None => None,
-                Some(_) => {
-                    return Err(Error::file(
-                        &cfg_path,
-                        "`chat_template` must be a string or a list of {\"name\", \"template\"} objects",
-                    ))
-                }
-            }
-        };
+        let (chat, no_chat_reason) = hf_chat_template(dir, &cfg_path, &config)?;
 
         let clean_up_spaces = config
             .get("clean_up_tokenization_spaces")
@@ -515,4 +446,97 @@ fn clean_up_tokenization(text: &str) -> String {
         .replace(" 's", "'s")
         .replace(" 've", "'ve")
         .replace(" 're", "'re")
+}
+
+/// `tokenizer_config.json` as a JSON object (empty when the file is absent).
+fn read_tokenizer_config(cfg_path: &Path) -> Result<serde_json::Map<String, serde_json::Value>> {
+    match std::fs::read_to_string(cfg_path) {
+        Ok(text) => match serde_json::from_str::<serde_json::Value>(&text) {
+            Ok(serde_json::Value::Object(m)) => Ok(m),
+            Ok(_) => Err(Error::file(cfg_path, "not a JSON object")),
+            Err(e) => Err(Error::file(cfg_path, format!("invalid JSON: {e}"))),
+        },
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(serde_json::Map::new()),
+        Err(e) => Err(Error::file(cfg_path, format!("cannot read: {e}"))),
+    }
+}
+
+/// The config's named special tokens (`bos_token`, ...), then any `extra_special_tokens` given
+/// by name: (name, token) pairs, as chat templates read them.
+fn named_special_tokens(
+    config: &serde_json::Map<String, serde_json::Value>,
+) -> Vec<(String, String)> {
+    let mut tokens: Vec<(String, String)> = SPECIAL_TOKEN_NAMES
+        .iter()
+        .filter_map(|&name| {
+            config
+                .get(name)
+                .and_then(token_string)
+                .map(|s| (name.to_owned(), s))
+        })
+        .collect();
+    if let Some(serde_json::Value::Object(extra)) = config.get("extra_special_tokens") {
+        for (name, v) in extra {
+            if let Some(s) = token_string(v) {
+                if !tokens.iter().any(|(n, _)| n == name) {
+                    tokens.push((name.clone(), s));
+                }
+            }
+        }
+    }
+    tokens
+}
+
+/// An HF directory's chat template: `chat_template.jinja`, else the config's `chat_template` (a
+/// string, or the list entry named "default"); without one, why not (for the error a chat
+/// prompt then gets).
+fn hf_chat_template(
+    dir: &Path,
+    cfg_path: &Path,
+    config: &serde_json::Map<String, serde_json::Value>,
+) -> Result<(Option<ChatTemplate>, String)> {
+    let jinja_path = dir.join("chat_template.jinja");
+    let mut no_chat_reason = format!(
+        "neither {} has a `chat_template` nor is there a {}",
+        cfg_path.display(),
+        jinja_path.display()
+    );
+    let chat = if jinja_path.is_file() {
+        let source = read_text(&jinja_path, "")?;
+        Some(ChatTemplate::compile(
+            &source,
+            jinja_path.display().to_string(),
+        )?)
+    } else {
+        let origin = format!("{} (`chat_template`)", cfg_path.display());
+        match config.get("chat_template") {
+            Some(serde_json::Value::String(s)) => Some(ChatTemplate::compile(s, origin)?),
+            Some(serde_json::Value::Array(list)) => {
+                let named: Vec<(&str, &str)> = list
+                    .iter()
+                    .filter_map(|t| Some((t.get("name")?.as_str()?, t.get("template")?.as_str()?)))
+                    .collect();
+                match named.iter().find(|(n, _)| *n == "default") {
+                    Some((_, s)) => {
+                        Some(ChatTemplate::compile(s, format!("{origin}, \"default\""))?)
+                    }
+                    None => {
+                        let names: Vec<&str> = named.iter().map(|(n, _)| *n).collect();
+                        no_chat_reason = format!(
+                            "{} has named chat templates ({}) but none named \"default\"",
+                            cfg_path.display(),
+                            names.join(", ")
+                        );
+                        None
+                    }
+                }
+            }
+            Some(serde_json::Value::Null) | None => None,
+            Some(_) => return Err(Error::file(
+                cfg_path,
+                "`chat_template` must be a string or a list of {\"name\", \"template\"} objects",
+            )),
+        }
+    };
+    Ok((chat, no_chat_reason))
 }
