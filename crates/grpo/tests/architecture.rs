@@ -363,6 +363,34 @@ fn fill_in_stays_behind_its_module() {
     assert!(importers.contains("train::fill_in"), "{importers:?}");
 }
 
+/// The kernels never import the models: a model asks `kernels` for an op, never the other way,
+/// so a kernel can change without reading model code (and `kernels/` stays a leaf below
+/// `models/`).
+#[test]
+fn the_kernels_do_not_import_the_models() {
+    let mods = modules(&crate_src("grpo-models"));
+    let mut kernel_files = 0;
+    for (m, text) in &mods {
+        if m.first().map(String::as_str) != Some("kernels") {
+            continue;
+        }
+        kernel_files += 1;
+        for p in paths(text) {
+            let target = resolve(m, &p);
+            assert!(
+                target.first().map(String::as_str) != Some("models"),
+                "{} imports {}",
+                m.join("::"),
+                p.join("::")
+            );
+        }
+    }
+    assert!(
+        kernel_files > 10,
+        "{kernel_files} kernel files: the walk found the folder?"
+    );
+}
+
 /// grpo re-exports none of grpo-models' modules: its users import them from grpo-models, so the
 /// crate boundary shows. Only the shared error type is re-exported.
 #[test]
