@@ -1,5 +1,6 @@
 // grpo's GPU kernels, compiled at run time by NVRTC (no headers): f32 arithmetic over bf16 or f32
-// tensors. The Rust twin of each kernel is in `fused_gpu.rs`, where they are launched.
+// tensors. Each kernel is launched from its op's file in this folder (`attention.rs`,
+// `rms_norm.rs`, ...); its plain-Rust twin is in `twins.rs`.
 //
 // Attention: FlashAttention's plan (scores never stored, one log-sum-exp per query kept for the
 // backward), in 64 x 64 tiles through shared memory: forward and dQ per block of queries, dK and
