@@ -15,10 +15,35 @@ pub trait World: Sync {
     fn size(&self) -> usize;
     /// Sums `xs` element-wise over every process, in place (token counts, metric sums).
     fn sum_f64(&self, xs: &mut [f64]) -> Result<()>;
-    /// Sums each gradient over every process, in place, before clipping and the optimizer step.
-    fn sum_grads(&self, grads: &mut [Tensor]) -> Result<()>;
+    /// Sums `xs` element-wise over every process, in place (gradients, on the host).
+    fn sum_f32(&self, xs: &mut [f32]) -> Result<()>;
     /// Every process's `mine`, in rank order.
     fn all_gather_bytes(&self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>>;
+    /// Sums each gradient over every process, in place, before clipping and the optimizer step:
+    /// buckets of whole tensors (a larger tensor alone), each summed by one [`World::sum_f32`].
+    fn sum_grads(&self, grads: &mut [Tensor]) -> Result<()> {
+        sum_in_buckets(self, grads)
+    }
+    /// This process's part `counts[rank]` of the element-wise sum of `xs` over every process
+    /// (parts in rank order; ZeRO-2's reduce-scatter). Default: the whole sum, then the part.
+    fn reduce_scatter_f32(&self, xs: &[f32], counts: &[usize]) -> Result<Vec<f32>> {
+        let mut all = xs.to_vec();
+        self.sum_f32(&mut all)?;
+        let start: usize = counts[..self.rank()].iter().sum();
+        Ok(all[start..start + counts[self.rank()]].to_vec())
+    }
+    /// Every process's `mine`, concatenated in rank order (ZeRO's parameter gather).
+    fn all_gather_f32(&self, mine: &[f32]) -> Result<Vec<f32>> {
+        let bytes: Vec<u8> = mine.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let mut out = Vec::new();
+        for b in self.all_gather_bytes(bytes)? {
+            out.extend(
+                b.chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+            );
+        }
+        Ok(out)
+    }
     /// Whether this process writes logs, metrics and checkpoints.
     fn is_main(&self) -> bool {
         self.rank() == 0
@@ -45,12 +70,50 @@ impl World for SingleProcess {
     fn sum_f64(&self, _xs: &mut [f64]) -> Result<()> {
         Ok(())
     }
+    fn sum_f32(&self, _xs: &mut [f32]) -> Result<()> {
+        Ok(())
+    }
     fn sum_grads(&self, _grads: &mut [Tensor]) -> Result<()> {
         Ok(())
     }
     fn all_gather_bytes(&self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>> {
         Ok(vec![mine])
     }
+}
+
+/// Gradients are summed in buckets of this many values (one all-reduce each).
+const BUCKET: usize = 1 << 22;
+
+/// `grads` summed over `world` in buckets of whole tensors (a larger tensor alone), each by one
+/// [`World::sum_f32`] on the host.
+fn sum_in_buckets<W: World + ?Sized>(world: &W, grads: &mut [Tensor]) -> Result<()> {
+    let mut i = 0;
+    while i < grads.len() {
+        let mut j = i;
+        let mut n = 0;
+        while j < grads.len() && (j == i || n + grads[j].elem_count() <= BUCKET) {
+            n += grads[j].elem_count();
+            j += 1;
+        }
+        let mut buf: Vec<f32> = Vec::with_capacity(n);
+        for g in &grads[i..j] {
+            buf.extend(
+                g.flatten_all()?
+                    .to_dtype(candle_core::DType::F32)?
+                    .to_vec1::<f32>()?,
+            );
+        }
+        world.sum_f32(&mut buf)?;
+        let mut off = 0;
+        for g in &mut grads[i..j] {
+            let k = g.elem_count();
+            *g = Tensor::from_slice(&buf[off..off + k], g.shape(), g.device())?
+                .to_dtype(g.dtype())?;
+            off += k;
+        }
+        i = j;
+    }
+    Ok(())
 }
 
 /// The world size a launcher announces in the environment (Open MPI, MPICH/Hydra, PMIx, Slurm),
@@ -98,10 +161,6 @@ fn gpu_of(configured: usize, world_size: usize, local: usize, visible: Option<&s
         false => configured,
     }
 }
-
-/// Gradients are summed in buckets of this many values (one all-reduce each).
-#[cfg(feature = "mpi")]
-const BUCKET: usize = 1 << 22;
 
 /// The ranks of an MPI job (`mpirun`, `srun`, any PMIx launcher), through the `mpi` crate.
 #[cfg(feature = "mpi")]
@@ -218,9 +277,17 @@ impl World for MpiWorld {
         });
         Ok(())
     }
-    fn sum_grads(&self, grads: &mut [Tensor]) -> Result<()> {
+    fn sum_f32(&self, xs: &mut [f32]) -> Result<()> {
         use mpi::collective::SystemOperation;
         use mpi::traits::CommunicatorCollectives;
+        let send = xs.to_vec();
+        self.timed(|| {
+            self.comm
+                .all_reduce_into(&send[..], xs, SystemOperation::sum())
+        });
+        Ok(())
+    }
+    fn sum_grads(&self, grads: &mut [Tensor]) -> Result<()> {
         // Gradients on a GPU: NCCL sums them there, one all-reduce per tensor, no host copy.
         #[cfg(feature = "nccl")]
         if let Some(candle_core::Device::Cuda(dev)) = grads.first().map(|g| g.device().clone()) {
@@ -236,40 +303,7 @@ impl World for MpiWorld {
             }
             return Ok(());
         }
-        // Buckets of whole tensors (a larger tensor alone), each summed by one all-reduce.
-        let mut i = 0;
-        while i < grads.len() {
-            let mut j = i;
-            let mut n = 0;
-            while j < grads.len() && (j == i || n + grads[j].elem_count() <= BUCKET) {
-                n += grads[j].elem_count();
-                j += 1;
-            }
-            let mut send: Vec<f32> = Vec::with_capacity(n);
-            for g in &grads[i..j] {
-                send.extend(
-                    g.flatten_all()?
-                        .to_dtype(candle_core::DType::F32)?
-                        .to_vec1::<f32>()?,
-                );
-            }
-            let mut recv = vec![0f32; n];
-            self.timed(|| {
-                self.comm
-                    .all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum())
-            });
-            drop(send);
-            let mut off = 0;
-            for g in &mut grads[i..j] {
-                let k = g.elem_count();
-                let t = Tensor::from_slice(&recv[off..off + k], g.shape(), g.device())?
-                    .to_dtype(g.dtype())?;
-                *g = t;
-                off += k;
-            }
-            i = j;
-        }
-        Ok(())
+        sum_in_buckets(self, grads)
     }
     fn all_gather_bytes(&self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>> {
         use mpi::datatype::PartitionMut;
