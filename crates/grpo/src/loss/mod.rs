@@ -200,6 +200,9 @@ pub struct LossInputs<'a> {
     pub mask: &'a Tensor,
     /// [N, T] f32 per-token entropies (with graph when `entropy_coef` > 0).
     pub entropies: Option<&'a Tensor>,
+    /// `top_entropy_quantile`'s entropy threshold taken over the world's micro-batch (None:
+    /// over these rows' `entropies`; and when no token counts anywhere).
+    pub entropy_threshold: Option<f32>,
 }
 
 /// k3 estimator of KL(policy || ref) per token: `exp(ref - logp) - (ref - logp) - 1` (>= 0).
@@ -339,15 +342,31 @@ pub fn quantile(values: &[f32], q: f64) -> Option<f32> {
 /// and its entropy (`entropies` [N, T]) is at least the `1 - top_quantile` quantile of the
 /// counting tokens' entropies; all zeros when no token counts. -> [N, T] f32.
 pub fn high_entropy_mask(entropies: &Tensor, mask: &Tensor, top_quantile: f64) -> Result<Tensor> {
-    let ent: Vec<f32> = entropies.detach().flatten_all()?.to_vec1()?;
+    let threshold = quantile(&active_values(entropies, mask)?, 1.0 - top_quantile);
+    entropy_mask_at(entropies, mask, threshold)
+}
+
+/// The values of `x` [N, T] where `mask` [N, T] counts (> 0), in order.
+pub fn active_values(x: &Tensor, mask: &Tensor) -> Result<Vec<f32>> {
+    let v: Vec<f32> = x.detach().flatten_all()?.to_vec1()?;
     let m: Vec<f32> = mask.flatten_all()?.to_vec1()?;
-    let active: Vec<f32> = ent
-        .iter()
+    Ok(v.iter()
         .zip(&m)
         .filter(|(_, &m)| m > 0.0)
         .map(|(&e, _)| e)
-        .collect();
-    let out: Vec<f32> = match quantile(&active, 1.0 - top_quantile) {
+        .collect())
+}
+
+/// 1 where a token counts (`mask` [N, T]) and its entropy is at least `threshold`; all zeros
+/// without a threshold (no token counts). -> [N, T] f32.
+pub fn entropy_mask_at(
+    entropies: &Tensor,
+    mask: &Tensor,
+    threshold: Option<f32>,
+) -> Result<Tensor> {
+    let ent: Vec<f32> = entropies.detach().flatten_all()?.to_vec1()?;
+    let m: Vec<f32> = mask.flatten_all()?.to_vec1()?;
+    let out: Vec<f32> = match threshold {
         None => vec![0.0; ent.len()],
         Some(thr) => ent
             .iter()
@@ -443,7 +462,10 @@ pub fn grpo_loss(inp: &LossInputs, opts: &LossOptions, red: &Reduction) -> Resul
     }
     let entropy_mask = match (opts.top_entropy_quantile < 1.0, inp.entropies) {
         (false, _) => None,
-        (true, Some(ent)) => Some(high_entropy_mask(ent, inp.mask, opts.top_entropy_quantile)?),
+        (true, Some(ent)) => Some(match inp.entropy_threshold {
+            Some(thr) => entropy_mask_at(ent, inp.mask, Some(thr))?,
+            None => high_entropy_mask(ent, inp.mask, opts.top_entropy_quantile)?,
+        }),
         (true, None) => {
             return Err(crate::Error::config(
                 "top_entropy_quantile",

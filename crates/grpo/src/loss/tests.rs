@@ -181,6 +181,7 @@ fn loss_matches_plain_twin_for_every_variant() {
                         advantages: &advt,
                         mask: &maskt,
                         entropies: None,
+                        entropy_threshold: None,
                     },
                     &o,
                     &red,
@@ -346,6 +347,7 @@ fn parts_with_micro_totals_sum_to_the_whole_micro_batch() {
                 advantages: &advt,
                 mask: &mt,
                 entropies: Some(&et),
+                entropy_threshold: None,
             };
             grpo_loss(&inp, &o, &red)
                 .unwrap()
@@ -383,6 +385,7 @@ fn on_policy_ratio_is_one_and_gradient_is_advantage_weighted() {
             advantages: &adv,
             mask: &mask,
             entropies: None,
+            entropy_threshold: None,
         },
         &opts(LossType::Dapo, IsLevel::Token, 0.0),
         &red,

@@ -12,7 +12,7 @@ use std::time::Instant;
 use super::policy::Policy;
 use super::probe;
 use super::setup::Run;
-use super::shard::{gather_episodes, owned_groups};
+use super::shard::{gather_episodes, gather_rows, owned_groups, trained_groups};
 use super::world::World;
 use crate::advantages::{
     check_group_spread, combine_rewards, groups_with_signal, round_advantages, Advantages,
@@ -52,9 +52,6 @@ pub struct Scored {
     /// Dynamic sampling: groups sampled, dropped (all rewards equal) and kept.
     pub groups_sampled: usize,
     pub groups_dropped: usize,
-    /// Per group: whether this rank trains on it (every group in one process). Episodes are
-    /// the world's; log-probs are filled for this rank's own episodes only.
-    pub own: Vec<bool>,
 }
 
 impl Scored {
@@ -82,7 +79,6 @@ impl Scored {
         self.times.score += other.times.score;
         self.groups_sampled += other.groups_sampled;
         self.groups_dropped += other.groups_dropped;
-        self.own.append(&mut other.own);
     }
 
     /// Keeps the groups `keep` says yes to (in order, at most `max`), renumbered.
@@ -101,7 +97,6 @@ impl Scored {
         if let Some(v) = self.ref_logps.as_mut() {
             take(v);
         }
-        self.own = chosen.iter().map(|&gi| self.own[gi]).collect();
         let old = std::mem::take(&mut self.episodes);
         self.episodes = chosen
             .iter()
@@ -122,15 +117,21 @@ pub struct RoundBatch {
     pub adv: Advantages,
     /// KL in the reward: the round's mean sequence KL.
     pub kl_reward_seq_kl: Option<f64>,
-    /// This rank's rows: its own groups, less those `drop_zero_std_groups` leaves out.
+    /// This rank's rows: its part of the round's groups, those `drop_zero_std_groups` leaves
+    /// out left out before the groups are dealt out to the ranks.
     pub train: TrainBatch,
     /// Why the round cannot train (a reward of +/-inf), when it cannot.
     pub unusable: Option<String>,
 }
 
 /// Rewards -> group-relative advantages (KL in the reward when so configured; the adaptive
-/// controller moves), checked, then this rank's [`TrainBatch`].
-pub fn advantages<P: Policy>(r: &mut Run<P>, scored: &Scored) -> Result<RoundBatch> {
+/// controller moves), checked, then this rank's [`TrainBatch`]. Every rank holds the world's
+/// scored episodes and log-probs, so all of this is the one-process run's on every rank.
+pub fn advantages<P: Policy>(
+    r: &mut Run<P>,
+    scored: &Scored,
+    world: &dyn World,
+) -> Result<RoundBatch> {
     let cfg = r.cfg;
     let (episodes, g) = (&scored.episodes, r.opts.g);
     check_missing_rewards(r, episodes)?;
@@ -160,11 +161,16 @@ pub fn advantages<P: Policy>(r: &mut Run<P>, scored: &Scored) -> Result<RoundBat
     if cfg.loss.multi_objective_aggregation == RewardAggregation::SumThenNormalize {
         check_group_spread(&adv.rewards, &adv.advantages, g, &r.opts.adv)?;
     }
+    // The groups trained on, dealt out to the ranks (all of them to one process).
+    let kept: Vec<bool> = (0..p)
+        .map(|i| !(cfg.loss.drop_zero_std_groups && adv.zero_std[i]))
+        .collect();
+    let gpm = cfg.update.per_device_train_batch_size / g;
+    let own = trained_groups(&kept, gpm, world.size(), world.rank());
     let train = TrainBatch::from_round(
         episodes,
         &adv.advantages,
-        // This rank's groups (all of them in one process).
-        &|e| scored.own[e.group] && !(cfg.loss.drop_zero_std_groups && adv.zero_std[e.group]),
+        &|e| own[e.group],
         cfg.loss.mask_truncated_completions,
         scored.old_logps.as_deref().filter(|_| r.opts.needs_old),
         scored.ref_logps.as_deref().filter(|_| r.opts.kl_needs_ref),
@@ -490,7 +496,6 @@ pub fn score<P: Policy>(
             ..Default::default()
         },
         groups_dropped: 0,
-        own: vec![true; groups],
     };
     match world.size() {
         1 => Ok(scored),
@@ -498,43 +503,24 @@ pub fn score<P: Policy>(
     }
 }
 
-/// The world's scored episodes of a pass, in global group order, from this rank's (its groups
-/// `mine`); this rank's log-prob rows placed at its episodes (other ranks' rows stay empty:
-/// they are never read here), the generated tokens summed.
+/// The world's scored episodes of a pass and their log-prob rows, in global group order, from
+/// this rank's (its groups `mine`); the generated tokens summed.
 fn gather(mut local: Scored, mine: &[usize], world: &dyn World) -> Result<Scored> {
     for e in &mut local.episodes {
         e.group = mine[e.group];
     }
+    let groups: Vec<usize> = local.episodes.iter().map(|e| e.group).collect();
     let gathered = gather_episodes(world, &local.episodes)?;
     let mut generated = [local.generated_tokens as f64];
     world.sum_f64(&mut generated)?;
-    let mut own = vec![false; local.groups_sampled];
-    for &i in mine {
-        own[i] = true;
-    }
-    let spread = |rows: Option<Vec<Vec<f32>>>| -> Result<Option<Vec<Vec<f32>>>> {
-        let Some(l) = rows else { return Ok(None) };
-        let have = l.len();
-        let mut it = l.into_iter();
-        let rows = gathered
-            .iter()
-            .map(|e| match own[e.group] {
-                true => it.next().ok_or_else(|| {
-                    Error::Invariant(format!(
-                        "{have} log-prob rows for this rank's episodes, fewer than it sampled"
-                    ))
-                }),
-                false => Ok(vec![]),
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Some(rows))
+    let rows = |rows: Option<Vec<Vec<f32>>>| -> Result<Option<Vec<Vec<f32>>>> {
+        rows.map(|l| gather_rows(world, &groups, &l)).transpose()
     };
     Ok(Scored {
-        old_logps: spread(local.old_logps)?,
-        ref_logps: spread(local.ref_logps)?,
+        old_logps: rows(local.old_logps.take())?,
+        ref_logps: rows(local.ref_logps.take())?,
         episodes: gathered,
         generated_tokens: generated[0] as usize,
-        own,
         ..local
     })
 }

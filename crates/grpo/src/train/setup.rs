@@ -700,8 +700,7 @@ impl<P: Policy> Run<'_, P> {
     }
 }
 
-/// What a data-parallel run needs of the config: whole groups in each rank's micro-batch, and
-/// none of the options whose statistics are not reduced over the world yet.
+/// What a data-parallel run needs of the config: whole groups in each rank's micro-batch.
 fn check_world(cfg: &TrainConfig, world: &dyn World) -> Result<()> {
     let n = world.size();
     if n == 1 {
@@ -716,27 +715,6 @@ fn check_world(cfg: &TrainConfig, world: &dyn World) -> Result<()> {
                  multiple of num_generations ({g})",
                 cfg.update.per_device_train_batch_size
             ),
-        ));
-    }
-    let refused = [
-        (cfg.logging.dynamic_sampling, "dynamic_sampling"),
-        // Each rank would drop its own groups' rows: ranks with different numbers of
-        // micro-batches take different numbers of all-reduces, and the job hangs.
-        (cfg.loss.drop_zero_std_groups, "drop_zero_std_groups"),
-        (matches!(cfg.loss.kl(), KlMode::Reward { .. }), "kl_coef"),
-        (cfg.loss.top_entropy_quantile < 1.0, "top_entropy_quantile"),
-    ];
-    if let Some((_, key)) = refused.iter().find(|(on, _)| *on) {
-        // The embedded default run turns dynamic sampling on: say how to launch it anyway.
-        let off = match *key {
-            "dynamic_sampling" => {
-                ", or pass --dynamic_sampling=false (the default run turns it on)"
-            }
-            _ => "",
-        };
-        return Err(Error::config(
-            *key,
-            format!("is not supported across {n} ranks yet: run it in one process{off}"),
         ));
     }
     Ok(())

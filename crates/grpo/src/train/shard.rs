@@ -8,7 +8,7 @@
 
 use super::world::World;
 use crate::rollout::{decode_episodes, encode_episodes, Episode};
-use crate::Result;
+use crate::{Error, Result};
 
 /// The global indices of the groups rank `rank` of `size` owns among `p`, in order; `gpm` groups
 /// per rank per micro-batch.
@@ -35,6 +35,57 @@ pub fn gather_episodes(world: &dyn World, mine: &[Episode]) -> Result<Vec<Episod
     Ok(all)
 }
 
+/// Every rank's log-prob rows, in the order [`gather_episodes`] puts their episodes: `groups[i]`
+/// is the global group of this rank's row `i` (rows of one group in sample order).
+pub fn gather_rows(
+    world: &dyn World,
+    groups: &[usize],
+    rows: &[Vec<f32>],
+) -> Result<Vec<Vec<f32>>> {
+    let mut mine = Vec::new();
+    for (&g, row) in groups.iter().zip(rows) {
+        mine.extend((g as u64).to_le_bytes());
+        mine.extend((row.len() as u64).to_le_bytes());
+        mine.extend(row.iter().flat_map(|x| x.to_le_bytes()));
+    }
+    let mut all: Vec<(usize, Vec<f32>)> = Vec::new();
+    for (rank, b) in world.all_gather_bytes(mine)?.into_iter().enumerate() {
+        let bad = || Error::distributed(format!("rank {rank} sent a truncated log-prob row"));
+        let mut rest = b.as_slice();
+        while !rest.is_empty() {
+            let word = |r: &[u8]| -> Option<usize> {
+                Some(u64::from_le_bytes(r.get(..8)?.try_into().ok()?) as usize)
+            };
+            let (g, n) = (
+                word(rest).ok_or_else(bad)?,
+                word(&rest[8..]).ok_or_else(bad)?,
+            );
+            let body = rest.get(16..16 + 4 * n).ok_or_else(bad)?;
+            let row = body
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            all.push((g, row));
+            rest = &rest[16 + 4 * n..];
+        }
+    }
+    // Stable, as the episodes' sort: a group's rows keep their sample order.
+    all.sort_by_key(|(g, _)| *g);
+    Ok(all.into_iter().map(|(_, r)| r).collect())
+}
+
+/// Which of a round's `keep.len()` groups rank `rank` of `size` trains on: the kept ones (those
+/// `keep` says yes to, in order) dealt out as [`owned_groups`] deals a pass's, so that the
+/// world's `m`-th micro-batch is the one-process run's `m`-th whatever groups were left out.
+pub fn trained_groups(keep: &[bool], gpm: usize, size: usize, rank: usize) -> Vec<bool> {
+    let kept: Vec<usize> = (0..keep.len()).filter(|&i| keep[i]).collect();
+    let mut own = vec![false; keep.len()];
+    for j in owned_groups(kept.len(), gpm, size, rank) {
+        own[kept[j]] = true;
+    }
+    own
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -53,6 +104,27 @@ mod tests {
             assert_eq!(all, (0..12).collect::<Vec<_>>());
         }
         assert_eq!(owned_groups(4, 1, 1, 0), vec![0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn the_kept_groups_are_dealt_out_as_a_pass_is() {
+        // Groups 1 and 4 left out: the kept 0,2,3,5,6,7 dealt 1 per rank per micro-batch.
+        let keep = [true, false, true, true, false, true, true, true];
+        let own = |rank| trained_groups(&keep, 1, 2, rank);
+        let idx = |v: Vec<bool>| (0..v.len()).filter(|&i| v[i]).collect::<Vec<_>>();
+        assert_eq!(idx(own(0)), vec![0, 3, 6]);
+        assert_eq!(idx(own(1)), vec![2, 5, 7]);
+        assert_eq!(idx(trained_groups(&keep, 2, 1, 0)), vec![0, 2, 3, 5, 6, 7]);
+    }
+
+    #[test]
+    fn log_prob_rows_come_back_in_group_order() {
+        use crate::train::world::SingleProcess;
+        let rows = vec![vec![1.0, 2.0], vec![], vec![3.5], vec![-1.0, f32::NAN]];
+        let got = gather_rows(&SingleProcess, &[4, 4, 1, 1], &rows).unwrap();
+        assert_eq!(got[0], vec![3.5]);
+        assert!(got[1][0] == -1.0 && got[1][1].is_nan());
+        assert_eq!(got[2..], [vec![1.0, 2.0], vec![]]);
     }
 
     #[test]

@@ -51,7 +51,7 @@ pub fn grpo_round<P: Policy>(
 
     // 4. Rewards -> group-relative advantages (KL in the reward when so configured), and the
     //    rows this rank trains on.
-    let batch = advantages(r, &scored)?;
+    let batch = advantages(r, &scored, world)?;
 
     // 5. The optimizer steps: per window of micro-batches (TRL's num_iterations x
     //    steps_per_generation), the GRPO loss and its gradients, then AdamW. A reward of +/-inf
@@ -69,14 +69,14 @@ pub fn grpo_round<P: Policy>(
         let max_bad = o.update.max_bad_steps;
         steps = skip_round(o.updates_per_round, &o.schedule, counter, why, max_bad)?;
     } else {
-        if batch.train.rows.is_empty() {
+        let plan = UpdatePlan::new(&batch.train, &o.update, world)?;
+        if plan.is_empty() {
             console.say(format!(
                 "step {}: every group had equal rewards; no update this round",
                 *counter.step + 1
             ));
             *counter.step = (*counter.step + o.updates_per_round).min(o.schedule.total_steps);
         }
-        let plan = UpdatePlan::new(&batch.train, &o.update, world)?;
         for window in plan.windows() {
             let step = *counter.step;
             if step >= o.schedule.total_steps {

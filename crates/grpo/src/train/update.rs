@@ -18,7 +18,8 @@ use super::probe::Probe;
 use super::world::World;
 use crate::logprobs::{forward_chunks, Entropy};
 use crate::loss::{
-    grpo_loss, AdaptiveEntropy, LossInputs, LossOptions, LossOutput, MicroTotals, Reduction,
+    active_values, grpo_loss, AdaptiveEntropy, LossInputs, LossOptions, LossOutput, MicroTotals,
+    Reduction,
 };
 use crate::optim::{accumulate, clip_factor, lr_lambda, AdamW, LrSchedule};
 use crate::rollout::TrainBatch;
@@ -202,10 +203,16 @@ pub struct UpdatePlan {
 }
 
 impl UpdatePlan {
+    /// Across ranks every rank takes the world's number of micro-batches (the most any rank
+    /// has): a rank whose part of one is empty takes it with no rows, so that all take the same
+    /// collectives.
     pub fn new(batch: &TrainBatch, opts: &UpdateOptions, world: &dyn World) -> Result<UpdatePlan> {
-        let (mb, accum) = (opts.micro_batch, opts.accumulation_steps);
+        let (mb, accum) = (opts.micro_batch.max(1), opts.accumulation_steps);
+        let rows = batch.rows.len();
+        // [this rank's active tokens, its micro-batches]: the world's sum and its most.
         let mut active = [batch.active_tokens() as f64];
         world.sum_f64(&mut active)?;
+        let micro_batches = world.max_usize(rows.div_ceil(mb))?;
         Ok(UpdatePlan {
             reduction: Reduction {
                 accumulation_steps: accum,
@@ -213,13 +220,17 @@ impl UpdatePlan {
                 dapo_tokens: active[0] * accum as f64 / opts.steps_per_generation as f64,
                 micro: None,
             },
-            micro: (0..batch.rows.len())
-                .step_by(mb.max(1))
-                .map(|s| s..(s + mb).min(batch.rows.len()))
+            micro: (0..micro_batches)
+                .map(|m| (m * mb).min(rows)..((m + 1) * mb).min(rows))
                 .collect(),
             accumulation_steps: accum,
             num_iterations: opts.num_iterations,
         })
+    }
+
+    /// Whether the world has nothing to train on this round.
+    pub fn is_empty(&self) -> bool {
+        self.micro.is_empty()
     }
 
     /// Each optimizer step's window of micro-batches, in order.
@@ -418,6 +429,7 @@ pub fn policy_gradients<P: Policy>(
     let mut probe = Probe::new(Some(&device), policy.flop_shape());
     let mut grads: Vec<Option<Tensor>> = vec![None; vars.len()];
     let mut st = StepStats::default();
+    let high_entropy = opts.loss.top_entropy_quantile < 1.0;
     for range in window {
         probe.micro_batch();
         let totals = world_totals(world, batch, range.clone())?;
@@ -425,11 +437,23 @@ pub fn policy_gradients<P: Policy>(
             micro: Some(totals),
             ..*red
         };
+        if range.is_empty() && high_entropy {
+            // This rank's part of the micro-batch is empty: it still takes the collective.
+            world_entropy_threshold(world, None, opts.loss.top_entropy_quantile)?;
+        }
         for part in forward_parts(batch, range.clone(), opts) {
             let mb = batch.micro(part, &device)?;
             probe.inputs(&mb);
             let (mut logps, ents) = fwd.logprobs(&mb, opts.pad, opts.temperature, opts.entropy)?; // [n, Tc] f32
             probe.forward(&mut logps)?;
+            // The high-entropy tokens' threshold over the world's micro-batch (one piece here).
+            let entropy_threshold = match (high_entropy, &ents) {
+                (true, Some(e)) => {
+                    let q = opts.loss.top_entropy_quantile;
+                    world_entropy_threshold(world, Some((e, &mb.mask)), q)?
+                }
+                _ => None,
+            };
             let inputs = LossInputs {
                 logps: &logps,
                 old_logps: mb.old_logps.as_ref(),
@@ -437,6 +461,7 @@ pub fn policy_gradients<P: Policy>(
                 advantages: &mb.advantages,
                 mask: &mb.mask,
                 entropies: ents.as_ref(),
+                entropy_threshold,
             };
             let out = grpo_loss(&inputs, &opts.loss, &red)?;
             st.add_chunk(&out, &logps, &mb.mask, totals.active_tokens, window.len())?;
@@ -449,8 +474,30 @@ pub fn policy_gradients<P: Policy>(
     }
     st.flops = probe.flops;
     probe.report_gradients(window.len());
-    let all = step_gradients(grads, policy, &fwd)?;
+    // A rank with no rows in the window (its parts of the world's micro-batches were empty)
+    // contributes zero gradients to the world's sum.
+    let no_rows = window.iter().all(|r| r.is_empty());
+    let all = step_gradients(grads, policy, &fwd, no_rows)?;
     Ok((all, st))
+}
+
+/// The `1 - q` quantile of the entropies of the tokens that count, over the world's micro-batch
+/// (this rank's part: `entropies` and `mask` [n, T], or None when it has no rows); None when no
+/// token counts anywhere.
+fn world_entropy_threshold(
+    world: &dyn World,
+    part: Option<(&Tensor, &Tensor)>,
+    q: f64,
+) -> Result<Option<f32>> {
+    let mine = match part {
+        Some((ent, mask)) => active_values(ent, mask)?,
+        None => vec![],
+    };
+    let all = match world.size() {
+        1 => mine,
+        _ => world.all_gather_f32(&mine)?,
+    };
+    Ok(crate::loss::quantile(&all, 1.0 - q))
 }
 
 /// The forward chunks of micro-batch `range` of `batch` (whole groups, at most
@@ -507,12 +554,14 @@ fn step_gradients<P: Policy>(
     acc: Vec<Option<Tensor>>,
     policy: &P,
     fwd: &P::Train,
+    no_rows: bool,
 ) -> Result<Vec<Tensor>> {
     let mut all = Vec::with_capacity(acc.len());
     for ((v, name), graph) in policy.vars().iter().zip(policy.names()).zip(acc) {
         all.push(match (graph, fwd.take_step_grad(v)?) {
             (Some(a), Some(b)) => accumulate(a, &b)?,
             (Some(a), None) | (None, Some(a)) => a,
+            (None, None) if no_rows => v.as_tensor().zeros_like()?,
             (None, None) => {
                 return Err(Error::Invariant(format!(
                     "parameter {name} received no gradient (a forward op without backward?)"

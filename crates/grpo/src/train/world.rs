@@ -48,6 +48,14 @@ pub trait World: Sync {
     fn is_main(&self) -> bool {
         self.rank() == 0
     }
+    /// The largest of the processes' `x`.
+    fn max_usize(&self, x: usize) -> Result<usize> {
+        let all = self.all_gather_bytes((x as u64).to_le_bytes().to_vec())?;
+        Ok(all
+            .iter()
+            .filter_map(|b| Some(u64::from_le_bytes(b.as_slice().try_into().ok()?) as usize))
+            .fold(x, usize::max))
+    }
     /// Whether `flag` is set on any process.
     fn any(&self, flag: bool) -> Result<bool> {
         let mut x = [f64::from(u8::from(flag))];
