@@ -18,6 +18,7 @@ mod eval_cmd;
 mod export_cmd;
 mod generate;
 mod generate_tools;
+mod plan_cmd;
 mod pretrain_cmd;
 mod report;
 mod report_cmd;
@@ -50,6 +51,9 @@ enum Command {
     Config(config_cmd::ConfigArgs),
     /// Sample completions from a model.
     Generate(generate::GenerateArgs),
+    /// What each rank of a run will hold (weights, gradients, moments, activations, KV cache)
+    /// and whether it fits a card or this machine's RAM, from the config `train` would run.
+    Plan(plan_cmd::PlanArgs),
     /// Train a small model from a text file (a masked-LM generator for fill-in policies).
     Pretrain(pretrain_cmd::PretrainArgs),
     /// Evaluate a model on held-out prompts: pass@k, accuracy, mean rewards.
@@ -109,6 +113,7 @@ fn main() -> ExitCode {
         Command::Train(args) => train::run(args),
         Command::Config(args) => config_cmd::run(args),
         Command::Generate(args) => generate::run(args),
+        Command::Plan(args) => plan_cmd::run(args),
         Command::Pretrain(args) => pretrain_cmd::run(args),
         Command::Eval(args) => eval_cmd::run(args),
         Command::Rewards(cmd) => rewards_cmd::run(cmd),

@@ -103,6 +103,15 @@ pub fn load_run_data(cfg: &TrainConfig, device: &Device, host: &HostInputs) -> R
     })
 }
 
+/// The training prompts of a config alone (no rewards started): `train_file`, else the built-in
+/// task's (what `grpo plan` measures prompt lengths on).
+pub fn train_examples(cfg: &TrainConfig) -> Result<Vec<Example>> {
+    match &cfg.data.train_file {
+        Some(p) => load_examples(cfg, p),
+        None => Ok(builtin_task(cfg)?.0),
+    }
+}
+
 /// The held-out prompts of a training config: `eval_file` when set, else the built-in arithmetic
 /// task's held-out problems (`task.*` keys).
 pub fn held_out_examples(cfg: &TrainConfig) -> Result<Vec<Example>> {

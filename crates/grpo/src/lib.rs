@@ -34,6 +34,7 @@ pub mod inputs;
 pub mod logprobs;
 pub mod logs;
 pub mod loss;
+pub mod memory_plan;
 pub mod named;
 pub mod optim;
 pub mod peft;
