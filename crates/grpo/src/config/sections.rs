@@ -16,7 +16,7 @@ use crate::advantages::{RewardAggregation, ScaleRewards};
 use crate::loss::{
     AdaptiveEntropy, AdaptiveKlCfg, IsLevel, KlMode, LossOptions, LossType, VespoParams,
 };
-use crate::optim::LrSchedule;
+use crate::optim::{LrSchedule, ZeroStage};
 use crate::{Error, Result};
 use grpo_models::error::nearest;
 use grpo_models::models::QuantType;
@@ -254,6 +254,7 @@ sections! {
         warmup_ratio: f64 = "0.0" check values::unit_interval, "share of steps spent warming up";
         warmup_steps: usize = "0", "warm-up steps (wins over warmup_ratio when > 0)";
         max_bad_steps: usize = "3", "a NaN or Inf in a step's rewards, log-probs, loss or gradients skips its update (counted in skipped_steps); this many in a row stop the run with an error";
+        zero_stage: ZeroStage as "0|1|2" = "" unset "0", "across ranks (docs/distributed.md), how the training state is sharded, as DeepSpeed's ZeRO stages: 0 every rank keeps all of it; 1 each rank keeps AdamW's moments for its 1/N of the parameters, steps that part and the parts are gathered (the same numbers as 0, to the bit); 2 also the summed gradients, reduce-scattered instead of all-reduced (0's numbers to float tolerance); 3 (parameters sharded too) is not built yet. Checkpoints are the same whatever the stage, and resume on any number of ranks (unset: 0)";
         gradient_checkpointing: bool = "false", "keep only each block's input during the forward and recompute the block in the backward (less memory, one more forward); sampling then also skips the packed copy of the weights for the decoding GEMM (slower generation, lower peak with LoRA)";
     }
     /// `[lora]` keys.

@@ -12,7 +12,7 @@ use serde_json::Value;
 use crate::advantages::{RewardAggregation, ScaleRewards};
 use crate::loss::{IsLevel, LossType};
 use crate::named::Named;
-use crate::optim::LrSchedule;
+use crate::optim::{LrSchedule, ZeroStage};
 use grpo_models::models::QuantType;
 
 type Res<T> = std::result::Result<T, String>;
@@ -287,6 +287,19 @@ named_values!(
     SaveStrategy,
     PolicyType = PolicyType::CausalLm
 );
+
+/// `zero_stage`: 0, 1 or 2 (3 is refused, saying what to use).
+impl FromValue for ZeroStage {
+    fn kind() -> Cow<'static, str> {
+        "0|1|2".into()
+    }
+    fn from_value(v: Option<&Value>) -> Res<Self> {
+        match Option::<i64>::from_value(v)? {
+            None => Ok(ZeroStage::Off),
+            Some(n) => ZeroStage::from_number(n),
+        }
+    }
+}
 
 /// A name, or TRL's booleans: true = group, false = none.
 impl FromValue for ScaleRewards {

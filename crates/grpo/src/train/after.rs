@@ -10,7 +10,7 @@ use std::time::Instant;
 use serde_json::json;
 
 use super::health::{Health, HealthOptions};
-use super::metrics::{names, StepMetrics};
+use super::metrics::{names, StepMetrics, WorldMemory};
 use super::observer::Observer;
 use super::policy::Policy;
 use super::round::RoundBatch;
@@ -20,6 +20,7 @@ use super::world::World;
 use super::{Console, RunControl, TrainOutcome};
 use crate::config::SaveStrategy;
 use crate::data;
+use crate::optim::AdamW;
 use crate::rewards::Reward;
 use crate::rollout::Episode;
 use crate::{Error, Result};
@@ -99,6 +100,9 @@ impl AfterRound {
         let main = world.is_main();
         self.rounds_this_run += 1;
         let mut m = StepMetrics::of_round(r, &round.scored, &round.batch, &round.steps);
+        if world.size() > 1 {
+            m.world_memory = Some(world_memory(&r.opt, world)?);
+        }
         let step = r.state.step;
         for s in self.observed_step + 1..=step {
             self.tell(|o| o.on_step_end(s));
@@ -173,14 +177,21 @@ impl AfterRound {
                 cfg.logging.save_steps as u64,
             );
         let saves = cfg.logging.save_strategy != SaveStrategy::No;
-        if main && saves && (periodic || at_end || stop_now) {
+        // Every rank knows a checkpoint is due (the world's stop flag): a sharded optimizer
+        // state is gathered by all of them, then the main rank writes it.
+        let due = saves && (periodic || at_end || stop_now);
+        let optimizer = match due {
+            true => r.optimizer_state(world)?,
+            false => None,
+        };
+        if main && due {
             // metric_for_best_model: this checkpoint is the best when this round's eval is.
             let new_best = r
                 .opts
                 .best
                 .as_ref()
                 .and_then(|b| b.improved_by(m, &r.state));
-            let dir = r.save(new_best)?;
+            let dir = r.save(new_best, optimizer.as_deref())?;
             console.say(format!("saved {}", dir.display()));
             self.tell(|o| o.on_save(step, &dir));
             self.last_checkpoint = Some(dir);
@@ -228,6 +239,20 @@ impl AfterRound {
 pub(super) fn crossed(step: u64, per_round: u64, every: u64) -> bool {
     let before = step.saturating_sub(per_round);
     step / every > before / every
+}
+
+/// The memory of the world's ranks: the largest peak resident set (each rank's own, gathered:
+/// every rank calls it) and the optimizer state the main rank keeps.
+fn world_memory(opt: &AdamW, world: &dyn World) -> Result<WorldMemory> {
+    let peak = grpo_models::threads::rss_gb().map_or(f64::NAN, |(_, peak)| peak);
+    let all = world.all_gather_bytes(peak.to_le_bytes().to_vec())?;
+    let peaks = all
+        .iter()
+        .filter_map(|b| Some(f64::from_le_bytes(b.as_slice().try_into().ok()?)));
+    Ok(WorldMemory {
+        rss_peak_gb_max_rank: peaks.fold(f64::NAN, f64::max),
+        optimizer_state_gb: opt.state_bytes() as f64 / 1e9,
+    })
 }
 
 /// Every rank's parameters must be the same after each update; a rank that drifted (a

@@ -316,6 +316,7 @@ mod tests {
             tokens_per_second: 0.0,
             epoch: 0.0,
             resources: None,
+            world_memory: None,
             skipped_steps: 0,
             eval_seconds: None,
             eval: acc

@@ -62,6 +62,10 @@ pub mod names {
     pub const RSS_GB: &str = "memory/rss_gb";
     pub const OPEN_FDS: &str = "memory/open_fds";
     pub const CHILD_PROCESSES: &str = "memory/child_processes";
+    /// Across ranks: the largest of the ranks' peak resident memory, in GB.
+    pub const RSS_PEAK_GB_MAX_RANK: &str = "memory/rss_peak_gb_max_rank";
+    /// Across ranks: the AdamW moments the main rank keeps (`zero_stage` shards them), in GB.
+    pub const OPTIMIZER_STATE_GB: &str = "memory/optimizer_state_gb";
     /// Optimizer steps skipped so far because a number was not finite (the run's total).
     pub const SKIPPED_STEPS: &str = "skipped_steps";
     /// The parts of a step, as `time/<part>`.
@@ -170,6 +174,8 @@ pub struct StepMetrics {
     pub epoch: f64,
     /// Memory, open files and child processes after the round.
     pub resources: Option<grpo_models::threads::ProcessResources>,
+    /// Across ranks: the memory of the world (set by the caller, which holds the world).
+    pub world_memory: Option<WorldMemory>,
     /// Optimizer steps skipped so far for non-finite numbers (the run's total).
     pub skipped_steps: u64,
     /// Seconds of the evaluation after this round, and its metrics (`eval/...`).
@@ -180,6 +186,15 @@ pub struct StepMetrics {
     /// Kinds of the health warnings that started this round (`health/<kind>` = 1 in the
     /// metrics; see [`crate::train::HealthKind::name`]).
     pub health: Vec<&'static str>,
+}
+
+/// Memory across the ranks of a run, in GB.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WorldMemory {
+    /// The largest of the ranks' peak resident sets so far.
+    pub rss_peak_gb_max_rank: f64,
+    /// The AdamW moments the main rank keeps.
+    pub optimizer_state_gb: f64,
 }
 
 /// Mean of `xs` (0 when empty).
@@ -310,6 +325,7 @@ impl StepMetrics {
             tokens_per_second: round.generated_tokens as f64 / round.times.step.max(1e-9),
             epoch: r.state.order.epoch() as f64,
             resources: grpo_models::threads::process_resources(),
+            world_memory: None,
             skipped_steps: r.state.skipped_steps,
             eval_seconds: None,
             eval: vec![],
@@ -395,6 +411,10 @@ impl StepMetrics {
             push(RSS_GB, r.rss_gb);
             push(OPEN_FDS, r.open_fds as f64);
             push(CHILD_PROCESSES, r.child_processes as f64);
+        }
+        if let Some(w) = self.world_memory {
+            push(RSS_PEAK_GB_MAX_RANK, w.rss_peak_gb_max_rank);
+            push(OPTIMIZER_STATE_GB, w.optimizer_state_gb);
         }
         push(SKIPPED_STEPS, self.skipped_steps as f64);
         if let Some(s) = self.eval_seconds {
@@ -489,6 +509,10 @@ mod tests {
             tokens_per_second: 100.0,
             epoch: 0.0,
             resources: None,
+            world_memory: Some(WorldMemory {
+                rss_peak_gb_max_rank: 1.5,
+                optimizer_state_gb: 0.25,
+            }),
             skipped_steps: 0,
             eval_seconds: Some(1.0),
             eval: vec![(names::EVAL_ACCURACY.into(), 0.75)],
@@ -508,6 +532,8 @@ mod tests {
         assert_eq!(get(names::TIME_EVAL), Some(1.0));
         assert_eq!(get(names::EVAL_ACCURACY), Some(0.75));
         assert_eq!(get(names::KL_REWARD_COEF), None);
+        assert_eq!(get(names::RSS_PEAK_GB_MAX_RANK), Some(1.5));
+        assert_eq!(get(names::OPTIMIZER_STATE_GB), Some(0.25));
         // 3e12 FLOPs in 0.5 s: 6 TFLOP/s, a tenth of a 60 TFLOP/s card.
         assert_eq!(get(names::TIME_UPDATE_TFLOPS), Some(6.0));
         assert_eq!(get(names::TIME_UPDATE_MFU), Some(0.1));

@@ -37,7 +37,7 @@ use std::sync::Arc;
 
 pub use fill_in::{FillInForward, FillInPolicy};
 pub use health::{Health, HealthKind, HealthOptions, HealthWarning};
-pub use metrics::{names, RewardMetrics, StepMetrics, UpdateMetrics};
+pub use metrics::{names, RewardMetrics, StepMetrics, UpdateMetrics, WorldMemory};
 pub use observer::Observer;
 pub use policy::{CausalLmForward, CausalLmPolicy, Policy, Reference, TrainForward};
 pub use round::{Episodes, LogProbs, RoundBatch, RoundTimes, Scored};

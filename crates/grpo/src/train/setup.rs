@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use candle_core::{DType, Device, Var};
+use candle_core::{DType, Device, Tensor, Var};
 
 use super::policy::{CausalLmPolicy, Policy, Reference};
 use super::update::{Schedule, UpdateOptions};
@@ -19,7 +19,7 @@ use crate::inputs::{load_run_data, reward_weights, HostInputs, RunData};
 use crate::logprobs::Entropy;
 use crate::logs::MetricsWriter;
 use crate::loss::{AdaptiveEntropy, AdaptiveKl, KlMode};
-use crate::optim::{AdamW, AdamWConfig};
+use crate::optim::{AdamW, AdamWConfig, ZeroStage};
 use crate::peft;
 use crate::{Error, Result};
 use grpo_models::hub::{self, ModelSource};
@@ -201,7 +201,8 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
         P::check(cfg, &device, main)?;
         let resumed_from = resume_point(cfg, resume, main)?;
         let loaded = load::<P>(cfg, resumed_from.as_ref(), &device, host)?;
-        let (opt, state) = optimizer_and_state(cfg, &loaded, resumed_from.as_ref(), &device, main)?;
+        let (opt, state) =
+            optimizer_and_state(cfg, &loaded, resumed_from.as_ref(), &device, world)?;
         let (metrics, config_toml) = writers(cfg, resumed_from.is_some(), main)?;
         let opts = RoundOptions::resolve(cfg, &loaded, world)?;
         let LoadedRun {
@@ -460,9 +461,14 @@ fn load<P: LoadPolicy>(
     })
 }
 
-/// A fresh AdamW over `policy`'s parameters, as the config sets it.
-pub(super) fn new_optimizer<P: Policy>(cfg: &TrainConfig, policy: &P) -> Result<AdamW> {
-    AdamW::new(
+/// A fresh AdamW over `policy`'s parameters, as the config sets it: its state sharded over
+/// `world` as `zero_stage` says.
+pub(super) fn new_optimizer<P: Policy>(
+    cfg: &TrainConfig,
+    policy: &P,
+    world: &dyn World,
+) -> Result<AdamW> {
+    AdamW::sharded(
         policy
             .names()
             .iter()
@@ -475,19 +481,46 @@ pub(super) fn new_optimizer<P: Policy>(cfg: &TrainConfig, policy: &P) -> Result<
             eps: cfg.update.adam_epsilon,
             weight_decay: cfg.update.weight_decay,
         },
+        cfg.update.zero_stage,
+        world,
     )
 }
 
+/// One line on how the optimizer's state is sharded (`zero_stage` over several ranks).
+fn log_sharding(opt: &AdamW, world: &dyn World) {
+    let (stage, shard) = opt.sharding();
+    if shard.parts() == 1 || !world.is_main() {
+        return;
+    }
+    let what = match stage {
+        ZeroStage::Gradients => "AdamW's moments and summed gradients",
+        _ => "AdamW's moments",
+    };
+    tracing::info!(
+        "zero_stage = {}: each of {} ranks keeps {what} of its range of the {:.2}M trainable \
+         parameters (rank 0: {:.2}M, {:.1} MB of moments; unsharded: {:.1} MB)",
+        stage.number(),
+        shard.parts(),
+        shard.total() as f64 / 1e6,
+        shard.range().len() as f64 / 1e6,
+        opt.state_bytes() as f64 / 1e6,
+        8.0 * shard.total() as f64 / 1e6,
+    );
+}
+
 /// AdamW over the policy's parameters and the trainer state: fresh, or both from the checkpoint
-/// resumed from (then the logs are cut back to its step).
+/// resumed from (then the logs are cut back to its step). A checkpoint's moments are whole,
+/// whichever world wrote them: a sharded optimizer keeps its range of them.
 fn optimizer_and_state<P: Policy>(
     cfg: &TrainConfig,
     run: &LoadedRun<P>,
     resume_from: Option<&PathBuf>,
     device: &Device,
-    main: bool,
+    world: &dyn World,
 ) -> Result<(AdamW, TrainerState)> {
-    let mut opt = new_optimizer(cfg, &run.policy)?;
+    let main = world.is_main();
+    let mut opt = new_optimizer(cfg, &run.policy, world)?;
+    log_sharding(&opt, world);
     let Some(dir) = resume_from else {
         let state = TrainerState {
             step: 0,
@@ -660,10 +693,25 @@ impl RoundOptions {
 }
 
 impl<P: Policy> Run<'_, P> {
-    /// Writes a checkpoint of the current step (weights or adapters, optimizer moments, trainer
-    /// state, config) atomically; rotates old ones as `save_total_limit` says, keeping the best.
-    /// `new_best`: this step's value of `metric_for_best_model`, when it is the best so far.
-    pub fn save(&mut self, new_best: Option<f64>) -> Result<PathBuf> {
+    /// The optimizer's moments for a checkpoint, whole (gathered when sharded: every rank
+    /// calls it when one is due), on the main rank; `None` on the others and with
+    /// `save_only_model`.
+    pub fn optimizer_state(&self, world: &dyn World) -> Result<Option<Vec<(String, Tensor)>>> {
+        match self.cfg.logging.save_only_model {
+            true => Ok(None),
+            false => self.opt.consolidated_state(world),
+        }
+    }
+
+    /// Writes a checkpoint of the current step (weights or adapters, the optimizer moments
+    /// `optimizer` from [`Self::optimizer_state`], trainer state, config) atomically; rotates old
+    /// ones as `save_total_limit` says, keeping the best. `new_best`: this step's value of
+    /// `metric_for_best_model`, when it is the best so far.
+    pub fn save(
+        &mut self,
+        new_best: Option<f64>,
+        optimizer: Option<&[(String, Tensor)]>,
+    ) -> Result<PathBuf> {
         if let Some(v) = new_best {
             let dir = self
                 .cfg
@@ -678,7 +726,6 @@ impl<P: Policy> Run<'_, P> {
         self.state.optimizer_steps = (adam != self.state.step).then_some(adam);
         let keep = self.state.best_model_checkpoint.as_ref().map(PathBuf::from);
         let tensors = self.policy.named_tensors();
-        let optimizer = self.opt.state_tensors()?;
         let trainer_state = serde_json::to_value(&self.state).map_err(|e| {
             Error::checkpoint(
                 &self.cfg.run.output_dir,
@@ -690,7 +737,7 @@ impl<P: Policy> Run<'_, P> {
             &CheckpointData {
                 step: self.state.step,
                 model: self.policy.model_files(&tensors, &self.tok),
-                optimizer: (!self.cfg.logging.save_only_model).then_some(optimizer.as_slice()),
+                optimizer,
                 trainer_state: &trainer_state,
                 config_toml: &self.config_toml,
             },

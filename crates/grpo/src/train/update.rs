@@ -21,7 +21,7 @@ use crate::loss::{
     active_values, grpo_loss, AdaptiveEntropy, LossInputs, LossOptions, LossOutput, MicroTotals,
     Reduction,
 };
-use crate::optim::{accumulate, clip_factor, lr_lambda, AdamW, LrSchedule};
+use crate::optim::{accumulate, lr_lambda, AdamW, LrSchedule};
 use crate::rollout::TrainBatch;
 use crate::{Error, Result};
 use grpo_models::seeding::mix_seed;
@@ -358,8 +358,9 @@ pub fn update_policy<P: Policy>(
 }
 
 /// The optimizer step on this rank's gradients `grads` and statistics `st`: both summed over
-/// the world, the gradients clipped to `max_grad_norm`, AdamW at `lr`. A non-finite loss or
-/// gradient skips the update (the statistics say so).
+/// the world (the gradients as the optimizer's `zero_stage` takes them: each whole, or this
+/// rank's range), clipped to `max_grad_norm` by their global norm, AdamW at `lr`. A non-finite
+/// loss or gradient skips the update (the statistics say so).
 pub fn optimizer_step(
     opt: &mut AdamW,
     mut grads: Vec<Tensor>,
@@ -369,31 +370,54 @@ pub fn optimizer_step(
     world: &dyn World,
 ) -> Result<StepStats> {
     let mut probe = Probe::new(grads.first().map(|g| g.device()), None);
-    sum_over_world(world, &mut grads, &mut st)?;
     probe.before_step(&mut grads, &mut st.loss)?;
-    let (norm, scale) = clip_factor(&grads, opts.max_grad_norm, opt.compute())?;
+    sum_stats(world, &mut st)?;
+    let grads = opt.reduce(grads, world)?;
+    probe.lap("all-reduce");
+    let (norm, scale) = opt.clip(&grads, opts.max_grad_norm, world)?;
     probe.lap("clip");
     st.lr = lr;
     st.grad_norm = norm;
     st.finite = st.loss.is_finite() && norm.is_finite();
     if st.finite {
-        opt.step(&grads, lr, scale)?;
+        opt.update(grads, lr, scale, world)?;
     }
     probe.lap("adamw");
     probe.report("optimizer");
     Ok(st)
 }
 
-/// Sums this rank's gradients and statistics over the world. Each rank's statistics are its
-/// share of the world's (the loss's normalizers count the world's rows and tokens).
-fn sum_over_world(world: &dyn World, grads: &mut [Tensor], st: &mut StepStats) -> Result<()> {
-    world.sum_grads(grads)?;
+/// Sums this rank's statistics over the world: each is its share of the world's (the loss's
+/// normalizers count the world's rows and tokens).
+fn sum_stats(world: &dyn World, st: &mut StepStats) -> Result<()> {
     let mut sums = st.shares_mut().map(|x| *x);
     world.sum_f64(&mut sums)?;
     for (x, sum) in st.shares_mut().into_iter().zip(sums) {
         *x = sum;
     }
     Ok(())
+}
+
+/// The world's collectives, as a sharded optimizer state takes them.
+impl<W: World + ?Sized> crate::optim::Ranks for W {
+    fn rank(&self) -> usize {
+        World::rank(self)
+    }
+    fn size(&self) -> usize {
+        World::size(self)
+    }
+    fn sum_f64(&self, xs: &mut [f64]) -> Result<()> {
+        World::sum_f64(self, xs)
+    }
+    fn sum_grads(&self, grads: &mut [Tensor]) -> Result<()> {
+        World::sum_grads(self, grads)
+    }
+    fn reduce_scatter_f32(&self, xs: &[f32], counts: &[usize]) -> Result<Vec<f32>> {
+        World::reduce_scatter_f32(self, xs, counts)
+    }
+    fn all_gather_f32(&self, mine: &[f32]) -> Result<Vec<f32>> {
+        World::all_gather_f32(self, mine)
+    }
 }
 
 /// The world's rows and active tokens in micro-batch `range` (each rank holds its part).

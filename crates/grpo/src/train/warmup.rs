@@ -76,7 +76,7 @@ pub(super) fn sft_warmup<P: Policy>(
         warmup_steps: 0,
         total_steps: steps as u64,
     };
-    let mut opt = super::setup::new_optimizer(cfg, &r.policy)?;
+    let mut opt = super::setup::new_optimizer(cfg, &r.policy, world)?;
     console.say(format!(
         "warm-up: {steps} supervised steps on {} tool-use traces ({per_step} a step)",
         traces.len()

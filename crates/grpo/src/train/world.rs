@@ -313,6 +313,64 @@ impl World for MpiWorld {
         }
         sum_in_buckets(self, grads)
     }
+    fn reduce_scatter_f32(&self, xs: &[f32], counts: &[usize]) -> Result<Vec<f32>> {
+        use mpi::collective::SystemOperation;
+        use mpi::raw::AsRaw;
+        use mpi::traits::Equivalence;
+        if counts.len() != self.size() || counts.iter().sum::<usize>() != xs.len() {
+            return Err(Error::Invariant(format!(
+                "reduce-scatter: {} values in parts {counts:?} over {} ranks",
+                xs.len(),
+                self.size()
+            )));
+        }
+        let counts = mpi_counts(counts)?;
+        let mut out = vec![0f32; counts[self.rank()] as usize];
+        // SAFETY: `xs` holds the sum of `counts` f32 values and `out` this rank's count of them;
+        // every rank passes the same counts (the parts of one split), as MPI requires.
+        let rc = self.timed(|| unsafe {
+            mpi::ffi::MPI_Reduce_scatter(
+                xs.as_ptr().cast(),
+                out.as_mut_ptr().cast(),
+                counts.as_ptr(),
+                f32::equivalent_datatype().as_raw(),
+                SystemOperation::sum().as_raw(),
+                self.comm.as_raw(),
+            )
+        });
+        if rc != 0 {
+            // (Not MPI_SUCCESS: MPI's default handler has usually ended the job already.)
+            return Err(Error::distributed(format!(
+                "MPI_Reduce_scatter failed ({rc})"
+            )));
+        }
+        Ok(out)
+    }
+    fn all_gather_f32(&self, mine: &[f32]) -> Result<Vec<f32>> {
+        use mpi::datatype::PartitionMut;
+        use mpi::traits::CommunicatorCollectives;
+        use mpi::Count;
+        let mut counts: Vec<Count> = vec![0; self.size()];
+        let len = mpi_counts(&[mine.len()])?;
+        self.timed(|| self.comm.all_gather_into(&len[..], &mut counts[..]));
+        let displs = mpi_counts(
+            &counts
+                .iter()
+                .scan(0usize, |acc, &c| {
+                    let d = *acc;
+                    *acc += c as usize;
+                    Some(d)
+                })
+                .collect::<Vec<_>>(),
+        )?;
+        let total: usize = counts.iter().map(|&c| c as usize).sum();
+        let mut out = vec![0f32; total];
+        {
+            let mut part = PartitionMut::new(&mut out[..], &counts[..], &displs[..]);
+            self.timed(|| self.comm.all_gather_varcount_into(mine, &mut part));
+        }
+        Ok(out)
+    }
     fn all_gather_bytes(&self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>> {
         use mpi::datatype::PartitionMut;
         use mpi::traits::CommunicatorCollectives;
@@ -341,6 +399,21 @@ impl World for MpiWorld {
             .map(|(&c, &d)| buf[d as usize..(d + c) as usize].to_vec())
             .collect())
     }
+}
+
+/// `counts` as MPI's (C int) counts, or an error for a part past their range.
+#[cfg(feature = "mpi")]
+fn mpi_counts(counts: &[usize]) -> Result<Vec<mpi::Count>> {
+    counts
+        .iter()
+        .map(|&c| {
+            mpi::Count::try_from(c).map_err(|_| {
+                Error::distributed(format!(
+                    "{c} values in one MPI call: more than it can count"
+                ))
+            })
+        })
+        .collect()
 }
 
 /// NCCL between the GPUs of an MPI job: one process per GPU, the communicator bootstrapped over

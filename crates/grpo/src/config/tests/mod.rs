@@ -105,6 +105,29 @@ fn each_rule_names_its_key() {
     assert!(e.contains("test") && e.contains("line"), "{e}");
 }
 
+/// `zero_stage`: unset is 0 and stays out of the resolved config; 1 and 2 from the file or the
+/// command line; 3 (not built) is refused naming the key and what to use.
+#[test]
+fn zero_stage_reads_0_to_2_and_refuses_3() {
+    use crate::optim::ZeroStage;
+    let c = load("", Format::Toml, &[]).unwrap();
+    assert_eq!(c.update.zero_stage, ZeroStage::Off);
+    assert!(!c.to_toml().contains("zero_stage"));
+    let c = load("zero_stage = 1", Format::Toml, &[]).unwrap();
+    assert_eq!(c.update.zero_stage, ZeroStage::Moments);
+    let c = load("zero_stage = 1", Format::Toml, &["--zero_stage=2"]).unwrap();
+    assert_eq!(c.update.zero_stage, ZeroStage::Gradients);
+    assert!(c.to_toml().contains("zero_stage = 2"));
+    let e = load("", Format::Toml, &["--zero_stage=3"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`zero_stage`") && e.contains("not built yet") && e.contains("use 2"),
+        "{e}"
+    );
+    assert!(load("zero_stage = \"two\"", Format::Toml, &[]).is_err());
+}
+
 #[test]
 fn eval_keys_default_and_parse() {
     let c = load("temperature = 0.7", Format::Toml, &[]).unwrap();

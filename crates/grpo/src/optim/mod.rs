@@ -7,9 +7,13 @@
 //! memory and updates each parameter in one fused pass (clip scale, decay, both moments, the
 //! step) in place; on a GPU, and under `kernels = "portable"`, the moments are tensors on the
 //! parameter's device and the same formula runs as candle ops there (no host round trip). A
-//! missing gradient is an error.
+//! missing gradient is an error. Its state can be sharded over the ranks of a run ([`zero`]:
+//! `zero_stage`), each rank stepping its own range of the parameters.
+
+pub mod zero;
 
 use std::cell::RefCell;
+use std::ops::Range;
 
 use candle_core::{CpuStorage, Layout, Tensor, Var};
 use grpo_models::kernels::{device_kind, Compute, DeviceKind};
@@ -17,6 +21,8 @@ use rayon::prelude::*;
 
 use crate::named::named_enum;
 use crate::{Error, Result};
+use zero::Alone;
+pub use zero::{Gradients, Ranks, Shard, ZeroStage};
 
 named_enum! {
     /// HF learning-rate schedules (`lr_scheduler_type`).
@@ -61,36 +67,68 @@ struct Slot {
     /// How its step runs: in place on the CPU ([`Compute::is_fused`]), as one kernel on a GPU
     /// ([`Compute::Gpu`]), else as candle ops.
     compute: Compute,
+    /// The elements of the parameter (flattened) this rank steps and keeps moments for: all of
+    /// them, unless the state is sharded ([`zero`]), when it may be a part or none.
+    part: Range<usize>,
     moments: Moments,
 }
 
-/// AdamW's first and second moments of one parameter.
+impl Slot {
+    /// Whether this rank steps the whole parameter.
+    fn whole(&self) -> bool {
+        self.part.len() == self.var.elem_count()
+    }
+}
+
+/// AdamW's first and second moments of one parameter's part (see [`Slot::part`]).
 enum Moments {
     /// In host memory, updated by the fused in-place step (f32 CPU parameters).
     Host {
         exp_avg: Vec<f32>,
         exp_avg_sq: Vec<f32>,
     },
-    /// f32 tensors on the parameter's device, updated by candle ops (GPU, portable kernels).
+    /// f32 tensors on the parameter's device, updated by candle ops (GPU, portable kernels):
+    /// the parameter's shape for the whole of it, flat (`[part]`) for a part.
     Device { exp_avg: Tensor, exp_avg_sq: Tensor },
 }
 
 impl Moments {
-    fn zeros(var: &Var, compute: Compute) -> Result<Moments> {
+    fn zeros(var: &Var, compute: Compute, part: &Range<usize>) -> Result<Moments> {
         Ok(if compute.is_fused() {
-            let n = var.elem_count();
             Moments::Host {
-                exp_avg: vec![0.0; n],
-                exp_avg_sq: vec![0.0; n],
+                exp_avg: vec![0.0; part.len()],
+                exp_avg_sq: vec![0.0; part.len()],
             }
         } else {
+            let shape = match part.len() == var.elem_count() {
+                true => var.shape().clone(),
+                false => part.len().into(),
+            };
             // Two buffers: the GPU's AdamW kernel updates both in place.
-            let z = || Tensor::zeros(var.shape(), candle_core::DType::F32, var.device());
+            let z = || Tensor::zeros(&shape, candle_core::DType::F32, var.device());
             Moments::Device {
                 exp_avg: z()?,
                 exp_avg_sq: z()?,
             }
         })
+    }
+
+    /// The first (`second` false) or second moment as one host slice handed to `f` (a copy
+    /// for a tensor).
+    fn with_host<T>(&self, second: bool, f: impl FnOnce(&[f32]) -> Result<T>) -> Result<T> {
+        match self {
+            Moments::Host {
+                exp_avg,
+                exp_avg_sq,
+            } => f(if second { exp_avg_sq } else { exp_avg }),
+            Moments::Device {
+                exp_avg,
+                exp_avg_sq,
+            } => {
+                let t = if second { exp_avg_sq } else { exp_avg };
+                f(&t.flatten_all()?.to_vec1::<f32>()?)
+            }
+        }
     }
 }
 
@@ -100,6 +138,10 @@ pub struct AdamW {
     slots: Vec<Slot>,
     /// Optimizer steps taken (torch's `step` state; bias corrections use it).
     step: u64,
+    /// How much of the state each rank keeps (`zero_stage`), and its range of the parameters
+    /// (all of them when not sharded).
+    stage: ZeroStage,
+    shard: Shard,
 }
 
 /// The scalars of one AdamW step of one parameter.
@@ -160,11 +202,13 @@ impl StepScalars {
     }
 }
 
-/// The update of one parameter, run in place on its storage.
+/// The update of one parameter's part, run in place on its storage: the elements from
+/// `offset` on, as many as the gradient has (all of them when not sharded).
 struct FusedStep<'a> {
     exp_avg: RefCell<&'a mut [f32]>,
     exp_avg_sq: RefCell<&'a mut [f32]>,
     s: StepScalars,
+    offset: usize,
 }
 
 impl FusedStep<'_> {
@@ -201,6 +245,27 @@ impl FusedStep<'_> {
     }
 }
 
+/// [`FusedStep`] with the gradient given as a host slice (this rank's part of a reduce-scatter):
+/// one operand, the parameter.
+struct FusedStepOf<'o, 'a>(&'o FusedStep<'a>, &'o [f32]);
+
+impl candle_core::InplaceOp1 for FusedStepOf<'_, '_> {
+    fn name(&self) -> &'static str {
+        "adamw-step"
+    }
+    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
+        let (CpuStorage::F32(p), Some((a, b))) = (s, l.contiguous_offsets()) else {
+            candle_core::bail!("adamw: contiguous f32 parameters only");
+        };
+        let (g, at) = (self.1, self.0.offset);
+        let Some(p) = p[a..b].get_mut(at..at + g.len()) else {
+            candle_core::bail!("adamw: a part of {} from {at} of {}", g.len(), b - a);
+        };
+        self.0.apply(p, g);
+        Ok(())
+    }
+}
+
 /// The f32 slices of an in-place op's two contiguous CPU operands, or an error naming `op`.
 fn f32_pair<'a>(
     op: &str,
@@ -231,15 +296,45 @@ impl candle_core::InplaceOp2 for FusedStep<'_> {
         l2: &Layout,
     ) -> candle_core::Result<()> {
         let (p, g) = f32_pair("adamw", s1, l1, s2, l2)?;
+        let Some(p) = p.get_mut(self.offset..self.offset + g.len()) else {
+            candle_core::bail!(
+                "adamw: a part of {} from {} of {}",
+                g.len(),
+                self.offset,
+                p.len()
+            );
+        };
         self.apply(p, g);
         Ok(())
     }
 }
 
 impl AdamW {
-    /// Moments start at zero. Parameters must be f32.
+    /// Moments start at zero. Parameters must be f32. Not sharded: every rank keeps the whole
+    /// state and steps every parameter.
     pub fn new(params: Vec<(String, Var)>, cfg: AdamWConfig) -> Result<Self> {
+        Self::sharded(params, cfg, ZeroStage::Off, &Alone)
+    }
+
+    /// [`Self::new`] with the state sharded over `world` as `stage` says ([`zero`]): stage 1
+    /// and 2 keep the moments of this rank's range of the parameters only (in one process,
+    /// all of them: the unsharded optimizer).
+    pub fn sharded<R: Ranks + ?Sized>(
+        params: Vec<(String, Var)>,
+        cfg: AdamWConfig,
+        stage: ZeroStage,
+        world: &R,
+    ) -> Result<Self> {
+        let total = params.iter().map(|(_, v)| v.elem_count()).sum();
+        let shard = match stage {
+            ZeroStage::Off => Shard::whole(total),
+            ZeroStage::Moments | ZeroStage::Gradients => {
+                Shard::new(total, world.rank(), world.size())
+            }
+        };
+        let mine = shard.range();
         let mut slots = Vec::with_capacity(params.len());
+        let mut offset = 0;
         for (name, var) in params {
             if var.dtype() != candle_core::DType::F32 {
                 return Err(Error::config(
@@ -250,12 +345,19 @@ impl AdamW {
                     ),
                 ));
             }
+            let n = var.elem_count();
+            // This rank's elements of the parameter, in its own (flat) indices.
+            let start = mine.start.clamp(offset, offset + n) - offset;
+            let end = mine.end.clamp(offset, offset + n) - offset;
+            offset += n;
+            let part = start..end;
             let compute = Compute::resolve(var.device(), var.dtype());
-            let moments = Moments::zeros(&var, compute)?;
+            let moments = Moments::zeros(&var, compute, &part)?;
             slots.push(Slot {
                 name,
                 var,
                 compute,
+                part,
                 moments,
             });
         }
@@ -263,6 +365,8 @@ impl AdamW {
             cfg,
             slots,
             step: 0,
+            stage,
+            shard,
         })
     }
 
@@ -280,82 +384,147 @@ impl AdamW {
         self.slots.iter().map(|s| s.name.as_str())
     }
 
+    /// How the state is sharded, and this rank's range of the flattened parameters.
+    pub fn sharding(&self) -> (ZeroStage, &Shard) {
+        (self.stage, &self.shard)
+    }
+
+    /// Bytes of the moments this rank keeps (f32: 8 bytes per element of its range).
+    pub fn state_bytes(&self) -> usize {
+        self.slots.iter().map(|s| 8 * s.part.len()).sum()
+    }
+
     /// One step with `grads` aligned with the parameters (same order as `new`), scaled by
-    /// `grad_scale` (the clipping factor) first.
+    /// `grad_scale` (the clipping factor) first. One process: the state is not sharded.
     pub fn step(&mut self, grads: &[Tensor], lr: f64, grad_scale: f32) -> Result<()> {
-        if grads.len() != self.slots.len() {
+        self.update(Gradients::Full(grads.to_vec()), lr, grad_scale, &Alone)
+    }
+
+    /// The world's gradients, as this optimizer's stage takes them: each gradient summed over
+    /// the world (`zero_stage` 0 and 1), or this rank's part of their sums (2: a reduce-scatter).
+    /// Every rank calls it.
+    pub fn reduce<R: Ranks + ?Sized>(
+        &self,
+        mut grads: Vec<Tensor>,
+        world: &R,
+    ) -> Result<Gradients> {
+        if self.stage == ZeroStage::Gradients && self.shard.parts() > 1 {
+            return Ok(Gradients::Part(zero::reduce_scatter(
+                grads,
+                &self.shard,
+                world,
+            )?));
+        }
+        world.sum_grads(&mut grads)?;
+        Ok(Gradients::Full(grads))
+    }
+
+    /// The global L2 norm of the world's `grads` and the factor that clips it to `max_norm`
+    /// ([`clip_factor`]; for a part, from every rank's sum of squares).
+    pub fn clip<R: Ranks + ?Sized>(
+        &self,
+        grads: &Gradients,
+        max_norm: f64,
+        world: &R,
+    ) -> Result<(f64, f32)> {
+        match grads {
+            Gradients::Full(g) => clip_factor(g, max_norm, self.compute()),
+            Gradients::Part(p) => zero::clip_part(p, max_norm, world),
+        }
+    }
+
+    /// One step with the world's `grads` (from [`Self::reduce`]) at `lr`, scaled by
+    /// `grad_scale` first: this rank's range of the parameters, then, when the state is
+    /// sharded, every rank's ranges gathered into every rank's parameters. Every rank calls it.
+    pub fn update<R: Ranks + ?Sized>(
+        &mut self,
+        grads: Gradients,
+        lr: f64,
+        grad_scale: f32,
+        world: &R,
+    ) -> Result<()> {
+        if self.shard.parts() != 1 && self.shard.parts() != world.size() {
             return Err(Error::Invariant(format!(
-                "adamw: {} gradients for {} parameters",
-                grads.len(),
-                self.slots.len()
+                "adamw: state sharded over {} ranks, stepped in a world of {}",
+                self.shard.parts(),
+                world.size()
             )));
         }
         self.step += 1;
-        let t = self.step as i32;
-        let c = self.cfg;
-        for (slot, grad) in self.slots.iter_mut().zip(grads) {
-            if grad.shape() != slot.var.shape() {
-                return Err(Error::Invariant(format!(
-                    "adamw: gradient of {} has shape {:?}, parameter {:?}",
-                    slot.name,
-                    grad.shape(),
-                    slot.var.shape()
-                )));
-            }
-            let grad = grad.to_dtype(candle_core::DType::F32)?.contiguous()?;
-            let step = StepScalars {
-                lr: lr as f32,
-                beta1: c.beta1 as f32,
-                beta2: c.beta2 as f32,
-                eps: c.eps as f32,
-                weight_decay: c.weight_decay as f32,
-                bias_correction1: (1.0 - c.beta1.powi(t)) as f32,
-                bias_correction2_sqrt: (1.0 - c.beta2.powi(t)).sqrt() as f32,
-                grad_scale,
-            };
-            match &mut slot.moments {
-                Moments::Host {
-                    exp_avg,
-                    exp_avg_sq,
-                } => {
-                    let op = FusedStep {
-                        exp_avg: RefCell::new(exp_avg),
-                        exp_avg_sq: RefCell::new(exp_avg_sq),
-                        s: step,
+        let s = self.scalars(lr, grad_scale);
+        match grads {
+            Gradients::Full(grads) => {
+                if grads.len() != self.slots.len() {
+                    return Err(Error::Invariant(format!(
+                        "adamw: {} gradients for {} parameters",
+                        grads.len(),
+                        self.slots.len()
+                    )));
+                }
+                for (slot, grad) in self.slots.iter_mut().zip(grads) {
+                    if grad.shape() != slot.var.shape() {
+                        return Err(Error::Invariant(format!(
+                            "adamw: gradient of {} has shape {:?}, parameter {:?}",
+                            slot.name,
+                            grad.shape(),
+                            slot.var.shape()
+                        )));
+                    }
+                    let g = match slot.whole() {
+                        true => grad,
+                        false => grad
+                            .flatten_all()?
+                            .narrow(0, slot.part.start, slot.part.len())?,
                     };
-                    if device_kind(slot.var.device()) == DeviceKind::Cpu && slot.var.is_contiguous()
-                    {
-                        slot.var.as_tensor().inplace_op2(&grad, &op)?;
-                    } else {
-                        let mut p = slot.var.flatten_all()?.to_vec1::<f32>()?;
-                        op.apply(&mut p, &grad.flatten_all()?.to_vec1::<f32>()?);
-                        let dev = slot.var.device().clone();
-                        slot.var
-                            .set(&Tensor::from_vec(p, slot.var.shape(), &dev)?)?;
-                    }
-                }
-                Moments::Device {
-                    exp_avg,
-                    exp_avg_sq,
-                } => {
-                    #[cfg(feature = "cuda")]
-                    if slot.compute.on_gpu()
-                        && step.on_gpu(slot.var.as_tensor(), &grad, exp_avg, exp_avg_sq)?
-                    {
-                        continue;
-                    }
-                    let (p, m, v) =
-                        step.tensors(slot.var.as_tensor(), &grad, exp_avg, exp_avg_sq)?;
-                    slot.var.set(&p)?;
-                    (*exp_avg, *exp_avg_sq) = (m, v);
+                    step_part(slot, &g, s)?;
                 }
             }
+            Gradients::Part(part) => {
+                if part.len() != self.shard.range().len() {
+                    return Err(Error::Invariant(format!(
+                        "adamw: a gradient part of {} for a range of {}",
+                        part.len(),
+                        self.shard.range().len()
+                    )));
+                }
+                let mut at = 0;
+                for slot in self.slots.iter_mut().filter(|s| !s.part.is_empty()) {
+                    let n = slot.part.len();
+                    step_host_part(slot, &part[at..at + n], s)?;
+                    at += n;
+                }
+            }
+        }
+        if self.shard.parts() > 1 {
+            self.gather_parameters(world)?;
         }
         Ok(())
     }
 
+    /// The scalars of the next step (its bias corrections count `self.step`).
+    fn scalars(&self, lr: f64, grad_scale: f32) -> StepScalars {
+        let t = self.step as i32;
+        let c = self.cfg;
+        StepScalars {
+            lr: lr as f32,
+            beta1: c.beta1 as f32,
+            beta2: c.beta2 as f32,
+            eps: c.eps as f32,
+            weight_decay: c.weight_decay as f32,
+            bias_correction1: (1.0 - c.beta1.powi(t)) as f32,
+            bias_correction2_sqrt: (1.0 - c.beta2.powi(t)).sqrt() as f32,
+            grad_scale,
+        }
+    }
+
     /// The moments as named tensors (`exp_avg.<param>`, `exp_avg_sq.<param>`), for checkpoints.
+    /// A sharded state is consolidated over the world first ([`Self::consolidated_state`]).
     pub fn state_tensors(&self) -> Result<Vec<(String, Tensor)>> {
+        if self.shard.parts() > 1 {
+            return Err(Error::Invariant(
+                "adamw: a sharded state is saved through consolidated_state".into(),
+            ));
+        }
         let cpu = candle_core::Device::Cpu;
         let mut out = Vec::with_capacity(2 * self.slots.len());
         for s in &self.slots {
@@ -379,7 +548,8 @@ impl AdamW {
         Ok(out)
     }
 
-    /// Restores moments saved by [`Self::state_tensors`] and the step count.
+    /// Restores moments saved by [`Self::state_tensors`] (whole tensors, whichever world saved
+    /// them) and the step count; a sharded state keeps this rank's part of each.
     pub fn load_state(
         &mut self,
         state: &std::collections::HashMap<String, Tensor>,
@@ -398,7 +568,11 @@ impl AdamW {
                         s.var.shape()
                     )));
                 }
-                Ok(t.to_dtype(candle_core::DType::F32)?)
+                let t = t.to_dtype(candle_core::DType::F32)?;
+                Ok(match s.part.len() == s.var.elem_count() {
+                    true => t,
+                    false => t.flatten_all()?.narrow(0, s.part.start, s.part.len())?,
+                })
             };
             let (m, v) = (read("exp_avg")?, read("exp_avg_sq")?);
             match &mut s.moments {
@@ -421,6 +595,96 @@ impl AdamW {
         self.step = steps_taken;
         Ok(())
     }
+}
+
+/// [`step_part`] with the part's gradient on the host (`[part]`, a reduce-scatter's): on the
+/// CPU in place without a copy of it, elsewhere through a tensor.
+fn step_host_part(slot: &mut Slot, g: &[f32], s: StepScalars) -> Result<()> {
+    let cpu = device_kind(slot.var.device()) == DeviceKind::Cpu && slot.var.is_contiguous();
+    if let (
+        Moments::Host {
+            exp_avg,
+            exp_avg_sq,
+        },
+        true,
+    ) = (&mut slot.moments, cpu)
+    {
+        let op = FusedStep {
+            exp_avg: RefCell::new(exp_avg),
+            exp_avg_sq: RefCell::new(exp_avg_sq),
+            s,
+            offset: slot.part.start,
+        };
+        slot.var.as_tensor().inplace_op1(&FusedStepOf(&op, g))?;
+        return Ok(());
+    }
+    let g = Tensor::from_slice(g, g.len(), slot.var.device())?;
+    step_part(slot, &g, s)
+}
+
+/// One AdamW step of `slot`'s part with its gradient `g`: the parameter's shape when the part
+/// is the whole parameter, else flat (`[part]`). The same arithmetic either way, element for
+/// element: in place on the CPU, one kernel on a GPU, else candle ops.
+fn step_part(slot: &mut Slot, g: &Tensor, s: StepScalars) -> Result<()> {
+    if slot.part.is_empty() {
+        return Ok(());
+    }
+    let g = g.to_dtype(candle_core::DType::F32)?.contiguous()?;
+    let whole = slot.whole();
+    match &mut slot.moments {
+        Moments::Host {
+            exp_avg,
+            exp_avg_sq,
+        } => {
+            let op = FusedStep {
+                exp_avg: RefCell::new(exp_avg),
+                exp_avg_sq: RefCell::new(exp_avg_sq),
+                s,
+                offset: slot.part.start,
+            };
+            if device_kind(slot.var.device()) == DeviceKind::Cpu && slot.var.is_contiguous() {
+                slot.var.as_tensor().inplace_op2(&g, &op)?;
+            } else {
+                let mut p = slot.var.flatten_all()?.to_vec1::<f32>()?;
+                op.apply(
+                    &mut p[slot.part.clone()],
+                    &g.flatten_all()?.to_vec1::<f32>()?,
+                );
+                let dev = slot.var.device().clone();
+                slot.var
+                    .set(&Tensor::from_vec(p, slot.var.shape(), &dev)?)?;
+            }
+        }
+        Moments::Device {
+            exp_avg,
+            exp_avg_sq,
+        } if whole => {
+            #[cfg(feature = "cuda")]
+            if slot.compute.on_gpu() && s.on_gpu(slot.var.as_tensor(), &g, exp_avg, exp_avg_sq)? {
+                return Ok(());
+            }
+            let (p, m, v) = s.tensors(slot.var.as_tensor(), &g, exp_avg, exp_avg_sq)?;
+            slot.var.set(&p)?;
+            (*exp_avg, *exp_avg_sq) = (m, v);
+        }
+        Moments::Device {
+            exp_avg,
+            exp_avg_sq,
+        } => {
+            // A part: stepped as a copy, written back into the parameter's storage.
+            let flat = slot.var.as_tensor().flatten_all()?; // [n], the parameter's storage
+            let p = flat.narrow(0, slot.part.start, slot.part.len())?.copy()?; // [part]
+            #[cfg(feature = "cuda")]
+            if slot.compute.on_gpu() && s.on_gpu(&p, &g, exp_avg, exp_avg_sq)? {
+                flat.slice_set(&p, 0, slot.part.start)?;
+                return Ok(());
+            }
+            let (p, m, v) = s.tensors(&p, &g, exp_avg, exp_avg_sq)?;
+            flat.slice_set(&p, 0, slot.part.start)?;
+            (*exp_avg, *exp_avg_sq) = (m, v);
+        }
+    }
+    Ok(())
 }
 
 /// `acc += g` in place for contiguous f32 tensors on the CPU, otherwise `acc + g` (a new tensor).
