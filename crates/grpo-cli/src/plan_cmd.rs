@@ -12,6 +12,7 @@ use clap::Args;
 use grpo::config::{DTypeOpt, TrainConfig};
 use grpo::loss::KlMode;
 use grpo::memory_plan::{self as mp, BatchShape, LoraPlan, ModelShapes, Plan, PlanInput};
+use grpo::optim::ZeroStage;
 use grpo_models::kernels::Compute;
 
 #[derive(Args, Debug)]
@@ -36,9 +37,9 @@ pub struct PlanArgs {
     #[arg(long = "world_size", alias = "world-size", default_value_t = 1)]
     world_size: usize,
     /// ZeRO stage of the plan: 0 (every rank holds everything), 1 (moments sharded), 2 (and
-    /// gradients), 3 (and weights). The trainer itself replicates everything today (stage 0).
-    #[arg(long = "zero_stage", alias = "zero-stage", default_value_t = 0)]
-    zero_stage: u8,
+    /// gradients), 3 (and weights: planned, not built yet). Default: the config's `zero_stage`.
+    #[arg(long = "zero_stage", alias = "zero-stage")]
+    zero_stage: Option<u8>,
     /// Memory to check the plan against, e.g. 80GiB, 24GB (default: this machine's RAM for a
     /// CPU run; a GPU run needs --card or --memory).
     #[arg(long)]
@@ -99,7 +100,11 @@ pub fn run(mut a: PlanArgs) -> Result<()> {
             || matches!(cfg.loss.kl(), KlMode::Reward { .. }),
         gradient_checkpointing: cfg.update.gradient_checkpointing,
         world_size: a.world_size,
-        zero_stage: a.zero_stage,
+        zero_stage: a.zero_stage.unwrap_or(match cfg.update.zero_stage {
+            ZeroStage::Off => 0,
+            ZeroStage::Moments => 1,
+            ZeroStage::Gradients => 2,
+        }),
         batch: batch(&cfg, prompt_tokens),
         memory: memory_bytes,
         model,
@@ -137,7 +142,7 @@ fn take_trailing(a: &mut PlanArgs, t: &crate::common::Trailing) -> Result<()> {
         a.world_size = num("world_size", v)?;
     }
     if let Some(v) = t.option("zero_stage") {
-        a.zero_stage = u8::try_from(num("zero_stage", v)?).unwrap_or(u8::MAX);
+        a.zero_stage = Some(u8::try_from(num("zero_stage", v)?).unwrap_or(u8::MAX));
     }
     if let Some(v) = t.option("prompt_tokens") {
         a.prompt_tokens = Some(num("prompt_tokens", v)?);
