@@ -79,8 +79,8 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     let cli = Cli::parse();
-    // Under an MPI launcher the ranks other than 0 log only warnings and errors, each line
-    // naming its rank; rank 0 logs as one process does.
+    // Launched as several processes, the ranks other than 0 log only warnings and errors, each
+    // line naming its rank; rank 0 logs as one process does.
     let rank = launcher_rank();
     let level = match rank {
         Some(r) if r > 0 => "warn".to_string(),
@@ -145,8 +145,12 @@ fn quiet_error_backtraces() {
     std::env::set_var("RUST_LIB_BACKTRACE", if wanted { "1" } else { "0" });
 }
 
-/// This process's rank under an MPI launcher of several processes (None: one process).
+/// This process's rank when launched as one of several processes, torchrun-style (`RANK`) or by
+/// MPI (None: one process).
 pub(crate) fn launcher_rank() -> Option<usize> {
+    if let Some(r) = grpo::train::env_rank() {
+        return Some(r);
+    }
     grpo::train::launcher_world_size()?;
     [
         "OMPI_COMM_WORLD_RANK",

@@ -49,7 +49,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
             ..Default::default()
         },
     )?;
-    // Under an MPI launcher rank 0 wrote the run and reports it; the other ranks are done.
+    // Launched as several processes, rank 0 wrote the run and reports it; the others are done.
     if crate::launcher_rank().is_some_and(|r| r > 0) {
         return Ok(());
     }

@@ -19,6 +19,8 @@ mod after;
 mod fill_in;
 mod health;
 mod metrics;
+#[cfg(feature = "nccl")]
+mod nccl;
 mod observer;
 mod policy;
 mod probe;
@@ -27,6 +29,7 @@ mod round;
 mod setup;
 mod shard;
 mod step;
+mod tcp_world;
 mod update;
 mod warmup;
 mod world;
@@ -43,6 +46,7 @@ pub use policy::{CausalLmForward, CausalLmPolicy, Policy, Reference, TrainForwar
 pub use round::{Episodes, LogProbs, RoundBatch, RoundTimes, Scored};
 pub use setup::{update_options, BestModel, LoadPolicy, Loaded, RoundOptions, TrainerState};
 pub use step::Round;
+pub use tcp_world::{env_rank, Rendezvous, TcpWorld, RENDEZVOUS_TIMEOUT_S};
 pub use update::{
     optimizer_step, policy_gradients, skip_round, update_policy, update_round, Schedule,
     StepCounter, StepStats, UpdateOptions, UpdatePlan,
@@ -99,13 +103,14 @@ pub struct TrainOutcome {
 
 /// Runs GRPO training as configured, in this process.
 pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
-    // The world: this process, or every rank of an MPI launch.
+    // The world: this process, or every rank of an MPI or torchrun-style launch.
     let world = world::from_launcher()?;
     let w = world.as_world();
-    // A rank's threads default to the cores the launcher bound it to.
-    let threads = cfg.run.threads.or_else(|| {
-        (w.size() > 1).then(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-    });
+    // A rank's threads default to the cores the launcher bound it to (or its node's share).
+    let threads = cfg
+        .run
+        .threads
+        .or_else(|| (w.size() > 1).then(tcp_world::cores_per_rank));
     if let Some(n) = threads {
         if let Err(e) = grpo_models::threads::set_global_threads(n) {
             tracing::warn!("threads: {e}");

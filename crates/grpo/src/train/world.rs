@@ -1,10 +1,12 @@
 //! The seam for data-parallel training: the processes of one run, through which gradients, token
 //! counts and metrics are reduced. One process ([`SingleProcess`]) is the default world; with the
-//! `mpi` feature, a run started by `mpirun` or `srun` trains across ranks ([`MpiWorld`]) without
-//! touching the loop.
+//! `mpi` feature, a run started by `mpirun` or `srun` trains across ranks ([`MpiWorld`]), and one
+//! started as torchrun starts processes (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`) over
+//! TCP ([`TcpWorld`]), without touching the loop.
 
 use candle_core::Tensor;
 
+use super::tcp_world::TcpWorld;
 use crate::{Error, Result};
 
 /// The processes of one training run (shared with the thread pool the run executes on).
@@ -94,7 +96,7 @@ const BUCKET: usize = 1 << 22;
 
 /// `grads` summed over `world` in buckets of whole tensors (a larger tensor alone), each by one
 /// [`World::sum_f32`] on the host.
-fn sum_in_buckets<W: World + ?Sized>(world: &W, grads: &mut [Tensor]) -> Result<()> {
+pub(super) fn sum_in_buckets<W: World + ?Sized>(world: &W, grads: &mut [Tensor]) -> Result<()> {
     let mut i = 0;
     while i < grads.len() {
         let mut j = i;
@@ -140,9 +142,11 @@ pub fn launcher_world_size() -> Option<usize> {
     .filter(|&n| n > 1)
 }
 
-/// This process's rank among those of its node, as the launcher says (0 without one).
+/// This process's rank among those of its node, as the launcher says (0 without one; torchrun's
+/// `LOCAL_RANK` first: under `srun torchrun`, Slurm's is the agent's).
 pub fn local_rank() -> usize {
     [
+        "LOCAL_RANK",
         "OMPI_COMM_WORLD_LOCAL_RANK",
         "MPI_LOCALRANKID",
         "PMIX_LOCAL_RANK",
@@ -182,16 +186,16 @@ pub struct MpiWorld {
     /// NCCL for gradients on a GPU (the `nccl` feature): one communicator per process, made at
     /// the first all-reduce of CUDA gradients, its unique id sent from rank 0 over MPI.
     #[cfg(feature = "nccl")]
-    nccl: std::sync::OnceLock<nccl::DeviceComm>,
+    nccl: super::nccl::LazyComm,
 }
 
-/// How long a rank may wait in one collective before the job is ended (`GRPO_MPI_TIMEOUT`, in
-/// seconds; default 30 minutes: rank 0's evaluation keeps the others waiting at the next one).
-#[cfg(feature = "mpi")]
-fn collective_timeout() -> u64 {
-    std::env::var("GRPO_MPI_TIMEOUT")
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
+/// How long a rank may wait in one collective before the job is ended (`GRPO_COLLECTIVE_TIMEOUT`,
+/// or `GRPO_MPI_TIMEOUT`, in seconds; default 30 minutes: rank 0's evaluation keeps the others
+/// waiting at the next one).
+pub(super) fn collective_timeout() -> u64 {
+    ["GRPO_COLLECTIVE_TIMEOUT", "GRPO_MPI_TIMEOUT"]
+        .iter()
+        .find_map(|k| std::env::var(k).ok()?.trim().parse().ok())
         .filter(|&s: &u64| s > 0)
         .unwrap_or(1800)
 }
@@ -217,7 +221,7 @@ impl MpiWorld {
             waiting_since: Default::default(),
             start: std::time::Instant::now(),
             #[cfg(feature = "nccl")]
-            nccl: std::sync::OnceLock::new(),
+            nccl: Default::default(),
         };
         world.watch(collective_timeout());
         Ok(world)
@@ -298,14 +302,8 @@ impl World for MpiWorld {
     fn sum_grads(&self, grads: &mut [Tensor]) -> Result<()> {
         // Gradients on a GPU: NCCL sums them there, one all-reduce per tensor, no host copy.
         #[cfg(feature = "nccl")]
-        if let Some(candle_core::Device::Cuda(dev)) = grads.first().map(|g| g.device().clone()) {
-            let comm = match self.nccl.get() {
-                Some(c) => c,
-                None => {
-                    let c = nccl::DeviceComm::new(self, &dev)?;
-                    self.nccl.get_or_init(|| c)
-                }
-            };
+        if let Some(dev) = super::nccl::cuda_device(grads) {
+            let comm = self.nccl.get(self, &dev)?;
             for g in grads.iter_mut() {
                 *g = self.timed(|| comm.sum(g))?;
             }
@@ -416,97 +414,17 @@ fn mpi_counts(counts: &[usize]) -> Result<Vec<mpi::Count>> {
         .collect()
 }
 
-/// NCCL between the GPUs of an MPI job: one process per GPU, the communicator bootstrapped over
-/// MPI (rank 0 makes NCCL's unique id and every rank receives it). Built with the `nccl`
-/// feature; NCCL itself is loaded at run time (cudarc's dynamic loading).
-#[cfg(feature = "nccl")]
-mod nccl {
-    use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id, ReduceOp};
-    use candle_core::{CudaDevice, CudaStorage, DType, Storage, Tensor};
-
-    use super::{MpiWorld, World};
-    use crate::{Error, Result};
-
-    pub struct DeviceComm {
-        comm: Comm,
-        dev: CudaDevice,
-    }
-
-    fn err(what: &str, e: impl std::fmt::Debug) -> Error {
-        Error::Distributed(format!(
-            "NCCL {what}: {e:?} (is libnccl installed, one GPU per rank?)"
-        ))
-    }
-
-    impl DeviceComm {
-        /// Collective: every rank calls it at the same point (its first gradient all-reduce).
-        pub fn new(world: &MpiWorld, dev: &CudaDevice) -> Result<DeviceComm> {
-            let mine = match world.rank() {
-                0 => {
-                    let id = Id::new().map_err(|e| err("unique id", e))?;
-                    id.internal().iter().map(|&c| c as u8).collect()
-                }
-                _ => Vec::new(),
-            };
-            let all = world.all_gather_bytes(mine)?;
-            let bytes = all
-                .first()
-                .filter(|b| b.len() == 128)
-                .ok_or_else(|| Error::distributed("NCCL: rank 0 sent no unique id of 128 bytes"))?;
-            let mut internal = [0 as std::ffi::c_char; 128];
-            for (d, &b) in internal.iter_mut().zip(bytes) {
-                *d = b as std::ffi::c_char;
-            }
-            let comm = Comm::from_rank(
-                dev.cuda_stream(),
-                world.rank(),
-                world.size(),
-                Id::uninit(internal),
-            )
-            .map_err(|e| err("communicator", e))?;
-            Ok(DeviceComm {
-                comm,
-                dev: dev.clone(),
-            })
-        }
-
-        /// `g` summed over every rank (f32; the result keeps `g`'s dtype and shape).
-        pub fn sum(&self, g: &Tensor) -> Result<Tensor> {
-            let x = g.to_dtype(DType::F32)?.contiguous()?; // [..] f32 on this GPU
-            let n = x.elem_count();
-            let out = {
-                let (st, l) = x.storage_and_layout();
-                let Storage::Cuda(cs) = &*st else {
-                    return Err(Error::distributed("NCCL: a gradient is not on the GPU"));
-                };
-                let src = cs.as_cuda_slice::<f32>()?;
-                let src = src.slice(l.start_offset()..l.start_offset() + n);
-                let mut out = self
-                    .dev
-                    .cuda_stream()
-                    .alloc_zeros::<f32>(n)
-                    .map_err(|e| err("allocation", e))?;
-                self.comm
-                    .all_reduce(&src, &mut out, &ReduceOp::Sum)
-                    .map_err(|e| err("all-reduce", e))?;
-                out
-            };
-            let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(out, self.dev.clone()));
-            let t = Tensor::from_storage(
-                storage,
-                g.shape(),
-                candle_core::op::BackpropOp::none(),
-                false,
-            );
-            Ok(t.to_dtype(g.dtype())?)
-        }
-    }
-}
-
-/// The world a run trains in: MPI's when a launcher started several processes, else this one
-/// process. Without the `mpi` feature, a multi-process launch is an error (each process would
-/// train alone and write the same output).
+/// The world a run trains in, the first that applies:
+/// 1. `RANK` and `WORLD_SIZE` > 1 in the environment (torchrun, PyTorchJob, a script): the ranks
+///    meet over TCP at `MASTER_ADDR:MASTER_PORT` ([`TcpWorld`]). No MPI launcher sets these, and
+///    under `srun torchrun` Slurm's own variables count the agents, not the ranks.
+/// 2. An MPI launcher's variables (`mpirun`, `srun`): MPI's world. Without the `mpi` feature this
+///    is an error (each process would train alone and write the same output).
+/// 3. Otherwise this one process.
 pub fn from_launcher() -> Result<Box<dyn WorldHandle>> {
+    if let Some(rv) = super::tcp_world::Rendezvous::from_env()? {
+        return Ok(Box::new(TcpWorld::connect(&rv)?));
+    }
     match launcher_world_size() {
         None => Ok(Box::new(SingleProcess)),
         #[cfg(feature = "mpi")]
@@ -517,7 +435,8 @@ pub fn from_launcher() -> Result<Box<dyn WorldHandle>> {
             format!(
                 "this grpo was started as one of {n} processes, but it was built without MPI: \
                  rebuild with `cargo build --release --features mpi` (needs Open MPI or MPICH, see \
-                 docs/distributed.md), or run it without a launcher"
+                 docs/distributed.md), launch it without MPI (RANK, WORLD_SIZE, MASTER_ADDR and \
+                 MASTER_PORT, as torchrun sets them), or run it without a launcher"
             ),
         )),
     }
