@@ -62,7 +62,11 @@ pub fn assert_same_run(one: &Path, two: &Path, step: usize) {
             // Near zero, relative to the scale of what cancels there: advantages are O(1)
             // (KL in the reward moves their zero mean, and the loss's, by the log-probs' noise).
             let floor = if kl_run { 0.1 } else { 1e-2 };
-            let tol = if exact { 0.0 } else { 1e-4 * v.abs().max(floor) };
+            let tol = if exact {
+                0.0
+            } else {
+                1e-4 * v.abs().max(floor)
+            };
             assert!(
                 (v - w).abs() <= tol,
                 "step {}: {k} = {v} vs {w} with 2 ranks",
