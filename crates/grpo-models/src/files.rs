@@ -18,7 +18,7 @@ pub fn read_json(path: &Path) -> Result<serde_json::Value> {
 
 /// The safetensors files of an HF directory: `model.safetensors`, or the shards listed in
 /// `model.safetensors.index.json`.
-pub(crate) fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
+pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let single = dir.join("model.safetensors");
     if single.is_file() {
         return Ok(vec![single]);

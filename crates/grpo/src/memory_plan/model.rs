@@ -308,38 +308,12 @@ fn gguf_to_hf_name(n: &str) -> String {
 /// The safetensors files of an HF directory (`model.safetensors`, or the shards its index
 /// names); none when it has only `config.json`.
 fn safetensors_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
-    let single = dir.join("model.safetensors");
-    if single.is_file() {
-        return Ok(vec![single]);
+    let has_weights = dir.join("model.safetensors").is_file()
+        || dir.join("model.safetensors.index.json").is_file();
+    match has_weights {
+        true => Ok(grpo_models::files::safetensors_files(dir)?),
+        false => Ok(vec![]),
     }
-    let index = dir.join("model.safetensors.index.json");
-    if !index.is_file() {
-        return Ok(vec![]);
-    }
-    let text = std::fs::read_to_string(&index)
-        .map_err(|e| Error::file(&index, format!("cannot read: {e}")))?;
-    let v: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| Error::file(&index, format!("invalid JSON: {e}")))?;
-    let map = v
-        .get("weight_map")
-        .and_then(|m| m.as_object())
-        .ok_or_else(|| Error::file(&index, "missing object `weight_map`"))?;
-    let mut files: Vec<std::path::PathBuf> = Vec::new();
-    for f in map.values().filter_map(|f| f.as_str()) {
-        let plain = Path::new(f)
-            .components()
-            .all(|c| matches!(c, std::path::Component::Normal(_)));
-        if !plain {
-            return Err(Error::file(
-                &index,
-                format!("shard `{f}` is not a file name inside the model directory"),
-            ));
-        }
-        files.push(dir.join(f));
-    }
-    files.sort();
-    files.dedup();
-    Ok(files)
 }
 
 /// (name, shape) of every tensor in a safetensors file, from its header only.

@@ -12,7 +12,7 @@ use std::time::Instant;
 use super::policy::Policy;
 use super::probe;
 use super::setup::Run;
-use super::shard::{gather_episodes, gather_rows, owned_groups, trained_groups};
+use super::shard::{gather_episodes, gather_rows, sampled_groups, trained_groups};
 use super::world::World;
 use crate::advantages::{
     check_group_spread, combine_rewards, groups_with_signal, round_advantages, Advantages,
@@ -337,12 +337,7 @@ pub fn sample<P: Policy>(
     let t0 = Instant::now();
     let sampler = r.policy.freeze(cfg.update.gradient_checkpointing)?;
     let all_idx = r.state.order.next_batch(seeds.len());
-    let mine = owned_groups(
-        seeds.len(),
-        cfg.update.per_device_train_batch_size / r.opts.g,
-        world.size(),
-        world.rank(),
-    );
+    let mine = sampled_groups(seeds.len(), world.size(), world.rank());
     let batch_idx: Vec<usize> = mine.iter().map(|&i| all_idx[i]).collect();
     let seeds: Vec<u64> = mine.iter().map(|&i| seeds[i]).collect();
     let prompt_ids: Vec<Vec<u32>> = batch_idx

@@ -1,6 +1,10 @@
 //! How a round's groups are shared among the ranks of a data-parallel run, and how the ranks'
 //! scored episodes come together again.
 //!
+//! Each rank samples an even share of a pass's groups ([`sampled_groups`]); the scored episodes
+//! and their log-prob rows are gathered to every rank; then the round's groups are dealt out for
+//! training ([`trained_groups`]).
+//!
 //! A global micro-batch is `size` ranks' micro-batches side by side: with `gpm` groups per rank
 //! per micro-batch, global micro-batch `m` holds groups `m * size * gpm ..`, of which rank `r`
 //! owns the `r`-th run of `gpm`. So rank `r`'s `m`-th micro-batch is its part of the one-process
@@ -17,6 +21,15 @@ pub fn owned_groups(p: usize, gpm: usize, size: usize, rank: usize) -> Vec<usize
     (0..p)
         .filter(|&i| (i % (gpm * size)) / gpm == rank)
         .collect()
+}
+
+/// The groups rank `rank` of `size` samples among a pass's `n`: an even, contiguous share
+/// (sizes differ by one at most). Which rank samples a group changes nothing in it (each group
+/// is sampled from its own seed), and the round's groups are dealt out for training afterwards
+/// ([`trained_groups`]), so the sampling is shared evenly whatever the micro-batches.
+pub fn sampled_groups(n: usize, size: usize, rank: usize) -> Vec<usize> {
+    let size = size.max(1);
+    (n * rank / size..n * (rank + 1) / size).collect()
 }
 
 /// Every rank's scored episodes, in global group order (`G` per group). `mine` are this rank's,
@@ -104,6 +117,20 @@ mod tests {
             assert_eq!(all, (0..12).collect::<Vec<_>>());
         }
         assert_eq!(owned_groups(4, 1, 1, 0), vec![0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn each_rank_samples_an_even_share_of_a_pass() {
+        // Dynamic sampling's first pass of 12 groups over 2 ranks: 6 each (the micro-batch
+        // layout would give rank 0 eight).
+        assert_eq!(sampled_groups(12, 2, 0), (0..6).collect::<Vec<_>>());
+        assert_eq!(sampled_groups(12, 2, 1), (6..12).collect::<Vec<_>>());
+        for (n, size) in [(7, 3), (2, 4), (12, 1)] {
+            let parts: Vec<Vec<usize>> = (0..size).map(|r| sampled_groups(n, size, r)).collect();
+            assert_eq!(parts.concat(), (0..n).collect::<Vec<_>>());
+            let lens = parts.iter().map(Vec::len);
+            assert!(lens.clone().max().unwrap() - lens.min().unwrap() <= 1);
+        }
     }
 
     #[test]
