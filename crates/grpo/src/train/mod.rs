@@ -18,6 +18,7 @@
 mod after;
 mod fill_in;
 mod health;
+mod launch;
 mod metrics;
 #[cfg(feature = "nccl")]
 mod nccl;
@@ -104,7 +105,7 @@ pub struct TrainOutcome {
 /// Runs GRPO training as configured, in this process.
 pub fn train(cfg: &TrainConfig, ctl: &RunControl) -> Result<TrainOutcome> {
     // The world: this process, or every rank of an MPI or torchrun-style launch.
-    let world = world::from_launcher()?;
+    let world = launch::from_launcher()?;
     let w = world.as_world();
     // A rank's threads default to the cores the launcher bound it to (or its node's share).
     let threads = cfg
