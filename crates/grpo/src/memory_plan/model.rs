@@ -182,16 +182,9 @@ impl ModelShapes {
 
     /// The block projections' weights: (HF module name, elements), in name order.
     pub fn projections(&self) -> Vec<(String, u64)> {
-        self.tensors
-            .iter()
-            .filter(|(_, s)| s.len() == 2)
-            .filter_map(|(n, s)| {
-                let module = n.strip_suffix(".weight")?;
-                let leaf = module.rsplit('.').next()?;
-                PROJECTIONS
-                    .contains(&leaf)
-                    .then(|| (module.to_string(), elems(s)))
-            })
+        self.projection_dims()
+            .into_iter()
+            .map(|(module, i, o)| (module, i as u64 * o as u64))
             .collect()
     }
 
