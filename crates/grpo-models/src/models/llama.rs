@@ -12,13 +12,15 @@
 use candle_core::{Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::checkpointing::{checkpoint, CheckpointGrads};
+use super::checkpointing::{checkpoint, checkpoint_sharded, CheckpointGrads};
 use super::config::{Activation, ModelConfig};
 use super::layers::{
     linear, linear_parts, AttnMask, Embedding, FusedLinear, Linear, Mode, ProjMut, RmsNorm, Rope,
 };
+use super::sharded::Sharded;
 use crate::kernels::attention::{attention, softcapped_attention};
 use crate::kernels::grad_sink::GradSink;
 use crate::kernels::mlp;
@@ -324,6 +326,15 @@ impl DecoderLayer {
         })
     }
 
+    /// Attaches `sink` to every projection whose parameters it holds; returns how many.
+    fn attach_grad_sink(&mut self, sink: &GradSink) -> Result<usize> {
+        let mut n = self.self_attn.qkv_proj.attach_grad_sink(sink)? as usize;
+        n += self.self_attn.o_proj.attach_grad_sink(sink)? as usize;
+        n += self.mlp.gate_up_proj.attach_grad_sink(sink)? as usize;
+        n += self.mlp.down_proj.attach_grad_sink(sink)? as usize;
+        Ok(n)
+    }
+
     fn forward(
         &self,
         x: &Tensor,
@@ -446,19 +457,42 @@ pub struct Model {
     /// The fused decoding step computes this model ([`Self::decode_plan`]): no partial RoPE,
     /// softcapping, Gemma layer or window that differs between layers.
     plain_decoder: bool,
+    /// The blocks when their parameters live elsewhere (ZeRO-3; `layers` is then empty).
+    sharded: Option<Arc<Sharded>>,
 }
 
 impl Model {
     /// `vb` is rooted at the checkpoint root (keys `model.*`, `lm_head.weight`); the layers run
     /// `compute`'s code.
     pub fn load(cfg: &ModelConfig, vb: VarBuilder, compute: Compute) -> Result<Self> {
+        let layers = (0..cfg.num_layers)
+            .map(|i| DecoderLayer::load(cfg, vb.pp("model").pp("layers").pp(i), compute))
+            .collect::<Result<Vec<_>>>()?;
+        Self::assemble(cfg, vb, compute, layers, None)
+    }
+
+    /// The model without its blocks' parameters, which `sharded` fetches for each training
+    /// forward (ZeRO-3): `vb` holds the rest (embedding, final norm, untied LM head).
+    pub(super) fn load_sharded(
+        cfg: &ModelConfig,
+        vb: VarBuilder,
+        compute: Compute,
+        sharded: Sharded,
+    ) -> Result<Self> {
+        Self::assemble(cfg, vb, compute, vec![], Some(Arc::new(sharded)))
+    }
+
+    fn assemble(
+        cfg: &ModelConfig,
+        vb: VarBuilder,
+        compute: Compute,
+        layers: Vec<DecoderLayer>,
+        sharded: Option<Arc<Sharded>>,
+    ) -> Result<Self> {
         let m = vb.pp("model");
         let embed = m
             .pp("embed_tokens")
             .get((cfg.vocab_size, cfg.hidden_size), "weight")?;
-        let layers = (0..cfg.num_layers)
-            .map(|i| DecoderLayer::load(cfg, m.pp("layers").pp(i), compute))
-            .collect::<Result<Vec<_>>>()?;
         let lm_head = if cfg.tie_word_embeddings {
             embed.clone()
         } else {
@@ -500,6 +534,7 @@ impl Model {
             embed_scale: x.embed_scale,
             fused_proj_names: x.fused_proj_names,
             plain_decoder,
+            sharded,
         })
     }
 
@@ -511,10 +546,7 @@ impl Model {
     pub fn attach_grad_sink(&mut self, sink: &GradSink) -> Result<usize> {
         let mut n = self.embed_tokens.attach_grad_sink(sink)? as usize;
         for l in &mut self.layers {
-            n += l.self_attn.qkv_proj.attach_grad_sink(sink)? as usize;
-            n += l.self_attn.o_proj.attach_grad_sink(sink)? as usize;
-            n += l.mlp.gate_up_proj.attach_grad_sink(sink)? as usize;
-            n += l.mlp.down_proj.attach_grad_sink(sink)? as usize;
+            n += l.attach_grad_sink(sink)?;
         }
         Ok(n)
     }
@@ -650,6 +682,10 @@ impl Model {
         mode: Mode,
         ckpt: Option<&Arc<CheckpointGrads>>,
     ) -> Result<Tensor> {
+        let trains = mode == Mode::Train && cache.is_none() && ckpt.is_some();
+        if self.sharded.is_some() && !trains {
+            candle_core::bail!("{}", Sharded::REFUSED);
+        }
         let mut x = self.embed_tokens.forward(ids)?; // [B, S, H]
         if let Some(scale) = self.embed_scale {
             // HF rounds the scale to the activations' dtype first.
@@ -685,7 +721,11 @@ impl Model {
             }
             None => None,
         };
-        for (i, layer) in self.layers.iter().enumerate() {
+        let blocks = match &self.sharded {
+            Some(sh) => sh.num_layers(),
+            None => self.layers.len(),
+        };
+        for i in 0..blocks {
             let slides = self.sliding.get(i).copied().unwrap_or(false);
             let mask = match (&windowed, slides) {
                 (Some(w), true) => w,
@@ -695,15 +735,20 @@ impl Model {
                 (Some((c, s)), true) => (c, s),
                 _ => (&cos, &sin),
             };
-            x = match (ckpt, &cache) {
-                (Some(g), None) if mode == Mode::Train => {
+            x = match (&self.sharded, ckpt, &cache, self.layers.get(i)) {
+                (Some(sh), Some(g), None, _) if mode == Mode::Train => {
+                    sharded_block(sh, i, &x, g, cos, sin, mask)?
+                }
+                (Some(_), ..) => candle_core::bail!("{}", Sharded::REFUSED),
+                (None, Some(g), None, Some(layer)) if mode == Mode::Train => {
                     let (l, c, sn, m) = (layer.clone(), cos.clone(), sin.clone(), mask.clone());
                     checkpoint(&x, g, move |h| l.forward(h, &c, &sn, &m, None, Mode::Train))?
                 }
-                _ => {
+                (None, _, _, Some(layer)) => {
                     let c = cache.as_deref().map(|c| (c, i));
                     layer.forward(&x, cos, sin, mask, c, mode)?
                 }
+                (None, _, _, None) => candle_core::bail!("no layer {i}"),
             };
         }
         if let Some(c) = cache {
@@ -711,4 +756,32 @@ impl Model {
         }
         self.norm.forward(&x, mode)
     }
+}
+
+/// Block `i`'s training forward over `x` [B, S, H] with its parameters from `sh` (ZeRO-3),
+/// checkpointed ([`checkpoint_sharded`]); its RoPE tables `cos`/`sin` and mask are chosen by
+/// the caller, as for a kept layer -> [B, S, H].
+fn sharded_block(
+    sh: &Sharded,
+    i: usize,
+    x: &Tensor,
+    grads: &Arc<CheckpointGrads>,
+    cos: &Tensor,
+    sin: &Tensor,
+    mask: &AttnMask,
+) -> Result<Tensor> {
+    let (cfg, compute, dtype, device) = (sh.cfg.clone(), sh.compute, sh.dtype, sh.device.clone());
+    let (c, s, m) = (cos.clone(), sin.clone(), mask.clone());
+    let block = move |tensors: HashMap<String, Tensor>,
+                      sink: Option<&GradSink>,
+                      h: &Tensor|
+          -> Result<Tensor> {
+        let vb = VarBuilder::from_tensors(tensors, dtype, &device);
+        let mut layer = DecoderLayer::load(&cfg, vb.pp("model").pp("layers").pp(i), compute)?;
+        if let Some(sink) = sink {
+            layer.attach_grad_sink(sink)?;
+        }
+        layer.forward(h, &c, &s, &m, None, Mode::Train) // [B, S, H]
+    };
+    checkpoint_sharded(x, grads, &sh.blocks, i, compute, dtype, block)
 }

@@ -19,12 +19,14 @@ pub mod llama;
 pub mod lora;
 pub mod masked_lm;
 mod seq_cls;
+mod sharded;
 
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 
+pub use checkpointing::{block_of, BlockParams};
 pub use config::{Arch, ModelConfig};
 pub use layers::{AttnMask, Mode, ProjMut, SharedPrefix};
 pub use lora::{LoraAdapter, LoraDropout};
@@ -81,11 +83,16 @@ impl CausalLm {
     /// Builds the model from a `VarBuilder` rooted at the checkpoint root. Its [`Compute`] is
     /// resolved here, once, from the device, the dtype and the kernel set.
     pub fn load(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
-        let dtype = vb.dtype();
+        let compute = Compute::resolve(vb.device(), vb.dtype());
+        Self::load_with(cfg, vb, compute)
+    }
+
+    /// [`Self::load`] running `compute`'s code (tests pick the portable code this way without
+    /// changing the process's kernel set).
+    pub(crate) fn load_with(cfg: &ModelConfig, vb: VarBuilder, compute: Compute) -> Result<Self> {
         let device = vb.device().clone();
-        let compute = Compute::resolve(&device, dtype);
         // CPU mixed precision keeps f32 weights and activations (bf16 only inside products).
-        let dtype = compute.storage_dtype(dtype);
+        let dtype = compute.storage_dtype(vb.dtype());
         let vb = vb.set_dtype(dtype);
         let built = match cfg.arch {
             Arch::Llama
@@ -99,7 +106,17 @@ impl CausalLm {
         };
         let inner = built
             .map_err(|e| Error::Model(format!("cannot build {} model: {e}", cfg.arch.name())))?;
-        Ok(Self {
+        Ok(Self::assembled(cfg, inner, dtype, device, compute))
+    }
+
+    fn assembled(
+        cfg: &ModelConfig,
+        inner: Inner,
+        dtype: DType,
+        device: Device,
+        compute: Compute,
+    ) -> Self {
+        Self {
             cfg: cfg.clone(),
             inner,
             dtype,
@@ -110,7 +127,65 @@ impl CausalLm {
             head_grad: None,
             head_packed: None,
             decoder: None,
-        })
+        }
+    }
+
+    /// A Llama-family model whose blocks' parameters come from `blocks` for each training
+    /// forward (ZeRO-3): `outer` holds every other parameter (embedding, final norm, LM head
+    /// when untied) by checkpoint name. It runs training forwards only (Mode::Train, no KV
+    /// cache) with checkpointing set (`set_checkpointing(Some(..))`); anything else is an error
+    /// saying so. GPT-2 is refused with a clear error.
+    ///
+    /// Each block's forward gathers its parameters, runs without a graph and drops them; its
+    /// recomputation in the backward gathers them again and hands their gradients to
+    /// [`BlockParams::gradients`] (see [`checkpointing::checkpoint_sharded`]). The outer
+    /// parameters' gradients go where a full model's go (candle's graph, or an attached sink).
+    pub fn with_sharded_blocks(
+        cfg: &ModelConfig,
+        outer: HashMap<String, Tensor>,
+        blocks: std::sync::Arc<dyn BlockParams>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let compute = Compute::resolve(device, dtype);
+        Self::sharded_with(cfg, outer, blocks, dtype, device, compute)
+    }
+
+    /// [`Self::with_sharded_blocks`] running `compute`'s code.
+    pub(crate) fn sharded_with(
+        cfg: &ModelConfig,
+        outer: HashMap<String, Tensor>,
+        blocks: std::sync::Arc<dyn BlockParams>,
+        dtype: DType,
+        device: &Device,
+        compute: Compute,
+    ) -> Result<Self> {
+        let refuse = |why: String| Err(Error::Model(format!("sharded blocks (ZeRO-3): {why}")));
+        if cfg.arch == Arch::Gpt2 {
+            return refuse("GPT-2 is not supported, only Llama-family models".into());
+        }
+        if cfg.build_quantized.is_some() {
+            return refuse("quantized blocks cannot be trained".into());
+        }
+        if let Some(n) = outer.keys().find(|n| block_of(n).is_some()) {
+            return refuse(format!("`{n}` is a block parameter, not an outer one"));
+        }
+        let dtype = compute.storage_dtype(dtype);
+        let vb = VarBuilder::from_tensors(outer, dtype, device);
+        let sharded = sharded::Sharded::new(cfg, blocks, compute, dtype, device);
+        let inner = llama::Model::load_sharded(cfg, vb, compute, sharded).map_err(|e| {
+            Error::Model(format!(
+                "cannot build {} model with sharded blocks: {e}",
+                cfg.arch.name()
+            ))
+        })?;
+        Ok(Self::assembled(
+            cfg,
+            Inner::Llama(inner),
+            dtype,
+            device.clone(),
+            compute,
+        ))
     }
 
     /// Sends the weight gradients of every projection whose parameter `sink` holds to the sink
