@@ -37,7 +37,7 @@ pub struct PlanArgs {
     #[arg(long = "world_size", alias = "world-size", default_value_t = 1)]
     world_size: usize,
     /// ZeRO stage of the plan: 0 (every rank holds everything), 1 (moments sharded), 2 (and
-    /// gradients), 3 (and weights: planned, not built yet). Default: the config's `zero_stage`.
+    /// gradients), 3 (and weights). Default: the config's `zero_stage`.
     #[arg(long = "zero_stage", alias = "zero-stage")]
     zero_stage: Option<u8>,
     /// Memory to check the plan against, e.g. 80GiB, 24GB (default: this machine's RAM for a
@@ -104,6 +104,7 @@ pub fn run(mut a: PlanArgs) -> Result<()> {
             ZeroStage::Off => 0,
             ZeroStage::Moments => 1,
             ZeroStage::Gradients => 2,
+            ZeroStage::Params => 3,
         }),
         batch: batch(&cfg, prompt_tokens),
         memory: memory_bytes,

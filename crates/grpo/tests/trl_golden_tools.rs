@@ -93,6 +93,7 @@ fn fixture_policy(m: &LoadedModel) -> CausalLmPolicy {
         device: Device::Cpu,
         dtype: DType::F32,
         lora: None,
+        sharded: None,
         base_model_name: "fixture".into(),
         generation_config: None,
     }

@@ -420,6 +420,7 @@ impl TrainConfig {
         rules::aggregation(&loss)?;
         rules::agent(&agent)?;
         rules::fill_in_policy(&run, &data, &lora, &update)?;
+        rules::zero_stage(&run, &lora, &update)?;
         let masking = rules::masking(&run, &data)?;
         rules::logging(&mut logging)?;
         run.threads = run.threads.filter(|&n| n > 0);

@@ -194,6 +194,41 @@ pub(super) fn fill_in_policy(run: &Run, data: &Data, lora: &Lora, update: &Updat
     Ok(())
 }
 
+/// `zero_stage = 3` shards the causal LM's own parameters, gathering each block inside gradient
+/// checkpointing's recomputation: it needs both, and has nothing to shard under LoRA (the
+/// adapters are small and the base is frozen).
+pub(super) fn zero_stage(run: &Run, lora: &Lora, update: &Update) -> Result<()> {
+    if update.zero_stage != crate::optim::ZeroStage::Params {
+        return Ok(());
+    }
+    if run.policy != PolicyType::CausalLm {
+        return bad(
+            "zero_stage",
+            "3 shards a causal LM's parameters; policy = \"fill_in\" trains a small generator \
+             whole: use 0, 1 or 2"
+                .into(),
+        );
+    }
+    if lora.r > 0 {
+        return bad(
+            "zero_stage",
+            "3 shards the trained parameters, and with LoRA (lora.r) those are the small \
+             adapters over a frozen base: use 2 (moments and gradients sharded)"
+                .into(),
+        );
+    }
+    if !update.gradient_checkpointing {
+        return bad(
+            "gradient_checkpointing",
+            "zero_stage = 3 gathers each block's parameters for its forward and again for \
+             gradient checkpointing's recomputation in the backward: set \
+             gradient_checkpointing = true (or use zero_stage = 2)"
+                .into(),
+        );
+    }
+    Ok(())
+}
+
 /// `[data]` `mask_ratio`, `mask_span`, `mask_seed`: how a fill-in run masks its inputs on the
 /// fly (None: they hold their masks).
 pub(super) fn masking(run: &Run, data: &Data) -> Result<Option<Masking>> {

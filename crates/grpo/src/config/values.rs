@@ -288,10 +288,10 @@ named_values!(
     PolicyType = PolicyType::CausalLm
 );
 
-/// `zero_stage`: 0, 1 or 2 (3 is refused, saying what to use).
+/// `zero_stage`: 0, 1, 2 or 3.
 impl FromValue for ZeroStage {
     fn kind() -> Cow<'static, str> {
-        "0|1|2".into()
+        "0|1|2|3".into()
     }
     fn from_value(v: Option<&Value>) -> Res<Self> {
         match Option::<i64>::from_value(v)? {

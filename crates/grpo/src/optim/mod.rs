@@ -11,6 +11,7 @@
 //! `zero_stage`), each rank stepping its own range of the parameters.
 
 pub mod zero;
+pub mod zero3;
 
 use std::cell::RefCell;
 use std::ops::Range;
@@ -142,6 +143,8 @@ pub struct AdamW {
     /// (all of them when not sharded).
     stage: ZeroStage,
     shard: Shard,
+    /// Stage 3: the sharded parameters whose range the one flat slot is ([`zero3`]).
+    flat: Option<std::sync::Arc<zero3::ShardedParams>>,
 }
 
 /// The scalars of one AdamW step of one parameter.
@@ -328,7 +331,7 @@ impl AdamW {
         let total = params.iter().map(|(_, v)| v.elem_count()).sum();
         let shard = match stage {
             ZeroStage::Off => Shard::whole(total),
-            ZeroStage::Moments | ZeroStage::Gradients => {
+            ZeroStage::Moments | ZeroStage::Gradients | ZeroStage::Params => {
                 Shard::new(total, world.rank(), world.size())
             }
         };
@@ -367,7 +370,21 @@ impl AdamW {
             step: 0,
             stage,
             shard,
+            flat: None,
         })
+    }
+
+    /// Stage 3: AdamW over this rank's range of the sharded `params`, one flat parameter
+    /// stepped in place ([`zero3`]); its checkpoints hold every parameter's moments whole.
+    pub fn over_sharded(
+        params: std::sync::Arc<zero3::ShardedParams>,
+        cfg: AdamWConfig,
+    ) -> Result<Self> {
+        let flat = vec![("zero3".to_string(), params.mine().clone())];
+        let mut opt = Self::sharded(flat, cfg, ZeroStage::Off, &Alone)?;
+        opt.stage = ZeroStage::Params;
+        opt.flat = Some(params);
+        Ok(opt)
     }
 
     /// How its parameters' arithmetic runs (the first's: a run keeps them on one device).
@@ -386,7 +403,10 @@ impl AdamW {
 
     /// How the state is sharded, and this rank's range of the flattened parameters.
     pub fn sharding(&self) -> (ZeroStage, &Shard) {
-        (self.stage, &self.shard)
+        match &self.flat {
+            Some(p) => (self.stage, p.shard()),
+            None => (self.stage, &self.shard),
+        }
     }
 
     /// Bytes of the moments this rank keeps (f32: 8 bytes per element of its range).
@@ -408,6 +428,17 @@ impl AdamW {
         mut grads: Vec<Tensor>,
         world: &R,
     ) -> Result<Gradients> {
+        if self.flat.is_some() {
+            // Stage 3: the training step already reduce-scattered every gradient into this
+            // rank's range, the gradient of the one flat parameter.
+            let [g] = grads.as_slice() else {
+                return Err(Error::Invariant(format!(
+                    "adamw: zero 3 takes its range's gradient, got {} tensors",
+                    grads.len()
+                )));
+            };
+            return Ok(Gradients::Part(g.flatten_all()?.to_vec1::<f32>()?));
+        }
         if self.stage == ZeroStage::Gradients && self.shard.parts() > 1 {
             return Ok(Gradients::Part(zero::reduce_scatter(
                 grads,
@@ -555,6 +586,17 @@ impl AdamW {
         state: &std::collections::HashMap<String, Tensor>,
         steps_taken: u64,
     ) -> Result<()> {
+        if let Some(p) = &self.flat {
+            let mut flat = std::collections::HashMap::new();
+            for prefix in ["exp_avg", "exp_avg_sq"] {
+                flat.insert(format!("{prefix}.zero3"), p.range_of(state, prefix)?);
+            }
+            let p = p.clone();
+            self.flat = None;
+            let loaded = self.load_state(&flat, steps_taken);
+            self.flat = Some(p);
+            return loaded;
+        }
         for s in &mut self.slots {
             let read = |prefix: &str| -> Result<Tensor> {
                 let key = format!("{prefix}.{}", s.name);

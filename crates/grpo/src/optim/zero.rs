@@ -10,8 +10,7 @@
 //! - Stage 2: each rank receives only its range of the summed gradients (a reduce-scatter, and
 //!   the full gradients are freed bucket by bucket as they are sent); the global norm comes from
 //!   every rank's sum of squares. Then as stage 1.
-//! - Stage 3 (parameters sharded too, gathered layer by layer for the forward and backward) is
-//!   not built: the config refuses it.
+//! - Stage 3: the parameters sharded too ([`super::zero3`]).
 //!
 //! Checkpoints stay consolidated: [`AdamW::consolidated_state`] gathers each moment whole, so the
 //! main rank writes the `optimizer.safetensors` of an unsharded run, which any world size and
@@ -80,21 +79,19 @@ pub enum ZeroStage {
     Moments,
     /// 2: moments and gradients sharded.
     Gradients,
+    /// 3: the parameters sharded too, gathered block by block ([`super::zero3`]).
+    Params,
 }
 
 impl ZeroStage {
-    /// The stage of `zero_stage = n`; 3 and above are refused, saying what to use.
+    /// The stage of `zero_stage = n`.
     pub fn from_number(n: i64) -> std::result::Result<ZeroStage, String> {
         match n {
             0 => Ok(ZeroStage::Off),
             1 => Ok(ZeroStage::Moments),
             2 => Ok(ZeroStage::Gradients),
-            3 => Err(
-                "3 (parameters sharded too, gathered layer by layer) is not built yet: use 2 \
-                      (AdamW's moments and the gradients sharded)"
-                    .into(),
-            ),
-            n => Err(format!("must be 0, 1 or 2, got {n}")),
+            3 => Ok(ZeroStage::Params),
+            n => Err(format!("must be 0, 1, 2 or 3, got {n}")),
         }
     }
 
@@ -103,6 +100,7 @@ impl ZeroStage {
             ZeroStage::Off => 0,
             ZeroStage::Moments => 1,
             ZeroStage::Gradients => 2,
+            ZeroStage::Params => 3,
         }
     }
 }
@@ -179,11 +177,11 @@ pub enum Gradients {
 
 /// Parameters are reduced and gathered in windows of whole parameters of at most this many
 /// elements (a larger one alone): one collective each, and at most a window's copy alive.
-const WINDOW: usize = 1 << 22;
+pub(super) const WINDOW: usize = 1 << 22;
 
 /// Consecutive parameters of `sizes` elements grouped into windows of at most [`WINDOW`]
 /// elements (a larger one alone): each window's parameter indices and flat element range.
-fn windows(sizes: &[usize]) -> Vec<(Range<usize>, Range<usize>)> {
+pub(super) fn windows(sizes: &[usize]) -> Vec<(Range<usize>, Range<usize>)> {
     let mut out = Vec::new();
     let (mut i, mut at) = (0, 0);
     while i < sizes.len() {
@@ -306,6 +304,15 @@ impl AdamW {
         &self,
         world: &R,
     ) -> Result<Option<Vec<(String, Tensor)>>> {
+        if let (Some(p), [s]) = (&self.flat, self.slots.as_slice()) {
+            let m = s
+                .moments
+                .with_host(false, |m| p.consolidate("exp_avg", m))?;
+            let v = s
+                .moments
+                .with_host(true, |v| p.consolidate("exp_avg_sq", v))?;
+            return Ok(m.zip(v).map(|(m, v)| m.into_iter().chain(v).collect()));
+        }
         if self.shard.parts() == 1 {
             return match world.is_main() {
                 true => self.state_tensors().map(Some),
@@ -337,7 +344,7 @@ impl AdamW {
 
 /// `t`'s values, flat, as one f32 slice handed to `f`: its own storage where it is a contiguous
 /// f32 tensor on the CPU (no copy: a gradient or parameter of hundreds of MB), else a host copy.
-fn with_host_f32<T>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<T>) -> Result<T> {
+pub(super) fn with_host_f32<T>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<T>) -> Result<T> {
     {
         let (st, l) = t.storage_and_layout();
         if let (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) = (&*st, l.contiguous_offsets()) {
@@ -378,10 +385,11 @@ impl candle_core::InplaceOp1 for CopyFrom<'_> {
 
 #[cfg(test)]
 mod tests {
+    use super::test_world::Threads;
     use super::*;
     use crate::optim::AdamWConfig;
     use candle_core::{Device, Var};
-    use std::sync::{Arc, Barrier, Mutex};
+    use std::sync::Arc;
 
     #[test]
     fn ranges_tile_the_parameters_in_near_equal_parts() {
@@ -412,85 +420,13 @@ mod tests {
     }
 
     #[test]
-    fn stage_three_is_refused_naming_what_to_use() {
-        assert_eq!(ZeroStage::from_number(2), Ok(ZeroStage::Gradients));
-        let e = ZeroStage::from_number(3).unwrap_err();
-        assert!(e.contains("not built") && e.contains("use 2"), "{e}");
+    fn stages_read_0_to_3() {
+        for n in 0..=3 {
+            assert_eq!(ZeroStage::from_number(n).unwrap().number() as i64, n);
+        }
+        let e = ZeroStage::from_number(4).unwrap_err();
+        assert!(e.contains("0, 1, 2 or 3"), "{e}");
         assert!(ZeroStage::from_number(-1).is_err());
-    }
-
-    /// An in-memory world of `n` ranks, each a thread: every collective is a barrier around a
-    /// shared table of the ranks' contributions (f32 sums in f32, in rank order).
-    struct Threads {
-        rank: usize,
-        n: usize,
-        barrier: Arc<Barrier>,
-        table: Arc<Mutex<Vec<Vec<f64>>>>,
-    }
-
-    impl Threads {
-        fn world(n: usize) -> Vec<Threads> {
-            let barrier = Arc::new(Barrier::new(n));
-            let table = Arc::new(Mutex::new(vec![Vec::new(); n]));
-            (0..n)
-                .map(|rank| Threads {
-                    rank,
-                    n,
-                    barrier: barrier.clone(),
-                    table: table.clone(),
-                })
-                .collect()
-        }
-
-        /// Every rank's `mine`, in rank order (f32 values are exact as f64).
-        fn gather(&self, mine: Vec<f64>) -> Vec<Vec<f64>> {
-            self.table.lock().unwrap()[self.rank] = mine;
-            self.barrier.wait();
-            let all = self.table.lock().unwrap().clone();
-            self.barrier.wait();
-            all
-        }
-
-        fn sum_f32(&self, xs: &mut [f32]) {
-            let all = self.gather(xs.iter().map(|&x| x as f64).collect());
-            for (i, x) in xs.iter_mut().enumerate() {
-                *x = all.iter().map(|v| v[i] as f32).sum();
-            }
-        }
-    }
-
-    impl Ranks for Threads {
-        fn rank(&self) -> usize {
-            self.rank
-        }
-        fn size(&self) -> usize {
-            self.n
-        }
-        fn sum_f64(&self, xs: &mut [f64]) -> Result<()> {
-            let all = self.gather(xs.to_vec());
-            for (i, x) in xs.iter_mut().enumerate() {
-                *x = all.iter().map(|v| v[i]).sum();
-            }
-            Ok(())
-        }
-        fn sum_grads(&self, grads: &mut [Tensor]) -> Result<()> {
-            for g in grads.iter_mut() {
-                let mut v = g.flatten_all()?.to_vec1::<f32>()?;
-                self.sum_f32(&mut v);
-                *g = Tensor::from_vec(v, g.shape(), g.device())?;
-            }
-            Ok(())
-        }
-        fn reduce_scatter_f32(&self, xs: &[f32], counts: &[usize]) -> Result<Vec<f32>> {
-            let mut all = xs.to_vec();
-            self.sum_f32(&mut all);
-            let start: usize = counts[..self.rank].iter().sum();
-            Ok(all[start..start + counts[self.rank]].to_vec())
-        }
-        fn all_gather_f32(&self, mine: &[f32]) -> Result<Vec<f32>> {
-            let all = self.gather(mine.iter().map(|&x| x as f64).collect());
-            Ok(all.concat().into_iter().map(|x| x as f32).collect())
-        }
     }
 
     const CFG: AdamWConfig = AdamWConfig {
@@ -663,5 +599,86 @@ mod tests {
         // In one process, any stage is the unsharded optimizer.
         let opt = AdamW::sharded(params(), CFG, ZeroStage::Gradients, &Alone).unwrap();
         assert_eq!(opt.state_bytes(), 8 * 13);
+    }
+}
+
+/// A world of threads for the sharding tests.
+#[cfg(test)]
+pub(crate) mod test_world {
+    use super::*;
+    use std::sync::{Arc, Barrier, Mutex};
+
+    /// An in-memory world of `n` ranks, each a thread: every collective is a barrier around a
+    /// shared table of the ranks' contributions (f32 sums in f32, in rank order).
+    pub(crate) struct Threads {
+        pub(crate) rank: usize,
+        pub(crate) n: usize,
+        barrier: Arc<Barrier>,
+        table: Arc<Mutex<Vec<Vec<f64>>>>,
+    }
+
+    impl Threads {
+        pub(crate) fn world(n: usize) -> Vec<Threads> {
+            let barrier = Arc::new(Barrier::new(n));
+            let table = Arc::new(Mutex::new(vec![Vec::new(); n]));
+            (0..n)
+                .map(|rank| Threads {
+                    rank,
+                    n,
+                    barrier: barrier.clone(),
+                    table: table.clone(),
+                })
+                .collect()
+        }
+
+        /// Every rank's `mine`, in rank order (f32 values are exact as f64).
+        fn gather(&self, mine: Vec<f64>) -> Vec<Vec<f64>> {
+            self.table.lock().unwrap()[self.rank] = mine;
+            self.barrier.wait();
+            let all = self.table.lock().unwrap().clone();
+            self.barrier.wait();
+            all
+        }
+
+        fn sum_f32(&self, xs: &mut [f32]) {
+            let all = self.gather(xs.iter().map(|&x| x as f64).collect());
+            for (i, x) in xs.iter_mut().enumerate() {
+                *x = all.iter().map(|v| v[i] as f32).sum();
+            }
+        }
+    }
+
+    impl Ranks for Threads {
+        fn rank(&self) -> usize {
+            self.rank
+        }
+        fn size(&self) -> usize {
+            self.n
+        }
+        fn sum_f64(&self, xs: &mut [f64]) -> Result<()> {
+            let all = self.gather(xs.to_vec());
+            for (i, x) in xs.iter_mut().enumerate() {
+                *x = all.iter().map(|v| v[i]).sum();
+            }
+            Ok(())
+        }
+        fn sum_grads(&self, grads: &mut [Tensor]) -> Result<()> {
+            for g in grads.iter_mut() {
+                let mut v = g.flatten_all()?.to_vec1::<f32>()?;
+                self.sum_f32(&mut v);
+                *g = Tensor::from_vec(v, g.shape(), g.device())?;
+            }
+            Ok(())
+        }
+        fn reduce_scatter_f32(&self, xs: &[f32], counts: &[usize]) -> Result<Vec<f32>> {
+            let mut all = xs.to_vec();
+            self.sum_f32(&mut all);
+            let start: usize = counts[..self.rank].iter().sum();
+            Ok(all[start..start + counts[self.rank]].to_vec())
+        }
+        fn all_gather_f32(&self, mine: &[f32]) -> Result<Vec<f32>> {
+            let all = self.gather(mine.iter().map(|&x| x as f64).collect());
+            Ok(all.concat().into_iter().map(|x| x as f32).collect())
+        }
     }
 }

@@ -101,7 +101,7 @@ impl AfterRound {
         self.rounds_this_run += 1;
         let mut m = StepMetrics::of_round(r, &round.scored, &round.batch, &round.steps);
         if world.size() > 1 {
-            m.world_memory = Some(world_memory(&r.opt, world)?);
+            m.world_memory = Some(world_memory(&r.opt, &r.policy, world)?);
         }
         let step = r.state.step;
         for s in self.observed_step + 1..=step {
@@ -180,9 +180,9 @@ impl AfterRound {
         // Every rank knows a checkpoint is due (the world's stop flag): a sharded optimizer
         // state is gathered by all of them, then the main rank writes it.
         let due = saves && (periodic || at_end || stop_now);
-        let optimizer = match due {
-            true => r.optimizer_state(world)?,
-            false => None,
+        let (tensors, optimizer) = match due {
+            true => (r.policy.named_tensors()?, r.optimizer_state(world)?),
+            false => (vec![], None),
         };
         if main && due {
             // metric_for_best_model: this checkpoint is the best when this round's eval is.
@@ -191,7 +191,7 @@ impl AfterRound {
                 .best
                 .as_ref()
                 .and_then(|b| b.improved_by(m, &r.state));
-            let dir = r.save(new_best, optimizer.as_deref())?;
+            let dir = r.save(new_best, &tensors, optimizer.as_deref())?;
             console.say(format!("saved {}", dir.display()));
             self.tell(|o| o.on_save(step, &dir));
             self.last_checkpoint = Some(dir);
@@ -242,8 +242,12 @@ pub(super) fn crossed(step: u64, per_round: u64, every: u64) -> bool {
 }
 
 /// The memory of the world's ranks: the largest peak resident set (each rank's own, gathered:
-/// every rank calls it) and the optimizer state the main rank keeps.
-fn world_memory(opt: &AdamW, world: &dyn World) -> Result<WorldMemory> {
+/// every rank calls it), and the optimizer state and trainable parameters the main rank keeps.
+fn world_memory<P: Policy>(opt: &AdamW, policy: &P, world: &dyn World) -> Result<WorldMemory> {
+    let params = match policy.sharded() {
+        Some(p) => p.mine().elem_count(),
+        None => policy.vars().iter().map(|v| v.elem_count()).sum(),
+    };
     let peak = grpo_models::threads::rss_gb().map_or(f64::NAN, |(_, peak)| peak);
     let all = world.all_gather_bytes(peak.to_le_bytes().to_vec())?;
     let peaks = all
@@ -252,12 +256,17 @@ fn world_memory(opt: &AdamW, world: &dyn World) -> Result<WorldMemory> {
     Ok(WorldMemory {
         rss_peak_gb_max_rank: peaks.fold(f64::NAN, f64::max),
         optimizer_state_gb: opt.state_bytes() as f64 / 1e9,
+        parameters_gb: 4.0 * params as f64 / 1e9,
     })
 }
 
 /// Every rank's parameters must be the same after each update; a rank that drifted (a
 /// non-deterministic reduction, a bad node) is an error naming it, not a silent divergence.
 fn check_same_parameters<P: Policy>(policy: &P, world: &dyn World) -> Result<()> {
+    if policy.sharded().is_some() {
+        // `zero_stage = 3`: each rank holds its own range, and nothing else.
+        return Ok(());
+    }
     let mut sum = 0f64;
     for v in policy.vars() {
         let x: Vec<f32> = v

@@ -66,6 +66,9 @@ pub mod names {
     pub const RSS_PEAK_GB_MAX_RANK: &str = "memory/rss_peak_gb_max_rank";
     /// Across ranks: the AdamW moments the main rank keeps (`zero_stage` shards them), in GB.
     pub const OPTIMIZER_STATE_GB: &str = "memory/optimizer_state_gb";
+    /// Across ranks: the f32 trainable parameters the main rank keeps between steps
+    /// (`zero_stage = 3` shards them), in GB.
+    pub const PARAMETERS_GB: &str = "memory/parameters_gb";
     /// Optimizer steps skipped so far because a number was not finite (the run's total).
     pub const SKIPPED_STEPS: &str = "skipped_steps";
     /// The parts of a step, as `time/<part>`.
@@ -195,6 +198,8 @@ pub struct WorldMemory {
     pub rss_peak_gb_max_rank: f64,
     /// The AdamW moments the main rank keeps.
     pub optimizer_state_gb: f64,
+    /// The trainable parameters the main rank keeps between steps.
+    pub parameters_gb: f64,
 }
 
 /// Mean of `xs` (0 when empty).
@@ -415,6 +420,7 @@ impl StepMetrics {
         if let Some(w) = self.world_memory {
             push(RSS_PEAK_GB_MAX_RANK, w.rss_peak_gb_max_rank);
             push(OPTIMIZER_STATE_GB, w.optimizer_state_gb);
+            push(PARAMETERS_GB, w.parameters_gb);
         }
         push(SKIPPED_STEPS, self.skipped_steps as f64);
         if let Some(s) = self.eval_seconds {
@@ -512,6 +518,7 @@ mod tests {
             world_memory: Some(WorldMemory {
                 rss_peak_gb_max_rank: 1.5,
                 optimizer_state_gb: 0.25,
+                parameters_gb: 0.125,
             }),
             skipped_steps: 0,
             eval_seconds: Some(1.0),

@@ -238,8 +238,5 @@ fn end_phase(phase: &str, device: &candle_core::Device) {
 
 /// The device a policy's parameters live on.
 fn policy_device<P: policy::Policy>(p: &P) -> candle_core::Device {
-    p.vars()
-        .first()
-        .map(|v| v.device().clone())
-        .unwrap_or(candle_core::Device::Cpu)
+    p.device()
 }

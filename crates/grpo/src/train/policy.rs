@@ -16,12 +16,13 @@ use crate::checkpoint::{AdapterExport, HfExport, ModelFiles};
 use crate::flops::FlopShape;
 use crate::logprobs::{completion_logprobs, Entropy, Packing};
 use crate::optim::var_tensors;
+use crate::optim::zero3::{BlockExchange, ShardedParams, SharedRanks};
 use crate::peft::{self, LoraConfig};
 use crate::rewards::Reward;
 use crate::rollout::{Episode, GroupSampler, MicroBatch};
-use crate::Result;
+use crate::{Error, Result};
 use grpo_models::kernels::grad_sink::GradSink;
-use grpo_models::models::checkpointing::CheckpointGrads;
+use grpo_models::models::checkpointing::{block_of, BlockParams, CheckpointGrads};
 use grpo_models::models::{CausalLm, Mode, ModelConfig};
 use grpo_models::tokenizer::Tokenizer;
 
@@ -85,13 +86,36 @@ pub trait Policy {
         Ok(None)
     }
 
-    /// The parameters by name, detached.
-    fn named_tensors(&self) -> Vec<(String, Tensor)> {
-        self.names()
+    /// The parameters by name, detached (gathered whole when they are sharded: then every
+    /// rank calls it at the same point).
+    fn named_tensors(&self) -> Result<Vec<(String, Tensor)>> {
+        Ok(self
+            .names()
             .iter()
             .zip(self.vars())
             .map(|(n, v)| (n.clone(), v.as_tensor().detach()))
-            .collect()
+            .collect())
+    }
+
+    /// The device the parameters live on.
+    fn device(&self) -> Device {
+        self.vars()
+            .first()
+            .map_or(Device::Cpu, |v| v.device().clone())
+    }
+
+    /// `zero_stage = 3`: keeps only this rank's range of the parameters, gathered through
+    /// `ranks` whenever they are used ([`crate::optim::zero3`]). Default: refused.
+    fn shard_parameters(&mut self, _ranks: SharedRanks) -> Result<()> {
+        Err(Error::config(
+            "zero_stage",
+            "3 shards a causal LM's parameters; this policy kind trains whole: use 0, 1 or 2",
+        ))
+    }
+
+    /// The sharded parameters after [`Self::shard_parameters`] (then [`Self::vars`] is empty).
+    fn sharded(&self) -> Option<&Arc<ShardedParams>> {
+        None
     }
 }
 
@@ -112,6 +136,34 @@ pub trait TrainForward {
     /// The gradient of `v` accumulated outside autograd over the whole step (projection weights'
     /// gradient sinks), taken out.
     fn take_step_grad(&self, v: &Var) -> Result<Option<Tensor>>;
+    /// `zero_stage = 3`'s side of the step: the blocks' exchange and the parameters gathered
+    /// for it (None: the policy's own [`Policy::vars`] are trained).
+    fn sharded(&self) -> Option<&ShardedStep> {
+        None
+    }
+}
+
+/// A `zero_stage = 3` optimizer step's parameters: the blocks, gathered one at a time through
+/// `exchange` (which sums their gradients into this rank's range during the backward), and the
+/// other parameters (embedding, final norm, LM head), gathered for the step as `outer_vars`.
+pub struct ShardedStep {
+    pub exchange: Arc<BlockExchange>,
+    /// The outer parameters' indices among the policy's names, their names and their `Var`s.
+    outer_idx: Vec<usize>,
+    pub outer_names: Vec<String>,
+    pub outer_vars: Vec<Var>,
+}
+
+impl ShardedStep {
+    /// The step's gradient of this rank's range, summed over the world (`[range]`): the outer
+    /// parameters' gradients `grads` (of `outer_vars`) reduce-scattered into the blocks'.
+    /// Every rank calls it.
+    pub fn finish(&self, grads: &[Tensor]) -> Result<Tensor> {
+        self.exchange.reduce_outer(&self.outer_idx, grads)?;
+        let part = self.exchange.take()?;
+        let n = part.len();
+        Ok(Tensor::from_vec(part, n, &Device::Cpu)?)
+    }
 }
 
 /// A causal LM: every base tensor trained (full fine-tuning), or LoRA adapters over a frozen base.
@@ -127,6 +179,8 @@ pub struct CausalLmPolicy {
     pub dtype: DType,
     /// LoRA: the frozen base model (with adapters off it is also the reference) and the options.
     pub lora: Option<(CausalLm, LoraConfig)>,
+    /// `zero_stage = 3`: this rank's range of the parameters (`vars` is then empty).
+    pub sharded: Option<Arc<ShardedParams>>,
     /// What LoRA checkpoints name as their base (`base_model_name_or_path`).
     pub base_model_name: String,
     /// The source model's `generation_config.json`, carried into checkpoints.
@@ -134,20 +188,23 @@ pub struct CausalLmPolicy {
 }
 
 impl CausalLmPolicy {
-    fn tensors(&self, track: bool) -> Vec<(String, Tensor)> {
-        var_tensors(&self.names, &self.vars, track)
+    fn tensors(&self, track: bool) -> Result<Vec<(String, Tensor)>> {
+        match &self.sharded {
+            Some(p) => p.gather_all(),
+            None => Ok(var_tensors(&self.names, &self.vars, track)),
+        }
     }
 
     /// A model over the current parameters: with a graph (`track`) or detached.
     fn build(&self, track: bool, dropout: Option<(u64, Arc<AtomicU64>)>) -> Result<CausalLm> {
         match &self.lora {
             None => {
-                let tensors: HashMap<String, Tensor> = self.tensors(track).into_iter().collect();
+                let tensors: HashMap<String, Tensor> = self.tensors(track)?.into_iter().collect();
                 CausalLm::from_tensors(&self.cfg, tensors, self.dtype, &self.device)
             }
             Some((base, lcfg)) => {
                 let mut m = base.clone();
-                let adapters = peft::adapters(&self.tensors(track), lcfg, dropout)?;
+                let adapters = peft::adapters(&self.tensors(track)?, lcfg, dropout)?;
                 if track {
                     m.set_lora(&adapters)?;
                 } else {
@@ -189,6 +246,9 @@ impl Policy for CausalLmPolicy {
         dropout_seed: u64,
         gradient_checkpointing: bool,
     ) -> Result<CausalLmForward> {
+        if let Some(p) = &self.sharded {
+            return self.sharded_forward(p);
+        }
         let clock = Arc::new(AtomicU64::new(0));
         // Projection weights' gradients go straight into f32 accumulators (the fused CPU code,
         // or cuBLAS on a GPU); the rest (embedding, norms, biases, LoRA adapters) through
@@ -200,7 +260,7 @@ impl Policy for CausalLmPolicy {
                 // Each parameter cast to the compute dtype once, here, so that the sink knows
                 // the tensors the model's projections hold.
                 let tensors = self
-                    .tensors(true)
+                    .tensors(true)?
                     .into_iter()
                     .map(|(n, t)| Ok((n, t.to_dtype(self.dtype)?)))
                     .collect::<Result<Vec<(String, Tensor)>>>()?;
@@ -236,7 +296,40 @@ impl Policy for CausalLmPolicy {
             dropout_clock: clock,
             sink,
             ckpt,
+            sharded: None,
         })
+    }
+
+    fn named_tensors(&self) -> Result<Vec<(String, Tensor)>> {
+        self.tensors(false)
+    }
+
+    fn device(&self) -> Device {
+        self.device.clone()
+    }
+
+    fn shard_parameters(&mut self, ranks: SharedRanks) -> Result<()> {
+        if self.lora.is_some() || self.cfg.arch == grpo_models::models::Arch::Gpt2 {
+            return Err(Error::config(
+                "zero_stage",
+                format!(
+                    "3 shards the blocks of a Llama-family model trained in full; this run \
+                     trains {}: use 2",
+                    match &self.lora {
+                        Some(_) => "LoRA adapters".to_string(),
+                        None => format!("a {} model", self.cfg.arch.name()),
+                    }
+                ),
+            ));
+        }
+        let params = ShardedParams::new(&self.tensors(false)?, ranks)?;
+        self.vars.clear();
+        self.sharded = Some(Arc::new(params));
+        Ok(())
+    }
+
+    fn sharded(&self) -> Option<&Arc<ShardedParams>> {
+        self.sharded.as_ref()
     }
 
     /// [`crate::logprobs::default_chunk_tokens`] for this model, its compute and the device's
@@ -288,6 +381,57 @@ impl Policy for CausalLmPolicy {
     }
 }
 
+impl CausalLmPolicy {
+    /// `zero_stage = 3`'s training forward: the outer parameters gathered for the step as
+    /// fresh `Var`s, the blocks gathered one at a time by the model through a
+    /// [`BlockExchange`] (inside gradient checkpointing's recomputation). Every rank calls it.
+    fn sharded_forward(&self, p: &Arc<ShardedParams>) -> Result<CausalLmForward> {
+        let layers = self.cfg.num_layers;
+        let exchange = Arc::new(BlockExchange::new(p.clone(), layers, block_of));
+        let outer_idx: Vec<usize> = (0..p.names().len())
+            .filter(|&j| !exchange.in_block(j))
+            .collect();
+        let outer_names: Vec<String> = outer_idx.iter().map(|&j| p.names()[j].clone()).collect();
+        let outer_vars = p
+            .gather(&outer_idx)?
+            .iter()
+            .map(Var::from_tensor)
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let tensors: HashMap<String, Tensor> = outer_names
+            .iter()
+            .cloned()
+            .zip(outer_vars.iter().map(|v| v.as_tensor().clone()))
+            .collect();
+        let blocks: Arc<dyn BlockParams> = exchange.clone();
+        let mut model =
+            CausalLm::with_sharded_blocks(&self.cfg, tensors, blocks, self.dtype, &self.device)?;
+        // The embedding's and the LM head's gradients as in stage 0 (a sink on the fused CPU
+        // path); the blocks' go to the exchange.
+        let compute = grpo_models::kernels::Compute::resolve(&self.device, self.dtype);
+        let sink = match compute.is_fused() {
+            true => GradSink::new(&outer_vars).with_bf16_matmuls(compute.bf16_matmuls()),
+            false => GradSink::default(),
+        };
+        if compute.is_fused() {
+            model.attach_grad_sink(&sink)?;
+        }
+        let ckpt = CheckpointGrads::new(&outer_vars, &self.device)?;
+        model.set_checkpointing(Some(ckpt.clone()));
+        Ok(CausalLmForward {
+            model,
+            dropout_clock: Arc::new(AtomicU64::new(0)),
+            sink,
+            ckpt: Some(ckpt),
+            sharded: Some(ShardedStep {
+                exchange,
+                outer_idx,
+                outer_names,
+                outer_vars,
+            }),
+        })
+    }
+}
+
 /// The causal LM's differentiable forward for one optimizer step.
 pub struct CausalLmForward {
     model: CausalLm,
@@ -295,6 +439,7 @@ pub struct CausalLmForward {
     dropout_clock: Arc<AtomicU64>,
     sink: GradSink,
     ckpt: Option<Arc<CheckpointGrads>>,
+    sharded: Option<ShardedStep>,
 }
 
 impl TrainForward for CausalLmForward {
@@ -327,6 +472,10 @@ impl TrainForward for CausalLmForward {
 
     fn take_step_grad(&self, v: &Var) -> Result<Option<Tensor>> {
         Ok(self.sink.take(v)?)
+    }
+
+    fn sharded(&self) -> Option<&ShardedStep> {
+        self.sharded.as_ref()
     }
 }
 
@@ -362,9 +511,9 @@ impl<F: GroupSampler> Reference<F> {
         let Some(rt) = self.tensors.as_mut() else {
             return Ok(());
         };
-        for (n, v) in policy.names().iter().zip(policy.vars()) {
-            if let Some(r) = rt.get_mut(n) {
-                *r = ((v.as_tensor().detach() * alpha)? + (r.clone() * (1.0 - alpha))?)?;
+        for (n, v) in policy.named_tensors()? {
+            if let Some(r) = rt.get_mut(&n) {
+                *r = ((v * alpha)? + (r.clone() * (1.0 - alpha))?)?;
             }
         }
         self.model = Some(policy.frozen_from(rt.clone())?);

@@ -200,7 +200,12 @@ impl<'a, P: LoadPolicy> Run<'a, P> {
         let device = process_device(cfg, world)?;
         P::check(cfg, &device, main)?;
         let resumed_from = resume_point(cfg, resume, main)?;
-        let loaded = load::<P>(cfg, resumed_from.as_ref(), &device, host)?;
+        let mut loaded = load::<P>(cfg, resumed_from.as_ref(), &device, host)?;
+        if cfg.update.zero_stage == ZeroStage::Params {
+            loaded
+                .policy
+                .shard_parameters(super::world::shared_ranks(world))?;
+        }
         let (opt, state) =
             optimizer_and_state(cfg, &loaded, resumed_from.as_ref(), &device, world)?;
         let (metrics, config_toml) = writers(cfg, resumed_from.is_some(), main)?;
@@ -468,6 +473,15 @@ pub(super) fn new_optimizer<P: Policy>(
     policy: &P,
     world: &dyn World,
 ) -> Result<AdamW> {
+    let hyper = AdamWConfig {
+        beta1: cfg.update.adam_beta1,
+        beta2: cfg.update.adam_beta2,
+        eps: cfg.update.adam_epsilon,
+        weight_decay: cfg.update.weight_decay,
+    };
+    if let Some(p) = policy.sharded() {
+        return AdamW::over_sharded(p.clone(), hyper);
+    }
     AdamW::sharded(
         policy
             .names()
@@ -475,12 +489,7 @@ pub(super) fn new_optimizer<P: Policy>(
             .cloned()
             .zip(policy.vars().iter().cloned())
             .collect(),
-        AdamWConfig {
-            beta1: cfg.update.adam_beta1,
-            beta2: cfg.update.adam_beta2,
-            eps: cfg.update.adam_epsilon,
-            weight_decay: cfg.update.weight_decay,
-        },
+        hyper,
         cfg.update.zero_stage,
         world,
     )
@@ -494,6 +503,7 @@ fn log_sharding(opt: &AdamW, world: &dyn World) {
     }
     let what = match stage {
         ZeroStage::Gradients => "AdamW's moments and summed gradients",
+        ZeroStage::Params => "the parameters, AdamW's moments and summed gradients",
         _ => "AdamW's moments",
     };
     tracing::info!(
@@ -703,13 +713,15 @@ impl<P: Policy> Run<'_, P> {
         }
     }
 
-    /// Writes a checkpoint of the current step (weights or adapters, the optimizer moments
-    /// `optimizer` from [`Self::optimizer_state`], trainer state, config) atomically; rotates old
-    /// ones as `save_total_limit` says, keeping the best. `new_best`: this step's value of
+    /// Writes a checkpoint of the current step (weights or adapters `tensors`, from the policy's
+    /// [`Policy::named_tensors`], the optimizer moments `optimizer` from
+    /// [`Self::optimizer_state`], trainer state, config) atomically; rotates old ones as
+    /// `save_total_limit` says, keeping the best. `new_best`: this step's value of
     /// `metric_for_best_model`, when it is the best so far.
     pub fn save(
         &mut self,
         new_best: Option<f64>,
+        tensors: &[(String, Tensor)],
         optimizer: Option<&[(String, Tensor)]>,
     ) -> Result<PathBuf> {
         if let Some(v) = new_best {
@@ -725,7 +737,6 @@ impl<P: Policy> Run<'_, P> {
         let adam = self.opt.steps_taken();
         self.state.optimizer_steps = (adam != self.state.step).then_some(adam);
         let keep = self.state.best_model_checkpoint.as_ref().map(PathBuf::from);
-        let tensors = self.policy.named_tensors();
         let trainer_state = serde_json::to_value(&self.state).map_err(|e| {
             Error::checkpoint(
                 &self.cfg.run.output_dir,
@@ -736,7 +747,7 @@ impl<P: Policy> Run<'_, P> {
             &self.cfg.run.output_dir,
             &CheckpointData {
                 step: self.state.step,
-                model: self.policy.model_files(&tensors, &self.tok),
+                model: self.policy.model_files(tensors, &self.tok),
                 optimizer,
                 trainer_state: &trainer_state,
                 config_toml: &self.config_toml,
@@ -959,6 +970,7 @@ fn policy_parameters(
         }
     };
     Ok(CausalLmPolicy {
+        sharded: None,
         cfg: base.config.clone(),
         names,
         vars,

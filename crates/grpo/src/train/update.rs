@@ -434,7 +434,10 @@ fn world_totals(world: &dyn World, batch: &TrainBatch, range: Range<usize>) -> R
 /// the micro-batches `window`, each split into forward chunks of whole groups; and the step's loss
 /// statistics. Every parameter must receive a gradient (an op without a backward is an error).
 /// Across ranks, each micro-batch is this rank's part of the world's: its normalizers count the
-/// world's rows and tokens, so the ranks' gradients and statistics sum to the world's.
+/// world's rows and tokens, so the ranks' gradients and statistics sum to the world's. Under
+/// `zero_stage = 3` the result is one tensor, this rank's range of the world's summed gradients
+/// (the gradient of the optimizer's one flat parameter), and every rank takes as many forward
+/// passes per micro-batch as the rank with the most (idle ones only join the collectives).
 pub fn policy_gradients<P: Policy>(
     policy: &P,
     batch: &TrainBatch,
@@ -448,7 +451,11 @@ pub fn policy_gradients<P: Policy>(
         mix_seed(opts.seed, dropout_stream),
         opts.gradient_checkpointing,
     )?;
-    let vars = policy.vars();
+    let sharded = fwd.sharded();
+    let (vars, names) = match sharded {
+        Some(s) => (&s.outer_vars[..], &s.outer_names[..]),
+        None => (policy.vars(), policy.names()),
+    };
     let device = super::policy_device(policy);
     let mut probe = Probe::new(Some(&device), policy.flop_shape());
     let mut grads: Vec<Option<Tensor>> = vec![None; vars.len()];
@@ -461,11 +468,26 @@ pub fn policy_gradients<P: Policy>(
             micro: Some(totals),
             ..*red
         };
-        if range.is_empty() && high_entropy {
+        if range.is_empty() && high_entropy && sharded.is_none() {
             // This rank's part of the micro-batch is empty: it still takes the collective.
             world_entropy_threshold(world, None, opts.loss.top_entropy_quantile)?;
         }
-        for part in forward_parts(batch, range.clone(), opts) {
+        let parts = forward_parts(batch, range.clone(), opts);
+        let passes = match sharded {
+            Some(_) => world.max_usize(parts.len())?,
+            None => parts.len(),
+        };
+        for k in 0..passes {
+            let Some(part) = parts.get(k).cloned() else {
+                if let Some(s) = sharded {
+                    idle_pass(
+                        s,
+                        world,
+                        high_entropy.then_some(opts.loss.top_entropy_quantile),
+                    )?;
+                }
+                continue;
+            };
             let mb = batch.micro(part, &device)?;
             probe.inputs(&mb);
             let (mut logps, ents) = fwd.logprobs(&mb, opts.pad, opts.temperature, opts.entropy)?; // [n, Tc] f32
@@ -501,8 +523,27 @@ pub fn policy_gradients<P: Policy>(
     // A rank with no rows in the window (its parts of the world's micro-batches were empty)
     // contributes zero gradients to the world's sum.
     let no_rows = window.iter().all(|r| r.is_empty());
-    let all = step_gradients(grads, policy, &fwd, no_rows)?;
-    Ok((all, st))
+    let all = step_gradients(grads, vars, names, &fwd, no_rows)?;
+    match sharded {
+        Some(s) => Ok((vec![s.finish(&all)?], st)),
+        None => Ok((all, st)),
+    }
+}
+
+/// `zero_stage = 3`: a forward pass's collectives on a rank that has no chunk left for it (its
+/// part of the micro-batch is shorter than another rank's), in a pass's order: each block
+/// gathered for the forward, the high-entropy threshold's gather (`quantile`), each block
+/// gathered and its (zero) gradients reduced for the backward.
+fn idle_pass(
+    s: &super::policy::ShardedStep,
+    world: &dyn World,
+    quantile: Option<f64>,
+) -> Result<()> {
+    s.exchange.idle_forward()?;
+    if let Some(q) = quantile {
+        world_entropy_threshold(world, None, q)?;
+    }
+    s.exchange.idle_backward()
 }
 
 /// The `1 - q` quantile of the entropies of the tokens that count, over the world's micro-batch
@@ -574,14 +615,15 @@ fn add_chunk_gradients<F: TrainForward>(
 /// The step's gradient of every parameter: the chunks' sums `acc` plus what the forward's
 /// gradient sinks accumulated over the step. A parameter without either is an error (an op
 /// without a backward).
-fn step_gradients<P: Policy>(
+fn step_gradients<F: TrainForward>(
     acc: Vec<Option<Tensor>>,
-    policy: &P,
-    fwd: &P::Train,
+    vars: &[Var],
+    names: &[String],
+    fwd: &F,
     no_rows: bool,
 ) -> Result<Vec<Tensor>> {
     let mut all = Vec::with_capacity(acc.len());
-    for ((v, name), graph) in policy.vars().iter().zip(policy.names()).zip(acc) {
+    for ((v, name), graph) in vars.iter().zip(names).zip(acc) {
         all.push(match (graph, fwd.take_step_grad(v)?) {
             (Some(a), Some(b)) => accumulate(a, &b)?,
             (Some(a), None) | (None, Some(a)) => a,

@@ -4,8 +4,11 @@
 //! started as torchrun starts processes (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`) over
 //! TCP (`TcpWorld`), without touching the loop; `launch::from_launcher` picks the world.
 
+use std::sync::Arc;
+
 use candle_core::Tensor;
 
+use crate::optim::zero3::SharedRanks;
 #[cfg(feature = "mpi")]
 use crate::Error;
 use crate::Result;
@@ -436,6 +439,44 @@ impl WorldHandle for MpiWorld {
     }
     fn as_world(&self) -> &dyn World {
         self
+    }
+}
+
+/// `world` as a sharded parameter store's collectives ([`crate::optim::zero3`]), shared with
+/// the models it builds.
+pub fn shared_ranks(world: &dyn World) -> SharedRanks {
+    // SAFETY: the world is made before a run and dropped after it (the CLI's and the Python
+    // package's `train` own it across `Run::start` .. the end of the loop), and the sharded
+    // parameters, the models built over them and their graphs all live inside the run. The
+    // world is `Sync`; its collectives are called from the thread that runs the steps.
+    let world: &'static dyn World = unsafe { std::mem::transmute::<&dyn World, _>(world) };
+    Arc::new(WorldRanks(world))
+}
+
+/// A borrowed world as [`crate::optim::Ranks`] (see [`shared_ranks`]).
+struct WorldRanks(&'static dyn World);
+
+// SAFETY: see `shared_ranks`: the world outlives every user and is `Sync`.
+unsafe impl Send for WorldRanks {}
+
+impl crate::optim::Ranks for WorldRanks {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn size(&self) -> usize {
+        self.0.size()
+    }
+    fn sum_f64(&self, xs: &mut [f64]) -> Result<()> {
+        self.0.sum_f64(xs)
+    }
+    fn sum_grads(&self, grads: &mut [Tensor]) -> Result<()> {
+        self.0.sum_grads(grads)
+    }
+    fn reduce_scatter_f32(&self, xs: &[f32], counts: &[usize]) -> Result<Vec<f32>> {
+        self.0.reduce_scatter_f32(xs, counts)
+    }
+    fn all_gather_f32(&self, mine: &[f32]) -> Result<Vec<f32>> {
+        self.0.all_gather_f32(mine)
     }
 }
 

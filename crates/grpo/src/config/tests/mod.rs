@@ -106,9 +106,9 @@ fn each_rule_names_its_key() {
 }
 
 /// `zero_stage`: unset is 0 and stays out of the resolved config; 1 and 2 from the file or the
-/// command line; 3 (not built) is refused naming the key and what to use.
+/// command line; 3 needs gradient checkpointing and full fine-tuning, and says so naming keys.
 #[test]
-fn zero_stage_reads_0_to_2_and_refuses_3() {
+fn zero_stage_reads_0_to_3() {
     use crate::optim::ZeroStage;
     let c = load("", Format::Toml, &[]).unwrap();
     assert_eq!(c.update.zero_stage, ZeroStage::Off);
@@ -122,9 +122,17 @@ fn zero_stage_reads_0_to_2_and_refuses_3() {
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("`zero_stage`") && e.contains("not built yet") && e.contains("use 2"),
+        e.contains("`gradient_checkpointing`") && e.contains("zero_stage = 3"),
         "{e}"
     );
+    let three = ["--zero_stage=3", "--gradient_checkpointing=true"];
+    let c = load("", Format::Toml, &three).unwrap();
+    assert_eq!(c.update.zero_stage, ZeroStage::Params);
+    let e = load("[lora]\nr = 8", Format::Toml, &three)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`zero_stage`") && e.contains("use 2"), "{e}");
+    assert!(load("zero_stage = 4", Format::Toml, &[]).is_err());
     assert!(load("zero_stage = \"two\"", Format::Toml, &[]).is_err());
 }
 
