@@ -7,6 +7,8 @@
 #   bench/mpi_step.sh [STEPS] [ZERO_STAGES]   # default 20 steps each (eval every 5), and the
 #                                 # 2 ranks at zero_stage 0 (e.g. "0 1 2": one 2-rank run per
 #                                 # stage); results in bench/results/mpi-step-<date>.*
+#   GRPO_BENCH_ARGS="--gradient_checkpointing=true" bench/mpi_step.sh 10 "0 2 3"
+#                                 # extra flags for every run (stage 3 needs this one)
 # Needs Open MPI and a build with --features mpi (done here). Run on a quiet machine.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -21,6 +23,9 @@ grpo=${GRPO_BIN:-$root/target/release/grpo}
 work=$(mktemp -d)
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 common=(--max_steps="$steps" --eval_steps=5 --save_steps=0 --report_to=none)
+# shellcheck disable=SC2206  # word splitting wanted: several flags in one variable
+extra=(${GRPO_BENCH_ARGS:-})
+common+=("${extra[@]}")
 
 t0=$(date +%s.%N)
 "$grpo" train "${common[@]}" --threads=2 --per_device_train_batch_size=64 \

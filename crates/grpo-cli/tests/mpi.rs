@@ -519,6 +519,50 @@ fn zero_stage_3_trains_and_resumes_as_stage_zero_does() {
     assert_same_run(&straight8, &mixed, 3);
 }
 
+/// `zero_stage = 3` with the options that leave ranks with unequal rows: ranks whose part of a
+/// micro-batch has fewer forward chunks (or none: `drop_zero_std_groups`) take the others'
+/// passes idle, joining each block's gathers and reduce-scatters (and, with
+/// `top_entropy_quantile`, the threshold's gather inside the pass); 4 ranks train as one process
+/// at stage 0 does. Forward chunks of 8 tokens make every rank cut its part into several. (A
+/// probe counted the idle passes: 16 and 1 over the two runs.)
+#[test]
+fn zero_stage_3_ranks_with_fewer_passes_join_the_collectives_idle() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    support::tiny_llama(&model, &fixtures());
+    let cases: [(&str, &[&str]); 2] = [
+        (
+            "drop-zero-std",
+            &["--drop_zero_std_groups=true", "--forward_chunk_tokens=8"],
+        ),
+        (
+            "top-entropy",
+            &["--top_entropy_quantile=0.3", "--drop_zero_std_groups=true"],
+        ),
+    ];
+    for (name, extra) in cases {
+        let mut extra = extra.to_vec();
+        extra.extend([
+            "--reward_weights=[1, 0]",
+            "--gradient_accumulation_steps=2",
+            "--max_completion_length=3",
+            "--gradient_checkpointing=true",
+        ]);
+        let one = tmp.path().join(format!("{name}-1"));
+        train(1, &args(&model, &one, 16, 2, &extra));
+        extra.push("--zero_stage=3");
+        let four = tmp.path().join(format!("{name}-4"));
+        train(4, &args(&model, &four, 4, 1, &extra));
+        assert_same_run(&one, &four, 3);
+        let m = metrics(&four);
+        assert!(
+            m.iter()
+                .any(|r| r["frac_reward_zero_std"].as_f64().is_some_and(|x| x > 0.0)),
+            "{m:?}"
+        );
+    }
+}
+
 /// `zero_stage = 3` shards the parameters too, measured on 2 ranks against stage 2 on a Llama
 /// whose blocks hold most of its parameters (16 layers with a 8,192-wide MLP beside the 49,152 x
 /// 64 embedding: 28.3M parameters, 113 MB in f32). Each rank keeps half the parameters between

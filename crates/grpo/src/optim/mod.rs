@@ -10,6 +10,7 @@
 //! missing gradient is an error. Its state can be sharded over the ranks of a run ([`zero`]:
 //! `zero_stage`), each rank stepping its own range of the parameters.
 
+pub mod exchange;
 pub mod zero;
 pub mod zero3;
 

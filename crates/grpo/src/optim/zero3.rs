@@ -5,10 +5,11 @@
 //!
 //! Whole parameters exist only while they are used:
 //! - the training forward and backward gather one transformer block at a time
-//!   ([`BlockExchange`], through gradient checkpointing's recomputation: the block is gathered
+//!   ([`super::exchange::BlockExchange`], through gradient checkpointing's recomputation: the block is gathered
 //!   for its forward, freed, gathered again for its recomputed backward), and each block's
 //!   gradients are reduce-scattered into this rank's range as soon as its backward has run
-//!   (the exchange interleaved with the backward, block by block);
+//!   (the exchange overlapped with the backward: a thread of its own runs the collectives,
+//!   and prefetches the next block while this one computes);
 //! - the parameters outside the blocks (embedding, final norm, LM head) are gathered for an
 //!   optimizer step, and their gradients reduce-scattered at its end;
 //! - sampling and scoring gather the whole weights once per pass (TRL's
@@ -16,14 +17,13 @@
 //!
 //! Every gather and reduce-scatter is a collective: every rank runs the same ones in the same
 //! order. A rank with fewer forward passes in a micro-batch than another takes the difference
-//! as idle passes ([`BlockExchange::idle_pass`]).
+//! as idle passes ([`super::exchange::BlockExchange::idle_forward`]).
 
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Shape, Tensor, Var};
-use grpo_models::models::checkpointing::BlockParams;
 
 use super::zero::{windows, with_host_f32, Ranks, Shard};
 use crate::{Error, Result};
@@ -145,10 +145,12 @@ impl ShardedParams {
                         window.len()
                     )));
                 }
+                // One storage for the window's parameters, each a view of it.
+                let all = Tensor::from_vec(all, window.len(), &self.device)?; // [window] f32
                 for i in params.map(|p| run.start + p) {
                     let s = self.span(i);
-                    let values = &all[s.start - window.start..s.end - window.start];
-                    out.push(Tensor::from_slice(values, &self.shapes[i], &self.device)?);
+                    let flat = all.narrow(0, s.start - window.start, s.len())?; // [n] f32
+                    out.push(flat.reshape(&self.shapes[i])?);
                 }
             }
         }
@@ -283,129 +285,6 @@ fn runs(idx: &[usize]) -> Vec<Range<usize>> {
         }
     }
     out
-}
-
-/// The blocks of a model over [`ShardedParams`] (grpo_models' [`BlockParams`]): block `i`'s
-/// parameters gathered for each use, its gradients reduce-scattered into this rank's range
-/// after each backward and summed there over the optimizer step.
-#[derive(Debug)]
-pub struct BlockExchange {
-    params: Arc<ShardedParams>,
-    /// Each block's parameter indices (ascending).
-    blocks: Vec<Vec<usize>>,
-    /// This rank's range of the step's gradients so far (`[range]`).
-    acc: Mutex<Vec<f32>>,
-}
-
-impl BlockExchange {
-    /// The blocks of `params`: parameter `j` is in block `block_of(name_j)`; `blocks` of them.
-    pub fn new(
-        params: Arc<ShardedParams>,
-        blocks: usize,
-        block_of: impl Fn(&str) -> Option<usize>,
-    ) -> BlockExchange {
-        let mut idx = vec![Vec::new(); blocks];
-        for (j, n) in params.names().iter().enumerate() {
-            if let Some(b) = block_of(n).filter(|&b| b < blocks) {
-                idx[b].push(j);
-            }
-        }
-        let n = params.shard().range().len();
-        BlockExchange {
-            params,
-            blocks: idx,
-            acc: Mutex::new(vec![0.0; n]),
-        }
-    }
-
-    /// Whether parameter `j` belongs to a block.
-    pub fn in_block(&self, j: usize) -> bool {
-        self.blocks.iter().any(|b| b.contains(&j))
-    }
-
-    /// Adds the world's gradients of parameters `idx` (outside the blocks) into the step's.
-    pub fn reduce_outer(&self, idx: &[usize], grads: &[Tensor]) -> Result<()> {
-        let mut acc = self.lock()?;
-        self.params.reduce_into(idx, grads, &mut acc)
-    }
-
-    /// The step's gradients of this rank's range, summed over the world; the accumulator
-    /// starts again from zero.
-    pub fn take(&self) -> Result<Vec<f32>> {
-        let mut acc = self.lock()?;
-        let n = acc.len();
-        Ok(std::mem::replace(&mut *acc, vec![0.0; n]))
-    }
-
-    /// A forward and backward pass's collectives without a pass (a rank whose part of a
-    /// micro-batch has fewer forward chunks than another's): each block gathered in the
-    /// forward's order, then gathered and reduced (zeros) in the backward's.
-    pub fn idle_forward(&self) -> Result<()> {
-        for b in &self.blocks {
-            self.params.gather(b)?;
-        }
-        Ok(())
-    }
-
-    /// The backward half of [`Self::idle_forward`].
-    pub fn idle_backward(&self) -> Result<()> {
-        for b in self.blocks.iter().rev() {
-            let zeros = self
-                .params
-                .gather(b)?
-                .iter()
-                .map(Tensor::zeros_like)
-                .collect::<candle_core::Result<Vec<_>>>()?;
-            let mut acc = self.lock()?;
-            self.params.reduce_into(b, &zeros, &mut acc)?;
-        }
-        Ok(())
-    }
-
-    fn lock(&self) -> Result<std::sync::MutexGuard<'_, Vec<f32>>> {
-        self.acc
-            .lock()
-            .map_err(|_| Error::Invariant("zero 3: gradient accumulator poisoned".into()))
-    }
-}
-
-impl BlockParams for BlockExchange {
-    fn gather(&self, i: usize) -> candle_core::Result<HashMap<String, Tensor>> {
-        let idx = self.block(i)?;
-        let names = self.params.names();
-        let tensors = self.params.gather(idx).map_err(candle)?;
-        Ok(idx.iter().map(|&j| names[j].clone()).zip(tensors).collect())
-    }
-
-    fn gradients(&self, i: usize, mut grads: HashMap<String, Tensor>) -> candle_core::Result<()> {
-        let idx = self.block(i)?;
-        let names = self.params.names();
-        let ordered = idx
-            .iter()
-            .map(|&j| {
-                grads.remove(&names[j]).ok_or_else(|| {
-                    candle_core::Error::Msg(format!("zero 3: no gradient for {}", names[j]))
-                })
-            })
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let mut acc = self.lock().map_err(candle)?;
-        self.params
-            .reduce_into(idx, &ordered, &mut acc)
-            .map_err(candle)
-    }
-}
-
-impl BlockExchange {
-    fn block(&self, i: usize) -> candle_core::Result<&[usize]> {
-        self.blocks
-            .get(i)
-            .map(Vec::as_slice)
-            .ok_or_else(|| candle_core::Error::Msg(format!("zero 3: no block {i}")))
-    }
-}
-
-fn candle(e: Error) -> candle_core::Error {
-    candle_core::Error::Msg(e.to_string())
 }
 
 #[cfg(test)]

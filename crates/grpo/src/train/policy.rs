@@ -15,8 +15,9 @@ use candle_core::{DType, Device, Tensor, Var};
 use crate::checkpoint::{AdapterExport, HfExport, ModelFiles};
 use crate::flops::FlopShape;
 use crate::logprobs::{completion_logprobs, Entropy, Packing};
+use crate::optim::exchange::BlockExchange;
 use crate::optim::var_tensors;
-use crate::optim::zero3::{BlockExchange, ShardedParams, SharedRanks};
+use crate::optim::zero3::{ShardedParams, SharedRanks};
 use crate::peft::{self, LoraConfig};
 use crate::rewards::Reward;
 use crate::rollout::{Episode, GroupSampler, MicroBatch};
@@ -387,7 +388,7 @@ impl CausalLmPolicy {
     /// [`BlockExchange`] (inside gradient checkpointing's recomputation). Every rank calls it.
     fn sharded_forward(&self, p: &Arc<ShardedParams>) -> Result<CausalLmForward> {
         let layers = self.cfg.num_layers;
-        let exchange = Arc::new(BlockExchange::new(p.clone(), layers, block_of));
+        let exchange = Arc::new(BlockExchange::new(p.clone(), layers, block_of)?);
         let outer_idx: Vec<usize> = (0..p.names().len())
             .filter(|&j| !exchange.in_block(j))
             .collect();

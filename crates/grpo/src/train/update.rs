@@ -513,6 +513,9 @@ pub fn policy_gradients<P: Policy>(
             st.add_chunk(&out, &logps, &mb.mask, totals.active_tokens, window.len())?;
             probe.lap("loss");
             let g = out.loss.backward()?;
+            if let Some(s) = sharded {
+                s.exchange.flush()?; // the blocks' gradients, reduced while the backward ran
+            }
             probe.backward(&device);
             add_chunk_gradients(&mut grads, vars, g, &fwd)?;
             probe.lap("accumulate");
