@@ -344,7 +344,7 @@ impl AdamW {
 
 /// `t`'s values, flat, as one f32 slice handed to `f`: its own storage where it is a contiguous
 /// f32 tensor on the CPU (no copy: a gradient or parameter of hundreds of MB), else a host copy.
-pub(super) fn with_host_f32<T>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<T>) -> Result<T> {
+pub(crate) fn with_host_f32<T>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<T>) -> Result<T> {
     {
         let (st, l) = t.storage_and_layout();
         if let (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) = (&*st, l.contiguous_offsets()) {
@@ -365,7 +365,7 @@ fn write_flat(var: &Var, values: &[f32]) -> Result<()> {
 }
 
 /// An in-place copy of a host slice into a contiguous f32 CPU tensor.
-struct CopyFrom<'a>(&'a [f32]);
+pub(crate) struct CopyFrom<'a>(pub(crate) &'a [f32]);
 
 impl candle_core::InplaceOp1 for CopyFrom<'_> {
     fn name(&self) -> &'static str {

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use candle_core::Tensor;
 
+use crate::optim::zero::{with_host_f32, CopyFrom};
 use crate::optim::zero3::SharedRanks;
 #[cfg(feature = "mpi")]
 use crate::Error;
@@ -99,7 +100,10 @@ impl World for SingleProcess {
 const BUCKET: usize = 1 << 22;
 
 /// `grads` summed over `world` in buckets of whole tensors (a larger tensor alone), each by one
-/// [`World::sum_f32`] on the host.
+/// [`World::sum_f32`] on the host. A gradient that is a contiguous f32 tensor on the CPU is
+/// summed in its own storage when it fills a bucket alone (the embedding's, the largest), and
+/// written back in place from a shared bucket: one bucket-sized buffer at most beside the
+/// gradients (each copy of a 200 MB embedding gradient was a copy of the peak).
 pub(super) fn sum_in_buckets<W: World + ?Sized>(world: &W, grads: &mut [Tensor]) -> Result<()> {
     let mut i = 0;
     while i < grads.len() {
@@ -109,25 +113,60 @@ pub(super) fn sum_in_buckets<W: World + ?Sized>(world: &W, grads: &mut [Tensor])
             n += grads[j].elem_count();
             j += 1;
         }
+        if j == i + 1 && on_host_f32(&grads[i]) {
+            grads[i].inplace_op1(&SumInPlace(world))?;
+            i = j;
+            continue;
+        }
         let mut buf: Vec<f32> = Vec::with_capacity(n);
         for g in &grads[i..j] {
-            buf.extend(
-                g.flatten_all()?
-                    .to_dtype(candle_core::DType::F32)?
-                    .to_vec1::<f32>()?,
-            );
+            with_host_f32(g, |xs| {
+                buf.extend_from_slice(xs);
+                Ok(())
+            })?;
         }
         world.sum_f32(&mut buf)?;
         let mut off = 0;
         for g in &mut grads[i..j] {
             let k = g.elem_count();
-            *g = Tensor::from_slice(&buf[off..off + k], g.shape(), g.device())?
-                .to_dtype(g.dtype())?;
+            match on_host_f32(g) {
+                true => g.inplace_op1(&CopyFrom(&buf[off..off + k]))?,
+                false => {
+                    *g = Tensor::from_slice(&buf[off..off + k], g.shape(), g.device())?
+                        .to_dtype(g.dtype())?
+                }
+            }
             off += k;
         }
         i = j;
     }
     Ok(())
+}
+
+/// Whether `t` is a contiguous f32 tensor on the CPU (its storage is one f32 slice).
+fn on_host_f32(t: &Tensor) -> bool {
+    t.device().is_cpu() && t.dtype() == candle_core::DType::F32 && t.is_contiguous()
+}
+
+/// [`World::sum_f32`] over a contiguous f32 CPU tensor's own storage.
+struct SumInPlace<'a, W: ?Sized>(&'a W);
+
+impl<W: World + ?Sized> candle_core::InplaceOp1 for SumInPlace<'_, W> {
+    fn name(&self) -> &'static str {
+        "sum-over-ranks"
+    }
+    fn cpu_fwd(
+        &self,
+        s: &mut candle_core::CpuStorage,
+        l: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        let (candle_core::CpuStorage::F32(v), Some((a, b))) = (s, l.contiguous_offsets()) else {
+            candle_core::bail!("sum over ranks: contiguous f32 tensors only");
+        };
+        self.0
+            .sum_f32(&mut v[a..b])
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))
+    }
 }
 
 /// The world size a launcher announces in the environment (Open MPI, MPICH/Hydra, PMIx, Slurm),
