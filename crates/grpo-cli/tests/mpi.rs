@@ -425,11 +425,11 @@ fn a_zero_stage_2_checkpoint_resumes_in_one_process_and_back() {
 /// set of the ranks (`memory/rss_peak_gb_max_rank`) drops from stage 0 by at least what each
 /// rank no longer keeps, (1 - 1/2) x the moments' bytes, at stage 1 and at stage 2.
 ///
-/// Measured: stage 0 570 MB, stage 1 402 MB, stage 2 437 MB (another launch of the same run,
-/// with other paths and environment, gave 569, 464, 437; each is the same to 1 MB when run
-/// again). A saving of 105 to 168 MB where the moments account for 55: mimalloc keeps freed
-/// memory (`grpo_models::threads`), so a peak also holds blocks a step's buffers could not
-/// reuse, one or two embedding-sized (50 MB) ones more around stage 0's larger state. That
+/// Measured: stage 0 503 MB, stage 1 386 MB, stage 2 437 MB (before the gradients were summed
+/// in place: 570, 402 and 437; another launch of the same run, with other paths and
+/// environment, gave 569, 464, 437; each is the same to 1 MB when run again). A saving of 66
+/// to 168 MB where the moments account for 55: mimalloc keeps freed memory
+/// (`grpo_models::threads`), so a peak also holds blocks a step's buffers could not reuse. That
 /// slack is also why stage 2 is not reliably below stage 1 here (candle's backward makes every
 /// full gradient before the reduce-scatter; what stage 2 drops is the summed copies).
 #[test]
