@@ -7,6 +7,7 @@
 use std::sync::Arc;
 
 use candle_core::Tensor;
+use grpo_models::kernels::{device_kind, DeviceKind};
 
 use crate::optim::zero::{with_host_f32, CopyFrom};
 use crate::optim::zero3::SharedRanks;
@@ -145,7 +146,9 @@ pub(super) fn sum_in_buckets<W: World + ?Sized>(world: &W, grads: &mut [Tensor])
 
 /// Whether `t` is a contiguous f32 tensor on the CPU (its storage is one f32 slice).
 fn on_host_f32(t: &Tensor) -> bool {
-    t.device().is_cpu() && t.dtype() == candle_core::DType::F32 && t.is_contiguous()
+    device_kind(t.device()) == DeviceKind::Cpu
+        && t.dtype() == candle_core::DType::F32
+        && t.is_contiguous()
 }
 
 /// [`World::sum_f32`] over a contiguous f32 CPU tensor's own storage.
