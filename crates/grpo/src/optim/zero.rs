@@ -177,7 +177,7 @@ pub enum Gradients {
 
 /// Parameters are reduced and gathered in windows of whole parameters of at most this many
 /// elements (a larger one alone): one collective each, and at most a window's copy alive.
-pub(super) const WINDOW: usize = 1 << 22;
+pub const WINDOW: usize = 1 << 22;
 
 /// Consecutive parameters of `sizes` elements grouped into windows of at most [`WINDOW`]
 /// elements (a larger one alone): each window's parameter indices and flat element range.
@@ -217,19 +217,7 @@ pub(super) fn reduce_scatter<R: Ranks + ?Sized>(
         let counts = shard.counts_in(&range);
         // This window's gradients, freed once sent.
         let window: Vec<Tensor> = grads.by_ref().take(params.len()).collect();
-        let mine = match window.as_slice() {
-            [g] => with_host_f32(g, |xs| world.reduce_scatter_f32(xs, &counts))?,
-            many => {
-                let mut buf: Vec<f32> = Vec::with_capacity(range.len());
-                for g in many {
-                    with_host_f32(g, |xs| {
-                        buf.extend_from_slice(xs);
-                        Ok(())
-                    })?;
-                }
-                world.reduce_scatter_f32(&buf, &counts)?
-            }
-        };
+        let mine = reduce_window(&window, range.len(), &counts, world)?;
         drop(window);
         part.extend_from_slice(&mine);
     }
@@ -241,6 +229,36 @@ pub(super) fn reduce_scatter<R: Ranks + ?Sized>(
         )));
     }
     Ok(part)
+}
+
+/// One window's reduce-scatter: `grads` (whole parameters, `len` elements together) summed over
+/// the world, this rank's `counts` share returned. A gradient alone in its window is sent from
+/// its own storage; several are first copied into one buffer.
+pub(super) fn reduce_window<R: Ranks + ?Sized>(
+    grads: &[Tensor],
+    len: usize,
+    counts: &[usize],
+    world: &R,
+) -> Result<Vec<f32>> {
+    let sent: usize = grads.iter().map(Tensor::elem_count).sum();
+    if sent != len {
+        return Err(Error::Invariant(format!(
+            "zero: gradients of {sent} values for a window of {len}"
+        )));
+    }
+    match grads {
+        [g] => with_host_f32(g, |xs| world.reduce_scatter_f32(xs, counts)),
+        many => {
+            let mut buf: Vec<f32> = Vec::with_capacity(len);
+            for g in many {
+                with_host_f32(g, |xs| {
+                    buf.extend_from_slice(xs);
+                    Ok(())
+                })?;
+            }
+            world.reduce_scatter_f32(&buf, counts)
+        }
+    }
 }
 
 /// The global L2 norm of the gradients of which `part` is this rank's range (the world's sum of

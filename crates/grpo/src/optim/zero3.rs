@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Shape, Tensor, Var};
 
-use super::zero::{windows, with_host_f32, Ranks, Shard};
+use super::zero::{reduce_window, windows, with_host_f32, Ranks, Shard};
 use crate::{Error, Result};
 
 /// The world a [`ShardedParams`] gathers and reduces through.
@@ -183,23 +183,10 @@ impl ShardedParams {
             for (params, window) in windows(&sizes) {
                 let start = self.offsets[run.start];
                 let window = start + window.start..start + window.end;
-                let mut buf = Vec::with_capacity(window.len());
-                for g in &grads[at..at + params.len()] {
-                    with_host_f32(g, |xs| {
-                        buf.extend_from_slice(xs);
-                        Ok(())
-                    })?;
-                }
+                let grads_here = &grads[at..at + params.len()];
                 at += params.len();
-                if buf.len() != window.len() {
-                    return Err(Error::Invariant(format!(
-                        "zero 3: gradients of {} values for parameters of {}",
-                        buf.len(),
-                        window.len()
-                    )));
-                }
                 let counts = self.shard.counts_in(&window);
-                let part = self.ranks.reduce_scatter_f32(&buf, &counts)?;
+                let part = reduce_window(grads_here, window.len(), &counts, &*self.ranks)?;
                 let (lo, _) = overlap(&window, &range);
                 let dst = &mut acc[lo - range.start..];
                 for (a, g) in dst.iter_mut().zip(&part) {
