@@ -477,6 +477,90 @@ fn zero_stages_shard_the_optimizer_memory_per_rank() {
     }
 }
 
+/// `grpo plan --world_size 2 --zero_stage s` against the measured peak resident set of the
+/// larger of 2 ranks (`memory/rss_peak_gb_max_rank`) for one step, as
+/// `tests/memory_plan.rs` checks one process: the wide shape there (hidden 256, 4 layers,
+/// SmolLM2's vocabulary, a KL term) at every stage and the deep one (hidden 128, 16 layers, no
+/// reference) at stages 2 and 3, where the plan's terms differ most from one process's. One
+/// micro-batch of 16 completions of 16 tokens per rank in one pass, f32 on the fused kernels,
+/// gradient checkpointing on (stage 3 needs it). The plan must be within 10%.
+#[test]
+fn the_plan_is_within_ten_percent_of_measured_peaks_on_2_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let common = [
+        "--dtype=f32",
+        "--num_generations=4",
+        "--per_device_train_batch_size=16",
+        "--gradient_accumulation_steps=1",
+        "--max_completion_length=16",
+        "--dynamic_sampling=false",
+        "--task.train_size=8",
+        "--task.eval_size=2",
+        "--temperature=1.0",
+        "--kernels=fused",
+        "--gradient_checkpointing=true",
+    ];
+    let cases: [(&str, support::Shape, &str, &[u8]); 2] = [
+        (
+            "wide-kl",
+            (256, 1024, 4, 8, 4, 32),
+            "--beta=0.04",
+            &[0, 1, 2, 3],
+        ),
+        ("deep", (128, 512, 16, 4, 2, 32), "--beta=0", &[2, 3]),
+    ];
+    let mut results = Vec::new();
+    for (name, shape, beta, stages) in cases {
+        let model = tmp.path().join(name);
+        support::random_llama(&model, &fixtures(), shape);
+        for &stage in stages {
+            let mut a: Vec<String> = common.iter().map(|s| s.to_string()).collect();
+            a.extend([
+                beta.to_string(),
+                format!("--model={}", model.display()),
+                format!("--zero_stage={stage}"),
+            ]);
+            let o = Command::new(grpo())
+                .arg("plan")
+                .args(&a)
+                .args(["--world_size=2", "--format=json"])
+                .output()
+                .unwrap();
+            assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+            let plan: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+            assert_eq!(plan["pass"]["passes"], 1, "{name}: {plan}");
+            let out = tmp.path().join(format!("run-{name}-{stage}"));
+            a.extend(
+                [
+                    "--max_steps=1",
+                    "--save_strategy=no",
+                    "--eval_steps=0",
+                    "--report_to=none",
+                ]
+                .map(String::from),
+            );
+            a.push(format!("--output_dir={}", out.display()));
+            train(2, &a);
+            let last = metrics(&out).pop().unwrap();
+            // The random model writes every completion to its full length, as the plan assumes.
+            assert_eq!(last["completions/mean_length"], 16.0, "{name}: {last}");
+            let planned = plan["peak_bytes"].as_f64().unwrap() / 1e6;
+            let peak = 1e3 * last["memory/rss_peak_gb_max_rank"].as_f64().unwrap();
+            let off = 100.0 * (planned / peak - 1.0);
+            eprintln!(
+                "{name} stage {stage}: planned {planned:.0} MB, measured {peak:.0} MB ({off:+.1}%)"
+            );
+            results.push((name, stage, off));
+        }
+    }
+    for (name, stage, off) in &results {
+        assert!(
+            off.abs() <= 10.0,
+            "{name} at stage {stage}: the plan is {off:+.1}% off: {results:?}"
+        );
+    }
+}
+
 /// `zero_stage = 3` (parameters sharded: each block gathered for its forward and for gradient
 /// checkpointing's recomputation, its gradients reduce-scattered right after its backward) in 1
 /// process and on 2 and 4 ranks trains as one process at stage 0 does on the same global batch

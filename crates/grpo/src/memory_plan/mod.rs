@@ -10,12 +10,14 @@
 //! comment in [`terms`] says which code it follows.
 //!
 //! ZeRO (`zero_stage` s over N ranks) shards the f32 state as DeepSpeed does: the moments for
-//! s >= 1, the gradients for s >= 2 (each rank keeps its shard plus one reduce bucket), the
-//! trainable weights for s >= 3 (each block gathered in turn for the forward, and the whole
-//! model gathered for sampling).
+//! s >= 1, the summed gradients for s >= 2 (whole while candle's backward makes them, then one
+//! window at a time reduce-scattered), the trainable weights for s >= 3 (each block gathered in
+//! turn for the forward, the whole model gathered for sampling, the parameters outside the
+//! blocks gathered with their gradients for the step).
 //!
 //! Checked against measured peaks on the CPU (`crates/grpo-cli/tests/memory_plan.rs`: the
-//! child's peak resident set). GPU terms follow the same code paths but are not measured.
+//! child's peak resident set; `crates/grpo-cli/tests/mpi.rs`: 2 ranks at each stage). GPU terms
+//! follow the same code paths but are not measured.
 
 mod model;
 mod terms;
@@ -35,6 +37,13 @@ use crate::Result;
 /// (median) over the three CPU shapes of `crates/grpo-cli/tests/memory_plan.rs` and 165 MiB
 /// over 20 small f32 runs (`docs/distributed.md`, "Memory plan"); this is between the two.
 pub const CPU_PROCESS_BYTES: u64 = 140 << 20;
+
+/// Bytes a CPU rank of several holds beyond one process's [`CPU_PROCESS_BYTES`]: Open MPI's
+/// libraries and shared-memory transport, and the collectives' own buffers. Calibrated: the
+/// measured peak of 2 ranks at `zero_stage` 0 and 1 minus the plan without this term was 20 to
+/// 60 MB over two shapes (`crates/grpo-cli/tests/mpi.rs`,
+/// `the_plan_is_within_ten_percent_of_measured_peaks_on_2_ranks`).
+pub const MPI_RANK_BYTES: u64 = 40 << 20;
 
 /// Bytes a GPU rank holds beyond its tensors: the CUDA context, cuBLAS workspaces and the caching
 /// pool's rounding. Assumed, not measured (no GPU run checks it).

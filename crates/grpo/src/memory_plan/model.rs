@@ -202,6 +202,25 @@ impl ModelShapes {
             .sum()
     }
 
+    /// Elements of the transformer blocks' tensors (`model.layers.N.*`): what ZeRO-3 gathers a
+    /// block at a time. The rest (embedding, final norm, LM head) it gathers for a whole step.
+    pub fn block_elems(&self) -> u64 {
+        self.tensors
+            .iter()
+            .filter(|(n, _)| n.contains("layers."))
+            .map(|(_, s)| elems(s))
+            .sum()
+    }
+
+    /// Elements of the largest tensor.
+    pub fn largest_elems(&self) -> u64 {
+        self.tensors
+            .iter()
+            .map(|(_, s)| elems(s))
+            .max()
+            .unwrap_or(0)
+    }
+
     /// Elements of the LM head as the model multiplies with it (the embedding when tied).
     pub fn head_elems(&self) -> u64 {
         (self.config.vocab_size * self.config.hidden_size) as u64

@@ -2,8 +2,11 @@
 
 use grpo_models::kernels::Compute;
 
-use super::{BatchShape, Phase, PlanInput, Term, CPU_PROCESS_BYTES, GPU_PROCESS_BYTES};
+use super::{
+    BatchShape, Phase, PlanInput, Term, CPU_PROCESS_BYTES, GPU_PROCESS_BYTES, MPI_RANK_BYTES,
+};
 use crate::logprobs::{activation_bytes_per_token, DEFAULT_CHUNK_ROWS};
+use crate::optim::zero::WINDOW;
 
 /// Rows of the LM head's chunks off the fused CPU path: `[rows, V]` f32 logits of
 /// `CHUNK_BYTES` (the portable path, a reference pass) or of the GPU's training budget.
@@ -115,7 +118,8 @@ fn term(name: &'static str, phase: Phase, bytes: u64, how: String) -> Term {
 
 /// What a rank holds for the whole run.
 ///
-/// - process: [`CPU_PROCESS_BYTES`] / [`GPU_PROCESS_BYTES`].
+/// - process: [`CPU_PROCESS_BYTES`] / [`GPU_PROCESS_BYTES`]; a CPU rank of several adds
+///   [`MPI_RANK_BYTES`].
 /// - policy weights: the trainer's `Var`s (`train/setup.rs`, `policy_parameters`), f32 whatever
 ///   the compute dtype (AdamW steps f32 masters); with LoRA the adapters, plus the frozen base
 ///   built in the storage dtype (QLoRA: its projections quantized).
@@ -141,6 +145,14 @@ pub(super) fn always(input: &PlanInput) -> Vec<Term> {
             false => "binary, tokenizer, data, threads, allocator (calibrated)".into(),
         },
     )];
+    if input.world_size > 1 && !on_gpu {
+        out.push(term(
+            "MPI",
+            Phase::Always,
+            MPI_RANK_BYTES,
+            "Open MPI's libraries, shared memory, collectives (calibrated)".into(),
+        ));
+    }
     let n = trainable(input);
     let masters = shard(input, 4 * n, 3);
     match &input.lora {
@@ -345,8 +357,13 @@ fn pass_tokens_all(b: &BatchShape) -> u64 {
 /// `for_update`).
 ///
 /// - gradients: one f32 per trainable element (the gradient sinks' accumulators and candle's
-///   gradients, summed over the micro-batches); ZeRO-2 keeps this rank's shard and one
-///   reduce bucket of 4 M values.
+///   gradients, summed over the micro-batches). ZeRO-2 reduce-scatters them only once candle's
+///   backward has made them all, so a rank holds them whole as at stage 0. ZeRO-3 keeps this
+///   rank's range of the summed gradients (the blocks' are reduce-scattered as each block's
+///   backward runs) and the gradients of the parameters outside the blocks whole (candle's,
+///   and on the fused CPU path the sink's too; `train/policy.rs`, `sharded_forward`).
+/// - reduce buffer (ZeRO-2 and 3 on several ranks): the largest window of gradients
+///   sent at once (`optim/zero.rs`, `windows`: [`WINDOW`] elements, or a larger tensor alone).
 /// - training copy: a GPU in bf16 casts every parameter to bf16 for the pass; on the CPU (f32
 ///   or mixed) the training forward reads the f32 masters. ZeRO-3 gathers two blocks at a time.
 /// - activations: what a pass keeps for its backward, `activation_bytes_per_token` x the pass's
@@ -361,17 +378,7 @@ fn pass_tokens_all(b: &BatchShape) -> u64 {
 pub(super) fn update(input: &PlanInput, pass: &PassShape) -> Vec<Term> {
     let c = &input.model.config;
     let n = trainable(input);
-    let bucket = 4 * (4u64 << 20);
-    let grads = match input.zero_stage >= 2 && input.world_size > 1 {
-        true => shard(input, 4 * n, 2) + bucket.min(4 * n),
-        false => 4 * n,
-    };
-    let mut out = vec![term(
-        "gradients",
-        Phase::Update,
-        grads,
-        format!("{n} params x 4 B{}", zero_note(input, 2)),
-    )];
+    let mut out = gradients(input, n);
     if let Some(t) = training_copy(input) {
         out.push(t);
     }
@@ -413,6 +420,54 @@ pub(super) fn update(input: &PlanInput, pass: &PassShape) -> Vec<Term> {
         }
     };
     out.push(term("LM-head logits", Phase::Update, bytes, how));
+    out
+}
+
+/// The update's gradient terms (see [`update`]) for `n` trainable elements.
+fn gradients(input: &PlanInput, n: u64) -> Vec<Term> {
+    let sharded = input.world_size > 1 && input.zero_stage >= 2;
+    let grads = match sharded && input.zero_stage >= 3 && input.lora.is_none() {
+        true => {
+            let outer = input.model.params() - input.model.block_elems();
+            let copies = if input.compute.is_fused() { 2 } else { 1 };
+            term(
+                "gradients",
+                Phase::Update,
+                shard(input, 4 * n, 3) + copies * 4 * outer,
+                format!(
+                    "{n} params x 4 B{} + {copies} x {outer} outside the blocks x 4 B",
+                    zero_note(input, 3)
+                ),
+            )
+        }
+        false => term(
+            "gradients",
+            Phase::Update,
+            4 * n,
+            format!(
+                "{n} params x 4 B{}",
+                if sharded {
+                    " (whole until reduced)"
+                } else {
+                    ""
+                }
+            ),
+        ),
+    };
+    let mut out = vec![grads];
+    if sharded {
+        let largest = match input.lora {
+            None => input.model.largest_elems(),
+            Some(_) => 0,
+        };
+        let window = largest.max((WINDOW as u64).min(n));
+        out.push(term(
+            "reduce buffer",
+            Phase::Update,
+            4 * window,
+            format!("{window} values x 4 B (the largest window sent)"),
+        ));
+    }
     out
 }
 

@@ -150,10 +150,23 @@ fn zero_stages_shard_moments_then_gradients_then_weights() {
     assert_eq!(at(&i, 0, "AdamW moments"), 8 * n);
     assert_eq!(at(&i, 1, "AdamW moments"), (8 * n).div_ceil(8));
     assert_eq!(at(&i, 1, "gradients"), 4 * n);
-    // Stage 2: this rank's shard plus one reduce bucket (here the model is smaller than one).
-    assert_eq!(at(&i, 2, "gradients"), (4 * n).div_ceil(8) + 4 * n);
+    // Stage 2: whole until candle's backward has made them all, and one window of them sent
+    // at a time (here the model is smaller than a window: all of it).
+    assert_eq!(at(&i, 2, "gradients"), 4 * n);
+    assert_eq!(at(&i, 2, "reduce buffer"), 4 * n);
     assert_eq!(at(&i, 2, "policy weights"), 4 * n);
     assert_eq!(at(&i, 3, "policy weights"), (4 * n).div_ceil(8));
+    // Stage 3: this rank's range, and what lies outside the blocks whole (on a GPU candle's
+    // gradients alone; the fused CPU path's sink keeps a second copy).
+    let outer = n - i.model.block_elems();
+    assert!(outer > 0 && outer < n);
+    assert_eq!(at(&i, 3, "gradients"), (4 * n).div_ceil(8) + 4 * outer);
+    assert_eq!(at(&i, 1, "reduce buffer"), 0);
+    // Open MPI's part is host memory: a CPU rank's, not a GPU's.
+    assert_eq!(at(&i, 0, "MPI"), 0);
+    let mut cpu = input(Compute::CpuFused);
+    cpu.world_size = 2;
+    assert_eq!(at(&cpu, 0, "MPI"), super::MPI_RANK_BYTES);
     // One rank: nothing to shard.
     i.world_size = 1;
     assert_eq!(at(&i, 3, "AdamW moments"), 8 * n);
