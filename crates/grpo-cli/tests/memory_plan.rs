@@ -17,21 +17,9 @@ use std::process::{Command, Stdio};
 #[path = "../../grpo/tests/support/tiny_llama.rs"]
 mod support;
 
-/// The arguments `grpo plan` and `grpo train` share.
-const COMMON: [&str; 10] = [
-    "--dtype=f32",
-    "--num_generations=4",
-    "--per_device_train_batch_size=16",
-    "--gradient_accumulation_steps=1",
-    "--max_completion_length=16",
-    // One pass of exactly this batch: no dynamic sampling (it oversamples and keeps no group of
-    // a random model), the fused CPU kernels' default budget holds the whole micro-batch.
-    "--dynamic_sampling=false",
-    "--task.train_size=8",
-    "--task.eval_size=2",
-    "--temperature=1.0",
-    "--kernels=fused",
-];
+#[path = "support/plan_shapes.rs"]
+mod plan_shapes;
+use plan_shapes::{COMMON, DEEP, WIDE};
 
 /// Runs `grpo` with `args` to the end; returns its peak resident set in bytes (this child's
 /// alone) and its stderr.
@@ -108,17 +96,15 @@ fn check(name: &str, shape: support::Shape, extra: &[&str], tmp: &Path) -> (f64,
 #[test]
 fn the_plan_is_within_ten_percent_of_measured_cpu_peaks() {
     let tmp = tempfile::tempdir().unwrap();
-    let wide = (256, 1024, 4, 8, 4, 32);
-    let deep = (128, 512, 16, 4, 2, 32);
     let lora = [
         "--beta=0.04",
         "--lora.r=16",
         "--lora.target_modules=all-linear",
     ];
     let cases: [(&str, support::Shape, &[&str]); 3] = [
-        ("wide-full-kl", wide, &["--beta=0.04"]),
-        ("deep-full", deep, &["--beta=0"]),
-        ("wide-lora-kl", wide, &lora),
+        ("wide-full-kl", WIDE, &["--beta=0.04"]),
+        ("deep-full", DEEP, &["--beta=0"]),
+        ("wide-lora-kl", WIDE, &lora),
     ];
     let mut results = Vec::new();
     for (name, shape, extra) in cases {

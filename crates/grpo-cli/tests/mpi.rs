@@ -14,6 +14,9 @@ mod support;
 
 #[path = "support/ranks.rs"]
 mod ranks;
+
+#[path = "support/plan_shapes.rs"]
+mod plan_shapes;
 use ranks::{args, assert_same_run, metrics, weights};
 
 fn fixtures() -> PathBuf {
@@ -487,27 +490,11 @@ fn zero_stages_shard_the_optimizer_memory_per_rank() {
 #[test]
 fn the_plan_is_within_ten_percent_of_measured_peaks_on_2_ranks() {
     let tmp = tempfile::tempdir().unwrap();
-    let common = [
-        "--dtype=f32",
-        "--num_generations=4",
-        "--per_device_train_batch_size=16",
-        "--gradient_accumulation_steps=1",
-        "--max_completion_length=16",
-        "--dynamic_sampling=false",
-        "--task.train_size=8",
-        "--task.eval_size=2",
-        "--temperature=1.0",
-        "--kernels=fused",
-        "--gradient_checkpointing=true",
-    ];
+    let mut common = plan_shapes::COMMON.to_vec();
+    common.push("--gradient_checkpointing=true");
     let cases: [(&str, support::Shape, &str, &[u8]); 2] = [
-        (
-            "wide-kl",
-            (256, 1024, 4, 8, 4, 32),
-            "--beta=0.04",
-            &[0, 1, 2, 3],
-        ),
-        ("deep", (128, 512, 16, 4, 2, 32), "--beta=0", &[2, 3]),
+        ("wide-kl", plan_shapes::WIDE, "--beta=0.04", &[0, 1, 2, 3]),
+        ("deep", plan_shapes::DEEP, "--beta=0", &[2, 3]),
     ];
     let mut results = Vec::new();
     for (name, shape, beta, stages) in cases {
