@@ -356,6 +356,52 @@ mod tests {
         }
     }
 
+    /// Every parameter's gradient of the training loss of [`forward`] for `cfg` under
+    /// `compute` (f32), with or without gradient checkpointing.
+    fn gradients(cfg: &ModelConfig, compute: Compute, checkpoint: bool) -> Vec<(String, Tensor)> {
+        let dev = Device::Cpu;
+        let vars = vars_of(&params(cfg, &dev));
+        let vb = VarBuilder::from_tensors(tensors_of(&vars), DType::F32, &dev);
+        let mut model = CausalLm::load_with(cfg, vb, compute).unwrap();
+        let sink = attach_sink(&mut model, &vars, compute);
+        let all: Vec<Var> = vars.values().cloned().collect();
+        let ckpt = CheckpointGrads::new(&all, &dev).unwrap();
+        if checkpoint {
+            model.set_checkpointing(Some(ckpt.clone()));
+        }
+        // No padding: the paths differ in what a padded position's hidden state holds.
+        let batch =
+            SeqBatch::left_padded(&[vec![1, 2, 3, 4, 5, 6], vec![7, 8, 9, 10, 1, 2]], 0, &dev)
+                .unwrap();
+        let r = uniform(&[12, cfg.vocab_size], 999, 0.0, 1.0, &dev); // [N, V]
+        let g = forward(&model, &batch, &r).1.backward().unwrap();
+        let mut out: Vec<(String, Tensor)> = vars
+            .iter()
+            .map(|(n, v)| (n.clone(), grad_of(v, &g, &ckpt, &sink)))
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
+    /// A model with one KV head (its keys and values `[B, 1, S, D]` views of `[B, S, 1, D]`)
+    /// gets the portable path's gradients on the fused CPU kernels, with and without
+    /// checkpointing. The fused kernels once refused that layout ("unexpected layout").
+    #[test]
+    fn one_kv_head_trains_on_the_fused_kernels() {
+        let mut cfg = tiny();
+        cfg.num_kv_heads = 1;
+        let fused = Compute::resolve(&Device::Cpu, DType::F32);
+        assert!(fused.is_fused());
+        for checkpoint in [false, true] {
+            let want = gradients(&cfg, Compute::Portable, checkpoint);
+            let got = gradients(&cfg, fused, checkpoint);
+            assert_eq!(got.len(), want.len());
+            for ((n, a), (_, b)) in got.iter().zip(&want) {
+                assert_close(a, b, 1e-5, n);
+            }
+        }
+    }
+
     #[test]
     fn sharded_blocks_match_checkpointing_f32() {
         let dev = Device::Cpu;

@@ -44,12 +44,19 @@ impl Rows {
         if cols > 1 && st[r - 1] != 1 {
             return None;
         }
-        let n: usize = dims[..r - 1].iter().product();
-        let stride = if r >= 2 { st[r - 2] } else { cols };
-        for k in 0..r.saturating_sub(2) {
-            if dims[k] > 1 && st[k] != st[k + 1] * dims[k + 1] {
-                return None;
-            }
+        // The leading dims that hold more than one row: a dim of size 1 has no stride that
+        // matters (as for candle's `is_contiguous`), e.g. `[B, S, 1, D]` transposed to
+        // `[B, 1, S, D]`, the keys of a model with one KV head.
+        let lead: Vec<(usize, usize)> = dims[..r - 1]
+            .iter()
+            .zip(&st[..r - 1])
+            .filter(|(d, _)| **d > 1)
+            .map(|(&d, &s)| (d, s))
+            .collect();
+        let n: usize = lead.iter().map(|(d, _)| d).product();
+        let stride = lead.last().map_or(cols, |&(_, s)| s);
+        if lead.windows(2).any(|w| w[0].1 != w[1].1 * w[1].0) {
+            return None;
         }
         if n > 1 && stride < cols {
             return None;
@@ -659,6 +666,27 @@ mod tests {
             &|| rms_norm_diff(&wide.narrow(1, 8, 16).unwrap(), &w, 1e-6).unwrap(),
             1e-5,
         );
+    }
+
+    /// A dim of size 1 is skipped, whatever its stride: `[2, 5, 1, 24]` transposed to
+    /// `[2, 1, 5, 24]` (strides 120, 24, 24, 1: contiguous to candle) is 10 rows of 24.
+    #[test]
+    fn a_dim_of_one_does_not_break_a_row_view() {
+        let x = var(&[2, 5, 1, 24]);
+        let t = x.transpose(1, 2).unwrap();
+        assert!(t.is_contiguous());
+        let rows = Rows::of(t.layout()).expect("a row view");
+        assert_eq!((rows.n, rows.stride, rows.cols), (10, 24, 24));
+        let w = var(&[24]);
+        check(
+            &[&x, &w],
+            &|| rms_norm(&x.transpose(1, 2).unwrap(), &w, 1e-5).unwrap(),
+            &|| rms_norm_diff(&x.transpose(1, 2).unwrap(), &w, 1e-5).unwrap(),
+            1e-5,
+        );
+        // Rows that really are strided across a dim are still refused.
+        let y = var(&[2, 3, 4]);
+        assert!(Rows::of(y.transpose(0, 1).unwrap().layout()).is_none());
     }
 
     #[test]
