@@ -29,6 +29,7 @@ mod profile;
 mod round;
 mod setup;
 mod shard;
+mod state;
 mod step;
 mod tcp_world;
 mod update;

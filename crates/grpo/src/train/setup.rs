@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use candle_core::{DType, Device, Tensor, Var};
 
 use super::policy::{CausalLmPolicy, Policy, Reference};
+pub use super::state::{BestModel, TrainerState};
 use super::update::{Schedule, UpdateOptions};
 use super::world::World;
 use crate::advantages::AdvantageOptions;
@@ -18,7 +19,7 @@ use crate::data::{self, PromptOrder};
 use crate::inputs::{load_run_data, reward_weights, HostInputs, RunData};
 use crate::logprobs::Entropy;
 use crate::logs::MetricsWriter;
-use crate::loss::{AdaptiveEntropy, AdaptiveKl, KlMode};
+use crate::loss::KlMode;
 use crate::optim::{AdamW, AdamWConfig, ZeroStage};
 use crate::peft;
 use crate::{Error, Result};
@@ -28,68 +29,6 @@ use grpo_models::models::CausalLm;
 use grpo_models::sampler::SamplingParams;
 use grpo_models::tokenizer::Tokenizer;
 use grpo_models::weights::load_model;
-
-/// Everything a checkpoint must hold beyond weights and moments to resume exactly.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-pub struct TrainerState {
-    /// Optimizer steps done.
-    pub step: u64,
-    /// Rounds (generation batches) done.
-    pub round: u64,
-    pub order: PromptOrder,
-    pub adaptive_kl: Option<AdaptiveKl>,
-    /// Adaptive entropy control's coefficient and last measurement.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub adaptive_entropy: Option<AdaptiveEntropy>,
-    pub consecutive_nonfinite: usize,
-    /// Optimizer steps skipped over the run for non-finite numbers (`skipped_steps`).
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub skipped_steps: u64,
-    /// AdamW's own step count (its bias correction) where it differs from `step`: skipped
-    /// steps and rounds without signal advance `step` without an AdamW step.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub optimizer_steps: Option<u64>,
-    /// Dynamic sampling's extra passes so far (their random streams).
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub extra_passes: u64,
-    /// `metric_for_best_model`: the best value so far, its step and checkpoint (HF's names).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub best_metric: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub best_global_step: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub best_model_checkpoint: Option<String>,
-}
-
-/// Which checkpoint is the best (`metric_for_best_model`, `greater_is_better`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct BestModel {
-    /// A metric the round logs, e.g. `eval/accuracy`.
-    pub metric: String,
-    pub greater_is_better: bool,
-}
-
-impl BestModel {
-    /// This round's value of the metric when it beats the best so far.
-    pub fn improved_by(&self, m: &super::StepMetrics, state: &TrainerState) -> Option<f64> {
-        let v = m
-            .pairs()
-            .into_iter()
-            .find(|(k, _)| *k == self.metric)
-            .map(|x| x.1)
-            .filter(|v| v.is_finite())?;
-        let better = match state.best_metric {
-            None => true,
-            Some(b) if self.greater_is_better => v > b,
-            Some(b) => v < b,
-        };
-        better.then_some(v)
-    }
-}
-
-fn is_zero(n: &u64) -> bool {
-    *n == 0
-}
 
 /// What a kind of policy loads for a run: the trainable policy (fresh, or from the checkpoint
 /// resumed from), its frozen reference when one is needed, the tokenizer and the EOS ids.
