@@ -215,8 +215,12 @@ def test_ctrl_c_stops_at_a_step_boundary_with_a_checkpoint(tiny_model, tmp_path)
         out = t.train()
         print("RESULT", out.global_step, out.metrics["interrupted"])
     """)
+    # A shell's background job (`cmd &` without job control, as CI may be started) inherits
+    # SIGINT ignored, and Python then installs no Ctrl-C handler: the child gets SIGINT's
+    # default back, as a terminal's foreground process has it.
     p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 60
     while not marker.exists() and time.time() < deadline and p.poll() is None:
         time.sleep(0.05)
