@@ -638,14 +638,15 @@ fn zero_stage_3_ranks_with_fewer_passes_join_the_collectives_idle() {
 /// whose blocks hold most of its parameters (16 layers with a 8,192-wide MLP beside the 49,152 x
 /// 64 embedding: 28.3M parameters, 113 MB in f32). Each rank keeps half the parameters between
 /// steps (`memory/parameters_gb`) and half the moments (as at stage 2), and the larger rank's
-/// peak resident set drops: 665 MB at stage 2, 583 MB at stage 3.
+/// peak resident set drops (the lower of two launches each): 665 MB at stage 2, 583 to 627 MB
+/// at stage 3.
 #[test]
 fn zero_stage_3_shards_the_parameters_per_rank() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("model");
     support::random_llama(&model, &fixtures(), (64, 8192, 16, 4, 2, 16));
-    let run = |stage: usize| -> (f64, f64, f64) {
-        let out = tmp.path().join(format!("mem{stage}"));
+    let run = |stage: usize, attempt: usize| -> (f64, f64, f64) {
+        let out = tmp.path().join(format!("mem{stage}-{attempt}"));
         let flag = format!("--zero_stage={stage}");
         let extra = [
             flag.as_str(),
@@ -664,8 +665,15 @@ fn zero_stage_3_shards_the_parameters_per_rank() {
             mb("memory/optimizer_state_gb"),
         )
     };
-    let (rss2, params2, state2) = run(2);
-    let (rss3, params3, state3) = run(3);
+    // The peak resident set of one launch varies by up to 60 MB between identical launches
+    // here (mimalloc keeps what it frees, in transparent huge pages, and which thread frees
+    // what depends on timing), about the saving asserted below: the lower of two launches.
+    let lower = |stage: usize| {
+        let (a, b) = (run(stage, 0), run(stage, 1));
+        (a.0.min(b.0), a.1, a.2)
+    };
+    let (rss2, params2, state2) = lower(2);
+    let (rss3, params3, state3) = lower(3);
     eprintln!(
         "larger rank's peak RSS, MB: stage 2 {rss2:.1}, stage 3 {rss3:.1}; parameters per rank, \
          MB: {params2:.1}, {params3:.1}; moments per rank: {state2:.1}, {state3:.1}"
@@ -675,9 +683,9 @@ fn zero_stage_3_shards_the_parameters_per_rank() {
         "{params2} {params3}"
     );
     assert!((state3 - state2).abs() < 0.01, "{state2} {state3}");
-    // Measured: 665.0 and 582.9 MB. Sampling gathers the whole weights once per pass, so the
-    // peak saves less than the training state's halving; at least half of the parameters'
-    // half (the gradients' half is the rest).
+    // Measured: 665.0 and 582.9 MB (AMD EPYC); 664.8 and 627.0 MB (Intel Xeon). Sampling
+    // gathers the whole weights once per pass, so the peak saves less than the training
+    // state's halving; at least half of the parameters' half (the gradients' half is the rest).
     let saved = rss2 - rss3;
     assert!(
         saved > 0.5 * (params2 - params3),
