@@ -2,8 +2,12 @@
 //!
 //! Each layer owns two tensors `[B, Hkv, T_max, D]` allocated once. All rows share the slot index:
 //! a decoding step writes every row's new key at slot `len` with one in-place copy, and attention
-//! reads the `[0, len)` prefix as a strided view (no concatenation, no reallocation). Rows of
-//! different prompt lengths are left-padded; the sampler masks the padding slots.
+//! reads the `[0, len)` prefix as a strided view (no concatenation). Rows of different prompt
+//! lengths are left-padded; the sampler masks the padding slots.
+//!
+//! The sampler starts a cache with room for a few hundred tokens, not the longest completion, and
+//! grows it as decoding goes ([`KvCache::reserve`]): with rows dropped once they finish, the cache
+//! then holds about what the live rows use, not rows x the longest completion.
 
 use candle_core::{DType, Device, Result, Tensor};
 
@@ -86,6 +90,31 @@ impl KvCache {
         Ok((k.narrow(2, 0, self.len + s)?, v.narrow(2, 0, self.len + s)?))
     }
 
+    /// Makes room for slots `[len, need)`: when the capacity is short, every layer moves to new
+    /// tensors of `min(limit, max(need, 1.5 x capacity, capacity + GROW_MIN))` slots (the filled
+    /// prefix copied, the rest zeroed), so that a cache grown one slot at a time is copied
+    /// O(log) times. `limit` is the most slots the cache will ever need.
+    pub fn reserve(&mut self, need: usize, limit: usize) -> Result<()> {
+        let cap = self.capacity();
+        if need <= cap {
+            return Ok(());
+        }
+        let grown = grown_capacity(cap, need, limit);
+        let len = self.len;
+        let grow = |t: &Tensor| -> Result<Tensor> {
+            let (b, h, _, d) = t.dims4()?;
+            let out = Tensor::zeros((b, h, grown, d), t.dtype(), t.device())?; // [B, Hkv, grown, D]
+            if len > 0 {
+                out.slice_set(&t.narrow(2, 0, len)?.contiguous()?, 2, 0)?;
+            }
+            Ok(out)
+        };
+        for t in self.k.iter_mut().chain(self.v.iter_mut()) {
+            *t = grow(t)?;
+        }
+        Ok(())
+    }
+
     /// Every layer's key and value tensors `[B, Hkv, T_max, D]`, all slots.
     pub fn layer_tensors(&self) -> (&[Tensor], &[Tensor]) {
         (&self.k, &self.v)
@@ -103,17 +132,28 @@ impl KvCache {
         ))
     }
 
-    /// Keeps only `rows` (in that order), as a new contiguous cache. Used to drop finished rows.
+    /// Keeps only `rows` (in that order), as a new contiguous cache of the same capacity. Used to
+    /// drop finished rows.
     pub fn select_rows(&self, rows: &[u32]) -> Result<Self> {
         let device = self.k[0].device();
         let idx = Tensor::new(rows, device)?;
-        let pick = |t: &Tensor| t.index_select(&idx, 0);
+        let pick = |t: &Tensor| t.index_select(&idx, 0); // [b, Hkv, T_max, D]
         Ok(Self {
             k: self.k.iter().map(pick).collect::<Result<_>>()?,
             v: self.v.iter().map(pick).collect::<Result<_>>()?,
             len: self.len,
         })
     }
+}
+
+/// Fewest slots a growing cache adds at once.
+pub const GROW_MIN: usize = 256;
+
+/// The capacity [`KvCache::reserve`] grows `cap` to for `need` slots, at most `limit` (never
+/// below `need`).
+fn grown_capacity(cap: usize, need: usize, limit: usize) -> usize {
+    let step = (cap / 2).max(GROW_MIN);
+    (cap + step).min(limit).max(need)
 }
 
 #[cfg(test)]
@@ -143,6 +183,65 @@ mod tests {
         assert!(
             c.append(0, &z, &z).is_err(),
             "writing past capacity must fail"
+        );
+    }
+
+    /// Plain twin of the growth rule: +50% or +GROW_MIN slots, whichever is more, capped.
+    #[test]
+    fn growth_is_geometric_capped_and_never_short() {
+        assert_eq!(grown_capacity(100, 101, 10_000), 100 + GROW_MIN);
+        assert_eq!(grown_capacity(1000, 1001, 10_000), 1500);
+        assert_eq!(grown_capacity(1000, 1001, 1200), 1200);
+        assert_eq!(grown_capacity(1000, 2500, 10_000), 2500);
+        assert_eq!(
+            grown_capacity(1000, 1300, 1100),
+            1300,
+            "need wins over limit"
+        );
+        // Growing one slot at a time from 300 to 4096 copies the cache a handful of times.
+        let (mut cap, mut grows) = (300, 0);
+        for need in 301..=4096 {
+            if need > cap {
+                cap = grown_capacity(cap, need, 4096);
+                grows += 1;
+            }
+        }
+        assert_eq!((cap, grows), (4096, 6));
+    }
+
+    #[test]
+    fn reserve_keeps_the_filled_slots_and_zeroes_the_rest() {
+        let dev = Device::Cpu;
+        let mut c = KvCache::new(2, 2, 1, 2, 1, DType::F32, &dev).unwrap();
+        let k = Tensor::new(&[[[[1f32], [2.]]], [[[3.], [4.]]]], &dev).unwrap(); // [2, 1, 2, 1]
+        for layer in 0..2 {
+            c.append(layer, &k, &(&k * 10.).unwrap()).unwrap();
+        }
+        c.advance(2);
+        c.reserve(2, 10).unwrap();
+        assert_eq!(c.capacity(), 2, "no growth when the room is there");
+        c.reserve(3, 10).unwrap();
+        assert_eq!(c.capacity(), 10);
+        assert_eq!(c.len(), 2);
+        let (ks, vs) = c.layer_tensors();
+        let all_k = ks[1].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let mut want = vec![0f32; 20];
+        want[..2].copy_from_slice(&[1., 2.]);
+        want[10..12].copy_from_slice(&[3., 4.]);
+        assert_eq!(all_k, want);
+        let v0 = vs[0].narrow(2, 0, 2).unwrap().flatten_all().unwrap();
+        assert_eq!(v0.to_vec1::<f32>().unwrap(), vec![10., 20., 30., 40.]);
+        let one = Tensor::new(&[[[[5f32]]], [[[6.]]]], &dev).unwrap();
+        let (kv, _) = c.append(0, &one, &one).unwrap();
+        assert_eq!(kv.dims(), &[2, 1, 3, 1], "appends go on after growth");
+        // select_rows keeps the capacity.
+        c.advance(1);
+        let sel = c.select_rows(&[1]).unwrap();
+        assert_eq!((sel.capacity(), sel.len(), sel.batch()), (10, 3, 1));
+        let (k0, _) = sel.layer(0).unwrap();
+        assert_eq!(
+            k0.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            vec![3., 4., 6.]
         );
     }
 }

@@ -373,7 +373,7 @@ impl Engine<'_> {
         drop(cache);
         let end = (0..b).map(|i| past[i] + new[i]).max().unwrap_or(0);
         let room = live.iter().map(|(r, _)| rows[*r].limit).max().unwrap_or(0);
-        let mut cache = assemble(&rows_kv, end, end + room)?;
+        let mut cache = assemble(&rows_kv, end, end + super::first_room(room))?;
         drop(rows_kv);
         for (i, (r, _)) in live.iter().enumerate() {
             rows[*r].pad = end - (past[i] + new[i]);

@@ -46,7 +46,9 @@ impl Lanes<'_> {
             .map(|&r| rows[r].limit.saturating_sub(rows[r].tokens.len()))
             .max()
             .unwrap_or(0);
+        let slots = cache.len() + max_steps; // the most the cache will hold
         for _step in 0..max_steps {
+            cache.reserve(cache.len() + 1, slots)?;
             let b = batch.len();
             let ids: Vec<u32> = batch
                 .iter()

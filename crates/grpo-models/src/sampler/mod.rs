@@ -438,7 +438,7 @@ fn completion_of(row: &Row, tokenizer: Option<&Tokenizer>) -> Result<Completion>
 }
 
 /// The batched cache for `batch` rows: each row's prompt keys/values (already left-padded by the
-/// prefill), followed by room for the generated tokens.
+/// prefill), followed by room for the first generated tokens (it grows as decoding goes on).
 fn batch_cache(
     model: &CausalLm,
     prompt_cache: &KvCache,
@@ -454,7 +454,7 @@ fn batch_cache(
         (
             batch.len(),
             cfg.num_kv_heads,
-            params.max_new_tokens,
+            first_room(params.max_new_tokens),
             cfg.head_dim,
         ),
         model.dtype(),
@@ -468,6 +468,12 @@ fn batch_cache(
         vs.push(Tensor::cat(&[&v.index_select(&idx, 0)?, &room], 2)?);
     }
     Ok(KvCache::from_parts(ks, vs, prompt_cache.len())?)
+}
+
+/// Slots a decoding cache starts with for up to `tokens` new tokens: [`KvCache::reserve`] adds
+/// the rest if the rows get that far.
+fn first_room(tokens: usize) -> usize {
+    tokens.min(crate::kv_cache::GROW_MIN)
 }
 
 /// Chooses the next token of `row` from its raw `logits` and updates its stop state.

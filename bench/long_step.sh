@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Long, uneven completions: grpo against TRL 1.16 (HF generate, and transformers' continuous
+# batching, `use_transformers_continuous_batching`) on one random-weight model that ends a
+# completion with probability about 2.77/CAP per token (bench/make_model.py --eos-rate): median
+# length about CAP/4, a tail that runs to the cap, lengths in a group 10x apart. Same prompts,
+# batch, rewards (bench/varied_reward.py on both sides) and hyper-parameters as bench/grpo_step.sh.
+#   bench/long_step.sh [STEPS [CAP [PROMPTS [GENERATIONS [SHAPE]]]]]   # default 3 1024 4 8 135m
+#   DEVICE=cuda BF16=1 bench/long_step.sh 3 1024 16 8 1.7b             # on a GPU, bf16 both
+#   RUNS="grpo trl"    (default "grpo trl trl-cb"; which runs)
+# Medians from step 2. Results: bench/results/long-step-<date>.* (one JSON summary per run in
+# .summary.jsonl). Needs ../shared/bench/peers/setup.sh once. Run on a quiet machine.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+peers=${PEERS_SRC:-$root/../shared/bench/peers}
+PEERS_DIR=${PEERS_DIR:-/opt/peers}
+py=${PEER_PYTHON:-$PEERS_DIR/venv/bin/python}
+steps=${1:-3}; cap=${2:-1024}; prompts=${3:-4}; gens=${4:-8}; shape=${5:-135m}
+runs=${RUNS:-grpo trl trl-cb}
+device=${DEVICE:-cpu}
+stamp=$(date +%Y%m%d-%H%M%S); [ "$device" != cpu ] && stamp="$device-$stamp"
+res="$root/bench/results"; mkdir -p "$res"; out="$res/long-step-$stamp"
+cd "$root"
+rate=$(python3 -c "print(round(2.77 / $cap, 6))")
+model=${MODEL_DIR:-/tmp/grpo-long-$shape-$rate}
+if [ ! -f "$model/config.json" ]; then
+  "$py" bench/make_model.py tests/fixtures/smollm2 "$model" "$shape" --eos-rate "$rate" \
+    --device "$device" | tail -1 | tee "$out.model.json"
+fi
+grpo_args=(--device="$device"); peer_args=(--varied)
+if [ "${BF16:-0}" = 1 ]; then grpo_args+=(--dtype=bf16); peer_args+=(--bf16); fi
+if [ -z "${GRPO_BIN:-}" ]; then
+  if [ "$device" != cpu ]; then cargo build --release -p grpo-cli --features cuda
+  else cargo build --release -p grpo-cli; fi
+fi
+grpo_bin=${GRPO_BIN:-$root/target/release/grpo}
+data=$(mktemp --suffix=.jsonl)
+python3 "$peers/addition_task.py" $((steps * prompts)) 0 > "$data"
+summary() {  # name kind(grpo|trl) file
+  python3 - "$@" >> "$out.summary.jsonl" <<'PY'
+import json, re, statistics, sys
+name, kind, path = sys.argv[1:4]
+rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", open(path + ".time").read())
+if kind == "grpo":
+    rows = [json.loads(l) for l in open(path + ".metrics.jsonl") if '"loss"' in l]
+    keys = {"step": "time/step", "generate": "time/generate", "reference": "time/reference",
+            "update": "time/update", "mean_length": "completions/mean_length"}
+else:
+    rows = [json.loads(l) for l in open(path + ".jsonl") if l.startswith('{"step"')]
+    keys = {"step": "step_s", "generate": "gen_s", "reference": "ref_s", "update": "train_s",
+            "mean_length": "completions_length"}
+r = rows[1:] or rows
+med = {k: round(statistics.median(x.get(v, 0) for x in r), 3) for k, v in keys.items()}
+print(json.dumps({"bench": "long_step", "run": name, "steps": len(rows), **med,
+                  "peak_rss_mb": round(int(rss[1]) / 1024) if rss else None}))
+PY
+  tail -1 "$out.summary.jsonl"
+}
+for run in $runs; do
+  case $run in
+    grpo)
+      dir=$(mktemp -d)
+      /usr/bin/time -v "$grpo_bin" train --config bench/configs/long_step.toml --model="$model" \
+        --train_file="$data" --output_dir="$dir" --max_steps="$steps" --num_generations="$gens" \
+        --per_device_train_batch_size=$((prompts * gens)) --max_completion_length="$cap" \
+        "${grpo_args[@]}" > "$out.grpo.log" 2> "$out.grpo.time" || { tail -5 "$out.grpo.log"; exit 1; }
+      cp "$dir/metrics.jsonl" "$out.grpo.metrics.jsonl"; rm -rf "$dir"
+      summary grpo grpo "$out.grpo" ;;
+    trl|trl-cb)
+      extra=(); [ $run = trl-cb ] && extra=(--cb)
+      /usr/bin/time -v "$py" bench/trl_step_device.py "${peer_args[@]}" "${extra[@]}" --model "$model" \
+        --steps "$steps" --prompts "$prompts" --generations "$gens" --max-tokens "$cap" --seed 0 \
+        --lr 2e-5 --beta 0.04 --output-dir "$(mktemp -d)" > "$out.$run.jsonl" 2> "$out.$run.time" \
+        || { tail -5 "$out.$run.time"; echo "$run failed" >> "$out.summary.jsonl"; continue; }
+      summary "$run" trl "$out.$run" ;;
+  esac
+done
+rm -f "$data"
