@@ -7,14 +7,19 @@
 #   bench/long_step.sh [STEPS [CAP [PROMPTS [GENERATIONS [SHAPE]]]]]   # default 3 1024 4 8 135m
 #   DEVICE=cuda BF16=1 bench/long_step.sh 3 1024 16 8 1.7b             # on a GPU, bf16 both
 #   RUNS="grpo trl"    (default "grpo trl trl-cb"; which runs)
-# Medians from step 2. Results: bench/results/long-step-<date>.* (one JSON summary per run in
+# On a GPU machine without a toolchain (the GPU kit, ../shared/gpu/): GRPO_BIN=.gpu/bin/grpo,
+# PEER_PYTHON=python3 (with TRL's wheels on PYTHONPATH), PEERS_SRC=.gpu/peers; peak GPU memory is
+# polled from nvidia-smi. MODEL_DIR=dir: an existing model instead of making one.
+# The learning rate is 1e-6 (LR=...): at the peer's 2e-5 one step moved this model's EOS rate far
+# (mean length 504 -> 963 of 1024 at step 2, on the CPU at cap 1024), and the point here is equal,
+# uneven work on both sides. Medians from step 2. Results: bench/results/long-step-<date>.* (one JSON summary per run in
 # .summary.jsonl). Needs ../shared/bench/peers/setup.sh once. Run on a quiet machine.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 peers=${PEERS_SRC:-$root/../shared/bench/peers}
 PEERS_DIR=${PEERS_DIR:-/opt/peers}
 py=${PEER_PYTHON:-$PEERS_DIR/venv/bin/python}
-steps=${1:-3}; cap=${2:-1024}; prompts=${3:-4}; gens=${4:-8}; shape=${5:-135m}
+steps=${1:-3}; cap=${2:-1024}; prompts=${3:-4}; gens=${4:-8}; shape=${5:-135m}; lr=${LR:-1e-6}
 runs=${RUNS:-grpo trl trl-cb}
 device=${DEVICE:-cpu}
 stamp=$(date +%Y%m%d-%H%M%S); [ "$device" != cpu ] && stamp="$device-$stamp"
@@ -33,6 +38,14 @@ if [ -z "${GRPO_BIN:-}" ]; then
   else cargo build --release -p grpo-cli; fi
 fi
 grpo_bin=${GRPO_BIN:-$root/target/release/grpo}
+# Peak memory: the process's RSS (GNU time), and on a GPU the card's, polled by nvidia-smi.
+timed() { if [ -x /usr/bin/time ]; then /usr/bin/time -v "$@"; else "$@"; fi; }
+poll() {
+  [ "$device" = cpu ] && return
+  while true; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits >> "$1"; sleep 0.5; done &
+  POLL=$!
+}
+unpoll() { if [ -n "${POLL:-}" ]; then kill "$POLL" 2>/dev/null; wait "$POLL" 2>/dev/null || true; POLL=; fi; }
 data=$(mktemp --suffix=.jsonl)
 python3 "$peers/addition_task.py" $((steps * prompts)) 0 > "$data"
 summary() {  # name kind(grpo|trl) file
@@ -40,6 +53,10 @@ summary() {  # name kind(grpo|trl) file
 import json, re, statistics, sys
 name, kind, path = sys.argv[1:4]
 rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", open(path + ".time").read())
+try:
+    gpu = max(int(l) for l in open(path + ".gpumem") if l.strip().isdigit())
+except (OSError, ValueError):
+    gpu = None
 if kind == "grpo":
     rows = [json.loads(l) for l in open(path + ".metrics.jsonl") if '"loss"' in l]
     keys = {"step": "time/step", "generate": "time/generate", "reference": "time/reference",
@@ -51,26 +68,29 @@ else:
 r = rows[1:] or rows
 med = {k: round(statistics.median(x.get(v, 0) for x in r), 3) for k, v in keys.items()}
 print(json.dumps({"bench": "long_step", "run": name, "steps": len(rows), **med,
-                  "peak_rss_mb": round(int(rss[1]) / 1024) if rss else None}))
+                  "peak_rss_mb": round(int(rss[1]) / 1024) if rss else None, "peak_gpu_mib": gpu}))
 PY
   tail -1 "$out.summary.jsonl"
 }
 for run in $runs; do
   case $run in
     grpo)
-      dir=$(mktemp -d)
-      /usr/bin/time -v "$grpo_bin" train --config bench/configs/long_step.toml --model="$model" \
+      dir=$(mktemp -d); poll "$out.grpo.gpumem"
+      timed "$grpo_bin" train --config bench/configs/long_step.toml --model="$model" \
         --train_file="$data" --output_dir="$dir" --max_steps="$steps" --num_generations="$gens" \
         --per_device_train_batch_size=$((prompts * gens)) --max_completion_length="$cap" \
-        "${grpo_args[@]}" > "$out.grpo.log" 2> "$out.grpo.time" || { tail -5 "$out.grpo.log"; exit 1; }
+        --learning_rate="$lr" "${grpo_args[@]}" > "$out.grpo.log" 2> "$out.grpo.time" || { unpoll; tail -5 "$out.grpo.time"; exit 1; }
+      unpoll
       cp "$dir/metrics.jsonl" "$out.grpo.metrics.jsonl"; rm -rf "$dir"
       summary grpo grpo "$out.grpo" ;;
     trl|trl-cb)
       extra=(); [ $run = trl-cb ] && extra=(--cb)
-      /usr/bin/time -v "$py" bench/trl_step_device.py "${peer_args[@]}" "${extra[@]}" --model "$model" \
+      poll "$out.$run.gpumem"
+      timed "$py" bench/trl_step_device.py "${peer_args[@]}" "${extra[@]}" --model "$model" \
         --steps "$steps" --prompts "$prompts" --generations "$gens" --max-tokens "$cap" --seed 0 \
-        --lr 2e-5 --beta 0.04 --output-dir "$(mktemp -d)" > "$out.$run.jsonl" 2> "$out.$run.time" \
-        || { tail -5 "$out.$run.time"; echo "$run failed" >> "$out.summary.jsonl"; continue; }
+        --lr "$lr" --beta 0.04 --output-dir "$(mktemp -d)" > "$out.$run.jsonl" 2> "$out.$run.time" \
+        || { unpoll; tail -5 "$out.$run.time"; echo "$run failed" >> "$out.summary.jsonl"; continue; }
+      unpoll
       summary "$run" trl "$out.$run" ;;
   esac
 done

@@ -93,7 +93,8 @@ impl KvCache {
     /// Makes room for slots `[len, need)`: when the capacity is short, every layer moves to new
     /// tensors of `min(limit, max(need, 1.5 x capacity, capacity + GROW_MIN))` slots (the filled
     /// prefix copied, the rest zeroed), so that a cache grown one slot at a time is copied
-    /// O(log) times. `limit` is the most slots the cache will ever need.
+    /// O(log) times. `limit` is the most slots the cache will ever need. Layer by layer, so that
+    /// the cache is never held twice.
     pub fn reserve(&mut self, need: usize, limit: usize) -> Result<()> {
         let cap = self.capacity();
         if need <= cap {
@@ -132,17 +133,18 @@ impl KvCache {
         ))
     }
 
-    /// Keeps only `rows` (in that order), as a new contiguous cache of the same capacity. Used to
-    /// drop finished rows.
-    pub fn select_rows(&self, rows: &[u32]) -> Result<Self> {
-        let device = self.k[0].device();
-        let idx = Tensor::new(rows, device)?;
-        let pick = |t: &Tensor| t.index_select(&idx, 0); // [b, Hkv, T_max, D]
-        Ok(Self {
-            k: self.k.iter().map(pick).collect::<Result<_>>()?,
-            v: self.v.iter().map(pick).collect::<Result<_>>()?,
-            len: self.len,
-        })
+    /// Keeps only `rows` (in that order), in new contiguous tensors of the same capacity. Used to
+    /// drop finished rows. Layer by layer, each old tensor freed as its successor is made, so
+    /// that the cache is never held twice.
+    pub fn keep_rows(&mut self, rows: &[u32]) -> Result<()> {
+        let Some(first) = self.k.first() else {
+            return Ok(());
+        };
+        let idx = Tensor::new(rows, first.device())?;
+        for t in self.k.iter_mut().chain(self.v.iter_mut()) {
+            *t = t.index_select(&idx, 0)?; // [rows, Hkv, T_max, D]
+        }
+        Ok(())
     }
 }
 
@@ -161,7 +163,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn append_writes_in_place_and_select_rows_keeps_order() {
+    fn append_writes_in_place_and_keep_rows_keeps_order() {
         let dev = Device::Cpu;
         let mut c = KvCache::new(1, 3, 1, 4, 2, DType::F32, &dev).unwrap();
         let k = Tensor::new(&[[[[1f32, 1.]]], [[[2., 2.]]], [[[3., 3.]]]], &dev).unwrap();
@@ -171,7 +173,8 @@ mod tests {
         let (kv, _) = c.append(0, &(k.clone() * 10.).unwrap(), &k).unwrap();
         c.advance(1);
         assert_eq!(kv.dims(), &[3, 1, 2, 2]);
-        let sel = c.select_rows(&[2, 0]).unwrap();
+        let mut sel = c.clone();
+        sel.keep_rows(&[2, 0]).unwrap();
         let (ks, _) = sel.layer(0).unwrap();
         let got = ks.squeeze(1).unwrap().to_vec3::<f32>().unwrap();
         let want = vec![
@@ -234,9 +237,10 @@ mod tests {
         let one = Tensor::new(&[[[[5f32]]], [[[6.]]]], &dev).unwrap();
         let (kv, _) = c.append(0, &one, &one).unwrap();
         assert_eq!(kv.dims(), &[2, 1, 3, 1], "appends go on after growth");
-        // select_rows keeps the capacity.
+        // keep_rows keeps the capacity.
         c.advance(1);
-        let sel = c.select_rows(&[1]).unwrap();
+        c.keep_rows(&[1]).unwrap();
+        let sel = c;
         assert_eq!((sel.capacity(), sel.len(), sel.batch()), (10, 3, 1));
         let (k0, _) = sel.layer(0).unwrap();
         assert_eq!(

@@ -406,7 +406,7 @@ impl Engine<'_> {
             return Ok(());
         }
         if keep_slots.len() < b {
-            cache = cache.select_rows(&keep_slots)?;
+            cache.keep_rows(&keep_slots)?;
         }
         let batch: Vec<usize> = which
             .into_iter()

@@ -119,7 +119,7 @@ impl Lanes<'_> {
                         Some(_) => leaving(&cache, i, r, &rows[r])?,
                     }
                 }
-                cache = cache.select_rows(&keep)?;
+                cache.keep_rows(&keep)?;
                 batch.retain(|&r| rows[r].done.is_none());
                 self.stats.compactions += 1;
             }
