@@ -7,6 +7,11 @@
 #   bench/long_step.sh [STEPS [CAP [PROMPTS [GENERATIONS [SHAPE]]]]]   # default 3 1024 4 8 135m
 #   DEVICE=cuda BF16=1 bench/long_step.sh 3 1024 16 8 1.7b             # on a GPU, bf16 both
 #   RUNS="grpo trl"    (default "grpo trl trl-cb"; which runs)
+#   ADAPTER=lora|qlora (default none: full fine-tuning): LoRA r 16 (alpha 32, no dropout) on every
+#                      linear layer on both sides; qlora: its base in NF4 (grpo's
+#                      base_quantization=nf4, TRL's bitsandbytes 4-bit), bf16 weights on TRL's side
+#   EOS_RATE=P         the model's end-of-sequence rate instead of 2.77/CAP (0: none, every
+#                      completion runs to the cap: equal work without a length spread)
 # On a GPU machine without a toolchain (the GPU kit, ../shared/gpu/): GRPO_BIN=.gpu/bin/grpo,
 # PEER_PYTHON=python3 (with TRL's wheels on PYTHONPATH), PEERS_SRC=.gpu/peers; peak GPU memory is
 # polled from nvidia-smi. MODEL_DIR=dir: an existing model instead of making one.
@@ -25,13 +30,22 @@ device=${DEVICE:-cpu}
 stamp=$(date +%Y%m%d-%H%M%S); [ "$device" != cpu ] && stamp="$device-$stamp"
 res="$root/bench/results"; mkdir -p "$res"; out="$res/long-step-$stamp"
 cd "$root"
-rate=$(python3 -c "print(round(2.77 / $cap, 6))")
+rate=${EOS_RATE:-$(python3 -c "print(round(2.77 / $cap, 6))")}
 model=${MODEL_DIR:-/tmp/grpo-long-$shape-$rate}
 if [ ! -f "$model/config.json" ]; then
-  "$py" bench/make_model.py tests/fixtures/smollm2 "$model" "$shape" --eos-rate "$rate" \
+  eos=(--eos-rate "$rate"); [ "$rate" = 0 ] && eos=()
+  "$py" bench/make_model.py tests/fixtures/smollm2 "$model" "$shape" "${eos[@]}" \
     --device "$device" | tail -1 | tee "$out.model.json"
 fi
 grpo_args=(--device="$device"); peer_args=(--varied)
+case ${ADAPTER:-none} in
+  none) ;;
+  lora|qlora)
+    grpo_args+=(--lora.r=16 --lora.alpha=32 --lora.dropout=0 --lora.target_modules=all-linear)
+    peer_args+=(--lora 16 --bf16-weights)
+    [ "$ADAPTER" = qlora ] && { grpo_args+=(--base_quantization=nf4); peer_args+=(--qlora); } ;;
+  *) echo "ADAPTER=$ADAPTER: none, lora or qlora" >&2; exit 2 ;;
+esac
 if [ "${BF16:-0}" = 1 ]; then grpo_args+=(--dtype=bf16); peer_args+=(--bf16); fi
 if [ -z "${GRPO_BIN:-}" ]; then
   if [ "$device" != cpu ]; then cargo build --release -p grpo-cli --features cuda
@@ -67,7 +81,9 @@ else:
             "mean_length": "completions_length"}
 r = rows[1:] or rows
 med = {k: round(statistics.median(x.get(v, 0) for x in r), 3) for k, v in keys.items()}
-print(json.dumps({"bench": "long_step", "run": name, "steps": len(rows), **med,
+import os
+print(json.dumps({"bench": "long_step", "run": name, "adapter": os.environ.get("ADAPTER", "none"),
+                  "steps": len(rows), **med,
                   "peak_rss_mb": round(int(rss[1]) / 1024) if rss else None, "peak_gpu_mib": gpu}))
 PY
   tail -1 "$out.summary.jsonl"

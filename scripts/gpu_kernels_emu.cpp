@@ -27,6 +27,9 @@
 // reads DIR/x.bin, writes DIR/out.bin (the blocks' partial sums of squares);
 //   gpu_kernels_emu adamw DIR N STEPS LR B1 B2 EPS WD GS
 // reads DIR/{p,g}.bin (g [STEPS, N]), writes DIR/{p_out,m,v}.bin.
+//   gpu_kernels_emu nf4 DIR DTYPE N
+// reads DIR/{packed,absmax,code}.bin (u8 [ceil(N/2)], f32 [ceil(N/64)], f32 [16]), writes
+// DIR/out.bin (N values).
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -178,6 +181,14 @@ template <typename T> void run_swiglu(const std::string& dir, long n, int inter)
     launch(blocks, 1, T_, [&] { swiglu_bwd<T>(gu.data(), dy.data(), dgu.data(), n * inter, inter); });
     wr(dir + "/y.bin", y); wr(dir + "/dgu.bin", dgu);
 }
+template <typename T> void run_nf4(const std::string& dir, long n) {
+    const long bytes = (n + 1) / 2;
+    auto packed = rd<unsigned char>(dir + "/packed.bin", bytes);
+    auto absmax = rd<float>(dir + "/absmax.bin", (n + 63) / 64), code = rd<float>(dir + "/code.bin", 16);
+    std::vector<T> out(n);
+    launch((int)((bytes + 255) / 256), 1, 256, [&] { nf4_dequant<T>(packed.data(), absmax.data(), code.data(), out.data(), n); });
+    wr(dir + "/out.bin", out);
+}
 template <typename T> void run_rms(const std::string& dir, long n, int h, float eps) {
     auto x = rd<T>(dir + "/x.bin", n * h), w = rd<T>(dir + "/w.bin", h), g = rd<T>(dir + "/g.bin", n * h);
     std::vector<T> y(n * h), dx(n * h);
@@ -320,6 +331,12 @@ int main(int argc, char** argv) {
         std::string dir = argv[2], dt = argv[3];
         long n = atol(argv[4]); int h = atoi(argv[5]); float eps = atof(argv[6]);
         if (dt == "f32") run_rms<float>(dir, n, h, eps); else run_rms<bf16_t>(dir, n, h, eps);
+        return 0;
+    }
+    if (argc == 5 && std::string(argv[1]) == "nf4") {
+        std::string dir = argv[2], dt = argv[3];
+        long n = atol(argv[4]);
+        if (dt == "f32") run_nf4<float>(dir, n); else run_nf4<bf16_t>(dir, n);
         return 0;
     }
     if (argc == 6 && std::string(argv[1]) == "swiglu") {

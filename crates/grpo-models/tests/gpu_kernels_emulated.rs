@@ -7,7 +7,8 @@
 //! bf16), a decoding step's attention (both kernels, a shared prompt), SwiGLU, RMSNorm and RoPE;
 //! and with the formulas, in f64 where they sum: the LM head's log-softmax, the residual add +
 //! RMSNorm, a decoding step's q/k/v + cache write, AdamW and the clipping norm's sums of
-//! squares: every kernel of the CUDA source but `acc_add_bf16` (one add per thread). CI has no
+//! squares; and NF4's dequantization with the CPU's, bit for bit: every kernel of the CUDA
+//! source but `acc_add_bf16` (one add per thread). CI has no
 //! GPU: this is what keeps an edit of the CUDA source honest between GPU runs
 //! (`crates/grpo/tests/cuda/` runs the same source on a GPU; `scripts/check_gpu_kernels.py`
 //! compares the emulator with torch, by hand).
@@ -802,5 +803,38 @@ fn adamw_and_sum_of_squares_kernels_equal_their_references() {
         let e = (got - want).abs() / want;
         println!("sumsq n{n} over {blocks} blocks: {e:.2e}");
         assert!(e < 1e-6, "sumsq n{n}: {e}");
+    }
+}
+
+/// NF4 dequantization (QLoRA's base on a GPU) against `Nf4::dequantize_into`, bit for bit: an
+/// odd count whose last block is short (a half-used last byte), in f32 and rounded to bf16.
+#[test]
+fn nf4_dequantization_kernel_equals_the_cpu_dequantization() {
+    use grpo_models::kernels::cpu::quant::{Nf4, NF4_CODE};
+    for (rows, cols) in [(7usize, 93usize), (3, 128)] {
+        let n = rows * cols;
+        let w = randn(n, 80 + rows as u64, 0.05);
+        let q = Nf4::quantize(&w, rows, cols).expect("nf4 quantizes");
+        let mut want = vec![0f32; n];
+        q.dequantize_into(&mut want);
+        for dt in [Dt::F32, Dt::Bf16] {
+            let dir = run(
+                Some("nf4"),
+                &[
+                    ("packed", q.packed.clone()),
+                    ("absmax", f32_bytes(&q.absmax)),
+                    ("code", f32_bytes(&NF4_CODE)),
+                ],
+                &[dt.name().to_string(), n.to_string()],
+            );
+            let got = dt.read(dir.path(), "out");
+            let want = dt.round(&want);
+            assert_eq!(got.len(), n);
+            let bad = got
+                .iter()
+                .zip(&want)
+                .position(|(a, b)| a.to_bits() != b.to_bits());
+            assert!(bad.is_none(), "{dt:?} [{rows}, {cols}] differs at {bad:?}");
+        }
     }
 }

@@ -16,14 +16,17 @@
 //! so every forward dequantizes.
 //!
 //! Off the fused CPU path (a GPU, bf16, `kernels = "portable"`) the quantized bytes are copied
-//! once to the input's device and every forward dequantizes there with candle ops (NF4: two
-//! 256-entry byte tables and the block scales; GGML: candle's dequantize kernels), then runs one
-//! matmul in the input's dtype. The dequantized weight is a constant of the graph, so autograd
-//! gives the input its gradient `dY W` and the weight none: the same product and backward as the
-//! custom op, with nothing kept but the quantized bytes.
+//! once to the input's device and every forward dequantizes there (NF4: grpo's one-kernel
+//! dequantization under [`Compute::Gpu`], else candle ops over two 256-entry byte tables and the
+//! block scales; GGML: candle's dequantize kernels), then runs one matmul in the input's dtype.
+//! Its backward ([`Redequantize`]) dequantizes again for `dY W` and gives the weight none: the
+//! same product and backward as the custom op, with nothing kept between the two but the
+//! quantized bytes (a model's dequantized weights held from forward to backward would be a
+//! bf16 copy of the whole base: 15 GB at 8B).
 
 use std::sync::{Arc, OnceLock};
 
+use crate::kernels::portable::recompute::{attach, Backward};
 use crate::kernels::Compute;
 use candle_core::quantized::k_quants::{BlockQ4_0, BlockQ4_1, BlockQ8_0, GgmlType};
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
@@ -288,6 +291,9 @@ enum OnDevice {
         /// [256] f32 each: a byte's high and low nibble's NF4 value.
         high: Tensor,
         low: Tensor,
+        /// [16] f32: the NF4 values (grpo's GPU kernel reads them).
+        #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+        code: Tensor,
     },
     Ggml(Arc<QTensor>),
 }
@@ -313,6 +319,7 @@ impl OnDevice {
                     absmax: Tensor::from_vec(w.absmax.clone(), (blocks, 1), device)?,
                     high: table(|b| b >> 4)?,
                     low: table(|b| b & 15)?,
+                    code: Tensor::from_vec(NF4_CODE.to_vec(), 16, device)?,
                 }
             }
         })
@@ -334,6 +341,7 @@ impl OnDevice {
                 absmax,
                 high,
                 low,
+                ..
             } => {
                 // u32 ids: candle's index_select reads a u8 id of 255 as "none" (a zero row).
                 let ids = packed.to_dtype(DType::U32)?; // [blocks*32]
@@ -348,6 +356,56 @@ impl OnDevice {
                     .reshape((o, i))
             }
         }
+    }
+
+    /// The weight [out, in] in `dtype`: NF4 in one GPU kernel under [`Compute::Gpu`] (the same
+    /// values), candle ops in f32 then a cast otherwise.
+    fn weight(&self, (o, i): (usize, usize), dtype: DType, compute: Compute) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let (
+            Compute::Gpu,
+            OnDevice::Nf4 {
+                packed,
+                absmax,
+                code,
+                ..
+            },
+        ) = (compute, self)
+        {
+            let w = crate::kernels::cuda::nf4_dequantize(packed, absmax, code, o * i, dtype)?;
+            return w.reshape((o, i));
+        }
+        let _ = compute;
+        self.dequantize((o, i))?.to_dtype(dtype)
+    }
+}
+
+/// The portable forward's backward: `dX = dY W`, the weight dequantized again, so that no
+/// dequantized weight is kept between a forward and its backward (bitsandbytes' QLoRA does the
+/// same); the frozen weight gets no gradient.
+struct Redequantize {
+    proj: QuantProj,
+    compute: Compute,
+}
+
+impl Backward for Redequantize {
+    fn name(&self) -> &'static str {
+        "quant-proj"
+    }
+
+    fn backward(
+        &self,
+        inputs: &[Tensor],
+        _wanted: &[bool],
+        _out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<Vec<Option<Tensor>>> {
+        let [x] = inputs else {
+            candle_core::bail!("quant-proj: one input expected");
+        };
+        let w = self.proj.weight_on(x.device(), x.dtype(), self.compute)?; // [out, in]
+                                                                           // The product autograd forms for `x W^T` (W^T transposed back: the same layout).
+        Ok(vec![Some(grad.matmul(&w.t()?.t()?)?)]) // [N, in]
     }
 }
 
@@ -610,6 +668,16 @@ impl QuantProj {
     /// quantized bytes are copied there once).
     pub fn dequantize_on(&self, device: &Device) -> Result<Tensor> {
         let dims = self.dims()?;
+        self.with_on_device(device, |d| d.dequantize(dims))
+    }
+
+    /// `f` of the quantized weight's copy on `device` (made at the first call; a device other
+    /// than the cached one gets a copy of its own, not kept).
+    fn with_on_device<R>(
+        &self,
+        device: &Device,
+        f: impl FnOnce(&OnDevice) -> Result<R>,
+    ) -> Result<R> {
         let cached = match self.on_device.get() {
             Some(d) => d,
             None => {
@@ -618,15 +686,31 @@ impl QuantProj {
             }
         };
         if cached.device().same_device(device) {
-            return cached.dequantize(dims);
+            return f(cached);
         }
-        OnDevice::new(&self.w, device)?.dequantize(dims)
+        f(&OnDevice::new(&self.w, device)?)
     }
 
-    /// `x` [N, in] -> [N, out] in `x`'s dtype, on its device, with candle ops only.
-    fn forward_portable(&self, x: &Tensor) -> Result<Tensor> {
-        let w = self.dequantize_on(x.device())?.to_dtype(x.dtype())?; // [out, in]
-        x.matmul(&w.t()?)
+    /// The weight [out, in] in `dtype` on `device`, dequantized there (see [`OnDevice::weight`]).
+    fn weight_on(&self, device: &Device, dtype: DType, compute: Compute) -> Result<Tensor> {
+        let dims = self.dims()?;
+        self.with_on_device(device, |d| d.weight(dims, dtype, compute))
+    }
+
+    /// `x` [N, in] -> [N, out] in `x`'s dtype, on its device: the weight dequantized there, one
+    /// matmul, and a backward ([`Redequantize`]) that dequantizes it again.
+    fn forward_portable(&self, x: &Tensor, compute: Compute) -> Result<Tensor> {
+        let w = self.weight_on(x.device(), x.dtype(), compute)?; // [out, in]
+        let y = x.detach().matmul(&w.t()?)?; // [N, out]
+        drop(w);
+        attach(
+            &y,
+            &[x],
+            Arc::new(Redequantize {
+                proj: self.clone(),
+                compute,
+            }),
+        )
     }
 
     /// `x` [.., in] -> [.., out]. Records a backward to `x` when `x` tracks gradients. With
@@ -640,7 +724,7 @@ impl QuantProj {
             let x2 = x.reshape((rows, i))?.contiguous()?; // [N, in] f32
             x2.apply_op1(self.clone())? // [N, out]
         } else {
-            self.forward_portable(&x.reshape((rows, i))?)? // [N, out]
+            self.forward_portable(&x.reshape((rows, i))?, compute)? // [N, out]
         };
         let mut shape = dims;
         if let Some(last) = shape.last_mut() {
@@ -839,7 +923,9 @@ pub(crate) mod tests {
             let gy = randn((40, o), 13);
             let run = |portable: bool| {
                 let y = match portable {
-                    true => q.forward_portable(x.as_tensor()).unwrap(),
+                    true => q
+                        .forward_portable(x.as_tensor(), Compute::Portable)
+                        .unwrap(),
                     false => x.as_tensor().apply_op1(q.clone()).unwrap(),
                 };
                 let g = (&y * &gy).unwrap().sum_all().unwrap().backward().unwrap();

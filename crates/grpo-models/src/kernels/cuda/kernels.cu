@@ -10,7 +10,8 @@
 //
 // SwiGLU: gu [N, 2I] (gate, then up, per row) -> silu(gate) * up [N, I], and its backward.
 // RMSNorm: a block per row, forward and backward. RoPE: rotate-half over a strided [B, T, H*D]
-// view into [B, H, T, D], and its backward.
+// view into [B, H, T, D], and its backward. NF4: a QLoRA base's weight dequantized (`quant.rs`;
+// its twin is `Nf4::dequantize_into`).
 
 typedef unsigned short bf16_t;
 
@@ -973,3 +974,27 @@ extern "C" __global__ void sumsq_f32(const float* x, float* out, long n) {
     const float t = block_sum(s, sm);
     if (threadIdx.x == 0) out[blockIdx.x] = t;
 }
+
+// NF4 dequantization (QLoRA's frozen base, bitsandbytes' layout): packed [ceil(n / 2)] bytes, two
+// codes a byte (the first value in the high nibble), absmax [ceil(n / 64)] f32 (one per block of
+// 64 values), code [16] f32 (the NF4 values) -> out [n], value e = code[nibble] * absmax[e / 64]
+// rounded once to T. One thread per byte.
+template <typename T>
+__device__ void nf4_dequant(const unsigned char* packed, const float* absmax, const float* code,
+                            T* out, long n) {
+    const long j = (long)blockIdx.x * blockDim.x + threadIdx.x, e = 2 * j;
+    if (e >= n) return;
+    const unsigned int b = packed[j];
+    const float m = absmax[e / 64];
+    st(out, e, code[b >> 4] * m);
+    if (e + 1 < n) st(out, e + 1, code[b & 15u] * m);
+}
+
+#define NF4(T, NAME)                                                                               \
+extern "C" __global__ void nf4_dequant_##NAME(const unsigned char* packed, const float* absmax,    \
+                                              const float* code, T* out, long n) {                 \
+    nf4_dequant<T>(packed, absmax, code, out, n);                                                  \
+}
+
+NF4(float, f32)
+NF4(bf16_t, bf16)

@@ -95,6 +95,7 @@ pub(super) fn launch_from(
     let mut views_f32 = Vec::new();
     let mut views_bf16 = Vec::new();
     let mut views_u32 = Vec::new();
+    let mut views_u8 = Vec::new();
     let mut order = Vec::new();
     for (g, t) in guards.iter().zip(args) {
         let Storage::Cuda(c) = &*g.0 else {
@@ -114,6 +115,10 @@ pub(super) fn launch_from(
                 views_u32.push(c.as_cuda_slice::<u32>()?.slice(off..));
                 order.push((DType::U32, views_u32.len() - 1));
             }
+            DType::U8 => {
+                views_u8.push(c.as_cuda_slice::<u8>()?.slice(off..));
+                order.push((DType::U8, views_u8.len() - 1));
+            }
             other => candle_core::bail!("{name}: unsupported dtype {other:?}"),
         }
     }
@@ -121,6 +126,7 @@ pub(super) fn launch_from(
         match dt {
             DType::F32 => b.arg(&views_f32[*i]),
             DType::BF16 => b.arg(&views_bf16[*i]),
+            DType::U8 => b.arg(&views_u8[*i]),
             _ => b.arg(&views_u32[*i]),
         };
     }

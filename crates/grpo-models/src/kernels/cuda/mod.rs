@@ -3,7 +3,8 @@
 //! backward, in 64 x 64 tiles of scores through shared memory; single-query attention for a
 //! decoding step over the KV cache's views, a block per (row, kv head); RMSNorm,
 //! RoPE and SwiGLU, each forward and backward;
-//! the LM head's log-softmax + gather + entropy and its backward.
+//! the LM head's log-softmax + gather + entropy and its backward; a QLoRA base's NF4 weights
+//! dequantized.
 //!
 //! The attention plan is FlashAttention's: the forward keeps the output and one log-sum-exp per
 //! query; the backward recomputes each probability from it (dQ per block of queries, dK and dV
@@ -16,8 +17,8 @@
 //!
 //! One file per op launches its kernels: [`attention`] (forward and backward, CUDA and tensor
 //! cores), [`decode`] (a decoding step's attention), [`rms_norm`], [`rope`], [`swiglu`], [`head`]
-//! (the LM head's log-probs) and [`optim`] (AdamW, the gradient norm); [`launch`] holds what
-//! they share. The kernels' twins in plain Rust ([`twins`]: [`twin_forward`], [`twin_backward`],
+//! (the LM head's log-probs), [`optim`] (AdamW, the gradient norm) and [`quant`] (NF4
+//! dequantization); [`launch`] holds what they share. The kernels' twins in plain Rust ([`twins`]: [`twin_forward`], [`twin_backward`],
 //! [`twin_swiglu`], [`twin_rms_norm`], [`twin_rope`]) compute the same math and are tested against the candle-op
 //! path on the CPU in CI; `scripts/check_gpu_kernels.py` runs the CUDA source itself on the CPU
 //! (a block's threads as OS threads) against torch; the GPU tests (`crates/grpo/tests/cuda/`)
@@ -38,6 +39,8 @@ mod launch;
 #[cfg(feature = "cuda")]
 mod optim;
 #[cfg(feature = "cuda")]
+mod quant;
+#[cfg(feature = "cuda")]
 mod rms_norm;
 #[cfg(feature = "cuda")]
 mod rope;
@@ -57,6 +60,8 @@ pub use decode::{decode_attention, decode_attention_with};
 pub use head::{head_logprobs, head_logprobs_backward, head_takes};
 #[cfg(feature = "cuda")]
 pub use optim::{adamw_step, add_into_f32, sum_squares};
+#[cfg(feature = "cuda")]
+pub use quant::nf4_dequantize;
 #[cfg(feature = "cuda")]
 pub use rms_norm::{add_rms_norm, rms_norm, rms_norm_backward, rms_norm_raw, rms_norm_takes};
 #[cfg(feature = "cuda")]
