@@ -14,7 +14,7 @@
 #                      completion runs to the cap: equal work without a length spread)
 # On a GPU machine without a toolchain (the GPU kit, ../shared/gpu/): GRPO_BIN=.gpu/bin/grpo,
 # PEER_PYTHON=python3 (with TRL's wheels on PYTHONPATH), PEERS_SRC=.gpu/peers; peak GPU memory is
-# polled from nvidia-smi. MODEL_DIR=dir: an existing model instead of making one.
+# polled from nvidia-smi. MODEL_DIR=dir: the model there (made there first if absent).
 # The learning rate is 1e-6 (LR=...): at the peer's 2e-5 one step moved this model's EOS rate far
 # (mean length 504 -> 963 of 1024 at step 2, on the CPU at cap 1024), and the point here is equal,
 # uneven work on both sides. Medians from step 2. Results: bench/results/long-step-<date>.* (one JSON summary per run in

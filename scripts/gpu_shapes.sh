@@ -1,0 +1,54 @@
+#!/bin/bash
+# Issue 59's shapes on a GPU, grpo against TRL 1.16 in one call: bench/long_step.sh per case
+# (one random-weight model per shape, made on the device; same prompts, batch and rewards on both
+# sides; peak GPU memory polled), from the GPU kit's binaries and wheels. After
+# ../shared/gpu/build_cuda.sh, ../shared/gpu/pack.sh and scripts/pack_bnb.sh here; on the GPU
+# machine, from the project root with .gpu/ carried along:
+#   OUT=$OUT bash scripts/gpu_shapes.sh                 (CASES=long: 1.7B 16x8, uneven, caps 1024
+#                                                       and 4096, TRL with HF generate and with
+#                                                       continuous batching)
+#   CASES=big OUT=$OUT bash scripts/gpu_shapes.sh       (8B LoRA r 16 and QLoRA NF4 8x8x512, 4B
+#                                                       full 16x8x512, all bf16, every completion
+#                                                       to the cap; TRL with HF generate)
+#   CASES="SHAPE:ADAPTER:CAP:PROMPTS:GENS:EOS_RATE ..." (EOS_RATE "-": 2.77/CAP, the spread)
+# STEPS=3, RUNS="grpo trl trl-cb" (long) / "grpo trl" (big), BUDGET=540 seconds: a case starts
+# only with 120 s left. TRL's QLoRA needs bitsandbytes: the card's own, else .gpu/bnb.zip
+# (scripts/pack_bnb.sh). Results: $OUT/shapes-summary.txt and $OUT/long-step-cuda-*. A dry run on
+# the CPU (tiny shapes): DEVICE=cpu PEER_PYTHON=/opt/peers/venv/bin/python CASES="tiny:qlora:16:2:4:0".
+set -u
+T0=$SECONDS; ROOT=$PWD; G=$ROOT/.gpu; FIN=${OUT:-$ROOT/gpu-out}; mkdir -p "$FIN"
+SUM=$FIN/shapes-summary.txt
+SITE=$(python3 -c 'import sys; print([p for p in sys.path if p.endswith("site-packages")][0])')
+NV=$(find "$SITE/nvidia" -name "lib*.so*" -printf "%h\n" 2>/dev/null | sort -u | tr '\n' ':')
+export LD_LIBRARY_PATH=$NV/usr/local/nvidia/lib64:/usr/local/nvidia/lib:${LD_LIBRARY_PATH:-}
+PY=${PEER_PYTHON:-python3}  # the card's Python (torch, transformers, peft); another for a dry run
+$PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$G"/whl/*.whl > "$FIN/pip.txt" 2>&1
+if ! $PY -c "import bitsandbytes" 2>/dev/null && [ -f "$G/bnb.zip" ]; then
+  python3 -c "import zipfile, sys; zipfile.ZipFile(sys.argv[1]).extractall('/tmp/site')" "$G/bnb.zip"
+fi
+python3 -c "import lzma,sys,shutil; shutil.copyfileobj(lzma.open(sys.argv[1]), open('/tmp/grpo-shapes','wb'))" "$G/bin/grpo.xz"
+chmod +x /tmp/grpo-shapes
+export PYTHONPATH=/tmp/site PEERS_SRC=$G/peers GRPO_BIN=/tmp/grpo-shapes PEER_PYTHON=$PY
+export DEVICE=${DEVICE:-cuda} BF16=1
+$PY -c 'import torch, transformers, trl, peft; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__, "trl", trl.__version__, "peft", peft.__version__)' >> "$SUM" 2>&1
+$PY -c 'import bitsandbytes; print("bitsandbytes", bitsandbytes.__version__)' >> "$SUM" 2>&1
+cases=${CASES:-long}; runs=${RUNS:-grpo trl trl-cb}
+case $cases in
+  long) cases="1.7b:none:1024:16:8:- 1.7b:none:4096:16:8:-" ;;
+  big) cases="8b:lora:512:8:8:0 8b:qlora:512:8:8:0 4b:none:512:16:8:0"; runs=${RUNS:-grpo trl} ;;
+esac
+for c in $cases; do
+  IFS=: read -r shape adapter cap prompts gens eos <<< "$c"
+  left=$(( ${BUDGET:-540} - (SECONDS - T0) ))
+  [ $left -lt 120 ] && { echo "case $c skipped ($left s left)" >> "$SUM"; continue; }
+  echo "== [$((SECONDS - T0))s] case $c" >> "$SUM"
+  rate=(); [ "$eos" != - ] && rate=(EOS_RATE="$eos")
+  # One model per shape and rate, kept for the next case of the same shape (the spread's rate
+  # follows the cap).
+  model=/tmp/m-$shape-eos$eos; [ "$eos" = - ] && model=/tmp/m-$shape-cap$cap
+  env "${rate[@]}" ADAPTER="$adapter" RUNS="$runs" MODEL_DIR="$model" timeout $left \
+    bash bench/long_step.sh "${STEPS:-3}" "$cap" "$prompts" "$gens" "$shape" >> "$SUM" 2>&1
+  df -h /tmp | tail -1 >> "$SUM"
+done
+cp bench/results/long-step-$DEVICE-* "$FIN/" 2>/dev/null
+echo "== [$((SECONDS - T0))s] done" >> "$SUM"
