@@ -10,6 +10,7 @@
 #   ADAPTER=lora|qlora (default none: full fine-tuning): LoRA r 16 (alpha 32, no dropout) on every
 #                      linear layer on both sides; qlora: its base in NF4 (grpo's
 #                      base_quantization=nf4, TRL's bitsandbytes 4-bit), bf16 weights on TRL's side
+#   GRPO_ARGS="..."    more grpo options (e.g. --gradient_checkpointing=true, TRL's default)
 #   EOS_RATE=P         the model's end-of-sequence rate instead of 2.77/CAP (0: none, every
 #                      completion runs to the cap: equal work without a length spread)
 # On a GPU machine without a toolchain (the GPU kit, ../shared/gpu/): GRPO_BIN=.gpu/bin/grpo,
@@ -46,6 +47,8 @@ case ${ADAPTER:-none} in
     [ "$ADAPTER" = qlora ] && { grpo_args+=(--base_quantization=nf4); peer_args+=(--qlora); } ;;
   *) echo "ADAPTER=$ADAPTER: none, lora or qlora" >&2; exit 2 ;;
 esac
+# shellcheck disable=SC2206  # options, split on spaces
+[ -n "${GRPO_ARGS:-}" ] && grpo_args+=($GRPO_ARGS)
 if [ "${BF16:-0}" = 1 ]; then grpo_args+=(--dtype=bf16); peer_args+=(--bf16); fi
 if [ -z "${GRPO_BIN:-}" ]; then
   if [ "$device" != cpu ]; then cargo build --release -p grpo-cli --features cuda

@@ -102,12 +102,15 @@ def main():
     ap.add_argument("--eos-rate", type=float, default=0.0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=["f32", "bf16"], default=None)
-    ap.add_argument("--dry", action="store_true", help="only count the parameters (no weights made)")
+    ap.add_argument("--dry", action="store_true", help="only count the parameters and write OUT's config and tokenizer (no weights)")
     args = ap.parse_args()
     model, config = build(args.src, args.shape, args.device, args.dry)
     n = sum(p.numel() for p in model.parameters())
     info = dict(shape=args.shape, params_m=round(n / 1e6, 1), arch=type(model).__name__)
-    if args.dry:
+    if args.dry:  # the config and tokenizer alone: enough for `grpo plan --model=OUT`
+        config.save_pretrained(args.out)
+        for f in ["tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"]:
+            shutil.copy(f"{args.src}/{f}", f"{args.out}/{f}")
         print(json.dumps(info), flush=True)
         return
     if args.eos_rate > 0:

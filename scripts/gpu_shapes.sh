@@ -10,7 +10,8 @@
 #   CASES=big OUT=$OUT bash scripts/gpu_shapes.sh       (8B LoRA r 16 and QLoRA NF4 8x8x512, 4B
 #                                                       full 16x8x512, all bf16, every completion
 #                                                       to the cap; TRL with HF generate)
-#   CASES="SHAPE:ADAPTER:CAP:PROMPTS:GENS:EOS_RATE ..." (EOS_RATE "-": 2.77/CAP, the spread)
+#   CASES="SHAPE:ADAPTER:CAP:PROMPTS:GENS:EOS_RATE[:GRPO_ARGS] ..." (EOS_RATE "-": 2.77/CAP, the
+#                                                       spread; GRPO_ARGS: grpo options, comma-separated)
 # STEPS=3, RUNS="grpo trl trl-cb" (long) / "grpo trl" (big), BUDGET=540 seconds: a case starts
 # only with 120 s left. TRL's QLoRA needs bitsandbytes: the card's own, else .gpu/bnb.zip
 # (scripts/pack_bnb.sh). Results: $OUT/shapes-summary.txt and $OUT/long-step-cuda-*. A dry run on
@@ -35,10 +36,13 @@ $PY -c 'import bitsandbytes; print("bitsandbytes", bitsandbytes.__version__)' >>
 cases=${CASES:-long}; runs=${RUNS:-grpo trl trl-cb}
 case $cases in
   long) cases="1.7b:none:1024:16:8:- 1.7b:none:4096:16:8:-" ;;
-  big) cases="8b:lora:512:8:8:0 8b:qlora:512:8:8:0 4b:none:512:16:8:0"; runs=${RUNS:-grpo trl} ;;
+  # 8B with gradient checkpointing (TRL's default): LoRA's adapters keep ~29 MB a token without
+  # it (grpo plan), 24 passes of 1.6k tokens; with it, one pass of 33k at ~47 GiB.
+  big) cases="8b:qlora:512:8:8:0:--gradient_checkpointing=true 8b:lora:512:8:8:0:--gradient_checkpointing=true 4b:none:512:16:8:0"
+       runs=${RUNS:-grpo trl} ;;
 esac
 for c in $cases; do
-  IFS=: read -r shape adapter cap prompts gens eos <<< "$c"
+  IFS=: read -r shape adapter cap prompts gens eos extra <<< "$c"
   left=$(( ${BUDGET:-540} - (SECONDS - T0) ))
   [ $left -lt 120 ] && { echo "case $c skipped ($left s left)" >> "$SUM"; continue; }
   echo "== [$((SECONDS - T0))s] case $c" >> "$SUM"
@@ -46,7 +50,7 @@ for c in $cases; do
   # One model per shape and rate, kept for the next case of the same shape (the spread's rate
   # follows the cap).
   model=/tmp/m-$shape-eos$eos; [ "$eos" = - ] && model=/tmp/m-$shape-cap$cap
-  env "${rate[@]}" ADAPTER="$adapter" RUNS="$runs" MODEL_DIR="$model" timeout $left \
+  env "${rate[@]}" ADAPTER="$adapter" RUNS="$runs" MODEL_DIR="$model" GRPO_ARGS="${extra//,/ }" timeout $left \
     bash bench/long_step.sh "${STEPS:-3}" "$cap" "$prompts" "$gens" "$shape" >> "$SUM" 2>&1
   df -h /tmp | tail -1 >> "$SUM"
 done

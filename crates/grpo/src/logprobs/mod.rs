@@ -464,8 +464,30 @@ pub fn tokens_for_memory(
     gradient_checkpointing: bool,
     budget: u64,
 ) -> usize {
-    let per_token = activation_bytes_per_token((h, i, l), act_bytes, gradient_checkpointing);
+    tokens_for_memory_with((h, i, l), act_bytes, gradient_checkpointing, budget, 0)
+}
+
+/// [`tokens_for_memory`] with `extra` bytes kept per token besides the blocks' own (LoRA's
+/// adapters: [`lora_activation_bytes`]).
+fn tokens_for_memory_with(
+    shape: (usize, usize, usize),
+    act_bytes: usize,
+    gradient_checkpointing: bool,
+    budget: u64,
+    extra: u64,
+) -> usize {
+    let per_token = activation_bytes_per_token(shape, act_bytes, gradient_checkpointing) + extra;
     ((budget / per_token) as usize).clamp(DEFAULT_FORWARD_CHUNK_TOKENS, 1 << 20)
+}
+
+/// Bytes LoRA's adapters keep per token in a training pass, from the f32 elements they keep
+/// per token over all `layers` (`memory_plan::lora_activation_elems`): all of them, or one
+/// layer's share with `gradient_checkpointing` (only the recomputed block's graph is alive).
+pub fn lora_activation_bytes(elems: u64, layers: usize, gradient_checkpointing: bool) -> u64 {
+    match gradient_checkpointing {
+        true => 4 * elems / layers.max(1) as u64,
+        false => 4 * elems,
+    }
 }
 
 /// Bytes a training pass keeps per token on a model of `shape` (hidden, intermediate, layers)
@@ -485,7 +507,7 @@ pub fn activation_bytes_per_token(
 
 /// Tokens per training pass when `forward_chunk_tokens` is unset, for a model of `shape`
 /// (hidden, intermediate, layers) and `params` parameters computing in `act_bytes`-byte floats
-/// under `compute`: [`DEFAULT_FORWARD_CHUNK_TOKENS`] on the fused CPU path in f32,
+/// (LoRA's adapters keeping `lora_bytes` more per token) under `compute`: [`DEFAULT_FORWARD_CHUNK_TOKENS`] on the fused CPU path in f32,
 /// [`MIXED_FORWARD_CHUNK_TOKENS`] under CPU mixed precision, and off the fused path (a GPU,
 /// portable kernels) as many as fit a share of the device's `free` memory
 /// ([`activation_budget`], [`tokens_for_memory`]; the CPU default when it is unknown).
@@ -496,15 +518,17 @@ pub fn default_chunk_tokens(
     act_bytes: usize,
     gradient_checkpointing: bool,
     params: u64,
+    lora_bytes: u64,
 ) -> usize {
     use grpo_models::kernels::Compute;
     match (compute, free) {
         (Compute::CpuMixed, _) => MIXED_FORWARD_CHUNK_TOKENS,
-        (Compute::Gpu | Compute::Portable, Some(free)) => tokens_for_memory(
+        (Compute::Gpu | Compute::Portable, Some(free)) => tokens_for_memory_with(
             shape,
             act_bytes,
             gradient_checkpointing,
             activation_budget(free, params),
+            lora_bytes,
         ),
         (Compute::CpuFused | Compute::Gpu | Compute::Portable, _) => DEFAULT_FORWARD_CHUNK_TOKENS,
     }

@@ -59,7 +59,7 @@ fn device_sized_passes_follow_the_model_and_the_budget() {
 fn unset_passes_follow_the_compute() {
     use grpo_models::kernels::Compute;
     let (cfg, params, gb) = ((576, 1536, 30), 135_000_000, 1u64 << 30);
-    let chunk = |c, free| default_chunk_tokens(c, free, cfg, 4, false, params);
+    let chunk = |c, free| default_chunk_tokens(c, free, cfg, 4, false, params, 0);
     assert_eq!(
         chunk(Compute::CpuFused, Some(64 * gb)),
         DEFAULT_FORWARD_CHUNK_TOKENS
@@ -76,6 +76,25 @@ fn unset_passes_follow_the_compute() {
             tokens_for_memory(cfg, 4, false, budget)
         );
         assert_eq!(chunk(c, None), DEFAULT_FORWARD_CHUNK_TOKENS);
+    }
+}
+
+/// LoRA's adapters shrink the unset pass on a GPU by what they keep per token (the same bytes
+/// `grpo plan` counts), all of it without checkpointing and one layer's share with it.
+#[test]
+fn lora_activations_shrink_the_unset_pass() {
+    use grpo_models::kernels::Compute;
+    let (cfg, params, gb) = ((4096, 14336, 32), 7_400_000_000u64, 1u64 << 30);
+    let (free, elems) = (120 * gb, 5_000_000u64);
+    for ckpt in [false, true] {
+        let lora = lora_activation_bytes(elems, 32, ckpt);
+        assert_eq!(lora, if ckpt { 4 * elems / 32 } else { 4 * elems });
+        let per_token = activation_bytes_per_token(cfg, 2, ckpt);
+        let with = default_chunk_tokens(Compute::Gpu, Some(free), cfg, 2, ckpt, params, lora);
+        let want = (activation_budget(free, params) / (per_token + lora)) as usize;
+        assert_eq!(with, want.clamp(DEFAULT_FORWARD_CHUNK_TOKENS, 1 << 20));
+        let without = default_chunk_tokens(Compute::Gpu, Some(free), cfg, 2, ckpt, params, 0);
+        assert!(with < without, "{ckpt}: {with} vs {without}");
     }
 }
 

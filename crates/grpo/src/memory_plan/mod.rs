@@ -24,7 +24,7 @@ mod terms;
 #[cfg(test)]
 mod tests;
 
-pub use model::{safetensors_shapes, ModelShapes, ShapeSource};
+pub use model::{lora_activation_elems, safetensors_shapes, ModelShapes, ShapeSource};
 pub use terms::{pass_shape, PassShape};
 
 use grpo_models::kernels::Compute;

@@ -265,16 +265,12 @@ impl ModelShapes {
     /// output (3 x out), with dropout also the mask and the masked input (2 x in); an adapted
     /// gate/up joins its parts again for the activation (2 x intermediate).
     pub fn lora_activation_elems(&self, targets: &dyn Fn(&str) -> bool, dropout: bool) -> u64 {
-        let mut joined_mlp = std::collections::BTreeSet::new();
-        let mut n = 0;
-        for (module, i, o) in self.projection_dims().iter().filter(|(m, _, _)| targets(m)) {
-            n += 3 * o + if dropout { 2 * i } else { 0 };
-            let (prefix, leaf) = module.rsplit_once('.').unwrap_or(("", module.as_str()));
-            if leaf == "gate_proj" || leaf == "up_proj" {
-                joined_mlp.insert(prefix.to_string());
-            }
-        }
-        (n + joined_mlp.len() * 2 * self.config.intermediate_size) as u64
+        lora_activation_elems(
+            &self.projection_dims(),
+            targets,
+            dropout,
+            self.config.intermediate_size,
+        )
     }
 
     /// (module, in, out) of each projection, HF layout `[out, in]` (GPT-2's Conv1D `[in, out]`).
@@ -293,6 +289,26 @@ impl ModelShapes {
             })
             .collect()
     }
+}
+
+/// [`ModelShapes::lora_activation_elems`] over the projections `(module, in, out)` of a model
+/// whose MLP is `intermediate` wide (the trainer sizes its passes by it too).
+pub fn lora_activation_elems(
+    projections: &[(String, usize, usize)],
+    targets: &dyn Fn(&str) -> bool,
+    dropout: bool,
+    intermediate: usize,
+) -> u64 {
+    let mut joined_mlp = std::collections::BTreeSet::new();
+    let mut n = 0;
+    for (module, i, o) in projections.iter().filter(|(m, _, _)| targets(m)) {
+        n += 3 * o + if dropout { 2 * i } else { 0 };
+        let (prefix, leaf) = module.rsplit_once('.').unwrap_or(("", module.as_str()));
+        if leaf == "gate_proj" || leaf == "up_proj" {
+            joined_mlp.insert(prefix.to_string());
+        }
+    }
+    (n + joined_mlp.len() * 2 * intermediate) as u64
 }
 
 fn elems(shape: &[usize]) -> u64 {

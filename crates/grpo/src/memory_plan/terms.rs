@@ -74,6 +74,7 @@ pub(super) fn forward_chunk_tokens(input: &PlanInput, held: u64) -> usize {
         act_bytes(input),
         input.gradient_checkpointing,
         c.approx_params(),
+        lora_activation_bytes(input),
     )
 }
 
@@ -477,10 +478,11 @@ fn lora_activation_bytes(input: &PlanInput) -> u64 {
     let Some(l) = &input.lora else {
         return 0;
     };
-    match input.gradient_checkpointing {
-        true => 4 * l.activation_elems / input.model.config.num_layers.max(1) as u64,
-        false => 4 * l.activation_elems,
-    }
+    crate::logprobs::lora_activation_bytes(
+        l.activation_elems,
+        input.model.config.num_layers,
+        input.gradient_checkpointing,
+    )
 }
 
 /// The training forward's own copy of the weights, when it has one (see [`update`]).

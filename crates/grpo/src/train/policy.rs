@@ -333,9 +333,23 @@ impl Policy for CausalLmPolicy {
         self.sharded.as_ref()
     }
 
-    /// [`crate::logprobs::default_chunk_tokens`] for this model, its compute and the device's
-    /// free memory now.
+    /// [`crate::logprobs::default_chunk_tokens`] for this model, its compute, its adapters
+    /// (what `grpo plan` counts for them) and the device's free memory now.
     fn forward_chunk_tokens(&self, gradient_checkpointing: bool) -> usize {
+        let lora = self.lora.as_ref().map_or(0, |(base, l)| {
+            let projections = base.projection_shapes().unwrap_or_default();
+            let elems = crate::memory_plan::lora_activation_elems(
+                &projections,
+                &|m| l.targets(m),
+                l.dropout > 0.0,
+                self.cfg.intermediate_size,
+            );
+            crate::logprobs::lora_activation_bytes(
+                elems,
+                self.cfg.num_layers,
+                gradient_checkpointing,
+            )
+        });
         crate::logprobs::default_chunk_tokens(
             grpo_models::kernels::Compute::resolve(&self.device, self.dtype),
             grpo_models::kernels::free_memory(&self.device),
@@ -347,6 +361,7 @@ impl Policy for CausalLmPolicy {
             self.dtype.size_in_bytes(),
             gradient_checkpointing,
             self.cfg.approx_params(),
+            lora,
         )
     }
 
