@@ -261,9 +261,10 @@ impl ModelShapes {
 
     /// Elements per token that LoRA's adapters keep for the backward in a training pass, over
     /// all layers (`models/lora.rs`, `LoraAdapter::forward`; `layers`, `FusedLinear::forward`):
-    /// each adapted projection keeps `x A^T B^T`, its scaled copy and the sum with the base
-    /// output (3 x out), with dropout also the mask and the masked input (2 x in); an adapted
-    /// gate/up joins its parts again for the activation (2 x intermediate).
+    /// each adapted projection keeps its output (one recorded node, 1 x out), with dropout
+    /// autograd's graph instead: `x A^T B^T`, its scaled copy and the sum with the base output
+    /// (3 x out), the mask and the masked input (2 x in); an adapted gate/up joins its parts
+    /// again for the activation (2 x intermediate).
     pub fn lora_activation_elems(&self, targets: &dyn Fn(&str) -> bool, dropout: bool) -> u64 {
         lora_activation_elems(
             &self.projection_dims(),
@@ -302,7 +303,7 @@ pub fn lora_activation_elems(
     let mut joined_mlp = std::collections::BTreeSet::new();
     let mut n = 0;
     for (module, i, o) in projections.iter().filter(|(m, _, _)| targets(m)) {
-        n += 3 * o + if dropout { 2 * i } else { 0 };
+        n += if dropout { 3 * o + 2 * i } else { *o };
         let (prefix, leaf) = module.rsplit_once('.').unwrap_or(("", module.as_str()));
         if leaf == "gate_proj" || leaf == "up_proj" {
             joined_mlp.insert(prefix.to_string());
