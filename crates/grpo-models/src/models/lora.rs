@@ -193,17 +193,7 @@ mod tests {
     fn recorded_backward_gives_autograds_gradients_bit_for_bit() {
         use candle_core::Var;
         let dev = Device::Cpu;
-        let rnd = |n: usize, seed: u64| -> Vec<f32> {
-            let mut s = seed;
-            (0..n)
-                .map(|_| {
-                    s = s
-                        .wrapping_mul(6364136223846793005)
-                        .wrapping_add(1442695040888963407);
-                    ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-                })
-                .collect()
-        };
+        let rnd = crate::kernels::cpu::gemm_bf16::test_values;
         for dt in [DType::F32, DType::BF16] {
             let (i, o, r, rows) = (24, 40, 4, 10);
             let a = Var::from_vec(rnd(r * i, 1), (r, i), &dev).unwrap();

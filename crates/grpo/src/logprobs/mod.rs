@@ -507,10 +507,11 @@ pub fn activation_bytes_per_token(
 
 /// Tokens per training pass when `forward_chunk_tokens` is unset, for a model of `shape`
 /// (hidden, intermediate, layers) and `params` parameters computing in `act_bytes`-byte floats
-/// (LoRA's adapters keeping `lora_bytes` more per token) under `compute`: [`DEFAULT_FORWARD_CHUNK_TOKENS`] on the fused CPU path in f32,
-/// [`MIXED_FORWARD_CHUNK_TOKENS`] under CPU mixed precision, and off the fused path (a GPU,
-/// portable kernels) as many as fit a share of the device's `free` memory
-/// ([`activation_budget`], [`tokens_for_memory`]; the CPU default when it is unknown).
+/// (LoRA's adapters keeping `lora_bytes` more per token) under `compute`:
+/// [`DEFAULT_FORWARD_CHUNK_TOKENS`] on the fused CPU path in f32, [`MIXED_FORWARD_CHUNK_TOKENS`]
+/// under CPU mixed precision, and off the fused path (a GPU, portable kernels) as many as fit a
+/// share of the device's `free` memory ([`activation_budget`], [`tokens_for_memory`]; the CPU
+/// default when it is unknown).
 pub fn default_chunk_tokens(
     compute: grpo_models::kernels::Compute,
     free: Option<u64>,
