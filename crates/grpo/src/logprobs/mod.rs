@@ -638,6 +638,33 @@ fn packs(
     packs
 }
 
+/// The forward row of each pack of `lens` tokens: all in row 0 (`one_row`), else first fit by
+/// decreasing length into rows as long as the longest pack. Off the fused CPU path every row is
+/// padded to the longest, so with uneven lengths (completions that end early beside one that
+/// runs to the cap) a row per pack would mostly be padding: computed, and kept for the
+/// backward, like real tokens. Packs of one length keep a row each, in order.
+fn pack_rows(lens: &[usize], one_row: bool) -> Vec<usize> {
+    if one_row {
+        return vec![0; lens.len()];
+    }
+    let cap = lens.iter().copied().max().unwrap_or(0);
+    let mut order: Vec<usize> = (0..lens.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(lens[i])); // stable: ties keep their order
+    let (mut used, mut row): (Vec<usize>, Vec<usize>) = (Vec::new(), vec![0; lens.len()]);
+    for i in order {
+        let r = match used.iter().position(|&u| u + lens[i] <= cap) {
+            Some(r) => r,
+            None => {
+                used.push(0);
+                used.len() - 1
+            }
+        };
+        used[r] += lens[i];
+        row[i] = r;
+    }
+    row
+}
+
 /// Tokens of a pack: its prompt once, then each of its completions.
 fn pack_len(prompts: &[&[u32]], completions: &[&[u32]], r: &Range<usize>) -> usize {
     prompts[r.start].len() + r.clone().map(|i| completions[i].len()).sum::<usize>()
@@ -658,7 +685,7 @@ struct PackedRows {
 }
 
 impl PackedRows {
-    /// All packs in one row (`one_row`), or a right-padded row per pack.
+    /// All packs in one row (`one_row`), or right-padded rows of packs ([`pack_rows`]).
     fn new(
         prompts: &[&[u32]],
         completions: &[&[u32]],
@@ -669,17 +696,21 @@ impl PackedRows {
             .iter()
             .map(|r| pack_len(prompts, completions, r))
             .collect();
-        let n_rows = if one_row { 1 } else { packs.len() };
-        let t = match one_row {
-            true => lens.iter().sum(),
-            false => lens.iter().copied().max().unwrap_or(0),
-        };
+        let row_of = pack_rows(&lens, one_row);
+        let n_rows = row_of.iter().max().map_or(0, |r| r + 1);
+        let mut row_len = vec![0; n_rows];
+        for (&r, &l) in row_of.iter().zip(&lens) {
+            row_len[r] += l;
+        }
+        let t = row_len.iter().copied().max().unwrap_or(0);
         let mut ids: Vec<Vec<u32>> = vec![Vec::new(); n_rows];
         let mut pos: Vec<Vec<u32>> = vec![Vec::new(); n_rows];
         let mut seg: Vec<Vec<(u32, u32)>> = vec![Vec::new(); n_rows];
+        let mut packs_in_row = vec![0u32; n_rows];
         let (mut slots, mut targets) = (Vec::new(), Vec::new());
-        for (pi, r) in packs.iter().enumerate() {
-            let (row, pack) = if one_row { (0, pi as u32) } else { (pi, 0) };
+        for (r, &row) in packs.iter().zip(&row_of) {
+            let pack = packs_in_row[row];
+            packs_in_row[row] += 1;
             let p = prompts[r.start];
             let lp = p.len();
             if lp == 0 {
@@ -734,7 +765,8 @@ pub fn completion_logprobs(
     let tc = completions.iter().map(|c| c.len()).max().unwrap_or(0);
     // On the CPU in f32 the fused attention reads only each token's own pack, so all packs go
     // into one row: no padding, and one large matmul per projection. Elsewhere attention scores
-    // every key slot of a row, so each pack gets its own right-padded row.
+    // every key slot of a row, so packs go into right-padded rows as long as the longest pack,
+    // short ones sharing a row (`pack_rows`).
     let one_row = model.compute().is_fused();
     let packs = packs(prompts, completions, packing, one_row);
     let rows = PackedRows::new(prompts, completions, &packs, one_row)?;

@@ -28,6 +28,31 @@ fn a_row_per_completion_only_where_it_scores_fewer_keys() {
     assert!(!per_row_scores_fewer(8, 300, 8, 300));
 }
 
+/// Off the fused CPU path packs share right-padded rows as long as the longest, first fit by
+/// decreasing length: uneven packs fill rows instead of each padding to the longest, packs of
+/// one length keep a row each in order, and the fused path keeps one row.
+#[test]
+fn uneven_packs_share_rows_as_long_as_the_longest() {
+    assert_eq!(
+        pack_rows(&[100, 20, 30, 50, 100, 60], false),
+        [0, 3, 2, 3, 1, 2]
+    );
+    assert_eq!(pack_rows(&[7, 7, 7], false), [0, 1, 2]);
+    assert_eq!(pack_rows(&[7, 3, 9], true), [0, 0, 0]);
+    // No row is longer than the longest pack, and the rows' padding is what first fit leaves.
+    let lens = [
+        512, 31, 77, 400, 12, 256, 199, 480, 5, 64, 300, 111, 90, 45, 333, 128,
+    ];
+    let rows = pack_rows(&lens, false);
+    let n_rows = rows.iter().max().unwrap() + 1;
+    let mut used = vec![0; n_rows];
+    for (&r, &l) in rows.iter().zip(&lens) {
+        used[r] += l;
+    }
+    assert!(used.iter().all(|&u| u <= 512), "{used:?}");
+    assert_eq!(n_rows, 6, "{used:?}"); // 3,043 tokens in 6 rows of 512 instead of 16
+}
+
 /// The device-sized pass: SmolLM2-135M's shape in bf16 with checkpointing keeps ~87 KB per
 /// token (30 x 576 + 24 x 576 + 8 x 1536 floats), so 8 GB holds ~99k tokens; without it
 /// ~1.1 MB, ~7.6k tokens; a tiny budget still gets the CPU default and a huge one the cap.

@@ -212,27 +212,30 @@ fn gradient_sink_equals_autograd_and_accumulates() {
 }
 
 /// On the CPU in f32 all packs share one row (the fused attention reads only each pack's keys);
-/// other dtypes and devices give each pack its own padded row. Both layouts give the same
-/// log-probs: f32 one-row against an f64 model laid out row per pack.
+/// other dtypes and devices lay packs into padded rows as long as the longest, short packs
+/// sharing one (here p4's behind a p1 or p2 group). Both layouts give the same log-probs: f32
+/// one-row against an f64 model laid out in padded rows.
 #[test]
 fn one_row_packing_matches_rows_per_pack() {
     use grpo::logprobs::{completion_logprobs, Entropy, Packing};
     let p1 = vec![5u32, 17, 33, 2, 90];
     let p2 = vec![7u32, 8];
     let p3 = vec![11u32, 12, 13];
+    let p4 = vec![21u32];
     let comps: Vec<Vec<u32>> = vec![
         vec![4, 9, 1],
         vec![12],
         vec![3, 3, 3, 3, 8],
         vec![6, 2],
-        vec![40, 41, 42, 43, 44, 45, 46],
+        vec![40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51],
+        vec![22, 23],
     ];
-    let prompts: Vec<&[u32]> = vec![&p1, &p1, &p2, &p2, &p3];
+    let prompts: Vec<&[u32]> = vec![&p1, &p1, &p2, &p2, &p3, &p4];
     let cs: Vec<&[u32]> = comps.iter().map(|c| c.as_slice()).collect();
     for name in ARCHS {
         let (m, _) = load(name, DType::F32);
         let run = |dtype| {
-            let (model, _) = trainable(&m, dtype);
+            let (model, vars) = trainable(&m, dtype);
             let (lp, _) = completion_logprobs(
                 &model,
                 &prompts,
@@ -244,9 +247,27 @@ fn one_row_packing_matches_rows_per_pack() {
                 Packing::SharedPrompt,
             )
             .unwrap();
-            lp.to_dtype(DType::F64).unwrap().to_vec2::<f64>().unwrap()
+            let w = Tensor::arange(0f32, lp.elem_count() as f32, &Device::Cpu)
+                .unwrap()
+                .reshape(lp.dims())
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let grads = (&lp * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            let grad = |k: &str| {
+                let g = grads.get(&vars[k]).unwrap().to_dtype(DType::F64).unwrap();
+                g.flatten_all().unwrap().to_vec1::<f64>().unwrap()
+            };
+            let mut keys: Vec<&String> = vars.keys().collect();
+            keys.sort();
+            let gs: Vec<(String, Vec<f64>)> =
+                keys.into_iter().map(|k| (k.clone(), grad(k))).collect();
+            (
+                lp.to_dtype(DType::F64).unwrap().to_vec2::<f64>().unwrap(),
+                gs,
+            )
         };
-        let (one_row, per_pack) = (run(DType::F32), run(DType::F64));
+        let ((one_row, g_one), (per_pack, g_rows)) = (run(DType::F32), run(DType::F64));
         for (i, (a, b)) in one_row.iter().zip(&per_pack).enumerate() {
             for j in 0..comps[i].len() {
                 assert!(
@@ -256,6 +277,14 @@ fn one_row_packing_matches_rows_per_pack() {
                     b[j]
                 );
             }
+        }
+        for ((k, a), (_, b)) in g_one.iter().zip(&g_rows) {
+            let scale = b.iter().fold(1e-3f64, |m, x| m.max(x.abs()));
+            let diff = a.iter().zip(b).fold(0f64, |m, (x, y)| m.max((x - y).abs()));
+            assert!(
+                diff < 1e-4 * scale,
+                "{name}: gradient of {k} differs by {diff}"
+            );
         }
     }
 }
