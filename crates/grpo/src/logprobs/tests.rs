@@ -53,6 +53,48 @@ fn uneven_packs_share_rows_as_long_as_the_longest() {
     assert_eq!(n_rows, 6, "{used:?}"); // 3,043 tokens in 6 rows of 512 instead of 16
 }
 
+/// Issue 59's long, uneven shapes laid out for a GPU: 16 prompts of 63 tokens x 8 completions
+/// whose lengths spread as the bench's random model ends them (exponential at 2.77 / cap, cut at
+/// the cap), in passes of the 1.7B H200 budget (13,926 tokens). A padded row per pack computed
+/// 2.5x the shared rows' tokens at cap 1024 (139k against 57k) and 1.6x at cap 4096 (356k
+/// against 218k); the shared rows are 6% and 16% padding (53k and 188k real tokens).
+#[test]
+fn uneven_long_completions_share_rows_instead_of_padding() {
+    use rand::{Rng, SeedableRng};
+    for (cap, at_least) in [(1024usize, 2.2), (4096, 1.5)] {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(cap as u64);
+        let prompts: Vec<Vec<u32>> = (0..16).map(|p| vec![p as u32 + 1; 63]).collect();
+        let comps: Vec<Vec<u32>> = (0..128)
+            .map(|_| {
+                let u: f64 = rng.random::<f64>().max(1e-12);
+                let len = (-u.ln() * cap as f64 / 2.77) as usize;
+                vec![7; len.clamp(1, cap)]
+            })
+            .collect();
+        let pr: Vec<&[u32]> = (0..128).map(|i| prompts[i / 8].as_slice()).collect();
+        let cr: Vec<&[u32]> = comps.iter().map(|c| c.as_slice()).collect();
+        let (mut padded_each, mut padded_shared, mut real) = (0, 0, 0);
+        for r in forward_chunks(&pr, &cr, 13_926) {
+            let (p, c) = (&pr[r.clone()], &cr[r]);
+            let units = packs(p, c, Packing::SharedPrompt, false);
+            let lens: Vec<usize> = units.iter().map(|u| pack_len(p, c, u)).collect();
+            padded_each += lens.len() * lens.iter().max().unwrap();
+            let rows = PackedRows::new(p, c, &units, false).unwrap();
+            padded_shared += rows.ids.len() * rows.t;
+            real += lens.iter().sum::<usize>();
+        }
+        let gain = padded_each as f64 / padded_shared as f64;
+        assert!(
+            gain >= at_least,
+            "cap {cap}: {padded_each} vs {padded_shared}"
+        );
+        assert!(
+            padded_shared * 4 <= real * 5,
+            "cap {cap}: {padded_shared} for {real}"
+        );
+    }
+}
+
 /// The device-sized pass: SmolLM2-135M's shape in bf16 with checkpointing keeps ~87 KB per
 /// token (30 x 576 + 24 x 576 + 8 x 1536 floats), so 8 GB holds ~99k tokens; without it
 /// ~1.1 MB, ~7.6k tokens; a tiny budget still gets the CPU default and a huge one the cap.
