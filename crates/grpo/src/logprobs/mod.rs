@@ -535,15 +535,23 @@ pub fn default_chunk_tokens(
     }
 }
 
+/// Whether a forward under `compute` lays every pack into one row (the fused CPU attention reads
+/// only each token's own pack) instead of right-padded rows ([`pack_rows`]).
+pub fn one_row(compute: Compute) -> bool {
+    compute.is_fused()
+}
+
 /// Splits rows (`prompts[i] ++ completions[i]`, consecutive rows of a group sharing their prompt)
-/// into consecutive ranges whose packed length (each group's prompt once, plus its completions) is
-/// at most `budget` tokens. Whole groups stay together when they fit; a group longer than the
-/// budget is split between completions (its prompt then counts in each part). A single row longer
-/// than the budget gets a range of its own.
+/// into consecutive ranges of at most `budget` tokens, counted as the forward lays them out
+/// ([`one_row`]): a group's prompt once, or once per completion where the group gets a row per
+/// completion ([`group_per_row`]). Whole groups stay together when they fit; a group longer than
+/// the budget is split between completions (its prompt then counts in each part). A single row
+/// longer than the budget gets a range of its own.
 pub fn forward_chunks(
     prompts: &[&[u32]],
     completions: &[&[u32]],
     budget: usize,
+    one_row: bool,
 ) -> Vec<std::ops::Range<usize>> {
     let n = prompts.len().min(completions.len());
     let mut out: Vec<std::ops::Range<usize>> = Vec::new();
@@ -555,7 +563,9 @@ pub fn forward_chunks(
             end += 1;
         }
         let lp = prompts[g].len();
-        let group: usize = lp + (g..end).map(|i| completions[i].len()).sum::<usize>();
+        let per_row = group_per_row(lp, &completions[g..end], one_row);
+        let comps: usize = (g..end).map(|i| completions[i].len()).sum();
+        let group = comps + if per_row { (end - g) * lp } else { lp };
         if used + group <= budget {
             used += group;
         } else {
@@ -567,15 +577,17 @@ pub fn forward_chunks(
             if group <= budget {
                 used = group;
             } else {
-                // Completion by completion, the prompt counted once per part.
+                // Completion by completion, the prompt counted once per part (once per row
+                // under a row per completion).
                 for (i, comp) in completions.iter().enumerate().take(end).skip(g) {
                     let c = comp.len();
-                    if used > 0 && used + c > budget {
+                    let more = if per_row { lp + c } else { c };
+                    if used > 0 && used + more > budget {
                         out.push(start..i);
                         start = i;
                         used = 0;
                     }
-                    used += if used == 0 { lp + c } else { c };
+                    used += if used == 0 { lp + c } else { more };
                 }
             }
         }
@@ -608,9 +620,17 @@ fn per_row_scores_fewer(packs: usize, shared: usize, n: usize, own: usize) -> bo
     scores(n, own) < scores(packs, shared)
 }
 
+/// Whether a group (completions behind one prompt of `prompt` tokens) gets a row per completion:
+/// off `one_row` (where attention scores every key slot of a row), when that scores fewer keys
+/// than the group's one row ([`per_row_scores_fewer`]).
+fn group_per_row(prompt: usize, completions: &[&[u32]], one_row: bool) -> bool {
+    let (g, lens) = (completions.len(), completions.iter().map(|c| c.len()));
+    let (sum, longest) = (lens.clone().sum::<usize>(), lens.max().unwrap_or(0));
+    !one_row && g > 1 && per_row_scores_fewer(1, prompt + sum, g, prompt + longest)
+}
+
 /// Runs of consecutive rows with the same prompt (a group) under [`Packing::SharedPrompt`],
-/// else single rows. Off `one_row` (where attention scores every key slot of a row) a group
-/// shares one only when that scores fewer keys than a row per completion.
+/// else single rows; a group split into single rows where [`group_per_row`] says so.
 fn packs(
     prompts: &[&[u32]],
     completions: &[&[u32]],
@@ -618,21 +638,20 @@ fn packs(
     one_row: bool,
 ) -> Vec<Range<usize>> {
     let n = prompts.len();
-    let mut packs: Vec<Range<usize>> = Vec::new();
+    let mut groups: Vec<Range<usize>> = Vec::new();
     for i in 0..n {
-        match packs.last_mut() {
+        match groups.last_mut() {
             Some(r) if packing == Packing::SharedPrompt && prompts[r.start] == prompts[i] => {
                 r.end = i + 1
             }
-            _ => packs.push(i..i + 1),
+            _ => groups.push(i..i + 1),
         }
     }
-    if !one_row && packs.len() < n {
-        let longest = |lens: &mut dyn Iterator<Item = usize>| lens.max().unwrap_or(0);
-        let shared = longest(&mut packs.iter().map(|r| pack_len(prompts, completions, r)));
-        let own = longest(&mut (0..n).map(|i| prompts[i].len() + completions[i].len()));
-        if per_row_scores_fewer(packs.len(), shared, n, own) {
-            packs = (0..n).map(|i| i..i + 1).collect();
+    let mut packs = Vec::with_capacity(n);
+    for r in groups {
+        match group_per_row(prompts[r.start].len(), &completions[r.clone()], one_row) {
+            true => packs.extend(r.map(|i| i..i + 1)),
+            false => packs.push(r),
         }
     }
     packs
@@ -767,7 +786,7 @@ pub fn completion_logprobs(
     // into one row: no padding, and one large matmul per projection. Elsewhere attention scores
     // every key slot of a row, so packs go into right-padded rows as long as the longest pack,
     // short ones sharing a row (`pack_rows`).
-    let one_row = model.compute().is_fused();
+    let one_row = one_row(model.compute());
     let packs = packs(prompts, completions, packing, one_row);
     let rows = PackedRows::new(prompts, completions, &packs, one_row)?;
     let (n_rows, t, m) = (rows.ids.len(), rows.t, rows.slots.len());
@@ -869,7 +888,7 @@ pub fn sequence_logprobs(
     let prompts: Vec<&[u32]> = rows.iter().map(|r| r.0).collect();
     let comps: Vec<&[u32]> = rows.iter().map(|r| r.1).collect();
     let mut out = Vec::with_capacity(rows.len());
-    for part in forward_chunks(&prompts, &comps, chunk_tokens) {
+    for part in forward_chunks(&prompts, &comps, chunk_tokens, one_row(model.compute())) {
         let (lp, _) = completion_logprobs(
             model,
             &prompts[part.clone()],

@@ -142,6 +142,11 @@ pub trait TrainForward {
     fn sharded(&self) -> Option<&ShardedStep> {
         None
     }
+    /// Whether [`Self::logprobs`] lays every pack into one row (a group's prompt counted once
+    /// when passes are sized: [`crate::logprobs::forward_chunks`]).
+    fn one_row(&self) -> bool {
+        true
+    }
 }
 
 /// A `zero_stage = 3` optimizer step's parameters: the blocks, gathered one at a time through
@@ -477,6 +482,10 @@ impl TrainForward for CausalLmForward {
             entropy,
             Packing::SharedPrompt,
         )
+    }
+
+    fn one_row(&self) -> bool {
+        crate::logprobs::one_row(self.model.compute())
     }
 
     fn take_chunk_grad(&self, v: &Var) -> Result<Option<Tensor>> {

@@ -472,7 +472,7 @@ pub fn policy_gradients<P: Policy>(
             // This rank's part of the micro-batch is empty: it still takes the collective.
             world_entropy_threshold(world, None, opts.loss.top_entropy_quantile)?;
         }
-        let parts = forward_parts(batch, range.clone(), opts);
+        let parts = forward_parts(batch, range.clone(), opts, fwd.one_row());
         let passes = match sharded {
             Some(_) => world.max_usize(parts.len())?,
             None => parts.len(),
@@ -569,12 +569,14 @@ fn world_entropy_threshold(
 }
 
 /// The forward chunks of micro-batch `range` of `batch` (whole groups, at most
-/// `forward_chunk_tokens` tokens each), as row ranges of the batch. The high-entropy mask's
-/// quantile is over the micro-batch: then it is taken in one piece.
+/// `forward_chunk_tokens` tokens each, counted as laid out in `one_row` or padded rows), as row
+/// ranges of the batch. The high-entropy mask's quantile is over the micro-batch: then it is
+/// taken in one piece.
 fn forward_parts(
     batch: &TrainBatch,
     range: Range<usize>,
     opts: &UpdateOptions,
+    one_row: bool,
 ) -> Vec<Range<usize>> {
     let rows = &batch.rows[range.clone()];
     let prompts: Vec<&[u32]> = rows.iter().map(|r| r.prompt_ids.as_slice()).collect();
@@ -584,7 +586,7 @@ fn forward_parts(
     } else {
         opts.forward_chunk_tokens
     };
-    forward_chunks(&prompts, &comps, chunk_tokens)
+    forward_chunks(&prompts, &comps, chunk_tokens, one_row)
         .into_iter()
         .map(|part| range.start + part.start..range.start + part.end)
         .collect()
