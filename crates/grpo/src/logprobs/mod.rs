@@ -563,7 +563,7 @@ pub fn forward_chunks(
             end += 1;
         }
         let lp = prompts[g].len();
-        let per_row = group_per_row(lp, &completions[g..end], one_row);
+        let per_row = per_row(lp, &completions[g..end], one_row);
         let comps: usize = (g..end).map(|i| completions[i].len()).sum();
         let group = comps + if per_row { (end - g) * lp } else { lp };
         if used + group <= budget {
@@ -620,13 +620,22 @@ fn per_row_scores_fewer(packs: usize, shared: usize, n: usize, own: usize) -> bo
     scores(n, own) < scores(packs, shared)
 }
 
-/// Whether a group (completions behind one prompt of `prompt` tokens) gets a row per completion:
-/// off `one_row` (where attention scores every key slot of a row), when that scores fewer keys
-/// than the group's one row ([`per_row_scores_fewer`]).
-fn group_per_row(prompt: usize, completions: &[&[u32]], one_row: bool) -> bool {
-    let (g, lens) = (completions.len(), completions.iter().map(|c| c.len()));
+/// Whether a group (completions of `lens` tokens behind one prompt of `prompt` tokens) gets a
+/// row per completion: off `one_row` (where attention scores every key slot of a row), when that
+/// scores fewer keys than the group's one row ([`per_row_scores_fewer`]).
+pub fn group_per_row(
+    prompt: usize,
+    lens: impl Iterator<Item = usize> + Clone,
+    one_row: bool,
+) -> bool {
+    let g = lens.clone().count();
     let (sum, longest) = (lens.clone().sum::<usize>(), lens.max().unwrap_or(0));
     !one_row && g > 1 && per_row_scores_fewer(1, prompt + sum, g, prompt + longest)
+}
+
+/// [`group_per_row`] of a group's completions.
+fn per_row(prompt: usize, completions: &[&[u32]], one_row: bool) -> bool {
+    group_per_row(prompt, completions.iter().map(|c| c.len()), one_row)
 }
 
 /// Runs of consecutive rows with the same prompt (a group) under [`Packing::SharedPrompt`],
@@ -649,7 +658,7 @@ fn packs(
     }
     let mut packs = Vec::with_capacity(n);
     for r in groups {
-        match group_per_row(prompts[r.start].len(), &completions[r.clone()], one_row) {
+        match per_row(prompts[r.start].len(), &completions[r.clone()], one_row) {
             true => packs.extend(r.map(|i| i..i + 1)),
             false => packs.push(r),
         }

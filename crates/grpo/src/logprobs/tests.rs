@@ -192,8 +192,8 @@ fn forward_chunks_count_what_padded_rows_hold() {
     let c: Vec<Vec<u32>> = [3, 2, 5, 1, 4, 4].iter().map(|&l| vec![9; l]).collect();
     let prompts: Vec<&[u32]> = vec![&p1, &p1, &p1, &p2, &p2, &p2];
     let comps: Vec<&[u32]> = c.iter().map(|v| v.as_slice()).collect();
-    assert!(!group_per_row(4, &comps[..3], false) && group_per_row(2, &comps[3..], false));
-    assert!(!group_per_row(2, &comps[3..], true));
+    assert!(!per_row(4, &comps[..3], false) && per_row(2, &comps[3..], false));
+    assert!(!per_row(2, &comps[3..], true));
     assert_eq!(
         forward_chunks(&prompts, &comps, 14, false),
         vec![0..3, 3..5, 5..6]

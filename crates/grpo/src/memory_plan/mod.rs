@@ -180,7 +180,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
     let mut terms = terms::always(input);
     let held: u64 = terms.iter().map(|t| t.bytes).sum();
     let chunk = terms::forward_chunk_tokens(input, held);
-    let pass = pass_shape(&input.batch, chunk);
+    let pass = pass_shape(&input.batch, chunk, crate::logprobs::one_row(input.compute));
     terms.extend(terms::rollout(input));
     terms.extend(terms::log_probs(input, chunk));
     terms.extend(terms::update(input, &pass));

@@ -32,19 +32,23 @@ pub struct PassShape {
 }
 
 /// The largest pass of a micro-batch under a budget of `budget` tokens, as
-/// [`crate::logprobs::forward_chunks`] cuts it: whole groups (prompt once, G completions) while
-/// they fit; a group longer than the budget split between its completions, its prompt counted in
-/// each part.
-pub fn pass_shape(b: &BatchShape, budget: usize) -> PassShape {
+/// [`crate::logprobs::forward_chunks`] cuts it for a forward that lays packs in `one_row` or in
+/// padded rows: whole groups (prompt once, G completions; the prompt in each completion's row
+/// where the group gets a row per completion) while they fit; a group longer than the budget
+/// split between its completions, its prompt counted in each part (in each row).
+pub fn pass_shape(b: &BatchShape, budget: usize, one_row: bool) -> PassShape {
     let (lp, lc) = (b.prompt_tokens, b.completion_tokens.max(1));
     let group_rows = b.micro_batch.min(b.generations).max(1);
     let groups = (b.micro_batch / group_rows).max(1);
-    let group_tokens = lp + group_rows * lc;
+    let per_row = crate::logprobs::group_per_row(lp, std::iter::repeat_n(lc, group_rows), one_row);
+    let prompts = |rows: usize| if per_row { rows * lp } else { lp };
+    let group_tokens = prompts(group_rows) + group_rows * lc;
     let budget = budget.max(1);
     if group_tokens > budget {
-        let k = (budget.saturating_sub(lp) / lc).clamp(1, group_rows);
+        let row = if per_row { lp + lc } else { lc };
+        let k = (budget.saturating_sub(lp + lc) / row + 1).clamp(1, group_rows);
         return PassShape {
-            tokens: lp + k * lc,
+            tokens: prompts(k) + k * lc,
             completion_tokens: k * lc,
             passes: groups * group_rows.div_ceil(k),
             budget,

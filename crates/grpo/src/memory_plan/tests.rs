@@ -67,17 +67,39 @@ fn the_architecture_counts_what_approx_params_counts_plus_the_norms() {
 
 #[test]
 fn a_pass_takes_whole_groups_and_splits_a_group_longer_than_the_budget() {
-    // Groups of 20 + 4 x 10 = 60 tokens; 2 per micro-batch.
-    let p = pass_shape(&batch(), 1024);
-    assert_eq!((p.tokens, p.completion_tokens, p.passes), (120, 80, 1));
-    let p = pass_shape(&batch(), 100);
-    assert_eq!((p.tokens, p.completion_tokens, p.passes), (60, 40, 2));
-    // 45 tokens: the prompt and 2 completions per part, 2 parts per group.
-    let p = pass_shape(&batch(), 45);
-    assert_eq!((p.tokens, p.completion_tokens, p.passes), (40, 20, 4));
-    // Never less than one completion.
-    let p = pass_shape(&batch(), 5);
-    assert_eq!((p.tokens, p.completion_tokens, p.passes), (30, 10, 8));
+    // Groups of 20 + 4 x 10 = 60 tokens; 2 per micro-batch. In padded rows too: a row per
+    // completion scores no fewer keys (4 x 30^2 = 60^2), so the group keeps its row.
+    for one_row in [true, false] {
+        let p = pass_shape(&batch(), 1024, one_row);
+        assert_eq!((p.tokens, p.completion_tokens, p.passes), (120, 80, 1));
+        let p = pass_shape(&batch(), 100, one_row);
+        assert_eq!((p.tokens, p.completion_tokens, p.passes), (60, 40, 2));
+        // 45 tokens: the prompt and 2 completions per part, 2 parts per group.
+        let p = pass_shape(&batch(), 45, one_row);
+        assert_eq!((p.tokens, p.completion_tokens, p.passes), (40, 20, 4));
+        // Never less than one completion.
+        let p = pass_shape(&batch(), 5, one_row);
+        assert_eq!((p.tokens, p.completion_tokens, p.passes), (30, 10, 8));
+    }
+}
+
+/// Completions of 100 behind prompts of 20: in padded rows a row each (4 x 120^2 keys against
+/// 420^2), so a group holds 4 x 120 = 480 tokens, not 420, and a part of a group repeats the
+/// prompt in each row, as `forward_chunks` counts them.
+#[test]
+fn a_pass_in_padded_rows_counts_a_prompt_per_row() {
+    let b = BatchShape {
+        completion_tokens: 100,
+        ..batch()
+    };
+    let p = pass_shape(&b, 1024, true);
+    assert_eq!((p.tokens, p.completion_tokens, p.passes), (840, 800, 1));
+    let p = pass_shape(&b, 1024, false);
+    assert_eq!((p.tokens, p.completion_tokens, p.passes), (960, 800, 1));
+    let p = pass_shape(&b, 500, false);
+    assert_eq!((p.tokens, p.completion_tokens, p.passes), (480, 400, 2));
+    let p = pass_shape(&b, 300, false);
+    assert_eq!((p.tokens, p.completion_tokens, p.passes), (240, 200, 4));
 }
 
 /// Full fine-tuning on the fused CPU path, by hand: the f32 masters, two moments, and an update
