@@ -165,6 +165,7 @@ fn lora_activations_shrink_the_unset_pass() {
     }
 }
 
+/// Passes of whole groups within the budget, counted as one row or padded rows hold them.
 #[test]
 fn forward_chunks_keep_groups_whole_and_respect_the_budget() {
     let p1 = [1u32, 2, 3, 4];
@@ -180,18 +181,10 @@ fn forward_chunks_keep_groups_whole_and_respect_the_budget() {
     assert_eq!(chunks(11), vec![0..2, 2..3, 3..6]);
     assert_eq!(chunks(1), (0..6).map(|i| i..i + 1).collect::<Vec<_>>());
     assert!(forward_chunks(&[], &[], 10, true).is_empty());
-}
 
-/// In padded rows a group laid out a row per completion counts its prompt in every row: group 2
-/// (3 x 6^2 = 108 keys against 11^2 = 121) costs 3 x 2 + 9 = 15 tokens, not 11, and splits
-/// by rows (2+1 + 2+4, then 2+4); group 1 (3 x 9^2 = 243 against 14^2 = 196) keeps its row.
-#[test]
-fn forward_chunks_count_what_padded_rows_hold() {
-    let p1 = [1u32, 2, 3, 4];
-    let p2 = [5u32, 6];
-    let c: Vec<Vec<u32>> = [3, 2, 5, 1, 4, 4].iter().map(|&l| vec![9; l]).collect();
-    let prompts: Vec<&[u32]> = vec![&p1, &p1, &p1, &p2, &p2, &p2];
-    let comps: Vec<&[u32]> = c.iter().map(|v| v.as_slice()).collect();
+    // In padded rows a group laid out a row per completion counts its prompt in every row:
+    // group 2 (3 x 6^2 = 108 keys against 11^2 = 121) costs 3 x 2 + 9 = 15 tokens, not 11, and
+    // splits by rows (2+1 + 2+4, then 2+4); group 1 (3 x 9^2 = 243 against 14^2) keeps its row.
     assert!(!per_row(4, &comps[..3], false) && per_row(2, &comps[3..], false));
     assert!(!per_row(2, &comps[3..], true));
     assert_eq!(
