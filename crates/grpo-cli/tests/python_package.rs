@@ -46,13 +46,30 @@ fn the_python_packages_tests_pass() {
         return;
     };
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    // A target directory of its own: the one this test runs from is cargo's, locked meanwhile.
-    let target = root.join("target/python");
-    let built = Command::new(&python)
+    // The target directory this test was built in: cargo holds no lock on it while tests run, and
+    // grpo-py resolves its dependencies as this build did (its Cargo.toml says how), so maturin
+    // compiles only pyo3 and the extension module.
+    let target = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .parent()
+        .expect("CARGO_TARGET_TMPDIR is inside the target directory");
+    let mut maturin = Command::new(&python);
+    maturin
         .args(["-m", "maturin", "develop", "-q", "-m"])
-        .arg(root.join("crates/grpo-py/Cargo.toml"))
+        .arg(root.join("crates/grpo-py/Cargo.toml"));
+    // Without the CARGO_* variables cargo set for this test (CARGO_MANIFEST_DIR, CARGO_PKG_NAME,
+    // ...): build scripts that watch them (ring's) would take them for a change and build again,
+    // here and in the next build of the test suite.
+    for (key, _) in std::env::vars_os() {
+        if key
+            .to_str()
+            .is_some_and(|k| k.starts_with("CARGO_") && k != "CARGO_HOME")
+        {
+            maturin.env_remove(key);
+        }
+    }
+    let built = maturin
         .env("VIRTUAL_ENV", &venv)
-        .env("CARGO_TARGET_DIR", &target)
+        .env("CARGO_TARGET_DIR", target)
         .status()
         .expect("run maturin");
     assert!(built.success(), "maturin could not build crates/grpo-py");
