@@ -56,14 +56,12 @@ fn the_python_packages_tests_pass() {
     maturin
         .args(["-m", "maturin", "develop", "-q", "-m"])
         .arg(root.join("crates/grpo-py/Cargo.toml"));
-    // Without the CARGO_* variables cargo set for this test (CARGO_MANIFEST_DIR, CARGO_PKG_NAME,
-    // ...): build scripts that watch them (ring's) would take them for a change and build again,
-    // here and in the next build of the test suite.
+    // Without the variables cargo set for this test (CARGO_MANIFEST_DIR, CARGO_PKG_NAME, ...):
+    // build scripts that watch them (ring's) would take them for a change and build again, here
+    // and in the next build of the test suite. The user's own (CARGO_HOME, CARGO_NET_OFFLINE, ...)
+    // stay.
     for (key, _) in std::env::vars_os() {
-        if key
-            .to_str()
-            .is_some_and(|k| k.starts_with("CARGO_") && k != "CARGO_HOME")
-        {
+        if key.to_str().is_some_and(set_by_cargo_test) {
             maturin.env_remove(key);
         }
     }
@@ -84,4 +82,18 @@ fn the_python_packages_tests_pass() {
         tests.success(),
         "the Python package's tests failed (output above)"
     );
+}
+
+/// Whether cargo sets the environment variable `key` for the test processes it runs.
+fn set_by_cargo_test(key: &str) -> bool {
+    const SET: [&str; 7] = [
+        "CARGO_MANIFEST_DIR",
+        "CARGO_MANIFEST_PATH",
+        "CARGO_MANIFEST_LINKS",
+        "CARGO_CRATE_NAME",
+        "CARGO_PRIMARY_PACKAGE",
+        "CARGO_TARGET_TMPDIR",
+        "CARGO_RUSTC_CURRENT_DIR",
+    ];
+    key.starts_with("CARGO_PKG_") || key.starts_with("CARGO_BIN_") || SET.contains(&key)
 }
