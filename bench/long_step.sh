@@ -13,6 +13,16 @@
 #   GRPO_ARGS="..."    more grpo options (e.g. --gradient_checkpointing=true, TRL's default)
 #   EOS_RATE=P         the model's end-of-sequence rate instead of 2.77/CAP (0: none, every
 #                      completion runs to the cap: equal work without a length spread)
+#   TRL_GRAD_ACCUM=N   TRL's gradient accumulation (its micro-batch: the round / N completions).
+#                      Unset: the fewest micro-batches of at most TRL_MICRO_TOKENS (131072)
+#                      completion slots each. TRL pads every completion to the longest, and with
+#                      gradient checkpointing it keeps each layer's input for the micro-batch:
+#                      under bf16 autocast over the peer's f32 weights the residual stream is f32,
+#                      ~200 KB a token at 1.7B, plus ~80 KB a token for the block it recomputes
+#                      (its fused LM head keeps no [rows, cap, vocab] logits). 16 x 8 rows at cap
+#                      4096 in one micro-batch would be ~150 GB, past an H200; they get 4. Every
+#                      other shape run so far fits in one (N = 1, as before). grpo sizes its own
+#                      passes (forward_chunk_tokens); one optimizer step per round on both sides.
 # On a GPU machine without a toolchain (the GPU kit, ../shared/gpu/): GRPO_BIN=.gpu/bin/grpo,
 # PEER_PYTHON=python3 (with TRL's wheels on PYTHONPATH), PEERS_SRC=.gpu/peers; peak GPU memory is
 # polled from nvidia-smi. MODEL_DIR=dir: the model there (made there first if absent).
@@ -63,6 +73,10 @@ poll() {
   POLL=$!
 }
 unpoll() { if [ -n "${POLL:-}" ]; then kill "$POLL" 2>/dev/null; wait "$POLL" 2>/dev/null || true; POLL=; fi; }
+# TRL's micro-batch: the smallest divisor N of the round with round / N x cap <= the budget.
+round=$((prompts * gens))
+accum=${TRL_GRAD_ACCUM:-$(python3 -c "import sys; n, c, b = map(int, sys.argv[1:]); print(next(d for d in range(1, n + 1) if n % d == 0 and (n // d) * c <= b or d == n))" "$round" "$cap" "${TRL_MICRO_TOKENS:-131072}")}
+export ACCUM=$accum  # for summary()
 data=$(mktemp --suffix=.jsonl)
 python3 "$peers/addition_task.py" $((steps * prompts)) 0 > "$data"
 summary() {  # name kind(grpo|trl) file
@@ -85,8 +99,9 @@ else:
 r = rows[1:] or rows
 med = {k: round(statistics.median(x.get(v, 0) for x in r), 3) for k, v in keys.items()}
 import os
+extra = {"trl_grad_accum": int(os.environ["ACCUM"])} if kind == "trl" else {}
 print(json.dumps({"bench": "long_step", "run": name, "adapter": os.environ.get("ADAPTER", "none"),
-                  "steps": len(rows), **med,
+                  "steps": len(rows), **med, **extra,
                   "peak_rss_mb": round(int(rss[1]) / 1024) if rss else None, "peak_gpu_mib": gpu}))
 PY
   tail -1 "$out.summary.jsonl"
@@ -107,7 +122,7 @@ for run in $runs; do
       poll "$out.$run.gpumem"
       timed "$py" bench/trl_step_device.py "${peer_args[@]}" "${extra[@]}" --model "$model" \
         --steps "$steps" --prompts "$prompts" --generations "$gens" --max-tokens "$cap" --seed 0 \
-        --lr "$lr" --beta 0.04 --output-dir "$(mktemp -d)" > "$out.$run.jsonl" 2> "$out.$run.time" \
+        --lr "$lr" --beta 0.04 --grad-accum "$accum" --output-dir "$(mktemp -d)" > "$out.$run.jsonl" 2> "$out.$run.time" \
         || { unpoll; tail -5 "$out.$run.time"; echo "$run failed" >> "$out.summary.jsonl"; continue; }
       unpoll
       summary "$run" trl "$out.$run" ;;

@@ -10,8 +10,17 @@
 #   CASES=big OUT=$OUT bash scripts/gpu_shapes.sh       (8B LoRA r 16 and QLoRA NF4 8x8x512, 4B
 #                                                       full 16x8x512, all bf16, every completion
 #                                                       to the cap; TRL with HF generate)
+#   CASES=long1k / CASES=long4k                         (one of the two long caps)
 #   CASES="SHAPE:ADAPTER:CAP:PROMPTS:GENS:EOS_RATE[:GRPO_ARGS] ..." (EOS_RATE "-": 2.77/CAP, the
 #                                                       spread; GRPO_ARGS: grpo options, comma-separated)
+# Device time, estimated from the kit's H200 rates (TRL's HF generate ~33 ms a decoding step at
+# 1.7B x 128 rows, grpo's ~5 ms), not measured: long1k ~7 minutes; long4k ~15-20 (TRL decodes
+# 4,096 steps a step, each run; STEPS=2 and one RUNS per call to fit a call's 10 minutes); big
+# ~9. So CASES=long does not fit one call: the 4,096 case starts with the 120 s left after
+# long1k and is cut off. TRL's micro-batches: bench/long_step.sh (TRL_GRAD_ACCUM). At cap 4,096
+# TRL's HF generate may run out of memory: its cache holds rows x (prompt + cap) slots in every
+# layer (1.7B has 32 KV heads: 98 GB for 128 x 4,160 in bf16, more where autocast over the
+# peer's f32 weights leaves keys in f32 after RoPE); that is then the result.
 # STEPS=3, RUNS="grpo trl trl-cb" (long) / "grpo trl" (big), BUDGET=540 seconds: a case starts
 # only with 120 s left. TRL's QLoRA needs bitsandbytes: the card's own, else .gpu/bnb.zip
 # (scripts/pack_bnb.sh). Results: $OUT/shapes-summary.txt and $OUT/long-step-cuda-*. A dry run on
@@ -36,6 +45,8 @@ $PY -c 'import bitsandbytes; print("bitsandbytes", bitsandbytes.__version__)' >>
 cases=${CASES:-long}; runs=${RUNS:-grpo trl trl-cb}
 case $cases in
   long) cases="1.7b:none:1024:16:8:- 1.7b:none:4096:16:8:-" ;;
+  long1k) cases="1.7b:none:1024:16:8:-" ;;
+  long4k) cases="1.7b:none:4096:16:8:-" ;;
   # 8B with gradient checkpointing (TRL's default): LoRA's adapters keep ~29 MB a token without
   # it (grpo plan), 24 passes of 1.6k tokens; with it, one pass of 33k at ~47 GiB.
   big) cases="8b:qlora:512:8:8:0:--gradient_checkpointing=true 8b:lora:512:8:8:0:--gradient_checkpointing=true 4b:none:512:16:8:0"
