@@ -48,8 +48,12 @@ case $cases in
   long1k) cases="1.7b:none:1024:16:8:-" ;;
   long4k) cases="1.7b:none:4096:16:8:-" ;;
   # 8B with gradient checkpointing (TRL's default): LoRA's adapters keep ~29 MB a token without
-  # it (grpo plan), 24 passes of 1.6k tokens; with it, one pass of 33k at ~47 GiB.
-  big) cases="8b:qlora:512:8:8:0:--gradient_checkpointing=true 8b:lora:512:8:8:0:--gradient_checkpointing=true 4b:none:512:16:8:0"
+  # it (grpo plan). With it the unset pass (half the free memory) would be the whole round, 36.8k
+  # tokens and ~56 GiB of activations, where TRL holds the micro-batch's layer inputs (~10 GB);
+  # passes of a group (4,600 tokens, --forward_chunk_tokens=8192) keep the update under the
+  # rollout: grpo plan 13.1 GiB for QLoRA, 32.8 GiB for LoRA (13 GiB of it the merged sampling
+  # copies), for ~0.1 s a step of QLoRA's dequantization per pass.
+  big) cases="8b:qlora:512:8:8:0:--gradient_checkpointing=true,--forward_chunk_tokens=8192 8b:lora:512:8:8:0:--gradient_checkpointing=true,--forward_chunk_tokens=8192 4b:none:512:16:8:0"
        runs=${RUNS:-grpo trl} ;;
 esac
 for c in $cases; do

@@ -179,10 +179,36 @@ fn merging_matches_peft_merge_and_unload() {
             max_diff(&plain, &c.expected["logits"]) > 1e-3,
             "{case}: base changed"
         );
-        // On a quantized base the adapters are attached instead.
+        // On a quantized base the adapters are attached instead: no projection is replaced by
+        // a dense copy (what `grpo plan` counts as QLoRA's sampler copy), and the model is the
+        // quantized base with the adapters set.
         let mut q = base_model.clone();
         q.quantize_projections(QuantType::Q8_0).unwrap();
+        let mut attached = q.clone();
+        let held = q.quantized_bytes();
         assert_eq!(q.merge_lora(&adapters).unwrap(), 0);
+        assert_eq!(
+            q.quantized_bytes(),
+            held,
+            "{case}: a quantized projection was replaced"
+        );
+        attached.set_lora(&adapters).unwrap();
+        let (_, a) = loss_and_logits(&q, &c.ids, Mode::Infer);
+        let (_, b) = loss_and_logits(&attached, &c.ids, Mode::Infer);
+        assert_eq!(
+            max_diff(&a, &b),
+            0.0,
+            "{case}: merging into a quantized base"
+        );
+        // q8_0 moves the logits by ~0.1-0.3 here, the adapters by ~2-3.
+        let (off, adapted) = (
+            max_diff(&plain, &c.expected["logits"]),
+            max_diff(&a, &c.expected["logits"]),
+        );
+        assert!(
+            adapted < 0.2 * off,
+            "{case}: adapters lost ({adapted} vs {off})"
+        );
         // The merged model alone gives the adapted logits.
         let merged =
             CausalLm::from_tensors(&c.base.config, tensors, DType::F32, &Device::Cpu).unwrap();

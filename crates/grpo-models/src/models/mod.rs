@@ -282,24 +282,33 @@ impl CausalLm {
         let mut merged = 0;
         let mut attach = HashMap::new();
         for (names, p) in self.projections_mut() {
-            let deltas: Vec<Option<Tensor>> = names
-                .iter()
-                .map(|n| adapters.get(n).map(|a| a.delta_weight()).transpose())
-                .collect::<candle_core::Result<_>>()
-                .map_err(err)?;
-            if deltas.iter().all(|d| d.is_none()) {
+            if !names.iter().any(|n| adapters.contains_key(n)) {
                 continue;
             }
-            let done = match p {
-                ProjMut::Single(l) => match &deltas[0] {
-                    Some(d) => l.add_to_weight(d).map_err(err)?,
-                    None => true,
-                },
-                ProjMut::Fused(f) => f.add_to_weight(&deltas).map_err(err)?,
+            // A quantized base takes no delta, so none is made (a dense `scale * B A` each).
+            let mergeable = match &p {
+                ProjMut::Single(l) => l.quantized().is_none(),
+                ProjMut::Fused(f) => f.quantized().is_none(),
             };
-            if done {
-                merged += deltas.iter().filter(|d| d.is_some()).count();
-            } else {
+            let done = mergeable && {
+                let deltas: Vec<Option<Tensor>> = names
+                    .iter()
+                    .map(|n| adapters.get(n).map(|a| a.delta_weight()).transpose())
+                    .collect::<candle_core::Result<_>>()
+                    .map_err(err)?;
+                let done = match p {
+                    ProjMut::Single(l) => match &deltas[0] {
+                        Some(d) => l.add_to_weight(d).map_err(err)?,
+                        None => true,
+                    },
+                    ProjMut::Fused(f) => f.add_to_weight(&deltas).map_err(err)?,
+                };
+                if done {
+                    merged += deltas.iter().filter(|d| d.is_some()).count();
+                }
+                done
+            };
+            if !done {
                 for n in &names {
                     if let Some(a) = adapters.get(n) {
                         attach.insert(n.clone(), a.clone());

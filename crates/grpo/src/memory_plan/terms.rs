@@ -247,7 +247,9 @@ fn zero_note(input: &PlanInput, from: u8) -> String {
 ///   memory; then (and on a GPU in f32) only the joined q/k/v and gate/up weights are new
 ///   copies, the rest shares the policy's tensors. A GPU in bf16 casts every tensor. LoRA merges
 ///   the adapters into copies of the projections they touch (and packs the whole base on the
-///   fused CPU path). ZeRO-3 gathers the whole model for it.
+///   fused CPU path). QLoRA's quantized base takes no merge (`CausalLm::merge_lora` attaches the
+///   adapters): nothing is copied, or on the fused CPU path its projections packed as they are
+///   quantized and the head as dense panels. ZeRO-3 gathers the whole model for it.
 /// - KV cache: the prompts' cache (prompts of the pass x longest prompt) and the batched cache
 ///   of every sequence of the pass (longest prompt + `max_completion_length` slots), keys and
 ///   values of every layer in the storage dtype (`sampler::batch_cache`).
@@ -298,18 +300,29 @@ fn sampler_copy(input: &PlanInput) -> Term {
         true => 2,
         false => sb,
     };
-    let (bytes, how) = match (&input.lora, packs) {
-        (_, true) => (
+    let quant_bits = input.lora.as_ref().and_then(|l| l.quantized_bits);
+    let (bytes, how) = match (&input.lora, packs, quant_bits) {
+        // QLoRA: a quantized base takes no merge (its adapters stay attached); packing copies
+        // its projections as quantized panels and the head as dense ones.
+        (Some(_), true, Some(bits)) => {
+            let proj: u64 = m.projections().iter().map(|(_, e)| e).sum();
+            (
+                (proj as f64 * bits / 8.0) as u64 + m.head_elems() * panel,
+                format!("projections packed at {bits} bits, head at {panel} B"),
+            )
+        }
+        (_, true, _) => (
             reference_panel_elems(input) * panel,
             format!("projections + head packed, {panel} B"),
         ),
-        (None, false) if input.zero_stage >= 3 && input.world_size > 1 => (
+        (None, false, _) if input.zero_stage >= 3 && input.world_size > 1 => (
             m.params() * sb,
             format!("the whole model gathered, {sb} B (ZeRO-3)"),
         ),
-        (None, false) if sb != 4 => (m.params() * sb, format!("every tensor cast to {sb} B")),
-        (None, false) => (m.joined_elems() * 4, "joined q/k/v, gate/up copies".into()),
-        (Some(l), false) => (
+        (None, false, _) if sb != 4 => (m.params() * sb, format!("every tensor cast to {sb} B")),
+        (None, false, _) => (m.joined_elems() * 4, "joined q/k/v, gate/up copies".into()),
+        (Some(_), false, Some(_)) => (0, "none: adapters attached to the quantized base".into()),
+        (Some(l), false, None) => (
             l.merged_elems * sb,
             format!("merged copies of the adapted projections, {sb} B"),
         ),

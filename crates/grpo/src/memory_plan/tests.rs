@@ -159,6 +159,42 @@ fn a_reference_and_lora_change_what_is_held() {
 }
 
 #[test]
+fn qloras_sampler_copies_no_projection() {
+    // What `Policy::freeze` holds for sampling with adapters (`CausalLm::merge_lora`): LoRA's
+    // merged projections, QLoRA's quantized base as it is (tests/lora.rs
+    // `merging_matches_peft_merge_and_unload`: merging into a quantized base attaches).
+    let lora = |bits| LoraPlan {
+        trainable: 1000,
+        merged_elems: 5000,
+        quantized_bits: bits,
+        activation_elems: 0,
+    };
+    let copy = |compute, bits, ckpt| {
+        let mut i = input(compute);
+        i.lora = Some(lora(bits));
+        i.gradient_checkpointing = ckpt;
+        i.dtype_bytes = if compute == Compute::Gpu { 2 } else { 4 };
+        bytes(&plan(&i).unwrap(), "sampler copy")
+    };
+    let m = shapes();
+    let proj: u64 = m.projections().iter().map(|(_, e)| e).sum();
+    assert_eq!(copy(Compute::Gpu, None, false), 5000 * 2);
+    assert_eq!(copy(Compute::Gpu, Some(4.5), false), 0);
+    assert_eq!(copy(Compute::Portable, Some(4.5), true), 0);
+    // The fused CPU path packs for decoding: the quantized projections as quantized panels, the
+    // head as f32 panels; with gradient checkpointing it packs nothing.
+    assert_eq!(
+        copy(Compute::CpuFused, Some(4.5), false),
+        (proj as f64 * 4.5 / 8.0) as u64 + m.head_elems() * 4
+    );
+    assert_eq!(
+        copy(Compute::CpuFused, None, false),
+        (proj + m.head_elems()) * 4
+    );
+    assert_eq!(copy(Compute::CpuFused, Some(4.5), true), 0);
+}
+
+#[test]
 fn zero_stages_shard_moments_then_gradients_then_weights() {
     let mut i = input(Compute::Gpu);
     i.dtype_bytes = 2;
