@@ -23,6 +23,8 @@ mod gradients;
 
 #[path = "support/archs.rs"]
 mod archs;
+#[path = "support/long_rows.rs"]
+mod long_rows;
 #[path = "support/rerun.rs"]
 mod rerun;
 use archs::{ARCHS, LATER};
