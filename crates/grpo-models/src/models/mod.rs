@@ -285,33 +285,13 @@ impl CausalLm {
             if !names.iter().any(|n| adapters.contains_key(n)) {
                 continue;
             }
-            // A quantized base takes no delta, so none is made (a dense `scale * B A` each).
-            let mergeable = match &p {
-                ProjMut::Single(l) => l.quantized().is_none(),
-                ProjMut::Fused(f) => f.quantized().is_none(),
-            };
-            let done = mergeable && {
-                let deltas: Vec<Option<Tensor>> = names
-                    .iter()
-                    .map(|n| adapters.get(n).map(|a| a.delta_weight()).transpose())
-                    .collect::<candle_core::Result<_>>()
-                    .map_err(err)?;
-                let done = match p {
-                    ProjMut::Single(l) => match &deltas[0] {
-                        Some(d) => l.add_to_weight(d).map_err(err)?,
-                        None => true,
-                    },
-                    ProjMut::Fused(f) => f.add_to_weight(&deltas).map_err(err)?,
-                };
-                if done {
-                    merged += deltas.iter().filter(|d| d.is_some()).count();
-                }
-                done
-            };
-            if !done {
-                for n in &names {
-                    if let Some(a) = adapters.get(n) {
-                        attach.insert(n.clone(), a.clone());
+            match merge_projection(p, &names, adapters).map_err(err)? {
+                Some(n) => merged += n,
+                None => {
+                    for n in &names {
+                        if let Some(a) = adapters.get(n) {
+                            attach.insert(n.clone(), a.clone());
+                        }
                     }
                 }
             }
@@ -782,4 +762,33 @@ impl SeqBatch {
         let d = self.ids.dims();
         (d[0], d[1])
     }
+}
+
+/// Merges `adapters` of one projection (its parts `names`) into a copy of its weight: how many
+/// were merged, or `None` where its base takes no delta (quantized), before any is made (a dense
+/// `scale * B A` each).
+fn merge_projection(
+    p: ProjMut<'_>,
+    names: &[String],
+    adapters: &HashMap<String, LoraAdapter>,
+) -> candle_core::Result<Option<usize>> {
+    let quantized = match &p {
+        ProjMut::Single(l) => l.quantized().is_some(),
+        ProjMut::Fused(f) => f.quantized().is_some(),
+    };
+    if quantized {
+        return Ok(None);
+    }
+    let deltas: Vec<Option<Tensor>> = names
+        .iter()
+        .map(|n| adapters.get(n).map(|a| a.delta_weight()).transpose())
+        .collect::<candle_core::Result<_>>()?;
+    let done = match p {
+        ProjMut::Single(l) => match &deltas[0] {
+            Some(d) => l.add_to_weight(d)?,
+            None => true,
+        },
+        ProjMut::Fused(f) => f.add_to_weight(&deltas)?,
+    };
+    Ok(done.then(|| deltas.iter().flatten().count()))
 }
